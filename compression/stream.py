@@ -1,0 +1,102 @@
+"""Flat float32 vectors <-> streams of ``potluck.v1.Tensor`` chunks, checked on the way in.
+
+A sender cuts a vector into chunks of at most ``chunk_bytes`` of payload, aligned to the codec's
+block, and encodes each independently. A receiver feeds chunks to an :class:`Assembler`, which
+checks each one against what it expects (name, dtype, shape, codec, bit width, position) and
+decodes it into a private buffer; the vector is handed over only when every element arrived exactly
+once. Any mismatch raises :class:`WireError` and the partial buffer is dropped with it, so a bad
+stream never changes the receiver's state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from potluck.compression.int8 import Codec, CodecError, Encoded
+from potluck.protos import potluck_pb2 as pb
+
+
+class WireError(ValueError):
+    """A tensor stream that does not match what the receiver expects."""
+
+
+def chunk_elements(codec: Codec, chunk_bytes: int) -> int:
+    per_chunk = max(codec.align, (chunk_bytes // codec.bytes_per_element) // codec.align * codec.align)
+    return per_chunk
+
+
+def encode_chunks(name: str, x: torch.Tensor, codec: Codec, chunk_bytes: int) -> Iterator[pb.Tensor]:
+    """Encode a flat vector as a sequence of chunks (at least one, even for an empty vector)."""
+    flat = x.detach().reshape(-1).to("cpu", torch.float32)
+    n = flat.numel()
+    step = chunk_elements(codec, chunk_bytes)
+    offset = 0
+    while True:
+        size = min(step, n - offset)
+        enc = codec.encode(flat[offset : offset + size])
+        yield pb.Tensor(
+            name=name,
+            dtype="float32",
+            shape=[n],
+            codec=enc.codec,
+            scales=enc.scales,
+            payload=enc.payload,
+            offset=offset,
+            numel=size,
+            bits=enc.bits,
+        )
+        offset += size
+        if offset >= n:
+            return
+
+
+class Assembler:
+    """Rebuilds elements ``[start, stop)`` of a flat float32 vector of a known name, size and codec.
+
+    Chunks carry offsets into the whole vector and must arrive in order; by default the assembler
+    expects the whole vector.
+    """
+
+    def __init__(self, name: str, numel: int, codec: Codec, start: int = 0, stop: int | None = None) -> None:
+        self.name, self.numel, self.codec = name, numel, codec
+        self.start = start
+        self.stop = numel if stop is None else stop
+        if not 0 <= self.start <= self.stop <= numel:
+            raise ValueError(f"range [{start}, {stop}) is outside [0, {numel})")
+        self.buffer = torch.empty(self.stop - self.start, dtype=torch.float32)
+        self.filled = self.start
+
+    def add(self, t: pb.Tensor) -> None:
+        if t.name != self.name:
+            raise WireError(f"expected tensor {self.name!r}, got {t.name!r}")
+        if t.dtype != "float32":
+            raise WireError(f"{self.name}: expected dtype float32, got {t.dtype!r}")
+        if list(t.shape) != [self.numel]:
+            raise WireError(f"{self.name}: expected shape [{self.numel}], got {list(t.shape)}")
+        if t.codec != self.codec.name:
+            raise WireError(f"{self.name}: expected codec {self.codec.name!r}, got {t.codec!r}")
+        if t.bits != self.codec.bits:
+            raise WireError(f"{self.name}: codec {t.codec} takes {self.codec.bits}-bit codes, got bits={t.bits}")
+        if t.offset != self.filled:
+            raise WireError(f"{self.name}: chunk at offset {t.offset}, expected {self.filled} (chunks must arrive in order)")
+        if (t.numel <= 0 and self.stop > self.start) or t.numel < 0 or t.offset + t.numel > self.stop:
+            raise WireError(f"{self.name}: chunk [{t.offset}, {t.offset + t.numel}) is outside [{self.start}, {self.stop})")
+        if t.offset % self.codec.align:
+            raise WireError(f"{self.name}: chunk offset {t.offset} is not a multiple of {self.codec.align}")
+        try:
+            values = self.codec.decode(Encoded(t.codec, t.numel, t.payload, t.scales, t.bits))
+        except CodecError as err:
+            raise WireError(f"{self.name}: {err}") from None
+        self.buffer[t.offset - self.start : t.offset - self.start + t.numel] = values
+        self.filled += t.numel
+
+    @property
+    def complete(self) -> bool:
+        return self.filled == self.stop
+
+    def result(self) -> torch.Tensor:
+        if not self.complete:
+            raise WireError(f"{self.name}: stream ended at element {self.filled} of [{self.start}, {self.stop})")
+        return self.buffer

@@ -1,0 +1,198 @@
+"""Moving versioned snapshots of named flat tensors between processes.
+
+A :class:`Snapshot` is what a member commits after an outer step (``theta``, ``momentum``) and what
+the coordinator keeps as a checkpoint: named flat float32 tensors, a version (committed outer
+steps), a hash over all of them, and JSON metadata (layout, counters). Snapshots are immutable, so
+a process can serve one while it computes the next.
+
+A fetcher asks every source what it holds (:func:`probe_sources`), keeps those at the version and
+hash it wants, and pulls one contiguous range per source in parallel (:func:`fetch_snapshot`); a
+range whose source fails is retried from the next. The assembled snapshot is accepted only if its
+hash equals the advertised one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import torch
+
+from potluck.compression.int8 import RawCodec
+from potluck.compression.stream import Assembler, WireError, encode_chunks
+from potluck.protos import potluck_pb2 as pb
+from potluck.protos.log import get_logger
+from potluck.protos.transport import PeerClient, Rejected, rpc_reason
+
+log = get_logger(__name__)
+
+
+class SnapshotUnavailable(RuntimeError):
+    """No source could provide the requested snapshot."""
+
+
+def tensors_hash(tensors: dict[str, torch.Tensor]) -> str:
+    """BLAKE2b (128 bits, hex) over names and raw bytes of the tensors, in name order."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        h.update(name.encode() + b"\0")
+        h.update(tensors[name].detach().to("cpu").contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    tensors: dict[str, torch.Tensor]
+    version: int
+    hash: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, tensors: dict[str, torch.Tensor], version: int, meta: dict[str, Any] | None = None) -> Snapshot:
+        flat = {}
+        for name, t in tensors.items():
+            if t.dim() != 1:
+                raise ValueError(f"snapshot tensor {name!r} must be flat, got shape {tuple(t.shape)}")
+            flat[name] = t.detach().to("cpu", torch.float32).contiguous()
+        return cls(flat, version, tensors_hash(flat), dict(meta or {}))
+
+
+class SnapshotServer:
+    """GetStateInfo / FetchState handlers over the latest published :class:`Snapshot`."""
+
+    def __init__(self, run_id: str, chunk_bytes: int) -> None:
+        self.run_id, self.chunk_bytes = run_id, chunk_bytes
+        self._lock = threading.Lock()
+        self._snapshot: Snapshot | None = None
+
+    def publish(self, snapshot: Snapshot | None) -> None:
+        with self._lock:
+            self._snapshot = snapshot
+
+    @property
+    def current(self) -> Snapshot | None:
+        with self._lock:
+            return self._snapshot
+
+    def _for(self, run_id: str) -> Snapshot:
+        if run_id != self.run_id:
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"unknown run id {run_id!r}")
+        snap = self.current
+        if snap is None:
+            raise Rejected(grpc.StatusCode.UNAVAILABLE, "no committed state yet")
+        return snap
+
+    def get_state_info(self, request: pb.StateInfoRequest) -> pb.StateInfo:
+        snap = self._for(request.header.run_id)
+        return pb.StateInfo(
+            version=snap.version,
+            state_hash=snap.hash,
+            tensors=[pb.TensorInfo(name=n, dtype="float32", shape=[t.numel()]) for n, t in sorted(snap.tensors.items())],
+            meta_json=json.dumps(snap.meta),
+        )
+
+    def fetch_state(self, request: pb.StateRequest) -> Iterator[pb.StateChunk]:
+        snap = self._for(request.header.run_id)
+        if request.version != snap.version:
+            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, f"asked for version {request.version}, this process holds {snap.version}")
+        for r in request.ranges:
+            t = snap.tensors.get(r.name)
+            if t is None:
+                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"no tensor named {r.name!r}")
+            if r.offset < 0 or r.numel < 0 or r.offset + r.numel > t.numel():
+                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"range [{r.offset}, {r.offset + r.numel}) is outside {r.name}")
+            for chunk in encode_chunks(r.name, t[r.offset : r.offset + r.numel], RawCodec(), self.chunk_bytes):
+                chunk.offset += r.offset
+                chunk.shape[:] = [t.numel()]
+                yield pb.StateChunk(version=snap.version, tensor=chunk)
+
+
+@dataclass(frozen=True)
+class Source:
+    address: str
+    info: pb.StateInfo
+
+
+def probe_sources(client: PeerClient, header: pb.Header, addresses: Sequence[str], timeout: float = 5.0) -> list[Source]:
+    """Ask each address what it serves; unreachable or refusing ones are skipped."""
+    out = []
+    for address in addresses:
+        try:
+            out.append(Source(address, client.get_state_info(address, pb.StateInfoRequest(header=header), timeout)))
+        except grpc.RpcError as err:
+            log.debug("no state from %s: %s", address, rpc_reason(err))
+    return out
+
+
+def fetch_snapshot(
+    client: PeerClient,
+    header: pb.Header,
+    sources: Sequence[Source],
+    expect: dict[str, int] | None = None,
+    timeout: float = 60.0,
+    on_progress: Callable[[int], None] | None = None,
+) -> Snapshot:
+    """Pull the snapshot that ``sources[0]`` advertises from every source that advertises the same.
+
+    ``expect`` maps tensor names to the element counts the caller can use; a source offering
+    anything else is refused before a byte is fetched.
+    """
+    if not sources:
+        raise SnapshotUnavailable("no source serves a snapshot")
+    version, want_hash = sources[0].info.version, sources[0].info.state_hash
+    sources = [s for s in sources if s.info.version == version and s.info.state_hash == want_hash]
+    sizes = {t.name: int(t.shape[0]) if len(t.shape) == 1 else -1 for t in sources[0].info.tensors}
+    if any(v < 0 for v in sizes.values()):
+        raise SnapshotUnavailable(f"{sources[0].address} serves tensors that are not flat")
+    if expect is not None and sizes != expect:
+        raise SnapshotUnavailable(f"{sources[0].address} serves {sizes}, expected {expect}")
+    t0 = time.monotonic()
+    parts: list[tuple[str, int, int]] = []
+    for name, numel in sizes.items():
+        per = -(-numel // len(sources))
+        for k in range(len(sources)):
+            lo, hi = k * per, min(numel, (k + 1) * per)
+            if lo < hi:
+                parts.append((name, lo, hi))
+    buffers = {name: torch.empty(numel, dtype=torch.float32) for name, numel in sizes.items()}
+
+    def pull(idx: int) -> None:
+        name, lo, hi = parts[idx]
+        errors = []
+        for attempt in range(len(sources)):
+            src = sources[(idx + attempt) % len(sources)]
+            req = pb.StateRequest(header=header, version=version, ranges=[pb.Range(name=name, offset=lo, numel=hi - lo)])
+            asm = Assembler(name, sizes[name], RawCodec(), start=lo, stop=hi)
+            try:
+                for chunk in client.fetch_state(src.address, req, timeout):
+                    if chunk.version != version:
+                        raise WireError(f"chunk of version {chunk.version}, expected {version}")
+                    asm.add(chunk.tensor)
+                    if on_progress is not None:
+                        on_progress(chunk.tensor.numel)
+                buffers[name][lo:hi] = asm.result()
+                return
+            except (grpc.RpcError, WireError) as err:
+                errors.append(f"{src.address}: {rpc_reason(err) if isinstance(err, grpc.RpcError) else err}")
+        raise SnapshotUnavailable(f"range {name}[{lo}:{hi}] failed from every source: {'; '.join(errors)}")
+
+    with ThreadPoolExecutor(max_workers=max(1, min(16, len(parts)))) as pool:
+        for f in [pool.submit(pull, i) for i in range(len(parts))]:
+            f.result()
+    got = tensors_hash(buffers)
+    if got != want_hash:
+        raise SnapshotUnavailable(f"fetched snapshot hashes to {got[:12]}, its sources advertised {want_hash[:12]}")
+    try:
+        meta = json.loads(sources[0].info.meta_json or "{}")
+    except json.JSONDecodeError:
+        meta = {}
+    total = sum(sizes.values()) * 4
+    log.info("fetched state v%d (%.1f MB) from %d source(s) in %.2f s", version, total / 1e6, len(sources), time.monotonic() - t0)
+    return Snapshot(buffers, version, got, meta if isinstance(meta, dict) else {})

@@ -1,0 +1,414 @@
+"""The coordinator: bootstraps the run's DHT, publishes its manifest and plan, keeps the journal.
+
+It is not on the data path: peers average and fetch state among themselves over gRPC. Its loop
+(every ``tick_s``) reads the peers' signed records, decides the next round when the current one is
+committed (:mod:`potluck.coordinator.membership`), writes checkpoints fetched from members, and
+rebuilds the snapshot the status server renders. Restarted with the same journal directory it keeps
+its identity (so the join address stays valid) and resumes at the committed outer step.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from potluck import __version__
+from potluck.compression.transfer import (
+    Snapshot,
+    SnapshotServer,
+    SnapshotUnavailable,
+    fetch_snapshot,
+    probe_sources,
+)
+from potluck.coordinator.checkpoint import CheckpointStore
+from potluck.coordinator.journal import Journal, JournalError, JournalState, write_atomic
+from potluck.coordinator.membership import PeerTable
+from potluck.coordinator.status import StatusServer
+from potluck.protos import potluck_pb2 as pb
+from potluck.protos.config import ConfigError, RunConfig
+from potluck.protos.identity import Identity
+from potluck.protos.log import get_logger, set_context, short_id
+from potluck.protos.records import MANIFEST_KEY, Manifest, Plan, next_seq, plan_key
+from potluck.protos.swarm import SwarmNode, guess_reachable_host, host_of_multiaddr
+from potluck.protos.transport import PeerClient, PeerServer, Rejected, Traffic
+
+log = get_logger(__name__)
+
+RECORD_TTL_S = 60.0
+REFRESH_S = 15.0
+KEEP_EVENTS = 500
+
+
+class Coordinator:
+    def __init__(self, cfg: RunConfig, *, exit_when_finished: bool = False, ready_file: str | None = None) -> None:
+        self.cfg, self.exit_when_finished, self.ready_file = cfg, exit_when_finished, ready_file
+        self.stopping = threading.Event()
+        self.events: deque[dict[str, Any]] = deque(maxlen=KEEP_EVENTS)
+        self.traffic = Traffic()
+        self._lock = threading.Lock()
+        self._state_json: dict[str, Any] = {}
+        self._checkpointing = threading.Lock()
+        self._warned: set[str] = set()
+        self._manifest_update: dict[str, Any] | None = None  # set by the checkpoint thread, applied by tick()
+        set_context(role="coordinator")
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def run(self) -> int:
+        try:
+            self.start()
+            while not self.stopping.is_set():
+                t0 = time.monotonic()
+                self.tick()
+                if self.exit_when_finished and self._finished_and_drained():
+                    log.info("run finished; exiting")
+                    break
+                self.stopping.wait(max(0.0, self.cfg.coordinator.tick_s - (time.monotonic() - t0)))
+            return 0
+        except (ConfigError, JournalError) as err:
+            log.error("%s", err)
+            return 2
+        finally:
+            self.stop()
+
+    def start(self) -> None:
+        c = self.cfg.coordinator
+        self.journal = Journal(c.journal_dir)
+        self.checkpoints = CheckpointStore(Path(c.journal_dir) / "checkpoints", keep=c.keep_checkpoints)
+        identity_path = Path(c.journal_dir) / "identity.key"
+        self.identity = Identity.load_or_create(identity_path)
+        self.id = self.identity.peer_id
+        set_context(peer_id=self.id)
+        self.state = self._load_or_create_journal()
+        self.run_id = self.state.run_id
+        self.table = PeerTable(self.cfg.membership.heartbeat_timeout_s, settle_s=1.0)
+        self.table.restore(self.state.committed, self.state.rounds, self.state.hashes)
+
+        self.node = SwarmNode(
+            self.identity, host=c.host, port=c.dht_port, announce_host=c.announce_host,
+            startup_timeout=c.startup_timeout_s, identity_path=identity_path,
+        )
+        self.public_host = c.announce_host or (c.host if c.host not in ("0.0.0.0", "") else guess_reachable_host())
+        self.join_address = self._join_address()
+        self.snapshots = SnapshotServer(self.run_id, self.cfg.sync.chunk_bytes)
+        self.snapshots.publish(self.checkpoints.latest_valid())
+        self.client = PeerClient(self.traffic)
+        self.grpc = PeerServer(self, self.traffic, host=c.host, port=c.grpc_port)
+        self.status = StatusServer(c.host, c.status_port, self.status_json)
+        self.status_url = f"http://{self.public_host}:{self.status.port}/"
+        self.started_at = time.time()
+        self.manifest = Manifest(
+            run_id=self.run_id, coordinator=self.id, config=self.cfg.manifest_sections(),
+            coordinator_grpc=f"{self.public_host}:{self.grpc.port}", status_url=self.status_url,
+            created_at=self.state.created_at, finished=self.state.finished, seq=next_seq(),
+            checkpoint_every=c.checkpoint_every,
+            checkpoint_version=self.snapshots.current.version if self.snapshots.current else 0,
+        )
+        self.plan_seq = next_seq()
+        self._publish(force=True)
+        self._event("started", "", f"coordinator {__version__} serving run {self.run_id} at step {self.table.committed}")
+        self._announce()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        for name, method in (("status", "stop"), ("grpc", "stop"), ("client", "close"), ("node", "shutdown")):
+            obj = getattr(self, name, None)
+            if obj is not None:
+                try:
+                    getattr(obj, method)()
+                except Exception as err:
+                    log.debug("stopping %s: %s", name, err)
+
+    def _load_or_create_journal(self) -> JournalState:
+        state = self.journal.load()
+        sections = self.cfg.manifest_sections()
+        if state is None:
+            run_id = self.cfg.run_id or f"run-{secrets.token_hex(3)}"
+            state = JournalState(run_id=run_id, config=sections, created_at=time.time())
+            self.journal.save(state)
+            return state
+        if self.cfg.run_id and self.cfg.run_id != state.run_id:
+            raise JournalError(f"{self.journal.path} belongs to run {state.run_id!r}, not {self.cfg.run_id!r}; use another journal_dir")
+        if state.config != sections:
+            changed = sorted(k for k in set(state.config) | set(sections) if state.config.get(k) != sections.get(k))
+            raise JournalError(
+                f"{self.journal.path} was written with a different config (sections differ: {', '.join(changed)}); "
+                "resume with the same config or use another journal_dir"
+            )
+        log.info("resuming run %s from the journal at outer step %d", state.run_id, state.committed)
+        return state
+
+    def _join_address(self) -> str:
+        maddrs = self.node.maddrs
+        for m in maddrs:
+            if host_of_multiaddr(m) == self.public_host:
+                return m
+        port = maddrs[0].split("/tcp/")[1].split("/")[0]
+        return f"/ip4/{self.public_host}/tcp/{port}/p2p/{self.id}"
+
+    def _announce(self) -> None:
+        info = {
+            "run_id": self.run_id, "join": self.join_address, "status_url": self.status_url,
+            "grpc": self.manifest.coordinator_grpc, "coordinator": self.id,
+        }
+        print(
+            f"potluck coordinator ready\n"
+            f"  run:          {self.run_id} (outer step {self.table.committed} of {self.cfg.diloco.outer_steps})\n"
+            f"  join address: {self.join_address}\n"
+            f"  status page:  {self.status_url}\n"
+            f"  start a peer: potluck peer --join {self.join_address}",
+            flush=True,
+        )
+        if self.ready_file:
+            write_atomic(Path(self.ready_file), json.dumps(info).encode())
+
+    # ------------------------------------------------------------------ the loop
+
+    def tick(self) -> None:
+        records, refused = self.node.get_peers(self.run_id)
+        for reason in refused:
+            if reason not in self._warned:
+                self._warned.add(reason)
+                self._event("rejected", "", reason)
+        before = self.table.committed
+        for kind, pid in self.table.update(records):
+            rec = self.table.peers[pid].record
+            detail = {"joined": f"joined from {rec.address} ({rec.device_name or rec.device})", "left": "left the run",
+                      "lost": f"lost: no heartbeat for {self.cfg.membership.heartbeat_timeout_s:.0f} s", "back": "is back"}[kind]
+            self._event(kind, pid, detail)
+        if self.table.committed != before:
+            self._on_commit(before)
+        if not self.state.finished and self.table.ready_to_decide(self.cfg.membership.min_peers):
+            self._decide()
+        self._update_history()
+        if not self.state.finished and self.table.committed >= self.cfg.diloco.outer_steps:
+            self._finish()
+        update, self._manifest_update = self._manifest_update, None
+        if update:
+            self.manifest = self.manifest.model_copy(update={**update, "seq": next_seq()})
+        self._publish(force=bool(update))
+        with self._lock:
+            self._state_json = self._build_state()
+
+    def _decide(self) -> None:
+        candidates = [v.record for v in self.table.live()]
+        reachable = self._reachable(candidates)
+        if not reachable:
+            return
+        self._maybe_roll_back({p.peer_id: p for p in candidates if p.peer_id in reachable})
+        decision = self.table.decide(reachable, decided_at=time.time())
+        r = decision.round
+        self.state.rounds = list(self.table.rounds.values())
+        self.state.hashes = dict(self.table.hashes)
+        self.journal.save(self.state)
+        self.plan_seq = next_seq()
+        self._publish(force=True)
+        changes = ""
+        if decision.joined and r.step > 1:
+            changes += f"; admitted {', '.join(short_id(p) for p in decision.joined)}"
+        if decision.dropped:
+            changes += f"; without {', '.join(short_id(p) for p in decision.dropped)}"
+        self._event("round", "", f"step {r.step}: {len(r.members)} members{changes}")
+        log.info("round %d decided: %s%s", r.step, ", ".join(short_id(m.peer_id) for m in r.members), changes)
+
+    def _reachable(self, candidates: list) -> set[str]:
+        """Ping candidates in parallel; a live record of a dead process should not enter a round."""
+        def ping(rec) -> str | None:  # type: ignore[no-untyped-def]
+            try:
+                self.client.ping(rec.address, pb.PingRequest(header=pb.Header(run_id=self.run_id, sender=self.id), sent_at=time.time()), 2.0)
+                return rec.peer_id
+            except grpc.RpcError:
+                return None
+
+        if not candidates:
+            return set()
+        with ThreadPoolExecutor(max_workers=min(32, len(candidates))) as pool:
+            return {pid for pid in pool.map(ping, candidates) if pid}
+
+    def _maybe_roll_back(self, live: dict) -> None:
+        """If every peer holding the committed state is gone, resume from the newest checkpoint."""
+        committed = self.table.committed
+        if committed == 0 or any(p.version >= committed for p in live.values()):
+            return
+        ckpt = self.snapshots.current
+        best = max([p.version for p in live.values()] + [ckpt.version if ckpt else 0])
+        if best >= committed:
+            return
+        msg = f"state after v{best} was lost with its peers; resuming from v{best}" + (
+            " (checkpoint)" if ckpt and ckpt.version == best else ""
+        )
+        log.warning(msg)
+        self._event("rollback", "", msg)
+        self.table.committed = best
+        if ckpt and ckpt.version == best:
+            self.table.hashes[best] = ckpt.hash
+        for step in [s for s in self.table.rounds if s > best]:
+            del self.table.rounds[step]
+
+    def _on_commit(self, before: int) -> None:
+        v = self.table.committed
+        self.state.committed = v
+        self.state.hashes = dict(self.table.hashes)
+        self.journal.save(self.state)
+        every = self.cfg.coordinator.checkpoint_every
+        if every and (v // every > before // every or v >= self.cfg.diloco.outer_steps):
+            threading.Thread(target=self._checkpoint, args=(v,), name="checkpoint", daemon=True).start()
+
+    def _checkpoint(self, version: int) -> None:
+        if not self._checkpointing.acquire(blocking=False):
+            return  # one at a time; the next commit will try again
+        try:
+            round_ = self.table.rounds.get(version) or self.table.rounds.get(max(self.table.rounds, default=0))
+            addresses = [m.address for m in round_.members] if round_ else []
+            header = pb.Header(run_id=self.run_id, sender=self.id)
+            deadline = time.monotonic() + 30.0
+            while time.monotonic() < deadline and not self.stopping.is_set():
+                want = self.table.canonical_hash(version)
+                sources = [s for s in probe_sources(self.client, header, addresses)
+                           if s.info.version == version and (not want or s.info.state_hash == want)]
+                if sources:
+                    snap = fetch_snapshot(self.client, header, sources, timeout=self.cfg.sync.rpc_timeout_s)
+                    path = self.checkpoints.write(snap, {"run_id": self.run_id})
+                    self.snapshots.publish(snap)
+                    self.state.checkpoints = [p.name for p in self.checkpoints.manifests()]
+                    self._manifest_update = {"checkpoint_version": version}
+                    self._event("checkpoint", "", f"v{version} written to {path.name}")
+                    return
+                time.sleep(0.2)
+            log.warning("no member served v%d for a checkpoint", version)
+        except (SnapshotUnavailable, OSError) as err:
+            log.warning("checkpoint of v%d failed: %s", version, err)
+        finally:
+            self._checkpointing.release()
+
+    def _finish(self) -> None:
+        self.state.finished = True
+        self.journal.save(self.state)
+        self.manifest = self.manifest.model_copy(update={"finished": True, "seq": next_seq()})
+        self._publish(force=True)
+        self._event("finished", "", f"all {self.cfg.diloco.outer_steps} outer steps committed")
+        log.info("run %s finished at outer step %d", self.run_id, self.table.committed)
+
+    def _finished_and_drained(self) -> bool:
+        if not self.state.finished:
+            return False
+        busy = self._checkpointing.locked()
+        return not busy and all(v.record.state in ("finished", "left") for v in self.table.live())
+
+    def _publish(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - getattr(self, "_published_at", 0.0) < REFRESH_S:
+            return
+        self._published_at = now
+        self.node.store(MANIFEST_KEY, self.manifest, ttl=RECORD_TTL_S)
+        rounds = sorted(self.table.rounds.values(), key=lambda r: r.step)[-4:]
+        if rounds:
+            self.node.store(plan_key(self.run_id), Plan(seq=self.plan_seq, rounds=rounds, ts=time.time()), ttl=RECORD_TTL_S)
+
+    # ------------------------------------------------------------------ status
+
+    def _event(self, kind: str, peer: str, message: str) -> None:
+        self.events.append({"t": time.time(), "kind": kind, "peer": peer, "message": message})
+        if kind not in ("round",):
+            log.info("%s%s", f"{short_id(peer)} " if peer else "", message)
+
+    def _update_history(self) -> None:
+        hist = {h["step"]: h for h in self.state.history}
+        changed = False
+        for v in range(max(1, self.table.committed - 2), self.table.committed + 1):
+            if v not in hist and v in self.table.rounds:
+                hist[v] = {"step": v, "t": time.time(), "members": len(self.table.rounds[v].members), "loss": None,
+                           "eval_loss": None, "outer_s": None, "tokens": 0}
+                changed = True
+        for view in self.table.peers.values():
+            rec = view.record
+            entry = hist.get(rec.version)
+            if entry is None:
+                continue
+            if entry["loss"] is None and rec.loss is not None:
+                entry["loss"], entry["outer_s"], changed = rec.loss, rec.last_outer_s, True
+            if rec.eval_version == rec.version and entry["eval_loss"] is None and rec.eval_loss is not None:
+                entry["eval_loss"], changed = rec.eval_loss, True
+        if changed:
+            self.state.history = sorted(hist.values(), key=lambda h: h["step"])
+
+    def status_json(self) -> dict[str, Any]:
+        with self._lock:
+            return self._state_json
+
+    def _build_state(self) -> dict[str, Any]:
+        now_wall, now = time.time(), time.monotonic()
+        peers = []
+        for view in sorted(self.table.peers.values(), key=lambda v: v.first_seen):
+            r = view.record
+            state = "lost" if view.lost else r.state
+            peers.append({
+                "id": r.peer_id, "short_id": short_id(r.peer_id), "name": r.name, "state": state,
+                "address": r.address, "device": r.device, "device_name": r.device_name, "memory_gb": r.memory_gb,
+                "version": r.version, "inner_step": r.inner_step, "loss": r.loss, "eval_loss": r.eval_loss,
+                "tokens_per_s": r.tokens_per_s, "tokens_total": r.tokens_total,
+                "bytes_sent": r.bytes_sent, "bytes_received": r.bytes_received,
+                "last_seen_s": round(now - view.last_seen, 2), "software": r.software, "state_hash": r.state_hash,
+            })
+        live = [p for p in peers if p["state"] not in ("lost", "left", "finished")]
+        history = self.state.history
+        last = next((h for h in reversed(history) if h["loss"] is not None), None)
+        last_eval = next((h for h in reversed(history) if h["eval_loss"] is not None), None)
+        current = self.table.rounds.get(max(self.table.rounds, default=0))
+        m = self.cfg.model
+        return {
+            "api": "potluck.status/v1",
+            "generated_at": now_wall,
+            "run": {
+                "run_id": self.run_id, "coordinator": self.id, "join_address": self.join_address,
+                "status_url": self.status_url, "finished": self.state.finished, "started_at": self.started_at,
+                "outer_step": self.table.committed, "outer_steps_total": self.cfg.diloco.outer_steps,
+                "inner_steps_per_outer": self.cfg.diloco.inner_steps,
+                "model": {"d_model": m.d_model, "n_layers": m.n_layers, "n_heads": m.n_heads, "vocab_size": m.vocab_size,
+                          "seq_len": m.seq_len},
+                "stages": 1, "replicas": len(current.members) if current else 0,
+                "tokens_trained": sum(p["tokens_total"] for p in peers),
+                "tokens_per_s": sum(p["tokens_per_s"] for p in live if p["state"] == "training"),
+                "loss": last["loss"] if last else None, "eval_loss": last_eval["eval_loss"] if last_eval else None,
+                "waiting_reason": self._waiting_reason(live),
+            },
+            "round": current.model_dump(mode="json") if current else None,
+            "history": history[-500:],
+            "peers": peers,
+            "events": list(self.events)[-100:],
+        }
+
+    def _waiting_reason(self, live: list[dict]) -> str:
+        need = self.cfg.membership.min_peers
+        if not self.table.rounds and len(live) < need:
+            return f"waiting for peers: {len(live)} of {need} needed to start"
+        return ""
+
+    # ------------------------------------------------------------------ PeerService (checkpoints only)
+
+    def ping(self, request: pb.PingRequest) -> pb.PingReply:
+        return pb.PingReply(peer_id=self.id, state="coordinator", version=self.table.committed, sent_at=request.sent_at)
+
+    def get_state_info(self, request: pb.StateInfoRequest) -> pb.StateInfo:
+        return self.snapshots.get_state_info(request)
+
+    def fetch_state(self, request: pb.StateRequest) -> Iterator[pb.StateChunk]:
+        return self.snapshots.fetch_state(request)
+
+    def _not_here(self, *_: Any) -> Any:
+        raise Rejected(grpc.StatusCode.UNIMPLEMENTED, "the coordinator takes no part in the all-reduce")
+
+    push_contribution = push_result = fetch_result = _not_here
+
+
+def latest_checkpoint(journal_dir: str | Path) -> Snapshot | None:
+    return CheckpointStore(Path(journal_dir) / "checkpoints").latest_valid()

@@ -1,0 +1,141 @@
+"""Consolidated checkpoints: one safetensors file per committed version, plus a JSON manifest.
+
+Tensors are stored per parameter (``theta/layers.1.attn.qkv.weight``, ``momentum/...``) whenever
+the peers report the model's layout, so a checkpoint does not depend on how the model was split
+into stages when it was written; without a layout the flat vectors are stored as they are.
+
+Writing is atomic: the tensor file and then its manifest are written under temporary names and
+renamed, and the manifest (written last) records the file's SHA-256 and the state hash. Reading
+checks both, newest first, and falls back to the previous checkpoint with a clear log line when a
+file is truncated or corrupted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from potluck.compression.transfer import Snapshot, tensors_hash
+from potluck.coordinator.journal import write_atomic
+from potluck.protos.log import get_logger
+
+log = get_logger(__name__)
+
+FORMAT = "potluck-checkpoint-v1"
+
+
+def split_by_layout(flat: torch.Tensor, layout: list[tuple[str, list[int]]]) -> dict[str, torch.Tensor]:
+    out, offset = {}, 0
+    for name, shape in layout:
+        n = 1
+        for d in shape:
+            n *= d
+        out[name] = flat[offset : offset + n].reshape(shape).clone()
+        offset += n
+    if offset != flat.numel():
+        raise ValueError(f"layout covers {offset} elements, the state has {flat.numel()}")
+    return out
+
+
+def join_by_layout(tensors: dict[str, torch.Tensor], layout: list[tuple[str, list[int]]]) -> torch.Tensor:
+    return torch.cat([tensors[name].reshape(-1).float() for name, _ in layout])
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class CheckpointStore:
+    def __init__(self, directory: str | Path, keep: int = 3) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.keep = keep
+
+    def write(self, snap: Snapshot, extra: dict[str, Any] | None = None) -> Path:
+        """Write ``snap`` as ``ckpt-<version>``; returns the manifest path. Prunes old ones."""
+        name = f"ckpt-{snap.version:06d}"
+        layout = [(n, list(s)) for n, s in snap.meta.get("layout", [])]
+        tensors: dict[str, torch.Tensor] = {}
+        for key, flat in snap.tensors.items():
+            if layout:
+                tensors.update({f"{key}/{n}": t for n, t in split_by_layout(flat, layout).items()})
+            else:
+                tensors[key] = flat
+        data_path = self.dir / f"{name}.safetensors"
+        tmp = self.dir / f".{name}.safetensors.tmp"
+        save_file(tensors, str(tmp), metadata={"format": FORMAT, "version": str(snap.version)})
+        tmp.replace(data_path)
+        manifest = {
+            "format": FORMAT,
+            "version": snap.version,
+            "state_hash": snap.hash,
+            "file": data_path.name,
+            "file_sha256": _sha256(data_path),
+            "tensors": sorted(snap.tensors),
+            "layout": layout,
+            "meta": snap.meta,
+            "created_at": time.time(),
+            **(extra or {}),
+        }
+        manifest_path = self.dir / f"{name}.json"
+        write_atomic(manifest_path, json.dumps(manifest, indent=1).encode())
+        self._prune()
+        return manifest_path
+
+    def manifests(self) -> list[Path]:
+        return sorted(self.dir.glob("ckpt-*.json"), reverse=True)
+
+    def _prune(self) -> None:
+        for old in self.manifests()[self.keep :]:
+            data = self.dir / f"{old.stem}.safetensors"
+            old.unlink(missing_ok=True)
+            data.unlink(missing_ok=True)
+
+    def load(self, manifest_path: Path) -> Snapshot:
+        """Load and verify one checkpoint; raises ValueError saying what is wrong with it."""
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"manifest unreadable: {err}") from None
+        if manifest.get("format") != FORMAT:
+            raise ValueError(f"unknown checkpoint format {manifest.get('format')!r}")
+        data_path = self.dir / manifest["file"]
+        if not data_path.exists():
+            raise ValueError(f"{data_path.name} is missing")
+        digest = _sha256(data_path)
+        if digest != manifest["file_sha256"]:
+            raise ValueError(f"{data_path.name} is corrupted or truncated (sha256 {digest[:12]}, expected {manifest['file_sha256'][:12]})")
+        try:
+            stored = load_file(str(data_path))
+        except Exception as err:
+            raise ValueError(f"{data_path.name} cannot be read: {err}") from None
+        layout = [(n, list(s)) for n, s in manifest.get("layout", [])]
+        tensors = {}
+        for key in manifest["tensors"]:
+            if layout:
+                tensors[key] = join_by_layout({n[len(key) + 1 :]: t for n, t in stored.items() if n.startswith(key + "/")}, layout)
+            else:
+                tensors[key] = stored[key]
+        got = tensors_hash(tensors)
+        if got != manifest["state_hash"]:
+            raise ValueError(f"state hash {got[:12]} does not match the manifest's {manifest['state_hash'][:12]}")
+        return Snapshot(tensors, int(manifest["version"]), got, dict(manifest.get("meta", {})))
+
+    def latest_valid(self) -> Snapshot | None:
+        """The newest checkpoint that verifies; corrupted ones are reported and skipped."""
+        for path in self.manifests():
+            try:
+                return self.load(path)
+            except (ValueError, KeyError) as err:
+                log.error("checkpoint %s is unusable (%s); trying the previous one", path.stem, err)
+        return None

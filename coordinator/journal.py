@@ -1,0 +1,76 @@
+"""The coordinator's on-disk journal: enough to resume a run after a restart.
+
+``<journal_dir>/journal.json`` holds the run id and config, the committed outer step, the recent
+rounds and canonical hashes, the loss history and the checkpoints written. It is rewritten
+atomically (temporary file, fsync, rename), so a crash leaves either the old or the new journal,
+never half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from potluck.protos.records import Round
+
+JOURNAL_VERSION = 1
+KEEP_ROUNDS = 16
+
+
+class JournalError(RuntimeError):
+    """A journal that cannot be read or does not belong to this run."""
+
+
+class JournalState(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    v: int = JOURNAL_VERSION
+    run_id: str
+    config: dict[str, Any]
+    created_at: float
+    committed: int = 0
+    hashes: dict[int, str] = Field(default_factory=dict)
+    rounds: list[Round] = Field(default_factory=list)
+    history: list[dict[str, Any]] = Field(default_factory=list)
+    checkpoints: list[str] = Field(default_factory=list)
+    finished: bool = False
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old or the new content, never a mix."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+class Journal:
+    def __init__(self, directory: str | Path) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / "journal.json"
+
+    def load(self) -> JournalState | None:
+        if not self.path.exists():
+            return None
+        try:
+            return JournalState.model_validate_json(self.path.read_bytes())
+        except (ValidationError, ValueError) as err:
+            raise JournalError(f"{self.path} is not a readable potluck journal: {err}") from None
+
+    def save(self, state: JournalState) -> None:
+        state.rounds = sorted(state.rounds, key=lambda r: r.step)[-KEEP_ROUNDS:]
+        keep = {r.step - 1 for r in state.rounds} | {state.committed}
+        state.hashes = {v: h for v, h in state.hashes.items() if v in keep}
+        write_atomic(self.path, json.dumps(state.model_dump(mode="json"), indent=1).encode())

@@ -1,0 +1,506 @@
+"""The outer all-reduce: reduce-scatter + all-gather over gRPC, with deadlines and shard take-over.
+
+The members of an outer step (decided by the coordinator, in shard order) cut the flat
+pseudo-gradient into one contiguous shard per member. Member ``j`` owns shard ``j``:
+
+1. **Reduce.** Every member sends its encoded slice of shard ``j`` to owner ``j``. The owner decodes
+   each contribution to float32 as it arrives, and once it has all of them (or the deadline passed,
+   or the missing members are known dead) it sums them in float32, divides by their number and
+   quantizes the mean *once*.
+2. **Gather.** The owner sends that encoded result first to its *backup* (the next live member in
+   ring order) and, once the backup has it, to everyone else. Every member, the owner included,
+   uses the decoded result, so all members end with bit-identical parameters.
+3. **Take-over.** If an owner dies, the backup finishes its shard: if it already holds the owner's
+   result it re-sends that (because of the backup-first rule, nobody else can hold a result the
+   backup lacks); otherwise the members re-send their slice to the backup (attempt 1) and it
+   reduces them. An owner whose backup already took over does not broadcast its late result.
+
+A member never waits past its deadline. A member that ends without every shard has not committed
+the step and must recover state from the others (:class:`IncompleteRound`): no member ever applies
+a half-averaged update.
+
+Messages for a step can arrive before this member reaches it (it may still be running inner steps);
+the :class:`AllReduce` keeps them, checked, until it does.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from potluck.compression.int8 import Codec
+from potluck.compression.stream import Assembler, WireError, encode_chunks
+from potluck.protos import potluck_pb2 as pb
+from potluck.protos.log import get_logger, short_id
+from potluck.protos.transport import PeerClient, Rejected, is_unreachable, rpc_reason
+
+log = get_logger(__name__)
+
+MAX_PENDING_SENDERS = 4096
+NOT_PARTICIPATING = {"joining", "recovering", "left", "waiting"}
+
+
+class IncompleteRound(RuntimeError):
+    """The step ended without every shard's result: this member must not apply it."""
+
+
+@dataclass(frozen=True)
+class MemberAddr:
+    peer_id: str
+    address: str
+
+
+@dataclass(frozen=True)
+class RoundInfo:
+    """One outer step as this member sees it."""
+
+    step: int
+    members: tuple[MemberAddr, ...]
+    me: str
+    base_hash: str  # hash of the state every member computes its delta from
+
+    @property
+    def ids(self) -> list[str]:
+        return [m.peer_id for m in self.members]
+
+    @property
+    def index(self) -> int:
+        return self.ids.index(self.me)
+
+
+def shard_bounds(numel: int, parts: int, align: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, end)`` shards covering ``numel``, near-equal in whole blocks of ``align``."""
+    blocks = -(-numel // align)
+    per, extra = divmod(blocks, parts)
+    bounds, start = [], 0
+    for j in range(parts):
+        end = min(numel, start + (per + (1 if j < extra else 0)) * align)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+@dataclass
+class _Result:
+    attempt: int
+    values: torch.Tensor
+    chunks: list[pb.Tensor]
+    contributors: list[str]
+    owner: str
+
+
+@dataclass
+class AllReduceStats:
+    step: int = 0
+    seconds: float = 0.0
+    wait_seconds: float = 0.0
+    bytes_sent: int = 0
+    members: int = 0
+    dropped: list[str] = field(default_factory=list)
+    taken_over: list[int] = field(default_factory=list)
+    contributors: dict[int, int] = field(default_factory=dict)
+
+
+class AllReduce:
+    """Both halves of the outer all-reduce for one peer: the RPC handlers and the procedure."""
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        me: str,
+        numel: int,
+        codec: Codec,
+        client: PeerClient,
+        chunk_bytes: int,
+        rpc_timeout: float,
+        ping: Callable[[str, float], pb.PingReply],
+        stopping: threading.Event | None = None,
+    ) -> None:
+        self.run_id, self.me, self.numel, self.codec = run_id, me, numel, codec
+        self.stopping = stopping or threading.Event()
+        self.client, self.chunk_bytes, self.rpc_timeout, self._ping = client, chunk_bytes, rpc_timeout, ping
+        self._cond = threading.Condition()
+        self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="allreduce")
+        self._step = -1
+        self._base_hash = ""
+        self._round: RoundInfo | None = None
+        self._contribs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self._closed: set[tuple[int, int]] = set()
+        self._results: dict[int, _Result] = {}
+        self._taken_over: set[int] = set()
+
+    # ---------------------------------------------------------------- state of the coming step
+
+    def expect(self, step: int, base_hash: str) -> None:
+        """Accept messages for ``step``, computed from the theta_global whose hash is ``base_hash``."""
+        with self._cond:
+            self._step, self._base_hash, self._round = step, base_hash, None
+            self._contribs.clear()
+            self._closed.clear()
+            self._results.clear()
+            self._taken_over.clear()
+            self._cond.notify_all()
+
+    def set_round(self, info: RoundInfo) -> None:
+        """Learn the members of the expected step; drops anything already received from non-members."""
+        with self._cond:
+            if info.step != self._step:
+                return
+            self._round = info
+            members = set(info.ids)
+            for by_sender in self._contribs.values():
+                for sender in [s for s in by_sender if s not in members]:
+                    log.warning("dropping contribution from %s: not a member of step %d", short_id(sender), info.step)
+                    del by_sender[sender]
+            for shard in [s for s, r in self._results.items() if r.owner not in members or s >= len(members)]:
+                del self._results[shard]
+
+    # ---------------------------------------------------------------- RPC handlers
+
+    def _check_header(self, chunk: pb.ShardChunk) -> None:
+        h = chunk.header
+        if h.run_id != self.run_id:
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"unknown run id {h.run_id!r}")
+        if h.step != self._step:
+            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, f"message for step {h.step}, this peer is at step {self._step}")
+        if chunk.base_hash != self._base_hash:
+            raise Rejected(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"base hash mismatch: sender computed from {chunk.base_hash[:12]}, this peer holds {self._base_hash[:12]}",
+            )
+        if self._round is not None:
+            if h.sender not in self._round.ids:
+                raise Rejected(grpc.StatusCode.PERMISSION_DENIED, f"{short_id(h.sender)} is not a member of step {h.step}")
+            if chunk.num_shards != len(self._round.members):
+                raise Rejected(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"num_shards {chunk.num_shards} but step {h.step} has {len(self._round.members)} members",
+                )
+        if not 0 <= chunk.shard < chunk.num_shards:
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"shard {chunk.shard} outside [0, {chunk.num_shards})")
+
+    def _receive(self, chunks: Iterator[pb.ShardChunk]) -> tuple[pb.ShardChunk, torch.Tensor, list[pb.Tensor]]:
+        """Validate and decode a whole stream; nothing is stored until it all checks out."""
+        first: pb.ShardChunk | None = None
+        assembler: Assembler | None = None
+        kept: list[pb.Tensor] = []
+        try:
+            for chunk in chunks:
+                with self._cond:
+                    self._check_header(chunk)
+                if first is None:
+                    first = chunk
+                    start, end = shard_bounds(self.numel, chunk.num_shards, self.codec.align)[chunk.shard]
+                    assembler = Assembler(f"shard{chunk.shard}", end - start, self.codec)
+                elif (chunk.header.sender, chunk.shard, chunk.num_shards, chunk.attempt) != (
+                    first.header.sender, first.shard, first.num_shards, first.attempt
+                ):
+                    raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "chunk header changed within one stream")
+                assert assembler is not None
+                assembler.add(chunk.tensor)
+                kept.append(chunk.tensor)
+        except WireError as err:
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+        if first is None or assembler is None:
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "empty stream")
+        try:
+            values = assembler.result()
+        except WireError as err:
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+        return first, values, kept
+
+    def on_contribution(self, chunks: Iterator[pb.ShardChunk]) -> pb.Ack:
+        first, values, kept = self._receive(chunks)
+        key = (first.shard, first.attempt)
+        with self._cond:
+            self._check_header(first)  # the step may have moved on while the stream arrived
+            if self._round is not None and first.attempt == 0 and first.shard != self._round.index:
+                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"shard {first.shard} is not owned by this peer")
+            if key in self._closed or (first.attempt == 0 and first.shard in self._taken_over):
+                raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, f"shard {first.shard} of step {self._step} is already reduced")
+            by_sender = self._contribs.setdefault(key, {})
+            if first.header.sender in by_sender:
+                raise Rejected(grpc.StatusCode.ALREADY_EXISTS, f"duplicate contribution from {short_id(first.header.sender)}")
+            if self._round is None and sum(len(v) for v in self._contribs.values()) >= MAX_PENDING_SENDERS:
+                raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many contributions before the round is known")
+            by_sender[first.header.sender] = values
+            self._cond.notify_all()
+        return pb.Ack(received_bytes=sum(t.ByteSize() for t in kept))
+
+    def on_result(self, chunks: Iterator[pb.ShardChunk]) -> pb.Ack:
+        first, values, kept = self._receive(chunks)
+        with self._cond:
+            self._check_header(first)
+            shard = first.shard
+            if first.attempt == 0 and shard in self._taken_over:
+                raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, f"shard {shard} of step {self._step} was taken over")
+            if shard not in self._results:
+                self._results[shard] = _Result(first.attempt, values, kept, list(first.contributors), first.header.sender)
+                self._cond.notify_all()
+            elif not torch.equal(self._results[shard].values, values):
+                log.warning("ignoring a second, different result for shard %d of step %d", shard, self._step)
+        return pb.Ack(received_bytes=sum(t.ByteSize() for t in kept))
+
+    def on_fetch_result(self, request: pb.ResultRequest) -> Iterator[pb.ShardChunk]:
+        with self._cond:
+            if request.header.run_id != self.run_id:
+                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"unknown run id {request.header.run_id!r}")
+            result = self._results.get(request.shard) if request.header.step == self._step else None
+            if result is None:
+                raise Rejected(grpc.StatusCode.NOT_FOUND, f"no result for shard {request.shard} of step {request.header.step}")
+            hdr = pb.Header(run_id=self.run_id, sender=self.me, step=self._step)
+            base = self._base_hash
+        for t in result.chunks:
+            yield pb.ShardChunk(
+                header=hdr, shard=request.shard, num_shards=request.num_shards, attempt=result.attempt,
+                base_hash=base, contributors=result.contributors, tensor=t,
+            )
+
+    # ---------------------------------------------------------------- the procedure
+
+    def run(self, info: RoundInfo, delta: torch.Tensor | None, wait_s: float, grace_s: float = 2.0) -> tuple[torch.Tensor, AllReduceStats]:
+        """Average ``delta`` over the members of ``info``; returns the mean as every member applies it.
+
+        ``delta`` is None when this member has nothing valid to contribute (it still owns its shard
+        and gathers the result). Raises :class:`IncompleteRound` if a shard cannot be had in time.
+        """
+        t_start = time.monotonic()
+        sent_before = self.client.traffic.snapshot()[0].get("outer", 0)
+        with self._cond:
+            if (info.step, info.base_hash) != (self._step, self._base_hash):
+                raise ValueError(f"round {info.step} from {info.base_hash[:12]} but expecting {self._step} from {self._base_hash[:12]}")
+        self.set_round(info)
+        n, me = len(info.members), info.index
+        bounds = shard_bounds(self.numel, n, self.codec.align)
+        dead: set[str] = set()
+        stats = AllReduceStats(step=info.step, members=n)
+        deadline = t_start + wait_s
+
+        def on_send_error(peer: MemberAddr, err: grpc.RpcError) -> None:
+            if is_unreachable(err):
+                with self._cond:
+                    dead.add(peer.peer_id)
+                    self._cond.notify_all()
+            log.info("send to %s failed: %s", short_id(peer.peer_id), rpc_reason(err))
+
+        # 1. reduce: our slice of every shard goes to its owner; our own is kept exact
+        if delta is not None:
+            for j, peer in enumerate(info.members):
+                lo, hi = bounds[j]
+                if j == me:
+                    with self._cond:
+                        self._contribs.setdefault((j, 0), {})[self.me] = delta[lo:hi].clone()
+                else:
+                    self._submit(self._send, "contribution", info, peer, j, 0, delta[lo:hi], on_send_error)
+        self._reduce_shard(info, me, 0, bounds, dead, deadline, stats)
+
+        # 2. gather: wait for the other owners' results
+        result_deadline = deadline + grace_s
+        missing = self._wait_results(info, dead, result_deadline)
+
+        # 3. take over the shards of owners that died or never answered
+        for j in missing:
+            dead.add(info.ids[j])
+        if missing:
+            takeover_deadline = time.monotonic() + max(grace_s, 2.0)
+            for j in missing:
+                self._take_over(info, j, bounds, dead, delta, takeover_deadline, stats)
+            still = self._wait_results(info, dead, takeover_deadline, shards=missing)
+            if still:
+                raise IncompleteRound(f"step {info.step}: no result for shard(s) {still} after take-over")
+
+        with self._cond:
+            results = [self._results[j] for j in range(n)]
+        mean = torch.cat([r.values for r in results]) if n else torch.zeros(0)
+        stats.seconds = time.monotonic() - t_start
+        stats.bytes_sent = self.client.traffic.snapshot()[0].get("outer", 0) - sent_before
+        stats.dropped = sorted(dead)
+        stats.contributors = {j: len(r.contributors) for j, r in enumerate(results)}
+        return mean, stats
+
+    def _submit(self, fn: Callable, *args: object) -> Future:
+        return self._pool.submit(fn, *args)
+
+    def _chunks(
+        self, info: RoundInfo, shard: int, attempt: int, tensors: list[pb.Tensor], contributors: list[str]
+    ) -> Iterator[pb.ShardChunk]:
+        hdr = pb.Header(run_id=self.run_id, sender=self.me, step=info.step)
+        for t in tensors:
+            yield pb.ShardChunk(
+                header=hdr, shard=shard, num_shards=len(info.members), attempt=attempt,
+                base_hash=info.base_hash, contributors=contributors, tensor=t,
+            )
+
+    def _send(
+        self, kind: str, info: RoundInfo, peer: MemberAddr, shard: int, attempt: int, values: torch.Tensor,
+        on_error: Callable[[MemberAddr, grpc.RpcError], None],
+    ) -> bool:
+        tensors = list(encode_chunks(f"shard{shard}", values, self.codec, self.chunk_bytes))
+        try:
+            self.client.push_contribution(peer.address, self._chunks(info, shard, attempt, tensors, []), self.rpc_timeout)
+            return True
+        except grpc.RpcError as err:
+            on_error(peer, err)
+            return False
+
+    def _reduce_shard(
+        self, info: RoundInfo, shard: int, attempt: int, bounds: list[tuple[int, int]], dead: set[str],
+        deadline: float, stats: AllReduceStats, forwarded_ok: bool = False,
+    ) -> None:
+        """Collect contributions to ``shard``, then average, encode once and distribute the result."""
+        t0 = time.monotonic()
+        expected = {m for k, m in enumerate(info.ids) if k != shard or attempt > 0}
+        next_ping = 0.0
+        with self._cond:
+            while True:
+                got = self._contribs.get((shard, attempt), {})
+                if forwarded_ok and shard in self._results:
+                    break
+                waiting = expected - set(got) - dead
+                if not waiting or time.monotonic() >= deadline:
+                    break
+                if self.stopping.is_set():
+                    raise IncompleteRound("stopping")
+                if time.monotonic() >= next_ping:
+                    next_ping = time.monotonic() + 0.5
+                    for pid in waiting:
+                        self._submit(self._probe, info, pid, dead)
+                self._cond.wait(timeout=0.05)
+            self._closed.add((shard, attempt))
+            forwarded = self._results.get(shard) if forwarded_ok else None
+            got = dict(self._contribs.get((shard, attempt), {}))
+        stats.wait_seconds += time.monotonic() - t0
+        if forwarded is not None:
+            result_chunks, contributors = forwarded.chunks, forwarded.contributors
+            attempt = forwarded.attempt
+        else:
+            lo, hi = bounds[shard]
+            acc = torch.zeros(hi - lo, dtype=torch.float32)
+            contributors = sorted(got)
+            for sender in contributors:  # fixed order: the float32 sum is reproducible
+                acc += got[sender]
+            if contributors:
+                acc /= len(contributors)
+            result_chunks = list(encode_chunks(f"shard{shard}", acc, self.codec, self.chunk_bytes))
+            if len(contributors) < len(expected):
+                missing = sorted(set(info.ids) - set(contributors))
+                log.info("shard %d of step %d reduced without %s", shard, info.step, ", ".join(short_id(m) for m in missing))
+        self._distribute(info, shard, attempt, result_chunks, contributors, dead)
+
+    def _distribute(
+        self, info: RoundInfo, shard: int, attempt: int, chunks: list[pb.Tensor], contributors: list[str], dead: set[str]
+    ) -> None:
+        """Backup first, then everyone: nobody can hold a result its shard's backup lacks."""
+        n = len(info.members)
+        ring = [info.members[(shard + k) % n] for k in range(1, n)]
+        backup_ok = True
+        for peer in ring:
+            if peer.peer_id in dead or peer.peer_id == self.me:
+                continue
+            try:
+                self.client.push_result(peer.address, self._chunks(info, shard, attempt, chunks, contributors), self.rpc_timeout)
+                break
+            except grpc.RpcError as err:
+                if is_unreachable(err):
+                    dead.add(peer.peer_id)
+                    continue
+                if err.code() == grpc.StatusCode.FAILED_PRECONDITION and "taken over" in (err.details() or ""):
+                    log.info("shard %d of step %d was taken over by %s; dropping our late result", shard, info.step, short_id(peer.peer_id))
+                    backup_ok = False
+                    break
+                log.info("backup %s refused shard %d: %s", short_id(peer.peer_id), shard, rpc_reason(err))
+                break
+        if not backup_ok:
+            return
+        self._store_own_result(info, shard, attempt, chunks, contributors)
+        backup = next((p for p in ring if p.peer_id not in dead and p.peer_id != self.me), None)
+        for peer in ring:
+            if peer is backup or peer.peer_id in dead or peer.peer_id == self.me:
+                continue
+            self._submit(self._push_result, info, peer, shard, attempt, chunks, contributors)
+
+    def _store_own_result(self, info: RoundInfo, shard: int, attempt: int, chunks: list[pb.Tensor], contributors: list[str]) -> None:
+        lo, hi = shard_bounds(self.numel, len(info.members), self.codec.align)[shard]
+        asm = Assembler(f"shard{shard}", hi - lo, self.codec)
+        for t in chunks:
+            asm.add(t)
+        with self._cond:
+            if shard not in self._results:
+                self._results[shard] = _Result(attempt, asm.result(), chunks, contributors, self.me)
+            self._cond.notify_all()
+
+    def _push_result(
+        self, info: RoundInfo, peer: MemberAddr, shard: int, attempt: int, chunks: list[pb.Tensor], contributors: list[str]
+    ) -> None:
+        try:
+            self.client.push_result(peer.address, self._chunks(info, shard, attempt, chunks, contributors), self.rpc_timeout)
+        except grpc.RpcError as err:
+            log.info("result of shard %d to %s failed: %s", shard, short_id(peer.peer_id), rpc_reason(err))
+
+    def _probe(self, info: RoundInfo, peer_id: str, dead: set[str]) -> None:
+        """Is a member we wait for still coming? Unreachable or not in this step means: stop waiting."""
+        try:
+            reply = self._ping(peer_id, 2.0)
+        except grpc.RpcError as err:
+            if not is_unreachable(err):
+                return
+            reason = "unreachable"
+        else:
+            if reply.state not in NOT_PARTICIPATING and reply.version >= info.step - 1:
+                return
+            reason = f"{reply.state} at version {reply.version}"
+        with self._cond:
+            if peer_id not in dead:
+                log.info("not waiting for %s in step %d: %s", short_id(peer_id), info.step, reason)
+                dead.add(peer_id)
+            self._cond.notify_all()
+
+    def _wait_results(self, info: RoundInfo, dead: set[str], deadline: float, shards: list[int] | None = None) -> list[int]:
+        """Wait for results of ``shards`` (default: all); returns those still missing."""
+        wanted = list(range(len(info.members))) if shards is None else shards
+        with self._cond:
+            while True:
+                missing = [j for j in wanted if j not in self._results]
+                if not missing or time.monotonic() >= deadline:
+                    return missing
+                if self.stopping.is_set():
+                    raise IncompleteRound("stopping")
+                if shards is None and all(info.ids[j] in dead for j in missing):
+                    return missing
+                self._cond.wait(timeout=0.05)
+
+    def _take_over(
+        self, info: RoundInfo, shard: int, bounds: list[tuple[int, int]], dead: set[str],
+        delta: torch.Tensor | None, deadline: float, stats: AllReduceStats,
+    ) -> None:
+        n = len(info.members)
+        backup = next(
+            (info.members[(shard + k) % n] for k in range(1, n) if info.members[(shard + k) % n].peer_id not in dead),
+            None,
+        )
+        if backup is None:
+            return
+        stats.taken_over.append(shard)
+        lo, hi = bounds[shard]
+        if backup.peer_id == self.me:
+            log.info("taking over shard %d of step %d from %s", shard, info.step, short_id(info.ids[shard]))
+            with self._cond:
+                self._taken_over.add(shard)
+                if delta is not None:
+                    self._contribs.setdefault((shard, 1), {})[self.me] = delta[lo:hi].clone()
+            self._reduce_shard(info, shard, 1, bounds, dead | {info.ids[shard]}, deadline, stats, forwarded_ok=True)
+        elif delta is not None:
+            with self._cond:
+                if shard in self._results:
+                    return
+            self._submit(self._send, "takeover", info, backup, shard, 1, delta[lo:hi], lambda p, e: None)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,206 @@
+"""Training data with stable sample ids: a synthetic Markov source, or the bytes of a text file.
+
+Every sample has an integer id and is a pure function of the data config and that id, so any peer
+can produce sample 1234 without coordination, AC-SGD can keep one buffer per id, and a shard is
+just a set of ids.
+
+The built-in source is a random Markov chain of order ``k`` over ``vocab_size`` tokens (Dirichlet
+rows, fixed by the seed). Its entropy rate is known exactly, which gives the best loss any model can
+reach (:meth:`MarkovSource.loss_floor`): a run's eval loss is reported next to it.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from potluck.protos.config import DataConfig, ModelConfig
+
+MAX_MARKOV_STATES = 1 << 20
+EVAL_ID_OFFSET = 1 << 40  # eval sample ids live far above training ids
+
+
+class DataError(ValueError):
+    """A data source that cannot serve the requested samples."""
+
+
+class MarkovSource:
+    """A random order-``k`` Markov chain; ``sample(i)`` is ``seq_len + 1`` tokens for id ``i``."""
+
+    def __init__(self, vocab_size: int, order: int, concentration: float, seed: int, seq_len: int) -> None:
+        states = vocab_size**order
+        if states > MAX_MARKOV_STATES:
+            raise DataError(f"vocab_size**markov_order = {states} contexts is more than {MAX_MARKOV_STATES}")
+        self.vocab_size, self.order, self.seq_len, self.seed = vocab_size, order, seq_len, seed
+        rng = np.random.default_rng([seed, 0x6D61726B])
+        self.table = rng.dirichlet(np.full(vocab_size, concentration), size=states)  # [contexts, V]
+        self.cumulative = np.cumsum(self.table, axis=1)
+        self.cumulative[:, -1] = 1.0
+        self.stationary = self._stationary()
+        self.context_cumulative = np.cumsum(self.stationary)
+        self.context_cumulative[-1] = 1.0
+
+    def _stationary(self) -> np.ndarray:
+        """Stationary distribution over contexts (power iteration on the context chain)."""
+        v, k = self.vocab_size, self.order
+        pi = np.full(v**k, 1.0 / v**k)
+        for _ in range(10_000):
+            # context c = (x_1..x_k) moves to (x_2..x_k, y) with probability table[c, y]
+            nxt = (pi[:, None] * self.table).reshape(v, v ** (k - 1), v).sum(axis=0).reshape(-1)
+            if np.abs(nxt - pi).sum() < 1e-13:
+                return nxt
+            pi = nxt
+        return pi
+
+    def entropy_rate(self) -> float:
+        """H(X_t | X_{t-k..t-1}) under stationarity, in nats per token."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            h = -np.nansum(np.where(self.table > 0, self.table * np.log(self.table), 0.0), axis=1)
+        return float(self.stationary @ h)
+
+    def loss_floor(self) -> float:
+        """The lowest mean next-token loss a model can reach on a sample (nats).
+
+        Targets ``x_1..x_T`` are predicted from everything before them; the first ``k - 1`` of them
+        see less than a full context, so their conditional entropies come from marginals of the
+        stationary context distribution, the rest pay the entropy rate.
+        """
+        v, k, t = self.vocab_size, self.order, self.seq_len
+        joint = self.stationary.reshape((v,) * k)
+        prefix_entropy = []
+        for j in range(1, k + 1):
+            marginal = joint.sum(axis=tuple(range(j, k))) if j < k else joint
+            p = marginal.reshape(-1)
+            prefix_entropy.append(float(-(p[p > 0] * np.log(p[p > 0])).sum()))
+        # H(x_j | x_<j) = H(x_0..x_j) - H(x_0..x_{j-1}) for j = 1..k-1
+        partial = [prefix_entropy[j] - prefix_entropy[j - 1] for j in range(1, min(k, t + 1))]
+        full = t - len(partial)
+        return (sum(partial) + full * self.entropy_rate()) / t
+
+    def sample(self, sample_id: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, 0x73616D70, sample_id])
+        u = rng.random(self.seq_len + 2)
+        out = np.empty(self.seq_len + 1, dtype=np.int64)
+        context = int(np.searchsorted(self.context_cumulative, u[0], side="right"))
+        digits = [(context // self.vocab_size ** (self.order - 1 - i)) % self.vocab_size for i in range(self.order)]
+        n_start = min(self.order, self.seq_len + 1)
+        out[:n_start] = digits[:n_start]
+        modulus = self.vocab_size ** (self.order - 1)
+        for t in range(self.order, self.seq_len + 1):
+            nxt = int(np.searchsorted(self.cumulative[context], u[t - self.order + 1], side="right"))
+            out[t] = nxt
+            context = (context % modulus) * self.vocab_size + nxt if modulus > 1 else nxt
+        return out
+
+
+class ByteFileSource:
+    """Non-overlapping windows of a byte file; the last ``eval_windows`` windows are held out."""
+
+    def __init__(self, path: str | Path, seq_len: int, eval_windows: int) -> None:
+        path = Path(path)
+        if not path.is_file():
+            raise DataError(f"data file {path} does not exist")
+        self.data = np.frombuffer(path.read_bytes(), dtype=np.uint8)
+        self.seq_len = seq_len
+        windows = (len(self.data) - 1) // seq_len
+        if windows < eval_windows + 1:
+            raise DataError(
+                f"{path} holds {len(self.data)} bytes: too small for {eval_windows + 1} windows of {seq_len + 1} bytes"
+            )
+        self.train_windows = windows - eval_windows
+        self.eval_windows = eval_windows
+
+    def sample(self, sample_id: int) -> np.ndarray:
+        if sample_id >= EVAL_ID_OFFSET:
+            window = self.train_windows + (sample_id - EVAL_ID_OFFSET)
+        else:
+            window = sample_id % self.train_windows
+        start = window * self.seq_len
+        return self.data[start : start + self.seq_len + 1].astype(np.int64)
+
+
+class Dataset:
+    """Samples by id for training (ids ``0..num_samples-1``) and evaluation (a fixed held-out set)."""
+
+    def __init__(self, data: DataConfig, model: ModelConfig) -> None:
+        self.cfg = data
+        self.source: MarkovSource | ByteFileSource
+        if data.source == "markov":
+            self.source = MarkovSource(
+                model.vocab_size, data.markov_order, data.markov_concentration, data.seed, model.seq_len
+            )
+            self.num_samples = data.num_samples
+        else:
+            if model.vocab_size != 256:
+                raise DataError(f"byte-level data needs model.vocab_size = 256, got {model.vocab_size}")
+            assert data.path is not None
+            self.source = ByteFileSource(data.path, model.seq_len, data.eval_samples)
+            self.num_samples = min(data.num_samples, self.source.train_windows)
+        self._cache: dict[int, np.ndarray] = {}
+
+    @property
+    def loss_floor(self) -> float | None:
+        """Best achievable loss, when the source knows it (the Markov source does)."""
+        return self.source.loss_floor() if isinstance(self.source, MarkovSource) else None
+
+    def sample(self, sample_id: int) -> np.ndarray:
+        if sample_id < 0 or (sample_id >= self.num_samples and sample_id < EVAL_ID_OFFSET):
+            raise DataError(f"sample id {sample_id} is outside the training set [0, {self.num_samples})")
+        cached = self._cache.get(sample_id)
+        if cached is None:
+            cached = self.source.sample(sample_id)
+            if len(self._cache) < 1 << 18:
+                self._cache[sample_id] = cached
+        return cached
+
+    def batch(self, ids: list[int] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inputs, targets)``, each ``[len(ids), seq_len]`` int64."""
+        rows = np.stack([self.sample(int(i)) for i in ids])
+        tokens = torch.from_numpy(rows)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def eval_ids(self) -> list[int]:
+        return [EVAL_ID_OFFSET + j for j in range(self.cfg.eval_samples)]
+
+
+class ShardSampler:
+    """The ids one peer trains on: shard ``index`` of ``count``, reshuffled every epoch.
+
+    Shard ``r`` holds ids ``r, r + count, r + 2*count, ...``; the order within an epoch is a
+    permutation seeded by (data seed, shard, epoch), so it is reproducible and differs per shard.
+    """
+
+    def __init__(self, num_samples: int, index: int, count: int, seed: int) -> None:
+        if not 0 <= index < count:
+            raise DataError(f"shard index {index} is outside [0, {count})")
+        self.ids = np.arange(index, num_samples, count)
+        if len(self.ids) == 0:
+            raise DataError(f"shard {index} of {count} is empty: only {num_samples} samples")
+        self.index, self.count, self.seed = index, count, seed
+        self.position = 0
+        self._epoch = -1
+        self._order = self.ids
+
+    def next_ids(self, batch_size: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < batch_size:
+            epoch, offset = divmod(self.position, len(self.ids))
+            if epoch != self._epoch:
+                rng = np.random.default_rng([self.seed, self.index, self.count, epoch])
+                self._order = rng.permutation(self.ids)
+                self._epoch = epoch
+            take = min(batch_size - len(out), len(self.ids) - offset)
+            out.extend(int(i) for i in self._order[offset : offset + take])
+            self.position += take
+        return out
+
+    @property
+    def epoch(self) -> float:
+        return self.position / len(self.ids)
+
+
+def bits_per_token(nats: float) -> float:
+    return nats / math.log(2)

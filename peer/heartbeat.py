@@ -1,0 +1,113 @@
+"""The peer's only DHT user: a thread that heartbeats the peer's record and watches the plan.
+
+Every ``heartbeat_s`` (or at once when :meth:`Heartbeat.poke`d, e.g. right after an outer step
+commits) it stores the peer's signed :class:`PeerRecord`, which expires after
+``heartbeat_timeout_s``: a peer that stops refreshing disappears from the swarm by itself. Between
+heartbeats it re-reads the coordinator's plan and manifest; records that fail verification are
+logged and ignored, and the last good ones stay in force.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from potluck.protos.log import get_logger
+from potluck.protos.records import Manifest, PeerRecord, Plan, RecordError, peers_key
+from potluck.protos.swarm import SwarmNode
+
+log = get_logger(__name__)
+
+
+class Heartbeat(threading.Thread):
+    def __init__(
+        self,
+        node: SwarmNode,
+        manifest: Manifest,
+        record: Callable[[], PeerRecord],
+        heartbeat_s: float,
+        ttl_s: float,
+        poll_s: float = 0.2,
+    ) -> None:
+        super().__init__(name="heartbeat", daemon=True)
+        self.node, self.record, self.heartbeat_s, self.ttl_s, self.poll_s = node, record, heartbeat_s, ttl_s, poll_s
+        self.manifest = manifest
+        self._plan: Plan | None = None
+        self._cond = threading.Condition()
+        self._poke = threading.Event()
+        self._halt = threading.Event()
+        self._warned: set[str] = set()
+
+    @property
+    def plan(self) -> Plan | None:
+        with self._cond:
+            return self._plan
+
+    def wait_plan(self, predicate: Callable[[Plan | None], bool], timeout: float) -> Plan | None:
+        """Block until ``predicate(plan)`` holds or ``timeout`` passes; returns the latest plan."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not predicate(self._plan) and not self._halt.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(min(left, 0.5))
+            return self._plan
+
+    def poke(self) -> None:
+        """Publish the record now instead of at the next interval."""
+        self._poke.set()
+
+    def stop(self, goodbye: PeerRecord | None = None) -> None:
+        self._halt.set()
+        self._poke.set()
+        self.join(timeout=10)
+        if goodbye is not None:
+            try:  # a short-lived "left" record lets the coordinator evict us at once
+                self.node.store(peers_key(self.manifest.run_id), goodbye, ttl=max(5.0, 2 * self.heartbeat_s), subkey=goodbye.peer_id)
+            except Exception as err:
+                log.debug("goodbye record not stored: %s", err)
+        with self._cond:
+            self._cond.notify_all()
+
+    def run(self) -> None:
+        last_beat = 0.0
+        while not self._halt.is_set():
+            now = time.monotonic()
+            beat = self._poke.is_set() or now - last_beat >= self.heartbeat_s
+            if beat:
+                self._poke.clear()
+                last_beat = now
+                self._publish()
+            self._refresh(with_manifest=beat)
+            self._poke.wait(self.poll_s)
+
+    def _publish(self) -> None:
+        rec = self.record()
+        try:
+            if not self.node.store(peers_key(self.manifest.run_id), rec, ttl=self.ttl_s, subkey=rec.peer_id):
+                log.warning("heartbeat not stored in the DHT (no DHT node accepted it)")
+        except Exception as err:
+            log.warning("heartbeat failed: %s", err)
+
+    def _refresh(self, with_manifest: bool) -> None:
+        coordinator, run_id = self.manifest.coordinator, self.manifest.run_id
+        try:
+            plan = self.node.get_plan(run_id, coordinator, min_seq=self._plan.seq if self._plan else 0)
+            manifest = self.node.get_manifest(coordinator, min_seq=self.manifest.seq) if with_manifest else None
+        except RecordError as err:
+            if str(err) not in self._warned:
+                self._warned.add(str(err))
+                log.warning("ignoring a DHT record: %s", err)
+            return
+        except Exception as err:
+            log.debug("DHT read failed: %s", err)
+            return
+        with self._cond:
+            if plan is not None and (self._plan is None or plan.seq > self._plan.seq):
+                self._plan = plan
+                self._cond.notify_all()
+            if manifest is not None and manifest.seq >= self.manifest.seq:
+                self.manifest = manifest
+                self._cond.notify_all()

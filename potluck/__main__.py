@@ -1,0 +1,5 @@
+import sys
+
+from potluck.cli import main
+
+sys.exit(main())

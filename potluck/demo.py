@@ -1,0 +1,180 @@
+"""``potluck demo``: a whole swarm on this machine, from nothing to a trained tiny model.
+
+It writes a run file, starts a coordinator and ``--peers`` peer processes (real processes, real DHT,
+real gRPC on 127.0.0.1), follows the run through the coordinator's status API, prints the loss of
+every outer step and the final eval loss next to the data's entropy floor, and stops every process
+it started, also on Ctrl+C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from potluck.procs import ProcessGroup
+from potluck.protos.config import ConfigError, RunConfig, apply_overrides, dump_toml, load_config
+
+DEMO_DEFAULTS = {
+    "run_id": "demo",
+    "diloco.outer_steps": 12,
+    "diloco.inner_steps": 30,
+    "coordinator.host": "127.0.0.1",
+    "coordinator.checkpoint_every": 4,
+}
+
+
+def demo_config(args: argparse.Namespace, workdir: Path) -> RunConfig:
+    overrides: dict[str, Any] = dict(DEMO_DEFAULTS)
+    if args.config:
+        overrides = {k: v for k, v in overrides.items() if k in ("coordinator.host",)}
+    overrides["membership.min_peers"] = args.peers
+    overrides["coordinator.journal_dir"] = str(workdir / "journal")
+    if args.outer_steps is not None:
+        overrides["diloco.outer_steps"] = args.outer_steps
+    if args.inner_steps is not None:
+        overrides["diloco.inner_steps"] = args.inner_steps
+    for pair in args.set:
+        key, _, value = pair.partition("=")
+        overrides[key.strip()] = value.strip()
+    return apply_overrides(load_config(args.config), overrides)
+
+
+def _get_state(url: str) -> dict[str, Any] | None:
+    try:
+        with urllib.request.urlopen(url + "api/v1/state", timeout=2) as resp:
+            return json.loads(resp.read())
+    except (urllib.error.URLError, OSError, json.JSONDecodeError):
+        return None
+
+
+def _wait_ready(path: Path, proc: Any, timeout: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            return json.loads(path.read_text())
+        if proc.poll() is not None:
+            raise RuntimeError(f"the coordinator exited with code {proc.returncode} before it was ready")
+        time.sleep(0.1)
+    raise RuntimeError(f"the coordinator did not come up within {timeout:.0f} s")
+
+
+class Progress:
+    """One status line on a terminal (redrawn in place), nothing on a pipe."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.tty = total, sys.stdout.isatty()
+
+    def line(self, text: str) -> None:
+        if self.tty:
+            sys.stdout.write("\r\x1b[2K")
+        print(text, flush=True)
+
+    def bar(self, done: int, text: str) -> None:
+        if not self.tty:
+            return
+        width = 24
+        fill = int(width * done / max(self.total, 1))
+        sys.stdout.write(f"\r\x1b[2K[{'#' * fill}{'.' * (width - fill)}] {done}/{self.total} outer steps  {text}")
+        sys.stdout.flush()
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    if args.peers < 1:
+        raise SystemExit("potluck demo: --peers must be at least 1")
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="potluck-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "logs").mkdir(exist_ok=True)
+    try:
+        cfg = demo_config(args, workdir)
+    except ConfigError as err:
+        raise SystemExit(f"potluck demo: {err}") from None
+    run_file = workdir / "run.toml"
+    run_file.write_text(dump_toml(cfg))
+
+    from potluck.peer.data import Dataset  # the floor is a property of the data, computed here once
+
+    floor = Dataset(cfg.data, cfg.model).loss_floor
+    threads = max(1, (os.cpu_count() or 2) // args.peers)
+    progress = Progress(cfg.diloco.outer_steps)
+    print(
+        f"potluck demo: {args.peers} peers x {cfg.diloco.outer_steps} outer steps x {cfg.diloco.inner_steps} inner steps "
+        f"(d_model {cfg.model.d_model}, {cfg.model.n_layers} layers, {cfg.sync.codec} all-reduce) on this CPU\n"
+        f"  work dir: {workdir}",
+        flush=True,
+    )
+    procs = ProcessGroup()
+    log_of = (lambda name: None) if args.verbose else (lambda name: workdir / "logs" / f"{name}.log")
+    try:
+        coord = procs.spawn_potluck(
+            ["coordinator", "--config", str(run_file), "--ready-file", str(workdir / "ready.json")],
+            log_of("coordinator"),
+        )
+        ready = _wait_ready(workdir / "ready.json", coord, timeout=120)
+        print(f"  join address: {ready['join']}\n  status page: {ready['status_url']}", flush=True)
+        if not args.verbose:
+            print(f"  logs: {workdir / 'logs'}", flush=True)
+        peers = [
+            procs.spawn_potluck(
+                ["peer", "--join", ready["join"], "--host", "127.0.0.1", "--threads", str(threads), "--name", f"demo-{i}"],
+                log_of(f"peer-{i}"),
+            )
+            for i in range(args.peers)
+        ]
+        final = follow(ready["status_url"], cfg, progress, coord, peers)
+        if final is None:
+            return 1
+        start = math.log(cfg.model.vocab_size)
+        floor_text = f"; entropy floor of the data {floor:.3f}" if floor is not None else ""
+        progress.line(f"final eval loss {final:.3f} nats/token (untrained: {start:.3f}){floor_text}")
+        if args.linger > 0:
+            progress.line(f"lingering {args.linger:.0f} s: status page {ready['status_url']} (Ctrl+C to stop)")
+            time.sleep(args.linger)
+        return 0
+    except KeyboardInterrupt:
+        progress.line("interrupted: stopping every process the demo started")
+        return 130
+    except RuntimeError as err:
+        progress.line(f"potluck demo failed: {err} (logs in {workdir / 'logs'})")
+        return 1
+    finally:
+        procs.stop()
+
+
+def follow(url: str, cfg: RunConfig, progress: Progress, coord: Any, peers: list[Any]) -> float | None:
+    """Print each outer step as it completes; returns the final eval loss, None on failure."""
+    printed: set[int] = set()
+    final_eval: float | None = None
+    while True:
+        if coord.poll() is not None:
+            raise RuntimeError(f"the coordinator exited with code {coord.returncode}")
+        if all(p.poll() is not None for p in peers) and final_eval is None:
+            raise RuntimeError("every peer exited before the run finished")
+        state = _get_state(url)
+        if state is None:
+            time.sleep(0.5)
+            continue
+        run = state["run"]
+        for h in state["history"]:
+            if h["step"] in printed or h["eval_loss"] is None or h["loss"] is None:
+                continue
+            printed.add(h["step"])
+            outer = f", all-reduce {h['outer_s']:.2f} s" if h.get("outer_s") else ""
+            progress.line(
+                f"outer step {h['step']:3d}/{cfg.diloco.outer_steps}  train loss {h['loss']:.3f}  "
+                f"eval loss {h['eval_loss']:.3f}  ({h['members']} peers{outer})"
+            )
+            if h["step"] >= cfg.diloco.outer_steps:
+                final_eval = h["eval_loss"]
+        progress.bar(run["outer_step"], run.get("waiting_reason") or f"{len([p for p in state['peers'] if p['state'] == 'training'])} training")
+        if run["finished"] and final_eval is not None:
+            return final_eval
+        time.sleep(0.5)

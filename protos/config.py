@@ -1,0 +1,303 @@
+"""The run configuration: one TOML file, one typed section per component.
+
+A run file looks like::
+
+    [model]
+    d_model = 128
+    n_layers = 4
+
+    [diloco]
+    inner_steps = 100
+    outer_steps = 50
+
+Every field has a documented default, so an empty file is a valid (tiny, CPU-friendly) run. Unknown
+keys and bad values are rejected with the dotted name of the field (``diloco.outer_lr: Input should
+be greater than 0``). CLI flags override the file through :func:`apply_overrides`.
+
+The coordinator publishes the training-relevant sections (everything but ``coordinator``) as the run
+manifest; peers build their model, data and optimizers from it, never from their own files, so a
+swarm cannot silently train with two different configs.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A run configuration that cannot be used; the message names the offending field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class ModelConfig(_Section):
+    """The built-in decoder-only transformer (pre-norm, learned positions, tied embeddings)."""
+
+    vocab_size: int = Field(64, ge=2, le=1 << 20, description="tokens; byte-level data forces 256")
+    d_model: int = Field(64, ge=8, description="residual width")
+    n_layers: int = Field(2, ge=1, description="transformer blocks")
+    n_heads: int = Field(4, ge=1, description="attention heads; must divide d_model")
+    d_ff: int = Field(0, ge=0, description="MLP hidden width; 0 means 4 * d_model")
+    seq_len: int = Field(64, ge=2, description="tokens per training sample")
+    tie_embeddings: bool = Field(
+        False, description="share the input embedding with the output head (single-stage runs only)"
+    )
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> ModelConfig:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must divide d_model ({self.d_model})")
+        return self
+
+    @property
+    def ff_width(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+
+class DataConfig(_Section):
+    """Training data: a built-in synthetic Markov source with a known entropy floor, or a byte file."""
+
+    source: Literal["markov", "bytes"] = Field("markov", description="'markov' (built-in) or 'bytes' (path)")
+    path: str | None = Field(None, description="text file for source='bytes' (byte-level tokens)")
+    markov_order: int = Field(1, ge=1, le=3, description="context length of the synthetic source")
+    markov_concentration: float = Field(
+        0.05, gt=0, description="Dirichlet concentration of the transition rows: lower is more predictable"
+    )
+    num_samples: int = Field(1 << 16, ge=1, description="training samples (stable ids 0..num_samples-1)")
+    eval_samples: int = Field(128, ge=1, description="held-out samples for eval loss")
+    eval_every: int = Field(1, ge=0, description="evaluate theta_global every this many outer steps (0: never)")
+    seed: int = Field(0, description="seed of the source and of the sample order")
+
+    @model_validator(mode="after")
+    def _bytes_needs_path(self) -> DataConfig:
+        if self.source == "bytes" and not self.path:
+            raise ValueError("source='bytes' needs data.path (a text file)")
+        return self
+
+
+class TrainConfig(_Section):
+    """The inner loop: AdamW on a peer's own shard."""
+
+    batch_size: int = Field(16, ge=1, description="samples per inner step")
+    lr: float = Field(3e-3, gt=0, description="inner AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.99, ge=0, lt=1)
+    warmup_steps: int = Field(20, ge=0, description="linear warm-up of the inner lr, in inner steps")
+    grad_clip: float = Field(1.0, ge=0, description="max grad norm; 0 disables clipping")
+    seed: int = Field(0, description="model init seed: every peer starts from the same theta_0")
+
+
+class DiLoCoConfig(_Section):
+    """The outer loop (Douillard et al. 2023): H inner steps, then Nesterov on the mean pseudo-gradient."""
+
+    inner_steps: int = Field(50, ge=1, description="H: inner steps per outer step")
+    outer_steps: int = Field(20, ge=1, description="outer steps in the whole run")
+    outer_lr: float = Field(0.7, gt=0)
+    outer_momentum: float = Field(0.9, ge=0, lt=1)
+    nesterov: bool = Field(True)
+
+
+class SyncConfig(_Section):
+    """The outer all-reduce over gRPC: codec and deadlines."""
+
+    codec: Literal["int8", "raw"] = Field("int8", description="'int8' (per-block absmax) or 'raw' (fp32)")
+    block_size: int = Field(2048, ge=16, le=1 << 20, description="elements per int8 scale")
+    chunk_bytes: int = Field(1 << 20, ge=1 << 12, le=1 << 22, description="payload bytes per gRPC message")
+    deadline_floor_s: float = Field(
+        10.0, gt=0, description="minimum wait for a slow member before it is dropped from the outer step"
+    )
+    deadline_factor: float = Field(
+        0.5, ge=0, description="wait also up to this fraction of the measured inner-phase time"
+    )
+    rpc_timeout_s: float = Field(30.0, gt=0, description="timeout of a single transfer RPC")
+
+
+class MembershipConfig(_Section):
+    """Liveness and admission (read by peers and the coordinator alike)."""
+
+    heartbeat_s: float = Field(1.0, gt=0, description="how often a peer refreshes its DHT record")
+    heartbeat_timeout_s: float = Field(
+        8.0, gt=0, description="a peer whose record is older than this is considered lost"
+    )
+    min_peers: int = Field(1, ge=1, description="peers needed before the first outer step starts")
+
+    @model_validator(mode="after")
+    def _timeout_covers_heartbeats(self) -> MembershipConfig:
+        if self.heartbeat_timeout_s < 2 * self.heartbeat_s:
+            raise ValueError("heartbeat_timeout_s must be at least twice heartbeat_s")
+        return self
+
+
+class CoordinatorConfig(_Section):
+    """Where the coordinator listens and keeps its journal. Not part of the manifest."""
+
+    host: str = Field("0.0.0.0", description="interface the DHT, gRPC and status servers bind to")
+    announce_host: str | None = Field(
+        None, description="address peers should use to reach this box; auto-detected if unset"
+    )
+    dht_port: int = Field(0, ge=0, le=65535, description="DHT port (0 = any free port)")
+    grpc_port: int = Field(0, ge=0, le=65535, description="checkpoint-serving gRPC port (0 = any)")
+    status_port: int = Field(0, ge=0, le=65535, description="status page port (0 = any)")
+    journal_dir: str = Field("potluck-run", description="run state, identity and checkpoints")
+    checkpoint_every: int = Field(5, ge=0, description="outer steps between checkpoints; 0 disables them")
+    keep_checkpoints: int = Field(3, ge=1)
+    tick_s: float = Field(0.2, gt=0, description="how often the coordinator re-reads the DHT")
+    startup_timeout_s: float = Field(60.0, gt=0, description="time allowed for the DHT daemon to start")
+
+
+class PeerConfig(_Section):
+    """One volunteer's peer process: how it joins and what it lends. Not part of the manifest."""
+
+    join: str = Field("", description="the coordinator's join address (/ip4/.../tcp/.../p2p/12D3KooW...)")
+    host: str = Field("0.0.0.0", description="interface the gRPC and DHT servers bind to")
+    port: int = Field(0, ge=0, le=65535, description="gRPC port (0 = any free port)")
+    dht_port: int = Field(0, ge=0, le=65535, description="DHT port (0 = any free port)")
+    announce_host: str | None = Field(
+        None, description="address other peers should use to reach this one; auto-detected if unset"
+    )
+    device: str = Field("auto", description="'auto' (cuda if present, else cpu), 'cpu', 'cuda' or 'cuda:N'")
+    name: str = Field("", max_length=64, description="public name shown on the status page (opt-in)")
+    threads: int = Field(0, ge=0, description="torch CPU threads; 0 keeps torch's default")
+    dht_client: bool = Field(False, description="join the DHT as a client only (behind NAT)")
+    startup_timeout_s: float = Field(60.0, gt=0, description="time allowed for the DHT daemon to start")
+    join_timeout_s: float = Field(120.0, gt=0, description="time allowed to find the run manifest")
+    plan_wait_s: float = Field(
+        10.0, gt=0, description="wait this long for the coordinator's round decision before using the last plan"
+    )
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, v: str) -> str:
+        if v not in ("auto", "cpu", "cuda", "mps") and not (v.startswith("cuda:") and v[5:].isdigit()):
+            raise ValueError("device must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'")
+        return v
+
+
+class RunConfig(_Section):
+    """The whole run file."""
+
+    run_id: str = Field("", description="run name; a fresh one is generated when empty")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    diloco: DiLoCoConfig = Field(default_factory=DiLoCoConfig)
+    sync: SyncConfig = Field(default_factory=SyncConfig)
+    membership: MembershipConfig = Field(default_factory=MembershipConfig)
+    coordinator: CoordinatorConfig = Field(default_factory=CoordinatorConfig)
+
+    @field_validator("run_id")
+    @classmethod
+    def _printable_run_id(cls, v: str) -> str:
+        if v and not all(c.isalnum() or c in "-_." for c in v):
+            raise ValueError("run_id may hold letters, digits, '-', '_' and '.' only")
+        return v
+
+    def manifest_sections(self) -> dict[str, Any]:
+        """What every peer must agree on: the config minus the coordinator's local settings."""
+        return self.model_dump(exclude={"coordinator"})
+
+
+def _describe(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        lines.append(f"{where}: {msg}")
+    return "; ".join(lines)
+
+
+def parse_config(data: dict[str, Any], *, source: str = "config") -> RunConfig:
+    """Validate a config dict; raises ConfigError naming each bad field."""
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(f"invalid {source}: {_describe(err)}") from None
+
+
+def load_config(path: str | Path | None) -> RunConfig:
+    """Read a TOML run file (None gives all defaults)."""
+    if path is None:
+        return RunConfig()
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path} is not valid TOML: {err}") from None
+    return parse_config(data, source=str(path))
+
+
+def _coerce(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(config: RunConfig, overrides: dict[str, Any]) -> RunConfig:
+    """Return a copy with dotted ``section.field`` overrides applied and the result re-validated.
+
+    String values are read as TOML literals (``"0.5"`` becomes a float, ``"true"`` a bool), so
+    ``--set diloco.outer_lr=0.5`` works from a shell.
+    """
+    data = config.model_dump()
+    for dotted, value in overrides.items():
+        parts = dotted.split(".")
+        node = data
+        for p in parts[:-1]:
+            if not isinstance(node.get(p), dict):
+                raise ConfigError(f"invalid override {dotted}: unknown section {p!r}")
+            node = node[p]
+        if parts[-1] not in node:
+            raise ConfigError(f"invalid override {dotted}: unknown field")
+        node[parts[-1]] = _coerce(value) if isinstance(value, str) else value
+    return parse_config(data, source="overrides")
+
+
+def known_fields_only(model: type[BaseModel], data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Drop keys ``model`` does not know (recursively); returns the cleaned dict and what was dropped.
+
+    Used to read a manifest written by a newer coordinator: extra fields are ignored, not fatal.
+    """
+    clean: dict[str, Any] = {}
+    dropped: list[str] = []
+    for key, value in data.items():
+        field = model.model_fields.get(key)
+        if field is None:
+            dropped.append(key)
+            continue
+        sub = field.annotation
+        if isinstance(value, dict) and isinstance(sub, type) and issubclass(sub, BaseModel):
+            value, sub_dropped = known_fields_only(sub, value)
+            dropped.extend(f"{key}.{d}" for d in sub_dropped)
+        clean[key] = value
+    return clean, dropped
+
+
+def dump_toml(config: RunConfig) -> str:
+    """Render a config as a TOML run file (None values are left out: they mean 'default')."""
+
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+    data = config.model_dump()
+    lines = [f"{k} = {value(v)}" for k, v in data.items() if not isinstance(v, dict) and v is not None]
+    for section, fields in data.items():
+        if isinstance(fields, dict):
+            lines.append(f"\n[{section}]")
+            lines.extend(f"{k} = {value(v)}" for k, v in fields.items() if v is not None)
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,159 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Header(_message.Message):
+    __slots__ = ("run_id", "sender", "step")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    sender: str
+    step: int
+    def __init__(self, run_id: _Optional[str] = ..., sender: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class Tensor(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "codec", "scales", "payload", "offset", "numel", "bits")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    SCALES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    BITS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    codec: str
+    scales: bytes
+    payload: bytes
+    offset: int
+    numel: int
+    bits: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., codec: _Optional[str] = ..., scales: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., bits: _Optional[int] = ...) -> None: ...
+
+class PingRequest(_message.Message):
+    __slots__ = ("header", "sent_at", "padding", "reply_bytes")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    SENT_AT_FIELD_NUMBER: _ClassVar[int]
+    PADDING_FIELD_NUMBER: _ClassVar[int]
+    REPLY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    header: Header
+    sent_at: float
+    padding: bytes
+    reply_bytes: int
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., sent_at: _Optional[float] = ..., padding: _Optional[bytes] = ..., reply_bytes: _Optional[int] = ...) -> None: ...
+
+class PingReply(_message.Message):
+    __slots__ = ("peer_id", "state", "version", "inner_step", "eta_s", "sent_at", "padding")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEP_FIELD_NUMBER: _ClassVar[int]
+    ETA_S_FIELD_NUMBER: _ClassVar[int]
+    SENT_AT_FIELD_NUMBER: _ClassVar[int]
+    PADDING_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    state: str
+    version: int
+    inner_step: int
+    eta_s: float
+    sent_at: float
+    padding: bytes
+    def __init__(self, peer_id: _Optional[str] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., inner_step: _Optional[int] = ..., eta_s: _Optional[float] = ..., sent_at: _Optional[float] = ..., padding: _Optional[bytes] = ...) -> None: ...
+
+class ShardChunk(_message.Message):
+    __slots__ = ("header", "shard", "num_shards", "attempt", "base_hash", "contributors", "tensor")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    BASE_HASH_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    header: Header
+    shard: int
+    num_shards: int
+    attempt: int
+    base_hash: str
+    contributors: _containers.RepeatedScalarFieldContainer[str]
+    tensor: Tensor
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., attempt: _Optional[int] = ..., base_hash: _Optional[str] = ..., contributors: _Optional[_Iterable[str]] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class Ack(_message.Message):
+    __slots__ = ("received_bytes",)
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    received_bytes: int
+    def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
+
+class ResultRequest(_message.Message):
+    __slots__ = ("header", "shard", "num_shards")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    header: Header
+    shard: int
+    num_shards: int
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
+
+class StateInfoRequest(_message.Message):
+    __slots__ = ("header",)
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    header: Header
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ...) -> None: ...
+
+class TensorInfo(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StateInfo(_message.Message):
+    __slots__ = ("version", "state_hash", "tensors", "meta_json")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_HASH_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    META_JSON_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    state_hash: str
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorInfo]
+    meta_json: str
+    def __init__(self, version: _Optional[int] = ..., state_hash: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., meta_json: _Optional[str] = ...) -> None: ...
+
+class Range(_message.Message):
+    __slots__ = ("name", "offset", "numel")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    offset: int
+    numel: int
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ...) -> None: ...
+
+class StateRequest(_message.Message):
+    __slots__ = ("header", "version", "ranges")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    header: Header
+    version: int
+    ranges: _containers.RepeatedCompositeFieldContainer[Range]
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., version: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[Range, _Mapping]]] = ...) -> None: ...
+
+class StateChunk(_message.Message):
+    __slots__ = ("version", "tensor")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    tensor: Tensor
+    def __init__(self, version: _Optional[int] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,169 @@
+"""DHT record types: what the coordinator and peers publish, and how a reader checks them.
+
+Every value in the DHT is a signed envelope ``{"v": 1, "by": <author id>, "body": <json>, "sig": ...}``.
+A reader accepts it only if the signature matches the author's key (which is inside the author's
+peer id, see :mod:`potluck.protos.identity`), the author is who the key belongs to (the coordinator
+for the manifest and plans, the subkey's peer for a peer record), and the record is not older than
+one already seen from the same author. Bodies are parsed tolerantly, like Petals' ``ServerInfo``:
+required fields first, unknown fields ignored, missing optional fields defaulted, so a newer writer
+does not crash an older reader; anything else is a :class:`RecordError` with the reason.
+
+Keys (one DHT per run, bootstrapped by its coordinator):
+
+* ``potluck/manifest``: :class:`Manifest`, written by the coordinator.
+* ``potluck/<run_id>/peers``: one subkey per peer id, :class:`PeerRecord`, refreshed as a heartbeat.
+* ``potluck/<run_id>/plan``: :class:`Plan`, the membership of the coming outer steps.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from potluck.protos.identity import Identity, verify
+
+ENVELOPE_VERSION = 1
+MANIFEST_KEY = "potluck/manifest"
+MAX_CLOCK_SKEW_S = 300.0
+
+PeerState = Literal["joining", "recovering", "training", "syncing", "waiting", "left", "lost", "finished"]
+
+
+def peers_key(run_id: str) -> str:
+    return f"potluck/{run_id}/peers"
+
+
+def plan_key(run_id: str) -> str:
+    return f"potluck/{run_id}/plan"
+
+
+class RecordError(ValueError):
+    """A DHT value that is malformed, forged, or older than one already accepted."""
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+_R = TypeVar("_R", bound=_Record)
+
+
+class Manifest(_Record):
+    """What a run is: its id, its config, and where the coordinator can be reached."""
+
+    run_id: str
+    coordinator: str = Field(description="coordinator peer id (its key signs manifest and plans)")
+    config: dict[str, Any] = Field(description="RunConfig.manifest_sections()")
+    coordinator_grpc: str = Field("", description="host:port serving checkpoints (FetchState)")
+    status_url: str = ""
+    created_at: float = 0.0
+    finished: bool = False
+    checkpoint_every: int = Field(0, description="outer steps between coordinator checkpoints (0: none)")
+    checkpoint_version: int = Field(0, description="newest version the coordinator holds a checkpoint of")
+    seq: int = 0
+
+
+class PeerRecord(_Record):
+    """A peer's heartbeat: where it listens, what it is doing, what it contributes."""
+
+    peer_id: str
+    address: str = Field(description="host:port of the peer's gRPC server, as other peers reach it")
+    state: str = "joining"
+    version: int = Field(0, description="committed outer steps of its theta_global")
+    state_hash: str = ""
+    inner_step: int = 0
+    device: str = "cpu"
+    device_name: str = ""
+    memory_gb: float = 0.0
+    name: str = Field("", description="public name, only if the volunteer opted in")
+    loss: float | None = None
+    eval_loss: float | None = None
+    eval_version: int = Field(-1, description="the version eval_loss was measured on")
+    samples_per_s: float = 0.0
+    tokens_per_s: float = 0.0
+    tokens_total: int = 0
+    bytes_sent: dict[str, int] = Field(default_factory=dict)
+    bytes_received: dict[str, int] = Field(default_factory=dict)
+    last_outer_s: float = 0.0
+    software: str = ""
+    started_at: float = 0.0
+    seq: int = 0
+    ts: float = 0.0
+    extras: dict[str, Any] = Field(default_factory=dict)
+
+
+class Member(_Record):
+    peer_id: str
+    address: str
+
+
+class Round(_Record):
+    """The members of one outer step, in shard order, and the state they must start from."""
+
+    step: int = Field(description="the outer step these members run (it produces version `step`)")
+    members: list[Member]
+    base_hash: str = Field("", description="hash of version step-1 that most members hold; '' if unknown")
+    decided_at: float = 0.0
+
+
+class Plan(_Record):
+    """The coordinator's decisions for the coming outer steps; the newest round at or below a step wins."""
+
+    seq: int
+    rounds: list[Round]
+    ts: float = 0.0
+
+    def round_for(self, step: int) -> Round | None:
+        """The membership that applies to ``step``: the latest round decided at or before it."""
+        best: Round | None = None
+        for r in self.rounds:
+            if r.step <= step and (best is None or r.step > best.step):
+                best = r
+        return best
+
+
+def seal(identity: Identity, record: BaseModel) -> dict[str, Any]:
+    """Sign a record for the DHT."""
+    body = json.dumps(record.model_dump(mode="json"), sort_keys=True, separators=(",", ":")).encode()
+    return {"v": ENVELOPE_VERSION, "by": identity.peer_id, "body": body, "sig": identity.sign(body)}
+
+
+def unseal(model: type[_R], value: Any, *, author: str, min_seq: int = 0) -> _R:
+    """Check and parse a DHT value; raises RecordError saying why it was refused.
+
+    ``author`` is the peer id that must have signed it; ``min_seq`` the newest ``seq`` already
+    accepted from that author (an older one is stale and refused).
+    """
+    if not isinstance(value, dict):
+        raise RecordError(f"not a signed record (got {type(value).__name__})")
+    if value.get("v") != ENVELOPE_VERSION:
+        raise RecordError(f"unsupported record envelope version {value.get('v')!r}")
+    by, body, sig = value.get("by"), value.get("body"), value.get("sig")
+    if not isinstance(body, bytes) or not isinstance(sig, bytes) or not isinstance(by, str):
+        raise RecordError("record envelope lacks by/body/sig")
+    if by != author:
+        raise RecordError(f"record signed by {by[-6:]} but must come from {author[-6:]}")
+    if not verify(author, body, sig):
+        raise RecordError(f"bad signature on a record claiming to come from {author[-6:]}")
+    try:
+        data = json.loads(body)
+        record = model.model_validate(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise RecordError(f"record body is not JSON: {err}") from None
+    except ValidationError as err:
+        raise RecordError(f"malformed {model.__name__}: {err.errors()[0]['msg']} at {err.errors()[0]['loc']}") from None
+    seq = getattr(record, "seq", 0)
+    if seq < min_seq:
+        raise RecordError(f"stale {model.__name__} (seq {seq} < {min_seq} already seen)")
+    ts = getattr(record, "ts", 0.0)
+    if ts and ts > time.time() + MAX_CLOCK_SKEW_S:
+        raise RecordError(f"{model.__name__} is dated {ts - time.time():.0f} s in the future")
+    return record
+
+
+def next_seq() -> int:
+    """A sequence number that grows across restarts of the same author (wall-clock microseconds)."""
+    return time.time_ns() // 1000

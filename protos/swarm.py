@@ -1,0 +1,180 @@
+"""A hivemind DHT node with typed, signed access to potluck's records.
+
+Both the coordinator and peers hold one :class:`SwarmNode`. Its libp2p identity *is* the process's
+potluck identity (:mod:`potluck.protos.identity`), so the DHT peer id, the id in records and the key
+that signs them are one and the same.
+
+hivemind's DHT runs in a child process; calls to it go through a pipe, so a node should be used
+from one thread at a time (the coordinator's loop, a peer's heartbeat thread).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from potluck.protos.identity import Identity, IdentityError, public_key_from_peer_id
+from potluck.protos.log import get_logger
+from potluck.protos.records import (
+    MANIFEST_KEY,
+    Manifest,
+    PeerRecord,
+    Plan,
+    RecordError,
+    peers_key,
+    plan_key,
+    seal,
+    unseal,
+)
+
+os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
+os.environ.setdefault("GOLOG_LOG_LEVEL", "error")
+
+from hivemind.dht import DHT
+from hivemind.utils import get_dht_time
+
+log = get_logger(__name__)
+
+
+class JoinError(RuntimeError):
+    """Could not start a DHT node or reach the swarm; the message says what to check."""
+
+
+def parse_join_address(address: str) -> tuple[str, str]:
+    """Split ``/ip4/HOST/tcp/PORT/p2p/ID`` into (multiaddr, coordinator id); checks the id's key."""
+    address = address.strip()
+    parts = address.split("/")
+    if "p2p" not in parts or parts.index("p2p") + 1 >= len(parts):
+        raise JoinError(
+            f"join address {address!r} has no /p2p/<coordinator id> part; copy the whole address "
+            "the coordinator printed (it looks like /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...)"
+        )
+    coordinator = parts[parts.index("p2p") + 1]
+    try:
+        public_key_from_peer_id(coordinator)
+    except IdentityError as err:
+        raise JoinError(f"join address {address!r}: {err}") from None
+    return address, coordinator
+
+
+def guess_reachable_host(target_host: str | None = None) -> str:
+    """The local address other machines would use to reach us (the interface that routes to them).
+
+    With no target, the interface that routes to the public internet; loopback targets give
+    127.0.0.1. No packet is sent: connecting a UDP socket only selects a route.
+    """
+    if target_host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    probe = target_host or "8.8.8.8"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((probe, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+def host_of_multiaddr(maddr: str) -> str | None:
+    parts = maddr.split("/")
+    for proto in ("ip4", "ip6", "dns", "dns4", "dns6"):
+        if proto in parts and parts.index(proto) + 1 < len(parts):
+            return parts[parts.index(proto) + 1]
+    return None
+
+
+class SwarmNode:
+    """One DHT node; ``initial_peers`` empty means this node bootstraps a new swarm."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        *,
+        initial_peers: list[str] | None = None,
+        host: str = "0.0.0.0",
+        port: int = 0,
+        announce_host: str | None = None,
+        startup_timeout: float = 60.0,
+        client_mode: bool = False,
+        identity_path: str | Path | None = None,
+    ) -> None:
+        self.identity = identity
+        tmpdir = None
+        if identity_path is None:
+            tmpdir = tempfile.TemporaryDirectory(prefix="potluck-id-")
+            identity_path = Path(tmpdir.name) / "identity.key"
+            identity.save(identity_path)
+        announce = [f"/ip4/{announce_host}/tcp/{port}"] if announce_host and port else None
+        try:
+            self.dht = DHT(
+                initial_peers=initial_peers or None,
+                start=True,
+                host_maddrs=[f"/ip4/{host}/tcp/{port}"],
+                announce_maddrs=announce,
+                identity_path=str(identity_path),
+                check_if_identity_free=False,
+                startup_timeout=startup_timeout,
+                client_mode=client_mode,
+                await_ready=True,
+            )
+        except Exception as err:
+            where = f"the swarm at {initial_peers[0]}" if initial_peers else f"a DHT node on {host}:{port}"
+            hint = (
+                "check that the coordinator is running, that its address is reachable from this machine "
+                "(firewall, NAT) and that you copied the whole join address"
+                if initial_peers
+                else "check that the port is free; on a slow machine raise coordinator.startup_timeout_s"
+            )
+            raise JoinError(f"could not start or join {where}: {err}; {hint}") from err
+        finally:
+            if tmpdir is not None:
+                tmpdir.cleanup()
+        if str(self.dht.peer_id) != identity.peer_id:
+            raise JoinError(f"DHT came up as {self.dht.peer_id}, expected {identity.peer_id}")
+
+    @property
+    def maddrs(self) -> list[str]:
+        return [str(m) for m in self.dht.get_visible_maddrs()]
+
+    def store(self, key: str, record: Any, ttl: float, subkey: str | None = None) -> bool:
+        value = seal(self.identity, record)
+        return bool(self.dht.store(key, value, expiration_time=get_dht_time() + ttl, subkey=subkey))
+
+    def get_manifest(self, coordinator: str, min_seq: int = 0) -> Manifest | None:
+        found = self.dht.get(MANIFEST_KEY, latest=True)
+        if found is None:
+            return None
+        return unseal(Manifest, found.value, author=coordinator, min_seq=min_seq)
+
+    def get_plan(self, run_id: str, coordinator: str, min_seq: int = 0) -> Plan | None:
+        found = self.dht.get(plan_key(run_id), latest=True)
+        if found is None:
+            return None
+        return unseal(Plan, found.value, author=coordinator, min_seq=min_seq)
+
+    def get_peers(self, run_id: str) -> tuple[dict[str, PeerRecord], list[str]]:
+        """Valid peer records by id, and the reasons any others were refused."""
+        found = self.dht.get(peers_key(run_id), latest=True)
+        records: dict[str, PeerRecord] = {}
+        refused: list[str] = []
+        if found is None or not isinstance(found.value, dict):
+            return records, refused
+        for subkey, item in found.value.items():
+            try:
+                if not isinstance(subkey, str):
+                    raise RecordError(f"subkey {subkey!r} is not a peer id")
+                rec = unseal(PeerRecord, item.value, author=subkey)
+                if rec.peer_id != subkey:
+                    raise RecordError(f"record for {rec.peer_id[-6:]} stored under {subkey[-6:]}")
+                records[subkey] = rec
+            except RecordError as err:
+                refused.append(f"peer record {str(subkey)[-6:]}: {err}")
+        return records, refused
+
+    def shutdown(self) -> None:
+        try:
+            self.dht.shutdown()
+        except Exception as err:  # shutting down twice or after the child died is fine
+            log.debug("DHT shutdown: %s", err)

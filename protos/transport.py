@@ -1,0 +1,270 @@
+"""gRPC plumbing of a peer: the PeerService server, a client with channel reuse, byte accounting.
+
+The transport knows nothing about training: the server hands each RPC to a :class:`Handlers`
+object (the daemon), the client moves protobuf messages. What it adds is what every RPC needs the
+same way: deliberate message size limits, counting every byte sent and received by kind (the
+figures the logs, ``/metrics`` and the status page show), and turning a handler's
+:class:`Rejected` into a gRPC status with a clear reason, logged once on the receiving side.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from concurrent import futures
+from typing import Protocol, TypeVar
+
+import grpc
+
+from potluck.protos import potluck_pb2 as pb
+from potluck.protos import potluck_pb2_grpc as pb_grpc
+from potluck.protos.log import get_logger, short_id
+
+log = get_logger(__name__)
+
+# One chunk carries at most SyncConfig.chunk_bytes (<= 4 MiB) of payload plus scales and header;
+# 8 MiB bounds any single message we accept or send, whatever a misbehaving sender claims.
+MAX_MESSAGE_BYTES = 8 << 20
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.enable_retries", 0),
+]
+
+KIND_BY_METHOD = {
+    "Ping": "probe",
+    "PushContribution": "outer",
+    "PushResult": "outer",
+    "FetchResult": "outer",
+    "GetStateInfo": "state",
+    "FetchState": "state",
+}
+
+M = TypeVar("M")
+
+
+class Rejected(Exception):
+    """Raised by a handler to refuse a message; becomes a gRPC error with this code and reason."""
+
+    def __init__(self, code: grpc.StatusCode, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+class Traffic:
+    """Thread-safe byte counters by kind (``outer``, ``state``, ``probe``, ...) and direction."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.sent: dict[str, int] = defaultdict(int)
+        self.received: dict[str, int] = defaultdict(int)
+        self.rejected: dict[str, int] = defaultdict(int)
+
+    def add_sent(self, kind: str, n: int) -> None:
+        with self._lock:
+            self.sent[kind] += n
+
+    def add_received(self, kind: str, n: int) -> None:
+        with self._lock:
+            self.received[kind] += n
+
+    def add_rejected(self, reason_kind: str) -> None:
+        with self._lock:
+            self.rejected[reason_kind] += 1
+
+    def snapshot(self) -> tuple[dict[str, int], dict[str, int]]:
+        with self._lock:
+            return dict(self.sent), dict(self.received)
+
+
+class Handlers(Protocol):
+    """What the daemon implements; each method may raise :class:`Rejected`."""
+
+    def ping(self, request: pb.PingRequest) -> pb.PingReply: ...
+
+    def push_contribution(self, chunks: Iterator[pb.ShardChunk]) -> pb.Ack: ...
+
+    def push_result(self, chunks: Iterator[pb.ShardChunk]) -> pb.Ack: ...
+
+    def fetch_result(self, request: pb.ResultRequest) -> Iterator[pb.ShardChunk]: ...
+
+    def get_state_info(self, request: pb.StateInfoRequest) -> pb.StateInfo: ...
+
+    def fetch_state(self, request: pb.StateRequest) -> Iterator[pb.StateChunk]: ...
+
+
+def _counted(messages: Iterable[M], count: Callable[[int], None]) -> Iterator[M]:
+    for m in messages:
+        count(m.ByteSize())  # type: ignore[attr-defined]
+        yield m
+
+
+class _Servicer(pb_grpc.PeerServiceServicer):
+    def __init__(self, handlers: Handlers, traffic: Traffic, on_reject: Callable[[str, str, str], None]) -> None:
+        self.h, self.traffic, self.on_reject = handlers, traffic, on_reject
+
+    def _unary(self, method: str, request: object, context: grpc.ServicerContext, fn: Callable) -> object:
+        kind = KIND_BY_METHOD[method]
+        self.traffic.add_received(kind, request.ByteSize())  # type: ignore[attr-defined]
+        try:
+            reply = fn(request)
+        except Rejected as r:
+            self._reject(method, request, r, context)
+        except Exception as err:  # a bug in a handler must not kill the server thread silently
+            log.exception("%s handler failed", method)
+            context.abort(grpc.StatusCode.INTERNAL, f"{method} failed: {err}")
+        self.traffic.add_sent(kind, reply.ByteSize())
+        return reply
+
+    def _client_stream(self, method: str, it: Iterator, context: grpc.ServicerContext, fn: Callable) -> object:
+        kind = KIND_BY_METHOD[method]
+        try:
+            reply = fn(_counted(it, lambda n: self.traffic.add_received(kind, n)))
+        except Rejected as r:
+            self._reject(method, None, r, context)
+        except Exception as err:
+            log.exception("%s handler failed", method)
+            context.abort(grpc.StatusCode.INTERNAL, f"{method} failed: {err}")
+        self.traffic.add_sent(kind, reply.ByteSize())
+        return reply
+
+    def _server_stream(self, method: str, request: object, context: grpc.ServicerContext, fn: Callable) -> Iterator:
+        kind = KIND_BY_METHOD[method]
+        self.traffic.add_received(kind, request.ByteSize())  # type: ignore[attr-defined]
+        try:
+            for m in fn(request):
+                self.traffic.add_sent(kind, m.ByteSize())
+                yield m
+        except Rejected as r:
+            self._reject(method, request, r, context)
+        except Exception as err:
+            log.exception("%s handler failed", method)
+            context.abort(grpc.StatusCode.INTERNAL, f"{method} failed: {err}")
+
+    def _reject(self, method: str, request: object, r: Rejected, context: grpc.ServicerContext) -> None:
+        sender = getattr(getattr(request, "header", None), "sender", "") or "?"
+        self.traffic.add_rejected(method)
+        self.on_reject(method, sender, r.reason)
+        context.abort(r.code, r.reason)
+
+    def Ping(self, request, context):  # noqa: N802 (gRPC names)
+        return self._unary("Ping", request, context, self.h.ping)
+
+    def PushContribution(self, request_iterator, context):  # noqa: N802
+        return self._client_stream("PushContribution", request_iterator, context, self.h.push_contribution)
+
+    def PushResult(self, request_iterator, context):  # noqa: N802
+        return self._client_stream("PushResult", request_iterator, context, self.h.push_result)
+
+    def FetchResult(self, request, context):  # noqa: N802
+        return self._server_stream("FetchResult", request, context, self.h.fetch_result)
+
+    def GetStateInfo(self, request, context):  # noqa: N802
+        return self._unary("GetStateInfo", request, context, self.h.get_state_info)
+
+    def FetchState(self, request, context):  # noqa: N802
+        return self._server_stream("FetchState", request, context, self.h.fetch_state)
+
+
+def _log_reject(method: str, sender: str, reason: str) -> None:
+    log.warning("rejected %s from %s: %s", method, short_id(sender) if sender != "?" else "?", reason)
+
+
+class PeerServer:
+    """A PeerService gRPC server bound to ``host:port`` (port 0 picks a free one)."""
+
+    def __init__(
+        self,
+        handlers: Handlers,
+        traffic: Traffic,
+        host: str = "0.0.0.0",
+        port: int = 0,
+        workers: int = 32,
+        on_reject: Callable[[str, str, str], None] = _log_reject,
+    ) -> None:
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
+            options=CHANNEL_OPTIONS,
+        )
+        pb_grpc.add_PeerServiceServicer_to_server(_Servicer(handlers, traffic, on_reject), self.server)
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"could not bind the gRPC server to {host}:{port} (is the port in use?)")
+        self.server.start()
+
+    def stop(self, grace: float = 1.0) -> None:
+        self.server.stop(grace).wait(grace + 1.0)
+
+
+class PeerClient:
+    """Calls other peers' PeerService; one channel per address, reused across calls."""
+
+    def __init__(self, traffic: Traffic) -> None:
+        self.traffic = traffic
+        self._lock = threading.Lock()
+        self._stubs: dict[str, pb_grpc.PeerServiceStub] = {}
+        self._channels: dict[str, grpc.Channel] = {}
+
+    def stub(self, address: str) -> pb_grpc.PeerServiceStub:
+        with self._lock:
+            stub = self._stubs.get(address)
+            if stub is None:
+                channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                self._channels[address] = channel
+                stub = self._stubs[address] = pb_grpc.PeerServiceStub(channel)
+            return stub
+
+    def ping(self, address: str, request: pb.PingRequest, timeout: float) -> pb.PingReply:
+        self.traffic.add_sent("probe", request.ByteSize())
+        reply = self.stub(address).Ping(request, timeout=timeout)
+        self.traffic.add_received("probe", reply.ByteSize())
+        return reply
+
+    def push_contribution(self, address: str, chunks: Iterable[pb.ShardChunk], timeout: float) -> pb.Ack:
+        return self.stub(address).PushContribution(
+            _counted(chunks, lambda n: self.traffic.add_sent("outer", n)), timeout=timeout
+        )
+
+    def push_result(self, address: str, chunks: Iterable[pb.ShardChunk], timeout: float) -> pb.Ack:
+        return self.stub(address).PushResult(
+            _counted(chunks, lambda n: self.traffic.add_sent("outer", n)), timeout=timeout
+        )
+
+    def fetch_result(self, address: str, request: pb.ResultRequest, timeout: float) -> Iterator[pb.ShardChunk]:
+        self.traffic.add_sent("outer", request.ByteSize())
+        return _counted(
+            self.stub(address).FetchResult(request, timeout=timeout), lambda n: self.traffic.add_received("outer", n)
+        )
+
+    def get_state_info(self, address: str, request: pb.StateInfoRequest, timeout: float) -> pb.StateInfo:
+        self.traffic.add_sent("state", request.ByteSize())
+        info = self.stub(address).GetStateInfo(request, timeout=timeout)
+        self.traffic.add_received("state", info.ByteSize())
+        return info
+
+    def fetch_state(self, address: str, request: pb.StateRequest, timeout: float) -> Iterator[pb.StateChunk]:
+        self.traffic.add_sent("state", request.ByteSize())
+        return _counted(
+            self.stub(address).FetchState(request, timeout=timeout), lambda n: self.traffic.add_received("state", n)
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
+            self._stubs.clear()
+
+
+def is_unreachable(err: grpc.RpcError) -> bool:
+    """True when the other side is gone (connection refused/reset), not merely slow or refusing."""
+    return err.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+
+
+def rpc_reason(err: grpc.RpcError) -> str:
+    code = err.code()  # type: ignore[attr-defined]
+    return f"{code.name if code else 'UNKNOWN'}: {err.details()}"  # type: ignore[attr-defined]
