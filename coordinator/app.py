@@ -59,6 +59,7 @@ class Coordinator:
         self._checkpointing = threading.Lock()
         self._warned: set[str] = set()
         self._manifest_update: dict[str, Any] | None = None  # set by the checkpoint thread, applied by tick()
+        self.series: deque[dict[str, Any]] = deque(maxlen=1800)
         set_context(role="coordinator")
 
     # ------------------------------------------------------------------ lifecycle
@@ -322,48 +323,80 @@ class Coordinator:
             log.info("%s%s", f"{short_id(peer)} " if peer else "", message)
 
     def _update_history(self) -> None:
+        """Fold the members' reports for each recent version into its history entry.
+
+        A member publishes its record right after committing version ``v`` (and again once it has
+        evaluated ``theta_global`` at ``v``), so the entry fills in within a heartbeat or two.
+        """
         hist = {h["step"]: h for h in self.state.history}
-        changed = False
         for v in range(max(1, self.table.committed - 2), self.table.committed + 1):
             if v not in hist and v in self.table.rounds:
-                hist[v] = {"step": v, "t": time.time(), "members": len(self.table.rounds[v].members), "loss": None,
-                           "eval_loss": None, "outer_s": None, "tokens": 0}
-                changed = True
+                hist[v] = {
+                    "step": v, "t": time.time(), "members": len(self.table.rounds[v].members), "loss": None,
+                    "eval_loss": None, "outer_s": None, "state_hashes": {},
+                    "bytes": {"activations": 0, "gradients": 0, "outer": 0},
+                    "bytes_fp32": {"activations": 0, "gradients": 0, "outer": 0},
+                }
         for view in self.table.peers.values():
             rec = view.record
-            entry = hist.get(rec.version)
-            if entry is None:
+            entry, rnd = hist.get(rec.version), self.table.rounds.get(rec.version)
+            if entry is None or rnd is None or rec.peer_id not in {m.peer_id for m in rnd.members}:
                 continue
-            if entry["loss"] is None and rec.loss is not None:
-                entry["loss"], entry["outer_s"], changed = rec.loss, rec.last_outer_s, True
-            if rec.eval_version == rec.version and entry["eval_loss"] is None and rec.eval_loss is not None:
-                entry["eval_loss"], changed = rec.eval_loss, True
-        if changed:
-            self.state.history = sorted(hist.values(), key=lambda h: h["step"])
+            if rec.eval_version == rec.version and entry["eval_loss"] is None:
+                entry["eval_loss"] = rec.eval_loss
+            if rec.peer_id in entry["state_hashes"]:
+                continue  # only a member's first report at a version describes that outer step
+            n = len(rnd.members)
+            entry["state_hashes"][rec.peer_id] = rec.state_hash
+            if rec.loss is not None:
+                losses = entry.setdefault("_losses", [])
+                losses.append(rec.loss)
+                entry["loss"] = sum(losses) / len(losses)
+            entry["outer_s"] = max(entry["outer_s"] or 0.0, rec.last_outer_s)
+            entry["bytes"]["outer"] += rec.last_outer_bytes
+            if n > 1:  # what a ring all-reduce of fp32 would have sent from this member
+                entry["bytes_fp32"]["outer"] += int(2 * (n - 1) / n * 4 * rec.parameters)
+        self.state.history = sorted(hist.values(), key=lambda h: h["step"])[-2000:]
 
     def status_json(self) -> dict[str, Any]:
         with self._lock:
             return self._state_json
 
+    def _sample_series(self, live: list[dict]) -> None:
+        now = time.time()
+        if self.series and now - self.series[-1]["t"] < 2.0:
+            return
+        tps = sum(p["tokens_per_s"] for p in live if p["state"] == "training")
+        self.series.append({"t": now, "tokens_per_s": tps, "live_peers": len(live)})
+
     def _build_state(self) -> dict[str, Any]:
         now_wall, now = time.time(), time.monotonic()
+        current = self.table.rounds.get(max(self.table.rounds, default=0))
+        replica_of = {m.peer_id: i for i, m in enumerate(current.members)} if current else {}
         peers = []
         for view in sorted(self.table.peers.values(), key=lambda v: v.first_seen):
             r = view.record
             state = "lost" if view.lost else r.state
+            idx = replica_of.get(r.peer_id)
             peers.append({
                 "id": r.peer_id, "short_id": short_id(r.peer_id), "name": r.name, "state": state,
                 "address": r.address, "device": r.device, "device_name": r.device_name, "memory_gb": r.memory_gb,
+                "tasklet": {"stage": 0, "replica": idx} if idx is not None else None,
                 "version": r.version, "inner_step": r.inner_step, "loss": r.loss, "eval_loss": r.eval_loss,
                 "tokens_per_s": r.tokens_per_s, "tokens_total": r.tokens_total,
                 "bytes_sent": r.bytes_sent, "bytes_received": r.bytes_received,
                 "last_seen_s": round(now - view.last_seen, 2), "software": r.software, "state_hash": r.state_hash,
             })
         live = [p for p in peers if p["state"] not in ("lost", "left", "finished")]
-        history = self.state.history
+        self._sample_series(live)
+        history = [{k: v for k, v in h.items() if not k.startswith("_")} for h in self.state.history]
         last = next((h for h in reversed(history) if h["loss"] is not None), None)
         last_eval = next((h for h in reversed(history) if h["eval_loss"] is not None), None)
-        current = self.table.rounds.get(max(self.table.rounds, default=0))
+        records = [v.record for v in self.table.peers.values()]
+        compute = sum(r.compute_s for r in records)
+        sync = sum(r.sync_s for r in records)
+        training = [p for p in live if p["state"] == "training"]
+        by_id = {p["id"]: p for p in peers}
         m = self.cfg.model
         return {
             "api": "potluck.status/v1",
@@ -373,24 +406,54 @@ class Coordinator:
                 "status_url": self.status_url, "finished": self.state.finished, "started_at": self.started_at,
                 "outer_step": self.table.committed, "outer_steps_total": self.cfg.diloco.outer_steps,
                 "inner_steps_per_outer": self.cfg.diloco.inner_steps,
-                "model": {"d_model": m.d_model, "n_layers": m.n_layers, "n_heads": m.n_heads, "vocab_size": m.vocab_size,
-                          "seq_len": m.seq_len},
+                "inner_step": min((p["inner_step"] for p in training), default=0),
+                "model": {"parameters": max((r.parameters for r in records), default=0), "d_model": m.d_model,
+                          "n_layers": m.n_layers, "n_heads": m.n_heads, "vocab_size": m.vocab_size, "seq_len": m.seq_len},
                 "stages": 1, "replicas": len(current.members) if current else 0,
-                "tokens_trained": sum(p["tokens_total"] for p in peers),
-                "tokens_per_s": sum(p["tokens_per_s"] for p in live if p["state"] == "training"),
+                "tokens_trained": sum(r.tokens_total for r in records),
+                "tokens_per_s": sum(p["tokens_per_s"] for p in training),
                 "loss": last["loss"] if last else None, "eval_loss": last_eval["eval_loss"] if last_eval else None,
+                "loss_floor": next((r.loss_floor for r in records if r.loss_floor is not None), None),
+                "compute_utilization": compute / (compute + sync) if compute + sync > 0 else None,
+                "last_outer_at": history[-1]["t"] if history else None,
+                "last_allreduce_s": history[-1]["outer_s"] if history else None,
                 "waiting_reason": self._waiting_reason(live),
+            },
+            "grid": {
+                "stages": 1, "replicas": len(current.members) if current else 0,
+                "cells": [
+                    {"stage": 0, "replica": i, "peer": mb.peer_id,
+                     "state": by_id[mb.peer_id]["state"] if mb.peer_id in by_id else "lost"}
+                    for i, mb in enumerate(current.members)
+                ] if current else [],
             },
             "round": current.model_dump(mode="json") if current else None,
             "history": history[-500:],
+            "series": list(self.series),
             "peers": peers,
-            "events": list(self.events)[-100:],
+            "links": {"peers": [], "rtt_ms": [], "bandwidth_mbps": []},
+            "events": list(self.events)[-200:],
+            "config": {"heartbeat_timeout_s": self.cfg.membership.heartbeat_timeout_s},
         }
 
     def _waiting_reason(self, live: list[dict]) -> str:
         need = self.cfg.membership.min_peers
-        if not self.table.rounds and len(live) < need:
-            return f"waiting for peers: {len(live)} of {need} needed to start"
+        if self.state.finished:
+            return ""
+        if not self.table.rounds:
+            return f"waiting for peers: {len(live)} of {need} needed to start" if len(live) < need else ""
+        current = self.table.rounds.get(self.table.committed + 1)
+        if current is None:
+            return "deciding the next round"
+        by_id = {p["id"]: p for p in live}
+        members = [by_id.get(m.peer_id) for m in current.members]
+        syncing = [p for p in members if p and p["state"] == "syncing"]
+        behind = [p for p in members if p is None or p["state"] != "syncing"]
+        if syncing and behind:
+            lost = sum(1 for p in members if p is None)
+            extra = f" ({lost} lost)" if lost else ""
+            return (f"outer step {current.step}: {len(syncing)} of {len(members)} members are ready; "
+                    f"waiting for {len(behind)}{extra}")
         return ""
 
     # ------------------------------------------------------------------ PeerService (checkpoints only)

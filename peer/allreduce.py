@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 
 import grpc
@@ -86,6 +87,20 @@ def shard_bounds(numel: int, parts: int, align: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def reduce_mean(contributions: dict[str, torch.Tensor], numel: int) -> torch.Tensor:
+    """Mean of decoded contributions, summed in float32 in sender-id order (so it is reproducible).
+
+    Quantized codes are never summed: each contribution is decoded first, so nothing can wrap or
+    lose the scale of another member's block.
+    """
+    acc = torch.zeros(numel, dtype=torch.float32)
+    for sender in sorted(contributions):
+        acc += contributions[sender].float()
+    if contributions:
+        acc /= len(contributions)
+    return acc
+
+
 @dataclass
 class _Result:
     attempt: int
@@ -135,6 +150,7 @@ class AllReduce:
         self._closed: set[tuple[int, int]] = set()
         self._results: dict[int, _Result] = {}
         self._taken_over: set[int] = set()
+        self._pending: list[Future] = []
 
     # ---------------------------------------------------------------- state of the coming step
 
@@ -161,6 +177,15 @@ class AllReduce:
                     del by_sender[sender]
             for shard in [s for s, r in self._results.items() if r.owner not in members or s >= len(members)]:
                 del self._results[shard]
+
+    def pending_contributions(self) -> int:
+        """Contributions held for the expected step (for tests and the status page)."""
+        with self._cond:
+            return sum(len(v) for v in self._contribs.values())
+
+    def result_count(self) -> int:
+        with self._cond:
+            return len(self._results)
 
     # ---------------------------------------------------------------- RPC handlers
 
@@ -193,8 +218,12 @@ class AllReduce:
         kept: list[pb.Tensor] = []
         try:
             for chunk in chunks:
-                with self._cond:
-                    self._check_header(chunk)
+                try:
+                    with self._cond:
+                        self._check_header(chunk)
+                except Rejected as r:
+                    r.sender = chunk.header.sender
+                    raise
                 if first is None:
                     first = chunk
                     start, end = shard_bounds(self.numel, chunk.num_shards, self.codec.align)[chunk.shard]
@@ -206,15 +235,14 @@ class AllReduce:
                 assert assembler is not None
                 assembler.add(chunk.tensor)
                 kept.append(chunk.tensor)
+            if first is None or assembler is None:
+                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "empty stream")
+            return first, assembler.result(), kept
         except WireError as err:
-            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
-        if first is None or assembler is None:
-            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "empty stream")
-        try:
-            values = assembler.result()
-        except WireError as err:
-            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
-        return first, values, kept
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(err), first.header.sender if first else "") from None
+        except Rejected as r:
+            r.sender = r.sender or (first.header.sender if first else "")
+            raise
 
     def on_contribution(self, chunks: Iterator[pb.ShardChunk]) -> pb.Ack:
         first, values, kept = self._receive(chunks)
@@ -277,6 +305,7 @@ class AllReduce:
             if (info.step, info.base_hash) != (self._step, self._base_hash):
                 raise ValueError(f"round {info.step} from {info.base_hash[:12]} but expecting {self._step} from {self._base_hash[:12]}")
         self.set_round(info)
+        self._pending.clear()
         n, me = len(info.members), info.index
         bounds = shard_bounds(self.numel, n, self.codec.align)
         dead: set[str] = set()
@@ -316,6 +345,8 @@ class AllReduce:
             if still:
                 raise IncompleteRound(f"step {info.step}: no result for shard(s) {still} after take-over")
 
+        futures_wait(self._pending, timeout=grace_s)  # our own broadcasts: finish sending before training on
+        self._pending.clear()
         with self._cond:
             results = [self._results[j] for j in range(n)]
         mean = torch.cat([r.values for r in results]) if n else torch.zeros(0)
@@ -382,12 +413,8 @@ class AllReduce:
             attempt = forwarded.attempt
         else:
             lo, hi = bounds[shard]
-            acc = torch.zeros(hi - lo, dtype=torch.float32)
             contributors = sorted(got)
-            for sender in contributors:  # fixed order: the float32 sum is reproducible
-                acc += got[sender]
-            if contributors:
-                acc /= len(contributors)
+            acc = reduce_mean(got, hi - lo)
             result_chunks = list(encode_chunks(f"shard{shard}", acc, self.codec, self.chunk_bytes))
             if len(contributors) < len(expected):
                 missing = sorted(set(info.ids) - set(contributors))
@@ -424,7 +451,7 @@ class AllReduce:
         for peer in ring:
             if peer is backup or peer.peer_id in dead or peer.peer_id == self.me:
                 continue
-            self._submit(self._push_result, info, peer, shard, attempt, chunks, contributors)
+            self._pending.append(self._submit(self._push_result, info, peer, shard, attempt, chunks, contributors))
 
     def _store_own_result(self, info: RoundInfo, shard: int, attempt: int, chunks: list[pb.Tensor], contributors: list[str]) -> None:
         lo, hi = shard_bounds(self.numel, len(info.members), self.codec.align)[shard]

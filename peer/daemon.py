@@ -78,7 +78,10 @@ class Progress:
     tokens_total: int = 0
     step_time_s: float = 0.0
     last_outer_s: float = 0.0
+    last_outer_bytes: int = 0
     outer_wait_s: float = 0.0
+    compute_s: float = 0.0
+    sync_s: float = 0.0
 
 
 class Peer:
@@ -355,6 +358,7 @@ class Peer:
             p.tokens_per_s = tokens_per_step / max(p.step_time_s, 1e-9)
             p.samples_per_s = rc.train.batch_size / max(p.step_time_s, 1e-9)
         self.inner_seconds = time.monotonic() - t_phase
+        self.progress.compute_s += self.inner_seconds
         return True
 
     def _inner_lr(self) -> float:
@@ -430,7 +434,8 @@ class Peer:
 
     def _report_outer(self, stats: AllReduceStats, seconds: float, mean: torch.Tensor) -> None:
         p = self.progress
-        p.last_outer_s, p.outer_wait_s = seconds, stats.wait_seconds
+        p.last_outer_s, p.outer_wait_s, p.last_outer_bytes = seconds, stats.wait_seconds, stats.bytes_sent
+        p.sync_s += seconds
         dropped = f", dropped {', '.join(short_id(d) for d in stats.dropped)}" if stats.dropped else ""
         log.info(
             "outer step %d: %d members, %.2f s (waited %.2f s), sent %.2f MB, |mean delta| %.3g, loss %.4f%s",
@@ -488,6 +493,11 @@ class Peer:
             bytes_sent=sent,
             bytes_received=received,
             last_outer_s=p.last_outer_s,
+            last_outer_bytes=p.last_outer_bytes,
+            compute_s=p.compute_s,
+            sync_s=p.sync_s,
+            parameters=getattr(self, "numel", 0),
+            loss_floor=self.data.loss_floor if hasattr(self, "data") else None,
             software=__version__,
             started_at=self.started_at,
             seq=next_seq(),

@@ -11,6 +11,7 @@ reach (:meth:`MarkovSource.loss_floor`): a run's eval loss is reported next to i
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -141,7 +142,7 @@ class Dataset:
             self.num_samples = min(data.num_samples, self.source.train_windows)
         self._cache: dict[int, np.ndarray] = {}
 
-    @property
+    @functools.cached_property
     def loss_floor(self) -> float | None:
         """Best achievable loss, when the source knows it (the Markov source does)."""
         return self.source.loss_floor() if isinstance(self.source, MarkovSource) else None

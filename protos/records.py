@@ -87,7 +87,12 @@ class PeerRecord(_Record):
     tokens_total: int = 0
     bytes_sent: dict[str, int] = Field(default_factory=dict)
     bytes_received: dict[str, int] = Field(default_factory=dict)
-    last_outer_s: float = 0.0
+    last_outer_s: float = Field(0.0, description="wall time of this peer's last outer step")
+    last_outer_bytes: int = Field(0, description="bytes this peer sent in its last outer all-reduce")
+    compute_s: float = Field(0.0, description="total seconds spent in inner steps")
+    sync_s: float = Field(0.0, description="total seconds spent in outer steps (network and waiting)")
+    parameters: int = 0
+    loss_floor: float | None = Field(None, description="best achievable loss on the run's data, if known")
     software: str = ""
     started_at: float = 0.0
     seq: int = 0

@@ -49,10 +49,11 @@ M = TypeVar("M")
 class Rejected(Exception):
     """Raised by a handler to refuse a message; becomes a gRPC error with this code and reason."""
 
-    def __init__(self, code: grpc.StatusCode, reason: str) -> None:
+    def __init__(self, code: grpc.StatusCode, reason: str, sender: str = "") -> None:
         super().__init__(reason)
         self.code = code
         self.reason = reason
+        self.sender = sender  # who sent the refused message, when the handler knows
 
 
 class Traffic:
@@ -146,7 +147,7 @@ class _Servicer(pb_grpc.PeerServiceServicer):
             context.abort(grpc.StatusCode.INTERNAL, f"{method} failed: {err}")
 
     def _reject(self, method: str, request: object, r: Rejected, context: grpc.ServicerContext) -> None:
-        sender = getattr(getattr(request, "header", None), "sender", "") or "?"
+        sender = r.sender or getattr(getattr(request, "header", None), "sender", "") or "?"
         self.traffic.add_rejected(method)
         self.on_reject(method, sender, r.reason)
         context.abort(r.code, r.reason)

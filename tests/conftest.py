@@ -1,0 +1,47 @@
+"""Shared fixtures: every process a test starts is reaped, whatever happens in the test."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests import their helpers as plain modules
+
+from swarm import LocalSwarm
+
+from potluck.procs import ProcessGroup, group_alive
+
+ARTIFACTS = Path(os.environ.get("POTLUCK_ARTIFACTS", Path(__file__).resolve().parent.parent / "artifacts"))
+
+
+@pytest.fixture
+def procs() -> Iterator[ProcessGroup]:
+    group = ProcessGroup()
+    try:
+        yield group
+    finally:
+        group.stop(timeout=10)
+        leaked = [p.pid for p in group.procs if group_alive(p.pid)]
+        assert not leaked, f"process groups left behind: {leaked}"
+
+
+@pytest.fixture
+def swarm(procs: ProcessGroup, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[LocalSwarm]:
+    s = LocalSwarm(procs, tmp_path)
+    try:
+        yield s
+    finally:
+        failed = getattr(request.node, "rep_call", None)
+        if failed is not None and failed.failed:
+            s.dump_logs()
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, f"rep_{rep.when}", rep)

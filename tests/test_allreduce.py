@@ -1,0 +1,255 @@
+"""The outer all-reduce between real gRPC servers in one process: agreement, failures, bad input."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from potluck.compression.int8 import Int8BlockCodec
+from potluck.compression.stream import encode_chunks
+from potluck.peer.allreduce import AllReduce, IncompleteRound, MemberAddr, RoundInfo, shard_bounds
+from potluck.protos import potluck_pb2 as pb
+from potluck.protos.identity import Identity
+from potluck.protos.transport import PeerClient, PeerServer, Traffic
+
+RUN, NUMEL, BLOCK = "test-run", 10_000, 256
+BASE = "b" * 32
+
+
+class Member:
+    """One all-reduce participant with its own gRPC server, like a peer daemon minus training."""
+
+    def __init__(self) -> None:
+        self.id = Identity.generate().peer_id
+        self.traffic = Traffic()
+        self.client = PeerClient(self.traffic)
+        self.state, self.version = "training", 0
+        self.addresses: dict[str, str] = {}
+        self.ar = AllReduce(
+            run_id=RUN, me=self.id, numel=NUMEL, codec=Int8BlockCodec(BLOCK), client=self.client,
+            chunk_bytes=4096, rpc_timeout=5.0, ping=self._ping,
+        )
+        self.ar.expect(1, BASE)
+        self.server = PeerServer(self, self.traffic, host="127.0.0.1", port=0)
+        self.address = f"127.0.0.1:{self.server.port}"
+
+    def _ping(self, peer_id: str, timeout: float) -> pb.PingReply:
+        return self.client.ping(self.addresses[peer_id], pb.PingRequest(header=pb.Header(run_id=RUN)), timeout)
+
+    def ping(self, request: pb.PingRequest) -> pb.PingReply:
+        return pb.PingReply(peer_id=self.id, state=self.state, version=self.version)
+
+    def push_contribution(self, chunks):  # type: ignore[no-untyped-def]
+        return self.ar.on_contribution(chunks)
+
+    def push_result(self, chunks):  # type: ignore[no-untyped-def]
+        return self.ar.on_result(chunks)
+
+    def fetch_result(self, request):  # type: ignore[no-untyped-def]
+        return self.ar.on_fetch_result(request)
+
+    def close(self) -> None:
+        self.server.stop(0.1)
+        self.ar.close()
+        self.client.close()
+
+
+def dead_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.fixture
+def members() -> Iterator[list[Member]]:
+    ms = [Member() for _ in range(3)]
+    yield ms
+    for m in ms:
+        m.close()
+
+
+def round_for(ms: list[Member], me: Member, addresses: dict[str, str] | None = None) -> RoundInfo:
+    order = sorted(ms, key=lambda m: m.id)
+    addrs = {m.id: m.address for m in ms} | (addresses or {})
+    me.addresses = addrs
+    return RoundInfo(step=1, members=tuple(MemberAddr(m.id, addrs[m.id]) for m in order), me=me.id, base_hash=BASE)
+
+
+def run_all(ms: list[Member], deltas: dict[str, torch.Tensor], wait_s: float, skip: set[str] = frozenset()):  # type: ignore[no-untyped-def]
+    out: dict[str, object] = {}
+
+    def go(m: Member) -> None:
+        try:
+            out[m.id] = m.ar.run(round_for(ms, m), deltas[m.id], wait_s=wait_s, grace_s=1.0)
+        except Exception as err:  # noqa: BLE001 (reported by the test)
+            out[m.id] = err
+
+    threads = [threading.Thread(target=go, args=(m,)) for m in ms if m.id not in skip]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return out
+
+
+def random_deltas(ms: list[Member], seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {m.id: torch.randn(NUMEL, generator=gen) * 0.01 for m in ms}
+
+
+def test_all_members_end_bit_identical(members: list[Member]) -> None:
+    deltas = random_deltas(members)
+    out = run_all(members, deltas, wait_s=10)
+    means = [out[m.id][0] for m in members]
+    assert all(torch.equal(means[0], x) for x in means[1:]), "members disagree"
+    exact = torch.stack(list(deltas.values())).mean(0)
+    assert float((means[0] - exact).abs().max()) < 2 * 0.05 / 127  # two quantizations of |x| < ~0.05
+    stats = out[members[0].id][1]
+    assert stats.contributors == {0: 3, 1: 3, 2: 3} and not stats.dropped
+
+
+def test_traffic_is_about_a_quarter_of_fp32(members: list[Member]) -> None:
+    out = run_all(members, random_deltas(members), wait_s=10)
+    sent = sum(out[m.id][1].bytes_sent for m in members)
+    fp32_ring = 3 * 2 * (2 / 3) * 4 * NUMEL
+    assert sent / fp32_ring < 0.3
+
+
+def test_dead_member_is_dropped_at_once_and_its_shard_taken_over(members: list[Member]) -> None:
+    a, b, c = members
+    c.server.stop(0)  # c died before the outer step
+    t0 = time.monotonic()
+    out = run_all(members, random_deltas(members), wait_s=20, skip={c.id})
+    elapsed = time.monotonic() - t0
+    assert elapsed < 10, f"waited {elapsed:.1f} s for a member whose port refuses connections"
+    (ma, sa), (mb, sb) = out[a.id], out[b.id]
+    assert torch.equal(ma, mb)
+    assert c.id in sa.dropped and c.id in sb.dropped
+    order = sorted(members, key=lambda m: m.id)
+    assert order.index(c) in sa.taken_over
+
+
+def test_stalled_member_is_dropped_after_the_deadline(members: list[Member]) -> None:
+    a, b, c = members  # c answers pings ("training") but never reaches its outer step
+    t0 = time.monotonic()
+    out = run_all(members, random_deltas(members), wait_s=3, skip={c.id})
+    elapsed = time.monotonic() - t0
+    assert 2.5 < elapsed < 12
+    assert torch.equal(out[a.id][0], out[b.id][0])
+
+
+def test_late_member_within_the_deadline_is_included(members: list[Member]) -> None:
+    a, b, c = members
+    deltas = random_deltas(members, seed=3)
+    result: dict[str, object] = {}
+    early = threading.Thread(target=lambda: result.update(run_all(members, deltas, wait_s=20, skip={c.id})))
+    early.start()
+    # c starts only once both others have pushed their contributions into its mailbox
+    deadline = time.monotonic() + 20
+    while c.ar.pending_contributions() < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    mc = c.ar.run(round_for(members, c), deltas[c.id], wait_s=20, grace_s=1.0)
+    early.join(timeout=60)
+    assert torch.equal(result[a.id][0], mc[0]) and torch.equal(result[b.id][0], mc[0])
+    assert mc[1].contributors == {0: 3, 1: 3, 2: 3}
+
+
+def test_stopping_interrupts_the_wait(members: list[Member]) -> None:
+    a, b, c = members
+    a.ar.stopping.set()
+    with pytest.raises(IncompleteRound, match="stopping"):
+        a.ar.run(round_for(members, a), torch.zeros(NUMEL), wait_s=30)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def chunks_for(target: Member, sender: str, **over) -> Iterator[pb.ShardChunk]:  # type: ignore[no-untyped-def]
+    shard = over.pop("shard", 0)
+    num_shards = over.pop("num_shards", 3)
+    lo, hi = shard_bounds(NUMEL, 3, BLOCK)[shard]
+    values = over.pop("values", torch.randn(hi - lo) * 0.01)
+    run_id, step, base = over.pop("run_id", RUN), over.pop("step", 1), over.pop("base_hash", BASE)
+    tensor_over = over.pop("tensor", {})
+    for t in encode_chunks(f"shard{shard}", values, Int8BlockCodec(BLOCK), 1 << 20):
+        for k, v in tensor_over.items():
+            if k == "shape":
+                t.shape[:] = v
+            elif callable(v):
+                setattr(t, k, v(getattr(t, k)))
+            else:
+                setattr(t, k, v)
+        yield pb.ShardChunk(header=pb.Header(run_id=run_id, sender=sender, step=step), shard=shard,
+                            num_shards=num_shards, base_hash=base, tensor=t)
+
+
+def NAN_SCALES(scales: bytes) -> bytes:  # noqa: N802 (used like a constant in the table below)
+    return np.full(len(scales) // 4, np.nan, np.float32).tobytes()
+
+
+@pytest.mark.parametrize(
+    "over,code,match",
+    [
+        ({"run_id": "other-run"}, grpc.StatusCode.INVALID_ARGUMENT, "unknown run id"),
+        ({"step": 7}, grpc.StatusCode.FAILED_PRECONDITION, "step 7"),
+        ({"base_hash": "c" * 32}, grpc.StatusCode.FAILED_PRECONDITION, "base hash mismatch"),
+        ({"sender": "stranger"}, grpc.StatusCode.PERMISSION_DENIED, "not a member"),
+        ({"num_shards": 4}, grpc.StatusCode.INVALID_ARGUMENT, "num_shards"),
+        ({"tensor": {"shape": [5]}}, grpc.StatusCode.INVALID_ARGUMENT, "shape"),
+        ({"tensor": {"dtype": "float16"}}, grpc.StatusCode.INVALID_ARGUMENT, "dtype"),
+        ({"tensor": {"scales": NAN_SCALES}}, grpc.StatusCode.INVALID_ARGUMENT, "finite"),
+        ({"tensor": {"payload": b"\x01\x02"}}, grpc.StatusCode.INVALID_ARGUMENT, "payload"),
+        ({"tensor": {"codec": "raw"}}, grpc.StatusCode.INVALID_ARGUMENT, "codec"),
+        ({"shard": 1}, grpc.StatusCode.INVALID_ARGUMENT, "not owned"),
+    ],
+)
+def test_bad_contribution_is_rejected_and_changes_nothing(members: list[Member], over, code, match) -> None:  # type: ignore[no-untyped-def]
+    order = sorted(members, key=lambda m: m.id)
+    target, sender = order[0], order[1]
+    target.ar.set_round(round_for(members, target))
+    sender_id = over.pop("sender", sender.id)
+    if sender_id == "stranger":
+        sender_id = Identity.generate().peer_id
+    with pytest.raises(grpc.RpcError) as err:
+        sender.client.push_contribution(target.address, chunks_for(target, sender_id, **over), timeout=5)
+    assert err.value.code() == code and match in err.value.details()
+    assert target.ar.pending_contributions() == 0
+    assert target.traffic.rejected  # counted for the status page
+
+
+def test_nan_values_never_leave_a_member(members: list[Member]) -> None:
+    bad = torch.zeros(NUMEL)
+    bad[5] = float("nan")
+    a = members[0]
+    with pytest.raises(Exception, match="NaN"):
+        list(encode_chunks("x", bad, Int8BlockCodec(BLOCK), 1 << 20))
+    assert a.ar.pending_contributions() == 0
+
+
+def test_malformed_bytes_are_rejected(members: list[Member]) -> None:
+    target = members[0]
+    channel = grpc.insecure_channel(target.address)
+    call = channel.stream_unary("/potluck.v1.PeerService/PushContribution",
+                                request_serializer=lambda b: b, response_deserializer=pb.Ack.FromString)
+    with pytest.raises(grpc.RpcError) as err:
+        call(iter([b"\xff\xff\xff not a protobuf"]), timeout=5)
+    assert err.value.code() != grpc.StatusCode.OK
+    assert target.ar.pending_contributions() == 0
+    channel.close()
+
+
+def test_bad_result_is_rejected(members: list[Member]) -> None:
+    order = sorted(members, key=lambda m: m.id)
+    target, sender = order[0], order[1]
+    target.ar.set_round(round_for(members, target))
+    with pytest.raises(grpc.RpcError) as err:
+        sender.client.push_result(target.address, chunks_for(target, sender.id, shard=1, tensor={"dtype": "int8"}), timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert target.ar.result_count() == 0
