@@ -188,11 +188,11 @@ class Coordinator:
             self._event(kind, pid, detail)
         if self.table.committed != before:
             self._on_commit(before)
+        if not self.state.finished and self.table.committed >= self.cfg.diloco.outer_steps:
+            self._finish()
         if not self.state.finished and self.table.ready_to_decide(self.cfg.membership.min_peers):
             self._decide()
         self._update_history()
-        if not self.state.finished and self.table.committed >= self.cfg.diloco.outer_steps:
-            self._finish()
         update, self._manifest_update = self._manifest_update, None
         if update:
             self.manifest = self.manifest.model_copy(update={**update, "seq": next_seq()})

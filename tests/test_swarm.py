@@ -1,0 +1,95 @@
+"""A real swarm: a coordinator and peer processes on 127.0.0.1, training the built-in model."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def hashes_agree(state: dict) -> list[int]:
+    """Outer steps after which the members reported different parameters (should be none)."""
+    return [h["step"] for h in state["history"] if len(set(h["state_hashes"].values())) > 1]
+
+
+def test_three_peers_train_and_stay_identical(swarm) -> None:  # type: ignore[no-untyped-def]
+    swarm.start_coordinator({"diloco.outer_steps": 8, "diloco.inner_steps": 15, "membership.min_peers": 3})
+    for _ in range(3):
+        swarm.start_peer()
+    state = swarm.wait_state(
+        lambda s: s["run"]["finished"] and s["history"] and s["history"][-1]["eval_loss"] is not None
+        and len(s["history"][-1]["state_hashes"]) == 3,
+        240, "the run to finish",
+    )
+    hist = state["history"]
+    assert [h["step"] for h in hist] == list(range(1, 9))
+    assert all(h["members"] == 3 and len(h["state_hashes"]) == 3 for h in hist)
+    assert hashes_agree(state) == [], "members held different parameters after an outer step"
+    start, floor = math.log(64), state["run"]["loss_floor"]
+    final = hist[-1]["eval_loss"]
+    assert floor is not None and floor < final
+    # well below the start, and most of the way to the entropy floor
+    assert final < floor + 0.4 * (start - floor), f"eval loss {final:.3f} (start {start:.3f}, floor {floor:.3f})"
+    assert hist[0]["eval_loss"] > final
+    # int8 all-reduce: about a quarter of what fp32 would have sent
+    sent, fp32 = sum(h["bytes"]["outer"] for h in hist), sum(h["bytes_fp32"]["outer"] for h in hist)
+    assert 0 < sent < 0.3 * fp32
+    for proc in swarm.peers:
+        proc.wait(timeout=60)
+        assert proc.returncode == 0
+
+
+def test_sigkill_mid_inner_loop_does_not_stall_the_others(swarm) -> None:  # type: ignore[no-untyped-def]
+    floor_s = 20.0  # the deadline for a slow member; a dead one must not cost it
+    swarm.start_coordinator({
+        "diloco.outer_steps": 3, "diloco.inner_steps": 200, "membership.min_peers": 3,
+        "sync.deadline_floor_s": floor_s,
+    })
+    for _ in range(3):
+        swarm.start_peer()
+
+    def mid_inner_loop(s: dict) -> bool:
+        members = [p for p in s["peers"] if p["tasklet"] is not None]
+        return s["run"]["outer_step"] >= 1 and len(members) == 3 and all(
+            p["state"] == "training" and 2 <= p["inner_step"] <= 150 for p in members)
+
+    state = swarm.wait_state(mid_inner_loop, 180, "all three peers in the middle of an inner phase")
+    step = state["run"]["outer_step"] + 1
+    victim = swarm.peers[0]
+    swarm.procs.kill(victim)
+    t_kill = time.monotonic()
+    state = swarm.wait_state(lambda s: s["run"]["outer_step"] >= step, 120, f"outer step {step} without the dead peer")
+    elapsed = time.monotonic() - t_kill
+    entry = next(h for h in state["history"] if h["step"] == step)
+    assert entry["outer_s"] is not None and entry["outer_s"] < floor_s / 2, (
+        f"the outer step took {entry['outer_s']:.1f} s: survivors waited for a dead peer")
+    assert elapsed < floor_s + 60
+    final = swarm.wait_state(lambda s: s["run"]["finished"] and len(s["history"][-1]["state_hashes"]) == 2,
+                             180, "the run to finish with two peers")
+    assert hashes_agree(final) == []
+    assert final["history"][-1]["members"] == 2
+
+
+def test_late_peer_joins_and_ends_identical(swarm) -> None:  # type: ignore[no-untyped-def]
+    swarm.start_coordinator({"diloco.outer_steps": 200, "diloco.inner_steps": 60, "membership.min_peers": 2})
+    swarm.start_peer()
+    swarm.start_peer()
+    swarm.wait_state(lambda s: s["run"]["outer_step"] >= 2, 180, "two outer steps with two peers")
+    swarm.start_peer(name="late")
+
+    def three_for_a_while(s: dict) -> bool:
+        full = [h for h in s["history"] if len(h["state_hashes"]) == 3]
+        return len(full) >= 3
+
+    state = swarm.wait_state(three_for_a_while, 240, "three outer steps with the late peer as a member")
+    hist = state["history"]
+    first_with_three = min(h["step"] for h in hist if h["members"] == 3)
+    assert first_with_three >= 3, "the late peer cannot be a member before it started"
+    assert all(len(h["state_hashes"]) == 3 for h in hist if h["step"] >= first_with_three and h["state_hashes"]
+               and h["step"] < state["run"]["outer_step"])
+    assert hashes_agree(state) == [], "the late peer ended an outer step with different parameters"
+    late = next(p for p in state["peers"] if p["name"] == "late")
+    assert late["state"] in ("training", "syncing") and late["tasklet"] is not None
