@@ -1,0 +1,95 @@
+"""Run config: defaults, validation that names the field, TOML files and CLI overrides."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from potluck.protos.config import (
+    ConfigError,
+    PeerConfig,
+    RunConfig,
+    apply_overrides,
+    dump_toml,
+    known_fields_only,
+    load_config,
+    parse_config,
+)
+
+
+def test_defaults_are_valid_and_round_trip_through_toml() -> None:
+    cfg = RunConfig()
+    assert parse_config(tomllib.loads(dump_toml(cfg))) == cfg
+    assert cfg.diloco.outer_lr == 0.7 and cfg.diloco.outer_momentum == 0.9
+
+
+@pytest.mark.parametrize(
+    "data,field",
+    [
+        ({"diloco": {"outer_lr": 0}}, "diloco.outer_lr"),
+        ({"diloco": {"inner_steps": -1}}, "diloco.inner_steps"),
+        ({"model": {"d_model": 30, "n_heads": 4}}, "model"),
+        ({"model": {"width": 3}}, "model.width: unknown field"),
+        ({"sync": {"codec": "zstd"}}, "sync.codec"),
+        ({"data": {"source": "bytes"}}, "data"),
+        ({"membership": {"heartbeat_s": 5, "heartbeat_timeout_s": 6}}, "membership"),
+        ({"run_id": "has space"}, "run_id"),
+        ({"nonsense": 1}, "nonsense: unknown field"),
+    ],
+)
+def test_invalid_values_name_the_field(data, field) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ConfigError) as err:
+        parse_config(data)
+    assert field in str(err.value)
+
+
+def test_toml_file_errors(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[diloco\ninner_steps = 3")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+    good = tmp_path / "run.toml"
+    good.write_text("[diloco]\ninner_steps = 7\n")
+    assert load_config(good).diloco.inner_steps == 7
+
+
+def test_overrides_coerce_and_validate() -> None:
+    cfg = apply_overrides(RunConfig(), {"diloco.outer_lr": "0.5", "sync.codec": "raw", "model.tie_embeddings": "true"})
+    assert cfg.diloco.outer_lr == 0.5 and cfg.sync.codec == "raw" and cfg.model.tie_embeddings is True
+    with pytest.raises(ConfigError, match="unknown field"):
+        apply_overrides(RunConfig(), {"diloco.nope": 1})
+    with pytest.raises(ConfigError, match="unknown section"):
+        apply_overrides(RunConfig(), {"nope.x": 1})
+    with pytest.raises(ConfigError, match="diloco.outer_steps"):
+        apply_overrides(RunConfig(), {"diloco.outer_steps": "0"})
+
+
+def test_manifest_from_a_newer_coordinator_is_read_tolerantly() -> None:
+    data = RunConfig().manifest_sections()
+    data["diloco"]["future_knob"] = 3
+    data["new_section"] = {}
+    clean, dropped = known_fields_only(RunConfig, data)
+    assert sorted(dropped) == ["diloco.future_knob", "new_section"]
+    parse_config(clean)
+
+
+def test_peer_config_rejects_bad_device() -> None:
+    with pytest.raises(ValueError, match="device"):
+        PeerConfig(device="tpu")
+    assert PeerConfig(device="cuda:1").device == "cuda:1"
+
+
+def test_cli_reports_bad_config_without_traceback(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    run = tmp_path / "run.toml"
+    run.write_text("[diloco]\nouter_lr = -1\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "potluck", "coordinator", "--config", str(run), "--journal-dir", str(tmp_path / "j")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode != 0
+    assert "diloco.outer_lr" in proc.stderr and "Traceback" not in proc.stderr
