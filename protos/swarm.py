@@ -32,6 +32,10 @@ from potluck.protos.records import (
 
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
 os.environ.setdefault("GOLOG_LOG_LEVEL", "error")
+# hivemind defaults torch to the "file_system" sharing strategy, which starts a torch_shm_manager
+# daemon in a session of its own: a process our process-group cleanup cannot reach. Nothing we pass
+# between processes needs it.
+os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
 
 from hivemind.dht import DHT
 from hivemind.utils import get_dht_time

@@ -1,0 +1,89 @@
+"""``potluck demo`` end to end, and Ctrl+C leaving no process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (children, their DHT processes, p2pd daemons)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    out, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier} - out
+        out |= frontier
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except OSError:
+        return False
+
+
+def test_demo_trains_and_reports(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    proc = subprocess.run(
+        [sys.executable, "-m", "potluck", "demo", "--peers", "2", "--outer-steps", "3", "--inner-steps", "10",
+         "--workdir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "join address: /ip4/127.0.0.1/tcp/" in out and "status page: http://127.0.0.1:" in out
+    assert "outer step   3/3" in out
+    assert "final eval loss" in out and "entropy floor of the data" in out
+    assert (tmp_path / "run.toml").exists() and (tmp_path / "journal" / "journal.json").exists()
+
+
+def test_ctrl_c_stops_every_process(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "potluck", "demo", "--peers", "2", "--outer-steps", "50", "--inner-steps", "50",
+         "--workdir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    tree: set[int] = set()
+    try:
+        deadline = time.monotonic() + 120
+        lines = []
+        assert demo.stdout is not None
+        for line in demo.stdout:
+            lines.append(line)
+            if "outer step   1/50" in line or time.monotonic() > deadline:
+                break
+        assert any("outer step   1/50" in line for line in lines), "".join(lines)
+        tree = descendants(demo.pid)
+        assert len(tree) >= 6, f"expected coordinator, peers, DHT processes and p2pd daemons, got {tree}"
+        os.kill(demo.pid, signal.SIGINT)
+        rc = demo.wait(timeout=60)
+        rest = demo.stdout.read()
+        assert rc == 130, rest
+        assert "interrupted" in rest
+        deadline = time.monotonic() + 10
+        while {p for p in tree if alive(p)} and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = {p: Path(f"/proc/{p}/cmdline").read_bytes()[:80] for p in tree if alive(p)}
+        assert not left, f"processes left behind after Ctrl+C: {left}"
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+        for p in tree:
+            if alive(p):
+                os.kill(p, signal.SIGKILL)
