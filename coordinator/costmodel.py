@@ -1,0 +1,522 @@
+"""What a tasklet assignment costs: DT-FM's communication model (Yuan et al., NeurIPS 2022).
+
+The job is cut into ``S`` pipeline stages, each replicated ``R`` times (data parallel). An
+*assignment* puts these ``S * R`` tasklets on ``N >= S * R`` devices: an ``S x R`` integer array
+whose row ``g`` is a *group*, the ``R`` devices that hold the same layers and all-reduce their
+gradients. A row index is only a label. Which group runs stage 0, 1, ... is decided here, by the
+cheapest open path through the groups, and so is which device of the next group each replica's
+activations go to (the matchings along that path). :class:`Plan` holds the result in stage order.
+
+Units. Delays are milliseconds, bandwidths gigabits per second, payloads (``activation_gb`` =
+``c_pp``, ``gradient_gb`` = ``c_dp``) gigabytes, every cost seconds. Sending ``c`` gigabytes over a
+link takes ``delay_ms / 1000 + 8 * c / bandwidth_gbps`` seconds.
+
+The objective, lower is better::
+
+    cost = dp_cost / H + 2 * pp_cost + compute_cost + migration_cost
+
+* ``dp_cost``: for a group ``C``, device ``d`` scatters and then gathers a ``1/|C|`` shard of the
+  gradients with every other member, ``sum_{d' in C, d' != d} 2 * (alpha(d, d') + c_dp / (|C| *
+  beta(d, d')))`` over its own outgoing links ``d -> d'``; the group takes as long as its slowest
+  member and the step as long as the slowest group. DiLoCo all-reduces once every ``H`` inner
+  steps (``outer_every``), hence ``/ H``; ``H = 1`` is DT-FM exactly.
+* ``pp_cost``: activations go forward and their gradients back over the same link, so a link
+  costs the slower direction, ``max`` of ``alpha + c_pp / beta`` both ways. Between two groups the
+  ``R`` replicas need a perfect matching, and a matching is as slow as its slowest link: the edge
+  cost is the bottleneck perfect matching. ``pp_cost`` is the shortest open path visiting every
+  group once (Held-Karp, exact for ``S <= EXACT_TSP_MAX_STAGES``; nearest neighbour plus 2-opt
+  above). The factor 2 counts the forward and the backward pass.
+* ``compute_cost`` (only with per-device ``compute`` speeds): the replicas of a stage advance in
+  lockstep, so a stage takes ``stage_seconds / speed`` of its slowest member, and a micro-batch
+  crosses all stages: ``sum over groups of max over members of stage_seconds / compute[d]``.
+* ``migration_cost`` (only given a previous plan): ``migration_weight`` per device whose stage
+  differs from the one it held in that plan (a device new to the job counts as moved), because
+  it must download that stage's weights. It depends on the stage order, so the path search
+  minimises ``2 * pp_cost + migration_cost`` jointly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+from scipy.optimize import linear_sum_assignment
+
+EXACT_TSP_MAX_STAGES = 10
+_CACHE_LIMIT = 200_000
+
+Groups = Sequence[tuple[int, ...]]
+
+
+class Score(NamedTuple):
+    """What a search compares. ``cost`` is the objective. ``soft`` is no part of it: ``2 * pp_cost``
+    as if every pipeline hop cost the *average* link of a min-sum matching, over all pairs of groups.
+    The bottleneck terms make ``cost`` flat under most single moves; ``soft`` still tells which
+    neighbour is closer to matchable groups, so a search uses it to break ties or to smooth."""
+
+    cost: float
+    soft: float
+
+
+class TopologyError(ValueError):
+    """A topology (or an assignment against it) that cannot be scheduled; the message names the field."""
+
+
+@dataclass(frozen=True, eq=False)
+class Topology:
+    """The devices, the links between them and the job's shape. Validated on construction.
+
+    ``delay_ms[i][j]`` and ``bandwidth_gbps[i][j]`` describe the link ``i -> j``; diagonals are ignored.
+    ``compute[d]`` is device ``d``'s relative speed (1.0 = one stage in ``stage_seconds``).
+    """
+
+    delay_ms: np.ndarray
+    bandwidth_gbps: np.ndarray
+    stages: int
+    replicas: int
+    activation_gb: float
+    gradient_gb: float
+    outer_every: int = 1
+    compute: np.ndarray | None = None
+    stage_seconds: float = 1.0
+
+    def __post_init__(self) -> None:
+        delay = _matrix(self.delay_ms, "delay_ms")
+        bandwidth = _matrix(self.bandwidth_gbps, "bandwidth_gbps")
+        n = len(delay)
+        if bandwidth.shape != delay.shape:
+            raise TopologyError(f"bandwidth_gbps is {_shape(bandwidth)} but delay_ms is {_shape(delay)}; "
+                                "both must be N x N for the same N")
+        off = ~np.eye(n, dtype=bool)
+        if (delay[off] < 0).any():
+            raise TopologyError("delay_ms must be >= 0 off the diagonal")
+        if (bandwidth[off] <= 0).any():
+            i, j = np.argwhere((bandwidth <= 0) & off)[0]
+            raise TopologyError(f"bandwidth_gbps[{i}][{j}] = {bandwidth[i, j]:g}; links need bandwidth > 0")
+        stages, replicas = _positive_int(self.stages, "stages"), _positive_int(self.replicas, "replicas")
+        if stages * replicas > n:
+            raise TopologyError(f"stages * replicas = {stages} * {replicas} = {stages * replicas} tasklets "
+                                f"but only {n} devices")
+        compute = None
+        if self.compute is not None:
+            compute = _vector(self.compute, "compute", n)
+        object.__setattr__(self, "delay_ms", delay)
+        object.__setattr__(self, "bandwidth_gbps", bandwidth)
+        object.__setattr__(self, "stages", stages)
+        object.__setattr__(self, "replicas", replicas)
+        object.__setattr__(self, "activation_gb", _nonnegative(self.activation_gb, "activation_gb"))
+        object.__setattr__(self, "gradient_gb", _nonnegative(self.gradient_gb, "gradient_gb"))
+        object.__setattr__(self, "outer_every", _positive_int(self.outer_every, "outer_every"))
+        object.__setattr__(self, "compute", compute)
+        object.__setattr__(self, "stage_seconds", _nonnegative(self.stage_seconds, "stage_seconds"))
+
+    @property
+    def devices(self) -> int:
+        return len(self.delay_ms)
+
+    @classmethod
+    def from_json(cls, data: Any) -> Topology:
+        """Parse the JSON object; unknown keys are ignored, missing optional ones get defaults."""
+        if not isinstance(data, dict):
+            raise TopologyError(f"a topology is a JSON object, got {type(data).__name__}")
+        required = ("delay_ms", "bandwidth_gbps", "stages", "replicas", "activation_gb", "gradient_gb")
+        missing = [k for k in required if k not in data]
+        if missing:
+            raise TopologyError(f"missing field(s): {', '.join(missing)}")
+        optional = {k: data[k] for k in ("outer_every", "compute", "stage_seconds") if data.get(k) is not None}
+        return cls(**{k: data[k] for k in required}, **optional)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Topology:
+        try:
+            text = Path(path).read_text()
+        except OSError as err:
+            raise TopologyError(f"cannot read {path}: {err.strerror or err}") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise TopologyError(f"{path} is not JSON: {err}") from None
+        return cls.from_json(data)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "delay_ms": self.delay_ms.tolist(), "bandwidth_gbps": self.bandwidth_gbps.tolist(),
+            "stages": self.stages, "replicas": self.replicas, "activation_gb": self.activation_gb,
+            "gradient_gb": self.gradient_gb, "outer_every": self.outer_every,
+        }
+        if self.compute is not None:
+            out["compute"] = self.compute.tolist()
+            out["stage_seconds"] = self.stage_seconds
+        return out
+
+
+def _shape(a: np.ndarray) -> str:
+    return " x ".join(str(s) for s in a.shape) if a.ndim else "a scalar"
+
+
+def _numbers(value: Any, name: str) -> np.ndarray:
+    try:
+        arr = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise TopologyError(f"{name} must hold only numbers (and rows of equal length)") from None
+    if not np.isfinite(arr).all():
+        raise TopologyError(f"{name} holds a non-finite number (NaN or infinity)")
+    return arr
+
+
+def _matrix(value: Any, name: str) -> np.ndarray:
+    arr = _numbers(value, name)
+    if arr.ndim != 2 or arr.shape[0] != arr.shape[1] or arr.shape[0] == 0:
+        raise TopologyError(f"{name} must be a non-empty square N x N matrix, got {_shape(arr)}")
+    return arr
+
+
+def _vector(value: Any, name: str, n: int) -> np.ndarray:
+    arr = _numbers(value, name)
+    if arr.shape != (n,):
+        raise TopologyError(f"{name} must list one number per device ({n}), got {_shape(arr)}")
+    if (arr <= 0).any():
+        raise TopologyError(f"{name} must be > 0 for every device")
+    return arr
+
+
+def _positive_int(value: Any, name: str) -> int:
+    whole = isinstance(value, int | np.integer) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not whole or value < 1:
+        raise TopologyError(f"{name} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def _nonnegative(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | np.number) or not math.isfinite(value) \
+            or value < 0:
+        raise TopologyError(f"{name} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """An assignment with its cost, in stage order: ``stage_groups[s][r] == pipelines[r][s]``."""
+
+    cost: float
+    dp_cost: float
+    pp_cost: float
+    compute_cost: float
+    migration_cost: float
+    order: list[int]  # order[s] = row of the input assignment that runs stage s
+    stage_groups: list[list[int]]
+    pipelines: list[list[int]] = field(repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"cost": self.cost, "dp_cost": self.dp_cost, "pp_cost": self.pp_cost,
+                "compute_cost": self.compute_cost, "migration_cost": self.migration_cost,
+                "order": self.order, "stage_groups": self.stage_groups, "pipelines": self.pipelines}
+
+
+class CostModel:
+    """Evaluates assignments of one topology, fast enough for a search loop.
+
+    Link costs are precomputed matrices. A group's DP term and a pair of groups' matching terms
+    depend only on their device sets, so they are memoised by sorted device tuples: moving one
+    device between two groups recomputes 2 group terms and ``2S - 3`` pair terms, the rest are hits.
+    """
+
+    def __init__(self, topology: Topology, previous: np.ndarray | Sequence[Sequence[int]] | None = None,
+                 migration_weight: float = 0.0) -> None:
+        t = self.topology = topology
+        alpha = t.delay_ms / 1000.0
+        with np.errstate(divide="ignore"):
+            pp = alpha + 8.0 * t.activation_gb / t.bandwidth_gbps
+            dp = alpha + 8.0 * t.gradient_gb / (t.replicas * t.bandwidth_gbps)
+        self.pp_link = np.maximum(pp, pp.T)
+        np.fill_diagonal(self.pp_link, 0.0)
+        self.dp_link = 2.0 * dp
+        np.fill_diagonal(self.dp_link, 0.0)
+        self.stage_time = None if t.compute is None else t.stage_seconds / t.compute
+        self.migration_weight = float(migration_weight)
+        self.prev_stage: np.ndarray | None = None
+        if previous is not None and self.migration_weight > 0:
+            prev = check_assignment(t, previous, "previous")
+            self.prev_stage = np.full(t.devices, -1)
+            for s, row in enumerate(prev):
+                self.prev_stage[row] = s
+        self.evaluations = 0
+        pairs = t.stages * (t.stages - 1) / 2
+        self._soft = 0.0 if pairs == 0 else 2.0 * (t.stages - 1) / (pairs * t.replicas)
+        self._tsp = HeldKarp(t.stages) if t.stages <= EXACT_TSP_MAX_STAGES else None
+        self._group: dict[tuple[int, ...], tuple[float, float, np.ndarray]] = {}
+        self._pair: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[float, float]] = {}
+
+    def evaluate(self, assignment: np.ndarray | Sequence[Sequence[int]]) -> float:
+        score = self.score(canonical(check_assignment(self.topology, assignment)))
+        assert score is not None  # no bound, no pruning
+        return score.cost
+
+    def plan(self, assignment: np.ndarray | Sequence[Sequence[int]]) -> Plan:
+        return self._plan(canonical(check_assignment(self.topology, assignment)))
+
+    def score(self, groups: Groups, bound: float | None = None, smooth: float = 0.0) -> Score | None:
+        """:class:`Score` of canonical groups (sorted tuples); counts one evaluation.
+
+        With a ``bound``, returns ``None`` as soon as ``cost + smooth * soft`` provably exceeds it:
+        new pairs of groups first get cheap lower bounds on their bottleneck and min-sum matchings
+        (every row and every column must use one entry), and as the path cost only grows with its
+        edge costs, the path over those bounds bounds the cost from below.
+        """
+        self.evaluations += 1
+        terms = [self._group_terms(g) for g in groups]
+        base = max(d for d, _, _ in terms) / self.topology.outer_every + sum(c for _, c, _ in terms)
+        if bound is not None and base > bound:
+            return None
+        node = None if self.prev_stage is None else np.stack([m for _, _, m in terms])
+        dist, min_sum, missing = self._cached_pairs(groups)
+        if missing:
+            blocks = self._blocks([key for _, _, key in missing])
+            row_min, col_min = blocks.min(axis=2), blocks.min(axis=1)
+            lower = np.maximum(row_min.max(axis=1), col_min.max(axis=1))
+            if bound is not None:
+                low = dist.copy()
+                for (i, j, _), value in zip(missing, lower, strict=True):
+                    low[i, j] = low[j, i] = 2.0 * value
+                low_sum = min_sum + np.maximum(row_min.sum(axis=1), col_min.sum(axis=1)).sum()
+                low_cost = base + self._path(low, node, want_path=False)[0]
+                if low_cost + smooth * self._soft * low_sum > bound:
+                    return None
+            if len(self._pair) > _CACHE_LIMIT:
+                self._pair.clear()
+            for (i, j, key), block, value in zip(missing, blocks, lower.tolist(), strict=True):
+                hit = self._pair[key] = bottleneck_matching_cost(block, value)
+                dist[i, j] = dist[j, i] = 2.0 * hit[0]
+                min_sum += hit[1]
+        return Score(base + self._path(dist, node, want_path=False)[0], self._soft * min_sum)
+
+    def _plan(self, groups: Groups) -> Plan:
+        """The full plan; not counted as an evaluation (a search calls it once, for its result)."""
+        dist, _ = self._pair_matrix(groups)
+        terms = [self._group_terms(g) for g in groups]
+        node = None if self.prev_stage is None else np.stack([m for _, _, m in terms])
+        _, order = self._path(dist, node, want_path=True)
+        pp = float(sum(dist[a, b] for a, b in zip(order, order[1:], strict=False))) / 2.0
+        migration = 0.0 if node is None else float(sum(node[g, s] for s, g in enumerate(order)))
+        dp = max(d for d, _, _ in terms)
+        compute = float(sum(c for _, c, _ in terms))
+        cost = dp / self.topology.outer_every + 2.0 * pp + compute + migration
+        chains = [[d] for d in groups[order[0]]]
+        for a, b in zip(order, order[1:], strict=False):
+            nxt = self._matching(groups[a], groups[b], dist[a, b] / 2.0)
+            src = {d: i for i, d in enumerate(groups[a])}
+            for chain in chains:
+                chain.append(groups[b][nxt[src[chain[-1]]]])
+        stage_groups = [[chain[s] for chain in chains] for s in range(len(order))]
+        return Plan(cost=float(cost), dp_cost=float(dp), pp_cost=pp, compute_cost=compute,
+                    migration_cost=migration, order=[int(g) for g in order], stage_groups=stage_groups,
+                    pipelines=chains)
+
+    # ------------------------------------------------------------------ terms
+
+    def _group_terms(self, g: tuple[int, ...]) -> tuple[float, float, np.ndarray]:
+        hit = self._group.get(g)
+        if hit is None:
+            idx = np.asarray(g)
+            dp = float(self.dp_link[np.ix_(idx, idx)].sum(axis=1).max())
+            compute = 0.0 if self.stage_time is None else float(self.stage_time[idx].max())
+            moved = np.zeros(self.topology.stages)
+            if self.prev_stage is not None:
+                stages = np.arange(self.topology.stages)
+                moved = self.migration_weight * (self.prev_stage[idx][None, :] != stages[:, None]).sum(axis=1)
+            if len(self._group) > _CACHE_LIMIT:
+                self._group.clear()
+            hit = self._group[g] = (dp, compute, moved)
+        return hit
+
+    def _pair_matrix(self, groups: Groups) -> tuple[np.ndarray, float]:
+        """Edge costs ``2 * bottleneck`` between all pairs of groups, and their summed min-sum matchings."""
+        dist, min_sum, missing = self._cached_pairs(groups)
+        for i, j, key in missing:
+            hit = self._pair[key] = bottleneck_matching_cost(self._blocks([key])[0])
+            dist[i, j] = dist[j, i] = 2.0 * hit[0]
+            min_sum += hit[1]
+        return dist, min_sum
+
+    def _cached_pairs(self, groups: Groups) -> tuple[np.ndarray, float, list[tuple[int, int, Any]]]:
+        s = len(groups)
+        dist = np.zeros((s, s))
+        min_sum = 0.0
+        missing = []
+        cache = self._pair
+        for i in range(s):
+            for j in range(i + 1, s):
+                a, b = groups[i], groups[j]
+                key = (a, b) if a < b else (b, a)
+                hit = cache.get(key)
+                if hit is None:
+                    missing.append((i, j, key))
+                else:
+                    dist[i, j] = dist[j, i] = 2.0 * hit[0]
+                    min_sum += hit[1]
+        return dist, min_sum, missing
+
+    def _blocks(self, keys: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> np.ndarray:
+        rows = np.array([a for a, _ in keys])
+        cols = np.array([b for _, b in keys])
+        return self.pp_link[rows[:, :, None], cols[:, None, :]]
+
+    def _path(self, dist: np.ndarray, node: np.ndarray | None, want_path: bool) -> tuple[float, list[int]]:
+        if self._tsp is not None:
+            return self._tsp.solve(dist, node, want_path)
+        return heuristic_path(dist, node)
+
+    def _matching(self, a: tuple[int, ...], b: tuple[int, ...], bottleneck: float) -> np.ndarray:
+        """``out[i]`` = index in ``b`` matched to ``a[i]``: bottleneck-optimal, then min-sum among those."""
+        link = self.pp_link[np.ix_(a, b)]
+        allowed = np.where(link <= bottleneck * (1 + 1e-12), link, link.max() * len(a) + 1.0)
+        rows, cols = linear_sum_assignment(allowed)
+        out = np.empty(len(a), dtype=int)
+        out[rows] = cols
+        return out
+
+
+def bottleneck_matching_cost(link: np.ndarray, lower: float | None = None) -> tuple[float, float]:
+    """``(bottleneck, min_sum)`` of perfect matchings of a square cost matrix.
+
+    The bottleneck is the smallest threshold whose entries ``<= threshold`` still admit a perfect
+    matching. It lies between a lower bound (every row and column needs one entry; a caller that
+    has it already passes ``lower``) and the max edge of the min-sum matching, and is found by
+    binary search over the entries in between.
+    """
+    rows, cols = linear_sum_assignment(link)
+    chosen = link[rows, cols]
+    upper, min_sum = float(chosen.max()), float(chosen.sum())
+    if lower is None:
+        lower = max(link.min(axis=0).max(), link.min(axis=1).max())
+    if upper <= lower:
+        return upper, min_sum
+    values = np.sort(link[(link >= lower) & (link < upper)])
+    lo, hi = 0, len(values)  # values[hi] would be `upper`, known feasible
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _has_perfect_matching(link > values[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return (float(values[lo]) if lo < len(values) else upper), min_sum
+
+
+def _has_perfect_matching(forbidden: np.ndarray) -> bool:
+    penalty = forbidden.astype(np.float64)
+    rows, cols = linear_sum_assignment(penalty)
+    return not penalty[rows, cols].any()
+
+
+class HeldKarp:
+    """Exact shortest open path through ``n`` nodes, any start, by dynamic programming over subsets.
+
+    ``best[j, mask]`` is the cheapest path visiting exactly ``mask`` and ending at ``j``. Layers of
+    equal popcount are computed as one numpy operation each ("pull": drop ``j`` from ``mask``).
+    An optional ``node[j, k]`` adds the cost of putting node ``j`` at position ``k``.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        size = 1 << n
+        popcount = np.array([bin(m).count("1") for m in range(size)])
+        bits = 1 << np.arange(n)
+        self.layers: list[tuple[np.ndarray, np.ndarray]] = []
+        for k in range(2, n + 1):
+            masks = np.flatnonzero(popcount == k)
+            inside = (masks[:, None] & bits[None, :]) != 0
+            self.layers.append((masks, np.where(inside, masks[:, None] ^ bits[None, :], 0)))
+
+    def solve(self, dist: np.ndarray, node: np.ndarray | None = None,
+              want_path: bool = True) -> tuple[float, list[int]]:
+        n = self.n
+        best = np.full((n, 1 << n), np.inf)  # best[j, mask]; column 0 stays inf: "j not in mask"
+        parent = np.zeros((n, 1 << n), dtype=np.int64) if want_path else None
+        best[np.arange(n), 1 << np.arange(n)] = 0.0 if node is None else node[:, 0]
+        step = dist[:, None, :]  # step[i, 0, j] = dist[i, j]
+        for k, (masks, prev) in enumerate(self.layers, start=1):
+            cand = best.take(prev, axis=1)  # cand[i, m, j]: path over mask - {j} ending at i ...
+            cand += step  # ... then i -> j; reducing over the leading axis is the fast one
+            if parent is not None:
+                arg = cand.argmin(axis=0)
+                parent[:, masks] = arg.T
+                layer = np.take_along_axis(cand, arg[None], axis=0)[0]
+            else:
+                layer = np.minimum.reduce(cand, axis=0)
+            best[:, masks] = layer.T if node is None else layer.T + node[:, k][:, None]
+        last = int(best[:, -1].argmin())
+        cost = float(best[last, -1])
+        if parent is None:
+            return cost, []
+        path, mask = [last], (1 << n) - 1
+        while mask & (mask - 1):
+            prev_node = int(parent[last, mask])
+            mask ^= 1 << last
+            last = prev_node
+            path.append(last)
+        return cost, path[::-1]
+
+
+def heuristic_path(dist: np.ndarray, node: np.ndarray | None = None) -> tuple[float, list[int]]:
+    """Open path for too many stages for Held-Karp: nearest neighbour from every start, then 2-opt."""
+    n = len(dist)
+
+    def cost(path: list[int]) -> float:
+        total = float(sum(dist[a, b] for a, b in zip(path, path[1:], strict=False)))
+        return total if node is None else total + float(sum(node[g, k] for k, g in enumerate(path)))
+
+    best: list[int] = []
+    for start in range(n):
+        path, left = [start], set(range(n)) - {start}
+        while left:
+            nxt = min(left, key=lambda j: dist[path[-1], j] + (0.0 if node is None else node[j, len(path)]))
+            path.append(nxt)
+            left.discard(nxt)
+        if not best or cost(path) < cost(best):
+            best = path
+    current = cost(best)
+    improved = True
+    while improved:
+        improved = False
+        for i in range(n - 1):
+            for j in range(i + 1, n):
+                trial = best[:i] + best[i:j + 1][::-1] + best[j + 1:]
+                c = cost(trial)
+                if c < current - 1e-12:
+                    best, current, improved = trial, c, True
+    return current, best
+
+
+def check_assignment(topology: Topology, assignment: np.ndarray | Sequence[Sequence[int]],
+                     name: str = "assignment") -> np.ndarray:
+    """An ``S x R`` array of distinct device indices, or :class:`TopologyError`."""
+    try:
+        arr = np.asarray(assignment)
+    except ValueError:
+        raise TopologyError(f"{name} must be a stages x replicas array of device indices") from None
+    want = (topology.stages, topology.replicas)
+    if arr.shape != want or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise TopologyError(f"{name} must be a {want[0]} x {want[1]} integer array, got {_shape(arr)} "
+                            f"of {arr.dtype}")
+    if arr.size and (arr.min() < 0 or arr.max() >= topology.devices):
+        raise TopologyError(f"{name} names a device outside 0..{topology.devices - 1}")
+    if len(np.unique(arr)) != arr.size:
+        raise TopologyError(f"{name} uses a device twice")
+    return arr.astype(np.int64)
+
+
+def canonical(assignment: np.ndarray) -> list[tuple[int, ...]]:
+    """Groups as sorted tuples: the cache keys of :class:`CostModel`."""
+    return [tuple(sorted(int(d) for d in row)) for row in assignment]
+
+
+def plan_cost(topology: Topology, assignment: np.ndarray | Sequence[Sequence[int]],
+              previous: np.ndarray | Sequence[Sequence[int]] | None = None,
+              migration_weight: float = 0.0) -> Plan:
+    """One-shot :meth:`CostModel.plan` (a search should keep one :class:`CostModel` instead)."""
+    return CostModel(topology, previous, migration_weight).plan(assignment)
