@@ -1,0 +1,177 @@
+"""Realistic status snapshots (the shape ``Coordinator._build_state`` returns) without a swarm.
+
+    make_state(peers=1000, stages=4, replicas=8, steps=120, hole=True)
+
+Peers fill the grid first (stage-major), the rest wait, a few are lost or gone; history, series,
+events and links look like a run that has trained ``steps`` outer steps. Deterministic per seed.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from typing import Any
+
+_B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+KINDS = ("activations", "gradients", "outer")
+
+
+def peer_id(rng: random.Random) -> str:
+    return "12D3KooW" + "".join(rng.choice(_B58) for _ in range(44))
+
+
+def make_state(
+    peers: int = 8,
+    stages: int = 1,
+    replicas: int | None = None,
+    steps: int = 20,
+    *,
+    seed: int = 0,
+    hole: bool = False,
+    finished: bool = False,
+    links: bool = False,
+    waiting_reason: str = "",
+    now: float | None = None,
+    heartbeat_timeout_s: float = 10.0,
+    parameters: int = 1_234_567,
+    inner_steps: int = 30,
+    outer_steps: int | None = None,
+) -> dict[str, Any]:
+    rng = random.Random(seed)
+    outer_steps = max(100, steps) if outer_steps is None else outer_steps
+    now = time.time() if now is None else now
+    started = now - 60.0 - 5.0 * steps
+    if replicas is None:
+        replicas = max(1, peers * 9 // 10 // stages)
+    floor = 2.9
+    ids = [peer_id(rng) for _ in range(peers)]
+
+    places = [(s, r) for s in range(stages) for r in range(replicas)]
+    if hole and places:
+        places.pop(len(places) // 2 if len(places) > 1 else 0)
+    table: list[dict[str, Any]] = []
+    cells: list[dict[str, Any]] = []
+    seat = iter(places)
+    for i, pid in enumerate(ids):
+        place = next(seat, None) if i % 17 != 5 else None
+        if place is not None:
+            state = "syncing" if i % 7 == 3 else "recovering" if i % 23 == 11 else "training"
+        else:
+            state = ("waiting", "joining", "lost", "left", "waiting", "finished")[i % 6]
+        if place is not None and i % 29 == 9:
+            state = "lost"
+        seen = round(rng.uniform(0.1, 2.0) if state != "lost" else heartbeat_timeout_s + rng.uniform(1, 60), 2)
+        gpu = i % 3 != 2
+        sent = {"outer": rng.randint(10**6, 10**9), "probe": rng.randint(10**3, 10**5)}
+        if stages > 1:
+            sent.update(activations=rng.randint(10**6, 10**9), gradients=rng.randint(10**6, 10**9))
+        training = state in ("training", "syncing")
+        table.append({
+            "id": pid, "short_id": pid[-6:], "name": ("" if i % 4 == 1 else f"volunteer-{i}"), "state": state,
+            "address": f"10.0.{i // 250}.{i % 250 + 1}:{40000 + i}",
+            "device": "cuda" if gpu else "cpu",
+            "device_name": ("NVIDIA H100 80GB HBM3" if i % 2 else "NVIDIA GeForce RTX 4090") if gpu else "cpu x16",
+            "memory_gb": (79.1 if i % 2 else 23.6) if gpu else 0.0,
+            "tasklet": {"stage": place[0], "replica": place[1]} if place is not None else None,
+            "version": steps if training else max(0, steps - 1 - i % 3),
+            "inner_step": rng.randint(0, inner_steps - 1) if state == "training" else 0,
+            "loss": round(floor + 7.5 * math.exp(-steps / 25) + rng.uniform(0, 0.2), 4) if training else None,
+            "eval_loss": round(floor + 7.6 * math.exp(-steps / 25), 4) if training else None,
+            "tokens_per_s": round(rng.uniform(800, 25000), 1) if state == "training" else 0.0,
+            "tokens_total": rng.randint(10**5, 10**8),
+            "bytes_sent": sent,
+            "bytes_received": {k: int(v * rng.uniform(0.9, 1.1)) for k, v in sent.items()},
+            "last_seen_s": seen, "software": "potluck 0.1.0", "state_hash": f"{rng.getrandbits(64):016x}",
+            "compute_s": round(rng.uniform(100, 1000), 2), "sync_s": round(rng.uniform(5, 60), 2),
+        })
+        if place is not None:
+            cells.append({"stage": place[0], "replica": place[1], "peer": pid, "state": state})
+
+    if len(table) >= 3 and not any(p["state"] == "lost" for p in table):
+        gone = table[-1]  # every fake run has lost someone: pages and tests need one to show
+        gone.update(state="lost", last_seen_s=round(heartbeat_timeout_s + 12.5, 2), tokens_per_s=0.0, loss=None)
+        for c in cells:
+            if c["peer"] == gone["id"]:
+                c["state"] = "lost"
+
+    n_members = max(1, replicas)
+    history = []
+    for v in range(1, steps + 1):
+        outer = int(2 * (n_members - 1) / n_members * parameters / stages) * n_members if n_members > 1 else 0
+        act = rng.randint(10**6, 10**7) if stages > 1 else 0
+        grad = rng.randint(10**6, 10**7) if stages > 1 else 0
+        history.append({
+            "step": v, "t": started + 60.0 + 5.0 * v, "members": n_members * stages,
+            "loss": round(floor + 7.5 * math.exp(-v / 25) + rng.uniform(0, 0.15), 4),
+            "eval_loss": round(floor + 7.6 * math.exp(-v / 25), 4) if v % 2 == 0 else None,
+            "outer_s": round(rng.uniform(0.2, 3.0), 3), "state_hashes": {},
+            "bytes": {"activations": act, "gradients": grad, "outer": outer},
+            "bytes_fp32": {"activations": act * 8, "gradients": grad * 4, "outer": outer * 4},
+        })
+    n_live = sum(1 for p in table if p["state"] not in ("lost", "left", "finished"))
+    series = [
+        {"t": now - 2.0 * k, "tokens_per_s": round(rng.uniform(0.8, 1.0) * 9000 * n_live, 1),
+         "live_peers": max(0, n_live - (k % 40 == 0) - (k > 120) * 2)}
+        for k in range(150, -1, -1)
+    ] if peers else []
+    kinds = ("joined", "round", "lost", "checkpoint", "back", "left")
+    events = [
+        {"t": started + 3.0 * k, "kind": kinds[k % len(kinds)], "peer": ids[k % len(ids)] if ids and k % 6 != 1 else "",
+         "message": f"event number {k}"}
+        for k in range(min(200, 20 + steps))
+    ]
+    link_ids = [p["id"] for p in table if p["state"] not in ("lost", "left", "finished")][:12] if links else []
+    rtt = [[None if i == j else round(rng.uniform(1, 250), 1) for j in range(len(link_ids))] for i in range(len(link_ids))]
+    bw = [[None if i == j else round(rng.uniform(10, 10000), 1) for j in range(len(link_ids))] for i in range(len(link_ids))]
+    if len(link_ids) > 2:
+        rtt[0][2] = bw[0][2] = None  # not measured yet
+
+    live = [p for p in table if p["state"] not in ("lost", "left", "finished")]
+    trainers = [p for p in live if p["state"] == "training"]
+    compute = sum(p["compute_s"] for p in table)
+    sync = sum(p["sync_s"] for p in table)
+    return {
+        "api": "potluck.status/v1",
+        "generated_at": now,
+        "run": {
+            "run_id": f"run-{seed:06x}", "coordinator": "12D3KooWCoordinator" + "x" * 33,
+            "join_address": "/ip4/10.0.0.1/tcp/31337/p2p/12D3KooWCoordinator",
+            "status_url": "http://10.0.0.1:8080/", "finished": finished, "started_at": started,
+            "outer_step": outer_steps if finished else steps, "outer_steps_total": outer_steps,
+            "inner_steps_per_outer": inner_steps,
+            "inner_step": min((p["inner_step"] for p in trainers), default=0),
+            "model": {"parameters": parameters, "d_model": 256, "n_layers": 4, "n_heads": 4, "vocab_size": 256,
+                      "seq_len": 128},
+            "stages": stages, "replicas": replicas,
+            "tokens_trained": sum(p["tokens_total"] for p in table),
+            "tokens_per_s": round(sum(p["tokens_per_s"] for p in trainers), 1),
+            "loss": history[-1]["loss"] if history else None,
+            "eval_loss": next((h["eval_loss"] for h in reversed(history) if h["eval_loss"] is not None), None),
+            "loss_floor": floor,
+            "compute_utilization": compute / (compute + sync) if compute + sync else None,
+            "last_outer_at": history[-1]["t"] if history else None,
+            "last_allreduce_s": history[-1]["outer_s"] if history else None,
+            "waiting_reason": "" if finished else waiting_reason,
+        },
+        "grid": {"stages": stages, "replicas": replicas, "cells": cells},
+        "round": {
+            "step": steps + 1, "base_hash": "ab" * 8, "decided_at": now - 3.0,
+            "members": [{"peer_id": c["peer"], "address": "10.0.0.2:1"} for c in cells],
+        } if cells else None,
+        "history": history,
+        "series": series,
+        "peers": table,
+        "links": {"peers": link_ids, "rtt_ms": rtt, "bandwidth_mbps": bw},
+        "events": events,
+        "config": {"heartbeat_timeout_s": heartbeat_timeout_s},
+    }
+
+
+def fresh_state(now: float | None = None) -> dict[str, Any]:
+    """A run that has just started: no peers, no history, nothing measured."""
+    s = make_state(peers=0, steps=0, replicas=0, now=now, waiting_reason="waiting for peers: 0 of 2 needed to start")
+    s["run"].update(compute_utilization=None, loss_floor=None, tokens_per_s=0.0)
+    s["series"] = []
+    s["events"] = [{"t": s["generated_at"], "kind": "started", "peer": "", "message": "coordinator 0.1.0 serving run"}]
+    return s
