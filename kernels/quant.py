@@ -57,25 +57,74 @@ def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return codes.float() * scales.float()[:, None]
 
 
+def quantize_channels(
+    x: torch.Tensor,
+    bits: int,
+    *,
+    scales: torch.Tensor | None = None,
+    stochastic: bool = False,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D float tensor ``[rows, channels]`` with one absmax scale per channel (column).
+
+    Activations have a few channels far larger than the rest, so a per-channel scale keeps the small
+    channels from being rounded to zero. ``scales`` may be given (e.g. already rounded to the float16
+    the wire carries); codes are then clamped to ``[-qmax, qmax]`` and a zero scale gives zero codes.
+    Returns ``(codes, scales)``: int8 codes of ``x``'s shape and one float32 scale per channel.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"quantize_channels expects a 2-D tensor, got shape {tuple(x.shape)}")
+    qmax = qmax_for(bits)
+    x = x.float()
+    if scales is None:
+        if x.shape[0] == 0:
+            scales = x.new_zeros(x.shape[1])
+        else:
+            scales = x.abs().amax(dim=0) / qmax
+    scales = scales.float()
+    if scales.shape != (x.shape[1],):
+        raise ValueError(f"{x.shape[1]} channels need {x.shape[1]} scales, got shape {tuple(scales.shape)}")
+    zero = scales == 0
+    safe = torch.where(zero, torch.ones_like(scales), scales)
+    y = x / safe[None, :]
+    if stochastic:
+        noise = torch.rand(y.shape, generator=generator, device=y.device, dtype=y.dtype)
+        y = torch.floor(y + noise)
+    else:
+        y = torch.round(y)
+    codes = y.clamp_(-qmax, qmax).masked_fill_(zero[None, :], 0).to(torch.int8)
+    return codes, scales
+
+
+def dequantize_channels(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`quantize_channels`: ``codes * scale`` per column, in float32."""
+    if codes.dim() != 2 or scales.dim() != 1 or scales.shape[0] != codes.shape[1]:
+        raise ValueError(f"codes {tuple(codes.shape)} and scales {tuple(scales.shape)} do not match")
+    return codes.float() * scales.float()[None, :]
+
+
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack signed codes in ``[-qmax, qmax]`` into a uint8 stream, ``bits`` bits per code.
 
     Codes are offset to unsigned ``code + qmax`` and written least significant bit first; the last
-    byte is zero-padded. 8-bit codes are stored as-is (one byte each).
+    byte is zero-padded. 8-bit codes are stored as-is (one byte each). The stream is the same as
+    ``numpy.packbits(bit_planes, bitorder="little")``; it is built a whole byte (2 and 4 bits) or a
+    whole 3-byte word (3 bits: 8 codes) at a time.
     """
     qmax = qmax_for(bits)
     flat = codes.reshape(-1)
     if bits == 8:
         return flat.view(torch.uint8).clone() if flat.dtype == torch.int8 else flat.to(torch.int8).view(torch.uint8)
-    unsigned = (flat.to(torch.int16) + qmax).to(torch.uint8)
-    shifts = torch.arange(bits, device=flat.device, dtype=torch.uint8)
-    planes = (unsigned[:, None] >> shifts) & 1  # [n, bits], LSB first
-    stream = planes.reshape(-1)
-    pad = (-stream.numel()) % 8
+    group = 4 if bits == 2 else 2 if bits == 4 else 8  # codes per word of 1 byte (2, 4 bits) or 3 bytes
+    unsigned = (flat.to(torch.int32) + qmax)
+    pad = (-unsigned.numel()) % group
     if pad:
-        stream = torch.cat([stream, stream.new_zeros(pad)])
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], device=flat.device, dtype=torch.uint8)
-    return (stream.reshape(-1, 8) * weights).sum(dim=1, dtype=torch.int32).to(torch.uint8)
+        unsigned = torch.cat([unsigned, unsigned.new_zeros(pad)])  # zero bits, not code 0
+    shifts = torch.arange(group, device=flat.device, dtype=torch.int32) * bits
+    words = (unsigned.view(-1, group) << shifts).sum(dim=1, dtype=torch.int32)
+    if bits == 3:
+        words = (words[:, None] >> torch.tensor([0, 8, 16], device=flat.device, dtype=torch.int32)) & 0xFF
+    return words.to(torch.uint8).reshape(-1)[: packed_nbytes(flat.numel(), bits)]
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
@@ -86,10 +135,17 @@ def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
         raise ValueError(f"{numel} codes of {bits} bits take {expected} bytes, got {packed.numel()}")
     if bits == 8:
         return packed.reshape(-1).view(torch.int8).clone()
-    shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)
-    stream = ((packed.reshape(-1)[:, None] >> shifts) & 1).reshape(-1)[: numel * bits]
-    weights = (1 << torch.arange(bits, device=packed.device, dtype=torch.int16))
-    unsigned = (stream.reshape(numel, bits).to(torch.int16) * weights).sum(dim=1)
+    group = 4 if bits == 2 else 2 if bits == 4 else 8
+    data = packed.reshape(-1).to(torch.int32)
+    if bits == 3:
+        pad = (-data.numel()) % 3
+        if pad:
+            data = torch.cat([data, data.new_zeros(pad)])
+        data = (data.view(-1, 3) << torch.tensor([0, 8, 16], device=packed.device, dtype=torch.int32)).sum(
+            dim=1, dtype=torch.int32
+        )
+    shifts = torch.arange(group, device=packed.device, dtype=torch.int32) * bits
+    unsigned = ((data[:, None] >> shifts) & ((1 << bits) - 1)).reshape(-1)[:numel]
     codes = unsigned - qmax
     if bool((codes > qmax).any()):
         raise ValueError(f"packed stream holds codes outside [-{qmax}, {qmax}]")

@@ -1,0 +1,495 @@
+"""AC-SGD: send the *change* of each sample's activation, not the activation (Wang et al. 2022).
+
+In multi-epoch fine-tuning every sample crosses a stage boundary once per epoch, and its activation
+changes little between visits. Both sides of the boundary keep a buffer ``m[sample_id]`` (shape
+``[seq, d]``). For a micro-batch of activations ``a`` with sample ids ``ids``:
+
+* first visit of a sample: send ``a`` itself (float16, or directly quantized) and set ``m[id]`` to
+  what the receiver will reconstruct;
+* later visits: send ``Q(a - m[id])`` and set ``m[id] += deQ(Q(a - m[id]))``; the receiver hands
+  ``m[id]`` (after the update) to the next stage as the activation.
+
+The quantization error is that of the *delta*, whose per-channel scale shrinks as training
+converges, so 2-4 bits reach the quality of uncompressed activations (O(1/sqrt(T)) convergence).
+
+**Invariant: both buffers are bit-identical, forever.** The sender updates its buffer with exactly
+the floats the receiver decodes (:meth:`ActCodec.encode_with_reconstruction`), both add in float32
+on CPU, and both store in the same dtype. Each buffer entry also carries a *version* (the number of
+updates it has had), and every message says per sample which version it expects (0 = first visit).
+A receiver that has no entry for a sample (after a handover) or a different version (a lost message)
+raises :class:`BufferMissError` naming those samples, and changes nothing: the whole message is
+checked before any entry is touched. The fix is always the same: the sender, whose own buffer has
+already moved on for every sample of that micro-batch, calls :meth:`AcsgdSender.forget` on all of
+its ids and encodes it again; they go as first visits and overwrite whatever the receiver had.
+
+Buffers live in RAM until they would exceed ``memmap_threshold_bytes``, then move to a numpy memmap
+on disk. A shard of a buffer travels as a plain dict with a SHA-256 (:meth:`ActivationBuffer.
+export_state`), so a replacement peer can take over a stage without first visits.
+
+Backward gradients are not buffered: they are quantized directly with ``grad_bits``
+(:func:`make_grad_codec`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from potluck.compression.actcodec import ActCodec, CodecError, Packet
+
+STATE_VERSION = 1
+_NP_DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+class AcsgdConfig(BaseModel):
+    """Activation compression at one stage boundary; sender and receiver must use the same values."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    bits: Literal[2, 3, 4, 8] = Field(default=4, description="bits per element of the forward delta")
+    rounding: Literal["deterministic", "stochastic"] = Field(
+        default="deterministic", description="round to nearest, or unbiased stochastic rounding (seeded by `seed`)"
+    )
+    first_visit: Literal["fp16", "quant"] = Field(
+        default="fp16", description="how a sample's first activation travels: float16, or quantized at `bits`"
+    )
+    grad_bits: Literal[4, 8] = Field(default=8, description="bits per element of backward gradients (no buffer)")
+    scale_dtype: Literal["float32", "float16"] = Field(default="float32", description="dtype of per-channel scales")
+    buffer_dtype: Literal["float32", "float16"] = Field(
+        default="float32", description="dtype of the stored m[id]; float16 halves the footprint"
+    )
+    memmap_threshold_bytes: int = Field(
+        default=1 << 30, ge=0, description="a buffer larger than this moves to a memmap on disk (0: always on disk)"
+    )
+    memmap_dir: str | None = Field(default=None, description="directory of memmap files (None: the system temp dir)")
+    seed: int = Field(default=0, description="seed of the stochastic-rounding generator")
+
+    @property
+    def quant_mode(self) -> str:
+        return "quant_fp16_scales" if self.scale_dtype == "float16" else "quant"
+
+
+class BufferMissError(CodecError):
+    """A delta for samples whose buffer entry is missing or at another version; nothing was changed.
+
+    ``sample_ids`` lists them; the sender should :meth:`~AcsgdSender.forget` every id of the rejected
+    micro-batch (not only these: its buffer advanced for all of them) and send it again.
+    """
+
+    def __init__(self, message: str, sample_ids: list[int]) -> None:
+        super().__init__(message)
+        self.sample_ids = sample_ids
+
+
+@dataclass(frozen=True)
+class Footprint:
+    samples: int
+    memory_bytes: int  # buffer arrays held in RAM (index dicts aside)
+    disk_bytes: int  # size of the memmap file, 0 while in RAM
+
+
+class ActivationBuffer:
+    """``m[sample_id]`` for one side of one boundary: fixed-shape arrays in slots of one big array.
+
+    The array is in RAM, and moves to a numpy memmap (an unlinked temporary file in ``memmap_dir``,
+    so nothing is left behind) as soon as its capacity would exceed ``memmap_threshold_bytes``.
+    Capacity doubles as samples arrive; forgotten slots are reused. Not thread-safe: each side of a
+    boundary is driven by one stage worker.
+    """
+
+    def __init__(
+        self,
+        *,
+        dtype: Literal["float32", "float16"] = "float32",
+        memmap_threshold_bytes: int = 1 << 30,
+        memmap_dir: str | None = None,
+    ) -> None:
+        if dtype not in _NP_DTYPES:
+            raise ValueError(f"buffer dtype must be one of {list(_NP_DTYPES)}, got {dtype!r}")
+        self.dtype = dtype
+        self.memmap_threshold_bytes = memmap_threshold_bytes
+        self.memmap_dir = memmap_dir
+        self.sample_shape: tuple[int, ...] | None = None
+        self._np = np.dtype(_NP_DTYPES[dtype])
+        self._store: np.ndarray = np.zeros((0,), self._np)
+        self._slot: dict[int, int] = {}
+        self._version: dict[int, int] = {}
+        self._free: list[int] = []
+        self._high = 0  # slots below this have been handed out
+        self._on_disk = False
+
+    def __len__(self) -> int:
+        return len(self._slot)
+
+    def __contains__(self, sample_id: int) -> bool:
+        return sample_id in self._slot
+
+    def ids(self) -> list[int]:
+        return sorted(self._slot)
+
+    def version(self, sample_id: int) -> int:
+        """Updates the entry has had (1 after the first visit); 0 when there is none."""
+        return self._version.get(sample_id, 0)
+
+    @property
+    def on_disk(self) -> bool:
+        return self._on_disk
+
+    def footprint(self) -> Footprint:
+        nbytes = int(self._store.nbytes) if self.sample_shape is not None else 0
+        return Footprint(len(self._slot), 0 if self._on_disk else nbytes, nbytes if self._on_disk else 0)
+
+    def storage_round(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` as they read back after :meth:`put` (float32)."""
+        return values if self.dtype == "float32" else values.to(torch.float16).float()
+
+    def get(self, ids: Sequence[int]) -> torch.Tensor:
+        """Entries ``[len(ids), *sample_shape]`` as float32 (a copy)."""
+        missing = [i for i in ids if i not in self._slot]
+        if missing:
+            raise BufferMissError(f"no buffer for sample id {missing[0]} (handover?)", missing)
+        assert self.sample_shape is not None
+        if not ids:
+            return torch.zeros((0, *self.sample_shape))
+        rows = self._store[np.fromiter((self._slot[i] for i in ids), np.int64, len(ids))]
+        return torch.from_numpy(rows.astype(np.float32, copy=False))
+
+    def put(self, ids: Sequence[int], values: torch.Tensor, versions: Sequence[int]) -> None:
+        """Set entries (float32 values ``[len(ids), *sample_shape]``) and their versions."""
+        if len(ids) == 0:
+            return
+        shape = tuple(values.shape[1:])
+        if self.sample_shape is None:
+            self.sample_shape = shape
+            self._store = np.zeros((0, *shape), self._np)
+        elif shape != self.sample_shape:
+            raise CodecError(f"buffer holds samples of shape {list(self.sample_shape)}, got {list(shape)}")
+        new = [i for i in ids if i not in self._slot]
+        self._reserve(len(new))
+        for i in new:
+            self._slot[i] = self._free.pop() if self._free else self._take_slot()
+        slots = np.fromiter((self._slot[i] for i in ids), np.int64, len(ids))
+        self._store[slots] = values.detach().cpu().numpy().astype(self._np, copy=False)
+        for i, v in zip(ids, versions, strict=True):
+            self._version[i] = int(v)
+
+    def forget(self, ids: Sequence[int] | None = None) -> None:
+        """Drop entries (all when ``ids`` is None); their next visit is a first visit."""
+        for i in list(self._slot) if ids is None else ids:
+            slot = self._slot.pop(int(i), None)
+            if slot is not None:
+                self._free.append(slot)
+                del self._version[int(i)]
+
+    def close(self) -> None:
+        """Release the storage (the memmap's disk space goes with it)."""
+        self.forget()
+        self._store = np.zeros((0, *(self.sample_shape or ())), self._np)
+        self._free, self._high, self._on_disk = [], 0, False
+
+    def _take_slot(self) -> int:
+        self._high += 1
+        return self._high - 1
+
+    def _reserve(self, n_new: int) -> None:
+        assert self.sample_shape is not None
+        need = self._high + max(0, n_new - len(self._free))
+        capacity = self._store.shape[0]
+        if need <= capacity:
+            return
+        capacity = max(need, 2 * capacity, 16)
+        sample_bytes = self._np.itemsize * int(np.prod(self.sample_shape))
+        shape = (capacity, *self.sample_shape)
+        if self._on_disk or capacity * sample_bytes > self.memmap_threshold_bytes:
+            fresh = self._memmap(shape)
+            self._on_disk = True
+        else:
+            fresh = np.zeros(shape, self._np)
+        fresh[: self._high] = self._store[: self._high]
+        self._store = fresh
+
+    def _memmap(self, shape: tuple[int, ...]) -> np.ndarray:
+        fd, path = tempfile.mkstemp(prefix="acsgd-", suffix=".buf", dir=self.memmap_dir)
+        os.close(fd)
+        mm = np.memmap(path, dtype=self._np, mode="w+", shape=shape)
+        try:
+            os.unlink(path)  # POSIX keeps the mapping; the file vanishes with the process
+        except OSError:
+            weakref.finalize(mm, _remove, path)
+        return mm
+
+    # -- handover -----------------------------------------------------------------------------
+
+    def digest(self, ids: Sequence[int] | None = None) -> str:
+        """SHA-256 over dtype, sample shape, ids, versions and bytes of the entries (missing ids skipped)."""
+        return str(self.export_state(ids)["sha256"])
+
+    def export_state(self, ids: Sequence[int] | None = None) -> dict[str, Any]:
+        """A shard as a plain dict (ints, strings, lists, bytes). Ids without an entry are skipped."""
+        ids = self.ids() if ids is None else [int(i) for i in ids if int(i) in self._slot]
+        versions = [self.version(i) for i in ids]
+        data = self._bytes(ids)
+        return {
+            "format": STATE_VERSION,
+            "dtype": self.dtype,
+            "sample_shape": list(self.sample_shape or ()),
+            "ids": ids,
+            "versions": versions,
+            "data": data,
+            "sha256": _digest(self.dtype, tuple(self.sample_shape or ()), ids, versions, data),
+        }
+
+    def import_state(self, state: Mapping[str, Any]) -> None:
+        """Add (or overwrite) the entries of an exported shard; a bad shard changes nothing."""
+        ids, versions, values = self._parse_state(state)
+        if ids:
+            self.put(ids, values, versions)
+
+    def _bytes(self, ids: list[int]) -> bytes:
+        if not ids:
+            return b""
+        rows = self._store[np.fromiter((self._slot[i] for i in ids), np.int64, len(ids))]
+        return np.ascontiguousarray(rows).tobytes()
+
+    def _parse_state(self, state: Mapping[str, Any]) -> tuple[list[int], list[int], torch.Tensor]:
+        try:
+            fmt, dtype = state["format"], state["dtype"]
+            shape = [int(s) for s in state["sample_shape"]]
+            ids = [int(i) for i in state["ids"]]
+            versions = [int(v) for v in state["versions"]]
+            data, sha = bytes(state["data"]), str(state["sha256"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CodecError(f"malformed buffer state: {e!r}") from e
+        if fmt != STATE_VERSION:
+            raise CodecError(f"buffer state format {fmt} is not the supported {STATE_VERSION}")
+        if dtype != self.dtype:
+            raise CodecError(f"buffer state holds {dtype} entries, this buffer stores {self.dtype}")
+        if len(versions) != len(ids) or len(set(ids)) != len(ids) or any(v < 1 for v in versions):
+            raise CodecError("buffer state needs one version >= 1 per id and no repeated ids")
+        if _digest(dtype, tuple(shape), ids, versions, data) != sha:
+            raise CodecError("buffer state hash mismatch: the shard was corrupted or tampered with")
+        if not ids:
+            return [], [], torch.zeros(0)
+        if self.sample_shape is not None and tuple(shape) != self.sample_shape:
+            raise CodecError(f"buffer state holds samples of shape {shape}, this buffer {list(self.sample_shape)}")
+        expected = len(ids) * int(np.prod(shape)) * self._np.itemsize
+        if len(data) != expected:
+            raise CodecError(f"buffer state of {len(ids)} samples of shape {shape} needs {expected} bytes")
+        arr = np.frombuffer(data, self._np).reshape(len(ids), *shape)
+        if not np.isfinite(arr).all():
+            raise CodecError("buffer state holds NaN or Inf")
+        return ids, versions, torch.from_numpy(arr.astype(np.float32))
+
+
+def _digest(dtype: str, shape: tuple[int, ...], ids: list[int], versions: list[int], data: bytes) -> str:
+    h = hashlib.sha256()
+    header = {"format": STATE_VERSION, "dtype": dtype, "sample_shape": list(shape), "n": len(ids)}
+    h.update(json.dumps(header, sort_keys=True).encode())
+    h.update(np.asarray(ids, np.int64).astype("<i8").tobytes())
+    h.update(np.asarray(versions, np.int64).astype("<i8").tobytes())
+    h.update(data)
+    return h.hexdigest()
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+@dataclass(frozen=True)
+class AcsgdMessage:
+    """One micro-batch across a boundary (the sample ids travel beside it, in the same order).
+
+    ``versions[k]`` is the version of sample k's buffer entry the message builds on: 0 for a first
+    visit (its value is in ``first``), ``v >= 1`` for a delta (in ``delta``). ``first`` holds the
+    first-visit samples and ``delta`` the others, each in micro-batch order; either may be None.
+    """
+
+    versions: tuple[int, ...]
+    first: Packet | None
+    delta: Packet | None
+
+    @property
+    def first_visit(self) -> list[bool]:
+        return [v == 0 for v in self.versions]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in (self.first, self.delta) if p is not None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "versions": list(self.versions),
+            "first": None if self.first is None else self.first.to_dict(),
+            "delta": None if self.delta is None else self.delta.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> AcsgdMessage:
+        if not isinstance(d, Mapping) or "versions" not in d:
+            raise CodecError("an AC-SGD message needs a 'versions' list")
+        versions = d["versions"]
+        if isinstance(versions, str | bytes) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in versions
+        ):
+            raise CodecError(f"'versions' must be a list of non-negative ints, got {versions!r}")
+        first, delta = d.get("first"), d.get("delta")
+        return cls(
+            tuple(versions),
+            None if first is None else Packet.from_dict(first),
+            None if delta is None else Packet.from_dict(delta),
+        )
+
+
+def _id_list(sample_ids: torch.Tensor | Sequence[int], batch: int | None = None) -> list[int]:
+    t = torch.as_tensor(sample_ids)
+    if t.dim() != 1 or t.is_floating_point() or t.dtype == torch.bool:
+        raise CodecError(f"sample ids must be a 1-D integer tensor, got {t.dtype} of shape {list(t.shape)}")
+    ids = t.tolist()
+    if not ids:
+        raise CodecError("empty micro-batch")
+    if batch is not None and len(ids) != batch:
+        raise CodecError(f"{len(ids)} sample ids for a micro-batch of {batch}")
+    if len(set(ids)) != len(ids):
+        raise CodecError("a sample id appears twice in one micro-batch")
+    if min(ids) < 0:
+        raise CodecError(f"sample ids must be non-negative, got {min(ids)}")
+    return ids
+
+
+class _BoundarySide:
+    """What sender and receiver share: the config, the buffer and the two forward codecs."""
+
+    def __init__(self, config: AcsgdConfig | None = None, buffer: ActivationBuffer | None = None) -> None:
+        self.config = c = config or AcsgdConfig()
+        self.buffer = buffer or ActivationBuffer(
+            dtype=c.buffer_dtype, memmap_threshold_bytes=c.memmap_threshold_bytes, memmap_dir=c.memmap_dir
+        )
+        if self.buffer.dtype != c.buffer_dtype:
+            raise ValueError(f"buffer stores {self.buffer.dtype}, config says {c.buffer_dtype}")
+        gen = torch.Generator().manual_seed(c.seed)
+        first_mode = "fp16" if c.first_visit == "fp16" else c.quant_mode
+        self.first_codec = ActCodec(first_mode, c.bits, rounding=c.rounding, generator=gen)
+        self.delta_codec = ActCodec(c.quant_mode, c.bits, rounding=c.rounding, generator=gen)
+
+    def footprint(self) -> Footprint:
+        return self.buffer.footprint()
+
+    def export_state(self, ids: Sequence[int] | None = None) -> dict[str, Any]:
+        """This side's buffer (or a shard of it) for a handover; see :meth:`ActivationBuffer.export_state`."""
+        return self.buffer.export_state(ids)
+
+    def import_state(self, state: Mapping[str, Any]) -> None:
+        self.buffer.import_state(state)
+
+
+class AcsgdSender(_BoundarySide):
+    """The sending side of a boundary: activations in, :class:`AcsgdMessage` out."""
+
+    def encode(self, sample_ids: torch.Tensor | Sequence[int], acts: torch.Tensor) -> AcsgdMessage:
+        """Encode ``acts [B, seq, d]`` for samples ``sample_ids [B]`` and update the buffer."""
+        if acts.dim() < 2:
+            raise CodecError(f"activations must be [B, ...], got shape {list(acts.shape)}")
+        ids = _id_list(sample_ids, acts.shape[0])
+        acts = acts.detach().to("cpu", torch.float32)
+        shape = self.buffer.sample_shape
+        if shape is not None and tuple(acts.shape[1:]) != shape:
+            raise CodecError(f"activations of shape {list(acts.shape[1:])}, the buffer holds {list(shape)}")
+        versions = [self.buffer.version(i) for i in ids]
+        first = [k for k, v in enumerate(versions) if v == 0]
+        again = [k for k, v in enumerate(versions) if v > 0]
+        first_packet = delta_packet = None
+        updates: list[tuple[list[int], torch.Tensor, list[int]]] = []
+        if first:
+            first_packet, value = self.first_codec.encode_with_reconstruction(acts[first])
+            updates.append(([ids[k] for k in first], value, [1] * len(first)))
+        if again:
+            again_ids = [ids[k] for k in again]
+            m = self.buffer.get(again_ids)
+            delta_packet, d = self.delta_codec.encode_with_reconstruction(acts[again] - m)
+            updates.append((again_ids, m + d, [versions[k] + 1 for k in again]))
+        for u_ids, values, u_versions in updates:  # only now that every packet is built
+            self.buffer.put(u_ids, values, u_versions)
+        return AcsgdMessage(tuple(versions), first_packet, delta_packet)
+
+    def forget(self, ids: Sequence[int] | torch.Tensor | None = None) -> None:
+        """Drop entries so these samples (all, when None) go as first visits next time."""
+        self.buffer.forget(None if ids is None else torch.as_tensor(ids).reshape(-1).tolist())
+
+    def reset(self) -> None:
+        self.forget(None)
+
+
+class AcsgdReceiver(_BoundarySide):
+    """The receiving side: :class:`AcsgdMessage` in, the activations the next stage computes on out."""
+
+    def decode(self, sample_ids: torch.Tensor | Sequence[int], message: AcsgdMessage) -> torch.Tensor:
+        """Reconstruct ``[B, seq, d]`` float32 activations and update the buffer (only if all is valid)."""
+        ids = _id_list(sample_ids, len(message.versions))
+        versions = list(message.versions)
+        first = [k for k, v in enumerate(versions) if v == 0]
+        again = [k for k, v in enumerate(versions) if v > 0]
+        stale = [ids[k] for k in again if self.buffer.version(ids[k]) != versions[k]]
+        if stale:
+            i = stale[0]
+            k = ids.index(i)
+            if i not in self.buffer:
+                raise BufferMissError(f"no buffer for sample id {i} (handover?)", stale)
+            raise BufferMissError(
+                f"buffer of sample id {i} is at version {self.buffer.version(i)}, the message builds on "
+                f"version {versions[k]} (lost message?)",
+                stale,
+            )
+        first_values = self._part(message.first, len(first), "first-visit", self.first_codec)
+        delta = self._part(message.delta, len(again), "delta", self.delta_codec)
+        parts = [t for t in (first_values, delta) if t is not None]
+        sample_shape = tuple(parts[0].shape[1:])
+        if any(tuple(t.shape[1:]) != sample_shape for t in parts) or (
+            self.buffer.sample_shape is not None and sample_shape != self.buffer.sample_shape
+        ):
+            raise CodecError(
+                f"message samples of shape {[list(t.shape[1:]) for t in parts]} do not match the buffer's "
+                f"{list(self.buffer.sample_shape or sample_shape)}"
+            )
+        out = torch.empty((len(ids), *sample_shape))
+        again_ids = [ids[k] for k in again]
+        updated = None
+        if delta is not None:
+            updated = self.buffer.get(again_ids) + delta
+        if first_values is not None:
+            self.buffer.put([ids[k] for k in first], first_values, [1] * len(first))
+            out[first] = self.buffer.storage_round(first_values)
+        if updated is not None:
+            self.buffer.put(again_ids, updated, [versions[k] + 1 for k in again])
+            out[again] = self.buffer.storage_round(updated)
+        return out
+
+    @staticmethod
+    def _part(packet: Packet | None, count: int, what: str, codec: ActCodec) -> torch.Tensor | None:
+        if count == 0:
+            if packet is not None:
+                raise CodecError(f"message carries a {what} packet but no sample is a {what}")
+            return None
+        if packet is None:
+            raise CodecError(f"{count} samples are {what}s but the message has no {what} packet")
+        if len(packet.shape) < 2 or packet.shape[0] != count:
+            raise CodecError(f"{what} packet of shape {list(packet.shape)} for {count} samples")
+        return codec.decode_float(packet)
+
+
+def make_grad_codec(config: AcsgdConfig | None = None, generator: torch.Generator | None = None) -> ActCodec:
+    """The backward codec: gradients quantized directly at ``grad_bits`` with per-channel scales."""
+    c = config or AcsgdConfig()
+    return ActCodec(c.quant_mode, c.grad_bits, rounding=c.rounding, generator=generator)

@@ -1,0 +1,295 @@
+"""The codec Q for tensors crossing a pipeline boundary: activations forward, gradients backward.
+
+A :class:`Packet` is one tensor as it travels: ``mode``, ``bits``, ``shape``, ``dtype``, ``scales``
+and ``payload``. Modes:
+
+* ``"quant"``: ``bits`` in {2, 3, 4, 8}, uniform symmetric codes with one absmax scale per channel
+  (the last dimension), computed over the whole micro-batch tensor; codes are bit-packed
+  (:mod:`potluck.kernels.quant`) and scales are float32. ``"quant_fp16_scales"`` is the same with
+  float16 scales (rounded *up*, so no value falls outside the code range).
+* ``"fp16"`` and ``"fp32"``: no compression, the values as float16 / float32 (``bits`` is 0).
+
+For a tensor of shape ``[..., C]`` with ``N`` elements a quantized packet costs
+``ceil(N * bits / 8)`` payload bytes plus ``4 * C`` (or ``2 * C``) scale bytes. The error on each
+element is at most half its channel's scale (deterministic rounding, round half to even), and
+stochastic rounding (``floor(x / s + u)``, ``u ~ U[0, 1)`` drawn from a generator the caller seeds)
+is unbiased.
+
+Decoding is one multiply per element in float32, so two processes that decode the same packet get
+bit-identical tensors; :meth:`ActCodec.encode_with_reconstruction` hands the sender exactly what the
+receiver will decode, which is what lets AC-SGD keep identical buffers on both sides
+(:mod:`potluck.compression.acsgd`). Everything a receiver relies on is checked before any tensor is
+produced, and a bad packet raises :class:`CodecError` with the reason. Encoding refuses NaN and Inf.
+
+:meth:`Packet.to_dict` / :meth:`Packet.from_dict` map a packet to plain bytes, ints, strings and
+lists (the protobuf message has the same six fields); unknown keys are ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from potluck.compression.int8 import CodecError
+from potluck.kernels.quant import (
+    SUPPORTED_BITS,
+    dequantize_channels,
+    pack_bits,
+    packed_nbytes,
+    qmax_for,
+    quantize_channels,
+    unpack_bits,
+)
+
+__all__ = ["MODES", "ActCodec", "CodecError", "Packet", "decode", "encode"]
+
+Mode = Literal["quant", "quant_fp16_scales", "fp16", "fp32"]
+MODES: tuple[str, ...] = ("quant", "quant_fp16_scales", "fp16", "fp32")
+QUANT_MODES = ("quant", "quant_fp16_scales")
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+_RAW_NP = {"fp16": np.float16, "fp32": np.float32}
+
+
+@dataclass(frozen=True)
+class Packet:
+    """One tensor on the wire. ``dtype`` is the tensor's own dtype, which :func:`decode` returns."""
+
+    mode: str
+    bits: int
+    shape: tuple[int, ...]
+    dtype: str
+    scales: bytes = b""
+    payload: bytes = b""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of payload and scales: what the tensor costs on the wire, headers aside."""
+        return len(self.payload) + len(self.scales)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "bits": self.bits,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "scales": self.scales,
+            "payload": self.payload,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Packet:
+        """Parse a plain dict (or a protobuf-like mapping); only types are checked here, sizes in decode."""
+        if not isinstance(d, Mapping):
+            raise CodecError(f"a packet must be a mapping, got {type(d).__name__}")
+        for key in ("mode", "shape", "dtype", "payload"):
+            if key not in d:
+                raise CodecError(f"packet lacks field {key!r}")
+        mode, dtype, bits, shape = d["mode"], d["dtype"], d.get("bits", 0), d["shape"]
+        if not isinstance(mode, str) or not isinstance(dtype, str):
+            raise CodecError("packet fields 'mode' and 'dtype' must be strings")
+        if not _is_int(bits):
+            raise CodecError(f"packet field 'bits' must be an int, got {bits!r}")
+        if isinstance(shape, str | bytes) or not all(_is_int(s) for s in shape):
+            raise CodecError(f"packet field 'shape' must be a list of ints, got {shape!r}")
+        return cls(mode, int(bits), tuple(int(s) for s in shape), dtype,
+                   _as_bytes(d.get("scales", b""), "scales"), _as_bytes(d["payload"], "payload"))
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int | np.integer) and not isinstance(v, bool)
+
+
+def _as_bytes(v: object, name: str) -> bytes:
+    if isinstance(v, bytes | bytearray | memoryview):
+        return bytes(v)
+    raise CodecError(f"packet field {name!r} must be bytes, got {type(v).__name__}")
+
+
+def _check_mode(mode: str, bits: int) -> None:
+    if mode not in MODES:
+        raise CodecError(f"unknown mode {mode!r} (known: {', '.join(MODES)})")
+    if mode in QUANT_MODES and bits not in SUPPORTED_BITS:
+        raise CodecError(f"unsupported bit width {bits} for mode {mode!r}; use one of {SUPPORTED_BITS}")
+    if mode not in QUANT_MODES and bits != 0:
+        raise CodecError(f"mode {mode!r} carries no codes, so bits must be 0, got {bits}")
+
+
+def _scale_nbytes(mode: str) -> int:
+    return 2 if mode == "quant_fp16_scales" else 4
+
+
+def validate(packet: Packet) -> None:
+    """Raise :class:`CodecError` unless ``packet`` is self-consistent (sizes, names, finite scales)."""
+    _check_mode(packet.mode, packet.bits)
+    if packet.dtype not in DTYPES:
+        raise CodecError(f"unsupported dtype {packet.dtype!r} (supported: {', '.join(DTYPES)})")
+    if len(packet.shape) == 0 or any(s < 0 for s in packet.shape):
+        raise CodecError(f"shape must have at least one non-negative dimension, got {list(packet.shape)}")
+    n = packet.numel
+    if packet.mode in QUANT_MODES:
+        want = packed_nbytes(n, packet.bits)
+        if len(packet.payload) != want:
+            raise CodecError(
+                f"payload of shape {list(packet.shape)} at {packet.bits} bits needs {want} bytes, "
+                f"got {len(packet.payload)}"
+            )
+        channels = packet.shape[-1]
+        want_scales = channels * _scale_nbytes(packet.mode)
+        if len(packet.scales) != want_scales:
+            raise CodecError(
+                f"{channels} channels need {channels} scales ({want_scales} bytes), got {len(packet.scales)} bytes"
+            )
+    else:
+        want = n * (2 if packet.mode == "fp16" else 4)
+        if len(packet.payload) != want:
+            raise CodecError(f"{packet.mode} payload of shape {list(packet.shape)} needs {want} bytes, "
+                             f"got {len(packet.payload)}")
+        if packet.scales:
+            raise CodecError(f"mode {packet.mode!r} carries no scales, got {len(packet.scales)} bytes")
+
+
+def encode(
+    x: torch.Tensor,
+    mode: str = "quant",
+    bits: int = 4,
+    *,
+    stochastic: bool = False,
+    generator: torch.Generator | None = None,
+) -> Packet:
+    """Encode ``x`` (float32, float16 or bfloat16, at least 1-D) as a :class:`Packet`."""
+    return _encode(x, mode, bits, stochastic, generator)[0]
+
+
+def decode(packet: Packet) -> torch.Tensor:
+    """The tensor a packet holds, on CPU, in the packet's ``dtype``; a bad packet raises CodecError."""
+    return _decode_float(packet).to(DTYPES[packet.dtype])
+
+
+def _encode(
+    x: torch.Tensor, mode: str, bits: int, stochastic: bool, generator: torch.Generator | None
+) -> tuple[Packet, torch.Tensor]:
+    _check_mode(mode, bits)
+    if x.dtype not in _DTYPE_NAMES:
+        raise CodecError(f"unsupported dtype {x.dtype} (supported: {', '.join(DTYPES)})")
+    if x.dim() == 0:
+        raise CodecError("cannot encode a 0-d tensor; give it at least one dimension")
+    x = x.detach()
+    if not bool(torch.isfinite(x).all()):
+        raise CodecError("refusing to encode NaN or Inf")
+    shape, dtype = tuple(x.shape), _DTYPE_NAMES[x.dtype]
+    if mode in _RAW_NP:
+        values = x.to("cpu", torch.float16 if mode == "fp16" else torch.float32).contiguous()
+        if not bool(torch.isfinite(values).all()):
+            raise CodecError("values exceed the float16 range; use mode 'fp32'")
+        return Packet(mode, 0, shape, dtype, b"", values.numpy().tobytes()), values.float()
+    x2d = x.reshape(_rows(shape), shape[-1]).float()
+    scales = None
+    if mode == "quant_fp16_scales":
+        scales = _fp16_scales_up(x2d, bits)
+    codes, scales = quantize_channels(x2d, bits, scales=scales, stochastic=stochastic, generator=generator)
+    scales = scales.cpu()
+    recon = dequantize_channels(codes.cpu(), scales).view(shape)
+    wire_scales = scales.numpy().astype(np.float16 if mode == "quant_fp16_scales" else np.float32)
+    payload = pack_bits(codes, bits).cpu().numpy().tobytes()
+    return Packet(mode, bits, shape, dtype, wire_scales.tobytes(), payload), recon
+
+
+def _rows(shape: tuple[int, ...]) -> int:
+    """Rows of the ``[rows, channels]`` view (explicit, since ``-1`` is ambiguous with 0 channels)."""
+    return math.prod(shape[:-1])
+
+
+def _fp16_scales_up(x2d: torch.Tensor, bits: int) -> torch.Tensor:
+    """Per-channel scales rounded up to float16, so ``|x| / s <= qmax`` still holds."""
+    if x2d.shape[0] == 0:
+        return torch.zeros(x2d.shape[1])
+    exact = (x2d.abs().amax(dim=0) / qmax_for(bits)).cpu().numpy()
+    half = exact.astype(np.float16)
+    low = half.astype(np.float32) < exact
+    half[low] = np.nextafter(half[low], np.float16(np.inf))
+    if not np.isfinite(half).all():
+        raise CodecError("a channel's scale exceeds the float16 range; use mode 'quant'")
+    return torch.from_numpy(half.astype(np.float32)).to(x2d.device)
+
+
+def _decode_float(packet: Packet) -> torch.Tensor:
+    """Decode to float32 (raw fp16 is widened exactly); this is the one dequantization path."""
+    validate(packet)
+    shape = packet.shape
+    if packet.mode in _RAW_NP:
+        arr = np.frombuffer(packet.payload, dtype=_RAW_NP[packet.mode])
+        out = torch.from_numpy(arr.astype(np.float32)).view(shape)
+        if not bool(torch.isfinite(out).all()):
+            raise CodecError(f"{packet.mode} payload holds NaN or Inf")
+        return out
+    scale_np = np.float16 if packet.mode == "quant_fp16_scales" else np.float32
+    scales = torch.from_numpy(np.frombuffer(packet.scales, dtype=scale_np).astype(np.float32))
+    if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
+        raise CodecError("scales must be finite and non-negative")
+    packed = torch.from_numpy(np.frombuffer(packet.payload, dtype=np.uint8).copy())
+    try:
+        codes = unpack_bits(packed, packet.bits, packet.numel)
+    except ValueError as e:
+        raise CodecError(str(e)) from e
+    if packet.bits == 8 and bool((codes == -128).any()):
+        raise CodecError("8-bit code -128 is outside the symmetric range [-127, 127]")
+    return dequantize_channels(codes.view(_rows(shape), shape[-1]), scales).view(shape)
+
+
+class ActCodec:
+    """One configured codec: a mode, a bit width, a rounding rule and (for stochastic) a generator.
+
+    ``decode`` accepts only packets of this codec's mode and bit width, so a peer configured for
+    4-bit activations rejects an 8-bit packet instead of silently mixing widths.
+    """
+
+    def __init__(
+        self,
+        mode: str = "quant",
+        bits: int = 4,
+        *,
+        rounding: Literal["deterministic", "stochastic"] = "deterministic",
+        generator: torch.Generator | None = None,
+    ) -> None:
+        bits = bits if mode in QUANT_MODES else 0
+        try:
+            _check_mode(mode, bits)
+        except CodecError as e:
+            raise ValueError(str(e)) from e
+        if rounding not in ("deterministic", "stochastic"):
+            raise ValueError(f"rounding must be 'deterministic' or 'stochastic', got {rounding!r}")
+        self.mode, self.bits, self.rounding, self.generator = mode, bits, rounding, generator
+
+    def encode(self, x: torch.Tensor) -> Packet:
+        return self.encode_with_reconstruction(x)[0]
+
+    def encode_with_reconstruction(self, x: torch.Tensor) -> tuple[Packet, torch.Tensor]:
+        """The packet and, as float32 on CPU, exactly what :meth:`decode` will return for it."""
+        return _encode(x, self.mode, self.bits, self.rounding == "stochastic", self.generator)
+
+    def decode(self, packet: Packet) -> torch.Tensor:
+        self.check(packet)
+        return decode(packet)
+
+    def decode_float(self, packet: Packet) -> torch.Tensor:
+        """Like :meth:`decode` but always float32 (bit-identical to ``encode_with_reconstruction``)."""
+        self.check(packet)
+        return _decode_float(packet)
+
+    def check(self, packet: Packet) -> None:
+        """Raise :class:`CodecError` unless ``packet`` is valid and of this codec's mode and width."""
+        validate(packet)
+        if packet.mode != self.mode or packet.bits != self.bits:
+            raise CodecError(
+                f"expected mode {self.mode!r} at {self.bits} bits, got mode {packet.mode!r} at {packet.bits} bits"
+            )
