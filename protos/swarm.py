@@ -13,8 +13,12 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import threading
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import Field
 
 from potluck.protos.identity import Identity, IdentityError, public_key_from_peer_id
 from potluck.protos.log import get_logger
@@ -24,6 +28,7 @@ from potluck.protos.records import (
     PeerRecord,
     Plan,
     RecordError,
+    _Record,
     peers_key,
     plan_key,
     seal,
@@ -41,6 +46,35 @@ from hivemind.dht import DHT
 from hivemind.utils import get_dht_time
 
 log = get_logger(__name__)
+
+
+def links_key(run_id: str) -> str:
+    return f"potluck/{run_id}/links"
+
+
+class LinkStat(_Record):
+    """What a peer measured of its link to one other peer (``None``: not measured yet)."""
+
+    rtt_ms: float | None = Field(default=None, ge=0, description="round-trip time of a small RPC")
+    bandwidth_mbps: float | None = Field(default=None, gt=0, description="achievable rate from the reporter to the other peer")
+    samples: int = Field(default=0, ge=0, description="probes and observed transfers merged into these figures")
+    ts: float = Field(default=0.0, description="wall-clock time of the newest sample")
+
+
+class LinkReport(_Record):
+    """A peer's measurements of its links, ``potluck/<run_id>/links`` subkey = its peer id.
+
+    ``links[q]`` describes the link from ``peer_id`` to ``q`` (the direction a probe's payload and
+    an observed push travel), the ``alpha``/``beta`` the scheduler's cost model wants.
+    """
+
+    peer_id: str
+    ts: float = 0.0
+    seq: int = 0
+    links: dict[str, LinkStat] = Field(default_factory=dict)
+
+
+_S = TypeVar("_S", bound=_Record)
 
 
 class JoinError(RuntimeError):
@@ -105,6 +139,7 @@ class SwarmNode:
         identity_path: str | Path | None = None,
     ) -> None:
         self.identity = identity
+        self._pipe_lock = threading.Lock()
         tmpdir = None
         if identity_path is None:
             tmpdir = tempfile.TemporaryDirectory(prefix="potluck-id-")
@@ -144,23 +179,30 @@ class SwarmNode:
 
     def store(self, key: str, record: Any, ttl: float, subkey: str | None = None) -> bool:
         value = seal(self.identity, record)
-        return bool(self.dht.store(key, value, expiration_time=get_dht_time() + ttl, subkey=subkey))
+        with self._pipe_lock:  # hivemind's DHT pipe is not safe for concurrent senders
+            future = self.dht.store(key, value, expiration_time=get_dht_time() + ttl, subkey=subkey, return_future=True)
+        return bool(future.result())
+
+    def _dht_get(self, key: str, latest: bool = True) -> Any:
+        with self._pipe_lock:
+            future = self.dht.get(key, latest=latest, return_future=True)
+        return future.result()
 
     def get_manifest(self, coordinator: str, min_seq: int = 0) -> Manifest | None:
-        found = self.dht.get(MANIFEST_KEY, latest=True)
+        found = self._dht_get(MANIFEST_KEY, latest=True)
         if found is None:
             return None
         return unseal(Manifest, found.value, author=coordinator, min_seq=min_seq)
 
     def get_plan(self, run_id: str, coordinator: str, min_seq: int = 0) -> Plan | None:
-        found = self.dht.get(plan_key(run_id), latest=True)
+        found = self._dht_get(plan_key(run_id), latest=True)
         if found is None:
             return None
         return unseal(Plan, found.value, author=coordinator, min_seq=min_seq)
 
     def get_peers(self, run_id: str) -> tuple[dict[str, PeerRecord], list[str]]:
         """Valid peer records by id, and the reasons any others were refused."""
-        found = self.dht.get(peers_key(run_id), latest=True)
+        found = self._dht_get(peers_key(run_id), latest=True)
         records: dict[str, PeerRecord] = {}
         refused: list[str] = []
         if found is None or not isinstance(found.value, dict):
@@ -175,6 +217,39 @@ class SwarmNode:
                 records[subkey] = rec
             except RecordError as err:
                 refused.append(f"peer record {str(subkey)[-6:]}: {err}")
+        return records, refused
+
+    def publish_links(self, run_id: str, report: LinkReport, ttl: float) -> bool:
+        """Store this peer's signed link report; it expires after ``ttl`` seconds unless refreshed."""
+        if report.peer_id != self.identity.peer_id:
+            raise ValueError(f"a link report of {report.peer_id[-6:]} cannot be published by {self.identity.peer_id[-6:]}")
+        return self.store(links_key(run_id), report, ttl, subkey=report.peer_id)
+
+    def get_links(self, run_id: str, min_seq: Mapping[str, int] | None = None) -> tuple[dict[str, LinkReport], list[str]]:
+        """Valid link reports by peer id, and the reasons any others were refused.
+
+        ``min_seq`` holds the newest ``seq`` already accepted per peer; older reports are refused.
+        """
+        return self._get_signed_by_subkey(links_key(run_id), LinkReport, "link report", min_seq or {})
+
+    def _get_signed_by_subkey(self, key: str, model: type[_S], what: str,
+                              min_seq: Mapping[str, int]) -> tuple[dict[str, _S], list[str]]:
+        """Records stored one per peer under ``key``, each signed by the peer its subkey names."""
+        found = self._dht_get(key, latest=True)
+        records: dict[str, _S] = {}
+        refused: list[str] = []
+        if found is None or not isinstance(found.value, dict):
+            return records, refused
+        for subkey, item in found.value.items():
+            try:
+                if not isinstance(subkey, str):
+                    raise RecordError(f"subkey {subkey!r} is not a peer id")
+                rec = unseal(model, item.value, author=subkey, min_seq=min_seq.get(subkey, 0))
+                if getattr(rec, "peer_id", subkey) != subkey:
+                    raise RecordError(f"record for {rec.peer_id[-6:]} stored under {subkey[-6:]}")  # type: ignore[attr-defined]
+                records[subkey] = rec
+            except RecordError as err:
+                refused.append(f"{what} {str(subkey)[-6:]}: {err}")
         return records, refused
 
     def shutdown(self) -> None:

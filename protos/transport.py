@@ -5,6 +5,10 @@ object (the daemon), the client moves protobuf messages. What it adds is what ev
 same way: deliberate message size limits, counting every byte sent and received by kind (the
 figures the logs, ``/metrics`` and the status page show), and turning a handler's
 :class:`Rejected` into a gRPC status with a clear reason, logged once on the receiving side.
+
+Given a :class:`~potluck.protos.netem.NetEm`, server and client also play an emulated wide-area
+network (delay and bandwidth per region pair) through gRPC interceptors, so every RPC, present and
+future, crosses it; without one no interceptor is installed.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import grpc
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos import potluck_pb2_grpc as pb_grpc
 from potluck.protos.log import get_logger, short_id
+from potluck.protos.netem import NetEm
 
 log = get_logger(__name__)
 
@@ -41,6 +46,7 @@ KIND_BY_METHOD = {
     "FetchResult": "outer",
     "GetStateInfo": "state",
     "FetchState": "state",
+    "PushPipe": "pipeline",
 }
 
 M = TypeVar("M")
@@ -96,6 +102,8 @@ class Handlers(Protocol):
     def get_state_info(self, request: pb.StateInfoRequest) -> pb.StateInfo: ...
 
     def fetch_state(self, request: pb.StateRequest) -> Iterator[pb.StateChunk]: ...
+
+    def push_pipe(self, request: pb.PipeMessage) -> pb.Ack: ...
 
 
 def _counted(messages: Iterable[M], count: Callable[[int], None]) -> Iterator[M]:
@@ -170,13 +178,20 @@ class _Servicer(pb_grpc.PeerServiceServicer):
     def FetchState(self, request, context):  # noqa: N802
         return self._server_stream("FetchState", request, context, self.h.fetch_state)
 
+    def PushPipe(self, request, context):  # noqa: N802
+        return self._unary("PushPipe", request, context, self.h.push_pipe)
+
 
 def _log_reject(method: str, sender: str, reason: str) -> None:
     log.warning("rejected %s from %s: %s", method, short_id(sender) if sender != "?" else "?", reason)
 
 
 class PeerServer:
-    """A PeerService gRPC server bound to ``host:port`` (port 0 picks a free one)."""
+    """A PeerService gRPC server bound to ``host:port`` (port 0 picks a free one).
+
+    With ``netem``, calls from clients tagged with a region are delayed and paced as the emulated
+    network says; each call then holds its worker thread while it waits.
+    """
 
     def __init__(
         self,
@@ -186,10 +201,12 @@ class PeerServer:
         port: int = 0,
         workers: int = 32,
         on_reject: Callable[[str, str, str], None] = _log_reject,
+        netem: NetEm | None = None,
     ) -> None:
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
             options=CHANNEL_OPTIONS,
+            interceptors=[netem.server_interceptor()] if netem else None,
         )
         pb_grpc.add_PeerServiceServicer_to_server(_Servicer(handlers, traffic, on_reject), self.server)
         self.port = self.server.add_insecure_port(f"{host}:{port}")
@@ -202,10 +219,14 @@ class PeerServer:
 
 
 class PeerClient:
-    """Calls other peers' PeerService; one channel per address, reused across calls."""
+    """Calls other peers' PeerService; one channel per address, reused across calls.
 
-    def __init__(self, traffic: Traffic) -> None:
+    With ``netem``, every call is tagged with this process's region, for the receiver to emulate.
+    """
+
+    def __init__(self, traffic: Traffic, netem: NetEm | None = None) -> None:
         self.traffic = traffic
+        self._tag = netem.client_interceptor() if netem else None
         self._lock = threading.Lock()
         self._stubs: dict[str, pb_grpc.PeerServiceStub] = {}
         self._channels: dict[str, grpc.Channel] = {}
@@ -215,6 +236,8 @@ class PeerClient:
             stub = self._stubs.get(address)
             if stub is None:
                 channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                if self._tag is not None:
+                    channel = grpc.intercept_channel(channel, self._tag)
                 self._channels[address] = channel
                 stub = self._stubs[address] = pb_grpc.PeerServiceStub(channel)
             return stub
@@ -252,6 +275,12 @@ class PeerClient:
         return _counted(
             self.stub(address).FetchState(request, timeout=timeout), lambda n: self.traffic.add_received("state", n)
         )
+
+    def push_pipe(self, address: str, request: pb.PipeMessage, timeout: float) -> pb.Ack:
+        self.traffic.add_sent("pipeline", request.ByteSize())
+        ack = self.stub(address).PushPipe(request, timeout=timeout)
+        self.traffic.add_received("pipeline", ack.ByteSize())
+        return ack
 
     def close(self) -> None:
         with self._lock:

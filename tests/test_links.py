@@ -1,0 +1,273 @@
+"""The emulated network and the link prober, over real gRPC servers in one process.
+
+Two regions 40 ms and 50 Mbps apart (1 ms and 1 Gbps inside each): what the prober measures must
+be what the emulator plays, concurrent transfers must share a link, streams must stay pipelined,
+probing must stay within its budget, and link reports must travel the DHT signed.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from potluck.peer.links import LinkConfig, LinkProber, LinkReport, LinkStat
+from potluck.protos import potluck_pb2 as pb
+from potluck.protos.identity import Identity
+from potluck.protos.netem import NetEm, Topology, TopologyError
+from potluck.protos.records import seal
+from potluck.protos.swarm import SwarmNode, links_key
+from potluck.protos.transport import PeerClient, PeerServer, Rejected, Traffic
+
+DELAY_MS, MBPS = 40.0, 50.0
+BYTES_PER_S = MBPS * 1e6 / 8
+TOPOLOGY = {
+    "regions": ["eu", "us"],
+    "delay_ms": [[1, DELAY_MS], [DELAY_MS, 1]],
+    "bandwidth_mbps": {"eu": {"eu": 1000, "us": MBPS}, "us": {"us": 1000}},  # us -> eu falls back to eu -> us
+}
+
+
+class Peer:
+    """Answers Ping like the daemon does; streams for the pipelining checks."""
+
+    def ping(self, request: pb.PingRequest) -> pb.PingReply:
+        padding = b"\0" * max(0, min(request.reply_bytes, 4 << 20))
+        return pb.PingReply(peer_id="p", state="training", sent_at=request.sent_at, padding=padding)
+
+    def push_contribution(self, chunks: Iterator[pb.ShardChunk]) -> pb.Ack:
+        n = 0
+        for c in chunks:
+            if c.header.run_id != "r":
+                raise Rejected(grpc.StatusCode.PERMISSION_DENIED, "wrong run")
+            n += c.ByteSize()
+        return pb.Ack(received_bytes=n)
+
+    def fetch_state(self, request: pb.StateRequest) -> Iterator[pb.StateChunk]:
+        for r in request.ranges:
+            yield pb.StateChunk(version=1, tensor=pb.Tensor(name=r.name, payload=b"\0" * r.numel))
+
+
+@pytest.fixture(scope="module")
+def net() -> Iterator[dict]:
+    topo = Topology.from_dict(TOPOLOGY)
+    servers = {name: PeerServer(Peer(), Traffic(), host="127.0.0.1", netem=NetEm(topo, region))
+               for name, region in (("us", "us"), ("eu", "eu"))}
+    client = PeerClient(Traffic(), netem=NetEm(topo, "eu"))
+    yield {"client": client, "topo": topo, **{k: f"127.0.0.1:{s.port}" for k, s in servers.items()}}
+    client.close()
+    for s in servers.values():
+        s.stop(0.1)
+
+
+def timed(fn, *args) -> float:  # type: ignore[no-untyped-def]
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+
+def test_prober_measures_what_the_emulator_plays(net: dict) -> None:
+    prober = LinkProber(net["client"], "me", "r", LinkConfig(probe_bytes=512 << 10, budget_bytes_per_min=4 << 20))
+    far, near = prober.probe("us", net["us"]), prober.probe("eu", net["eu"])
+    assert far is not None and near is not None
+    print(f"\nemulated rtt {2 * DELAY_MS:.0f} ms, {MBPS:.0f} Mbps; measured rtt {far.rtt_ms:.1f} ms, "
+          f"{far.bandwidth_mbps:.1f} Mbps; in-region rtt {near.rtt_ms:.1f} ms, {near.bandwidth_mbps:.0f} Mbps")
+    assert far.rtt_ms == pytest.approx(2 * DELAY_MS, rel=0.2)
+    assert far.bandwidth_mbps == pytest.approx(MBPS, rel=0.2)
+    assert near.rtt_ms < 20 and near.bandwidth_mbps > 4 * MBPS
+
+
+def test_streams_are_pipelined_not_delayed_per_message(net: dict) -> None:
+    client, header = net["client"], pb.Header(run_id="r")
+    chunks = [pb.ShardChunk(header=header, tensor=pb.Tensor(payload=b"\0" * (128 << 10))) for _ in range(8)]
+    pushed = sum(c.ByteSize() for c in chunks)
+    push_s = timed(client.push_contribution, net["us"], iter(chunks), 30.0)
+    request = pb.StateRequest(ranges=[pb.Range(name=f"t{i}", numel=128 << 10) for i in range(8)])
+    fetched = 0
+
+    def fetch() -> None:
+        nonlocal fetched
+        fetched = sum(m.ByteSize() for m in client.fetch_state(net["us"], request, 30.0))
+
+    fetch_s = timed(fetch)
+    # one round trip plus the bytes at link rate; a delay per chunk would add 8 x 40 ms
+    assert push_s == pytest.approx(2 * DELAY_MS / 1e3 + pushed / BYTES_PER_S, rel=0.2)
+    assert fetch_s == pytest.approx(2 * DELAY_MS / 1e3 + fetched / BYTES_PER_S, rel=0.2)
+
+
+def test_concurrent_transfers_share_the_link(net: dict) -> None:
+    client, size = net["client"], 1 << 20
+    request = pb.PingRequest(padding=b"\0" * size)
+    alone = timed(client.ping, net["us"], request, 30.0)
+    times: list[float] = []
+
+    def one() -> None:
+        times.append(timed(client.ping, net["us"], request, 30.0))
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    both = time.perf_counter() - start
+    rtt = 2 * DELAY_MS / 1e3
+    assert alone == pytest.approx(rtt + size / BYTES_PER_S, rel=0.2)
+    assert both == pytest.approx(rtt + 2 * size / BYTES_PER_S, rel=0.2)
+    # fair sharing: neither transfer got the link to itself
+    assert min(times) - rtt > 1.6 * (alone - rtt)
+
+
+def test_errors_cross_the_link_and_keep_their_status(net: dict) -> None:
+    bad = [pb.ShardChunk(header=pb.Header(run_id="other"))]
+    start = time.perf_counter()
+    with pytest.raises(grpc.RpcError) as err:
+        net["client"].push_contribution(net["us"], iter(bad), 10.0)
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "wrong run" in err.value.details()
+    assert time.perf_counter() - start >= 2 * DELAY_MS / 1e3 * 0.9
+
+
+def test_untagged_clients_are_not_emulated(net: dict) -> None:
+    plain = PeerClient(Traffic())
+    try:
+        plain.ping(net["us"], pb.PingRequest(), 5.0)  # warm the channel
+        assert timed(plain.ping, net["us"], pb.PingRequest(), 5.0) < DELAY_MS / 1e3
+    finally:
+        plain.close()
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"regions": ["eu", "eu"]}, "duplicate region"),
+    ({"delay_ms": [[1, 40], [40]]}, r"2x2 matrix"),
+    ({"delay_ms": [[1, 40, 3], [40, 1, 3]]}, r"2x2 matrix"),
+    ({"delay_ms": [[1, -5], [40, 1]]}, r"delay_ms\[eu\]\[us\] = -5; delays must be >= 0"),
+    ({"bandwidth_mbps": [[1000, 0], [50, 1000]]}, r"bandwidth_mbps\[eu\]\[us\] = 0; bandwidth must be > 0"),
+    ({"bandwidth_mbps": {"eu": {"eu": 1, "us": -1}, "us": {"us": 1}}}, "bandwidth must be > 0"),
+    ({"bandwidth_mbps": {"eu": {"eu": 1, "asia": 5}, "us": {"us": 1}}}, "unknown region 'asia'"),
+    ({"bandwidth_mbps": {"eu": {"eu": 1}, "us": {"us": 1}}}, "no value for eu -> us"),
+    ({"delay_ms": [[1, "x"], [40, 1]]}, "not a finite number"),
+    ({"peers": {"peer-0": "mars"}}, "peer 'peer-0' is placed in unknown region 'mars'"),
+    ({"delay_ms": None}, "must be a matrix or a dict"),
+])
+def test_bad_topologies_are_rejected_with_the_reason(change: dict, match: str) -> None:
+    with pytest.raises(TopologyError, match=match):
+        Topology.from_dict({**TOPOLOGY, **change}, source="topo.json")
+
+
+def test_topology_file_and_region_choice(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "topo.json"
+    path.write_text(json.dumps({**TOPOLOGY, "peers": {"peer-1": "us", "2": "eu"}}))
+    assert NetEm.from_file(path, region="eu").region == "eu"
+    assert NetEm.from_file(path, peer="peer-1").region == "us"
+    assert NetEm.from_file(path, peer=2).region == "eu"
+    assert Topology.from_file(path).link("us", "eu") == (DELAY_MS / 1e3, BYTES_PER_S)
+    with pytest.raises(TopologyError, match="unknown region 'asia'"):
+        NetEm.from_file(path, region="asia")
+    with pytest.raises(TopologyError, match="peer 'peer-9' is not in its 'peers' map"):
+        NetEm.from_file(path, peer="peer-9")
+    with pytest.raises(TopologyError, match="cannot read topology file"):
+        NetEm.from_file(tmp_path / "missing.json", region="eu")
+    path.write_text("{not json")
+    with pytest.raises(TopologyError, match="not valid JSON"):
+        NetEm.from_file(path, region="eu")
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def plain_peer() -> Iterator[str]:
+    server = PeerServer(Peer(), Traffic(), host="127.0.0.1")
+    yield f"127.0.0.1:{server.port}"
+    server.stop(0.1)
+
+
+def test_probing_stays_within_its_byte_budget(plain_peer: str) -> None:
+    traffic, clock = Traffic(), FakeClock()
+    cfg = LinkConfig(probe_bytes=64 << 10, budget_bytes_per_min=150 << 10, stale_s=5, retry_s=5)
+    prober = LinkProber(PeerClient(traffic), "me", "r", cfg, clock=clock)
+
+    def probe_bytes() -> int:
+        sent, received = traffic.snapshot()
+        return sent.get("probe", 0) + received.get("probe", 0)
+
+    for _ in range(4):  # every probe is due (stale), but only two bandwidth probes fit in a minute
+        assert prober.probe("a", plain_peer) is not None
+        clock.t += 6
+    assert probe_bytes() <= cfg.budget_bytes_per_min
+    assert (64 << 10) * 2 < probe_bytes() < (64 << 10) * 3
+    clock.t += 60  # the minute has passed: the budget is back
+    before = probe_bytes()
+    prober.probe("a", plain_peer)
+    assert probe_bytes() - before > 64 << 10
+
+
+def test_each_round_probes_at_most_k_peers_unmeasured_first(plain_peer: str) -> None:
+    clock = FakeClock()
+    cfg = LinkConfig(max_probes_per_period=3, period_s=10, pings=1, probe_bytes=1 << 10, stale_s=100)
+    prober = LinkProber(PeerClient(Traffic()), "me", "r", cfg, clock=clock)
+    peers = {f"p{i}": plain_peer for i in range(7)} | {"me": plain_peer}
+    first = prober.probe_round(peers)
+    assert len(first) == 3 and "me" not in first
+    assert prober.probe_round(peers) == []  # same period: the allowance is spent
+    clock.t += 10
+    second = prober.probe_round(peers)
+    assert len(second) == 3 and not set(first) & set(second)
+    clock.t += 10
+    assert len(prober.probe_round(peers)) == 1  # the last unmeasured one; the others are fresh
+    clock.t += 10
+    assert prober.probe_round(peers) == []
+    clock.t += 100
+    assert set(prober.probe_round(peers)) == set(first)  # stalest first: measured longest ago
+    assert set(prober.report().links) == set(peers) - {"me"}
+
+
+def test_observed_transfers_refresh_bandwidth() -> None:
+    prober = LinkProber(PeerClient(Traffic()), "me", "r", LinkConfig(ewma=0.5))
+    prober.observe("q", 1000, 0.1)  # too small to say anything about bandwidth
+    assert prober.get("q") is None
+    prober.observe("q", 1 << 20, 8 * (1 << 20) / 100e6)  # 100 Mbps
+    prober.observe("q", 1 << 20, 8 * (1 << 20) / 50e6)  # 50 Mbps
+    stat = prober.get("q")
+    assert stat is not None and stat.bandwidth_mbps == pytest.approx(75) and stat.samples == 2
+
+
+def test_link_reports_travel_the_dht_signed() -> None:
+    a_id, b_id, mallory = Identity.generate(), Identity.generate(), Identity.generate()
+    a = SwarmNode(a_id, host="127.0.0.1")
+    b = SwarmNode(b_id, initial_peers=a.maddrs, host="127.0.0.1")
+    try:
+        report = LinkReport(peer_id=a_id.peer_id, ts=time.time(), seq=1,
+                            links={b_id.peer_id: LinkStat(rtt_ms=80.0, bandwidth_mbps=50.0, samples=3, ts=time.time())})
+        assert a.publish_links("r", report, ttl=60)
+        with pytest.raises(ValueError, match="cannot be published"):
+            b.publish_links("r", report, ttl=60)
+        # mallory claims to be a peer and signs with her own key; and an unsigned value
+        forged = LinkReport(peer_id=b_id.peer_id, links={a_id.peer_id: LinkStat(rtt_ms=1.0, bandwidth_mbps=1e5)})
+        assert b.dht.store(links_key("r"), seal(mallory, forged), expiration_time=_expire(60), subkey=b_id.peer_id)
+        assert b.dht.store(links_key("r"), "not signed", expiration_time=_expire(60), subkey=mallory.peer_id)
+        reports, refused = b.get_links("r")
+        assert set(reports) == {a_id.peer_id}
+        assert reports[a_id.peer_id].links[b_id.peer_id].bandwidth_mbps == 50.0
+        assert len(refused) == 2 and any("must come from" in r for r in refused)
+        assert any("not a signed record" in r for r in refused)
+        _, refused = b.get_links("r", min_seq={a_id.peer_id: 2})
+        assert any("stale LinkReport" in r for r in refused)
+    finally:
+        b.shutdown()
+        a.shutdown()
+
+
+def _expire(ttl: float) -> float:
+    from hivemind.utils import get_dht_time
+
+    return get_dht_time() + ttl
