@@ -10,6 +10,7 @@ its identity (so the join address stays valid) and resumes at the committed oute
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import threading
 import time
@@ -32,6 +33,7 @@ from potluck.compression.transfer import (
 from potluck.coordinator.checkpoint import CheckpointStore
 from potluck.coordinator.journal import Journal, JournalError, JournalState, write_atomic
 from potluck.coordinator.membership import PeerTable
+from potluck.coordinator.placement import Replan, make_placer
 from potluck.coordinator.status import StatusServer
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config import ConfigError, RunConfig
@@ -104,7 +106,9 @@ class Coordinator:
         self.snapshots.publish(self.checkpoints.latest_valid())
         self.client = PeerClient(self.traffic)
         self.grpc = PeerServer(self, self.traffic, host=c.host, port=c.grpc_port)
-        self.status = StatusServer(c.host, c.status_port, self.status_json)
+        self.admin_token = _admin_token(Path(c.journal_dir))
+        self.status = StatusServer(c.host, c.status_port, self.status_json, admin_token=self.admin_token,
+                                   actions={"finish": self._admin_finish})
         self.status_url = f"http://{self.public_host}:{self.status.port}/"
         self.started_at = time.time()
         self.manifest = Manifest(
@@ -166,6 +170,7 @@ class Coordinator:
             f"  run:          {self.run_id} (outer step {self.table.committed} of {self.cfg.diloco.outer_steps})\n"
             f"  join address: {self.join_address}\n"
             f"  status page:  {self.status_url}\n"
+            f"  admin token:  {Path(self.cfg.coordinator.journal_dir) / 'admin.token'} (or $POTLUCK_ADMIN_TOKEN)\n"
             f"  start a peer: potluck peer --join {self.join_address}",
             flush=True,
         )
@@ -175,6 +180,10 @@ class Coordinator:
     # ------------------------------------------------------------------ the loop
 
     def tick(self) -> None:
+        now = time.monotonic()
+        if now - getattr(self, "_links_read_at", 0.0) > 5.0:  # for the status page's heatmap
+            self._links_read_at = now
+            self._link_reports()
         records, refused = self.node.get_peers(self.run_id)
         for reason in refused:
             if reason not in self._warned:
@@ -188,7 +197,10 @@ class Coordinator:
             self._event(kind, pid, detail)
         if self.table.committed != before:
             self._on_commit(before)
-        if not self.state.finished and self.table.committed >= self.cfg.diloco.outer_steps:
+        if not self.state.finished and getattr(self, "_finish_requested", False):
+            self._finish()
+        if not self.state.finished and self.table.committed >= self.cfg.diloco.outer_steps and self.table.settled(
+                grace_s=self.cfg.membership.heartbeat_timeout_s):
             self._finish()
         if not self.state.finished and self.table.ready_to_decide(self.cfg.membership.min_peers):
             self._decide()
@@ -203,10 +215,15 @@ class Coordinator:
     def _decide(self) -> None:
         candidates = [v.record for v in self.table.live()]
         reachable = self._reachable(candidates)
-        if not reachable:
-            return
+        stages = self.cfg.pipeline.stages
+        if len(reachable) < stages:
+            return  # not one whole pipeline yet; the waiting reason says so
         self._maybe_roll_back({p.peer_id: p for p in candidates if p.peer_id in reachable})
-        decision = self.table.decide(reachable, decided_at=time.time())
+        placer = None
+        if stages > 1 and self.cfg.links.placement == "scheduler":
+            placer = make_placer(self.cfg, self._link_reports, self._model_parameters,
+                                 budget_s=self.cfg.links.search_budget_s, on_replan=self._on_replan)
+        decision = self.table.decide(reachable, decided_at=time.time(), stages=stages, placer=placer)
         r = decision.round
         self.state.rounds = list(self.table.rounds.values())
         self.state.hashes = dict(self.table.hashes)
@@ -218,8 +235,34 @@ class Coordinator:
             changes += f"; admitted {', '.join(short_id(p) for p in decision.joined)}"
         if decision.dropped:
             changes += f"; without {', '.join(short_id(p) for p in decision.dropped)}"
-        self._event("round", "", f"step {r.step}: {len(r.members)} members{changes}")
+        grid = f" ({stages} stages x {len(r.members) // stages} replicas)" if stages > 1 else ""
+        self._event("round", "", f"step {r.step}: {len(r.members)} members{grid}{changes}")
         log.info("round %d decided: %s%s", r.step, ", ".join(short_id(m.peer_id) for m in r.members), changes)
+
+    def _link_reports(self) -> dict:
+        try:
+            reports, refused = self.node.get_links(self.run_id)
+        except Exception as err:
+            log.warning("could not read link reports: %s", err)
+            return {}
+        for reason in refused:
+            if reason not in self._warned:
+                self._warned.add(reason)
+                self._event("rejected", "", reason)
+        self.links = reports
+        return reports
+
+    def _model_parameters(self) -> int:
+        per_stage: dict[int, int] = {}
+        for v in self.table.peers.values():
+            per_stage[v.record.stage] = max(per_stage.get(v.record.stage, 0), v.record.parameters)
+        return sum(per_stage.values())
+
+    def _on_replan(self, r: Replan) -> None:
+        if r.moved:
+            gain = f"{(1 - r.cost / r.kept_cost) * 100:.0f}%" if r.kept_cost else "?"
+            self._event("replan", "", f"moved {r.moved} tasklets: predicted cost {r.cost:.3f} s vs "
+                                      f"{r.kept_cost:.3f} s kept ({gain} faster; {r.evaluations} plans in {r.seconds:.1f} s)")
 
     def _reachable(self, candidates: list) -> set[str]:
         """Ping candidates in parallel; a live record of a dead process should not enter a round."""
@@ -261,6 +304,8 @@ class Coordinator:
         self.state.hashes = dict(self.table.hashes)
         self.journal.save(self.state)
         every = self.cfg.coordinator.checkpoint_every
+        if self.cfg.pipeline.stages > 1:
+            every = 0  # consolidated multi-stage checkpoints are not written yet (per-stage state lives on the peers)
         if every and (v // every > before // every or v >= self.cfg.diloco.outer_steps):
             threading.Thread(target=self._checkpoint, args=(v,), name="checkpoint", daemon=True).start()
 
@@ -290,6 +335,14 @@ class Coordinator:
             log.warning("checkpoint of v%d failed: %s", version, err)
         finally:
             self._checkpointing.release()
+
+    def _admin_finish(self, body: dict) -> dict:
+        """Admin action: end the run at the committed step (peers stop after it)."""
+        reason = str(body.get("reason", ""))[:200]
+        self._event("admin", "", f"run ended by the admin at outer step {self.table.committed}"
+                    + (f": {reason}" if reason else ""))
+        self._finish_requested = True  # the coordinator's own loop ends the run (one writer of its state)
+        return {"finishing": True, "outer_step": self.table.committed}
 
     def _finish(self) -> None:
         self.state.finished = True
@@ -333,7 +386,7 @@ class Coordinator:
             if v not in hist and v in self.table.rounds:
                 hist[v] = {
                     "step": v, "t": time.time(), "members": len(self.table.rounds[v].members), "loss": None,
-                    "eval_loss": None, "outer_s": None, "state_hashes": {},
+                    "eval_loss": None, "outer_s": None, "state_hashes": {}, "stages": {},
                     "bytes": {"activations": 0, "gradients": 0, "outer": 0},
                     "bytes_fp32": {"activations": 0, "gradients": 0, "outer": 0},
                 }
@@ -346,8 +399,23 @@ class Coordinator:
                 entry["eval_loss"] = rec.eval_loss
             if rec.peer_id in entry["state_hashes"]:
                 continue  # only a member's first report at a version describes that outer step
-            n = len(rnd.members)
+            me = rnd.member(rec.peer_id)
+            stage = me.stage if me else 0
+            n = len(rnd.stage_members(stage))
             entry["state_hashes"][rec.peer_id] = rec.state_hash
+            entry.setdefault("stages", {})[rec.peer_id] = stage
+            pipe = rec.extras.get("pipe") if isinstance(rec.extras.get("pipe"), dict) else {}
+            if pipe:
+                per = entry.setdefault("by_stage", {}).setdefault(str(stage), {
+                    "activations": 0, "activations_fp32": 0, "gradients": 0, "gradients_fp32": 0, "losses": []})
+                if rec.loss is not None:
+                    per["losses"].append(rec.loss)
+            for kind in ("activations", "gradients"):
+                entry["bytes"][kind] += int(pipe.get(kind, 0))
+                entry["bytes_fp32"][kind] += int(pipe.get(kind + "_fp32", 0))
+                if pipe:
+                    per[kind] += int(pipe.get(kind, 0))
+                    per[kind + "_fp32"] += int(pipe.get(kind + "_fp32", 0))
             if rec.loss is not None:
                 losses = entry.setdefault("_losses", [])
                 losses.append(rec.loss)
@@ -372,20 +440,22 @@ class Coordinator:
     def _build_state(self) -> dict[str, Any]:
         now_wall, now = time.time(), time.monotonic()
         current = self.table.rounds.get(max(self.table.rounds, default=0))
-        replica_of = {m.peer_id: i for i, m in enumerate(current.members)} if current else {}
+        tasklet_of = {m.peer_id: {"stage": m.stage, "replica": m.replica} for m in current.members} if current else {}
+        stages = current.stages if current else self.cfg.pipeline.stages
+        replicas = len(current.members) // stages if current else 0
         peers = []
         for view in sorted(self.table.peers.values(), key=lambda v: v.first_seen):
             r = view.record
             state = "lost" if view.lost else r.state
-            idx = replica_of.get(r.peer_id)
             peers.append({
                 "id": r.peer_id, "short_id": short_id(r.peer_id), "name": r.name, "state": state,
                 "address": r.address, "device": r.device, "device_name": r.device_name, "memory_gb": r.memory_gb,
-                "tasklet": {"stage": 0, "replica": idx} if idx is not None else None,
+                "tasklet": tasklet_of.get(r.peer_id),
                 "version": r.version, "inner_step": r.inner_step, "loss": r.loss, "eval_loss": r.eval_loss,
                 "tokens_per_s": r.tokens_per_s, "tokens_total": r.tokens_total,
                 "bytes_sent": r.bytes_sent, "bytes_received": r.bytes_received,
                 "last_seen_s": round(now - view.last_seen, 2), "software": r.software, "state_hash": r.state_hash,
+                "compute_s": r.compute_s, "sync_s": r.sync_s,
             })
         live = [p for p in peers if p["state"] not in ("lost", "left", "finished")]
         self._sample_series(live)
@@ -409,9 +479,10 @@ class Coordinator:
                 "inner_step": min((p["inner_step"] for p in training), default=0),
                 "model": {"parameters": max((r.parameters for r in records), default=0), "d_model": m.d_model,
                           "n_layers": m.n_layers, "n_heads": m.n_heads, "vocab_size": m.vocab_size, "seq_len": m.seq_len},
-                "stages": 1, "replicas": len(current.members) if current else 0,
-                "tokens_trained": sum(r.tokens_total for r in records),
-                "tokens_per_s": sum(p["tokens_per_s"] for p in training),
+                "stages": stages, "replicas": replicas,
+                # tokens enter the model at stage 0: count them once per pipeline
+                "tokens_trained": sum(r.tokens_total for r in records if r.stage == 0),
+                "tokens_per_s": sum(p["tokens_per_s"] for p in training if not p["tasklet"] or p["tasklet"]["stage"] == 0),
                 "loss": last["loss"] if last else None, "eval_loss": last_eval["eval_loss"] if last_eval else None,
                 "loss_floor": next((r.loss_floor for r in records if r.loss_floor is not None), None),
                 "compute_utilization": compute / (compute + sync) if compute + sync > 0 else None,
@@ -420,9 +491,9 @@ class Coordinator:
                 "waiting_reason": self._waiting_reason(live),
             },
             "grid": {
-                "stages": 1, "replicas": len(current.members) if current else 0,
+                "stages": stages, "replicas": replicas,
                 "cells": [
-                    {"stage": 0, "replica": i, "peer": mb.peer_id,
+                    {"stage": mb.stage, "replica": mb.replica, "peer": mb.peer_id,
                      "state": by_id[mb.peer_id]["state"] if mb.peer_id in by_id else "lost"}
                     for i, mb in enumerate(current.members)
                 ] if current else [],
@@ -431,13 +502,30 @@ class Coordinator:
             "history": history[-500:],
             "series": list(self.series),
             "peers": peers,
-            "links": {"peers": [], "rtt_ms": [], "bandwidth_mbps": []},
+            "links": self._links_state(live),
             "events": list(self.events)[-200:],
             "config": {"heartbeat_timeout_s": self.cfg.membership.heartbeat_timeout_s},
         }
 
+    def _links_state(self, live: list[dict]) -> dict[str, Any]:
+        """Measured links among live peers, ordered by tasklet (stage, replica) so pipelines sit together."""
+        reports = getattr(self, "links", {})
+        ids = [p["id"] for p in sorted(live, key=lambda p: (p["tasklet"] is None, (p["tasklet"] or {}).get("stage", 0),
+                                                             (p["tasklet"] or {}).get("replica", 0), p["id"]))]
+        if not reports or not ids:
+            return {"peers": [], "rtt_ms": [], "bandwidth_mbps": []}
+
+        def cell(a: str, b: str, field: str) -> float | None:
+            stat = reports[a].links.get(b) if a in reports else None
+            value = getattr(stat, field) if stat is not None else None
+            return round(value, 3) if value is not None else None
+
+        return {"peers": ids,
+                "rtt_ms": [[None if a == b else cell(a, b, "rtt_ms") for b in ids] for a in ids],
+                "bandwidth_mbps": [[None if a == b else cell(a, b, "bandwidth_mbps") for b in ids] for a in ids]}
+
     def _waiting_reason(self, live: list[dict]) -> str:
-        need = self.cfg.membership.min_peers
+        need = max(self.cfg.membership.min_peers, self.cfg.pipeline.stages)
         if self.state.finished:
             return ""
         if not self.table.rounds:
@@ -470,7 +558,23 @@ class Coordinator:
     def _not_here(self, *_: Any) -> Any:
         raise Rejected(grpc.StatusCode.UNIMPLEMENTED, "the coordinator takes no part in the all-reduce")
 
-    push_contribution = push_result = fetch_result = _not_here
+    push_contribution = push_result = fetch_result = push_pipe = _not_here
+
+
+def _admin_token(journal_dir: Path) -> str:
+    """The token admin actions need: $POTLUCK_ADMIN_TOKEN, else one kept in the journal dir (0600)."""
+    token = os.environ.get("POTLUCK_ADMIN_TOKEN", "")
+    if token:
+        return token
+    path = journal_dir / "admin.token"
+    if path.exists():
+        return path.read_text().strip()
+    token = secrets.token_urlsafe(24)
+    journal_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
 
 
 def latest_checkpoint(journal_dir: str | Path) -> Snapshot | None:

@@ -16,6 +16,7 @@ the last plan when the coordinator is away.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -23,6 +24,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import grpc
 import torch
 
 from potluck import __version__
@@ -38,11 +40,14 @@ from potluck.peer.allreduce import AllReduce, AllReduceStats, IncompleteRound, M
 from potluck.peer.data import Dataset, ShardSampler
 from potluck.peer.diloco import flatten_params, load_flat, nesterov_step, outer_snapshot
 from potluck.peer.heartbeat import Heartbeat
-from potluck.peer.model import TinyGPT, lm_loss
+from potluck.peer.links import LinkConfig, LinkProber
+from potluck.peer.model import build_layers, lm_loss
+from potluck.peer.pipeline import Neighbour, Pipeline, PipelineStall, stage_bounds
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config import ConfigError, PeerConfig, RunConfig, known_fields_only, parse_config
 from potluck.protos.identity import Identity
 from potluck.protos.log import get_logger, set_context, short_id
+from potluck.protos.netem import NetEm, TopologyError
 from potluck.protos.records import Manifest, PeerRecord, Plan, RecordError, Round, next_seq
 from potluck.protos.swarm import (
     JoinError,
@@ -51,7 +56,7 @@ from potluck.protos.swarm import (
     host_of_multiaddr,
     parse_join_address,
 )
-from potluck.protos.transport import PeerClient, PeerServer, Traffic
+from potluck.protos.transport import PeerClient, PeerServer, Rejected, Traffic
 
 log = get_logger(__name__)
 
@@ -82,6 +87,7 @@ class Progress:
     outer_wait_s: float = 0.0
     compute_s: float = 0.0
     sync_s: float = 0.0
+    last_pipe: dict | None = None  # pipeline bytes of the last outer step, by kind (and fp32 equivalents)
 
 
 class Peer:
@@ -114,7 +120,7 @@ class Peer:
                 self._await_final_checkpoint()
             log.info("done at version %d", self.snapshot.version if hasattr(self, "snapshot") else 0)
             return 0
-        except (JoinError, ConfigError) as err:
+        except (JoinError, ConfigError, TopologyError) as err:
             log.error("%s", err)
             return 2
         finally:
@@ -141,38 +147,80 @@ class Peer:
             torch.set_num_threads(self.cfg.threads)
         self.device = pick_device(self.cfg.device)
 
-        self.model = TinyGPT(rc.model, seed=rc.train.seed).to(self.device)
-        self.params = list(self.model.parameters())
-        self.numel = sum(p.numel() for p in self.params)
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=rc.train.lr, betas=(rc.train.beta1, rc.train.beta2), weight_decay=rc.train.weight_decay
-        )
         self.data = Dataset(rc.data, rc.model)
         self.sampler: ShardSampler | None = None
         self.total_inner_steps = 0
-        theta0 = flatten_params(self.params)
-        self.snapshot = outer_snapshot(theta0, torch.zeros_like(theta0), 0, self._snapshot_meta())
-
-        self.client = PeerClient(self.traffic)
+        self.bounds = stage_bounds(rc.model, rc.pipeline)
+        self.netem = NetEm.from_file(self.cfg.netem, region=self.cfg.region, peer=self.cfg.name) if self.cfg.netem else None
+        self.client = PeerClient(self.traffic, self.netem)
         self.codec = make_codec(rc.sync.codec, rc.sync.block_size)
-        self.allreduce = AllReduce(
-            run_id=self.run_id, me=self.id, numel=self.numel, codec=self.codec, client=self.client,
-            chunk_bytes=rc.sync.chunk_bytes, rpc_timeout=rc.sync.rpc_timeout_s, ping=self._ping_member,
-            stopping=self.stopping,
-        )
         self.snapshots = SnapshotServer(self.run_id, rc.sync.chunk_bytes)
-        self._commit(self.snapshot)
-        self.server = PeerServer(self, self.traffic, host=self.cfg.host, port=self.cfg.port)
+        self.pipeline: Pipeline | None = None
+        self.replica = -1
+        self.stalled = ""
+        self._enter_stage(0)
+        self.server = PeerServer(self, self.traffic, host=self.cfg.host, port=self.cfg.port, netem=self.netem)
         self.address = f"{announce}:{self.server.port}"
         self._addresses: dict[str, str] = {}
         self.heartbeat = Heartbeat(
             self.node, manifest, self.record, rc.membership.heartbeat_s, rc.membership.heartbeat_timeout_s
         )
         self.heartbeat.start()
+        lc = rc.links
+        self.links = LinkProber(self.client, self.id, self.run_id, LinkConfig(
+            period_s=lc.probe_period_s, max_probes_per_period=lc.probes_per_period, probe_bytes=lc.probe_bytes,
+            budget_bytes_per_min=lc.budget_bytes_per_min))
+        self._links_thread = threading.Thread(target=self._measure_links, name="links", daemon=True)
+        self._links_thread.start()
         log.info(
-            "joined run %s as %s: gRPC %s, device %s, model %.2fM parameters, H=%d",
-            self.run_id, short_id(self.id), self.address, self.device, self.numel / 1e6, rc.diloco.inner_steps,
+            "joined run %s as %s: gRPC %s, device %s, model %.2fM parameters%s, H=%d",
+            self.run_id, short_id(self.id), self.address, self.device, self.numel / 1e6,
+            f" in stage 0 of {rc.pipeline.stages}" if rc.pipeline.stages > 1 else "", rc.diloco.inner_steps,
         )
+
+    def _measure_links(self) -> None:
+        """Probe a few peers per period (bounded bytes) and publish the signed link report."""
+        period = self.run_cfg.links.probe_period_s
+        while not self.stopping.wait(min(period, 2.0) if not self.links.report().links else period):
+            try:
+                records, _ = self.node.get_peers(self.run_id)
+                peers = {pid: r.address for pid, r in records.items()
+                         if pid != self.id and r.address and r.state not in ("left", "finished")}
+                if peers:
+                    self.links.probe_round(peers)
+                    self.node.publish_links(self.run_id, self.links.report(), ttl=max(60.0, 3 * period))
+            except Exception as err:  # measuring links must never take the peer down
+                log.debug("link measurement round failed: %s", err)
+
+    def _enter_stage(self, stage: int) -> None:
+        """Hold stage ``stage``'s layers, from theta_0 (version 0); a running run then recovers them."""
+        rc = self.run_cfg
+        start, stop = self.bounds[stage]
+        self.stage = stage
+        self.layers = build_layers(rc.model, rc.train.seed, start, stop).to(self.device)
+        self.params = list(self.layers.parameters())
+        self.numel = sum(p.numel() for p in self.params)
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=rc.train.lr, betas=(rc.train.beta1, rc.train.beta2), weight_decay=rc.train.weight_decay
+        )
+        old = getattr(self, "allreduce", None)
+        self.allreduce = AllReduce(
+            run_id=self.run_id, me=self.id, numel=self.numel, codec=self.codec, client=self.client,
+            chunk_bytes=rc.sync.chunk_bytes, rpc_timeout=rc.sync.rpc_timeout_s, ping=self._ping_member,
+            stopping=self.stopping,
+        )
+        if old is not None:
+            old.close()
+        if self.pipeline is not None:
+            self.pipeline.close()
+        self.pipeline = None
+        if rc.pipeline.stages > 1:
+            self.pipeline = Pipeline(
+                run_id=self.run_id, me=self.id, stage=stage, stages=rc.pipeline.stages, model=rc.model,
+                cfg=rc.pipeline, client=self.client, num_samples=self.data.num_samples, stopping=self.stopping,
+            )
+        theta0 = flatten_params(self.params)
+        self._commit(outer_snapshot(theta0, torch.zeros_like(theta0), 0, self._snapshot_meta()))
 
     def stop(self) -> None:
         completed = self.completed()
@@ -181,7 +229,7 @@ class Peer:
         if hb is not None:
             self.progress.state = "finished" if completed else "left"
             hb.stop(goodbye=self.record())
-        for name in ("server", "allreduce", "client", "node"):
+        for name in ("server", "allreduce", "pipeline", "client", "node"):
             obj = getattr(self, name, None)
             if obj is None:
                 continue
@@ -212,18 +260,20 @@ class Peer:
         return snap.version >= self.run_cfg.diloco.outer_steps or (hb is not None and hb.manifest.finished)
 
     def _await_final_checkpoint(self, timeout: float = 30.0) -> None:
-        """Keep serving the final state until the coordinator has checkpointed it (or ``timeout``)."""
-        if not self.heartbeat.manifest.checkpoint_every:
-            return
+        """Keep announcing and serving the final state until the coordinator has seen it: the run
+        is marked finished (so every member's final hash is in the history) and, if the run
+        checkpoints, the final checkpoint is written. Gives up after ``timeout``."""
         self._set_state("finished")
         version = self.snapshot.version
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and not self.stopping.is_set():
-            if self.heartbeat.manifest.checkpoint_version >= version:
+            m = self.heartbeat.manifest
+            if m.finished and (not m.checkpoint_every or m.checkpoint_version >= version):
                 return
             self.heartbeat.wait_plan(lambda p: False, timeout=0.2)
         if not self.stopping.is_set():
-            log.warning("the coordinator did not checkpoint v%d within %.0f s; leaving anyway", version, timeout)
+            log.warning("the coordinator did not confirm the end of the run (v%d) within %.0f s; leaving anyway",
+                        version, timeout)
 
     # ------------------------------------------------------------------ joining
 
@@ -254,20 +304,28 @@ class Peer:
         """The round to train for next; recovers state first when this peer is behind the swarm."""
         while not self.finished():
             plan = self.heartbeat.plan
+            mine = [r for r in plan.rounds if r.member(self.id)] if plan else []
+            latest = max(mine, key=lambda r: r.step, default=None)
+            if latest is not None:
+                cell = latest.member(self.id)
+                assert cell is not None
+                if cell.stage != self.stage:
+                    log.info("assigned to stage %d (held stage %d): fetching its state", cell.stage, self.stage)
+                    self._enter_stage(cell.stage)
             step = self.snapshot.version + 1
-            mine = [r for r in plan.rounds if self.id in {m.peer_id for m in r.members}] if plan else []
-            admitted_at = max((r.step for r in mine), default=0)
+            admitted_at = latest.step if latest else 0
             if self.failed_step or admitted_at > step:
                 self.recover(plan)
                 continue
             current = plan.round_for(step) if plan else None
-            if current is not None and self.id in {m.peer_id for m in current.members}:
-                if current.step == step and current.base_hash and current.base_hash != self.snapshot.hash:
+            if current is not None and current.member(self.id) is not None:
+                want = current.base_hash_of(self.stage)
+                if current.step == step and want and want != self.snapshot.hash:
                     log.warning(
                         "this peer's v%d (%s) differs from the swarm's (%s); recovering",
-                        self.snapshot.version, self.snapshot.hash[:12], current.base_hash[:12],
+                        self.snapshot.version, self.snapshot.hash[:12], want[:12],
                     )
-                    self.recover(plan, want_hash=current.base_hash)
+                    self.recover(plan, want_hash=want)
                     continue
                 return self._round_info(step, current)
             self._set_state("waiting")
@@ -281,13 +339,15 @@ class Peer:
         failed), give up waiting and run the round again from the state we hold.
         """
         self._set_state("recovering")
-        addresses = sorted({m.address for r in (plan.rounds if plan else []) for m in r.members if m.peer_id != self.id})
-        if self.heartbeat.manifest.coordinator_grpc:
+        addresses = sorted({m.address for r in (plan.rounds if plan else []) for m in r.members
+                            if m.peer_id != self.id and m.stage == self.stage})
+        if self.heartbeat.manifest.coordinator_grpc and self.run_cfg.pipeline.stages == 1:
             addresses.append(self.heartbeat.manifest.coordinator_grpc)  # its checkpoint, if no member is newer
         mine = self.snapshot.version
         sources = [
             s for s in probe_sources(self.client, self._header(0), addresses)
-            if s.info.version > mine or (want_hash and s.info.version == mine and s.info.state_hash == want_hash)
+            if _stage_of(s.info) == self.stage
+            and (s.info.version > mine or (want_hash and s.info.version == mine and s.info.state_hash == want_hash))
         ]
         if not sources:
             if self.failed_step and time.monotonic() - self.failed_at > self.cfg.plan_wait_s:
@@ -330,27 +390,51 @@ class Peer:
         self._set_state("training")
         self._ensure_sampler(info)
         assert self.sampler is not None
-        self.model.train()
+        self.layers.train()
         t_phase = time.monotonic()
         tokens_per_step = rc.train.batch_size * rc.model.seq_len
+        self.stalled = ""
+        if self.pipeline is not None:
+            r = self._round
+            cells = {m.stage: m for m in r.members if m.replica == self.replica}
+            prev, nxt = cells.get(self.stage - 1), cells.get(self.stage + 1)
+            self.pipeline.begin_round(
+                info.step, self.replica,
+                Neighbour(prev.peer_id, prev.address) if prev else None,
+                Neighbour(nxt.peer_id, nxt.address) if nxt else None,
+            )
         for i in range(rc.diloco.inner_steps):
             if self.stopping.is_set():
                 return False
             t0 = time.monotonic()
-            x, y = self.data.batch(self.sampler.next_ids(rc.train.batch_size))
-            x, y = x.to(self.device), y.to(self.device)
             for group in self.optimizer.param_groups:
                 group["lr"] = self._inner_lr()
-            loss = lm_loss(self.model(x), y)
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            if self.pipeline is None:
+                x, y = self.data.batch(self.sampler.next_ids(rc.train.batch_size))
+                x, y = x.to(self.device), y.to(self.device)
+                loss = lm_loss(_forward(self.layers, x), y)
+                loss.backward()
+                value = float(loss.detach())
+            else:
+                batch = None
+                if self.stage == 0:
+                    ids = self.sampler.next_ids(rc.train.batch_size)
+                    x, y = self.data.batch(ids)
+                    batch = (ids, x, y)
+                try:
+                    value = self.pipeline.train_step(self.layers, i, batch, self.device)
+                except PipelineStall as err:
+                    self.stalled = str(err)
+                    log.warning("replica %d stalled at inner step %d: %s; this peer contributes nothing to "
+                                "outer step %d", self.replica, i, err, info.step)
+                    break
             if rc.train.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.params, rc.train.grad_clip)
             self.optimizer.step()
             self.total_inner_steps += 1
             dt = time.monotonic() - t0
             p = self.progress
-            value = float(loss.detach())
             p.loss = value if p.loss is None or not math.isfinite(p.loss) else 0.9 * p.loss + 0.1 * value
             p.inner_step = i + 1
             p.step_time_s = dt if p.step_time_s == 0 else 0.9 * p.step_time_s + 0.1 * dt
@@ -383,8 +467,10 @@ class Peer:
             self._fail(step)
             return
         theta = self.snapshot.tensors["theta"]
-        delta = theta - flatten_params(self.params)
-        if not bool(torch.isfinite(delta).all()):
+        delta: torch.Tensor | None = theta - flatten_params(self.params)
+        if self.stalled:
+            delta = None
+        elif not bool(torch.isfinite(delta).all()):
             log.error("local training produced NaN/Inf; contributing nothing to step %d", step)
             delta = None
         wait_s = max(rc.sync.deadline_floor_s, rc.sync.deadline_factor * getattr(self, "inner_seconds", 0.0))
@@ -400,8 +486,10 @@ class Peer:
         self._commit(outer_snapshot(new_theta, new_m, step, self._snapshot_meta()))
         load_flat(self.params, new_theta)
         self._report_outer(stats, time.monotonic() - t0, mean)
-        if rc.data.eval_every and step % rc.data.eval_every == 0:
-            self.progress.eval_loss, self.progress.eval_version = self.evaluate(), step
+        if rc.data.eval_every and step % rc.data.eval_every == 0 and not self.stalled:
+            value = self.evaluate(step)
+            if value is not None:
+                self.progress.eval_loss, self.progress.eval_version = value, step
         self.heartbeat.poke()
 
     def _resolve_round(self, step: int) -> RoundInfo | None:
@@ -414,16 +502,22 @@ class Peer:
             return None
         if current.step != step:
             log.warning("no decision from the coordinator for step %d; using the members of step %d", step, current.step)
-        if self.id not in {m.peer_id for m in current.members}:
+        me = current.member(self.id)
+        if me is None or me.stage != self.stage:
             return None
-        if current.step == step and current.base_hash and current.base_hash != self.snapshot.hash:
-            log.warning("step %d starts from %s, this peer holds %s", step, current.base_hash[:12], self.snapshot.hash[:12])
+        want = current.base_hash_of(self.stage)
+        if current.step == step and want and want != self.snapshot.hash:
+            log.warning("step %d starts from %s, this peer holds %s", step, want[:12], self.snapshot.hash[:12])
             return None
         return self._round_info(step, current)
 
     def _round_info(self, step: int, r: Round) -> RoundInfo:
-        members = tuple(MemberAddr(m.peer_id, m.address) for m in r.members)
-        self._addresses.update({m.peer_id: m.address for m in members})
+        """This peer's view of round ``r``: the all-reduce group is its stage's members, in replica order."""
+        me = r.member(self.id)
+        assert me is not None
+        self._round, self.replica = r, me.replica
+        members = tuple(MemberAddr(m.peer_id, m.address) for m in r.stage_members(self.stage))
+        self._addresses.update({m.peer_id: m.address for m in r.members})
         return RoundInfo(step=step, members=members, me=self.id, base_hash=self.snapshot.hash)
 
     def _commit(self, snap: Snapshot) -> None:
@@ -436,6 +530,13 @@ class Peer:
         p = self.progress
         p.last_outer_s, p.outer_wait_s, p.last_outer_bytes = seconds, stats.wait_seconds, stats.bytes_sent
         p.sync_s += seconds
+        if self.pipeline is not None:
+            t = self.pipeline.traffic
+            now = {"activations": t.activations, "activations_fp32": t.activations_fp32,
+                   "gradients": t.gradients, "gradients_fp32": t.gradients_fp32}
+            before = getattr(self, "_pipe_before", dict.fromkeys(now, 0))
+            p.last_pipe = {k: now[k] - before.get(k, 0) for k in now}
+            self._pipe_before = now
         dropped = f", dropped {', '.join(short_id(d) for d in stats.dropped)}" if stats.dropped else ""
         log.info(
             "outer step %d: %d members, %.2f s (waited %.2f s), sent %.2f MB, |mean delta| %.3g, loss %.4f%s",
@@ -444,16 +545,28 @@ class Peer:
         )
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        self.model.eval()
-        ids = self.data.eval_ids()
-        total, n = 0.0, 0
-        for k in range(0, len(ids), 64):
-            x, y = self.data.batch(ids[k : k + 64])
-            total += float(lm_loss(self.model(x.to(self.device)), y.to(self.device))) * len(x)
-            n += len(x)
-        self.model.train()
-        return total / max(n, 1)
+    def evaluate(self, version: int) -> float | None:
+        """Eval loss of theta_global at ``version`` (through the whole pipeline when S > 1; the
+        last stage reports it)."""
+        self.layers.eval()
+        try:
+            ids = self.data.eval_ids()
+            chunks = [ids[k : k + 64] for k in range(0, len(ids), 64)]
+            if self.pipeline is not None:
+                batches = [(list(c), *self.data.batch(c)) for c in chunks] if self.stage == 0 else None
+                try:
+                    return self.pipeline.evaluate(self.layers, version, batches, len(chunks), self.device)
+                except PipelineStall as err:
+                    log.warning("evaluation of v%d skipped: %s", version, err)
+                    return None
+            total, n = 0.0, 0
+            for c in chunks:
+                x, y = self.data.batch(c)
+                total += float(lm_loss(_forward(self.layers, x.to(self.device)), y.to(self.device))) * len(x)
+                n += len(x)
+            return total / max(n, 1)
+        finally:
+            self.layers.train()
 
     # ------------------------------------------------------------------ reporting
 
@@ -466,7 +579,9 @@ class Peer:
                 self.heartbeat.poke()
 
     def _snapshot_meta(self) -> dict:
-        return {"inner_steps": self.total_inner_steps, "layout": [[n, list(p.shape)] for n, p in self.model.named_parameters()]}
+        start, stop = self.bounds[self.stage]
+        return {"inner_steps": self.total_inner_steps, "stage": self.stage, "layers": [start, stop],
+                "layout": [[n, list(p.shape)] for n, p in self.layers.named_parameters()]}
 
     def record(self) -> PeerRecord:
         p = self.progress
@@ -502,7 +617,10 @@ class Peer:
             started_at=self.started_at,
             seq=next_seq(),
             ts=time.time(),
-            extras={"outer_wait_s": p.outer_wait_s, "step_time_s": p.step_time_s},
+            stage=getattr(self, "stage", 0),
+            replica=self.replica if hasattr(self, "replica") else -1,
+            extras={"outer_wait_s": p.outer_wait_s, "step_time_s": p.step_time_s,
+                    **({"pipe": p.last_pipe, "buffers": self.pipeline.footprint()} if self.pipeline and p.last_pipe else {})},
         )
 
     def _header(self, step: int) -> pb.Header:
@@ -537,3 +655,22 @@ class Peer:
 
     def fetch_state(self, request):  # type: ignore[no-untyped-def]
         return self.snapshots.fetch_state(request)
+
+    def push_pipe(self, request: pb.PipeMessage) -> pb.Ack:
+        pipeline = self.pipeline
+        if pipeline is None:
+            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, "this peer runs no pipeline stage", request.header.sender)
+        return pipeline.on_message(request)
+
+
+def _forward(layers: torch.nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
+def _stage_of(info: pb.StateInfo) -> int:
+    try:
+        return int(json.loads(info.meta_json or "{}").get("stage", 0))
+    except (ValueError, TypeError, AttributeError):
+        return -1

@@ -3,6 +3,8 @@
     potluck demo                               a coordinator and 3 local peers on this CPU
     potluck coordinator --config run.toml      host a run (prints the join address)
     potluck peer --join ADDRESS                lend this machine to a run
+    potluck status ADDRESS                     the run's status page, in a terminal
+    potluck schedule --topology FILE.json      plan a tasklet grid offline (evolutionary search)
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
     from potluck.protos.config import PeerConfig
 
     fields = {k: getattr(args, k) for k in ("join", "host", "port", "dht_port", "announce_host", "device", "name",
-                                             "threads", "dht_client", "startup_timeout_s", "plan_wait_s")
+                                             "threads", "dht_client", "startup_timeout_s", "plan_wait_s", "netem", "region")
               if getattr(args, k) is not None}
     try:
         cfg = PeerConfig(**fields)
@@ -94,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="run a coordinator and local peers on this machine, then exit")
     add_config(d)
     d.add_argument("--peers", type=int, default=3, help="local peer processes (default 3)")
+    d.add_argument("--stages", type=int, default=1, help="pipeline stages S (default 1: pure DiLoCo)")
+    d.add_argument("--replicas", type=int, default=None,
+                   help="replicas R per stage; with --stages, runs S x R peers (default 2)")
     d.add_argument("--outer-steps", type=int, default=None, help="outer steps to train (default 12)")
     d.add_argument("--inner-steps", type=int, default=None, help="H, inner steps per outer step (default 30)")
     d.add_argument("--workdir", help="where journal, checkpoints and logs go (default: a temporary folder)")
@@ -126,7 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
     pe.add_argument("--dht-client", action="store_true", default=None, help="DHT client mode (behind NAT)")
     pe.add_argument("--startup-timeout-s", type=float, help="seconds allowed for the DHT daemon to start")
     pe.add_argument("--plan-wait-s", type=float, help="seconds to wait for the coordinator's round decision")
+    pe.add_argument("--netem", metavar="TOPOLOGY.json", help="emulate a WAN: delay and bandwidth per region pair")
+    pe.add_argument("--region", help="this peer's region in the --netem topology (default: its entry there)")
     pe.set_defaults(fn=cmd_peer)
+
+    from potluck.coordinator import schedule_cli, status_cli
+
+    status_cli.register(sub)
+    schedule_cli.register(sub)
     return p
 
 

@@ -36,6 +36,8 @@ def demo_config(args: argparse.Namespace, workdir: Path) -> RunConfig:
     overrides: dict[str, Any] = dict(DEMO_DEFAULTS)
     if args.config:
         overrides = {k: v for k, v in overrides.items() if k in ("coordinator.host",)}
+    if args.stages > 1:
+        overrides.update({"pipeline.stages": args.stages, "data.num_samples": 1024, "model.n_layers": max(2, args.stages)})
     overrides["membership.min_peers"] = args.peers
     overrides["coordinator.journal_dir"] = str(workdir / "journal")
     if args.outer_steps is not None:
@@ -88,6 +90,10 @@ class Progress:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    if args.stages < 1 or (args.replicas is not None and args.replicas < 1):
+        raise SystemExit("potluck demo: --stages and --replicas must be at least 1")
+    if args.replicas is not None or args.stages > 1:
+        args.peers = args.stages * (args.replicas or 2)
     if args.peers < 1:
         raise SystemExit("potluck demo: --peers must be at least 1")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="potluck-demo-"))
@@ -108,7 +114,10 @@ def run_demo(args: argparse.Namespace) -> int:
     print(
         f"potluck demo: {args.peers} peers x {cfg.diloco.outer_steps} outer steps x {cfg.diloco.inner_steps} inner steps "
         f"(d_model {cfg.model.d_model}, {cfg.model.n_layers} layers, {cfg.sync.codec} all-reduce) on this CPU\n"
-        f"  work dir: {workdir}",
+        + (f"  grid: {cfg.pipeline.stages} stages x {args.peers // cfg.pipeline.stages} replicas, activations "
+           f"{cfg.pipeline.compression} {cfg.pipeline.bits}-bit, gradients {cfg.pipeline.grad_bits or 32}-bit\n"
+           if cfg.pipeline.stages > 1 else "")
+        + f"  work dir: {workdir}",
         flush=True,
     )
     procs = ProcessGroup()
@@ -172,9 +181,30 @@ def follow(url: str, cfg: RunConfig, progress: Progress, coord: Any, peers: list
                 f"outer step {h['step']:3d}/{cfg.diloco.outer_steps}  train loss {h['loss']:.3f}  "
                 f"eval loss {h['eval_loss']:.3f}  ({h['members']} peers{outer})"
             )
+            for line in pipeline_lines(h):
+                progress.line(line)
             if h["step"] >= cfg.diloco.outer_steps:
                 final_eval = h["eval_loss"]
         progress.bar(run["outer_step"], run.get("waiting_reason") or f"{len([p for p in state['peers'] if p['state'] == 'training'])} training")
         if run["finished"] and final_eval is not None:
             return final_eval
         time.sleep(0.5)
+
+
+def pipeline_lines(h: dict[str, Any]) -> list[str]:
+    """Per stage: the loss its peers report, and the bytes across each boundary vs fp32."""
+    by_stage = h.get("by_stage") or {}
+    out = []
+    for stage in sorted(by_stage, key=int):
+        b = by_stage[stage]
+        loss = sum(b["losses"]) / len(b["losses"]) if b.get("losses") else float("nan")
+        parts = [f"    stage {stage}: loss {loss:.3f}"]
+        nxt = str(int(stage) + 1)
+        if b["activations_fp32"]:
+            parts.append(f"activations to stage {nxt} {b['activations'] / 1e3:.0f} kB "
+                         f"({b['activations_fp32'] / max(b['activations'], 1):.1f}x less than fp32)")
+        if b["gradients_fp32"]:
+            parts.append(f"gradients to stage {int(stage) - 1} {b['gradients'] / 1e3:.0f} kB "
+                         f"({b['gradients_fp32'] / max(b['gradients'], 1):.1f}x less than fp32)")
+        out.append(", ".join(parts))
+    return out

@@ -119,6 +119,52 @@ class SyncConfig(_Section):
     rpc_timeout_s: float = Field(30.0, gt=0, description="timeout of a single transfer RPC")
 
 
+class PipelineConfig(_Section):
+    """Pipeline tasklets: the model cut into ``stages`` contiguous stages, run as S x R grid."""
+
+    stages: int = Field(1, ge=1, le=64, description="S: pipeline stages (1 = pure DiLoCo, whole model per peer)")
+    layers: list[int] | None = Field(
+        None, description="layer-list entries per stage (embedding, blocks, head), summing to n_layers + 2; "
+        "None balances the blocks"
+    )
+    micro_batches: int = Field(2, ge=1, description="micro-batches per inner step (GPipe); must divide batch_size")
+    compression: Literal["none", "fp16", "direct", "acsgd"] = Field(
+        "acsgd", description="forward activations: fp32 ('none'), fp16, direct quantization, or AC-SGD deltas"
+    )
+    bits: Literal[2, 3, 4, 8] = Field(4, description="bits of quantized activations ('direct' and 'acsgd')")
+    grad_bits: Literal[4, 8] | None = Field(
+        8, description="bits of backward gradients (direct quantization); None sends fp32"
+    )
+    rounding: Literal["deterministic", "stochastic"] = Field("deterministic")
+    first_visit: Literal["fp16", "quant"] = Field("fp16", description="AC-SGD: how a sample's first activation travels")
+    buffer_memmap_bytes: int = Field(
+        1 << 30, ge=0, description="AC-SGD buffers larger than this move to a memmap on disk"
+    )
+    pipe_timeout_s: float = Field(
+        30.0, gt=0, description="a stage waiting this long for its neighbour's micro-batch reports the replica stalled"
+    )
+
+    @field_validator("layers")
+    @classmethod
+    def _positive_layers(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (not v or any(n < 1 for n in v)):
+            raise ValueError("every stage needs at least one layer")
+        return v
+
+
+class LinksConfig(_Section):
+    """Link measurement (peers) and link-aware placement (coordinator)."""
+
+    probe_period_s: float = Field(10.0, gt=0, description="seconds between a peer's probing rounds")
+    probes_per_period: int = Field(4, ge=0, description="peers probed per round at most (no all-pairs storms)")
+    probe_bytes: int = Field(256 << 10, ge=1 << 10, le=4 << 20, description="payload of one bandwidth probe")
+    budget_bytes_per_min: int = Field(1 << 20, ge=0, description="probe bytes per peer pair per minute at most")
+    placement: Literal["scheduler", "sticky"] = Field(
+        "scheduler", description="'scheduler': place tasklets from measured links (S > 1); 'sticky': keep tasklets"
+    )
+    search_budget_s: float = Field(1.0, gt=0, le=60, description="seconds of evolutionary search per re-plan")
+
+
 class MembershipConfig(_Section):
     """Liveness and admission (read by peers and the coordinator alike)."""
 
@@ -168,6 +214,8 @@ class PeerConfig(_Section):
     dht_client: bool = Field(False, description="join the DHT as a client only (behind NAT)")
     startup_timeout_s: float = Field(60.0, gt=0, description="time allowed for the DHT daemon to start")
     join_timeout_s: float = Field(120.0, gt=0, description="time allowed to find the run manifest")
+    region: str = Field("", description="this peer's region in the --netem topology file")
+    netem: str | None = Field(None, description="emulate the WAN described by this topology file (tests, demos)")
     plan_wait_s: float = Field(
         10.0, gt=0, description="wait this long for the coordinator's round decision before using the last plan"
     )
@@ -189,8 +237,28 @@ class RunConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     diloco: DiLoCoConfig = Field(default_factory=DiLoCoConfig)
     sync: SyncConfig = Field(default_factory=SyncConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    links: LinksConfig = Field(default_factory=LinksConfig)
     membership: MembershipConfig = Field(default_factory=MembershipConfig)
     coordinator: CoordinatorConfig = Field(default_factory=CoordinatorConfig)
+
+    @model_validator(mode="after")
+    def _pipeline_fits_model(self) -> RunConfig:
+        p, entries = self.pipeline, self.model.n_layers + 2
+        if p.layers is not None:
+            if len(p.layers) != p.stages:
+                raise ValueError(f"pipeline.layers has {len(p.layers)} entries for {p.stages} stages")
+            if sum(p.layers) != entries:
+                raise ValueError(f"pipeline.layers sums to {sum(p.layers)}; the model has {entries} "
+                                 f"(embedding + {self.model.n_layers} blocks + head)")
+        elif p.stages > entries:
+            raise ValueError(f"pipeline.stages = {p.stages} exceeds the model's {entries} layers")
+        if p.stages > 1 and self.train.batch_size % p.micro_batches:
+            raise ValueError(f"train.batch_size {self.train.batch_size} is not a multiple of "
+                             f"pipeline.micro_batches {p.micro_batches}")
+        if p.stages > 1 and self.model.tie_embeddings:
+            raise ValueError("model.tie_embeddings needs embedding and head in one stage; set it false for stages > 1")
+        return self
 
     @field_validator("run_id")
     @classmethod

@@ -157,3 +157,49 @@ class StateChunk(_message.Message):
     version: int
     tensor: Tensor
     def __init__(self, version: _Optional[int] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class ActPacket(_message.Message):
+    __slots__ = ("mode", "bits", "shape", "dtype", "scales", "payload")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    BITS_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SCALES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    bits: int
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    scales: bytes
+    payload: bytes
+    def __init__(self, mode: _Optional[str] = ..., bits: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., scales: _Optional[bytes] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class PipeMessage(_message.Message):
+    __slots__ = ("header", "kind", "inner_step", "micro", "sample_ids", "labels", "label_shape", "versions", "first", "delta", "loss", "stage", "replica")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEP_FIELD_NUMBER: _ClassVar[int]
+    MICRO_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    LABEL_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    header: Header
+    kind: str
+    inner_step: int
+    micro: int
+    sample_ids: _containers.RepeatedScalarFieldContainer[int]
+    labels: bytes
+    label_shape: _containers.RepeatedScalarFieldContainer[int]
+    versions: _containers.RepeatedScalarFieldContainer[int]
+    first: ActPacket
+    delta: ActPacket
+    loss: float
+    stage: int
+    replica: int
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., kind: _Optional[str] = ..., inner_step: _Optional[int] = ..., micro: _Optional[int] = ..., sample_ids: _Optional[_Iterable[int]] = ..., labels: _Optional[bytes] = ..., label_shape: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ..., first: _Optional[_Union[ActPacket, _Mapping]] = ..., delta: _Optional[_Union[ActPacket, _Mapping]] = ..., loss: _Optional[float] = ..., stage: _Optional[int] = ..., replica: _Optional[int] = ...) -> None: ...

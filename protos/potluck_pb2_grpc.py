@@ -64,6 +64,11 @@ class PeerServiceStub:
                 request_serializer=potluck_dot_protos_dot_potluck__pb2.StateRequest.SerializeToString,
                 response_deserializer=potluck_dot_protos_dot_potluck__pb2.StateChunk.FromString,
                 _registered_method=True)
+        self.PushPipe = channel.unary_unary(
+                '/potluck.v1.PeerService/PushPipe',
+                request_serializer=potluck_dot_protos_dot_potluck__pb2.PipeMessage.SerializeToString,
+                response_deserializer=potluck_dot_protos_dot_potluck__pb2.Ack.FromString,
+                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -110,6 +115,13 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushPipe(self, request, context):
+        """Pipeline: one micro-batch of activations or gradients for the receiver's stage.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -142,6 +154,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.FetchState,
                     request_deserializer=potluck_dot_protos_dot_potluck__pb2.StateRequest.FromString,
                     response_serializer=potluck_dot_protos_dot_potluck__pb2.StateChunk.SerializeToString,
+            ),
+            'PushPipe': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushPipe,
+                    request_deserializer=potluck_dot_protos_dot_potluck__pb2.PipeMessage.FromString,
+                    response_serializer=potluck_dot_protos_dot_potluck__pb2.Ack.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -306,6 +323,33 @@ class PeerService:
             '/potluck.v1.PeerService/FetchState',
             potluck_dot_protos_dot_potluck__pb2.StateRequest.SerializeToString,
             potluck_dot_protos_dot_potluck__pb2.StateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushPipe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/potluck.v1.PeerService/PushPipe',
+            potluck_dot_protos_dot_potluck__pb2.PipeMessage.SerializeToString,
+            potluck_dot_protos_dot_potluck__pb2.Ack.FromString,
             options,
             channel_credentials,
             insecure,

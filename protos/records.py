@@ -93,6 +93,8 @@ class PeerRecord(_Record):
     sync_s: float = Field(0.0, description="total seconds spent in outer steps (network and waiting)")
     parameters: int = 0
     loss_floor: float | None = Field(None, description="best achievable loss on the run's data, if known")
+    stage: int = Field(0, ge=0, description="the pipeline stage whose state `version`/`state_hash` describe")
+    replica: int = Field(-1, description="the replica this peer last trained in; -1 if none")
     software: str = ""
     started_at: float = 0.0
     seq: int = 0
@@ -103,15 +105,34 @@ class PeerRecord(_Record):
 class Member(_Record):
     peer_id: str
     address: str
+    stage: int = Field(0, ge=0, description="the pipeline stage of this member's tasklet")
+    replica: int = Field(0, ge=0, description="the replica (pipeline) of this member's tasklet")
 
 
 class Round(_Record):
-    """The members of one outer step, in shard order, and the state they must start from."""
+    """The tasklet grid of one outer step and the state each stage must start from.
+
+    ``members`` are sorted by (stage, replica); the members of one stage, in replica order, are the
+    shard order of that stage's outer all-reduce.
+    """
 
     step: int = Field(description="the outer step these members run (it produces version `step`)")
     members: list[Member]
-    base_hash: str = Field("", description="hash of version step-1 that most members hold; '' if unknown")
+    base_hash: str = Field("", description="hash of stage 0's version step-1 that most members hold; '' if unknown")
+    stages: int = Field(1, ge=1, description="S: pipeline stages of the grid")
+    base_hashes: list[str] = Field(default_factory=list, description="per stage: the hash of version step-1")
     decided_at: float = 0.0
+
+    def member(self, peer_id: str) -> Member | None:
+        return next((m for m in self.members if m.peer_id == peer_id), None)
+
+    def stage_members(self, stage: int) -> list[Member]:
+        return sorted((m for m in self.members if m.stage == stage), key=lambda m: m.replica)
+
+    def base_hash_of(self, stage: int) -> str:
+        if self.base_hashes:
+            return self.base_hashes[stage] if stage < len(self.base_hashes) else ""
+        return self.base_hash if stage == 0 else ""
 
 
 class Plan(_Record):

@@ -8,15 +8,22 @@ import time
 import pytest
 
 from potluck.protos import generate
-from potluck.protos.identity import Identity, IdentityError, b58decode, b58encode, public_key_from_peer_id, verify
+from potluck.protos.identity import (
+    Identity,
+    IdentityError,
+    b58decode,
+    b58encode,
+    public_key_from_peer_id,
+    verify,
+)
 from potluck.protos.records import (
     ENVELOPE_VERSION,
     Manifest,
+    Member,
     PeerRecord,
     Plan,
     RecordError,
     Round,
-    Member,
     seal,
     unseal,
 )

@@ -93,3 +93,29 @@ def test_late_peer_joins_and_ends_identical(swarm) -> None:  # type: ignore[no-u
     assert hashes_agree(state) == [], "the late peer ended an outer step with different parameters"
     late = next(p for p in state["peers"] if p["name"] == "late")
     assert late["state"] in ("training", "syncing") and late["tasklet"] is not None
+
+
+def test_admin_actions_need_the_coordinators_token(swarm) -> None:  # type: ignore[no-untyped-def]
+    import json
+    import urllib.error
+    import urllib.request
+
+    ready = swarm.start_coordinator()
+    url = ready["status_url"] + "api/v1/admin/finish"
+
+    def post(token: str | None) -> int:
+        headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {token}"} if token else {})
+        req = urllib.request.Request(url, data=json.dumps({"reason": "test"}).encode(), headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                return resp.status
+        except urllib.error.HTTPError as err:
+            return err.code
+
+    assert post(None) == 401
+    assert post("not-the-token") == 403
+    assert not swarm.wait_state(lambda s: True, 30, "a snapshot")["run"]["finished"]
+    token = (swarm.workdir / "journal" / "admin.token").read_text().strip()
+    assert post(token) == 200
+    state = swarm.wait_state(lambda s: s["run"]["finished"], 30, "the run to end by the admin's action")
+    assert any(e.get("kind") == "admin" for e in state["events"])

@@ -1,0 +1,467 @@
+"""Pipeline tasklets: one stage of the model, micro-batches in and out over gRPC.
+
+A run is a grid of S stages x R replicas. The peer at (stage s, replica r) holds layers
+``stage_bounds(...)[s]`` of the model; replica r's peers form one pipeline. Per inner step (GPipe)::
+
+    stage 0:      forward every micro-batch, send activations to s+1 as soon as each is computed;
+                  then backward each micro-batch with the gradient s+1 sends back
+    middle:       receive, forward, send on; then receive the gradient, backward, send it back
+    last stage:   receive, forward, loss, backward at once, send the input gradient back
+
+Sends run on a background thread per direction, so a stage computes the next micro-batch while the
+previous one is on the wire and waits for the network only when it has nothing else to do. Sample
+ids and next-token labels travel with the activations.
+
+Activations are compressed per ``pipeline.compression``: ``none`` (fp32), ``fp16``, ``direct``
+(quantized at ``bits``), or ``acsgd`` (:mod:`potluck.compression.acsgd`: first visits in fp16, then
+quantized *changes* against a per-sample buffer both sides keep bit-identical). Gradients travel
+directly quantized at ``grad_bits`` (or fp32).
+
+**Buffers never silently go stale.** Each AC-SGD message says which buffer version it builds on; a
+receiver lacking that version (a new peer after a handover, a lost message) rejects it unchanged,
+and the sender forgets those samples and resends them as first visits. When a boundary's
+neighbour changes between rounds, both sides drop their buffers for it.
+
+**No hang.** A stage waits at most ``pipe_timeout_s`` for a neighbour (longer on the first
+micro-batch of a round, when the neighbour may still be syncing); then it raises
+:class:`PipelineStall`, the peer contributes nothing to this outer step (it still receives the
+average, so it stays in sync), and the coordinator re-forms the grid at the next boundary.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+import torch
+from torch import nn
+
+from potluck.compression.acsgd import AcsgdConfig, AcsgdMessage, AcsgdReceiver, AcsgdSender, BufferMissError
+from potluck.compression.actcodec import ActCodec, CodecError, Packet
+from potluck.peer.model import lm_loss
+from potluck.protos import potluck_pb2 as pb
+from potluck.protos.config import ModelConfig, PipelineConfig
+from potluck.protos.log import get_logger, short_id
+from potluck.protos.transport import PeerClient, Rejected, rpc_reason
+
+log = get_logger(__name__)
+
+BUFFER_MISS = "buffer-miss"
+
+
+def stage_bounds(model: ModelConfig, pipeline: PipelineConfig) -> list[tuple[int, int]]:
+    """``[start, stop)`` in the model's layer list (embedding, blocks, head) for each stage.
+
+    Explicit ``pipeline.layers`` counts win; otherwise the entries are split as evenly as possible,
+    the extra ones going to the middle stages (the first and last also hold embedding and head).
+    """
+    entries, s = model.n_layers + 2, pipeline.stages
+    counts = list(pipeline.layers) if pipeline.layers else [entries // s] * s
+    if not pipeline.layers:
+        extra = entries - sum(counts)
+        order = sorted(range(s), key=lambda i: (i in (0, s - 1), abs(i - (s - 1) / 2)))
+        for i in order[:extra]:
+            counts[i] += 1
+    bounds, start = [], 0
+    for c in counts:
+        bounds.append((start, start + c))
+        start += c
+    return bounds
+
+
+class PipelineStall(RuntimeError):
+    """A neighbour did not deliver (or accept) a micro-batch in time; this replica cannot go on."""
+
+
+@dataclass(frozen=True)
+class Neighbour:
+    peer_id: str
+    address: str
+
+
+@dataclass
+class PipeTraffic:
+    """Bytes of tensor payload (codes + scales) this stage sent, and what fp32 would have cost."""
+
+    activations: int = 0
+    activations_fp32: int = 0
+    gradients: int = 0
+    gradients_fp32: int = 0
+
+    def ratio(self) -> float | None:
+        return self.activations / self.activations_fp32 if self.activations_fp32 else None
+
+
+@dataclass
+class _Round:
+    step: int
+    replica: int
+    prev: Neighbour | None
+    next: Neighbour | None
+    mail: dict[tuple[str, int, int], tuple] = field(default_factory=dict)
+    error: str = ""
+
+
+class Pipeline:
+    """This peer's side of its replica's pipeline, for one stage."""
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        me: str,
+        stage: int,
+        stages: int,
+        model: ModelConfig,
+        cfg: PipelineConfig,
+        client: PeerClient,
+        num_samples: int,
+        stopping: threading.Event | None = None,
+    ) -> None:
+        self.run_id, self.me, self.stage, self.stages = run_id, me, stage, stages
+        self.model_cfg, self.cfg, self.client, self.num_samples = model, cfg, client, num_samples
+        self.first, self.last = stage == 0, stage == stages - 1
+        self.stopping = stopping or threading.Event()
+        self.traffic = PipeTraffic()
+        acfg = AcsgdConfig(bits=cfg.bits, rounding=cfg.rounding, first_visit=cfg.first_visit,
+                           grad_bits=cfg.grad_bits or 8, memmap_threshold_bytes=cfg.buffer_memmap_bytes)
+        self.acsgd = cfg.compression == "acsgd"
+        self.sender = AcsgdSender(acfg) if self.acsgd and not self.last else None
+        self.receiver = AcsgdReceiver(acfg) if self.acsgd and not self.first else None
+        mode = {"none": "fp32", "fp16": "fp16", "direct": "quant", "acsgd": "fp16"}[cfg.compression]
+        self.act_codec = ActCodec(mode, cfg.bits, rounding=cfg.rounding)
+        self.eval_codec = ActCodec("fp32" if cfg.compression == "none" else "fp16")
+        self.grad_codec = ActCodec("quant", cfg.grad_bits, rounding=cfg.rounding) if cfg.grad_bits else ActCodec("fp32")
+        self._cond = threading.Condition()
+        self._round: _Round | None = None
+        self._sends = {
+            "forward": ThreadPoolExecutor(1, thread_name_prefix="pipe-fwd"),
+            "backward": ThreadPoolExecutor(1, thread_name_prefix="pipe-bwd"),
+        }
+        self._pending: list[Future] = []
+
+    # ------------------------------------------------------------------ rounds
+
+    def begin_round(self, step: int, replica: int, prev: Neighbour | None, nxt: Neighbour | None) -> None:
+        """Start outer step ``step`` with these neighbours; buffers of a changed neighbour are dropped."""
+        with self._cond:
+            old = self._round
+            if old is not None and not old.error:
+                old.error = f"round {old.step} is over"  # its queued sends are dropped, not delivered late
+            self._pending = []
+            if self.sender is not None and (old is None or old.next != nxt):
+                self.sender.reset()
+            if self.receiver is not None and (old is None or old.prev != prev):
+                self.receiver.buffer.forget(None)
+            keep = {k: v for k, v in old.mail.items() if k[0] == "eval"} if old else {}
+            self._round = _Round(step, replica, prev, nxt)
+            self._round.mail.update({k: v for k, v in keep.items() if k[1] >= step})
+            self._cond.notify_all()
+        log.debug("round %d: replica %d, prev %s, next %s", step, replica,
+                  short_id(prev.peer_id) if prev else "-", short_id(nxt.peer_id) if nxt else "-")
+
+    def close(self) -> None:
+        for ex in self._sends.values():
+            ex.shutdown(wait=False, cancel_futures=True)
+        for side in (self.sender, self.receiver):
+            if side is not None:
+                side.buffer.close()
+
+    def footprint(self) -> dict[str, int]:
+        """Bytes the AC-SGD buffers of this stage hold in memory and on disk."""
+        mem = disk = 0
+        for side in (self.sender, self.receiver):
+            if side is not None:
+                f = side.footprint()
+                mem, disk = mem + f.memory_bytes, disk + f.disk_bytes
+        return {"memory_bytes": mem, "disk_bytes": disk}
+
+    # ------------------------------------------------------------------ one inner step
+
+    def train_step(
+        self,
+        layers: nn.ModuleList,
+        inner: int,
+        batch: tuple[list[int], torch.Tensor, torch.Tensor] | None,
+        device: torch.device,
+    ) -> float:
+        """Forward and backward of one inner step over ``micro_batches`` (GPipe); returns the loss.
+
+        Stage 0 gets ``batch = (sample ids, tokens, targets)``; the other stages receive theirs.
+        Gradients accumulate in ``layers``; the caller steps the optimizer.
+        """
+        r = self._current()
+        m = self.cfg.micro_batches
+        timeout = self.cfg.pipe_timeout_s * (3 if inner == 0 else 1)
+        outputs: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        loss_total = 0.0
+        for k in range(m):
+            if self.first:
+                assert batch is not None
+                ids, x, y = batch
+                size = len(ids) // m
+                mids, inp = ids[k * size:(k + 1) * size], x[k * size:(k + 1) * size].to(device)
+                labels = y[k * size:(k + 1) * size]
+                inp_grad_holder = None
+            else:
+                mids, recv, labels = self._take(r, "forward", inner, k, timeout)
+                inp = recv.to(device).requires_grad_(True)
+                inp_grad_holder = inp
+            out = _run(layers, inp)
+            if self.last:
+                loss = lm_loss(out, labels.to(device).long()) / m
+                loss.backward()
+                loss_total += float(loss.detach())
+                assert inp_grad_holder is not None and inp_grad_holder.grad is not None
+                self._send(r, "backward", inner, k, mids, inp_grad_holder.grad, loss=float(loss.detach()))
+            else:
+                self._send(r, "forward", inner, k, mids, out.detach(), labels=labels)
+                outputs.append((out, inp_grad_holder))
+            timeout = self.cfg.pipe_timeout_s
+        if not self.last:
+            for k, (out, inp) in enumerate(outputs):
+                grad, loss_k = self._take(r, "backward", inner, k, timeout)
+                out.backward(grad.to(device))
+                loss_total += loss_k
+                if inp is not None:
+                    assert inp.grad is not None
+                    self._send(r, "backward", inner, k, None, inp.grad, loss=loss_k)
+        self._flush(r)
+        return loss_total
+
+    @torch.no_grad()
+    def evaluate(self, layers: nn.ModuleList, version: int, batches: list[tuple[list[int], torch.Tensor, torch.Tensor]] | None,
+                 n_batches: int, device: torch.device) -> float | None:
+        """Eval loss of version ``version`` through the whole pipeline; the last stage returns it."""
+        r = self._current()
+        total, n = 0.0, 0
+        for k in range(n_batches):
+            if self.first:
+                assert batches is not None
+                ids, x, y = batches[k]
+                inp, labels = x.to(device), y
+            else:
+                ids, inp, labels = self._take(r, "eval", version, k, self.cfg.pipe_timeout_s * 2)
+                inp = inp.to(device)
+            out = _run(layers, inp)
+            if self.last:
+                total += float(lm_loss(out, labels.to(device).long())) * len(ids)
+                n += len(ids)
+            else:
+                self._send(r, "eval", version, k, ids, out, labels=labels)
+        self._flush(r)
+        return total / n if self.last and n else None
+
+    # ------------------------------------------------------------------ sending
+
+    def _send(self, r: _Round, kind: str, inner: int, micro: int, ids: list[int] | None, tensor: torch.Tensor,
+              labels: torch.Tensor | None = None, loss: float = 0.0) -> None:
+        to = r.next if kind in ("forward", "eval") else r.prev
+        if to is None:
+            raise PipelineStall(f"stage {self.stage} has no {'next' if kind != 'backward' else 'previous'} stage")
+        tensor = tensor.detach().to("cpu", torch.float32)
+        fut = self._sends["backward" if kind == "backward" else "forward"].submit(
+            self._deliver, r, to, kind, inner, micro, ids, tensor, labels, loss)
+        self._pending.append(fut)
+
+    def _deliver(self, r: _Round, to: Neighbour, kind: str, inner: int, micro: int, ids: list[int] | None,
+                 tensor: torch.Tensor, labels: torch.Tensor | None, loss: float) -> None:
+        if r.error:
+            return
+        for attempt in range(2):
+            msg = self._encode(r, kind, inner, micro, ids, tensor, labels, loss)
+            try:
+                self.client.push_pipe(to.address, msg, timeout=self.cfg.pipe_timeout_s * 3)
+                return
+            except grpc.RpcError as err:
+                reason = rpc_reason(err)
+                if BUFFER_MISS in reason and attempt == 0 and self.sender is not None and ids is not None:
+                    log.info("%s has no AC-SGD buffer for some samples (%s); resending them as first visits",
+                             short_id(to.peer_id), reason)
+                    self.sender.forget(ids)
+                    continue
+                self._error(r, f"{kind} micro-batch {micro} of inner step {inner} to {short_id(to.peer_id)} failed: {reason}")
+                return
+            except Exception as err:  # an encoding bug must surface as a stall, not a silent hang
+                self._error(r, f"{kind} micro-batch {micro}: {err}")
+                return
+
+    def _encode(self, r: _Round, kind: str, inner: int, micro: int, ids: list[int] | None, tensor: torch.Tensor,
+                labels: torch.Tensor | None, loss: float) -> pb.PipeMessage:
+        msg = pb.PipeMessage(
+            header=pb.Header(run_id=self.run_id, sender=self.me, step=r.step), kind=kind, inner_step=inner,
+            micro=micro, sample_ids=ids or [], loss=loss, stage=self.stage, replica=r.replica,
+        )
+        if labels is not None:
+            lab = labels.to(torch.int32).contiguous()
+            msg.labels, msg.label_shape[:] = lab.numpy().tobytes(), list(lab.shape)
+        fp32_bytes = tensor.numel() * 4
+        if kind == "forward" and self.sender is not None:
+            assert ids is not None
+            enc = self.sender.encode(ids, tensor)
+            msg.versions[:] = list(enc.versions)
+            if enc.first is not None:
+                msg.first.CopyFrom(_to_pb(enc.first))
+            if enc.delta is not None:
+                msg.delta.CopyFrom(_to_pb(enc.delta))
+            nbytes = enc.nbytes
+        else:
+            codec = {"forward": self.act_codec, "eval": self.eval_codec, "backward": self.grad_codec}[kind]
+            packet = codec.encode(tensor)
+            msg.first.CopyFrom(_to_pb(packet))
+            nbytes = packet.nbytes
+        if kind == "forward":
+            self.traffic.activations += nbytes
+            self.traffic.activations_fp32 += fp32_bytes
+        elif kind == "backward":
+            self.traffic.gradients += nbytes
+            self.traffic.gradients_fp32 += fp32_bytes
+        return msg
+
+    def _flush(self, r: _Round) -> None:
+        """Wait for this step's sends (so a failure is seen now, not a step later)."""
+        pending, self._pending = self._pending, []
+        for fut in pending:
+            fut.result()
+        if r.error:
+            raise PipelineStall(r.error)
+
+    def _error(self, r: _Round, reason: str) -> None:
+        with self._cond:
+            if not r.error:
+                r.error = reason
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ receiving
+
+    def _current(self) -> _Round:
+        with self._cond:
+            if self._round is None:
+                raise PipelineStall("no round has begun")
+            return self._round
+
+    def _take(self, r: _Round, kind: str, inner: int, micro: int, timeout: float) -> tuple:
+        key = (kind, inner, micro)
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while key not in r.mail:
+                if r.error:
+                    raise PipelineStall(r.error)
+                if self.stopping.is_set():
+                    raise PipelineStall("stopping")
+                if self._round is not r:
+                    raise PipelineStall("the round changed")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    who = r.prev if kind != "backward" else r.next
+                    raise PipelineStall(
+                        f"no {kind} micro-batch {micro} of inner step {inner} from "
+                        f"{short_id(who.peer_id) if who else '?'} within {timeout:.0f} s"
+                    )
+                self._cond.wait(min(left, 0.5))
+            return r.mail.pop(key)
+
+    def on_message(self, msg: pb.PipeMessage) -> pb.Ack:
+        """gRPC handler: validate, decode (updating AC-SGD buffers only if all is valid), queue."""
+        h = msg.header
+        if h.run_id != self.run_id:
+            raise Rejected(grpc.StatusCode.PERMISSION_DENIED, f"unknown run id {h.run_id!r}", h.sender)
+        if msg.kind not in ("forward", "backward", "eval"):
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"unknown pipe message kind {msg.kind!r}", h.sender)
+        r = self._await_round(h.step, msg.kind)
+        want = r.prev if msg.kind != "backward" else r.next
+        if want is None or h.sender != want.peer_id:
+            raise Rejected(grpc.StatusCode.PERMISSION_DENIED,
+                           f"{msg.kind} message from {short_id(h.sender)}, which is not this tasklet's "
+                           f"{'previous' if msg.kind != 'backward' else 'next'} stage in step {h.step}", h.sender)
+        if msg.micro < 0 or msg.inner_step < 0:
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "negative micro-batch or inner step", h.sender)
+        try:
+            item = self._decode(msg)
+        except BufferMissError as err:
+            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, f"{BUFFER_MISS}: {err}", h.sender) from None
+        except CodecError as err:
+            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"bad {msg.kind} message: {err}", h.sender) from None
+        with self._cond:
+            r.mail[(msg.kind, msg.inner_step, msg.micro)] = item
+            self._cond.notify_all()
+        return pb.Ack(received_bytes=msg.ByteSize())
+
+    def _await_round(self, step: int, kind: str) -> _Round:
+        """The round a message belongs to; a message for the next round waits (bounded) for it to begin."""
+        deadline = time.monotonic() + self.cfg.pipe_timeout_s
+        with self._cond:
+            while True:
+                r = self._round
+                if r is not None and r.step == step:
+                    return r
+                if r is not None and r.step > step:
+                    raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"stale {kind} message for step {step}; this tasklet is at step {r.step}")
+                left = deadline - time.monotonic()
+                if left <= 0 or self.stopping.is_set():
+                    raise Rejected(grpc.StatusCode.UNAVAILABLE,
+                                   f"{kind} message for step {step}, but this tasklet is at step "
+                                   f"{r.step if r else 'none'}")
+                self._cond.wait(min(left, 0.5))
+
+    def _decode(self, msg: pb.PipeMessage) -> tuple:
+        m, d = self.model_cfg, self.model_cfg.d_model
+        if msg.kind == "backward":
+            grad = self.grad_codec.decode_float(_from_pb(msg.first))
+            if not np.isfinite(msg.loss):
+                raise CodecError("loss is NaN or Inf")
+            self._check_shape(grad, len(grad), d)
+            return grad, float(msg.loss)
+        ids = list(msg.sample_ids)
+        if not ids:
+            raise CodecError("a forward message needs its sample ids")
+        if msg.kind == "forward" and (min(ids) < 0 or max(ids) >= self.num_samples):
+            raise CodecError(f"unknown sample id {max(ids) if max(ids) >= self.num_samples else min(ids)} "
+                             f"(the run has ids 0..{self.num_samples - 1})")
+        if list(msg.label_shape) != [len(ids), m.seq_len] or len(msg.labels) != 4 * len(ids) * m.seq_len:
+            raise CodecError(f"labels of shape {list(msg.label_shape)} ({len(msg.labels)} bytes) for "
+                             f"{len(ids)} samples of {m.seq_len} tokens")
+        labels = torch.from_numpy(np.frombuffer(msg.labels, dtype=np.int32).copy()).view(len(ids), m.seq_len)
+        if bool((labels < 0).any()) or bool((labels >= m.vocab_size).any()):
+            raise CodecError(f"labels outside the vocabulary [0, {m.vocab_size})")
+        expected = (len(ids), m.seq_len, d)
+        for part in (msg.first, msg.delta):
+            if part.shape and (len(part.shape) != 3 or tuple(part.shape[1:]) != expected[1:]):
+                raise CodecError(f"activation of shape {list(part.shape)}, expected [B, {m.seq_len}, {d}]")
+        if msg.kind == "forward" and self.receiver is not None:
+            am = AcsgdMessage(tuple(msg.versions), _from_pb(msg.first) if msg.HasField("first") else None,
+                              _from_pb(msg.delta) if msg.HasField("delta") else None)
+            acts = self.receiver.decode(ids, am)
+        else:
+            if msg.versions or msg.HasField("delta"):
+                raise CodecError("AC-SGD fields in a message to a stage that does not use AC-SGD")
+            codec = self.act_codec if msg.kind == "forward" else self.eval_codec
+            acts = codec.decode_float(_from_pb(msg.first))
+        self._check_shape(acts, len(ids), d)
+        return ids, acts, labels
+
+    def _check_shape(self, t: torch.Tensor, batch: int, d: int) -> None:
+        want = (batch, self.model_cfg.seq_len, d)
+        if tuple(t.shape) != want:
+            raise CodecError(f"tensor of shape {list(t.shape)}, expected {list(want)}")
+
+
+def _run(layers: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
+def _to_pb(p: Packet) -> pb.ActPacket:
+    return pb.ActPacket(mode=p.mode, bits=p.bits, shape=list(p.shape), dtype=p.dtype, scales=p.scales, payload=p.payload)
+
+
+def _from_pb(p: pb.ActPacket) -> Packet:
+    return Packet.from_dict({"mode": p.mode, "bits": p.bits, "shape": list(p.shape), "dtype": p.dtype,
+                             "scales": p.scales, "payload": p.payload})
+
