@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import sys
 import tempfile
@@ -124,6 +125,8 @@ def fp32_allreduce_bytes(numel: int) -> tuple[float, float]:
 
 
 def main() -> None:
+    # a SIGTERM (e.g. from `timeout`) unwinds through ProcessGroup's cleanup instead of orphaning the swarm
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--outer-steps", type=int, default=4)
     parser.add_argument("--inner-steps", type=int, default=50)

@@ -114,18 +114,28 @@ class SnapshotServer:
                 yield pb.StateChunk(version=snap.version, tensor=chunk)
 
 
+def stage_of(info: pb.StateInfo) -> int:
+    """The pipeline stage a served state belongs to (its meta says; 0 for single-stage runs, -1 if garbled)."""
+    try:
+        return int(json.loads(info.meta_json or "{}").get("stage", 0))
+    except (ValueError, TypeError, AttributeError):
+        return -1
+
+
 @dataclass(frozen=True)
 class Source:
     address: str
     info: pb.StateInfo
 
 
-def probe_sources(client: PeerClient, header: pb.Header, addresses: Sequence[str], timeout: float = 5.0) -> list[Source]:
-    """Ask each address what it serves; unreachable or refusing ones are skipped."""
+def probe_sources(client: PeerClient, header: pb.Header, addresses: Sequence[str], timeout: float = 5.0,
+                  stage: int = 0) -> list[Source]:
+    """Ask each address what it serves (of pipeline ``stage``); unreachable or refusing ones are skipped."""
     out = []
     for address in addresses:
         try:
-            out.append(Source(address, client.get_state_info(address, pb.StateInfoRequest(header=header), timeout)))
+            request = pb.StateInfoRequest(header=header, stage=stage)
+            out.append(Source(address, client.get_state_info(address, request, timeout)))
         except grpc.RpcError as err:
             log.debug("no state from %s: %s", address, rpc_reason(err))
     return out
@@ -138,6 +148,7 @@ def fetch_snapshot(
     expect: dict[str, int] | None = None,
     timeout: float = 60.0,
     on_progress: Callable[[int], None] | None = None,
+    stage: int = 0,
 ) -> Snapshot:
     """Pull the snapshot that ``sources[0]`` advertises from every source that advertises the same.
 
@@ -168,7 +179,8 @@ def fetch_snapshot(
         errors = []
         for attempt in range(len(sources)):
             src = sources[(idx + attempt) % len(sources)]
-            req = pb.StateRequest(header=header, version=version, ranges=[pb.Range(name=name, offset=lo, numel=hi - lo)])
+            req = pb.StateRequest(header=header, version=version, ranges=[pb.Range(name=name, offset=lo, numel=hi - lo)],
+                                  stage=stage)
             asm = Assembler(name, sizes[name], RawCodec(), start=lo, stop=hi)
             try:
                 for chunk in client.fetch_state(src.address, req, timeout):

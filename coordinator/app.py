@@ -29,12 +29,14 @@ from potluck.compression.transfer import (
     SnapshotUnavailable,
     fetch_snapshot,
     probe_sources,
+    stage_of,
 )
-from potluck.coordinator.checkpoint import CheckpointStore
+from potluck.coordinator.checkpoint import CheckpointStore, consolidate, slice_stage
 from potluck.coordinator.journal import Journal, JournalError, JournalState, write_atomic
 from potluck.coordinator.membership import PeerTable
 from potluck.coordinator.placement import Replan, make_placer
 from potluck.coordinator.status import StatusServer
+from potluck.peer.pipeline import stage_bounds
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config import ConfigError, RunConfig
 from potluck.protos.identity import Identity
@@ -59,6 +61,7 @@ class Coordinator:
         self._lock = threading.Lock()
         self._state_json: dict[str, Any] = {}
         self._checkpointing = threading.Lock()
+        self._checkpoint_wanted = 0
         self._warned: set[str] = set()
         self._manifest_update: dict[str, Any] | None = None  # set by the checkpoint thread, applied by tick()
         self.series: deque[dict[str, Any]] = deque(maxlen=1800)
@@ -102,8 +105,11 @@ class Coordinator:
         )
         self.public_host = c.announce_host or (c.host if c.host not in ("0.0.0.0", "") else guess_reachable_host())
         self.join_address = self._join_address()
-        self.snapshots = SnapshotServer(self.run_id, self.cfg.sync.chunk_bytes)
-        self.snapshots.publish(self.checkpoints.latest_valid())
+        self.bounds = stage_bounds(self.cfg.model, self.cfg.pipeline)
+        self.whole: Snapshot | None = None
+        self.stage_servers: dict[int, SnapshotServer] = {}
+        self._serve_checkpoint(self.checkpoints.latest_valid())
+        self._maybe_reshard()
         self.client = PeerClient(self.traffic)
         self.grpc = PeerServer(self, self.traffic, host=c.host, port=c.grpc_port)
         self.admin_token = _admin_token(Path(c.journal_dir))
@@ -116,7 +122,7 @@ class Coordinator:
             coordinator_grpc=f"{self.public_host}:{self.grpc.port}", status_url=self.status_url,
             created_at=self.state.created_at, finished=self.state.finished, seq=next_seq(),
             checkpoint_every=c.checkpoint_every,
-            checkpoint_version=self.snapshots.current.version if self.snapshots.current else 0,
+            checkpoint_version=self.whole.version if self.whole else 0,
         )
         self.plan_seq = next_seq()
         self._publish(force=True)
@@ -125,6 +131,12 @@ class Coordinator:
 
     def stop(self) -> None:
         self.stopping.set()
+        if getattr(self, "state", None) is not None and getattr(self, "journal", None) is not None:
+            try:
+                with self._lock:
+                    self.journal.save(self.state)  # the history's latest figures, on a clean shutdown
+            except OSError as err:
+                log.warning("could not save the journal on shutdown: %s", err)
         for name, method in (("status", "stop"), ("grpc", "stop"), ("client", "close"), ("node", "shutdown")):
             obj = getattr(self, name, None)
             if obj is not None:
@@ -143,12 +155,20 @@ class Coordinator:
             return state
         if self.cfg.run_id and self.cfg.run_id != state.run_id:
             raise JournalError(f"{self.journal.path} belongs to run {state.run_id!r}, not {self.cfg.run_id!r}; use another journal_dir")
-        if state.config != sections:
-            changed = sorted(k for k in set(state.config) | set(sections) if state.config.get(k) != sections.get(k))
+        changed = sorted(k for k in set(state.config) | set(sections) if state.config.get(k) != sections.get(k))
+        fixed = [k for k in changed if k not in RESUMABLE_SECTIONS]
+        if fixed:
             raise JournalError(
-                f"{self.journal.path} was written with a different config (sections differ: {', '.join(changed)}); "
-                "resume with the same config or use another journal_dir"
+                f"{self.journal.path} was written with a different config (sections differ: {', '.join(fixed)}); "
+                f"resume with the same values there (only {', '.join(sorted(RESUMABLE_SECTIONS))} may change) "
+                "or use another journal_dir"
             )
+        if changed:
+            log.warning("resuming run %s with changed config sections: %s", state.run_id, ", ".join(changed))
+            state.config = sections
+            if state.finished and state.committed < self.cfg.diloco.outer_steps:
+                state.finished = False  # the run was extended
+            self.journal.save(state)
         log.info("resuming run %s from the journal at outer step %d", state.run_id, state.committed)
         return state
 
@@ -202,7 +222,8 @@ class Coordinator:
         if not self.state.finished and self.table.committed >= self.cfg.diloco.outer_steps and self.table.settled(
                 grace_s=self.cfg.membership.heartbeat_timeout_s):
             self._finish()
-        if not self.state.finished and self.table.ready_to_decide(self.cfg.membership.min_peers):
+        if (not self.state.finished and self.table.committed < self.cfg.diloco.outer_steps
+                and self.table.ready_to_decide(self.cfg.membership.min_peers)):
             self._decide()
         self._update_history()
         update, self._manifest_update = self._manifest_update, None
@@ -283,7 +304,7 @@ class Coordinator:
         committed = self.table.committed
         if committed == 0 or any(p.version >= committed for p in live.values()):
             return
-        ckpt = self.snapshots.current
+        ckpt = self.whole
         best = max([p.version for p in live.values()] + [ckpt.version if ckpt else 0])
         if best >= committed:
             return
@@ -294,7 +315,7 @@ class Coordinator:
         self._event("rollback", "", msg)
         self.table.committed = best
         if ckpt and ckpt.version == best:
-            self.table.hashes[best] = ckpt.hash
+            self._serve_checkpoint(ckpt)  # its stage hashes become the canonical ones
         for step in [s for s in self.table.rounds if s > best]:
             del self.table.rounds[step]
 
@@ -304,37 +325,101 @@ class Coordinator:
         self.state.hashes = dict(self.table.hashes)
         self.journal.save(self.state)
         every = self.cfg.coordinator.checkpoint_every
-        if self.cfg.pipeline.stages > 1:
-            every = 0  # consolidated multi-stage checkpoints are not written yet (per-stage state lives on the peers)
         if every and (v // every > before // every or v >= self.cfg.diloco.outer_steps):
-            threading.Thread(target=self._checkpoint, args=(v,), name="checkpoint", daemon=True).start()
+            self._checkpoint_wanted = v
+            if self._checkpointing.acquire(blocking=False):
+                threading.Thread(target=self._checkpoint_loop, name="checkpoint", daemon=True).start()
+
+    def _checkpoint_loop(self) -> None:
+        """Checkpoint the newest wanted version until no newer one is wanted (never skip the final one)."""
+        done = -1
+        while True:
+            try:
+                while not self.stopping.is_set() and self._checkpoint_wanted > done:
+                    done = self._checkpoint_wanted
+                    self._checkpoint(done)
+            finally:
+                self._checkpointing.release()
+            # a commit that came while the lock was being released must not be skipped
+            if (self.stopping.is_set() or self._checkpoint_wanted <= done
+                    or not self._checkpointing.acquire(blocking=False)):
+                return
 
     def _checkpoint(self, version: int) -> None:
-        if not self._checkpointing.acquire(blocking=False):
-            return  # one at a time; the next commit will try again
+        """Fetch every stage's state at ``version`` from its members, consolidate, write, serve."""
         try:
             round_ = self.table.rounds.get(version) or self.table.rounds.get(max(self.table.rounds, default=0))
-            addresses = [m.address for m in round_.members] if round_ else []
             header = pb.Header(run_id=self.run_id, sender=self.id)
             deadline = time.monotonic() + 30.0
-            while time.monotonic() < deadline and not self.stopping.is_set():
-                want = self.table.canonical_hash(version)
-                sources = [s for s in probe_sources(self.client, header, addresses)
-                           if s.info.version == version and (not want or s.info.state_hash == want)]
-                if sources:
-                    snap = fetch_snapshot(self.client, header, sources, timeout=self.cfg.sync.rpc_timeout_s)
-                    path = self.checkpoints.write(snap, {"run_id": self.run_id})
-                    self.snapshots.publish(snap)
-                    self.state.checkpoints = [p.name for p in self.checkpoints.manifests()]
-                    self._manifest_update = {"checkpoint_version": version}
-                    self._event("checkpoint", "", f"v{version} written to {path.name}")
-                    return
-                time.sleep(0.2)
-            log.warning("no member served v%d for a checkpoint", version)
-        except (SnapshotUnavailable, OSError) as err:
+            parts: dict[int, Snapshot] = {}
+            stages = round_.stages if round_ else 1
+            while (time.monotonic() < deadline and not self.stopping.is_set() and len(parts) < stages
+                   and self._checkpoint_wanted == version):  # a newer wanted version supersedes this one
+                for stage in range(stages):
+                    if stage in parts or round_ is None:
+                        continue
+                    want = self.table.canonical_hash(version, stage)
+                    addresses = [m.address for m in round_.members if m.stage == stage]
+                    sources = [src for src in probe_sources(self.client, header, addresses, stage=stage)
+                               if src.info.version == version and stage_of(src.info) == stage
+                               and (not want or src.info.state_hash == want)]
+                    if sources:
+                        parts[stage] = fetch_snapshot(self.client, header, sources, timeout=self.cfg.sync.rpc_timeout_s,
+                                                      stage=stage)
+                if len(parts) < stages:
+                    time.sleep(0.2)
+            if len(parts) < stages:
+                if self._checkpoint_wanted != version:
+                    return  # superseded by a newer version
+                log.warning("no member served v%d of stages %s for a checkpoint", version,
+                            sorted(set(range(stages)) - set(parts)))
+                return
+            whole = consolidate([parts[i] for i in range(stages)])
+            path = self.checkpoints.write(whole, {"run_id": self.run_id, "stages": stages,
+                                                  "model": self.cfg.model.model_dump(mode="json")})
+            self._serve_checkpoint(whole)
+            self.state.checkpoints = [p.name for p in self.checkpoints.manifests()]
+            self._manifest_update = {"checkpoint_version": version}
+            self._event("checkpoint", "", f"v{version} written to {path.name}")
+        except (SnapshotUnavailable, OSError, ValueError) as err:
             log.warning("checkpoint of v%d failed: %s", version, err)
-        finally:
-            self._checkpointing.release()
+
+    def _serve_checkpoint(self, whole: Snapshot | None) -> None:
+        """Serve ``whole`` to recovering peers, cut into this run's stages; its hashes become canonical."""
+        if whole is None:
+            return
+        servers = {}
+        for stage, (start, stop) in enumerate(self.bounds):
+            part = slice_stage(whole, start, stop, stage) if whole.meta.get("layout") else whole
+            server = SnapshotServer(self.run_id, self.cfg.sync.chunk_bytes)
+            server.publish(part)
+            servers[stage] = server
+            store = self.table.hashes if stage == 0 else self.table.stage_hashes.setdefault(stage, {})
+            store.setdefault(whole.version, part.hash)
+        self.whole, self.stage_servers = whole, servers
+
+    def _maybe_reshard(self) -> None:
+        """A run resumed with another number of stages continues from its latest checkpoint."""
+        latest = self.table.rounds.get(max(self.table.rounds, default=0))
+        if latest is None or latest.stages == self.cfg.pipeline.stages:
+            return
+        if self.whole is None:
+            raise ConfigError(f"pipeline.stages changed from {latest.stages} to {self.cfg.pipeline.stages}, "
+                              "but there is no checkpoint to re-split; keep the old value")
+        v = self.whole.version
+        msg = (f"pipeline.stages changed from {latest.stages} to {self.cfg.pipeline.stages}: resuming from the "
+               f"checkpoint of v{v} re-split into {self.cfg.pipeline.stages} stages")
+        log.warning(msg)
+        self._event("reshard", "", msg)
+        self.table.rounds.clear()
+        self.table.committed = v
+        self.table.hashes = {v: self.table.hashes.get(v, "")} if v in self.table.hashes else {}
+        self.table.stage_hashes = {}
+        self._serve_checkpoint(self.whole)
+        self.state.committed, self.state.rounds = v, []
+        self.state.hashes = dict(self.table.hashes)
+        self.state.finished = v >= self.cfg.diloco.outer_steps
+        self.journal.save(self.state)
 
     def _admin_finish(self, body: dict) -> dict:
         """Admin action: end the run at the committed step (peers stop after it)."""
@@ -404,6 +489,7 @@ class Coordinator:
             n = len(rnd.stage_members(stage))
             entry["state_hashes"][rec.peer_id] = rec.state_hash
             entry.setdefault("stages", {})[rec.peer_id] = stage
+            entry.setdefault("tasklets", {})[rec.peer_id] = [stage, me.replica if me else 0]
             pipe = rec.extras.get("pipe") if isinstance(rec.extras.get("pipe"), dict) else {}
             if pipe:
                 per = entry.setdefault("by_stage", {}).setdefault(str(stage), {
@@ -424,7 +510,10 @@ class Coordinator:
             entry["bytes"]["outer"] += rec.last_outer_bytes
             if n > 1:  # what a ring all-reduce of fp32 would have sent from this member
                 entry["bytes_fp32"]["outer"] += int(2 * (n - 1) / n * 4 * rec.parameters)
+        added = len(hist) != len(self.state.history)
         self.state.history = sorted(hist.values(), key=lambda h: h["step"])[-2000:]
+        if added:
+            self.journal.save(self.state)  # a resumed run keeps the history of every committed step
 
     def status_json(self) -> dict[str, Any]:
         with self._lock:
@@ -549,16 +638,27 @@ class Coordinator:
     def ping(self, request: pb.PingRequest) -> pb.PingReply:
         return pb.PingReply(peer_id=self.id, state="coordinator", version=self.table.committed, sent_at=request.sent_at)
 
+    def _stage_server(self, stage: int) -> SnapshotServer:
+        server = self.stage_servers.get(stage)
+        if server is None:
+            raise Rejected(grpc.StatusCode.UNAVAILABLE, f"no checkpoint of stage {stage}")
+        return server
+
     def get_state_info(self, request: pb.StateInfoRequest) -> pb.StateInfo:
-        return self.snapshots.get_state_info(request)
+        return self._stage_server(request.stage).get_state_info(request)
 
     def fetch_state(self, request: pb.StateRequest) -> Iterator[pb.StateChunk]:
-        return self.snapshots.fetch_state(request)
+        return self._stage_server(request.stage).fetch_state(request)
 
     def _not_here(self, *_: Any) -> Any:
         raise Rejected(grpc.StatusCode.UNIMPLEMENTED, "the coordinator takes no part in the all-reduce")
 
     push_contribution = push_result = fetch_result = push_pipe = _not_here
+
+
+# What a resumed run may change: how the model is laid out and how peers are managed, not what is
+# trained (model, data, optimizers, codec) -- a universal checkpoint re-splits into any stage count.
+RESUMABLE_SECTIONS = {"pipeline", "membership", "links", "diloco"}
 
 
 def _admin_token(journal_dir: Path) -> str:

@@ -47,6 +47,69 @@ def join_by_layout(tensors: dict[str, torch.Tensor], layout: list[tuple[str, lis
     return torch.cat([tensors[name].reshape(-1).float() for name, _ in layout])
 
 
+def layer_of(name: str) -> int:
+    """The model layer-list index a parameter belongs to: ``layers.3.attn.qkv.weight`` -> 3."""
+    parts = name.split(".")
+    if parts[0] == "layers":
+        parts = parts[1:]
+    try:
+        return int(parts[0])
+    except (ValueError, IndexError):
+        raise ValueError(f"parameter {name!r} does not name its layer (expected 'layers.<i>.<...>')") from None
+
+
+def consolidate(stages: list[Snapshot]) -> Snapshot:
+    """One whole-model snapshot from the snapshots of stages 0..S-1 (all at one version).
+
+    Layouts name parameters by their layer in the whole model, and the stages hold contiguous layer
+    ranges in order, so the whole model's flat vectors are the stages' concatenated.
+    """
+    if not stages:
+        raise ValueError("no stage snapshots to consolidate")
+    versions = {s.version for s in stages}
+    if len(versions) != 1:
+        raise ValueError(f"stage snapshots are at different versions: {sorted(versions)}")
+    layout: list[tuple[str, list[int]]] = []
+    bounds = []
+    for i, snap in enumerate(stages):
+        entries = [(n, list(sh)) for n, sh in snap.meta.get("layout", [])]
+        if not entries:
+            raise ValueError(f"stage {i}'s snapshot has no layout")
+        layers = [layer_of(n) for n, _ in entries]
+        if layout and min(layers) <= layer_of(layout[-1][0]):
+            raise ValueError(f"stage {i} starts at layer {min(layers)}, not after the previous stage")
+        bounds.append([min(layers), max(layers) + 1])
+        layout += entries
+    tensors = {key: torch.cat([s.tensors[key] for s in stages]) for key in stages[0].tensors}
+    meta = {"layout": layout, "stages": bounds, "inner_steps": max(int(s.meta.get("inner_steps", 0)) for s in stages)}
+    return Snapshot(tensors, stages[0].version, tensors_hash(tensors), meta)
+
+
+def slice_stage(whole: Snapshot, start: int, stop: int, stage: int) -> Snapshot:
+    """The part of a whole-model snapshot that a stage holding layers ``[start, stop)`` needs."""
+    layout = [(n, list(sh)) for n, sh in whole.meta.get("layout", [])]
+    if not layout:
+        raise ValueError("the checkpoint has no per-parameter layout; it cannot be re-split into stages")
+    offset, lo, hi, mine = 0, None, 0, []
+    for name, shape in layout:
+        n = 1
+        for d in shape:
+            n *= d
+        if start <= layer_of(name) < stop:
+            if lo is None:
+                lo = offset
+            elif offset != hi:
+                raise ValueError("the stage's parameters are not contiguous in the checkpoint")
+            hi = offset + n
+            mine.append((name, shape))
+        offset += n
+    if lo is None:
+        raise ValueError(f"the checkpoint has no parameters of layers [{start}, {stop})")
+    tensors = {key: flat[lo:hi].clone() for key, flat in whole.tensors.items()}
+    meta = {"layout": mine, "stage": stage, "layers": [start, stop], "inner_steps": whole.meta.get("inner_steps", 0)}
+    return Snapshot(tensors, whole.version, tensors_hash(tensors), meta)
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

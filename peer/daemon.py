@@ -16,7 +16,6 @@ the last plan when the coordinator is away.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -35,6 +34,7 @@ from potluck.compression.transfer import (
     SnapshotUnavailable,
     fetch_snapshot,
     probe_sources,
+    stage_of,
 )
 from potluck.peer.allreduce import AllReduce, AllReduceStats, IncompleteRound, MemberAddr, RoundInfo
 from potluck.peer.data import Dataset, ShardSampler
@@ -138,6 +138,7 @@ class Peer:
             startup_timeout=self.cfg.startup_timeout_s,
             client_mode=self.cfg.dht_client,
         )
+        self.joined_at = time.time()
         manifest = self._await_manifest(coordinator)
         self.manifest = manifest
         self.run_cfg = self._config_from(manifest)
@@ -341,12 +342,12 @@ class Peer:
         self._set_state("recovering")
         addresses = sorted({m.address for r in (plan.rounds if plan else []) for m in r.members
                             if m.peer_id != self.id and m.stage == self.stage})
-        if self.heartbeat.manifest.coordinator_grpc and self.run_cfg.pipeline.stages == 1:
+        if self.heartbeat.manifest.coordinator_grpc:
             addresses.append(self.heartbeat.manifest.coordinator_grpc)  # its checkpoint, if no member is newer
         mine = self.snapshot.version
         sources = [
-            s for s in probe_sources(self.client, self._header(0), addresses)
-            if _stage_of(s.info) == self.stage
+            s for s in probe_sources(self.client, self._header(0), addresses, stage=self.stage)
+            if stage_of(s.info) == self.stage
             and (s.info.version > mine or (want_hash and s.info.version == mine and s.info.state_hash == want_hash))
         ]
         if not sources:
@@ -361,7 +362,7 @@ class Peer:
         try:
             snap = fetch_snapshot(
                 self.client, self._header(0), chosen, expect={"momentum": self.numel, "theta": self.numel},
-                timeout=self.run_cfg.sync.rpc_timeout_s,
+                timeout=self.run_cfg.sync.rpc_timeout_s, stage=self.stage,
             )
         except SnapshotUnavailable as err:
             log.warning("state recovery failed: %s", err)
@@ -441,6 +442,10 @@ class Peer:
             p.tokens_total += tokens_per_step
             p.tokens_per_s = tokens_per_step / max(p.step_time_s, 1e-9)
             p.samples_per_s = rc.train.batch_size / max(p.step_time_s, 1e-9)
+        if not getattr(self, "_first_step_logged", False) and self.progress.inner_step:
+            self._first_step_logged = True
+            log.info("first training step %.1f s after the process started (%.1f s after joining the DHT)",
+                     time.time() - _process_started_at(), time.time() - self.joined_at)
         self.inner_seconds = time.monotonic() - t_phase
         self.progress.compute_s += self.inner_seconds
         return True
@@ -581,7 +586,9 @@ class Peer:
     def _snapshot_meta(self) -> dict:
         start, stop = self.bounds[self.stage]
         return {"inner_steps": self.total_inner_steps, "stage": self.stage, "layers": [start, stop],
-                "layout": [[n, list(p.shape)] for n, p in self.layers.named_parameters()]}
+                # parameters named by their layer in the whole model, so checkpoints re-split into any S
+                "layout": [[f"layers.{start + int(n.split('.', 1)[0])}.{n.split('.', 1)[1]}", list(p.shape)]
+                           for n, p in self.layers.named_parameters()]}
 
     def record(self) -> PeerRecord:
         p = self.progress
@@ -663,14 +670,21 @@ class Peer:
         return pipeline.on_message(request)
 
 
+def _process_started_at() -> float:
+    """Wall-clock start of this process (Linux /proc; else the time the module was imported)."""
+    try:
+        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+        uptime = float(open("/proc/uptime").read().split()[0])
+        return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return _IMPORTED_AT
+
+
+_IMPORTED_AT = time.time()
+
+
 def _forward(layers: torch.nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
     for layer in layers:
         x = layer(x)
     return x
 
-
-def _stage_of(info: pb.StateInfo) -> int:
-    try:
-        return int(json.loads(info.meta_json or "{}").get("stage", 0))
-    except (ValueError, TypeError, AttributeError):
-        return -1

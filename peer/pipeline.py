@@ -51,6 +51,7 @@ from potluck.protos.transport import PeerClient, Rejected, rpc_reason
 log = get_logger(__name__)
 
 BUFFER_MISS = "buffer-miss"
+NOT_YET = "not in that step yet"
 
 
 def stage_bounds(model: ModelConfig, pipeline: PipelineConfig) -> list[tuple[int, int]]:
@@ -143,6 +144,7 @@ class Pipeline:
             "backward": ThreadPoolExecutor(1, thread_name_prefix="pipe-bwd"),
         }
         self._pending: list[Future] = []
+        self._closed = False
 
     # ------------------------------------------------------------------ rounds
 
@@ -165,6 +167,9 @@ class Pipeline:
                   short_id(prev.peer_id) if prev else "-", short_id(nxt.peer_id) if nxt else "-")
 
     def close(self) -> None:
+        with self._cond:
+            self._closed = True  # a handler waiting on this (replaced) pipeline lets the sender retry
+            self._cond.notify_all()
         for ex in self._sends.values():
             ex.shutdown(wait=False, cancel_futures=True)
         for side in (self.sender, self.receiver):
@@ -221,7 +226,8 @@ class Pipeline:
             else:
                 self._send(r, "forward", inner, k, mids, out.detach(), labels=labels)
                 outputs.append((out, inp_grad_holder))
-            timeout = self.cfg.pipe_timeout_s
+            if inner > 0:
+                timeout = self.cfg.pipe_timeout_s
         if not self.last:
             for k, (out, inp) in enumerate(outputs):
                 grad, loss_k = self._take(r, "backward", inner, k, timeout)
@@ -270,24 +276,31 @@ class Pipeline:
 
     def _deliver(self, r: _Round, to: Neighbour, kind: str, inner: int, micro: int, ids: list[int] | None,
                  tensor: torch.Tensor, labels: torch.Tensor | None, loss: float) -> None:
-        if r.error:
-            return
-        for attempt in range(2):
-            msg = self._encode(r, kind, inner, micro, ids, tensor, labels, loss)
+        """Send one micro-batch; a receiver not yet in this round is retried until the deadline."""
+        deadline = time.monotonic() + self.cfg.pipe_timeout_s * 3
+        msg, resent = None, False
+        while not r.error:
+            if msg is None:  # encoding advances the AC-SGD buffer: only once per (re)send decision
+                try:
+                    msg = self._encode(r, kind, inner, micro, ids, tensor, labels, loss)
+                except Exception as err:  # an encoding bug must surface as a stall, not a silent hang
+                    self._error(r, f"{kind} micro-batch {micro}: {err}")
+                    return
             try:
-                self.client.push_pipe(to.address, msg, timeout=self.cfg.pipe_timeout_s * 3)
+                self.client.push_pipe(to.address, msg, timeout=self.cfg.pipe_timeout_s * 2)
                 return
             except grpc.RpcError as err:
                 reason = rpc_reason(err)
-                if BUFFER_MISS in reason and attempt == 0 and self.sender is not None and ids is not None:
+                if BUFFER_MISS in reason and not resent and self.sender is not None and ids is not None:
                     log.info("%s has no AC-SGD buffer for some samples (%s); resending them as first visits",
                              short_id(to.peer_id), reason)
                     self.sender.forget(ids)
+                    msg, resent = None, True
                     continue
+                not_yet = err.code() == grpc.StatusCode.UNAVAILABLE and NOT_YET in reason
+                if not_yet and time.monotonic() < deadline and not self.stopping.wait(0.1):
+                    continue  # the neighbour is still finishing its previous outer step or recovering
                 self._error(r, f"{kind} micro-batch {micro} of inner step {inner} to {short_id(to.peer_id)} failed: {reason}")
-                return
-            except Exception as err:  # an encoding bug must surface as a stall, not a silent hang
-                self._error(r, f"{kind} micro-batch {micro}: {err}")
                 return
 
     def _encode(self, r: _Round, kind: str, inner: int, micro: int, ids: list[int] | None, tensor: torch.Tensor,
@@ -403,10 +416,10 @@ class Pipeline:
                     raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
                                    f"stale {kind} message for step {step}; this tasklet is at step {r.step}")
                 left = deadline - time.monotonic()
-                if left <= 0 or self.stopping.is_set():
+                if left <= 0 or self.stopping.is_set() or self._closed:
                     raise Rejected(grpc.StatusCode.UNAVAILABLE,
-                                   f"{kind} message for step {step}, but this tasklet is at step "
-                                   f"{r.step if r else 'none'}")
+                                   f"{kind} message for step {step}, but this tasklet is {NOT_YET} "
+                                   f"(at step {r.step if r else 'none'})")
                 self._cond.wait(min(left, 0.5))
 
     def _decode(self, msg: pb.PipeMessage) -> tuple:

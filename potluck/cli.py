@@ -5,6 +5,7 @@
     potluck peer --join ADDRESS                lend this machine to a run
     potluck status ADDRESS                     the run's status page, in a terminal
     potluck schedule --topology FILE.json      plan a tasklet grid offline (evolutionary search)
+    potluck export --journal DIR --out F.pt    the latest checkpoint as one plain torch file
 """
 
 from __future__ import annotations
@@ -135,10 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
     pe.add_argument("--region", help="this peer's region in the --netem topology (default: its entry there)")
     pe.set_defaults(fn=cmd_peer)
 
+    from potluck import export
     from potluck.coordinator import schedule_cli, status_cli
 
     status_cli.register(sub)
     schedule_cli.register(sub)
+    export.register(sub)
     return p
 
 

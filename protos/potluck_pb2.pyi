@@ -103,10 +103,12 @@ class ResultRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
 
 class StateInfoRequest(_message.Message):
-    __slots__ = ("header",)
+    __slots__ = ("header", "stage")
     HEADER_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
     header: Header
-    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ...) -> None: ...
+    stage: int
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., stage: _Optional[int] = ...) -> None: ...
 
 class TensorInfo(_message.Message):
     __slots__ = ("name", "dtype", "shape")
@@ -141,14 +143,16 @@ class Range(_message.Message):
     def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ...) -> None: ...
 
 class StateRequest(_message.Message):
-    __slots__ = ("header", "version", "ranges")
+    __slots__ = ("header", "version", "ranges", "stage")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RANGES_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
     header: Header
     version: int
     ranges: _containers.RepeatedCompositeFieldContainer[Range]
-    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., version: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[Range, _Mapping]]] = ...) -> None: ...
+    stage: int
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., version: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[Range, _Mapping]]] = ..., stage: _Optional[int] = ...) -> None: ...
 
 class StateChunk(_message.Message):
     __slots__ = ("version", "tensor")

@@ -100,3 +100,49 @@ def test_truncated_checkpoint_falls_back_to_the_previous(tmp_path, caplog) -> No
     assert "ckpt-000002 is unusable" in caplog.text
     manifest = json.loads((tmp_path / "ckpt-000001.json").read_text())
     assert manifest["state_hash"] == snap(1).hash
+
+
+def _stage_snapshot(cfg, start: int, stop: int, stage: int, version: int = 3):  # type: ignore[no-untyped-def]
+    """What a peer of this stage serves: theta and momentum of its layers, named by model layer."""
+    import torch
+
+    from potluck.compression.transfer import Snapshot, tensors_hash
+    from potluck.peer.model import build_layers
+
+    layers = build_layers(cfg.model, cfg.train.seed, start, stop)
+    named = [(f"layers.{start + int(n.split('.', 1)[0])}.{n.split('.', 1)[1]}", p) for n, p in layers.named_parameters()]
+    theta = torch.cat([p.detach().flatten() for _, p in named])
+    tensors = {"theta": theta, "momentum": theta * 0.5}
+    meta = {"layout": [[n, list(p.shape)] for n, p in named], "stage": stage}
+    return Snapshot(tensors, version, tensors_hash(tensors), meta)
+
+
+def test_checkpoints_consolidate_stages_and_re_split_into_any_number(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    from potluck.coordinator.checkpoint import CheckpointStore, consolidate, slice_stage
+    from potluck.peer.pipeline import stage_bounds
+    from potluck.protos.config import RunConfig, apply_overrides
+
+    def cfg_for(stages: int):  # type: ignore[no-untyped-def]
+        return apply_overrides(RunConfig(), {"model.n_layers": 2, "model.d_model": 32, "model.n_heads": 2,
+                                             "pipeline.stages": stages})
+
+    two = cfg_for(2)
+    parts = [_stage_snapshot(two, a, b, s) for s, (a, b) in enumerate(stage_bounds(two.model, two.pipeline))]
+    whole = consolidate(parts)
+    single = _stage_snapshot(cfg_for(1), 0, 4, 0)
+    assert torch.equal(whole.tensors["theta"], single.tensors["theta"]) and whole.hash == single.hash
+    store = CheckpointStore(tmp_path)
+    loaded = store.load(store.write(whole))
+    for stages in (1, 4):
+        cfg = cfg_for(stages)
+        for s, (a, b) in enumerate(stage_bounds(cfg.model, cfg.pipeline)):
+            got, want = slice_stage(loaded, a, b, s), _stage_snapshot(cfg, a, b, s)
+            assert torch.equal(got.tensors["theta"], want.tensors["theta"])
+            assert torch.equal(got.tensors["momentum"], want.tensors["momentum"])
+            assert got.hash == want.hash and got.meta["stage"] == s
+    with pytest.raises(ValueError, match="different versions"):
+        consolidate([parts[0], _stage_snapshot(two, *stage_bounds(two.model, two.pipeline)[1], 1, version=4)])
+    with pytest.raises(ValueError, match="not after the previous stage"):
+        consolidate([parts[1], parts[0]])
