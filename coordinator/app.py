@@ -41,8 +41,8 @@ from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config import ConfigError, RunConfig
 from potluck.protos.identity import Identity
 from potluck.protos.log import get_logger, set_context, short_id
-from potluck.protos.records import MANIFEST_KEY, Manifest, Plan, next_seq, plan_key
-from potluck.protos.swarm import SwarmNode, guess_reachable_host, host_of_multiaddr
+from potluck.protos.records import MANIFEST_KEY, Manifest, Plan, Round, next_seq, plan_key
+from potluck.protos.swarm import JoinError, SwarmNode, guess_reachable_host, host_of_multiaddr
 from potluck.protos.transport import PeerClient, PeerServer, Rejected, Traffic
 
 log = get_logger(__name__)
@@ -99,10 +99,23 @@ class Coordinator:
         self.table = PeerTable(self.cfg.membership.heartbeat_timeout_s, settle_s=1.0)
         self.table.restore(self.state.committed, self.state.rounds, self.state.hashes)
 
-        self.node = SwarmNode(
-            self.identity, host=c.host, port=c.dht_port, announce_host=c.announce_host,
-            startup_timeout=c.startup_timeout_s, identity_path=identity_path,
-        )
+        # A restarted coordinator rejoins the swarm its peers kept running, through their addresses.
+        known = list(self.state.known_peers)
+        try:
+            self.node = SwarmNode(
+                self.identity, initial_peers=known, host=c.host, port=c.dht_port, announce_host=c.announce_host,
+                startup_timeout=c.startup_timeout_s, identity_path=identity_path,
+            )
+        except JoinError as err:
+            if not known:
+                raise
+            log.warning("none of the %d peers known from the journal answered (%s); starting a new swarm", len(known), err)
+            self.node = SwarmNode(
+                self.identity, host=c.host, port=c.dht_port, announce_host=c.announce_host,
+                startup_timeout=c.startup_timeout_s, identity_path=identity_path,
+            )
+        if known:
+            log.info("rejoined the swarm through %d peers known from the journal", len(known))
         self.public_host = c.announce_host or (c.host if c.host not in ("0.0.0.0", "") else guess_reachable_host())
         self.join_address = self._join_address()
         self.bounds = stage_bounds(self.cfg.model, self.cfg.pipeline)
@@ -323,6 +336,7 @@ class Coordinator:
         v = self.table.committed
         self.state.committed = v
         self.state.hashes = dict(self.table.hashes)
+        self.state.known_peers = [m for view in self.table.live() for m in view.record.dht_maddrs[:1]][:16]
         self.journal.save(self.state)
         every = self.cfg.coordinator.checkpoint_every
         if every and (v // every > before // every or v >= self.cfg.diloco.outer_steps):
@@ -467,17 +481,20 @@ class Coordinator:
         evaluated ``theta_global`` at ``v``), so the entry fills in within a heartbeat or two.
         """
         hist = {h["step"]: h for h in self.state.history}
-        for v in range(max(1, self.table.committed - 2), self.table.committed + 1):
-            if v not in hist and v in self.table.rounds:
+        # steps the peers committed on the last plan while this coordinator was away get entries too
+        start = min(self.table.committed - 2, max(hist, default=0) + 1)
+        for v in range(max(1, start), self.table.committed + 1):
+            plan_round = self.table.rounds.get(v) or self._round_at(v)
+            if v not in hist and plan_round is not None:
                 hist[v] = {
-                    "step": v, "t": time.time(), "members": len(self.table.rounds[v].members), "loss": None,
+                    "step": v, "t": time.time(), "members": len(plan_round.members), "loss": None,
                     "eval_loss": None, "outer_s": None, "state_hashes": {}, "stages": {},
                     "bytes": {"activations": 0, "gradients": 0, "outer": 0},
                     "bytes_fp32": {"activations": 0, "gradients": 0, "outer": 0},
                 }
         for view in self.table.peers.values():
             rec = view.record
-            entry, rnd = hist.get(rec.version), self.table.rounds.get(rec.version)
+            entry, rnd = hist.get(rec.version), self.table.rounds.get(rec.version) or self._round_at(rec.version)
             if entry is None or rnd is None or rec.peer_id not in {m.peer_id for m in rnd.members}:
                 continue
             if rec.eval_version == rec.version and entry["eval_loss"] is None:
@@ -514,6 +531,11 @@ class Coordinator:
         self.state.history = sorted(hist.values(), key=lambda h: h["step"])[-2000:]
         if added:
             self.journal.save(self.state)  # a resumed run keeps the history of every committed step
+
+    def _round_at(self, step: int) -> Round | None:
+        """The round that applied to ``step``: the latest decided at or before it (peers use the last plan)."""
+        best = max((s for s in self.table.rounds if s <= step), default=None)
+        return self.table.rounds[best] if best is not None else None
 
     def status_json(self) -> dict[str, Any]:
         with self._lock:

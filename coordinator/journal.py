@@ -38,6 +38,8 @@ class JournalState(BaseModel):
     history: list[dict[str, Any]] = Field(default_factory=list)
     checkpoints: list[str] = Field(default_factory=list)
     finished: bool = False
+    known_peers: list[str] = Field(default_factory=list, description="DHT addresses of recent peers: "
+                                   "a restarted coordinator rejoins the swarm through them")
 
 
 def write_atomic(path: Path, data: bytes) -> None:

@@ -25,6 +25,7 @@ the :class:`AllReduce` keeps them, checked, until it does.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -45,6 +46,9 @@ log = get_logger(__name__)
 
 MAX_PENDING_SENDERS = 4096
 NOT_PARTICIPATING = {"joining", "recovering", "left", "waiting"}
+
+
+_AT_STEP = re.compile(r"this peer is at step (\d+)")
 
 
 class IncompleteRound(RuntimeError):
@@ -151,6 +155,7 @@ class AllReduce:
         self._results: dict[int, _Result] = {}
         self._taken_over: set[int] = set()
         self._pending: list[Future] = []
+        self._ahead: list[str] = []
 
     # ---------------------------------------------------------------- state of the coming step
 
@@ -312,12 +317,19 @@ class AllReduce:
         stats = AllReduceStats(step=info.step, members=n)
         deadline = t_start + wait_s
 
+        self._ahead: list[str] = []
+        ahead = self._ahead
+
         def on_send_error(peer: MemberAddr, err: grpc.RpcError) -> None:
-            if is_unreachable(err):
-                with self._cond:
+            reason = rpc_reason(err)
+            m = _AT_STEP.search(reason)
+            with self._cond:
+                if is_unreachable(err):
                     dead.add(peer.peer_id)
-                    self._cond.notify_all()
-            log.info("send to %s failed: %s", short_id(peer.peer_id), rpc_reason(err))
+                elif m and int(m.group(1)) > info.step:
+                    ahead.append(peer.peer_id)  # the round went on without us: never average alone
+                self._cond.notify_all()
+            log.info("send to %s failed: %s", short_id(peer.peer_id), reason)
 
         # 1. reduce: our slice of every shard goes to its owner; our own is kept exact
         if delta is not None:
@@ -334,7 +346,10 @@ class AllReduce:
         result_deadline = deadline + grace_s
         missing = self._wait_results(info, dead, result_deadline)
 
-        # 3. take over the shards of owners that died or never answered
+        # 3. take over the shards of owners that died or never answered -- unless the others already
+        # committed this step without us, in which case ours would be a minority result: recover instead
+        if ahead and missing:
+            raise IncompleteRound(f"step {info.step}: {short_id(ahead[0])} already went past it without this peer")
         for j in missing:
             dead.add(info.ids[j])
         if missing:
@@ -480,6 +495,11 @@ class AllReduce:
                 return
             reason = "unreachable"
         else:
+            if reply.version >= info.step:
+                with self._cond:
+                    self._ahead.append(peer_id)  # it committed this step already (without us)
+                    self._cond.notify_all()
+                return
             if reply.state not in NOT_PARTICIPATING and reply.version >= info.step - 1:
                 return
             reason = f"{reply.state} at version {reply.version}"
@@ -500,6 +520,8 @@ class AllReduce:
                 if self.stopping.is_set():
                     raise IncompleteRound("stopping")
                 if shards is None and all(info.ids[j] in dead for j in missing):
+                    return missing
+                if self._ahead:
                     return missing
                 self._cond.wait(timeout=0.05)
 

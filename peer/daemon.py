@@ -625,10 +625,19 @@ class Peer:
             seq=next_seq(),
             ts=time.time(),
             stage=getattr(self, "stage", 0),
+            dht_maddrs=self._dht_maddrs(),
             replica=self.replica if hasattr(self, "replica") else -1,
             extras={"outer_wait_s": p.outer_wait_s, "step_time_s": p.step_time_s,
                     **({"pipe": p.last_pipe, "buffers": self.pipeline.footprint()} if self.pipeline and p.last_pipe else {})},
         )
+
+    def _dht_maddrs(self) -> list[str]:
+        if not getattr(self, "_maddrs", None) and getattr(self, "node", None) is not None:
+            try:
+                self._maddrs = self.node.maddrs[:4]
+            except Exception:  # the DHT is shutting down
+                return []
+        return getattr(self, "_maddrs", [])
 
     def _header(self, step: int) -> pb.Header:
         return pb.Header(run_id=self.run_id, sender=self.id, step=step)

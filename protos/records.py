@@ -94,6 +94,7 @@ class PeerRecord(_Record):
     parameters: int = 0
     loss_floor: float | None = Field(None, description="best achievable loss on the run's data, if known")
     stage: int = Field(0, ge=0, description="the pipeline stage whose state `version`/`state_hash` describe")
+    dht_maddrs: list[str] = Field(default_factory=list, description="this peer's DHT addresses (for re-bootstrap)")
     replica: int = Field(-1, description="the replica this peer last trained in; -1 if none")
     software: str = ""
     started_at: float = 0.0
