@@ -219,6 +219,7 @@ class Peer:
             self.pipeline = Pipeline(
                 run_id=self.run_id, me=self.id, stage=stage, stages=rc.pipeline.stages, model=rc.model,
                 cfg=rc.pipeline, client=self.client, num_samples=self.data.num_samples, stopping=self.stopping,
+                on_transfer=lambda pid, n, s: self.links.observe(pid, n, s) if hasattr(self, "links") else None,
             )
         theta0 = flatten_params(self.params)
         self._commit(outer_snapshot(theta0, torch.zeros_like(theta0), 0, self._snapshot_meta()))

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -122,11 +123,13 @@ class Pipeline:
         client: PeerClient,
         num_samples: int,
         stopping: threading.Event | None = None,
+        on_transfer: Callable[[str, int, float], None] | None = None,
     ) -> None:
         self.run_id, self.me, self.stage, self.stages = run_id, me, stage, stages
         self.model_cfg, self.cfg, self.client, self.num_samples = model, cfg, client, num_samples
         self.first, self.last = stage == 0, stage == stages - 1
         self.stopping = stopping or threading.Event()
+        self.on_transfer = on_transfer  # (peer id, bytes, seconds) of each delivered message: passive link figures
         self.traffic = PipeTraffic()
         acfg = AcsgdConfig(bits=cfg.bits, rounding=cfg.rounding, first_visit=cfg.first_visit,
                            grad_bits=cfg.grad_bits or 8, memmap_threshold_bytes=cfg.buffer_memmap_bytes)
@@ -287,7 +290,10 @@ class Pipeline:
                     self._error(r, f"{kind} micro-batch {micro}: {err}")
                     return
             try:
+                t0 = time.perf_counter()
                 self.client.push_pipe(to.address, msg, timeout=self.cfg.pipe_timeout_s * 2)
+                if self.on_transfer is not None:
+                    self.on_transfer(to.peer_id, msg.ByteSize(), time.perf_counter() - t0)
                 return
             except grpc.RpcError as err:
                 reason = rpc_reason(err)

@@ -25,19 +25,18 @@ GRID = {
 def run(swarm, placement: str) -> dict:  # type: ignore[no-untyped-def]
     topo = swarm.workdir / "regions.json"
     topo.write_text(json.dumps(REGIONS))
-    swarm.start_coordinator({**GRID, "links.placement": placement})
+    swarm.start_coordinator({**GRID, "links.placement": placement}, journal=f"journal-{placement}")
     for _ in range(8):
         swarm.start_peer("--netem", str(topo))
     return swarm.wait_state(lambda s: s["run"]["finished"], 420, f"the {placement} run to finish")
 
 
 def regions_of(state: dict) -> list[set[str]]:
-    """For each pipeline (replica) of the last outer step all 8 peers completed, the regions of its peers."""
+    """For each pipeline (replica) of the last round the coordinator decided, the regions of its peers."""
     name = {p["id"]: p["name"] for p in state["peers"]}
-    last = [h for h in state["history"] if len(h.get("tasklets", {})) == 8][-1]
     pipes: dict[int, set[str]] = {}
-    for pid, (_, replica) in last["tasklets"].items():
-        pipes.setdefault(replica, set()).add(REGIONS["peers"][name[pid]])
+    for m in state["round"]["members"]:
+        pipes.setdefault(m["replica"], set()).add(REGIONS["peers"][name[m["peer_id"]]])
     return list(pipes.values())
 
 

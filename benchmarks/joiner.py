@@ -1,0 +1,100 @@
+"""How fast a new peer helps: from `potluck peer` to its first training step in a running run.
+
+A coordinator and 2 peers train the built-in model (the demo's size, S = 1) on this CPU; once they
+have committed 2 outer steps a third peer starts. Its log says when its first inner step ran,
+measured from the process's start (interpreter, torch and hivemind imports included) and from
+the moment it had joined the DHT; between the two lie the DHT start-up, finding the manifest,
+admission at the next outer boundary and the state download. Baseline in the same run: the
+first 2 peers' own start-to-first-step time (no state to fetch, no boundary to wait for).
+
+Target (issue 6): a joiner reaches its first training step in < 10 s on CPU.
+
+    python benchmarks/joiner.py [--joiners 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from potluck.procs import ProcessGroup
+from potluck.protos.config import RunConfig, apply_overrides, dump_toml
+
+FIRST = re.compile(r"first training step ([\d.]+) s after the process started \(([\d.]+) s after joining")
+
+
+def state(url: str) -> dict | None:
+    try:
+        with urllib.request.urlopen(url + "api/v1/state", timeout=5) as r:
+            return json.loads(r.read())
+    except OSError:
+        return None
+
+
+def wait(cond, timeout: float, what: str):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise SystemExit(f"timed out waiting for {what}")
+
+
+def first_step(log: Path) -> tuple[float, float] | None:
+    m = FIRST.search(log.read_text(errors="replace")) if log.exists() else None
+    return (float(m.group(1)), float(m.group(2))) if m else None
+
+
+def main() -> None:
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--joiners", type=int, default=3, help="joiners started one after another")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="potluck-joiner-") as tmp, ProcessGroup() as procs:
+        work = Path(tmp)
+        cfg = apply_overrides(RunConfig(), {
+            "run_id": "joiner", "diloco.outer_steps": 1000, "diloco.inner_steps": 30, "membership.min_peers": 2,
+            "coordinator.host": "127.0.0.1", "coordinator.checkpoint_every": 0, "coordinator.journal_dir": str(work / "j"),
+        })
+        (work / "run.toml").write_text(dump_toml(cfg))
+        procs.spawn_potluck(["coordinator", "--config", str(work / "run.toml"), "--ready-file", str(work / "ready.json")],
+                            work / "coordinator.log")
+        wait(lambda: (work / "ready.json").exists(), 120, "the coordinator")
+        ready = json.loads((work / "ready.json").read_text())
+
+        def peer(i: int) -> Path:
+            log = work / f"peer-{i}.log"
+            procs.spawn_potluck(["peer", "--join", ready["join"], "--host", "127.0.0.1", "--threads", "1"], log)
+            return log
+
+        founders = [peer(0), peer(1)]
+        results = []
+        for k in range(args.joiners):
+            target = 2 + 2 * k
+            wait(lambda t=target: (s := state(ready["status_url"])) and s["run"]["outer_step"] >= t, 300,
+                 f"outer step {target}")
+            log = peer(2 + k)
+            results.append(wait(lambda log=log: first_step(log), 120, "the joiner's first step"))
+        base = [wait(lambda log=log: first_step(log), 10, "founders") for log in founders]
+    from_start = [r[0] for r in results]
+    from_join = [r[1] for r in results]
+    print(json.dumps({
+        "benchmark": "joiner_first_step", "model": "demo default (S=1)", "inner_steps": 30, "joiners": args.joiners,
+        "joiner_s_from_process_start": from_start, "joiner_s_from_dht_join": from_join,
+        "median_s_from_process_start": round(statistics.median(from_start), 2),
+        "founders_s_from_process_start": [b[0] for b in base],
+        "target_s": 10.0,
+    }))
+
+
+if __name__ == "__main__":
+    main()
