@@ -148,6 +148,7 @@ class Pipeline:
         }
         self._pending: list[Future] = []
         self._closed = False
+        self._ahead_step = 0  # the newest step a neighbour sent for: above ours means we fell behind
 
     # ------------------------------------------------------------------ rounds
 
@@ -374,6 +375,9 @@ class Pipeline:
                     raise PipelineStall("stopping")
                 if self._round is not r:
                     raise PipelineStall("the round changed")
+                if self._ahead_step > r.step:
+                    raise PipelineStall(f"a neighbour is already at step {self._ahead_step}; this peer fell behind "
+                                        f"at step {r.step}")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     who = r.prev if kind != "backward" else r.next
@@ -421,6 +425,9 @@ class Pipeline:
                 if r is not None and r.step > step:
                     raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
                                    f"stale {kind} message for step {step}; this tasklet is at step {r.step}")
+                if r is not None and step > r.step and step > self._ahead_step:
+                    self._ahead_step = step  # wakes a _take waiting for an older step: this peer is behind
+                    self._cond.notify_all()
                 left = deadline - time.monotonic()
                 if left <= 0 or self.stopping.is_set() or self._closed:
                     raise Rejected(grpc.StatusCode.UNAVAILABLE,
