@@ -103,10 +103,10 @@ def test_state_is_versioned_and_matches_the_schema(state: dict[str, Any]) -> Non
         srv.stop()
 
 
-def test_the_coordinators_own_snapshot_matches_the_schema() -> None:
+def test_the_coordinators_own_snapshot_matches_the_schema(tmp_path) -> None:
     """Builds a snapshot with the real Coordinator._build_state (no network) so schema and builder cannot drift."""
     from potluck.coordinator.app import Coordinator
-    from potluck.coordinator.journal import JournalState
+    from potluck.coordinator.journal import Journal, JournalState
     from potluck.coordinator.membership import PeerTable
     from potluck.protos.config import RunConfig
     from potluck.protos.records import PeerRecord
@@ -114,6 +114,7 @@ def test_the_coordinators_own_snapshot_matches_the_schema() -> None:
     c = Coordinator(RunConfig())
     c.run_id, c.id, c.join_address, c.status_url, c.started_at = "run-x", "12D3coord", "/ip4/10.0.0.1/tcp/1", "http://x/", 0.0
     c.state = JournalState(run_id="run-x", config={}, created_at=0.0)
+    c.journal = Journal(tmp_path)
     c.table = PeerTable(5, settle_s=0)
     ids = ["12D3KooWaaaaaa", "12D3KooWbbbbbb"]
     c.table.update({p: PeerRecord(peer_id=p, address=f"{p}:1", state="waiting") for p in ids})
