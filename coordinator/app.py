@@ -613,13 +613,14 @@ class Coordinator:
             "history": history[-500:],
             "series": list(self.series),
             "peers": peers,
-            "links": self._links_state(live),
+            # a finished run keeps showing the links its peers measured last
+            "links": self._links_state([p for p in peers if p["state"] not in ("lost", "left")]),
             "events": list(self.events)[-200:],
             "config": {"heartbeat_timeout_s": self.cfg.membership.heartbeat_timeout_s},
         }
 
     def _links_state(self, live: list[dict]) -> dict[str, Any]:
-        """Measured links among live peers, ordered by tasklet (stage, replica) so pipelines sit together."""
+        """Measured links among ``live`` peers, ordered by tasklet (stage, replica) so pipelines sit together."""
         reports = getattr(self, "links", {})
         ids = [p["id"] for p in sorted(live, key=lambda p: (p["tasklet"] is None, (p["tasklet"] or {}).get("stage", 0),
                                                              (p["tasklet"] or {}).get("replica", 0), p["id"]))]

@@ -46,6 +46,7 @@ log = get_logger(__name__)
 
 MAX_PENDING_SENDERS = 4096
 NOT_PARTICIPATING = {"joining", "recovering", "left", "waiting"}
+CATCHING_UP = {"joining", "recovering", "waiting"}
 
 
 _AT_STEP = re.compile(r"this peer is at step (\d+)")
@@ -316,6 +317,8 @@ class AllReduce:
         dead: set[str] = set()
         stats = AllReduceStats(step=info.step, members=n)
         deadline = t_start + wait_s
+        # a member still fetching the round's base state (a joiner, or one re-assigned) is waited for this long
+        self._catch_up_until = min(deadline, t_start + grace_s)
 
         self._ahead: list[str] = []
         ahead = self._ahead
@@ -389,12 +392,17 @@ class AllReduce:
         on_error: Callable[[MemberAddr, grpc.RpcError], None],
     ) -> bool:
         tensors = list(encode_chunks(f"shard{shard}", values, self.codec, self.chunk_bytes))
-        try:
-            self.client.push_contribution(peer.address, self._chunks(info, shard, attempt, tensors, []), self.rpc_timeout)
-            return True
-        except grpc.RpcError as err:
-            on_error(peer, err)
-            return False
+        while True:
+            try:
+                self.client.push_contribution(peer.address, self._chunks(info, shard, attempt, tensors, []), self.rpc_timeout)
+                return True
+            except grpc.RpcError as err:
+                m = _AT_STEP.search(rpc_reason(err))
+                behind = m is not None and int(m.group(1)) < info.step
+                if behind and time.monotonic() < getattr(self, "_catch_up_until", 0.0) and not self.stopping.wait(0.2):
+                    continue  # the owner is still fetching this round's base state: try again shortly
+                on_error(peer, err)
+                return False
 
     def _reduce_shard(
         self, info: RoundInfo, shard: int, attempt: int, bounds: list[tuple[int, int]], dead: set[str],
@@ -457,6 +465,15 @@ class AllReduce:
                     log.info("shard %d of step %d was taken over by %s; dropping our late result", shard, info.step, short_id(peer.peer_id))
                     backup_ok = False
                     break
+                m = _AT_STEP.search(rpc_reason(err))
+                if m and int(m.group(1)) > info.step:
+                    # it committed this step already, so with a result for this shard that is not ours
+                    log.info("backup %s went past step %d without our shard %d", short_id(peer.peer_id), info.step, shard)
+                    with self._cond:
+                        self._ahead.append(peer.peer_id)
+                        self._cond.notify_all()
+                    backup_ok = False
+                    break
                 log.info("backup %s refused shard %d: %s", short_id(peer.peer_id), shard, rpc_reason(err))
                 break
         if not backup_ok:
@@ -502,6 +519,9 @@ class AllReduce:
                 return
             if reply.state not in NOT_PARTICIPATING and reply.version >= info.step - 1:
                 return
+            if (reply.state in CATCHING_UP and reply.version < info.step - 1
+                    and time.monotonic() < getattr(self, "_catch_up_until", 0.0)):
+                return  # behind the round's base, i.e. fetching it to take part: give it the grace period
             reason = f"{reply.state} at version {reply.version}"
         with self._cond:
             if peer_id not in dead:

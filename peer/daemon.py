@@ -16,6 +16,7 @@ the last plan when the coordinator is away.
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import signal
@@ -127,6 +128,11 @@ class Peer:
             self.stop()
 
     def start(self) -> None:
+        t_start = time.time()
+        # torch's optimizers import torch._dynamo on first use (seconds of CPU); do it while we
+        # wait on the network (DHT, admission, state download) rather than before the first step
+        threading.Thread(target=importlib.import_module, args=("torch._dynamo",), name="warm-up", daemon=True).start()
+        self.phases: dict[str, float] = {"imports": t_start - _process_started_at()}
         join, coordinator = parse_join_address(self.cfg.join)
         announce = self.cfg.announce_host or guess_reachable_host(host_of_multiaddr(join))
         self.node = SwarmNode(
@@ -139,7 +145,9 @@ class Peer:
             client_mode=self.cfg.dht_client,
         )
         self.joined_at = time.time()
+        self.phases["dht"] = self.joined_at - t_start
         manifest = self._await_manifest(coordinator)
+        self.phases["manifest"] = time.time() - self.joined_at
         self.manifest = manifest
         self.run_cfg = self._config_from(manifest)
         self.run_id = manifest.run_id
@@ -173,10 +181,13 @@ class Peer:
             budget_bytes_per_min=lc.budget_bytes_per_min))
         self._links_thread = threading.Thread(target=self._measure_links, name="links", daemon=True)
         self._links_thread.start()
+        self.phases["setup"] = time.time() - t_start - self.phases["dht"] - self.phases["manifest"]
+        self.ready_at = time.time()
         log.info(
-            "joined run %s as %s: gRPC %s, device %s, model %.2fM parameters%s, H=%d",
+            "joined run %s as %s: gRPC %s, device %s, model %.2fM parameters%s, H=%d (%s)",
             self.run_id, short_id(self.id), self.address, self.device, self.numel / 1e6,
             f" in stage 0 of {rc.pipeline.stages}" if rc.pipeline.stages > 1 else "", rc.diloco.inner_steps,
+            ", ".join(f"{k} {v:.1f} s" for k, v in self.phases.items()),
         )
 
     def _measure_links(self) -> None:
@@ -201,9 +212,7 @@ class Peer:
         self.layers = build_layers(rc.model, rc.train.seed, start, stop).to(self.device)
         self.params = list(self.layers.parameters())
         self.numel = sum(p.numel() for p in self.params)
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=rc.train.lr, betas=(rc.train.beta1, rc.train.beta2), weight_decay=rc.train.weight_decay
-        )
+        self.optimizer: torch.optim.Optimizer | None = None  # built on the first inner step (see _warm_up)
         old = getattr(self, "allreduce", None)
         self.allreduce = AllReduce(
             run_id=self.run_id, me=self.id, numel=self.numel, codec=self.codec, client=self.client,
@@ -329,6 +338,8 @@ class Peer:
                     )
                     self.recover(plan, want_hash=want)
                     continue
+                if not hasattr(self, "first_round_at"):
+                    self.first_round_at = time.time()
                 return self._round_info(step, current)
             self._set_state("waiting")
             self.heartbeat.wait_plan(lambda p, seq=plan.seq if plan else -1: p is not None and p.seq > seq, timeout=1.0)
@@ -360,6 +371,7 @@ class Peer:
             return
         best = max(sources, key=lambda s: (s.info.version, sum(t.info.state_hash == s.info.state_hash for t in sources)))
         chosen = [s for s in sources if (s.info.version, s.info.state_hash) == (best.info.version, best.info.state_hash)]
+        t_fetch = time.monotonic()
         try:
             snap = fetch_snapshot(
                 self.client, self._header(0), chosen, expect={"momentum": self.numel, "theta": self.numel},
@@ -371,6 +383,7 @@ class Peer:
             return
         self.failed_step = 0
         self._adopt(snap)
+        self.recovered_s = getattr(self, "recovered_s", 0.0) + (time.monotonic() - t_fetch)
 
     def _fail(self, step: int) -> None:
         """This peer did not commit ``step``: drop the round's messages and recover before going on."""
@@ -404,6 +417,10 @@ class Peer:
                 info.step, self.replica,
                 Neighbour(prev.peer_id, prev.address) if prev else None,
                 Neighbour(nxt.peer_id, nxt.address) if nxt else None,
+            )
+        if self.optimizer is None:
+            self.optimizer = torch.optim.AdamW(
+                self.params, lr=rc.train.lr, betas=(rc.train.beta1, rc.train.beta2), weight_decay=rc.train.weight_decay
             )
         for i in range(rc.diloco.inner_steps):
             if self.stopping.is_set():
@@ -443,13 +460,21 @@ class Peer:
             p.tokens_total += tokens_per_step
             p.tokens_per_s = tokens_per_step / max(p.step_time_s, 1e-9)
             p.samples_per_s = rc.train.batch_size / max(p.step_time_s, 1e-9)
-        if not getattr(self, "_first_step_logged", False) and self.progress.inner_step:
-            self._first_step_logged = True
-            log.info("first training step %.1f s after the process started (%.1f s after joining the DHT)",
-                     time.time() - _process_started_at(), time.time() - self.joined_at)
+            if not getattr(self, "_first_step_logged", False):
+                self._first_step_logged = True
+                self._log_first_step()
         self.inner_seconds = time.monotonic() - t_phase
         self.progress.compute_s += self.inner_seconds
         return True
+
+    def _log_first_step(self) -> None:
+        """When this peer's first optimizer step is done, and where the time before it went."""
+        now = time.time()
+        phases = {**self.phases, "to first round": getattr(self, "first_round_at", now) - self.ready_at}
+        if getattr(self, "recovered_s", 0.0):
+            phases["of which state download"] = self.recovered_s
+        log.info("first training step %.1f s after the process started (%.1f s after joining the DHT; %s)",
+                 now - _process_started_at(), now - self.joined_at, ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
 
     def _inner_lr(self) -> float:
         t = self.run_cfg.train

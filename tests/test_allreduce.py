@@ -31,6 +31,7 @@ class Member:
         self.traffic = Traffic()
         self.client = PeerClient(self.traffic)
         self.state, self.version = "training", 0
+        self.pings = 0
         self.addresses: dict[str, str] = {}
         self.ar = AllReduce(
             run_id=RUN, me=self.id, numel=NUMEL, codec=Int8BlockCodec(BLOCK), client=self.client,
@@ -44,6 +45,7 @@ class Member:
         return self.client.ping(self.addresses[peer_id], pb.PingRequest(header=pb.Header(run_id=RUN)), timeout)
 
     def ping(self, request: pb.PingRequest) -> pb.PingReply:
+        self.pings += 1
         return pb.PingReply(peer_id=self.id, state=self.state, version=self.version)
 
     def push_contribution(self, chunks):  # type: ignore[no-untyped-def]
@@ -75,11 +77,11 @@ def members() -> Iterator[list[Member]]:
         m.close()
 
 
-def round_for(ms: list[Member], me: Member, addresses: dict[str, str] | None = None) -> RoundInfo:
+def round_for(ms: list[Member], me: Member, addresses: dict[str, str] | None = None, step: int = 1) -> RoundInfo:
     order = sorted(ms, key=lambda m: m.id)
     addrs = {m.id: m.address for m in ms} | (addresses or {})
     me.addresses = addrs
-    return RoundInfo(step=1, members=tuple(MemberAddr(m.id, addrs[m.id]) for m in order), me=me.id, base_hash=BASE)
+    return RoundInfo(step=step, members=tuple(MemberAddr(m.id, addrs[m.id]) for m in order), me=me.id, base_hash=BASE)
 
 
 def run_all(ms: list[Member], deltas: dict[str, torch.Tensor], wait_s: float, skip: set[str] = frozenset()):  # type: ignore[no-untyped-def]
@@ -159,6 +161,54 @@ def test_late_member_within_the_deadline_is_included(members: list[Member]) -> N
     early.join(timeout=60)
     assert torch.equal(result[a.id][0], mc[0]) and torch.equal(result[b.id][0], mc[0])
     assert mc[1].contributors == {0: 3, 1: 3, 2: 3}
+
+
+def test_a_member_still_fetching_the_rounds_base_is_waited_for(members: list[Member]) -> None:
+    """A joiner admitted to step 5 is still downloading v4 when the others finish their inner steps:
+    they retry their pushes to it and keep waiting (within the grace period) instead of dropping it."""
+    a, b, c = members
+    for m in (a, b):
+        m.ar.expect(5, BASE)
+        m.version = 4
+    c.state, c.version = "recovering", 0  # its all-reduce still expects step 1: pushes for step 5 are refused
+    deltas = random_deltas(members, seed=5)
+    out: dict[str, object] = {}
+
+    def go(m: Member) -> None:
+        try:
+            out[m.id] = m.ar.run(round_for(members, m, step=5), deltas[m.id], wait_s=20, grace_s=10.0)
+        except Exception as err:
+            out[m.id] = err
+
+    threads = [threading.Thread(target=go, args=(m,)) for m in (a, b)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 20
+    while c.pings < 2 and time.monotonic() < deadline:  # both have found it catching up, and kept waiting
+        time.sleep(0.01)
+    assert c.pings >= 2
+    c.ar.expect(5, BASE)  # it has the base state now
+    c.state, c.version = "training", 4
+    mc = c.ar.run(round_for(members, c, step=5), deltas[c.id], wait_s=20, grace_s=10.0)
+    for t in threads:
+        t.join(timeout=60)
+    assert not isinstance(out[a.id], Exception) and not isinstance(out[b.id], Exception), out
+    assert torch.equal(out[a.id][0], mc[0]) and torch.equal(out[b.id][0], mc[0])
+    assert mc[1].contributors == {0: 3, 1: 3, 2: 3} and not out[a.id][1].dropped
+
+
+def test_an_owner_the_round_went_on_without_never_commits_its_own_result(members: list[Member]) -> None:
+    """c stalls; a and b take over its shard and commit step 1. When c finally reduces its shard,
+    its backup is already at step 2: c must recover, not apply a result for its shard that differs
+    from the one a and b applied (split brain)."""
+    a, b, c = members
+    deltas = random_deltas(members, seed=7)
+    done = run_all(members, deltas, wait_s=2, skip={c.id})
+    assert torch.equal(done[a.id][0], done[b.id][0]) and c.id in done[a.id][1].dropped
+    for m in (a, b):
+        m.ar.expect(2, "n" * 32)
+    with pytest.raises(IncompleteRound, match="went past it"):
+        c.ar.run(round_for(members, c), deltas[c.id], wait_s=1, grace_s=1.0)
 
 
 def test_stopping_interrupts_the_wait(members: list[Member]) -> None:
