@@ -519,9 +519,11 @@ class AllReduce:
                 return
             if reply.state not in NOT_PARTICIPATING and reply.version >= info.step - 1:
                 return
-            if (reply.state in CATCHING_UP and reply.version < info.step - 1
-                    and time.monotonic() < getattr(self, "_catch_up_until", 0.0)):
-                return  # behind the round's base, i.e. fetching it to take part: give it the grace period
+            # behind the round's base (fetching it to take part), or holding it and waiting to see the
+            # round itself: give it the grace period. A member recovering *from* the base gave up the step.
+            catching_up = reply.state in CATCHING_UP and (reply.version < info.step - 1 or reply.state == "waiting")
+            if catching_up and time.monotonic() < getattr(self, "_catch_up_until", 0.0):
+                return
             reason = f"{reply.state} at version {reply.version}"
         with self._cond:
             if peer_id not in dead:

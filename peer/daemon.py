@@ -329,6 +329,10 @@ class Peer:
                 self.recover(plan)
                 continue
             current = plan.round_for(step) if plan else None
+            if current is not None and current.step < step and self._await_decision(step):
+                self._set_state("waiting")
+                self.heartbeat.wait_plan(lambda p, s=step: p is not None and any(r.step >= s for r in p.rounds), timeout=0.5)
+                continue
             if current is not None and current.member(self.id) is not None:
                 want = current.base_hash_of(self.stage)
                 if current.step == step and want and want != self.snapshot.hash:
@@ -344,6 +348,17 @@ class Peer:
             self._set_state("waiting")
             self.heartbeat.wait_plan(lambda p, seq=plan.seq if plan else -1: p is not None and p.seq > seq, timeout=1.0)
         return None
+
+    def _await_decision(self, step: int) -> bool:
+        """Wait for the coordinator's round for ``step`` rather than train it on the last plan?
+
+        In a pipeline the grid decides who this peer's neighbours are, so starting on the last plan
+        while the coordinator re-plans would pair it with peers that moved: wait up to
+        ``plan_wait_s`` after our last commit (a live coordinator decides within about a second),
+        then go on with the last plan (the coordinator is down). With S = 1 the inner steps need
+        nobody, and the members are resolved at the end of the inner phase.
+        """
+        return self.run_cfg.pipeline.stages > 1 and time.monotonic() - self.committed_at < self.cfg.plan_wait_s
 
     def recover(self, plan: Plan | None, want_hash: str = "") -> None:
         """Catch up: fetch the newest state the members of the plan serve, and verify it.
@@ -552,7 +567,7 @@ class Peer:
         return RoundInfo(step=step, members=members, me=self.id, base_hash=self.snapshot.hash)
 
     def _commit(self, snap: Snapshot) -> None:
-        self.snapshot = snap
+        self.snapshot, self.committed_at = snap, time.monotonic()
         self.snapshots.publish(snap)
         self.allreduce.expect(snap.version + 1, snap.hash)
         set_context(step=snap.version)

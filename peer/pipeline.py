@@ -292,9 +292,9 @@ class Pipeline:
                     return
             try:
                 t0 = time.perf_counter()
-                self.client.push_pipe(to.address, msg, timeout=self.cfg.pipe_timeout_s * 2)
-                if self.on_transfer is not None:
-                    self.on_transfer(to.peer_id, msg.ByteSize(), time.perf_counter() - t0)
+                ack = self.client.push_pipe(to.address, msg, timeout=self.cfg.pipe_timeout_s * 2)
+                if self.on_transfer is not None:  # network time only: not the receiver's wait for its round
+                    self.on_transfer(to.peer_id, msg.ByteSize(), time.perf_counter() - t0 - max(0.0, ack.handler_s))
                 return
             except grpc.RpcError as err:
                 reason = rpc_reason(err)
@@ -390,6 +390,7 @@ class Pipeline:
 
     def on_message(self, msg: pb.PipeMessage) -> pb.Ack:
         """gRPC handler: validate, decode (updating AC-SGD buffers only if all is valid), queue."""
+        t0 = time.perf_counter()
         h = msg.header
         if h.run_id != self.run_id:
             raise Rejected(grpc.StatusCode.PERMISSION_DENIED, f"unknown run id {h.run_id!r}", h.sender)
@@ -412,7 +413,7 @@ class Pipeline:
         with self._cond:
             r.mail[(msg.kind, msg.inner_step, msg.micro)] = item
             self._cond.notify_all()
-        return pb.Ack(received_bytes=msg.ByteSize())
+        return pb.Ack(received_bytes=msg.ByteSize(), handler_s=time.perf_counter() - t0)
 
     def _await_round(self, step: int, kind: str) -> _Round:
         """The round a message belongs to; a message for the next round waits (bounded) for it to begin."""

@@ -87,10 +87,12 @@ class ShardChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., attempt: _Optional[int] = ..., base_hash: _Optional[str] = ..., contributors: _Optional[_Iterable[str]] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class Ack(_message.Message):
-    __slots__ = ("received_bytes",)
+    __slots__ = ("received_bytes", "handler_s")
     RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HANDLER_S_FIELD_NUMBER: _ClassVar[int]
     received_bytes: int
-    def __init__(self, received_bytes: _Optional[int] = ...) -> None: ...
+    handler_s: float
+    def __init__(self, received_bytes: _Optional[int] = ..., handler_s: _Optional[float] = ...) -> None: ...
 
 class ResultRequest(_message.Message):
     __slots__ = ("header", "shard", "num_shards")

@@ -256,3 +256,24 @@ def test_bad_activation_messages_are_rejected_and_change_no_buffer(make_stages, 
     assert match in err.value.details()
     assert receiver.buffer.digest() == before
     assert not stages[1].pipe._round.mail  # nothing queued for training
+
+
+def test_the_ack_says_how_long_the_receiver_held_a_message(make_stages) -> None:
+    """A message for the next round waits in the receiver until that round begins; the sender's
+    passive link figures must count network time only, so the receiver reports the hold."""
+    s0, s1 = make_stages(config())
+    msg = _forward_message(s0, step=2)
+    out: dict[str, float] = {}
+
+    def send() -> None:
+        t0 = time.perf_counter()
+        ack = s0.client.push_pipe(s1.address, msg, timeout=10)
+        out["elapsed"], out["held"] = time.perf_counter() - t0, ack.handler_s
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    time.sleep(0.6)  # the receiver is still in step 1 for this long: the hold being measured
+    s1.pipe.begin_round(2, 0, Neighbour(s0.id, s0.address), None)
+    sender.join(timeout=10)
+    assert out["held"] >= 0.5, out
+    assert 0 <= out["elapsed"] - out["held"] < 0.3, out
