@@ -10,7 +10,7 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-REGIONS = {"regions": ["eu", "us"], "delay_ms": [[1, 100], [100, 1]], "bandwidth_mbps": [[1000, 10], [10, 1000]],
+REGIONS = {"regions": ["eu", "us"], "delay_ms": [[1, 200], [200, 1]], "bandwidth_mbps": [[1000, 10], [10, 1000]],
            "peers": {f"peer-{i}": ("eu" if i % 2 == 0 else "us") for i in range(8)}}
 
 GRID = {
