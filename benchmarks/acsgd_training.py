@@ -33,7 +33,7 @@ from torch import nn
 from potluck.compression.acsgd import AcsgdConfig, AcsgdMessage, AcsgdReceiver, AcsgdSender, make_grad_codec
 from potluck.compression.actcodec import ActCodec, Packet
 from potluck.peer.data import Dataset, ShardSampler
-from potluck.peer.model import build_layers, lm_loss
+from potluck.peer.model import build_layers, forward_layers, lm_loss
 from potluck.protos.config import DataConfig, ModelConfig
 
 
@@ -70,18 +70,12 @@ class Boundary:
         return self.grad.decode(packet)
 
 
-def run(layers: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
-    for layer in layers:
-        x = layer(x)
-    return x
-
-
 @torch.no_grad()
 def mean_loss(layers: nn.ModuleList, data: Dataset, ids: list[int]) -> float:
     total = 0.0
     for s in range(0, len(ids), 64):
         x, y = data.batch(ids[s : s + 64])
-        total += float(lm_loss(run(layers, x), y)) * len(x)
+        total += float(lm_loss(forward_layers(layers, x), y)) * len(x)
     return total / len(ids)
 
 
@@ -93,7 +87,7 @@ def pretrain(model: ModelConfig, data: Dataset, args: argparse.Namespace) -> nn.
     for s in range(args.pretrain_steps):
         x, y = data.batch(fresh[s * args.batch : (s + 1) * args.batch])
         opt.zero_grad()
-        lm_loss(run(layers, x), y).backward()
+        lm_loss(forward_layers(layers, x), y).backward()
         nn.utils.clip_grad_norm_(layers.parameters(), 1.0)
         opt.step()
     return layers
@@ -113,9 +107,9 @@ def finetune(start: nn.ModuleList, data: Dataset, name: str, args: argparse.Name
             act_bytes_epoch1 = boundary.act_bytes
         ids = sampler.next_ids(args.batch)
         x, y = data.batch(ids)
-        h = run(stage0, x)
+        h = forward_layers(stage0, x)
         h_in = boundary.forward(ids, h.detach()).requires_grad_()
-        loss = lm_loss(run(stage1, h_in), y)
+        loss = lm_loss(forward_layers(stage1, h_in), y)
         opt.zero_grad()
         loss.backward()
         assert h_in.grad is not None

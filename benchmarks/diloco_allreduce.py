@@ -25,12 +25,12 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import torch
 
 from potluck.compression.int8 import make_codec
+from potluck.demo import get_state, wait_ready
 from potluck.peer.allreduce import AllReduce, MemberAddr, RoundInfo
 from potluck.procs import ProcessGroup
 from potluck.protos import potluck_pb2 as pb
@@ -51,24 +51,17 @@ def run_swarm(args: argparse.Namespace, workdir: Path) -> dict:
     (workdir / "run.toml").write_text(dump_toml(cfg))
     ready = workdir / "ready.json"
     with ProcessGroup() as procs:
-        procs.spawn_potluck(["coordinator", "--config", str(workdir / "run.toml"), "--ready-file", str(ready)],
-                            workdir / "coordinator.log")
-        deadline = time.monotonic() + 120
-        while not ready.exists():
-            if time.monotonic() > deadline:
-                raise SystemExit("coordinator did not start")
-            time.sleep(0.1)
-        info = json.loads(ready.read_text())
+        coordinator = procs.spawn_potluck(["coordinator", "--config", str(workdir / "run.toml"), "--ready-file",
+                                           str(ready)], workdir / "coordinator.log")
+        info = wait_ready(ready, coordinator, 120)
         t0 = time.monotonic()
         finished_at: float | None = None
         for i in range(2):
             procs.spawn_potluck(["peer", "--join", info["join"], "--host", "127.0.0.1", "--threads", "1"],
                                 workdir / f"peer-{i}.log")
         while True:
-            try:
-                with urllib.request.urlopen(info["status_url"] + "api/v1/state", timeout=5) as r:
-                    state = json.loads(r.read())
-            except OSError:  # 503 until the coordinator's first snapshot
+            state = get_state(info["status_url"])
+            if state is None:  # 503 until the coordinator's first snapshot
                 time.sleep(0.5)
                 continue
             hist = state["history"]

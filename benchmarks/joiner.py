@@ -28,21 +28,13 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
+from potluck.demo import get_state, wait_ready
 from potluck.procs import ProcessGroup
 from potluck.protos.config import RunConfig, apply_overrides, dump_toml
 
 FIRST = re.compile(r"first training step ([\d.]+) s after the process started \(([\d.]+) s after joining")
-
-
-def state(url: str) -> dict | None:
-    try:
-        with urllib.request.urlopen(url + "api/v1/state", timeout=5) as r:
-            return json.loads(r.read())
-    except OSError:
-        return None
 
 
 def wait(cond, timeout: float, what: str):  # type: ignore[no-untyped-def]
@@ -100,10 +92,9 @@ def main() -> None:
             "coordinator.host": "127.0.0.1", "coordinator.checkpoint_every": 0, "coordinator.journal_dir": str(work / "j"),
         })
         (work / "run.toml").write_text(dump_toml(cfg))
-        procs.spawn_potluck(["coordinator", "--config", str(work / "run.toml"), "--ready-file", str(work / "ready.json")],
-                            work / "coordinator.log")
-        wait(lambda: (work / "ready.json").exists(), 120, "the coordinator")
-        ready = json.loads((work / "ready.json").read_text())
+        coordinator = procs.spawn_potluck(["coordinator", "--config", str(work / "run.toml"), "--ready-file",
+                                           str(work / "ready.json")], work / "coordinator.log")
+        ready = wait_ready(work / "ready.json", coordinator, 120)
 
         running: list[int] = []
 
@@ -128,7 +119,7 @@ def main() -> None:
         results = []
         for k in range(args.joiners):
             target = 2 + 2 * k
-            wait(lambda t=target: (s := state(ready["status_url"])) and s["run"]["outer_step"] >= t, 300,
+            wait(lambda t=target: (s := get_state(ready["status_url"])) and s["run"]["outer_step"] >= t, 300,
                  f"outer step {target}")
             nice(running, 19)
             log = peer(2 + k)

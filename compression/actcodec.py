@@ -167,17 +167,19 @@ def encode(
     generator: torch.Generator | None = None,
 ) -> Packet:
     """Encode ``x`` (float32, float16 or bfloat16, at least 1-D) as a :class:`Packet`."""
-    return _encode(x, mode, bits, stochastic, generator)[0]
+    return _encode(x, mode, bits, stochastic, generator, want_recon=False)[0]
 
 
 def decode(packet: Packet) -> torch.Tensor:
     """The tensor a packet holds, on CPU, in the packet's ``dtype``; a bad packet raises CodecError."""
-    return _decode_float(packet).to(DTYPES[packet.dtype])
+    validate(packet)
+    return _decode_valid(packet).to(DTYPES[packet.dtype])
 
 
 def _encode(
-    x: torch.Tensor, mode: str, bits: int, stochastic: bool, generator: torch.Generator | None
-) -> tuple[Packet, torch.Tensor]:
+    x: torch.Tensor, mode: str, bits: int, stochastic: bool, generator: torch.Generator | None, want_recon: bool = True
+) -> tuple[Packet, torch.Tensor | None]:
+    """The packet and (if ``want_recon``) what decoding it gives, as float32 on CPU."""
     _check_mode(mode, bits)
     if x.dtype not in _DTYPE_NAMES:
         raise CodecError(f"unsupported dtype {x.dtype} (supported: {', '.join(DTYPES)})")
@@ -191,14 +193,14 @@ def _encode(
         values = x.to("cpu", torch.float16 if mode == "fp16" else torch.float32).contiguous()
         if not bool(torch.isfinite(values).all()):
             raise CodecError("values exceed the float16 range; use mode 'fp32'")
-        return Packet(mode, 0, shape, dtype, b"", values.numpy().tobytes()), values.float()
+        return Packet(mode, 0, shape, dtype, b"", values.numpy().tobytes()), values.float() if want_recon else None
     x2d = x.reshape(_rows(shape), shape[-1]).float()
     scales = None
     if mode == "quant_fp16_scales":
         scales = _fp16_scales_up(x2d, bits)
     codes, scales = quantize_channels(x2d, bits, scales=scales, stochastic=stochastic, generator=generator)
     scales = scales.cpu()
-    recon = dequantize_channels(codes.cpu(), scales).view(shape)
+    recon = dequantize_channels(codes.cpu(), scales).view(shape) if want_recon else None
     wire_scales = scales.numpy().astype(np.float16 if mode == "quant_fp16_scales" else np.float32)
     payload = pack_bits(codes, bits).cpu().numpy().tobytes()
     return Packet(mode, bits, shape, dtype, wire_scales.tobytes(), payload), recon
@@ -222,9 +224,9 @@ def _fp16_scales_up(x2d: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.from_numpy(half.astype(np.float32)).to(x2d.device)
 
 
-def _decode_float(packet: Packet) -> torch.Tensor:
-    """Decode to float32 (raw fp16 is widened exactly); this is the one dequantization path."""
-    validate(packet)
+def _decode_valid(packet: Packet) -> torch.Tensor:
+    """Decode a packet that passed :func:`validate` to float32 (raw fp16 is widened exactly); this is the one
+    dequantization path."""
     shape = packet.shape
     if packet.mode in _RAW_NP:
         arr = np.frombuffer(packet.payload, dtype=_RAW_NP[packet.mode])
@@ -271,20 +273,22 @@ class ActCodec:
         self.mode, self.bits, self.rounding, self.generator = mode, bits, rounding, generator
 
     def encode(self, x: torch.Tensor) -> Packet:
-        return self.encode_with_reconstruction(x)[0]
+        return _encode(x, self.mode, self.bits, self.rounding == "stochastic", self.generator, want_recon=False)[0]
 
     def encode_with_reconstruction(self, x: torch.Tensor) -> tuple[Packet, torch.Tensor]:
         """The packet and, as float32 on CPU, exactly what :meth:`decode` will return for it."""
-        return _encode(x, self.mode, self.bits, self.rounding == "stochastic", self.generator)
+        packet, recon = _encode(x, self.mode, self.bits, self.rounding == "stochastic", self.generator)
+        assert recon is not None
+        return packet, recon
 
     def decode(self, packet: Packet) -> torch.Tensor:
         self.check(packet)
-        return decode(packet)
+        return _decode_valid(packet).to(DTYPES[packet.dtype])
 
     def decode_float(self, packet: Packet) -> torch.Tensor:
         """Like :meth:`decode` but always float32 (bit-identical to ``encode_with_reconstruction``)."""
         self.check(packet)
-        return _decode_float(packet)
+        return _decode_valid(packet)
 
     def check(self, packet: Packet) -> None:
         """Raise :class:`CodecError` unless ``packet`` is valid and of this codec's mode and width."""

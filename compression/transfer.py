@@ -130,14 +130,18 @@ class Source:
 
 def probe_sources(client: PeerClient, header: pb.Header, addresses: Sequence[str], timeout: float = 5.0,
                   stage: int = 0) -> list[Source]:
-    """Ask each address what it serves (of pipeline ``stage``); unreachable or refusing ones are skipped."""
+    """Ask each address what it serves of pipeline ``stage``; unreachable or refusing ones, and those
+    serving another stage (a peer serves the stage it holds, whatever is asked), are skipped."""
     out = []
+    request = pb.StateInfoRequest(header=header, stage=stage)
     for address in addresses:
         try:
-            request = pb.StateInfoRequest(header=header, stage=stage)
-            out.append(Source(address, client.get_state_info(address, request, timeout)))
+            info = client.get_state_info(address, request, timeout)
         except grpc.RpcError as err:
             log.debug("no state from %s: %s", address, rpc_reason(err))
+            continue
+        if stage_of(info) == stage:
+            out.append(Source(address, info))
     return out
 
 

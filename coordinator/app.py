@@ -29,13 +29,12 @@ from potluck.compression.transfer import (
     SnapshotUnavailable,
     fetch_snapshot,
     probe_sources,
-    stage_of,
 )
 from potluck.coordinator.checkpoint import CheckpointStore, consolidate, slice_stage
 from potluck.coordinator.journal import Journal, JournalError, JournalState, write_atomic
 from potluck.coordinator.membership import PeerTable
 from potluck.coordinator.placement import Replan, make_placer
-from potluck.coordinator.status import StatusServer
+from potluck.coordinator.status import API, StatusServer
 from potluck.peer.pipeline import stage_bounds
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config import ConfigError, RunConfig
@@ -63,6 +62,7 @@ class Coordinator:
         self._checkpointing = threading.Lock()
         self._checkpoint_wanted = 0
         self._warned: set[str] = set()
+        self._journal_dirty = False  # tick() saves the journal once when something in it changed
         self._manifest_update: dict[str, Any] | None = None  # set by the checkpoint thread, applied by tick()
         self.series: deque[dict[str, Any]] = deque(maxlen=1800)
         set_context(role="coordinator")
@@ -218,10 +218,7 @@ class Coordinator:
             self._links_read_at = now
             self._link_reports()
         records, refused = self.node.get_peers(self.run_id)
-        for reason in refused:
-            if reason not in self._warned:
-                self._warned.add(reason)
-                self._event("rejected", "", reason)
+        self._warn_refused(refused)
         before = self.table.committed
         for kind, pid in self.table.update(records):
             rec = self.table.peers[pid].record
@@ -239,6 +236,9 @@ class Coordinator:
                 and self.table.ready_to_decide(self.cfg.membership.min_peers)):
             self._decide()
         self._update_history()
+        if self._journal_dirty:  # commit, decision and new history entries often land in one tick
+            self._journal_dirty = False
+            self.journal.save(self.state)
         update, self._manifest_update = self._manifest_update, None
         if update:
             self.manifest = self.manifest.model_copy(update={**update, "seq": next_seq()})
@@ -248,8 +248,10 @@ class Coordinator:
 
     def _decide(self) -> None:
         candidates = [v.record for v in self.table.live()]
-        reachable = self._reachable(candidates)
         stages = self.cfg.pipeline.stages
+        if len(candidates) < stages:
+            return  # not one whole pipeline yet; the waiting reason says so
+        reachable = self._reachable(candidates)
         if len(reachable) < stages:
             return  # not one whole pipeline yet; the waiting reason says so
         self._maybe_roll_back({p.peer_id: p for p in candidates if p.peer_id in reachable})
@@ -261,7 +263,7 @@ class Coordinator:
         r = decision.round
         self.state.rounds = list(self.table.rounds.values())
         self.state.hashes = dict(self.table.hashes)
-        self.journal.save(self.state)
+        self._journal_dirty = True
         self.plan_seq = next_seq()
         self._publish(force=True)
         changes = ""
@@ -279,12 +281,16 @@ class Coordinator:
         except Exception as err:
             log.warning("could not read link reports: %s", err)
             return {}
+        self._warn_refused(refused)
+        self.links = reports
+        return reports
+
+    def _warn_refused(self, refused: list[str]) -> None:
+        """An event for each record refused for a reason not seen before (forged, stale, malformed)."""
         for reason in refused:
             if reason not in self._warned:
                 self._warned.add(reason)
                 self._event("rejected", "", reason)
-        self.links = reports
-        return reports
 
     def _model_parameters(self) -> int:
         per_stage: dict[int, int] = {}
@@ -337,7 +343,7 @@ class Coordinator:
         self.state.committed = v
         self.state.hashes = dict(self.table.hashes)
         self.state.known_peers = [m for view in self.table.live() for m in view.record.dht_maddrs[:1]][:16]
-        self.journal.save(self.state)
+        self._journal_dirty = True
         every = self.cfg.coordinator.checkpoint_every
         if every and (v // every > before // every or v >= self.cfg.diloco.outer_steps):
             self._checkpoint_wanted = v
@@ -375,7 +381,7 @@ class Coordinator:
                     want = self.table.canonical_hash(version, stage)
                     addresses = [m.address for m in round_.members if m.stage == stage]
                     sources = [src for src in probe_sources(self.client, header, addresses, stage=stage)
-                               if src.info.version == version and stage_of(src.info) == stage
+                               if src.info.version == version
                                and (not want or src.info.state_hash == want)]
                     if sources:
                         parts[stage] = fetch_snapshot(self.client, header, sources, timeout=self.cfg.sync.rpc_timeout_s,
@@ -408,8 +414,7 @@ class Coordinator:
             server = SnapshotServer(self.run_id, self.cfg.sync.chunk_bytes)
             server.publish(part)
             servers[stage] = server
-            store = self.table.hashes if stage == 0 else self.table.stage_hashes.setdefault(stage, {})
-            store.setdefault(whole.version, part.hash)
+            self.table.hash_store(stage).setdefault(whole.version, part.hash)
         self.whole, self.stage_servers = whole, servers
 
     def _maybe_reshard(self) -> None:
@@ -484,8 +489,10 @@ class Coordinator:
         # steps the peers committed on the last plan while this coordinator was away get entries too
         start = min(self.table.committed - 2, max(hist, default=0) + 1)
         for v in range(max(1, start), self.table.committed + 1):
+            if v in hist:
+                continue
             plan_round = self.table.rounds.get(v) or self._round_at(v)
-            if v not in hist and plan_round is not None:
+            if plan_round is not None:
                 hist[v] = {
                     "step": v, "t": time.time(), "members": len(plan_round.members), "loss": None,
                     "eval_loss": None, "outer_s": None, "state_hashes": {}, "stages": {},
@@ -494,19 +501,20 @@ class Coordinator:
                 }
         for view in self.table.peers.values():
             rec = view.record
-            entry, rnd = hist.get(rec.version), self.table.rounds.get(rec.version) or self._round_at(rec.version)
-            if entry is None or rnd is None or rec.peer_id not in {m.peer_id for m in rnd.members}:
+            entry = hist.get(rec.version)
+            rnd = self.table.rounds.get(rec.version) or self._round_at(rec.version) if entry is not None else None
+            me = rnd.member(rec.peer_id) if rnd is not None else None
+            if entry is None or me is None:
                 continue
             if rec.eval_version == rec.version and entry["eval_loss"] is None:
                 entry["eval_loss"] = rec.eval_loss
             if rec.peer_id in entry["state_hashes"]:
                 continue  # only a member's first report at a version describes that outer step
-            me = rnd.member(rec.peer_id)
-            stage = me.stage if me else 0
+            stage = me.stage
             n = len(rnd.stage_members(stage))
             entry["state_hashes"][rec.peer_id] = rec.state_hash
             entry.setdefault("stages", {})[rec.peer_id] = stage
-            entry.setdefault("tasklets", {})[rec.peer_id] = [stage, me.replica if me else 0]
+            entry.setdefault("tasklets", {})[rec.peer_id] = [stage, me.replica]
             pipe = rec.extras.get("pipe") if isinstance(rec.extras.get("pipe"), dict) else {}
             if pipe:
                 per = entry.setdefault("by_stage", {}).setdefault(str(stage), {
@@ -530,7 +538,7 @@ class Coordinator:
         added = len(hist) != len(self.state.history)
         self.state.history = sorted(hist.values(), key=lambda h: h["step"])[-2000:]
         if added:
-            self.journal.save(self.state)  # a resumed run keeps the history of every committed step
+            self._journal_dirty = True  # a resumed run keeps the history of every committed step
 
     def _round_at(self, step: int) -> Round | None:
         """The round that applied to ``step``: the latest decided at or before it (peers use the last plan)."""
@@ -570,9 +578,10 @@ class Coordinator:
             })
         live = [p for p in peers if p["state"] not in ("lost", "left", "finished")]
         self._sample_series(live)
-        history = [{k: v for k, v in h.items() if not k.startswith("_")} for h in self.state.history]
-        last = next((h for h in reversed(history) if h["loss"] is not None), None)
-        last_eval = next((h for h in reversed(history) if h["eval_loss"] is not None), None)
+        full = self.state.history
+        history = [{k: v for k, v in h.items() if not k.startswith("_")} for h in full[-500:]]
+        last = next((h for h in reversed(full) if h["loss"] is not None), None)
+        last_eval = next((h for h in reversed(full) if h["eval_loss"] is not None), None)
         records = [v.record for v in self.table.peers.values()]
         compute = sum(r.compute_s for r in records)
         sync = sum(r.sync_s for r in records)
@@ -580,7 +589,7 @@ class Coordinator:
         by_id = {p["id"]: p for p in peers}
         m = self.cfg.model
         return {
-            "api": "potluck.status/v1",
+            "api": API,
             "generated_at": now_wall,
             "run": {
                 "run_id": self.run_id, "coordinator": self.id, "join_address": self.join_address,
@@ -597,8 +606,8 @@ class Coordinator:
                 "loss": last["loss"] if last else None, "eval_loss": last_eval["eval_loss"] if last_eval else None,
                 "loss_floor": next((r.loss_floor for r in records if r.loss_floor is not None), None),
                 "compute_utilization": compute / (compute + sync) if compute + sync > 0 else None,
-                "last_outer_at": history[-1]["t"] if history else None,
-                "last_allreduce_s": history[-1]["outer_s"] if history else None,
+                "last_outer_at": full[-1]["t"] if full else None,
+                "last_allreduce_s": full[-1]["outer_s"] if full else None,
                 "waiting_reason": self._waiting_reason(live),
             },
             "grid": {
@@ -610,7 +619,7 @@ class Coordinator:
                 ] if current else [],
             },
             "round": current.model_dump(mode="json") if current else None,
-            "history": history[-500:],
+            "history": history,
             "series": list(self.series),
             "peers": peers,
             # a finished run keeps showing the links its peers measured last
@@ -626,15 +635,20 @@ class Coordinator:
                                                              (p["tasklet"] or {}).get("replica", 0), p["id"]))]
         if not reports or not ids:
             return {"peers": [], "rtt_ms": [], "bandwidth_mbps": []}
+        cached = getattr(self, "_links_cache", None)  # reports are replaced (every 5 s), never changed in place
+        if cached is not None and cached[0] is reports and cached[1] == ids:
+            return cached[2]
 
         def cell(a: str, b: str, field: str) -> float | None:
             stat = reports[a].links.get(b) if a in reports else None
             value = getattr(stat, field) if stat is not None else None
             return round(value, 3) if value is not None else None
 
-        return {"peers": ids,
-                "rtt_ms": [[None if a == b else cell(a, b, "rtt_ms") for b in ids] for a in ids],
-                "bandwidth_mbps": [[None if a == b else cell(a, b, "bandwidth_mbps") for b in ids] for a in ids]}
+        out = {"peers": ids,
+               "rtt_ms": [[None if a == b else cell(a, b, "rtt_ms") for b in ids] for a in ids],
+               "bandwidth_mbps": [[None if a == b else cell(a, b, "bandwidth_mbps") for b in ids] for a in ids]}
+        self._links_cache = (reports, ids, out)
+        return out
 
     def _waiting_reason(self, live: list[dict]) -> str:
         need = max(self.cfg.membership.min_peers, self.cfg.pipeline.stages)

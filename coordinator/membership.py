@@ -116,11 +116,15 @@ class PeerTable:
         """The hash most live reporters of ``stage`` hold for ``version`` (recomputed while reports arrive)."""
         exact = [v.record.state_hash for v in self.live()
                  if v.record.version == version and v.record.stage == stage and v.record.state_hash]
-        # stage 0's hashes are journaled (they are the S = 1 run's); other stages' are rebuilt from reports
-        store: dict = self.hashes if stage == 0 else self.stage_hashes.setdefault(stage, {})
+        store = self.hash_store(stage)
         if exact:
             store[version] = Counter(exact).most_common(1)[0][0]
         return store.get(version, "")
+
+    def hash_store(self, stage: int) -> dict[int, str]:
+        """Canonical hashes of ``stage`` by version. Stage 0's are journaled (they are the S = 1
+        run's); other stages' are rebuilt from reports (and checkpoints)."""
+        return self.hashes if stage == 0 else self.stage_hashes.setdefault(stage, {})
 
     # ------------------------------------------------------------- decisions out
 

@@ -19,7 +19,6 @@ from typing import Any
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 PEER_STATES = ("joining", "waiting", "recovering", "training", "syncing", "finished", "left", "lost")
-GONE_STATES = ("lost", "left", "finished")
 
 
 @dataclass
@@ -71,10 +70,6 @@ def exposition(families: Iterable[Family]) -> str:
             else:
                 lines.append(f"{fam.name} {format_value(value)}")
     return "\n".join(lines) + "\n"
-
-
-def _num(d: Mapping[str, Any] | None, key: str) -> Any:
-    return None if d is None else d.get(key)
 
 
 def families(state: Mapping[str, Any]) -> list[Family]:

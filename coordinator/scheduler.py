@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from potluck.coordinator.costmodel import CostModel, Plan, Score, Topology
+from potluck.coordinator.costmodel import CostModel, Plan, Score, Topology, canonical
 
 Groups = list[tuple[int, ...]]
 
@@ -126,13 +126,9 @@ def blocks_layout(topology: Topology) -> np.ndarray:
     return np.arange(topology.stages * topology.replicas).reshape(topology.stages, topology.replicas)
 
 
-def _groups(rows: Any) -> Groups:
-    return [tuple(sorted(int(d) for d in row)) for row in rows]
-
-
 def _random_groups(topology: Topology, rng: np.random.Generator) -> Groups:
     s, r = topology.stages, topology.replicas
-    return _groups(rng.permutation(topology.devices)[: s * r].reshape(s, r))
+    return canonical(rng.permutation(topology.devices)[: s * r].reshape(s, r))
 
 
 def _clusters(link: np.ndarray, count: int, size: int) -> list[list[int]]:
@@ -164,9 +160,9 @@ def greedy_seeds(model: CostModel) -> list[Groups]:
         while left:
             chain.append(left.pop(int(model.pp_link[chain[-1], left].argmin())))
         chains.append(chain)
-    pipeline_first = _groups(np.array(chains).T)
+    pipeline_first = canonical(np.array(chains).T)
     dp_link = model.dp_link + model.dp_link.T + np.diag(np.full(t.devices, -1.0))
-    group_first = _groups(_clusters(dp_link, t.stages, t.replicas))
+    group_first = canonical(_clusters(dp_link, t.stages, t.replicas))
     return [pipeline_first, group_first]
 
 
@@ -187,7 +183,7 @@ def _crossover(a: Groups, b: Groups, topology: Topology, rng: np.random.Generato
     for g in picked:
         while len(g) < topology.replicas:
             g.add(pool.pop())
-    return _groups(picked)
+    return canonical(picked)
 
 
 def _mutate(groups: Groups, topology: Topology, rng: np.random.Generator, swaps: int) -> Groups:
@@ -202,7 +198,7 @@ def _mutate(groups: Groups, topology: Topology, rng: np.random.Generator, swaps:
             j = (i + 1 + rng.integers(flat.shape[0] - 1)) % flat.shape[0] if flat.shape[0] > 1 else i
             k, m = rng.integers(flat.shape[1]), rng.integers(flat.shape[1])
             flat[i, k], flat[j, m] = flat[j, m], flat[i, k]
-    return _groups(flat)
+    return canonical(flat)
 
 
 def local_search(run: _Run, groups: Groups, score: Score, rng: np.random.Generator, smooth: float = 0.0,
@@ -275,7 +271,7 @@ def evolutionary_search(topology: Topology, *, seed: int = 0, budget_seconds: fl
     model = model or CostModel(topology)
     rng = np.random.default_rng(seed)
     run = _Run(model, budget_seconds, budget_evals)
-    seeds = [_groups(blocks_layout(topology))] + (greedy_seeds(model) if greedy else [])
+    seeds = [canonical(blocks_layout(topology))] + (greedy_seeds(model) if greedy else [])
     seeds += [_random_groups(topology, rng) for _ in range(max(0, population - len(seeds)))]
     pop: list[tuple[Score, Groups]] = []
     for groups in seeds:

@@ -81,15 +81,23 @@ def _finite(obj: Any) -> Any:
 class _Encoded:
     """One snapshot encoded once, shared by every request until the coordinator builds the next."""
 
-    def __init__(self, key: tuple[int, Any], body: bytes) -> None:
-        self.key, self.body = key, body
+    def __init__(self, key: tuple[int, Any], body: bytes, snap: dict[str, Any]) -> None:
+        self.key, self.body, self.snap = key, body, snap
         self._gz: bytes | None = None
+        self._metrics: bytes | None = None
 
     @property
     def gz(self) -> bytes:
         if self._gz is None:
             self._gz = gzip.compress(self.body, compresslevel=5)
         return self._gz
+
+    @property
+    def metrics(self) -> bytes:
+        """The snapshot in the Prometheus text format, rendered on the first scrape."""
+        if self._metrics is None:
+            self._metrics = render_metrics(self.snap).encode()
+        return self._metrics
 
 
 class _HTTPServer(ThreadingHTTPServer):
@@ -154,7 +162,7 @@ class StatusServer:
         key = (id(snap), snap.get("generated_at"))
         with self._cache_lock:
             if self._cache is None or self._cache.key != key:
-                self._cache = _Encoded(key, dumps(snap))
+                self._cache = _Encoded(key, dumps(snap), snap)
             return self._cache
 
     def stop(self) -> None:
@@ -225,11 +233,11 @@ def _handler(server: StatusServer) -> type[BaseHTTPRequestHandler]:
                 self._send(200, "application/json", enc.body, extra={"Vary": "Accept-Encoding"})
 
         def _metrics(self) -> None:
-            snap = server.snapshot()
-            if not snap:
+            enc = server.encoded()
+            if enc is None:
                 self._send(503, "text/plain; charset=utf-8", b"no snapshot yet\n", extra={"Retry-After": "1"})
                 return
-            self._send(200, METRICS_CONTENT_TYPE, render_metrics(snap).encode())
+            self._send(200, METRICS_CONTENT_TYPE, enc.metrics)
 
         def _stream(self) -> None:
             """Server-Sent Events: the state when it changes (at most once per interval), pings between."""

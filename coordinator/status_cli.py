@@ -20,7 +20,8 @@ import urllib.request
 from typing import Any
 from urllib.parse import urlsplit
 
-API = "potluck.status/v1"
+from potluck.coordinator.status import API
+
 GRID_CHARS = {"training": "T", "syncing": "S", "recovering": "R", "joining": "J", "waiting": "W",
               "finished": "F", "left": "L", "lost": "X", "empty": "."}
 _ORDER = {"lost": 0, "recovering": 1, "joining": 1, "waiting": 1, "syncing": 1, "training": 1, "finished": 2, "left": 2}

@@ -34,27 +34,12 @@ def quantize_rows(
 
     Returns ``(codes, scales)``: int8 codes of ``x``'s shape and one float32 scale per row.
     """
-    if x.dim() != 2:
-        raise ValueError(f"quantize_rows expects a 2-D tensor, got shape {tuple(x.shape)}")
-    qmax = qmax_for(bits)
-    x = x.float()
-    scales = x.abs().amax(dim=1) / qmax
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    y = x / safe[:, None]
-    if stochastic:
-        noise = torch.rand(y.shape, generator=generator, device=y.device, dtype=y.dtype)
-        y = torch.floor(y + noise)
-    else:
-        y = torch.round(y)
-    codes = y.clamp_(-qmax, qmax).to(torch.int8)
-    return codes, scales
+    return _quantize(x, bits, 1, None, stochastic, generator, "quantize_rows")
 
 
 def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`quantize_rows`: ``codes * scale`` per row, in float32."""
-    if codes.dim() != 2 or scales.dim() != 1 or scales.shape[0] != codes.shape[0]:
-        raise ValueError(f"codes {tuple(codes.shape)} and scales {tuple(scales.shape)} do not match")
-    return codes.float() * scales.float()[:, None]
+    return _dequantize(codes, scales, 1)
 
 
 def quantize_channels(
@@ -72,35 +57,45 @@ def quantize_channels(
     the wire carries); codes are then clamped to ``[-qmax, qmax]`` and a zero scale gives zero codes.
     Returns ``(codes, scales)``: int8 codes of ``x``'s shape and one float32 scale per channel.
     """
+    return _quantize(x, bits, 0, scales, stochastic, generator, "quantize_channels")
+
+
+def dequantize_channels(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`quantize_channels`: ``codes * scale`` per column, in float32."""
+    return _dequantize(codes, scales, 0)
+
+
+def _quantize(
+    x: torch.Tensor, bits: int, dim: int, scales: torch.Tensor | None, stochastic: bool,
+    generator: torch.Generator | None, name: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One absmax scale per slice along ``dim`` (1: per row, 0: per column)."""
     if x.dim() != 2:
-        raise ValueError(f"quantize_channels expects a 2-D tensor, got shape {tuple(x.shape)}")
+        raise ValueError(f"{name} expects a 2-D tensor, got shape {tuple(x.shape)}")
     qmax = qmax_for(bits)
     x = x.float()
+    n = x.shape[1 - dim]
     if scales is None:
-        if x.shape[0] == 0:
-            scales = x.new_zeros(x.shape[1])
-        else:
-            scales = x.abs().amax(dim=0) / qmax
+        scales = x.abs().amax(dim=dim) / qmax if x.shape[dim] else x.new_zeros(n)
     scales = scales.float()
-    if scales.shape != (x.shape[1],):
-        raise ValueError(f"{x.shape[1]} channels need {x.shape[1]} scales, got shape {tuple(scales.shape)}")
-    zero = scales == 0
-    safe = torch.where(zero, torch.ones_like(scales), scales)
-    y = x / safe[None, :]
+    if scales.shape != (n,):
+        raise ValueError(f"{n} {'channels' if dim == 0 else 'rows'} need {n} scales, got shape {tuple(scales.shape)}")
+    zero = (scales == 0).unsqueeze(dim)
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(dim)
+    y = x / safe
     if stochastic:
         noise = torch.rand(y.shape, generator=generator, device=y.device, dtype=y.dtype)
         y = torch.floor(y + noise)
     else:
         y = torch.round(y)
-    codes = y.clamp_(-qmax, qmax).masked_fill_(zero[None, :], 0).to(torch.int8)
+    codes = y.clamp_(-qmax, qmax).masked_fill_(zero, 0).to(torch.int8)
     return codes, scales
 
 
-def dequantize_channels(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`quantize_channels`: ``codes * scale`` per column, in float32."""
-    if codes.dim() != 2 or scales.dim() != 1 or scales.shape[0] != codes.shape[1]:
+def _dequantize(codes: torch.Tensor, scales: torch.Tensor, dim: int) -> torch.Tensor:
+    if codes.dim() != 2 or scales.dim() != 1 or scales.shape[0] != codes.shape[1 - dim]:
         raise ValueError(f"codes {tuple(codes.shape)} and scales {tuple(scales.shape)} do not match")
-    return codes.float() * scales.float()[None, :]
+    return codes.float() * scales.float().unsqueeze(dim)
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:

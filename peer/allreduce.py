@@ -49,7 +49,15 @@ NOT_PARTICIPATING = {"joining", "recovering", "left", "waiting"}
 CATCHING_UP = {"joining", "recovering", "waiting"}
 
 
+# the receiver's step in a wrong-step refusal: senders read it back to tell "behind" from "ahead"
+_WRONG_STEP = "message for step {step}, this peer is at step {at}"
 _AT_STEP = re.compile(r"this peer is at step (\d+)")
+
+
+def _remote_step(err: grpc.RpcError) -> int | None:
+    """The step a member refused our message from (see ``_WRONG_STEP``), or None for other errors."""
+    m = _AT_STEP.search(rpc_reason(err))
+    return int(m.group(1)) if m else None
 
 
 class IncompleteRound(RuntimeError):
@@ -156,7 +164,8 @@ class AllReduce:
         self._results: dict[int, _Result] = {}
         self._taken_over: set[int] = set()
         self._pending: list[Future] = []
-        self._ahead: list[str] = []
+        self._ahead: list[str] = []  # members already past the running step (it went on without us)
+        self._catch_up_until = 0.0  # until then, a member still fetching the round's base is waited for
 
     # ---------------------------------------------------------------- state of the coming step
 
@@ -200,7 +209,7 @@ class AllReduce:
         if h.run_id != self.run_id:
             raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"unknown run id {h.run_id!r}")
         if h.step != self._step:
-            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, f"message for step {h.step}, this peer is at step {self._step}")
+            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, _WRONG_STEP.format(step=h.step, at=self._step))
         if chunk.base_hash != self._base_hash:
             raise Rejected(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -320,19 +329,17 @@ class AllReduce:
         # a member still fetching the round's base state (a joiner, or one re-assigned) is waited for this long
         self._catch_up_until = min(deadline, t_start + grace_s)
 
-        self._ahead: list[str] = []
-        ahead = self._ahead
+        self._ahead = ahead = []
 
         def on_send_error(peer: MemberAddr, err: grpc.RpcError) -> None:
-            reason = rpc_reason(err)
-            m = _AT_STEP.search(reason)
+            at = _remote_step(err)
             with self._cond:
                 if is_unreachable(err):
                     dead.add(peer.peer_id)
-                elif m and int(m.group(1)) > info.step:
+                elif at is not None and at > info.step:
                     ahead.append(peer.peer_id)  # the round went on without us: never average alone
                 self._cond.notify_all()
-            log.info("send to %s failed: %s", short_id(peer.peer_id), reason)
+            log.info("send to %s failed: %s", short_id(peer.peer_id), rpc_reason(err))
 
         # 1. reduce: our slice of every shard goes to its owner; our own is kept exact
         if delta is not None:
@@ -397,9 +404,9 @@ class AllReduce:
                 self.client.push_contribution(peer.address, self._chunks(info, shard, attempt, tensors, []), self.rpc_timeout)
                 return True
             except grpc.RpcError as err:
-                m = _AT_STEP.search(rpc_reason(err))
-                behind = m is not None and int(m.group(1)) < info.step
-                if behind and time.monotonic() < getattr(self, "_catch_up_until", 0.0) and not self.stopping.wait(0.2):
+                at = _remote_step(err)
+                behind = at is not None and at < info.step
+                if behind and time.monotonic() < self._catch_up_until and not self.stopping.wait(0.2):
                     continue  # the owner is still fetching this round's base state: try again shortly
                 on_error(peer, err)
                 return False
@@ -465,8 +472,8 @@ class AllReduce:
                     log.info("shard %d of step %d was taken over by %s; dropping our late result", shard, info.step, short_id(peer.peer_id))
                     backup_ok = False
                     break
-                m = _AT_STEP.search(rpc_reason(err))
-                if m and int(m.group(1)) > info.step:
+                at = _remote_step(err)
+                if at is not None and at > info.step:
                     # it committed this step already, so with a result for this shard that is not ours
                     log.info("backup %s went past step %d without our shard %d", short_id(peer.peer_id), info.step, shard)
                     with self._cond:
@@ -522,7 +529,7 @@ class AllReduce:
             # behind the round's base (fetching it to take part), or holding it and waiting to see the
             # round itself: give it the grace period. A member recovering *from* the base gave up the step.
             catching_up = reply.state in CATCHING_UP and (reply.version < info.step - 1 or reply.state == "waiting")
-            if catching_up and time.monotonic() < getattr(self, "_catch_up_until", 0.0):
+            if catching_up and time.monotonic() < self._catch_up_until:
                 return
             reason = f"{reply.state} at version {reply.version}"
         with self._cond:

@@ -22,7 +22,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import grpc
 import torch
@@ -35,14 +35,13 @@ from potluck.compression.transfer import (
     SnapshotUnavailable,
     fetch_snapshot,
     probe_sources,
-    stage_of,
 )
 from potluck.peer.allreduce import AllReduce, AllReduceStats, IncompleteRound, MemberAddr, RoundInfo
 from potluck.peer.data import Dataset, ShardSampler
 from potluck.peer.diloco import flatten_params, load_flat, nesterov_step, outer_snapshot
 from potluck.peer.heartbeat import Heartbeat
 from potluck.peer.links import LinkConfig, LinkProber
-from potluck.peer.model import build_layers, lm_loss
+from potluck.peer.model import build_layers, forward_layers, lm_loss
 from potluck.peer.pipeline import Neighbour, Pipeline, PipelineStall, stage_bounds
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config import ConfigError, PeerConfig, RunConfig, known_fields_only, parse_config
@@ -102,6 +101,11 @@ class Peer:
         self.started_at = time.time()
         self.failed_step = 0  # a round this peer could not complete; it must recover past it
         self.failed_at = 0.0
+        # where the time to the first training step went (logged once, see _log_first_step)
+        self.first_round_at: float | None = None
+        self.recovered_s = 0.0
+        self._first_step_logged = False
+        self._pipe_before: dict[str, int] = {}
         set_context(role="peer", peer_id=self.id)
 
     # ------------------------------------------------------------------ lifecycle
@@ -342,7 +346,7 @@ class Peer:
                     )
                     self.recover(plan, want_hash=want)
                     continue
-                if not hasattr(self, "first_round_at"):
+                if self.first_round_at is None:
                     self.first_round_at = time.time()
                 return self._round_info(step, current)
             self._set_state("waiting")
@@ -374,8 +378,7 @@ class Peer:
         mine = self.snapshot.version
         sources = [
             s for s in probe_sources(self.client, self._header(0), addresses, stage=self.stage)
-            if stage_of(s.info) == self.stage
-            and (s.info.version > mine or (want_hash and s.info.version == mine and s.info.state_hash == want_hash))
+            if (s.info.version > mine or (want_hash and s.info.version == mine and s.info.state_hash == want_hash))
         ]
         if not sources:
             if self.failed_step and time.monotonic() - self.failed_at > self.cfg.plan_wait_s:
@@ -398,7 +401,7 @@ class Peer:
             return
         self.failed_step = 0
         self._adopt(snap)
-        self.recovered_s = getattr(self, "recovered_s", 0.0) + (time.monotonic() - t_fetch)
+        self.recovered_s += time.monotonic() - t_fetch
 
     def _fail(self, step: int) -> None:
         """This peer did not commit ``step``: drop the round's messages and recover before going on."""
@@ -447,7 +450,7 @@ class Peer:
             if self.pipeline is None:
                 x, y = self.data.batch(self.sampler.next_ids(rc.train.batch_size))
                 x, y = x.to(self.device), y.to(self.device)
-                loss = lm_loss(_forward(self.layers, x), y)
+                loss = lm_loss(forward_layers(self.layers, x), y)
                 loss.backward()
                 value = float(loss.detach())
             else:
@@ -475,7 +478,7 @@ class Peer:
             p.tokens_total += tokens_per_step
             p.tokens_per_s = tokens_per_step / max(p.step_time_s, 1e-9)
             p.samples_per_s = rc.train.batch_size / max(p.step_time_s, 1e-9)
-            if not getattr(self, "_first_step_logged", False):
+            if not self._first_step_logged:
                 self._first_step_logged = True
                 self._log_first_step()
         self.inner_seconds = time.monotonic() - t_phase
@@ -485,8 +488,8 @@ class Peer:
     def _log_first_step(self) -> None:
         """When this peer's first optimizer step is done, and where the time before it went."""
         now = time.time()
-        phases = {**self.phases, "to first round": getattr(self, "first_round_at", now) - self.ready_at}
-        if getattr(self, "recovered_s", 0.0):
+        phases = {**self.phases, "to first round": (self.first_round_at or now) - self.ready_at}
+        if self.recovered_s:
             phases["of which state download"] = self.recovered_s
         log.info("first training step %.1f s after the process started (%.1f s after joining the DHT; %s)",
                  now - _process_started_at(), now - self.joined_at, ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
@@ -577,11 +580,8 @@ class Peer:
         p.last_outer_s, p.outer_wait_s, p.last_outer_bytes = seconds, stats.wait_seconds, stats.bytes_sent
         p.sync_s += seconds
         if self.pipeline is not None:
-            t = self.pipeline.traffic
-            now = {"activations": t.activations, "activations_fp32": t.activations_fp32,
-                   "gradients": t.gradients, "gradients_fp32": t.gradients_fp32}
-            before = getattr(self, "_pipe_before", dict.fromkeys(now, 0))
-            p.last_pipe = {k: now[k] - before.get(k, 0) for k in now}
+            now = asdict(self.pipeline.traffic)
+            p.last_pipe = {k: v - self._pipe_before.get(k, 0) for k, v in now.items()}
             self._pipe_before = now
         dropped = f", dropped {', '.join(short_id(d) for d in stats.dropped)}" if stats.dropped else ""
         log.info(
@@ -608,7 +608,7 @@ class Peer:
             total, n = 0.0, 0
             for c in chunks:
                 x, y = self.data.batch(c)
-                total += float(lm_loss(_forward(self.layers, x.to(self.device)), y.to(self.device))) * len(x)
+                total += float(lm_loss(forward_layers(self.layers, x.to(self.device)), y.to(self.device))) * len(x)
                 n += len(x)
             return total / max(n, 1)
         finally:
@@ -731,10 +731,4 @@ def _process_started_at() -> float:
 
 
 _IMPORTED_AT = time.time()
-
-
-def _forward(layers: torch.nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
-    for layer in layers:
-        x = layer(x)
-    return x
 

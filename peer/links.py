@@ -98,8 +98,6 @@ class LinkProber:
         self._links: dict[str, _Link] = {}
         self._rounds: deque[tuple[float, int]] = deque()  # (clock(), probes) of recent rounds
         self._rng = random.Random()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     # -- figures --------------------------------------------------------------------------------
 
@@ -238,26 +236,6 @@ class LinkProber:
         if link is None:
             link = self._links[peer_id] = _Link()
         return link
-
-    # -- background -----------------------------------------------------------------------------
-
-    def start(self, peers: Callable[[], Mapping[str, str]]) -> None:
-        """Probe in a thread every ``period_s``; ``peers()`` gives the current id -> address map."""
-        def loop() -> None:
-            while not self._stop.is_set():
-                try:
-                    self.probe_round(peers())
-                except Exception:  # a probing bug must not take the peer down
-                    log.exception("link probing round failed")
-                self._stop.wait(self.cfg.period_s)
-
-        self._thread = threading.Thread(target=loop, name="link-prober", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
 
 
 def _stat(link: _Link) -> LinkStat:

@@ -122,10 +122,14 @@ class TinyGPT(nn.Module):
         self.layers = build_layers(cfg, seed)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = tokens
-        for layer in self.layers:
-            x = layer(x)
-        return x
+        return forward_layers(self.layers, tokens)
+
+
+def forward_layers(layers: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+    """Run ``x`` through ``layers`` in order: the whole model, or one pipeline stage of it."""
+    for layer in layers:
+        x = layer(x)
+    return x
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

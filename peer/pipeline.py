@@ -43,7 +43,7 @@ from torch import nn
 
 from potluck.compression.acsgd import AcsgdConfig, AcsgdMessage, AcsgdReceiver, AcsgdSender, BufferMissError
 from potluck.compression.actcodec import ActCodec, CodecError, Packet
-from potluck.peer.model import lm_loss
+from potluck.peer.model import forward_layers, lm_loss
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config import ModelConfig, PipelineConfig
 from potluck.protos.log import get_logger, short_id
@@ -220,7 +220,7 @@ class Pipeline:
                 mids, recv, labels = self._take(r, "forward", inner, k, timeout)
                 inp = recv.to(device).requires_grad_(True)
                 inp_grad_holder = inp
-            out = _run(layers, inp)
+            out = forward_layers(layers, inp)
             if self.last:
                 loss = lm_loss(out, labels.to(device).long()) / m
                 loss.backward()
@@ -257,7 +257,7 @@ class Pipeline:
             else:
                 ids, inp, labels = self._take(r, "eval", version, k, self.cfg.pipe_timeout_s * 2)
                 inp = inp.to(device)
-            out = _run(layers, inp)
+            out = forward_layers(layers, inp)
             if self.last:
                 total += float(lm_loss(out, labels.to(device).long())) * len(ids)
                 n += len(ids)
@@ -291,10 +291,11 @@ class Pipeline:
                     self._error(r, f"{kind} micro-batch {micro}: {err}")
                     return
             try:
+                nbytes = msg.ByteSize()
                 t0 = time.perf_counter()
-                ack = self.client.push_pipe(to.address, msg, timeout=self.cfg.pipe_timeout_s * 2)
+                ack = self.client.push_pipe(to.address, msg, timeout=self.cfg.pipe_timeout_s * 2, nbytes=nbytes)
                 if self.on_transfer is not None:  # network time only: not the receiver's wait for its round
-                    self.on_transfer(to.peer_id, msg.ByteSize(), time.perf_counter() - t0 - max(0.0, ack.handler_s))
+                    self.on_transfer(to.peer_id, nbytes, time.perf_counter() - t0 - max(0.0, ack.handler_s))
                 return
             except grpc.RpcError as err:
                 reason = rpc_reason(err)
@@ -476,12 +477,6 @@ class Pipeline:
         want = (batch, self.model_cfg.seq_len, d)
         if tuple(t.shape) != want:
             raise CodecError(f"tensor of shape {list(t.shape)}, expected {list(want)}")
-
-
-def _run(layers: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
-    for layer in layers:
-        x = layer(x)
-    return x
 
 
 def _to_pb(p: Packet) -> pb.ActPacket:

@@ -50,7 +50,8 @@ def demo_config(args: argparse.Namespace, workdir: Path) -> RunConfig:
     return apply_overrides(load_config(args.config), overrides)
 
 
-def _get_state(url: str) -> dict[str, Any] | None:
+def get_state(url: str) -> dict[str, Any] | None:
+    """The coordinator's ``/api/v1/state`` at status page ``url``, or None (not serving yet)."""
     try:
         with urllib.request.urlopen(url + "api/v1/state", timeout=2) as resp:
             return json.loads(resp.read())
@@ -58,7 +59,8 @@ def _get_state(url: str) -> dict[str, Any] | None:
         return None
 
 
-def _wait_ready(path: Path, proc: Any, timeout: float) -> dict[str, Any]:
+def wait_ready(path: Path, proc: Any, timeout: float) -> dict[str, Any]:
+    """The coordinator's ready file (join address, status URL) once ``proc`` has written it."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if path.exists():
@@ -127,7 +129,7 @@ def run_demo(args: argparse.Namespace) -> int:
             ["coordinator", "--config", str(run_file), "--ready-file", str(workdir / "ready.json")],
             log_of("coordinator"),
         )
-        ready = _wait_ready(workdir / "ready.json", coord, timeout=120)
+        ready = wait_ready(workdir / "ready.json", coord, timeout=120)
         print(f"  join address: {ready['join']}\n  status page: {ready['status_url']}", flush=True)
         if not args.verbose:
             print(f"  logs: {workdir / 'logs'}", flush=True)
@@ -167,7 +169,7 @@ def follow(url: str, cfg: RunConfig, progress: Progress, coord: Any, peers: list
             raise RuntimeError(f"the coordinator exited with code {coord.returncode}")
         if all(p.poll() is not None for p in peers) and final_eval is None:
             raise RuntimeError("every peer exited before the run finished")
-        state = _get_state(url)
+        state = get_state(url)
         if state is None:
             time.sleep(0.5)
             continue

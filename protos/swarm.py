@@ -202,22 +202,7 @@ class SwarmNode:
 
     def get_peers(self, run_id: str) -> tuple[dict[str, PeerRecord], list[str]]:
         """Valid peer records by id, and the reasons any others were refused."""
-        found = self._dht_get(peers_key(run_id), latest=True)
-        records: dict[str, PeerRecord] = {}
-        refused: list[str] = []
-        if found is None or not isinstance(found.value, dict):
-            return records, refused
-        for subkey, item in found.value.items():
-            try:
-                if not isinstance(subkey, str):
-                    raise RecordError(f"subkey {subkey!r} is not a peer id")
-                rec = unseal(PeerRecord, item.value, author=subkey)
-                if rec.peer_id != subkey:
-                    raise RecordError(f"record for {rec.peer_id[-6:]} stored under {subkey[-6:]}")
-                records[subkey] = rec
-            except RecordError as err:
-                refused.append(f"peer record {str(subkey)[-6:]}: {err}")
-        return records, refused
+        return self._get_signed_by_subkey(peers_key(run_id), PeerRecord, "peer record", {})
 
     def publish_links(self, run_id: str, report: LinkReport, ttl: float) -> bool:
         """Store this peer's signed link report; it expires after ``ttl`` seconds unless refreshed."""

@@ -276,8 +276,9 @@ class PeerClient:
             self.stub(address).FetchState(request, timeout=timeout), lambda n: self.traffic.add_received("state", n)
         )
 
-    def push_pipe(self, address: str, request: pb.PipeMessage, timeout: float) -> pb.Ack:
-        self.traffic.add_sent("pipeline", request.ByteSize())
+    def push_pipe(self, address: str, request: pb.PipeMessage, timeout: float, nbytes: int | None = None) -> pb.Ack:
+        """``nbytes``: ``request.ByteSize()`` if the caller has it (it serializes the whole message)."""
+        self.traffic.add_sent("pipeline", request.ByteSize() if nbytes is None else nbytes)
         ack = self.stub(address).PushPipe(request, timeout=timeout)
         self.traffic.add_received("pipeline", ack.ByteSize())
         return ack

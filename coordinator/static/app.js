@@ -223,7 +223,6 @@
     setText("st-eval", ev);
     setText("st-util", r.compute_utilization === null || r.compute_utilization === undefined
       ? "–" : (100 * r.compute_utilization).toFixed(1) + " %");
-    renderAges();
     const waiting = $("waiting");
     waiting.hidden = !r.waiting_reason;
     setText("waiting", r.waiting_reason ? "Waiting: " + r.waiting_reason : "");
