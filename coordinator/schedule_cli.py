@@ -1,15 +1,8 @@
 """``potluck schedule``: plan stages and replicas onto devices, offline, from a topology file.
 
-    potluck schedule --topology swarm.json [--seed 0] [--budget-seconds 10] [--budget-evals N]
-
-The file is one JSON object (units: milliseconds, gigabits per second, gigabytes)::
-
-    {"delay_ms": [[...], ...], "bandwidth_gbps": [[...], ...], "stages": 8, "replicas": 8,
-     "activation_gb": 0.2, "gradient_gb": 0.25, "outer_every": 50, "compute": [1.0, ...]}
-
-It prints one JSON object: the plan (``stage_groups[s][r] == pipelines[r][s]``, stages in
-pipeline order), its cost terms and how much searching it took. A file that cannot be scheduled
-exits with status 2 and a reason on stderr.
+The user's documentation, the file format included, is :data:`DESCRIPTION` and :data:`EXAMPLES`:
+what ``potluck schedule --help`` prints. The search itself is
+:func:`~potluck.coordinator.scheduler.evolutionary_search`, the coordinator's own.
 """
 
 from __future__ import annotations
@@ -19,17 +12,35 @@ import json
 import sys
 from typing import Any
 
-from potluck.coordinator.costmodel import Topology, TopologyError
-from potluck.coordinator.scheduler import evolutionary_search
-
 PROG = "potluck schedule"
 DEFAULT_SECONDS = 10.0
+
+# --help text: plain, unlike the module docstring (argparse prints it verbatim)
+DESCRIPTION = """\
+Plan which device serves which pipeline stage of which replica, offline, from
+a topology file, with the coordinator's evolutionary search. It prints one JSON
+object: the plan (stage_groups[s][r] and pipelines[r][s] both name the device
+at stage s of replica r, stages in pipeline order), its cost terms and how much
+searching it took. A file that cannot be scheduled exits with status 2 and the
+reason on stderr.
+
+The topology file is one JSON object (milliseconds, Gbit/s, gigabytes):
+  {"delay_ms": [[...], ...], "bandwidth_gbps": [[...], ...],
+   "stages": 8, "replicas": 8, "activation_gb": 0.2, "gradient_gb": 0.25,
+   "outer_every": 50, "compute": [1.0, ...]}"""
+
+EXAMPLES = f"""\
+examples:
+  potluck schedule --topology swarm.json                  search for {DEFAULT_SECONDS:g} s
+  potluck schedule --topology swarm.json --budget-evals 5000
+                                      reproducible: same seed, same plan"""
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``schedule`` subcommand to ``potluck``'s subparsers."""
     p = subparsers.add_parser("schedule", help="plan stages and replicas onto devices from a topology file",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=DESCRIPTION, epilog=EXAMPLES,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     p.set_defaults(fn=run)
     return p
@@ -45,6 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # numpy and scipy load here, not at import: `potluck --help` builds this parser
+    from potluck.coordinator.costmodel import Topology, TopologyError
+    from potluck.coordinator.scheduler import evolutionary_search
+
     try:
         topology = Topology.load(args.topology)
     except TopologyError as err:
@@ -72,7 +87,7 @@ def _fail(reason: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
+    parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION, epilog=EXAMPLES,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     return run(parser.parse_args(argv))

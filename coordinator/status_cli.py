@@ -12,15 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
-import urllib.error
-import urllib.request
 from typing import Any
 from urllib.parse import urlsplit
-
-from potluck.coordinator.status import API
 
 GRID_CHARS = {"training": "T", "syncing": "S", "recovering": "R", "joining": "J", "waiting": "W",
               "finished": "F", "left": "L", "lost": "X", "empty": "."}
@@ -32,8 +27,25 @@ class StatusUnavailable(Exception):
     """The status server could not be read; the message says what was tried and what to check."""
 
 
+DESCRIPTION = """\
+Show a run's status in the terminal: outer and inner step, loss, tokens per
+second, why the run waits (if it does), the stage x replica grid and the peers,
+lost ones first. It reads the status page the coordinator serves (it prints
+that address at start-up), so it works locally, over an SSH tunnel or behind a
+reverse proxy with a path prefix."""
+
+EXAMPLES = """\
+examples:
+  potluck status 127.0.0.1:8080                      the summary
+  potluck status http://host:8080/ --peers 0         every peer, not only 20
+  potluck status http://host:8080/ --json | jq .run  the raw snapshot"""
+
+
 def register(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("status", help="show a run's status in the terminal (reads its status page)")
+    """Add the ``status`` subcommand to ``potluck``'s subparsers."""
+    p = subparsers.add_parser("status", help="show a run's status in the terminal (reads its status page)",
+                              description=DESCRIPTION, epilog=EXAMPLES,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("address", metavar="ADDRESS",
                    help="the coordinator's status page: http://host:port or host:port (it prints it at start-up)")
     p.add_argument("--json", action="store_true", help="print the raw /api/v1/state snapshot as JSON")
@@ -81,6 +93,10 @@ def state_url(address: str) -> str:
 
 
 def fetch(url: str, timeout: float) -> bytes:
+    import socket  # with urllib.request, here rather than at import: `potluck --help` builds this parser
+    import urllib.error
+    import urllib.request
+
     base = url.removesuffix("/api/v1/state")
     hint = (f"Is the coordinator running, and is {base} its status page? "
             "The coordinator prints it at start-up ('status page: http://...').")
@@ -111,6 +127,8 @@ def fetch(url: str, timeout: float) -> bytes:
 
 
 def parse(body: bytes, url: str) -> dict[str, Any]:
+    from potluck.coordinator.status import API
+
     try:
         state = json.loads(body)
     except ValueError:

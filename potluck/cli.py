@@ -5,23 +5,72 @@
     potluck peer --join ADDRESS                lend this machine to a run
     potluck status ADDRESS                     the run's status page, in a terminal
     potluck schedule --topology FILE.json      plan a tasklet grid offline (evolutionary search)
-    potluck export --journal DIR --out F.pt    the latest checkpoint as one plain torch file
+    potluck export --journal-dir DIR --out F   the latest checkpoint as one plain torch file
+
+Building the parser imports nothing heavy: torch, hivemind, numpy and pydantic load in the
+command that needs them, so every ``--help`` answers at once (``benchmarks/cli_help.py``). A usage
+mistake, caught by argparse or by a command, is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from potluck import __version__
+from potluck.protos.stopping import die_with_launcher
+
+DESCRIPTION = "Train one transformer on GPUs that volunteers lend over the internet."
+
+QUICKSTART = """\
+quick start:
+  potluck demo                                 a whole swarm on this machine
+  potluck coordinator --config run.toml        host a run: prints its address
+  potluck peer --join /ip4/.../p2p/12D3KooW... lend this machine to that run
+  potluck status 127.0.0.1:8080                watch it from a terminal
+
+'potluck COMMAND --help' describes a command and its flags, with examples."""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions and examples as written (wrapped to 80 columns by hand), and every command's
+    summary in one column: argparse measures subcommand names one indent short, which would put
+    'coordinator' on a line of its own."""
+
+    def add_argument(self, action: argparse.Action) -> None:
+        super().add_argument(action)
+        if action.help is not argparse.SUPPRESS:
+            for sub in self._iter_indented_subactions(action):
+                width = len(self._format_action_invocation(sub)) + self._current_indent
+                self._action_max_length = max(self._action_max_length, width)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line naming the fix, not the whole usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+class UsageError(Exception):
+    """A command line that parsed but cannot run; :func:`main` reports it in argparse's format."""
+
+
+def _subparser(sub: Any, name: str, summary: str, description: str, examples: str) -> argparse.ArgumentParser:
+    """A subcommand with a one-line ``summary`` (in ``potluck --help``), a paragraph and examples."""
+    return sub.add_parser(name, help=summary, description=description, epilog="examples:\n" + examples,
+                          formatter_class=HelpFormatter)
+
+
+# ---------------------------------------------------------------------- commands
 
 
 def _overrides(pairs: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for pair in pairs:
         if "=" not in pair:
-            raise SystemExit(f"potluck: --set expects section.field=value, got {pair!r}")
+            raise UsageError(f"--set expects section.field=value, got {pair!r}")
         key, value = pair.split("=", 1)
         out[key.strip()] = value.strip()
     return out
@@ -34,12 +83,10 @@ def _run_config(args: argparse.Namespace, extra: dict[str, Any]) -> Any:
         cfg = load_config(args.config)
         return apply_overrides(cfg, {**extra, **_overrides(args.set)})
     except ConfigError as err:
-        raise SystemExit(f"potluck: {err}") from None
+        raise UsageError(str(err)) from None
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
-    from potluck.coordinator.app import Coordinator
-
     extra = {
         f"coordinator.{k}": v
         for k, v in (("host", args.host), ("dht_port", args.dht_port), ("status_port", args.status_port),
@@ -47,13 +94,21 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         if v is not None
     }
     cfg = _run_config(args, extra)
+    from potluck.coordinator.app import Coordinator
+    from potluck.protos.stopping import install_stop_handlers
+
     coordinator = Coordinator(cfg, exit_when_finished=args.exit_when_finished, ready_file=args.ready_file)
-    _stop_on_signals(coordinator.stopping)
+    install_stop_handlers(coordinator.stopping)
     return coordinator.run()
 
 
+# PeerConfig field -> the flag that sets it, where the two are not spelled alike
+_PEER_FLAGS = {"port": "--grpc-port"}
+
+
 def cmd_peer(args: argparse.Namespace) -> int:
-    from potluck.peer.daemon import Peer
+    from pydantic import ValidationError
+
     from potluck.protos.config import PeerConfig
 
     fields = {k: getattr(args, k) for k in ("join", "host", "port", "dht_port", "announce_host", "device", "name",
@@ -61,84 +116,163 @@ def cmd_peer(args: argparse.Namespace) -> int:
               if getattr(args, k) is not None}
     try:
         cfg = PeerConfig(**fields)
-    except ValueError as err:
-        raise SystemExit(f"potluck peer: {err}") from None
+    except ValidationError as err:
+        raise UsageError("; ".join(_flag_error(e) for e in err.errors())) from None
+    # checked before the peer starts its DHT node, so a mistyped address fails here, in one line
+    from potluck.protos.swarm import JoinError, parse_join_address
+
+    try:
+        parse_join_address(cfg.join)
+    except JoinError as err:
+        raise UsageError(str(err)) from None
+    from potluck.peer.daemon import Peer
+    from potluck.protos.stopping import install_stop_handlers
+
     peer = Peer(cfg)
-    peer.install_signal_handlers()
+    install_stop_handlers(peer.stopping)
     return peer.run()
 
 
+def _flag_error(error: Any) -> str:
+    """One pydantic error about a PeerConfig field, told in terms of the flag that set it."""
+    field = str(error["loc"][0]) if error["loc"] else ""
+    flag = _PEER_FLAGS.get(field, "--" + field.replace("_", "-"))
+    msg = str(error["msg"]).removeprefix("Value error, ")
+    return f"{flag} {error['input']!r}: {msg}" if field else msg
+
+
+def _demo_grid(stages: int, replicas: int | None, peers: int | None) -> tuple[int, int | None]:
+    """(peers, replicas) for ``potluck demo``: a pipeline run has exactly stages x replicas peers."""
+    for flag, value in (("--stages", stages), ("--replicas", replicas), ("--peers", peers)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be at least 1, got {value}")
+    if stages == 1 and replicas is None:
+        return (peers or 3), None
+    if replicas is None:
+        if peers is None:
+            replicas = 2
+        elif peers % stages:
+            fits = sorted({stages * max(1, peers // stages), stages * (peers // stages + 1)})
+            raise UsageError(f"--peers {peers} with --stages {stages}: peers must be stages x replicas "
+                             f"(--peers {' or '.join(map(str, fits))}, or --replicas R for {stages} x R peers)")
+        else:
+            replicas = peers // stages
+    elif peers is not None and peers != stages * replicas:
+        raise UsageError(f"--peers {peers} with --stages {stages} --replicas {replicas}: peers must be "
+                         f"stages x replicas = {stages * replicas} (or leave --peers out)")
+    return stages * replicas, replicas
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
+    args.peers, args.replicas = _demo_grid(args.stages, args.replicas, args.peers)
     from potluck.demo import run_demo
 
     return run_demo(args)
 
 
-def _stop_on_signals(event: Any) -> None:
-    import signal
-
-    def handler(signum: int, frame: object) -> None:
-        event.set()
-
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
+# ---------------------------------------------------------------------- the parser
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="potluck", description="Train one transformer on GPUs that volunteers lend.")
-    p.add_argument("--version", action="version", version=f"potluck {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
+def _add_config(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--config", metavar="RUN.toml", help="TOML run config (see README); defaults are a tiny CPU run")
+    sp.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                    help="override one config field, e.g. --set diloco.inner_steps=100 (repeatable)")
 
-    def add_config(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--config", help="TOML run config (see README); defaults are a tiny CPU run")
-        sp.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                        help="override one config field, e.g. --set diloco.inner_steps=100 (repeatable)")
 
-    d = sub.add_parser("demo", help="run a coordinator and local peers on this machine, then exit")
-    add_config(d)
-    d.add_argument("--peers", type=int, default=3, help="local peer processes (default 3)")
-    d.add_argument("--stages", type=int, default=1, help="pipeline stages S (default 1: pure DiLoCo)")
-    d.add_argument("--replicas", type=int, default=None,
-                   help="replicas R per stage; with --stages, runs S x R peers (default 2)")
-    d.add_argument("--outer-steps", type=int, default=None, help="outer steps to train (default 12)")
-    d.add_argument("--inner-steps", type=int, default=None, help="H, inner steps per outer step (default 30)")
-    d.add_argument("--workdir", help="where journal, checkpoints and logs go (default: a temporary folder)")
+def _add_demo(sub: Any) -> None:
+    d = _subparser(
+        sub, "demo", "a whole swarm on this machine: train a tiny model, then exit",
+        "Run a whole swarm on this machine: a coordinator and local peer processes\n"
+        "(real DHT, real gRPC on 127.0.0.1) train the built-in tiny model on synthetic\n"
+        "data. It prints the join address, the status page, the loss of every outer\n"
+        "step and the final eval loss next to the data's entropy floor, then stops\n"
+        "every process it started (also on Ctrl+C). With --stages S the peers form a\n"
+        "grid of S pipeline stages x R replicas, so there are S x R of them.",
+        "  potluck demo                          3 peers, pure DiLoCo\n"
+        "  potluck demo --stages 2 --replicas 2  4 peers: 2 pipelines of 2 stages\n"
+        "  potluck demo --linger 300             then keep the status page up 5 min\n"
+        "  potluck demo --set diloco.inner_steps=100 --outer-steps 20",
+    )
+    _add_config(d)
+    d.add_argument("--peers", type=int, default=None, metavar="N",
+                   help="local peer processes (default 3; with --stages, stages x replicas)")
+    d.add_argument("--stages", type=int, default=1, metavar="S", help="pipeline stages (default 1: pure DiLoCo)")
+    d.add_argument("--replicas", type=int, default=None, metavar="R",
+                   help="replicas per stage (default 2 with --stages, else one per peer)")
+    d.add_argument("--outer-steps", type=int, default=None, metavar="N", help="outer steps to train (default 12)")
+    d.add_argument("--inner-steps", type=int, default=None, metavar="H", help="inner steps per outer step (default 30)")
+    d.add_argument("--workdir", metavar="DIR", help="where journal, checkpoints and logs go (default: a temporary folder)")
     d.add_argument("--linger", type=float, default=0.0, metavar="SECONDS",
                    help="keep the swarm and status page up this long after training ends")
     d.add_argument("--verbose", action="store_true", help="show the processes' logs instead of a progress bar")
     d.set_defaults(fn=cmd_demo)
 
-    c = sub.add_parser("coordinator", help="host a run: DHT bootstrap, membership, journal, status page")
-    add_config(c)
-    c.add_argument("--host", help="interface to bind (default 0.0.0.0)")
-    c.add_argument("--announce-host", help="address peers use to reach this box (default: auto-detected)")
-    c.add_argument("--dht-port", type=int, help="DHT port (default: any free port)")
-    c.add_argument("--grpc-port", type=int, help="checkpoint gRPC port (default: any free port)")
-    c.add_argument("--status-port", type=int, help="status page port (default: any free port)")
-    c.add_argument("--journal-dir", help="run state, identity and checkpoints (default ./potluck-run)")
+
+def _add_coordinator(sub: Any) -> None:
+    c = _subparser(
+        sub, "coordinator", "host a run: DHT bootstrap, membership, journal, status page",
+        "Host a run: the DHT node peers join through, the membership of every outer\n"
+        "step, the journal (run state, identity, checkpoints) and the status page. It\n"
+        "prints the join address to give to volunteers ('potluck peer --join ...') and\n"
+        "the status page's address. The --config file describes the run (default: a\n"
+        "tiny CPU run); the flags below and --set override it.",
+        "  potluck coordinator --config run.toml\n"
+        "  potluck coordinator --config run.toml --dht-port 31337 --status-port 8080\n"
+        "  potluck coordinator --set diloco.outer_steps=100 --journal-dir runs/first",
+    )
+    _add_config(c)
+    c.add_argument("--host", metavar="HOST", help="interface to bind (default 0.0.0.0)")
+    c.add_argument("--announce-host", metavar="HOST", help="address peers use to reach this box (default: auto-detected)")
+    c.add_argument("--dht-port", type=int, metavar="PORT", help="DHT port (default: any free port; fix it for a real run)")
+    c.add_argument("--grpc-port", type=int, metavar="PORT", help="checkpoint gRPC port (default: any free port)")
+    c.add_argument("--status-port", type=int, metavar="PORT", help="status page port (default: any free port)")
+    c.add_argument("--journal-dir", metavar="DIR", help="run state, identity and checkpoints (default ./potluck-run)")
     c.add_argument("--exit-when-finished", action="store_true", help="exit once all outer steps are committed")
-    c.add_argument("--ready-file", help="write a JSON file with the join address once serving")
+    c.add_argument("--ready-file", metavar="FILE", help="write a JSON file with the join address once serving")
     c.set_defaults(fn=cmd_coordinator)
 
-    pe = sub.add_parser("peer", help="lend this machine to a run")
-    pe.add_argument("--join", required=True, help="the join address the coordinator printed")
-    pe.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
+
+def _add_peer(sub: Any) -> None:
+    pe = _subparser(
+        sub, "peer", "lend this machine to a run (needs its join address)",
+        "Lend this machine to a run: join the swarm at the address the coordinator\n"
+        "printed, fetch the current model state from other peers at the next outer\n"
+        "step boundary, and train the stage and replica the coordinator assigns,\n"
+        "syncing with the other replicas of that stage every outer step.",
+        "  potluck peer --join /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...\n"
+        "  potluck peer --join ADDRESS --device cuda:1 --name alice\n"
+        "  potluck peer --join ADDRESS --dht-client   behind a NAT (no incoming)",
+    )
+    pe.add_argument("--join", required=True, metavar="ADDRESS",
+                    help="the join address the coordinator printed (/ip4/HOST/tcp/PORT/p2p/12D3KooW...)")
+    pe.add_argument("--device", help="auto (default: cuda if present, else cpu), cpu, cuda, cuda:N or mps")
     pe.add_argument("--name", help="public name on the status page (opt-in)")
-    pe.add_argument("--host", help="interface to bind (default 0.0.0.0)")
-    pe.add_argument("--port", type=int, help="gRPC port (default: any free port)")
-    pe.add_argument("--dht-port", type=int, help="DHT port (default: any free port)")
-    pe.add_argument("--announce-host", help="address other peers use to reach this one (default: auto-detected)")
-    pe.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    pe.add_argument("--host", metavar="HOST", help="interface to bind (default 0.0.0.0)")
+    pe.add_argument("--grpc-port", dest="port", type=int, metavar="PORT", help="gRPC port (default: any free port)")
+    pe.add_argument("--port", dest="port", type=int, help=argparse.SUPPRESS)  # the old spelling
+    pe.add_argument("--dht-port", type=int, metavar="PORT", help="DHT port (default: any free port)")
+    pe.add_argument("--announce-host", metavar="HOST", help="address other peers use to reach this one (default: auto-detected)")
+    pe.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice)")
     pe.add_argument("--dht-client", action="store_true", default=None, help="DHT client mode (behind NAT)")
-    pe.add_argument("--startup-timeout-s", type=float, help="seconds allowed for the DHT daemon to start")
-    pe.add_argument("--plan-wait-s", type=float, help="seconds to wait for the coordinator's round decision")
+    pe.add_argument("--startup-timeout-s", type=float, metavar="SECONDS",
+                    help="seconds allowed for the DHT daemon to start (default 60)")
+    pe.add_argument("--plan-wait-s", type=float, metavar="SECONDS",
+                    help="seconds to wait for the coordinator's round decision (default 10)")
     pe.add_argument("--netem", metavar="TOPOLOGY.json", help="emulate a WAN: delay and bandwidth per region pair")
     pe.add_argument("--region", help="this peer's region in the --netem topology (default: its entry there)")
     pe.set_defaults(fn=cmd_peer)
 
+
+def build_parser() -> argparse.ArgumentParser:
     from potluck import export
     from potluck.coordinator import schedule_cli, status_cli
 
+    p = Parser(prog="potluck", description=DESCRIPTION, epilog=QUICKSTART, formatter_class=HelpFormatter)
+    p.add_argument("--version", action="version", version=f"potluck {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
+    _add_demo(sub)
+    _add_coordinator(sub)
+    _add_peer(sub)
     status_cli.register(sub)
     schedule_cli.register(sub)
     export.register(sub)
@@ -146,8 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_launcher()
     args = build_parser().parse_args(argv)
-    return int(args.fn(args) or 0)
+    try:
+        return int(args.fn(args) or 0)
+    except UsageError as err:
+        print(f"potluck {args.command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

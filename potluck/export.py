@@ -1,6 +1,6 @@
 """``potluck export``: the run's latest verified checkpoint as one plain file a user loads with torch.
 
-    potluck export --journal potluck-run --out model.pt
+    potluck export --journal-dir potluck-run --out model.pt
     >>> sd = torch.load("model.pt")
     >>> model = TinyGPT(ModelConfig(**sd["config"])); model.load_state_dict(sd["model"])
 
@@ -17,19 +17,39 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
+DESCRIPTION = """\
+Write the run's newest verified checkpoint as one plain file that torch.load
+reads, its tensors named as in potluck's TinyGPT (layers.<i>.<...>) whatever
+number of pipeline stages wrote it. A .safetensors file holds the same tensors
+and the model config in its metadata. Run it where the coordinator keeps its
+journal (its --journal-dir)."""
 
-from potluck.coordinator.checkpoint import CheckpointStore, layer_of, split_by_layout
+EXAMPLES = """\
+examples:
+  potluck export --journal-dir potluck-run --out model.pt
+  potluck export --journal-dir potluck-run --step 8 --out step8.safetensors
+
+then, in Python:
+  import torch
+  from potluck.peer.model import TinyGPT
+  from potluck.protos.config import ModelConfig
+  sd = torch.load("model.pt")
+  model = TinyGPT(ModelConfig(**sd["config"]))
+  model.load_state_dict(sd["model"])"""
 
 
-def export_checkpoint(journal_dir: str | Path, out: str | Path, version: int | None = None) -> dict[str, Any]:
-    """Write the newest valid checkpoint (or ``version``) to ``out``; returns a summary."""
+def export_checkpoint(journal_dir: str | Path, out: str | Path, step: int | None = None) -> dict[str, Any]:
+    """Write the newest valid checkpoint (or the one of outer ``step``) to ``out``; returns a summary."""
+    import torch  # here, not at module level: ``potluck --help`` must not wait for torch
+
+    from potluck.coordinator.checkpoint import CheckpointStore, layer_of, split_by_layout
+
     store = CheckpointStore(Path(journal_dir) / "checkpoints")
     manifests = store.manifests()
-    if version is not None:
-        manifests = [m for m in manifests if m.stem == f"ckpt-{version:06d}"]
+    if step is not None:
+        manifests = [m for m in manifests if m.stem == f"ckpt-{step:06d}"]
     if not manifests:
-        raise ValueError(f"no checkpoint{f' of version {version}' if version is not None else ''} in {journal_dir}")
+        raise ValueError(f"no checkpoint{f' of outer step {step}' if step is not None else ''} in {journal_dir}")
     errors = []
     for path in manifests:
         try:
@@ -60,18 +80,40 @@ def export_checkpoint(journal_dir: str | Path, out: str | Path, version: int | N
             "skipped": errors}
 
 
+class _DeprecatedAlias(argparse.Action):
+    """A flag's old spelling: hidden from ``--help``, still accepted, with a note on stderr."""
+
+    def __init__(self, *args: Any, instead: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.instead = instead
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(f"{parser.prog}: {option_string} is deprecated, use {self.instead}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
 def register(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("export", help="write the latest checkpoint as one plain torch (or safetensors) file")
-    p.add_argument("--journal", default="potluck-run", help="the coordinator's journal dir (default ./potluck-run)")
-    p.add_argument("--out", default="model.pt", help="output file: .pt (torch.save) or .safetensors")
-    p.add_argument("--version", type=int, help="a specific outer step's checkpoint (default: the newest valid)")
+    """Add the ``export`` subcommand to ``potluck``'s subparsers."""
+    p = subparsers.add_parser("export", help="write the newest checkpoint to a .pt or .safetensors file",
+                              description=DESCRIPTION, epilog=EXAMPLES,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--journal-dir", default="potluck-run", metavar="DIR",
+                   help="the coordinator's journal dir (default ./potluck-run)")
+    p.add_argument("--journal", dest="journal_dir", help=argparse.SUPPRESS)  # the old spelling
+    p.add_argument("--out", default="model.pt", metavar="FILE", help="output file: .pt (torch.save) or .safetensors")
+    p.add_argument("--step", type=int, metavar="N",
+                   help="the checkpoint written at outer step N (default: the newest valid one)")
+    # --version once meant --step, which read as this program's version next to `potluck --version`
+    p.add_argument("--version", dest="step", type=int, action=_DeprecatedAlias, instead="--step",
+                   help=argparse.SUPPRESS)
     p.set_defaults(fn=run)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        info = export_checkpoint(args.journal, args.out, args.version)
+        info = export_checkpoint(args.journal_dir, args.out, args.step)
     except (ValueError, OSError) as err:
         print(f"potluck export: {err}", file=sys.stderr)
         return 2

@@ -4,6 +4,10 @@ Each child starts in a session of its own, so its whole process group (the Pytho
 hivemind DHT process it forks and that one's ``p2pd`` daemon) can be killed at once. ``stop()``
 asks every child to exit (SIGTERM), waits, then SIGKILLs each group that is left; it runs from ``__exit__`` and
 an ``atexit`` hook, so neither an exception nor Ctrl+C leaves daemons behind (hivemind #382).
+
+Neither runs when this process is SIGKILLed, so each child also gets SIGTERM from the kernel when
+its parent dies (Linux's parent-death signal): it stops politely, and its own watchdog
+(:mod:`potluck.protos.stopping`) makes sure it is gone within its grace period.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
+from potluck.protos.stopping import DIE_WITH_ENV
+
 
 def _killpg(pgid: int, sig: int) -> None:
     try:
@@ -27,11 +33,22 @@ def _killpg(pgid: int, sig: int) -> None:
 
 
 def group_alive(pgid: int) -> bool:
+    """Does any process of group ``pgid`` still run? Zombies waiting to be reaped do not count."""
     try:
         os.killpg(pgid, 0)
-        return True
     except (ProcessLookupError, PermissionError):
         return False
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 class ProcessGroup:
@@ -43,20 +60,28 @@ class ProcessGroup:
     def spawn(
         self, args: Sequence[str], log_path: str | Path | None = None, env: dict[str, str] | None = None
     ) -> subprocess.Popen:
-        """Start ``args`` in a new session; output goes to ``log_path`` (or is inherited)."""
+        """Start ``args`` in a new session; output goes to ``log_path`` (or is inherited).
+
+        A potluck child gets SIGTERM when the thread that calls this ends (spawn from the main
+        thread): it asks the kernel for that itself, first thing (``POTLUCK_DIE_WITH``), rather than
+        in a ``preexec_fn``, which would fork this process with its gRPC threads and run their
+        at-fork handlers in the child.
+        """
         out: IO[bytes] | None = None
         if log_path is not None:
             out = open(log_path, "ab")
             self._logs.append(out)
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", DIE_WITH_ENV: str(os.getpid()), **(env or {})}
         proc = subprocess.Popen(
-            list(args), stdout=out, stderr=subprocess.STDOUT if out else None, env=full_env, start_new_session=True
+            list(args), stdout=out, stderr=subprocess.STDOUT if out else None, env=full_env, start_new_session=True,
         )
         self.procs.append(proc)
         return proc
 
     def spawn_potluck(self, args: Sequence[str], log_path: str | Path | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
-        return self.spawn([sys.executable, "-m", "potluck", *args], log_path, env)
+        """Run the installed ``potluck`` package: ``-P`` keeps a ``./potluck`` folder in the working
+        directory (a clone's root, seen from its parent) from shadowing it."""
+        return self.spawn([sys.executable, "-P", "-m", "potluck", *args], log_path, env)
 
     def kill(self, proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
         """Signal one child's whole group (SIGKILL by default: a crash, not a goodbye)."""

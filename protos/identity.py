@@ -61,7 +61,13 @@ def public_key_from_peer_id(peer_id: str) -> bytes:
     """The Ed25519 public key inside a ``12D3KooW...`` peer id (raises IdentityError otherwise)."""
     raw = b58decode(peer_id)
     if len(raw) != len(_ID_PREFIX) + 32 or not raw.startswith(_ID_PREFIX):
-        raise IdentityError(f"{peer_id!r} is not an Ed25519 peer id (expected one starting with 12D3KooW)")
+        if not peer_id.startswith("12D3KooW"):
+            raise IdentityError(f"{peer_id!r} is not an Ed25519 peer id (those start with 12D3KooW)")
+        if len(peer_id) != 52:  # every Ed25519 peer id is 52 base58 characters
+            raise IdentityError(f"{peer_id!r} has {len(peer_id)} characters, an Ed25519 peer id has 52: "
+                                "copy the whole id")
+        raise IdentityError(f"{peer_id!r} starts like an Ed25519 peer id but does not decode to one: "
+                            "check it for typos")
     return raw[len(_ID_PREFIX) :]
 
 

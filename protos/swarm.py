@@ -10,7 +10,9 @@ from one thread at a time (the coordinator's loop, a peer's heartbeat thread).
 
 from __future__ import annotations
 
+import atexit
 import os
+import signal
 import socket
 import tempfile
 import threading
@@ -34,6 +36,7 @@ from potluck.protos.records import (
     seal,
     unseal,
 )
+from potluck.protos.stopping import children_die_with_parent, die_with_parent, kill_tree
 
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
 os.environ.setdefault("GOLOG_LOG_LEVEL", "error")
@@ -123,8 +126,36 @@ def host_of_multiaddr(maddr: str) -> str | None:
     return None
 
 
+def _ignore_sigterm(signum: int, frame: object) -> None:
+    """The DHT process's SIGTERM: ignored (caught, so ``p2pd`` still gets the default action after exec)."""
+
+
+class _DHTProcess(DHT):
+    """hivemind's DHT process, tied to the process that starts it.
+
+    It dies with its parent (SIGKILL on parent death), and so does its ``p2pd``. SIGINT (hivemind)
+    and SIGTERM (here) leave it alone: a Ctrl+C or a SIGTERM to the whole process group reaches
+    the parent too, which still needs the DHT to say goodbye and then stops it
+    (:meth:`SwarmNode.shutdown`).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.owner_pid = os.getpid()
+        super().__init__(*args, **kwargs)
+
+    def run(self) -> None:
+        die_with_parent(signal.SIGKILL, self.owner_pid)
+        children_die_with_parent(signal.SIGKILL)  # p2pd, started by uvloop's fork + exec
+        signal.signal(signal.SIGTERM, _ignore_sigterm)
+        super().run()
+
+
 class SwarmNode:
-    """One DHT node; ``initial_peers`` empty means this node bootstraps a new swarm."""
+    """One DHT node; ``initial_peers`` empty means this node bootstraps a new swarm.
+
+    Start it from a thread that lives as long as the node (the main thread): the DHT process gets
+    SIGKILL when the thread that forked it ends.
+    """
 
     def __init__(
         self,
@@ -146,19 +177,26 @@ class SwarmNode:
             identity_path = Path(tmpdir.name) / "identity.key"
             identity.save(identity_path)
         announce = [f"/ip4/{announce_host}/tcp/{port}"] if announce_host and port else None
+        self._owner_pid = os.getpid()
+        self._stopped = False
+        self._stop_lock = threading.Lock()
+        self.dht = _DHTProcess(
+            initial_peers=initial_peers or None,
+            start=False,
+            host_maddrs=[f"/ip4/{host}/tcp/{port}"],
+            announce_maddrs=announce,
+            identity_path=str(identity_path),
+            check_if_identity_free=False,
+            startup_timeout=startup_timeout,
+            client_mode=client_mode,
+        )
+        # multiprocessing's own exit hook would join the DHT process forever (it ignores SIGTERM);
+        # ours is registered later, so it runs first
+        atexit.register(self._shutdown_at_exit)
         try:
-            self.dht = DHT(
-                initial_peers=initial_peers or None,
-                start=True,
-                host_maddrs=[f"/ip4/{host}/tcp/{port}"],
-                announce_maddrs=announce,
-                identity_path=str(identity_path),
-                check_if_identity_free=False,
-                startup_timeout=startup_timeout,
-                client_mode=client_mode,
-                await_ready=True,
-            )
+            self.dht.run_in_background(await_ready=True)
         except Exception as err:
+            self.shutdown(timeout=0)
             where = f"the swarm at {initial_peers[0]}" if initial_peers else f"a DHT node on {host}:{port}"
             hint = (
                 "check that the coordinator is running, that its address is reachable from this machine "
@@ -171,6 +209,7 @@ class SwarmNode:
             if tmpdir is not None:
                 tmpdir.cleanup()
         if str(self.dht.peer_id) != identity.peer_id:
+            self.shutdown()
             raise JoinError(f"DHT came up as {self.dht.peer_id}, expected {identity.peer_id}")
 
     @property
@@ -237,8 +276,55 @@ class SwarmNode:
                 refused.append(f"{what} {str(subkey)[-6:]}: {err}")
         return records, refused
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 3.0) -> None:
+        """Stop the DHT process and its ``p2pd``; returns within about ``timeout`` + 1 s, whatever their state.
+
+        hivemind is asked first (the node leaves the swarm, ``p2pd`` is terminated and awaited); a
+        DHT process still there after ``timeout`` (wedged, or busy in a call that never returns) is
+        killed together with everything below it, and reaped. Calling it again does nothing.
+        """
+        dht = getattr(self, "dht", None)
+        if dht is None or os.getpid() != self._owner_pid:
+            return  # a forked child must not stop its parent's node
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        atexit.unregister(self._shutdown_at_exit)
+        pid = dht.pid
+        if pid is None:
+            return  # never started
+        if timeout > 0 and self._running(pid):
+            dht.shutdown_timeout = timeout  # how long hivemind itself waits before its (ignored) SIGTERM
+            polite = threading.Thread(target=self._ask_to_stop, args=(timeout,), name="dht-shutdown", daemon=True)
+            polite.start()
+            polite.join(timeout)
+        if self._running(pid):
+            killed = kill_tree(pid, include_root=True)
+            if timeout > 0:
+                log.info("DHT process did not stop within %.1f s: killed it and %d below it", timeout, len(killed) - 1)
+        dht.join(timeout=1.0)
+
+    def _ask_to_stop(self, timeout: float) -> None:
+        if not self._pipe_lock.acquire(timeout=timeout):
+            return  # another thread is stuck sending: the pipe cannot carry a clean request
         try:
             self.dht.shutdown()
-        except Exception as err:  # shutting down twice or after the child died is fine
+        except Exception as err:  # the process died meanwhile, or its pipe is broken
             log.debug("DHT shutdown: %s", err)
+        finally:
+            self._pipe_lock.release()
+
+    def _running(self, pid: int) -> bool:
+        """Our DHT process (not a zombie, not a reused pid) is alive."""
+        if not os.path.isdir("/proc"):
+            return self.dht.exitcode is None
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            return fields[0] != b"Z" and int(fields[1]) == self._owner_pid
+        except (OSError, IndexError, ValueError):
+            return False
+
+    def _shutdown_at_exit(self) -> None:
+        self.shutdown(timeout=1.0)
