@@ -30,11 +30,10 @@ from pathlib import Path
 import torch
 
 from potluck.compression.int8 import make_codec
-from potluck.demo import get_state, wait_ready
+from potluck.local import LocalSwarm
 from potluck.peer.allreduce import AllReduce, MemberAddr, RoundInfo
-from potluck.procs import ProcessGroup
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.config import RunConfig, apply_overrides, dump_toml
+from potluck.protos.config import RunConfig, apply_overrides
 from potluck.protos.identity import Identity
 from potluck.protos.transport import PeerClient, PeerServer, Traffic
 
@@ -48,34 +47,28 @@ def run_swarm(args: argparse.Namespace, workdir: Path) -> dict:
         "membership.min_peers": 2, "coordinator.host": "127.0.0.1", "coordinator.checkpoint_every": 0,
         "coordinator.journal_dir": str(workdir / "journal"), "data.eval_every": 0,
     })
-    (workdir / "run.toml").write_text(dump_toml(cfg))
-    ready = workdir / "ready.json"
-    with ProcessGroup() as procs:
-        coordinator = procs.spawn_potluck(["coordinator", "--config", str(workdir / "run.toml"), "--ready-file",
-                                           str(ready)], workdir / "coordinator.log")
-        info = wait_ready(ready, coordinator, 120)
+    swarm = LocalSwarm(workdir)
+    try:
+        swarm.start_coordinator(cfg)
         t0 = time.monotonic()
+        for _ in range(2):
+            swarm.start_peer()
         finished_at: float | None = None
-        for i in range(2):
-            procs.spawn_potluck(["peer", "--join", info["join"], "--host", "127.0.0.1", "--threads", "1"],
-                                workdir / f"peer-{i}.log")
-        while True:
-            state = get_state(info["status_url"])
-            if state is None:  # 503 until the coordinator's first snapshot
-                time.sleep(0.5)
-                continue
+
+        def done(state: dict) -> bool:
+            nonlocal finished_at
             hist = state["history"]
-            if state["run"]["finished"] and hist and len(hist[-1]["state_hashes"]) == 2:
-                break
             if state["run"]["finished"] and finished_at is None:
                 finished_at = time.monotonic()
-            if finished_at is not None and time.monotonic() - finished_at > 30:
-                break  # a peer's final record never arrived; report what the coordinator saw
-            if time.monotonic() - t0 > 1800:
-                raise SystemExit("the run did not finish in 30 minutes")
-            time.sleep(0.5)
+            # a peer's final record may never arrive: 30 s after the end, report what the coordinator saw
+            return state["run"]["finished"] and ((hist and len(hist[-1]["state_hashes"]) == 2)
+                                                 or time.monotonic() - finished_at > 30)
+
+        state = swarm.wait_state(done, 1800, "the run to finish")
         state["wall_s"] = time.monotonic() - t0
         return state
+    finally:
+        swarm.stop()
 
 
 class _Member:

@@ -27,24 +27,12 @@ import signal
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from potluck.demo import get_state, wait_ready
-from potluck.procs import ProcessGroup
-from potluck.protos.config import RunConfig, apply_overrides, dump_toml
+from potluck.local import LocalSwarm
+from potluck.protos.config import RunConfig, apply_overrides
 
 FIRST = re.compile(r"first training step ([\d.]+) s after the process started \(([\d.]+) s after joining")
-
-
-def wait(cond, timeout: float, what: str):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise SystemExit(f"timed out waiting for {what}")
 
 
 def first_step(log: Path) -> tuple[float, float] | None:
@@ -84,51 +72,12 @@ def main() -> None:
     parser.add_argument("--shared-cpu", action="store_true", help="do not lower the other peers' CPU priority")
     parser.add_argument("--workdir", help="keep the run's logs here (default: a temporary directory)")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="potluck-joiner-") as tmp, ProcessGroup() as procs:
-        work = Path(args.workdir or tmp)
-        work.mkdir(parents=True, exist_ok=True)
-        cfg = apply_overrides(RunConfig(), {
-            "run_id": "joiner", "diloco.outer_steps": 1000, "diloco.inner_steps": 30, "membership.min_peers": 2,
-            "coordinator.host": "127.0.0.1", "coordinator.checkpoint_every": 0, "coordinator.journal_dir": str(work / "j"),
-        })
-        (work / "run.toml").write_text(dump_toml(cfg))
-        coordinator = procs.spawn_potluck(["coordinator", "--config", str(work / "run.toml"), "--ready-file",
-                                           str(work / "ready.json")], work / "coordinator.log")
-        ready = wait_ready(work / "ready.json", coordinator, 120)
-
-        running: list[int] = []
-
-        def peer(i: int) -> Path:
-            log = work / f"peer-{i}.log"
-            running.append(procs.spawn_potluck(["peer", "--join", ready["join"], "--host", "127.0.0.1", "--threads", "1"], log).pid)
-            return log
-
-        def nice(pids: list[int], value: int) -> None:
-            for tid in threads_of(pids) if not args.shared_cpu else []:
-                try:
-                    os.setpriority(os.PRIO_PROCESS, tid, value)
-                except OSError:
-                    pass  # it exited
-            for pid in pids if not args.shared_cpu else []:  # each peer has a session, so a scheduler autogroup
-                try:
-                    Path(f"/proc/{pid}/autogroup").write_text(str(value))
-                except OSError:
-                    pass
-
-        founders = [peer(0), peer(1)]
-        results = []
-        for k in range(args.joiners):
-            target = 2 + 2 * k
-            wait(lambda t=target: (s := get_state(ready["status_url"])) and s["run"]["outer_step"] >= t, 300,
-                 f"outer step {target}")
-            nice(running, 19)
-            log = peer(2 + k)
-            results.append(wait(lambda log=log: first_step(log), 120, "the joiner's first step"))
-            if os.geteuid() == 0:
-                nice(running, 0)
-            else:  # only root may lower a nice value: keep every peer at 19, the joiner too
-                nice(running[-1:], 19)
-        base = [wait(lambda log=log: first_step(log), 10, "founders") for log in founders]
+    with tempfile.TemporaryDirectory(prefix="potluck-joiner-") as tmp:
+        swarm = LocalSwarm(Path(args.workdir or tmp))
+        try:
+            results, base = measure(swarm, args)
+        finally:
+            swarm.stop()
     from_start = [r[0] for r in results]
     from_join = [r[1] for r in results]
     print(json.dumps({
@@ -139,6 +88,51 @@ def main() -> None:
         "cpu": "shared by every peer" if args.shared_cpu else "others at nice 19 while a joiner starts",
         "target_s": 10.0,
     }))
+
+
+def nice(pids: list[int], value: int, shared_cpu: bool) -> None:
+    """Set the CPU priority of these peers' every thread (and their scheduler autogroups)."""
+    if shared_cpu:
+        return
+    for tid in threads_of(pids):
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, value)
+        except OSError:
+            pass  # it exited
+    for pid in pids:  # each peer has a session, so a scheduler autogroup
+        try:
+            Path(f"/proc/{pid}/autogroup").write_text(str(value))
+        except OSError:
+            pass
+
+
+def measure(swarm: LocalSwarm, args: argparse.Namespace) -> tuple[list, list]:
+    """Start 2 founders, then one joiner every 2 outer steps; their (from start, from DHT join) seconds."""
+    swarm.start_coordinator(apply_overrides(RunConfig(), {
+        "run_id": "joiner", "diloco.outer_steps": 1000, "diloco.inner_steps": 30, "membership.min_peers": 2,
+        "coordinator.host": "127.0.0.1", "coordinator.checkpoint_every": 0,
+        "coordinator.journal_dir": str(swarm.workdir / "j"),
+    }))
+    running: list[int] = []
+
+    def peer(i: int) -> Path:
+        running.append(swarm.start_peer().pid)
+        return swarm.logs / f"peer-{i}.log"
+
+    founders = [peer(0), peer(1)]
+    results = []
+    for k in range(args.joiners):
+        target = 2 + 2 * k
+        swarm.wait_state(lambda s, t=target: s["run"]["outer_step"] >= t, 300, f"outer step {target}")
+        nice(running, 19, args.shared_cpu)
+        log = peer(2 + k)
+        results.append(swarm.wait_for(lambda log=log: first_step(log), 120, "the joiner's first step", poll=0.2))
+        if os.geteuid() == 0:
+            nice(running, 0, args.shared_cpu)
+        else:  # only root may lower a nice value: keep every peer at 19, the joiner too
+            nice(running[-1:], 19, args.shared_cpu)
+    base = [swarm.wait_for(lambda log=log: first_step(log), 10, "founders", poll=0.2) for log in founders]
+    return results, base
 
 
 if __name__ == "__main__":

@@ -65,15 +65,24 @@ class Snapshot:
 
 
 class SnapshotServer:
-    """GetStateInfo / FetchState handlers over the latest published :class:`Snapshot`."""
+    """GetStateInfo / FetchState handlers over the latest published :class:`Snapshot`, and the one
+    before it: a member one step ahead of a failed round rolls back to it, and its peers fetch it
+    from here (see :mod:`potluck.coordinator.rounds`)."""
 
-    def __init__(self, run_id: str, chunk_bytes: int) -> None:
-        self.run_id, self.chunk_bytes = run_id, chunk_bytes
+    def __init__(self, run_id: str, chunk_bytes: int, keep: int = 1) -> None:
+        self.run_id, self.chunk_bytes, self.keep = run_id, chunk_bytes, keep
         self._lock = threading.Lock()
         self._snapshot: Snapshot | None = None
+        self._previous: Snapshot | None = None
 
     def publish(self, snapshot: Snapshot | None) -> None:
+        """Serve ``snapshot``; the one it replaces stays available if ``keep`` (and older)."""
         with self._lock:
+            old = self._snapshot
+            if self.keep and old is not None and snapshot is not None and old.version < snapshot.version:
+                self._previous = old
+            elif snapshot is None or (self._previous is not None and self._previous.version >= snapshot.version):
+                self._previous = None
             self._snapshot = snapshot
 
     @property
@@ -81,16 +90,27 @@ class SnapshotServer:
         with self._lock:
             return self._snapshot
 
-    def _for(self, run_id: str) -> Snapshot:
+    @property
+    def previous(self) -> Snapshot | None:
+        with self._lock:
+            return self._previous
+
+    def _for(self, run_id: str, version: int | None = None) -> Snapshot:
         if run_id != self.run_id:
-            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"unknown run id {run_id!r}")
-        snap = self.current
-        if snap is None:
-            raise Rejected(grpc.StatusCode.UNAVAILABLE, "no committed state yet")
-        return snap
+            raise Rejected(pb.UNKNOWN_RUN, f"unknown run id {run_id!r}")
+        with self._lock:
+            held = [s for s in (self._snapshot, self._previous) if s is not None]
+        if not held:
+            raise Rejected(pb.NO_STATE, "no committed state yet")
+        if version is None:
+            return held[0]
+        for snap in held:
+            if snap.version == version:
+                return snap
+        raise Rejected(pb.NO_STATE, f"version {version} is not held here (holding {[s.version for s in held]})")
 
     def get_state_info(self, request: pb.StateInfoRequest) -> pb.StateInfo:
-        snap = self._for(request.header.run_id)
+        snap = self._for(request.header.run_id, request.version if request.HasField("version") else None)
         return pb.StateInfo(
             version=snap.version,
             state_hash=snap.hash,
@@ -99,15 +119,13 @@ class SnapshotServer:
         )
 
     def fetch_state(self, request: pb.StateRequest) -> Iterator[pb.StateChunk]:
-        snap = self._for(request.header.run_id)
-        if request.version != snap.version:
-            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, f"asked for version {request.version}, this process holds {snap.version}")
+        snap = self._for(request.header.run_id, request.version)
         for r in request.ranges:
             t = snap.tensors.get(r.name)
             if t is None:
-                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"no tensor named {r.name!r}")
+                raise Rejected(pb.BAD_MESSAGE, f"no tensor named {r.name!r}")
             if r.offset < 0 or r.numel < 0 or r.offset + r.numel > t.numel():
-                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"range [{r.offset}, {r.offset + r.numel}) is outside {r.name}")
+                raise Rejected(pb.BAD_MESSAGE, f"range [{r.offset}, {r.offset + r.numel}) is outside {r.name}")
             for chunk in encode_chunks(r.name, t[r.offset : r.offset + r.numel], RawCodec(), self.chunk_bytes):
                 chunk.offset += r.offset
                 chunk.shape[:] = [t.numel()]
@@ -128,21 +146,27 @@ class Source:
     info: pb.StateInfo
 
 
-def probe_sources(client: PeerClient, header: pb.Header, addresses: Sequence[str], timeout: float = 5.0,
-                  stage: int = 0) -> list[Source]:
-    """Ask each address what it serves of pipeline ``stage``; unreachable or refusing ones, and those
-    serving another stage (a peer serves the stage it holds, whatever is asked), are skipped."""
-    out = []
-    request = pb.StateInfoRequest(header=header, stage=stage)
-    for address in addresses:
+def probe_sources(client: PeerClient, header: pb.Header, addresses: Sequence[str], timeout: float = 2.0,
+                  stage: int = 0, version: int | None = None) -> list[Source]:
+    """Ask every address at once what it serves of pipeline ``stage`` (at ``version``, or its newest).
+
+    Unreachable, silent or refusing ones, and those serving another stage (a peer serves the stage it
+    holds, whatever is asked), are skipped; a frozen source costs ``timeout``, once, not per source.
+    """
+    request = pb.StateInfoRequest(header=header, stage=stage, version=version)
+
+    def ask(address: str) -> Source | None:
         try:
             info = client.get_state_info(address, request, timeout)
         except grpc.RpcError as err:
             log.debug("no state from %s: %s", address, rpc_reason(err))
-            continue
-        if stage_of(info) == stage:
-            out.append(Source(address, info))
-    return out
+            return None
+        return Source(address, info) if stage_of(info) == stage else None
+
+    if not addresses:
+        return []
+    with ThreadPoolExecutor(max_workers=min(16, len(addresses))) as pool:
+        return [s for s in pool.map(ask, addresses) if s is not None]
 
 
 def fetch_snapshot(

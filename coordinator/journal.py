@@ -13,11 +13,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from potluck.protos.records import Round
 
-JOURNAL_VERSION = 1
+JOURNAL_VERSION = 2
 KEEP_ROUNDS = 16
 
 
@@ -33,13 +33,29 @@ class JournalState(BaseModel):
     config: dict[str, Any]
     created_at: float
     committed: int = 0
-    hashes: dict[int, str] = Field(default_factory=dict)
+    epoch: int = Field(0, description="grows with every failed round (see potluck.coordinator.rounds)")
+    hashes: dict[int, dict[int, str]] = Field(default_factory=dict, description="stage -> version -> canonical hash")
     rounds: list[Round] = Field(default_factory=list)
-    history: list[dict[str, Any]] = Field(default_factory=list)
+    outcomes: list[dict[str, Any]] = Field(default_factory=list, description="rounds that failed, newest last")
+    history: list[dict[str, Any]] = Field(default_factory=list, description="one entry per committed step")
+    rolled_back: list[dict[str, Any]] = Field(default_factory=list, description="history entries of steps "
+                                              "undone by a rollback, marked with the epoch that ran them")
     checkpoints: list[str] = Field(default_factory=list)
     finished: bool = False
     known_peers: list[str] = Field(default_factory=list, description="DHT addresses of recent peers: "
                                    "a restarted coordinator rejoins the swarm through them")
+
+    @field_validator("hashes", mode="before")
+    @classmethod
+    def _stage_zero_of_v1(cls, value: Any) -> Any:
+        """Version 1 journals kept {version: hash} of stage 0 only."""
+        if isinstance(value, dict) and value and all(isinstance(v, str) for v in value.values()):
+            return {0: value}
+        return value
+
+    def committed_run(self) -> bool:
+        """Did this run ever commit a step? A journal that never did pins no config."""
+        return self.committed > 0 or bool(self.history)
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -73,6 +89,5 @@ class Journal:
 
     def save(self, state: JournalState) -> None:
         state.rounds = sorted(state.rounds, key=lambda r: r.step)[-KEEP_ROUNDS:]
-        keep = {r.step - 1 for r in state.rounds} | {state.committed}
-        state.hashes = {v: h for v, h in state.hashes.items() if v in keep}
+        state.v = JOURNAL_VERSION
         write_atomic(self.path, json.dumps(state.model_dump(mode="json"), indent=1).encode())

@@ -15,17 +15,18 @@ the model's parameters / S).
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from potluck.coordinator.costmodel import CostModel, Topology, TopologyError
-from potluck.coordinator.membership import PeerTable, sticky_placement
 from potluck.coordinator.scheduler import evolutionary_search
 from potluck.protos.config import RunConfig
 from potluck.protos.log import get_logger
+from potluck.protos.records import Member, PeerRecord
 from potluck.protos.swarm import LinkReport
 
 log = get_logger(__name__)
@@ -44,6 +45,10 @@ class Replan:
     moved: int
     seconds: float
     evaluations: int
+
+    def describe(self) -> str:
+        return (f"moved {self.moved} tasklets: predicted {self.cost:.3f} s vs {self.kept_cost or 0:.3f} s kept "
+                f"({self.evaluations} plans in {self.seconds:.1f} s)")
 
 
 def payloads_gb(cfg: RunConfig, parameters: int) -> tuple[float, float]:
@@ -81,51 +86,154 @@ def link_matrices(ids: list[str], reports: Mapping[str, LinkReport]) -> tuple[np
     return delay, gbps, measured
 
 
-def make_placer(cfg: RunConfig, reports: Callable[[], Mapping[str, LinkReport]], parameters: Callable[[], int],
-                budget_s: float = 1.0, migration_weight: float | None = None,
-                on_replan: Callable[[Replan], None] | None = None) -> Callable:
-    """A :data:`~potluck.coordinator.membership.Placer` for :meth:`PeerTable.decide`."""
+Grid = dict[str, tuple[int, int]]  # peer id -> (stage, replica)
 
-    def place(ids: list[str], stages: int, replicas: int, before: dict[str, tuple[int, int]],
-              table: PeerTable) -> dict[str, tuple[int, int]]:
-        kept = sticky_placement(ids, stages, replicas, before, table)
-        if replicas < 2 and stages < 2:
-            return kept
-        rep = reports()
-        delay, gbps, measured = link_matrices(ids, rep)
-        if measured < len(ids) * (len(ids) - 1) // 2:
-            return kept  # too little measured yet to beat the sticky grid
-        c_pp, c_dp = payloads_gb(cfg, parameters())
+
+def sticky_placement(ids: list[str], stages: int, replicas: int, before: Mapping[str, tuple[int, int]],
+                     held: Mapping[str, int] | None = None) -> Grid:
+    """Fill an S x R grid with ``ids``, keeping every peer that can on its previous tasklet.
+
+    A peer keeps (stage, replica) if both fit the new grid; then peers that held the stage's state
+    (same stage, another replica) take free replicas of that stage; then peers whose state is of a
+    stage (``held``: peer -> the stage of the state it holds) do; newcomers and spares fill what is
+    left, in id order. Fewest moves means fewest state transfers and AC-SGD buffer warm-ups.
+    """
+    held = held or {}
+    grid: Grid = {}
+    taken: set[tuple[int, int]] = set()
+    for pid in ids:
+        cell = before.get(pid)
+        if cell is not None and cell[0] < stages and cell[1] < replicas and cell not in taken:
+            grid[pid] = cell
+            taken.add(cell)
+    free = [(s, r) for s in range(stages) for r in range(replicas) if (s, r) not in taken]
+    for pid in ids:  # same stage as before, another replica: no state transfer needed
+        if pid in grid:
+            continue
+        s = before[pid][0] if pid in before else held.get(pid)
+        cell = next((c for c in free if c[0] == s), None)
+        if cell is not None:
+            grid[pid] = cell
+            free.remove(cell)
+    for pid in ids:
+        if pid not in grid and free:
+            grid[pid] = free.pop(0)
+    return grid
+
+
+@dataclass(frozen=True)
+class Request:
+    """One placement to compute: the peers of the coming round and what is known of their links."""
+
+    ids: tuple[str, ...]
+    stages: int
+    replicas: int
+    before: Mapping[str, tuple[int, int]]
+    held: Mapping[str, int]
+    reports: Mapping[str, LinkReport]
+    parameters: int
+
+    @property
+    def key(self) -> tuple:
+        return self.ids, self.stages, self.replicas, tuple(sorted(self.before.items()))
+
+
+def place(cfg: RunConfig, req: Request, budget_s: float = 1.0,
+          migration_weight: float | None = None) -> tuple[Grid, Replan | None]:
+    """The grid for ``req``: the scheduler's plan if it is predicted cheaper than keeping tasklets."""
+    ids, stages, replicas = list(req.ids), req.stages, req.replicas
+    kept = sticky_placement(ids, stages, replicas, req.before, req.held)
+    if replicas < 2 and stages < 2:
+        return kept, None
+    delay, gbps, measured = link_matrices(ids, req.reports)
+    if measured < len(ids) * (len(ids) - 1) // 2:
+        return kept, None  # too little measured yet to beat the sticky grid
+    c_pp, c_dp = payloads_gb(cfg, req.parameters)
+    try:
+        topo = Topology(delay_ms=delay.tolist(), bandwidth_gbps=gbps.tolist(), stages=stages, replicas=replicas,
+                        activation_gb=c_pp, gradient_gb=c_dp, outer_every=cfg.diloco.inner_steps)
+    except TopologyError as err:
+        log.warning("cannot plan from the measured links: %s", err)
+        return kept, None
+    index = {pid: i for i, pid in enumerate(ids)}
+    previous = _as_array(kept, index, stages, replicas)
+    # A moved peer downloads its new stage (c_dp at int8 -> ~4x that in fp32 theta + momentum) and
+    # re-warms its AC-SGD buffers, once: about a second plus the transfer, amortized over the
+    # next MIGRATION_AMORTIZE_OUTER outer steps' inner steps (the objective is per inner step).
+    transfer_s = 8 * 8 * c_dp / float(np.median(gbps[gbps < 1e3])) if (gbps < 1e3).any() else 0.0
+    weight = migration_weight if migration_weight is not None else (
+        (1.0 + transfer_s) / (MIGRATION_AMORTIZE_OUTER * cfg.diloco.inner_steps))
+    model = CostModel(topo, previous=previous, migration_weight=weight)
+    t0 = time.monotonic()
+    result = evolutionary_search(topo, seed=len(ids), budget_seconds=budget_s, model=model)
+    kept_cost = model.plan(previous).cost
+    chosen = result.plan
+    if chosen.cost >= kept_cost - 1e-9:
+        return kept, Replan(kept_cost, kept_cost, 0, time.monotonic() - t0, result.evaluations)
+    grid = {ids[dev]: (s, r) for r, pipe in enumerate(chosen.pipelines) for s, dev in enumerate(pipe)}
+    moved = sum(1 for pid, cell in grid.items() if kept.get(pid) != cell)
+    return grid, Replan(chosen.cost, kept_cost, moved, time.monotonic() - t0, result.evaluations)
+
+
+def grid_for(cfg: RunConfig, records: list[PeerRecord], stages: int, before: Mapping[str, tuple[int, int]],
+             links: Mapping[str, LinkReport], worker: PlacementWorker) -> tuple[Grid, Replan | None] | None:
+    """The grid of the coming round for these (live, reachable) peers; None while there is not one
+    whole pipeline yet, or while the worker still searches (ask again on the next tick)."""
+    ids = sorted(r.peer_id for r in records)
+    replicas = len(ids) // stages
+    if not replicas:
+        return None
+    held = {r.peer_id: r.stage for r in records if r.version > 0}
+    if stages > 1 and cfg.links.placement == "scheduler":
+        params = sum({r.stage: r.parameters for r in records}.values())
+        return worker.poll(Request(tuple(ids), stages, replicas, before, held, links, params))
+    return sticky_placement(ids, stages, replicas, before, held), None
+
+
+def members(grid: Grid, records: list[PeerRecord]) -> list[Member]:
+    """The round's members: each placed peer on its tasklet, at the address it announced."""
+    address = {r.peer_id: r.address for r in records}
+    return [Member(peer_id=p, address=address[p], stage=s, replica=k) for p, (s, k) in grid.items()]
+
+
+class PlacementWorker:
+    """Runs the search on a thread of its own, so the coordinator's loop (heartbeats, rounds, the
+    status page) never waits for it: :meth:`poll` starts a request and returns its grid once done."""
+
+    def __init__(self, cfg: RunConfig, budget_s: float) -> None:
+        self.cfg, self.budget_s = cfg, budget_s
+        self._lock = threading.Lock()
+        self._key: tuple | None = None
+        self._result: tuple[Grid, Replan | None] | None = None
+        self._thread: threading.Thread | None = None
+
+    def poll(self, req: Request) -> tuple[Grid, Replan | None] | None:
+        """The placement for ``req`` if it is computed; otherwise start computing it and return None."""
+        with self._lock:
+            if self._key == req.key and self._result is not None:
+                return self._result
+            if self._thread is not None and self._thread.is_alive():
+                return None  # another request is still running; ask again
+            self._key, self._result = req.key, None
+            self._thread = threading.Thread(target=self._run, args=(req,), name="placement", daemon=True)
+            self._thread.start()
+            return None
+
+    def stop(self, timeout: float = 1.0) -> None:
+        """The search is bounded by its budget; wait that long at most (the thread is a daemon)."""
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            thread.join(timeout)
+
+    def _run(self, req: Request) -> None:
         try:
-            topo = Topology(delay_ms=delay.tolist(), bandwidth_gbps=gbps.tolist(), stages=stages, replicas=replicas,
-                            activation_gb=c_pp, gradient_gb=c_dp, outer_every=cfg.diloco.inner_steps)
-        except TopologyError as err:
-            log.warning("cannot plan from the measured links: %s", err)
-            return kept
-        index = {pid: i for i, pid in enumerate(ids)}
-        previous = _as_array(kept, index, stages, replicas)
-        # A moved peer downloads its new stage (c_dp at int8 -> ~4x that in fp32 theta + momentum) and
-        # re-warms its AC-SGD buffers, once: about a second plus the transfer, amortized over the
-        # next MIGRATION_AMORTIZE_OUTER outer steps' inner steps (the objective is per inner step).
-        transfer_s = 8 * 8 * c_dp / float(np.median(gbps[gbps < 1e3])) if (gbps < 1e3).any() else 0.0
-        weight = migration_weight if migration_weight is not None else (
-            (1.0 + transfer_s) / (MIGRATION_AMORTIZE_OUTER * cfg.diloco.inner_steps))
-        model = CostModel(topo, previous=previous, migration_weight=weight)
-        t0 = time.monotonic()
-        result = evolutionary_search(topo, seed=len(ids), budget_seconds=budget_s, model=model)
-        kept_cost = model.plan(previous).cost
-        chosen = result.plan
-        if chosen.cost >= kept_cost - 1e-9:
-            if on_replan:
-                on_replan(Replan(kept_cost, kept_cost, 0, time.monotonic() - t0, result.evaluations))
-            return kept
-        grid = {ids[dev]: (s, r) for r, pipe in enumerate(chosen.pipelines) for s, dev in enumerate(pipe)}
-        moved = sum(1 for pid, cell in grid.items() if kept.get(pid) != cell)
-        if on_replan:
-            on_replan(Replan(chosen.cost, kept_cost, moved, time.monotonic() - t0, result.evaluations))
-        return grid
-
-    return place
+            result = place(self.cfg, req, self.budget_s)
+        except Exception:  # a search bug must not stop the run: keep every tasklet where it is
+            log.exception("placement failed; keeping tasklets")
+            result = (sticky_placement(list(req.ids), req.stages, req.replicas, req.before, req.held), None)
+        with self._lock:
+            if self._key == req.key:
+                self._result = result
 
 
 def _as_array(grid: Mapping[str, tuple[int, int]], index: Mapping[str, int], stages: int, replicas: int) -> np.ndarray:

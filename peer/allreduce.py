@@ -15,9 +15,13 @@ pseudo-gradient into one contiguous shard per member. Member ``j`` owns shard ``
    backup lacks); otherwise the members re-send their slice to the backup (attempt 1) and it
    reduces them. An owner whose backup already took over does not broadcast its late result.
 
-A member never waits past its deadline. A member that ends without every shard has not committed
-the step and must recover state from the others (:class:`IncompleteRound`): no member ever applies
-a half-averaged update.
+A member never waits past its deadline, and never on a member that does not answer: before it
+hands a result to a backup it pings it, so a stopped backup costs a ping, not a transfer timeout
+(which would let the deadline of the others pass and get a healthy owner dropped). A member that
+ends without every shard, or with a shard nobody contributed to, has not committed the step and
+must recover state from the others (:class:`IncompleteRound`): no member ever applies a
+half-averaged update, and an empty average (zeros that momentum would still turn into a step)
+never commits.
 
 Messages for a step can arrive before this member reaches it (it may still be running inner steps);
 the :class:`AllReduce` keeps them, checked, until it does.
@@ -25,7 +29,6 @@ the :class:`AllReduce` keeps them, checked, until it does.
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -39,8 +42,17 @@ import torch
 from potluck.compression.int8 import Codec
 from potluck.compression.stream import Assembler, WireError, encode_chunks
 from potluck.protos import potluck_pb2 as pb
+from potluck.protos.faults import fault
 from potluck.protos.log import get_logger, short_id
-from potluck.protos.transport import PeerClient, Rejected, is_unreachable, rpc_reason
+from potluck.protos.transport import (
+    PeerClient,
+    Rejected,
+    is_silent,
+    is_unreachable,
+    refusal_of,
+    refused,
+    rpc_reason,
+)
 
 log = get_logger(__name__)
 
@@ -49,15 +61,13 @@ NOT_PARTICIPATING = {"joining", "recovering", "left", "waiting"}
 CATCHING_UP = {"joining", "recovering", "waiting"}
 
 
-# the receiver's step in a wrong-step refusal: senders read it back to tell "behind" from "ahead"
-_WRONG_STEP = "message for step {step}, this peer is at step {at}"
-_AT_STEP = re.compile(r"this peer is at step (\d+)")
+PING_S = 2.0
 
 
 def _remote_step(err: grpc.RpcError) -> int | None:
-    """The step a member refused our message from (see ``_WRONG_STEP``), or None for other errors."""
-    m = _AT_STEP.search(rpc_reason(err))
-    return int(m.group(1)) if m else None
+    """The step a member is at when it refused our message as WRONG_STEP, or None for other errors."""
+    info = refusal_of(err)
+    return int(info.at_step) if info is not None and info.code == pb.WRONG_STEP else None
 
 
 class IncompleteRound(RuntimeError):
@@ -78,6 +88,7 @@ class RoundInfo:
     members: tuple[MemberAddr, ...]
     me: str
     base_hash: str  # hash of the state every member computes its delta from
+    epoch: int = 0  # the coordinator's epoch of the round (a failed round's stragglers are refused)
 
     @property
     def ids(self) -> list[str]:
@@ -133,6 +144,7 @@ class AllReduceStats:
     dropped: list[str] = field(default_factory=list)
     taken_over: list[int] = field(default_factory=list)
     contributors: dict[int, int] = field(default_factory=dict)
+    partial: list[str] = field(default_factory=list)  # contributors counted in some shards but not all
 
 
 class AllReduce:
@@ -157,6 +169,7 @@ class AllReduce:
         self._cond = threading.Condition()
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="allreduce")
         self._step = -1
+        self._epoch = 0
         self._base_hash = ""
         self._round: RoundInfo | None = None
         self._contribs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
@@ -166,13 +179,15 @@ class AllReduce:
         self._pending: list[Future] = []
         self._ahead: list[str] = []  # members already past the running step (it went on without us)
         self._catch_up_until = 0.0  # until then, a member still fetching the round's base is waited for
+        self._backup_timeout = PING_S  # seconds a result may take to reach a backup (half the grace period)
 
     # ---------------------------------------------------------------- state of the coming step
 
-    def expect(self, step: int, base_hash: str) -> None:
-        """Accept messages for ``step``, computed from the theta_global whose hash is ``base_hash``."""
+    def expect(self, step: int, base_hash: str, epoch: int = 0) -> None:
+        """Accept messages for ``step`` (of ``epoch``), computed from the theta_global whose hash is
+        ``base_hash``; everything held for another step is dropped."""
         with self._cond:
-            self._step, self._base_hash, self._round = step, base_hash, None
+            self._step, self._base_hash, self._epoch, self._round = step, base_hash, epoch, None
             self._contribs.clear()
             self._closed.clear()
             self._results.clear()
@@ -184,6 +199,12 @@ class AllReduce:
         with self._cond:
             if info.step != self._step:
                 return
+            if info.epoch != self._epoch:  # decided again after a failure: what came for the old epoch is void
+                self._epoch = info.epoch
+                self._contribs.clear()
+                self._closed.clear()
+                self._results.clear()
+                self._taken_over.clear()
             self._round = info
             members = set(info.ids)
             for by_sender in self._contribs.values():
@@ -207,24 +228,24 @@ class AllReduce:
     def _check_header(self, chunk: pb.ShardChunk) -> None:
         h = chunk.header
         if h.run_id != self.run_id:
-            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"unknown run id {h.run_id!r}")
+            raise Rejected(pb.UNKNOWN_RUN, f"unknown run id {h.run_id!r}")
         if h.step != self._step:
-            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, _WRONG_STEP.format(step=h.step, at=self._step))
+            raise Rejected(pb.WRONG_STEP, f"message for step {h.step}, this peer is at step {self._step}",
+                           at_step=self._step)
+        if h.epoch != self._epoch:
+            raise Rejected(pb.WRONG_EPOCH, f"message for epoch {h.epoch} of step {h.step}, this peer runs epoch "
+                           f"{self._epoch}", at_step=self._step, at_epoch=self._epoch)
         if chunk.base_hash != self._base_hash:
-            raise Rejected(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"base hash mismatch: sender computed from {chunk.base_hash[:12]}, this peer holds {self._base_hash[:12]}",
-            )
+            raise Rejected(pb.BASE_MISMATCH, f"base hash mismatch: sender computed from {chunk.base_hash[:12]}, "
+                           f"this peer holds {self._base_hash[:12]}")
         if self._round is not None:
             if h.sender not in self._round.ids:
-                raise Rejected(grpc.StatusCode.PERMISSION_DENIED, f"{short_id(h.sender)} is not a member of step {h.step}")
+                raise Rejected(pb.NOT_A_MEMBER, f"{short_id(h.sender)} is not a member of step {h.step}")
             if chunk.num_shards != len(self._round.members):
-                raise Rejected(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"num_shards {chunk.num_shards} but step {h.step} has {len(self._round.members)} members",
-                )
+                raise Rejected(pb.BAD_MESSAGE, f"num_shards {chunk.num_shards} but step {h.step} has "
+                               f"{len(self._round.members)} members")
         if not 0 <= chunk.shard < chunk.num_shards:
-            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"shard {chunk.shard} outside [0, {chunk.num_shards})")
+            raise Rejected(pb.BAD_MESSAGE, f"shard {chunk.shard} outside [0, {chunk.num_shards})")
 
     def _receive(self, chunks: Iterator[pb.ShardChunk]) -> tuple[pb.ShardChunk, torch.Tensor, list[pb.Tensor]]:
         """Validate and decode a whole stream; nothing is stored until it all checks out."""
@@ -246,15 +267,15 @@ class AllReduce:
                 elif (chunk.header.sender, chunk.shard, chunk.num_shards, chunk.attempt) != (
                     first.header.sender, first.shard, first.num_shards, first.attempt
                 ):
-                    raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "chunk header changed within one stream")
+                    raise Rejected(pb.BAD_MESSAGE, "chunk header changed within one stream")
                 assert assembler is not None
                 assembler.add(chunk.tensor)
                 kept.append(chunk.tensor)
             if first is None or assembler is None:
-                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "empty stream")
+                raise Rejected(pb.BAD_MESSAGE, "empty stream")
             return first, assembler.result(), kept
         except WireError as err:
-            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(err), first.header.sender if first else "") from None
+            raise Rejected(pb.BAD_MESSAGE, str(err), first.header.sender if first else "") from None
         except Rejected as r:
             r.sender = r.sender or (first.header.sender if first else "")
             raise
@@ -265,14 +286,14 @@ class AllReduce:
         with self._cond:
             self._check_header(first)  # the step may have moved on while the stream arrived
             if self._round is not None and first.attempt == 0 and first.shard != self._round.index:
-                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"shard {first.shard} is not owned by this peer")
+                raise Rejected(pb.NOT_OWNER, f"shard {first.shard} is not owned by this peer")
             if key in self._closed or (first.attempt == 0 and first.shard in self._taken_over):
-                raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, f"shard {first.shard} of step {self._step} is already reduced")
+                raise Rejected(pb.ALREADY_REDUCED, f"shard {first.shard} of step {self._step} is already reduced")
             by_sender = self._contribs.setdefault(key, {})
             if first.header.sender in by_sender:
-                raise Rejected(grpc.StatusCode.ALREADY_EXISTS, f"duplicate contribution from {short_id(first.header.sender)}")
+                raise Rejected(pb.DUPLICATE, f"duplicate contribution from {short_id(first.header.sender)}")
             if self._round is None and sum(len(v) for v in self._contribs.values()) >= MAX_PENDING_SENDERS:
-                raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many contributions before the round is known")
+                raise Rejected(pb.OVERLOADED, "too many contributions before the round is known")
             by_sender[first.header.sender] = values
             self._cond.notify_all()
         return pb.Ack(received_bytes=sum(t.ByteSize() for t in kept))
@@ -283,7 +304,7 @@ class AllReduce:
             self._check_header(first)
             shard = first.shard
             if first.attempt == 0 and shard in self._taken_over:
-                raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, f"shard {shard} of step {self._step} was taken over")
+                raise Rejected(pb.TAKEN_OVER, f"shard {shard} of step {self._step} was taken over")
             if shard not in self._results:
                 self._results[shard] = _Result(first.attempt, values, kept, list(first.contributors), first.header.sender)
                 self._cond.notify_all()
@@ -294,11 +315,11 @@ class AllReduce:
     def on_fetch_result(self, request: pb.ResultRequest) -> Iterator[pb.ShardChunk]:
         with self._cond:
             if request.header.run_id != self.run_id:
-                raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"unknown run id {request.header.run_id!r}")
+                raise Rejected(pb.UNKNOWN_RUN, f"unknown run id {request.header.run_id!r}")
             result = self._results.get(request.shard) if request.header.step == self._step else None
             if result is None:
-                raise Rejected(grpc.StatusCode.NOT_FOUND, f"no result for shard {request.shard} of step {request.header.step}")
-            hdr = pb.Header(run_id=self.run_id, sender=self.me, step=self._step)
+                raise Rejected(pb.NO_STATE, f"no result for shard {request.shard} of step {request.header.step}")
+            hdr = pb.Header(run_id=self.run_id, sender=self.me, step=self._step, epoch=self._epoch)
             base = self._base_hash
         for t in result.chunks:
             yield pb.ShardChunk(
@@ -328,6 +349,9 @@ class AllReduce:
         deadline = t_start + wait_s
         # a member still fetching the round's base state (a joiner, or one re-assigned) is waited for this long
         self._catch_up_until = min(deadline, t_start + grace_s)
+        # the others wait `grace_s` past the deadline for each result: a backup that freezes mid-transfer
+        # must not use it all up, or they give up on this shard (and this member) before it tries another
+        self._backup_timeout = max(PING_S, 0.5 * grace_s)
 
         self._ahead = ahead = []
 
@@ -363,7 +387,9 @@ class AllReduce:
         for j in missing:
             dead.add(info.ids[j])
         if missing:
-            takeover_deadline = time.monotonic() + max(grace_s, 2.0)
+            # a member that learned early that an owner is gone still gives its backup, which may only
+            # notice at its own result deadline, the time to take the shard over
+            takeover_deadline = max(time.monotonic(), result_deadline) + 2 * max(grace_s, 2.0)
             for j in missing:
                 self._take_over(info, j, bounds, dead, delta, takeover_deadline, stats)
             still = self._wait_results(info, dead, takeover_deadline, shards=missing)
@@ -374,12 +400,20 @@ class AllReduce:
         self._pending.clear()
         with self._cond:
             results = [self._results[j] for j in range(n)]
-        mean = torch.cat([r.values for r in results]) if n else torch.zeros(0)
         stats.seconds = time.monotonic() - t_start
         stats.bytes_sent = self.client.traffic.snapshot()[0].get("outer", 0) - sent_before
         stats.dropped = sorted(dead)
         stats.contributors = {j: len(r.contributors) for j, r in enumerate(results)}
-        return mean, stats
+        empty = [j for j, r in enumerate(results) if not r.contributors]
+        if empty:  # an average of nothing is zeros, which momentum would still turn into a step
+            raise IncompleteRound(f"step {info.step}: nobody contributed to shard(s) {empty}; nothing to average")
+        counted: list[set[str]] = [set(r.contributors) for r in results]
+        stats.partial = sorted(set().union(*counted) - counted[0].intersection(*counted[1:]))
+        if stats.partial:  # each shard is still a true mean of its own contributors
+            log.warning("step %d: contributions of %s arrived too late for some shards (counted in %s)", info.step,
+                        ", ".join(short_id(p) for p in stats.partial),
+                        "; ".join(f"shard {j}: {len(c)}" for j, c in enumerate(counted)))
+        return torch.cat([r.values for r in results]), stats
 
     def _submit(self, fn: Callable, *args: object) -> Future:
         return self._pool.submit(fn, *args)
@@ -387,7 +421,7 @@ class AllReduce:
     def _chunks(
         self, info: RoundInfo, shard: int, attempt: int, tensors: list[pb.Tensor], contributors: list[str]
     ) -> Iterator[pb.ShardChunk]:
-        hdr = pb.Header(run_id=self.run_id, sender=self.me, step=info.step)
+        hdr = pb.Header(run_id=self.run_id, sender=self.me, step=info.step, epoch=info.epoch)
         for t in tensors:
             yield pb.ShardChunk(
                 header=hdr, shard=shard, num_shards=len(info.members), attempt=attempt,
@@ -404,8 +438,9 @@ class AllReduce:
                 self.client.push_contribution(peer.address, self._chunks(info, shard, attempt, tensors, []), self.rpc_timeout)
                 return True
             except grpc.RpcError as err:
-                at = _remote_step(err)
-                behind = at is not None and at < info.step
+                at, info_r = _remote_step(err), refusal_of(err)
+                behind = (at is not None and at < info.step) or (
+                    info_r is not None and info_r.code == pb.WRONG_EPOCH and info_r.at_epoch < info.epoch)
                 if behind and time.monotonic() < self._catch_up_until and not self.stopping.wait(0.2):
                     continue  # the owner is still fetching this round's base state: try again shortly
                 on_error(peer, err)
@@ -449,26 +484,35 @@ class AllReduce:
             if len(contributors) < len(expected):
                 missing = sorted(set(info.ids) - set(contributors))
                 log.info("shard %d of step %d reduced without %s", shard, info.step, ", ".join(short_id(m) for m in missing))
+        fault("allreduce.reduced", info.step)
         self._distribute(info, shard, attempt, result_chunks, contributors, dead)
 
     def _distribute(
         self, info: RoundInfo, shard: int, attempt: int, chunks: list[pb.Tensor], contributors: list[str], dead: set[str]
     ) -> None:
-        """Backup first, then everyone: nobody can hold a result its shard's backup lacks."""
+        """Backup first, then everyone: nobody can hold a result its shard's backup lacks.
+
+        The backup is the next member in ring order that is there: members whose contribution
+        arrived come first (one that missed the deadline is not waited on again), and each is pinged
+        before the transfer, so a member that froze since costs a ping, not a transfer timeout.
+        """
         n = len(info.members)
         ring = [info.members[(shard + k) % n] for k in range(1, n)]
-        backup_ok = True
-        for peer in ring:
-            if peer.peer_id in dead or peer.peer_id == self.me:
+        candidates = [p for p in ring if p.peer_id in contributors] + [p for p in ring if p.peer_id not in contributors]
+        backup_ok, backup = True, None
+        for peer in candidates:
+            if peer.peer_id in dead or peer.peer_id == self.me or not self._answers(peer.peer_id, dead):
                 continue
             try:
-                self.client.push_result(peer.address, self._chunks(info, shard, attempt, chunks, contributors), self.rpc_timeout)
+                self.client.push_result(peer.address, self._chunks(info, shard, attempt, chunks, contributors),
+                                        min(self.rpc_timeout, self._backup_timeout))
+                backup = peer
                 break
             except grpc.RpcError as err:
-                if is_unreachable(err):
+                if is_unreachable(err) or is_silent(err):
                     dead.add(peer.peer_id)
                     continue
-                if err.code() == grpc.StatusCode.FAILED_PRECONDITION and "taken over" in (err.details() or ""):
+                if refused(err, pb.TAKEN_OVER):
                     log.info("shard %d of step %d was taken over by %s; dropping our late result", shard, info.step, short_id(peer.peer_id))
                     backup_ok = False
                     break
@@ -486,11 +530,24 @@ class AllReduce:
         if not backup_ok:
             return
         self._store_own_result(info, shard, attempt, chunks, contributors)
-        backup = next((p for p in ring if p.peer_id not in dead and p.peer_id != self.me), None)
         for peer in ring:
             if peer is backup or peer.peer_id in dead or peer.peer_id == self.me:
                 continue
             self._pending.append(self._submit(self._push_result, info, peer, shard, attempt, chunks, contributors))
+
+    def _answers(self, peer_id: str, dead: set[str]) -> bool:
+        """Does ``peer_id`` answer a ping now? A stopped or vanished member is marked dead instead."""
+        try:
+            self._ping(peer_id, PING_S)
+            return True
+        except grpc.RpcError as err:
+            if is_unreachable(err) or is_silent(err):
+                log.info("%s does not answer (%s); skipping it", short_id(peer_id), rpc_reason(err))
+                with self._cond:
+                    dead.add(peer_id)
+                    self._cond.notify_all()
+                return False
+            return True  # it answered, with a refusal: it is there
 
     def _store_own_result(self, info: RoundInfo, shard: int, attempt: int, chunks: list[pb.Tensor], contributors: list[str]) -> None:
         lo, hi = shard_bounds(self.numel, len(info.members), self.codec.align)[shard]

@@ -55,6 +55,20 @@ class Heartbeat(threading.Thread):
                 self._cond.wait(min(left, 0.5))
             return self._plan
 
+    def await_confirmation(self, version: int, stopping: threading.Event, timeout: float = 30.0) -> bool:
+        """Keep heartbeating (and serving) the final ``version`` until the coordinator has seen it: the run
+        is marked finished and, if it checkpoints, the final checkpoint is written. False after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not stopping.is_set():
+            m = self.manifest
+            if m.finished and (not m.checkpoint_every or m.checkpoint_version >= version):
+                return True
+            self.wait_plan(lambda p: False, timeout=0.2)
+        if not stopping.is_set():
+            log.warning("the coordinator did not confirm the end of the run (v%d) within %.0f s; leaving anyway",
+                        version, timeout)
+        return False
+
     def poke(self) -> None:
         """Publish the record now instead of at the next interval."""
         self._poke.set()

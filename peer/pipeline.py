@@ -47,32 +47,10 @@ from potluck.peer.model import forward_layers, lm_loss
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config import ModelConfig, PipelineConfig
 from potluck.protos.log import get_logger, short_id
-from potluck.protos.transport import PeerClient, Rejected, rpc_reason
+from potluck.protos.transport import PeerClient, Rejected, refused, rpc_reason
 
 log = get_logger(__name__)
 
-BUFFER_MISS = "buffer-miss"
-NOT_YET = "not in that step yet"
-
-
-def stage_bounds(model: ModelConfig, pipeline: PipelineConfig) -> list[tuple[int, int]]:
-    """``[start, stop)`` in the model's layer list (embedding, blocks, head) for each stage.
-
-    Explicit ``pipeline.layers`` counts win; otherwise the entries are split as evenly as possible,
-    the extra ones going to the middle stages (the first and last also hold embedding and head).
-    """
-    entries, s = model.n_layers + 2, pipeline.stages
-    counts = list(pipeline.layers) if pipeline.layers else [entries // s] * s
-    if not pipeline.layers:
-        extra = entries - sum(counts)
-        order = sorted(range(s), key=lambda i: (i in (0, s - 1), abs(i - (s - 1) / 2)))
-        for i in order[:extra]:
-            counts[i] += 1
-    bounds, start = [], 0
-    for c in counts:
-        bounds.append((start, start + c))
-        start += c
-    return bounds
 
 
 class PipelineStall(RuntimeError):
@@ -101,6 +79,7 @@ class PipeTraffic:
 @dataclass
 class _Round:
     step: int
+    epoch: int
     replica: int
     prev: Neighbour | None
     next: Neighbour | None
@@ -148,12 +127,13 @@ class Pipeline:
         }
         self._pending: list[Future] = []
         self._closed = False
-        self._ahead_step = 0  # the newest step a neighbour sent for: above ours means we fell behind
+        self._ahead = (0, 0)  # the newest (epoch, step) a neighbour sent for: above ours means we fell behind
 
     # ------------------------------------------------------------------ rounds
 
-    def begin_round(self, step: int, replica: int, prev: Neighbour | None, nxt: Neighbour | None) -> None:
-        """Start outer step ``step`` with these neighbours; buffers of a changed neighbour are dropped."""
+    def begin_round(self, step: int, replica: int, prev: Neighbour | None, nxt: Neighbour | None, epoch: int = 0) -> None:
+        """Start outer step ``step`` (of ``epoch``) with these neighbours; buffers of a changed
+        neighbour are dropped."""
         with self._cond:
             old = self._round
             if old is not None and not old.error:
@@ -164,7 +144,7 @@ class Pipeline:
             if self.receiver is not None and (old is None or old.prev != prev):
                 self.receiver.buffer.forget(None)
             keep = {k: v for k, v in old.mail.items() if k[0] == "eval"} if old else {}
-            self._round = _Round(step, replica, prev, nxt)
+            self._round = _Round(step, epoch, replica, prev, nxt)
             self._round.mail.update({k: v for k, v in keep.items() if k[1] >= step})
             self._cond.notify_all()
         log.debug("round %d: replica %d, prev %s, next %s", step, replica,
@@ -299,14 +279,13 @@ class Pipeline:
                 return
             except grpc.RpcError as err:
                 reason = rpc_reason(err)
-                if BUFFER_MISS in reason and not resent and self.sender is not None and ids is not None:
+                if refused(err, pb.BUFFER_MISS) and not resent and self.sender is not None and ids is not None:
                     log.info("%s has no AC-SGD buffer for some samples (%s); resending them as first visits",
                              short_id(to.peer_id), reason)
                     self.sender.forget(ids)
                     msg, resent = None, True
                     continue
-                not_yet = err.code() == grpc.StatusCode.UNAVAILABLE and NOT_YET in reason
-                if not_yet and time.monotonic() < deadline and not self.stopping.wait(0.1):
+                if refused(err, pb.NOT_YET) and time.monotonic() < deadline and not self.stopping.wait(0.1):
                     continue  # the neighbour is still finishing its previous outer step or recovering
                 self._error(r, f"{kind} micro-batch {micro} of inner step {inner} to {short_id(to.peer_id)} failed: {reason}")
                 return
@@ -314,7 +293,7 @@ class Pipeline:
     def _encode(self, r: _Round, kind: str, inner: int, micro: int, ids: list[int] | None, tensor: torch.Tensor,
                 labels: torch.Tensor | None, loss: float) -> pb.PipeMessage:
         msg = pb.PipeMessage(
-            header=pb.Header(run_id=self.run_id, sender=self.me, step=r.step), kind=kind, inner_step=inner,
+            header=pb.Header(run_id=self.run_id, sender=self.me, step=r.step, epoch=r.epoch), kind=kind, inner_step=inner,
             micro=micro, sample_ids=ids or [], loss=loss, stage=self.stage, replica=r.replica,
         )
         if labels is not None:
@@ -376,9 +355,9 @@ class Pipeline:
                     raise PipelineStall("stopping")
                 if self._round is not r:
                     raise PipelineStall("the round changed")
-                if self._ahead_step > r.step:
-                    raise PipelineStall(f"a neighbour is already at step {self._ahead_step}; this peer fell behind "
-                                        f"at step {r.step}")
+                if self._ahead > (r.epoch, r.step):
+                    raise PipelineStall(f"a neighbour is already at step {self._ahead[1]} (epoch {self._ahead[0]}); "
+                                        f"this peer fell behind at step {r.step}")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     who = r.prev if kind != "backward" else r.next
@@ -394,47 +373,50 @@ class Pipeline:
         t0 = time.perf_counter()
         h = msg.header
         if h.run_id != self.run_id:
-            raise Rejected(grpc.StatusCode.PERMISSION_DENIED, f"unknown run id {h.run_id!r}", h.sender)
+            raise Rejected(pb.UNKNOWN_RUN, f"unknown run id {h.run_id!r}", h.sender)
         if msg.kind not in ("forward", "backward", "eval"):
-            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"unknown pipe message kind {msg.kind!r}", h.sender)
-        r = self._await_round(h.step, msg.kind)
+            raise Rejected(pb.BAD_MESSAGE, f"unknown pipe message kind {msg.kind!r}", h.sender)
+        r = self._await_round(h.step, h.epoch, msg.kind)
         want = r.prev if msg.kind != "backward" else r.next
         if want is None or h.sender != want.peer_id:
-            raise Rejected(grpc.StatusCode.PERMISSION_DENIED,
+            raise Rejected(pb.NOT_A_MEMBER,
                            f"{msg.kind} message from {short_id(h.sender)}, which is not this tasklet's "
                            f"{'previous' if msg.kind != 'backward' else 'next'} stage in step {h.step}", h.sender)
         if msg.micro < 0 or msg.inner_step < 0:
-            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, "negative micro-batch or inner step", h.sender)
+            raise Rejected(pb.BAD_MESSAGE, "negative micro-batch or inner step", h.sender)
         try:
             item = self._decode(msg)
         except BufferMissError as err:
-            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION, f"{BUFFER_MISS}: {err}", h.sender) from None
+            raise Rejected(pb.BUFFER_MISS, str(err), h.sender) from None
         except CodecError as err:
-            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT, f"bad {msg.kind} message: {err}", h.sender) from None
+            raise Rejected(pb.BAD_MESSAGE, f"bad {msg.kind} message: {err}", h.sender) from None
         with self._cond:
             r.mail[(msg.kind, msg.inner_step, msg.micro)] = item
             self._cond.notify_all()
         return pb.Ack(received_bytes=msg.ByteSize(), handler_s=time.perf_counter() - t0)
 
-    def _await_round(self, step: int, kind: str) -> _Round:
-        """The round a message belongs to; a message for the next round waits (bounded) for it to begin."""
+    def _await_round(self, step: int, epoch: int, kind: str) -> _Round:
+        """The round a message belongs to; a message for a later round waits (bounded) for it to begin.
+
+        Rounds are ordered by (epoch, step): after a rollback the step goes back but the epoch up.
+        """
         deadline = time.monotonic() + self.cfg.pipe_timeout_s
         with self._cond:
             while True:
                 r = self._round
-                if r is not None and r.step == step:
+                if r is not None and (r.epoch, r.step) == (epoch, step):
                     return r
-                if r is not None and r.step > step:
-                    raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
-                                   f"stale {kind} message for step {step}; this tasklet is at step {r.step}")
-                if r is not None and step > r.step and step > self._ahead_step:
-                    self._ahead_step = step  # wakes a _take waiting for an older step: this peer is behind
+                if r is not None and (r.epoch, r.step) > (epoch, step):
+                    raise Rejected(pb.WRONG_STEP if r.epoch == epoch else pb.WRONG_EPOCH,
+                                   f"stale {kind} message for step {step} (epoch {epoch}); this tasklet is at step "
+                                   f"{r.step} (epoch {r.epoch})", at_step=r.step, at_epoch=r.epoch)
+                if r is not None and (epoch, step) > self._ahead:
+                    self._ahead = (epoch, step)  # wakes a _take waiting for an older round: this peer is behind
                     self._cond.notify_all()
                 left = deadline - time.monotonic()
                 if left <= 0 or self.stopping.is_set() or self._closed:
-                    raise Rejected(grpc.StatusCode.UNAVAILABLE,
-                                   f"{kind} message for step {step}, but this tasklet is {NOT_YET} "
-                                   f"(at step {r.step if r else 'none'})")
+                    raise Rejected(pb.NOT_YET, f"{kind} message for step {step}, but this tasklet is not there yet "
+                                   f"(at step {r.step if r else 'none'})", at_step=r.step if r else 0)
                 self._cond.wait(min(left, 0.5))
 
     def _decode(self, msg: pb.PipeMessage) -> tuple:

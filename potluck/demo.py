@@ -9,19 +9,16 @@ it started, also on Ctrl+C.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from potluck.procs import ProcessGroup
-from potluck.protos.config import ConfigError, RunConfig, apply_overrides, dump_toml, load_config
+from potluck.local import LocalSwarm, SwarmError, get_state
+from potluck.protos.config import ConfigError, RunConfig, apply_overrides, load_config
 
 DEMO_DEFAULTS = {
     "run_id": "demo",
@@ -48,27 +45,6 @@ def demo_config(args: argparse.Namespace, workdir: Path) -> RunConfig:
         key, _, value = pair.partition("=")
         overrides[key.strip()] = value.strip()
     return apply_overrides(load_config(args.config), overrides)
-
-
-def get_state(url: str) -> dict[str, Any] | None:
-    """The coordinator's ``/api/v1/state`` at status page ``url``, or None (not serving yet)."""
-    try:
-        with urllib.request.urlopen(url + "api/v1/state", timeout=2) as resp:
-            return json.loads(resp.read())
-    except (urllib.error.URLError, OSError, json.JSONDecodeError):
-        return None
-
-
-def wait_ready(path: Path, proc: Any, timeout: float) -> dict[str, Any]:
-    """The coordinator's ready file (join address, status URL) once ``proc`` has written it."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists():
-            return json.loads(path.read_text())
-        if proc.poll() is not None:
-            raise RuntimeError(f"the coordinator exited with code {proc.returncode} before it was ready")
-        time.sleep(0.1)
-    raise RuntimeError(f"the coordinator did not come up within {timeout:.0f} s")
 
 
 class Progress:
@@ -100,18 +76,14 @@ def run_demo(args: argparse.Namespace) -> int:
         raise SystemExit("potluck demo: --peers must be at least 1")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="potluck-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "logs").mkdir(exist_ok=True)
     try:
         cfg = demo_config(args, workdir)
     except ConfigError as err:
         raise SystemExit(f"potluck demo: {err}") from None
-    run_file = workdir / "run.toml"
-    run_file.write_text(dump_toml(cfg))
 
     from potluck.peer.data import Dataset  # the floor is a property of the data, computed here once
 
     floor = Dataset(cfg.data, cfg.model).loss_floor
-    threads = max(1, (os.cpu_count() or 2) // args.peers)
     progress = Progress(cfg.diloco.outer_steps)
     print(
         f"potluck demo: {args.peers} peers x {cfg.diloco.outer_steps} outer steps x {cfg.diloco.inner_steps} inner steps "
@@ -122,25 +94,16 @@ def run_demo(args: argparse.Namespace) -> int:
         + f"  work dir: {workdir}",
         flush=True,
     )
-    procs = ProcessGroup()
-    log_of = (lambda name: None) if args.verbose else (lambda name: workdir / "logs" / f"{name}.log")
+    swarm = LocalSwarm(workdir, logs=not args.verbose, threads=max(1, (os.cpu_count() or 2) // args.peers))
     try:
-        coord = procs.spawn_potluck(
-            ["coordinator", "--config", str(run_file), "--ready-file", str(workdir / "ready.json")],
-            log_of("coordinator"),
-        )
-        ready = wait_ready(workdir / "ready.json", coord, timeout=120)
+        ready = swarm.start_coordinator(cfg)
         print(f"  join address: {ready['join']}\n  status page: {ready['status_url']}", flush=True)
         if not args.verbose:
-            print(f"  logs: {workdir / 'logs'}", flush=True)
-        peers = [
-            procs.spawn_potluck(
-                ["peer", "--join", ready["join"], "--host", "127.0.0.1", "--threads", str(threads), "--name", f"demo-{i}"],
-                log_of(f"peer-{i}"),
-            )
-            for i in range(args.peers)
-        ]
-        final = follow(ready["status_url"], cfg, progress, coord, peers)
+            print(f"  logs: {swarm.logs}", flush=True)
+        for i in range(args.peers):
+            swarm.start_peer(name=f"demo-{i}")
+        assert swarm.coordinator is not None
+        final = follow(ready["status_url"], cfg, progress, swarm.coordinator, swarm.peers)
         if final is None:
             return 1
         start = math.log(cfg.model.vocab_size)
@@ -153,11 +116,11 @@ def run_demo(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         progress.line("interrupted: stopping every process the demo started")
         return 130
-    except RuntimeError as err:
-        progress.line(f"potluck demo failed: {err} (logs in {workdir / 'logs'})")
+    except (RuntimeError, SwarmError) as err:
+        progress.line(f"potluck demo failed: {err} (logs in {swarm.logs})")
         return 1
     finally:
-        procs.stop()
+        swarm.stop()
 
 
 def follow(url: str, cfg: RunConfig, progress: Progress, coord: Any, peers: list[Any]) -> float | None:

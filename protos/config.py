@@ -172,7 +172,14 @@ class MembershipConfig(_Section):
     heartbeat_timeout_s: float = Field(
         8.0, gt=0, description="a peer whose record is older than this is considered lost"
     )
-    min_peers: int = Field(1, ge=1, description="peers needed before the first outer step starts")
+    min_peers: int = Field(1, ge=1, description="peers needed before the first outer step starts (and the "
+                           "first after a round failed)")
+    round_timeout_floor_s: float = Field(
+        60.0, gt=0, description="a round none of whose members made visible progress for this long fails "
+        "(and the run rolls back to the newest state it can still have)")
+    round_timeout_factor: float = Field(
+        4.0, ge=1, description="a round also fails once older than this many times the median measured step "
+        "time (never sooner than the floor)")
 
     @model_validator(mode="after")
     def _timeout_covers_heartbeats(self) -> MembershipConfig:

@@ -24,43 +24,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpotluck/protos/potluck.proto\x12\npotluck.v1\"6\n\x06Header\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06sender\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\"\x91\x01\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\x0e\n\x06scales\x18\x05 \x01(\x0c\x12\x0f\n\x07payload\x18\x06 \x01(\x0c\x12\x0e\n\x06offset\x18\x07 \x01(\x03\x12\r\n\x05numel\x18\x08 \x01(\x03\x12\x0c\n\x04\x62its\x18\t \x01(\x05\"h\n\x0bPingRequest\x12\"\n\x06header\x18\x01 \x01(\x0b\x32\x12.potluck.v1.Header\x12\x0f\n\x07sent_at\x18\x02 \x01(\x01\x12\x0f\n\x07padding\x18\x03 \x01(\x0c\x12\x13\n\x0breply_bytes\x18\x04 \x01(\x05\"\x81\x01\n\tPingReply\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x12\n\ninner_step\x18\x04 \x01(\x03\x12\r\n\x05\x65ta_s\x18\x05 \x01(\x01\x12\x0f\n\x07sent_at\x18\x06 \x01(\x01\x12\x0f\n\x07padding\x18\x07 \x01(\x0c\"\xb1\x01\n\nShardChunk\x12\"\n\x06header\x18\x01 \x01(\x0b\x32\x12.potluck.v1.Header\x12\r\n\x05shard\x18\x02 \x01(\x05\x12\x12\n\nnum_shards\x18\x03 \x01(\x05\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\x05\x12\x11\n\tbase_hash\x18\x05 \x01(\t\x12\x14\n\x0c\x63ontributors\x18\x06 \x03(\t\x12\"\n\x06tensor\x18\x07 \x01(\x0b\x32\x12.potluck.v1.Tensor\"0\n\x03\x41\x63k\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x03\x12\x11\n\thandler_s\x18\x02 \x01(\x01\"V\n\rResultRequest\x12\"\n\x06header\x18\x01 \x01(\x0b\x32\x12.potluck.v1.Header\x12\r\n\x05shard\x18\x02 \x01(\x05\x12\x12\n\nnum_shards\x18\x03 \x01(\x05\"E\n\x10StateInfoRequest\x12\"\n\x06header\x18\x01 \x01(\x0b\x32\x12.potluck.v1.Header\x12\r\n\x05stage\x18\x02 \x01(\x05\"8\n\nTensorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"l\n\tStateInfo\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x12\n\nstate_hash\x18\x02 \x01(\t\x12\'\n\x07tensors\x18\x03 \x03(\x0b\x32\x16.potluck.v1.TensorInfo\x12\x11\n\tmeta_json\x18\x04 \x01(\t\"4\n\x05Range\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\r\n\x05numel\x18\x03 \x01(\x03\"u\n\x0cStateRequest\x12\"\n\x06header\x18\x01 \x01(\x0b\x32\x12.potluck.v1.Header\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12!\n\x06ranges\x18\x03 \x03(\x0b\x32\x11.potluck.v1.Range\x12\r\n\x05stage\x18\x04 \x01(\x05\"A\n\nStateChunk\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\"\n\x06tensor\x18\x02 \x01(\x0b\x32\x12.potluck.v1.Tensor\"f\n\tActPacket\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x0c\n\x04\x62its\x18\x02 \x01(\x05\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06scales\x18\x05 \x01(\x0c\x12\x0f\n\x07payload\x18\x06 \x01(\x0c\"\xa7\x02\n\x0bPipeMessage\x12\"\n\x06header\x18\x01 \x01(\x0b\x32\x12.potluck.v1.Header\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x12\n\ninner_step\x18\x03 \x01(\x03\x12\r\n\x05micro\x18\x04 \x01(\x05\x12\x12\n\nsample_ids\x18\x05 \x03(\x03\x12\x0e\n\x06labels\x18\x06 \x01(\x0c\x12\x13\n\x0blabel_shape\x18\x07 \x03(\x03\x12\x10\n\x08versions\x18\x08 \x03(\x03\x12$\n\x05\x66irst\x18\t \x01(\x0b\x32\x15.potluck.v1.ActPacket\x12$\n\x05\x64\x65lta\x18\n \x01(\x0b\x32\x15.potluck.v1.ActPacket\x12\x0c\n\x04loss\x18\x0b \x01(\x01\x12\r\n\x05stage\x18\x0c \x01(\x05\x12\x0f\n\x07replica\x18\r \x01(\x05\x32\xbe\x03\n\x0bPeerService\x12\x36\n\x04Ping\x12\x17.potluck.v1.PingRequest\x1a\x15.potluck.v1.PingReply\x12=\n\x10PushContribution\x12\x16.potluck.v1.ShardChunk\x1a\x0f.potluck.v1.Ack(\x01\x12\x37\n\nPushResult\x12\x16.potluck.v1.ShardChunk\x1a\x0f.potluck.v1.Ack(\x01\x12\x42\n\x0b\x46\x65tchResult\x12\x19.potluck.v1.ResultRequest\x1a\x16.potluck.v1.ShardChunk0\x01\x12\x43\n\x0cGetStateInfo\x12\x1c.potluck.v1.StateInfoRequest\x1a\x15.potluck.v1.StateInfo\x12@\n\nFetchState\x12\x18.potluck.v1.StateRequest\x1a\x16.potluck.v1.StateChunk0\x01\x12\x34\n\x08PushPipe\x12\x17.potluck.v1.PipeMessage\x1a\x0f.potluck.v1.Ackb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpotluck/protos/potluck.proto\x12\npotluck.v1\"E\n\x06Header\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0e\n\x06sender\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\r\n\x05\x65poch\x18\x04 \x01(\x03\"S\n\x0bRefusalInfo\x12!\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x13.potluck.v1.Refusal\x12\x0f\n\x07\x61t_step\x18\x02 \x01(\x03\x12\x10\n\x08\x61t_epoch\x18\x03 \x01(\x03\"\x91\x01\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\x0e\n\x06scales\x18\x05 \x01(\x0c\x12\x0f\n\x07payload\x18\x06 \x01(\x0c\x12\x0e\n\x06offset\x18\x07 \x01(\x03\x12\r\n\x05numel\x18\x08 \x01(\x03\x12\x0c\n\x04\x62its\x18\t \x01(\x05\"h\n\x0bPingRequest\x12\"\n\x06header\x18\x01 \x01(\x0b\x32\x12.potluck.v1.Header\x12\x0f\n\x07sent_at\x18\x02 \x01(\x01\x12\x0f\n\x07padding\x18\x03 \x01(\x0c\x12\x13\n\x0breply_bytes\x18\x04 \x01(\x05\"\x81\x01\n\tPingReply\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x12\n\ninner_step\x18\x04 \x01(\x03\x12\r\n\x05\x65ta_s\x18\x05 \x01(\x01\x12\x0f\n\x07sent_at\x18\x06 \x01(\x01\x12\x0f\n\x07padding\x18\x07 \x01(\x0c\"\xb1\x01\n\nShardChunk\x12\"\n\x06header\x18\x01 \x01(\x0b\x32\x12.potluck.v1.Header\x12\r\n\x05shard\x18\x02 \x01(\x05\x12\x12\n\nnum_shards\x18\x03 \x01(\x05\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\x05\x12\x11\n\tbase_hash\x18\x05 \x01(\t\x12\x14\n\x0c\x63ontributors\x18\x06 \x03(\t\x12\"\n\x06tensor\x18\x07 \x01(\x0b\x32\x12.potluck.v1.Tensor\"0\n\x03\x41\x63k\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x03\x12\x11\n\thandler_s\x18\x02 \x01(\x01\"V\n\rResultRequest\x12\"\n\x06header\x18\x01 \x01(\x0b\x32\x12.potluck.v1.Header\x12\r\n\x05shard\x18\x02 \x01(\x05\x12\x12\n\nnum_shards\x18\x03 \x01(\x05\"g\n\x10StateInfoRequest\x12\"\n\x06header\x18\x01 \x01(\x0b\x32\x12.potluck.v1.Header\x12\r\n\x05stage\x18\x02 \x01(\x05\x12\x14\n\x07version\x18\x03 \x01(\x03H\x00\x88\x01\x01\x42\n\n\x08_version\"8\n\nTensorInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"l\n\tStateInfo\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x12\n\nstate_hash\x18\x02 \x01(\t\x12\'\n\x07tensors\x18\x03 \x03(\x0b\x32\x16.potluck.v1.TensorInfo\x12\x11\n\tmeta_json\x18\x04 \x01(\t\"4\n\x05Range\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\r\n\x05numel\x18\x03 \x01(\x03\"u\n\x0cStateRequest\x12\"\n\x06header\x18\x01 \x01(\x0b\x32\x12.potluck.v1.Header\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12!\n\x06ranges\x18\x03 \x03(\x0b\x32\x11.potluck.v1.Range\x12\r\n\x05stage\x18\x04 \x01(\x05\"A\n\nStateChunk\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\"\n\x06tensor\x18\x02 \x01(\x0b\x32\x12.potluck.v1.Tensor\"f\n\tActPacket\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x0c\n\x04\x62its\x18\x02 \x01(\x05\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06scales\x18\x05 \x01(\x0c\x12\x0f\n\x07payload\x18\x06 \x01(\x0c\"\xa7\x02\n\x0bPipeMessage\x12\"\n\x06header\x18\x01 \x01(\x0b\x32\x12.potluck.v1.Header\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x12\n\ninner_step\x18\x03 \x01(\x03\x12\r\n\x05micro\x18\x04 \x01(\x05\x12\x12\n\nsample_ids\x18\x05 \x03(\x03\x12\x0e\n\x06labels\x18\x06 \x01(\x0c\x12\x13\n\x0blabel_shape\x18\x07 \x03(\x03\x12\x10\n\x08versions\x18\x08 \x03(\x03\x12$\n\x05\x66irst\x18\t \x01(\x0b\x32\x15.potluck.v1.ActPacket\x12$\n\x05\x64\x65lta\x18\n \x01(\x0b\x32\x15.potluck.v1.ActPacket\x12\x0c\n\x04loss\x18\x0b \x01(\x01\x12\r\n\x05stage\x18\x0c \x01(\x05\x12\x0f\n\x07replica\x18\r \x01(\x05*\x9a\x02\n\x07Refusal\x12\x17\n\x13REFUSAL_UNSPECIFIED\x10\x00\x12\x0f\n\x0bUNKNOWN_RUN\x10\x01\x12\x0e\n\nWRONG_STEP\x10\x02\x12\x0f\n\x0bWRONG_EPOCH\x10\x03\x12\x11\n\rBASE_MISMATCH\x10\x04\x12\x10\n\x0cNOT_A_MEMBER\x10\x05\x12\r\n\tNOT_OWNER\x10\x06\x12\x13\n\x0f\x41LREADY_REDUCED\x10\x07\x12\x0e\n\nTAKEN_OVER\x10\x08\x12\r\n\tDUPLICATE\x10\t\x12\x0b\n\x07NOT_YET\x10\n\x12\x0f\n\x0b\x42UFFER_MISS\x10\x0b\x12\x0f\n\x0b\x42\x41\x44_MESSAGE\x10\x0c\x12\x0c\n\x08NO_STATE\x10\r\x12\x0f\n\x0bUNSUPPORTED\x10\x0e\x12\x0e\n\nOVERLOADED\x10\x0f\x32\xbe\x03\n\x0bPeerService\x12\x36\n\x04Ping\x12\x17.potluck.v1.PingRequest\x1a\x15.potluck.v1.PingReply\x12=\n\x10PushContribution\x12\x16.potluck.v1.ShardChunk\x1a\x0f.potluck.v1.Ack(\x01\x12\x37\n\nPushResult\x12\x16.potluck.v1.ShardChunk\x1a\x0f.potluck.v1.Ack(\x01\x12\x42\n\x0b\x46\x65tchResult\x12\x19.potluck.v1.ResultRequest\x1a\x16.potluck.v1.ShardChunk0\x01\x12\x43\n\x0cGetStateInfo\x12\x1c.potluck.v1.StateInfoRequest\x1a\x15.potluck.v1.StateInfo\x12@\n\nFetchState\x12\x18.potluck.v1.StateRequest\x1a\x16.potluck.v1.StateChunk0\x01\x12\x34\n\x08PushPipe\x12\x17.potluck.v1.PipeMessage\x1a\x0f.potluck.v1.Ackb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'potluck.protos.potluck_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_REFUSAL']._serialized_start=1820
+  _globals['_REFUSAL']._serialized_end=2102
   _globals['_HEADER']._serialized_start=44
-  _globals['_HEADER']._serialized_end=98
-  _globals['_TENSOR']._serialized_start=101
-  _globals['_TENSOR']._serialized_end=246
-  _globals['_PINGREQUEST']._serialized_start=248
-  _globals['_PINGREQUEST']._serialized_end=352
-  _globals['_PINGREPLY']._serialized_start=355
-  _globals['_PINGREPLY']._serialized_end=484
-  _globals['_SHARDCHUNK']._serialized_start=487
-  _globals['_SHARDCHUNK']._serialized_end=664
-  _globals['_ACK']._serialized_start=666
-  _globals['_ACK']._serialized_end=714
-  _globals['_RESULTREQUEST']._serialized_start=716
-  _globals['_RESULTREQUEST']._serialized_end=802
-  _globals['_STATEINFOREQUEST']._serialized_start=804
-  _globals['_STATEINFOREQUEST']._serialized_end=873
-  _globals['_TENSORINFO']._serialized_start=875
-  _globals['_TENSORINFO']._serialized_end=931
-  _globals['_STATEINFO']._serialized_start=933
-  _globals['_STATEINFO']._serialized_end=1041
-  _globals['_RANGE']._serialized_start=1043
-  _globals['_RANGE']._serialized_end=1095
-  _globals['_STATEREQUEST']._serialized_start=1097
-  _globals['_STATEREQUEST']._serialized_end=1214
-  _globals['_STATECHUNK']._serialized_start=1216
-  _globals['_STATECHUNK']._serialized_end=1281
-  _globals['_ACTPACKET']._serialized_start=1283
-  _globals['_ACTPACKET']._serialized_end=1385
-  _globals['_PIPEMESSAGE']._serialized_start=1388
-  _globals['_PIPEMESSAGE']._serialized_end=1683
-  _globals['_PEERSERVICE']._serialized_start=1686
-  _globals['_PEERSERVICE']._serialized_end=2132
+  _globals['_HEADER']._serialized_end=113
+  _globals['_REFUSALINFO']._serialized_start=115
+  _globals['_REFUSALINFO']._serialized_end=198
+  _globals['_TENSOR']._serialized_start=201
+  _globals['_TENSOR']._serialized_end=346
+  _globals['_PINGREQUEST']._serialized_start=348
+  _globals['_PINGREQUEST']._serialized_end=452
+  _globals['_PINGREPLY']._serialized_start=455
+  _globals['_PINGREPLY']._serialized_end=584
+  _globals['_SHARDCHUNK']._serialized_start=587
+  _globals['_SHARDCHUNK']._serialized_end=764
+  _globals['_ACK']._serialized_start=766
+  _globals['_ACK']._serialized_end=814
+  _globals['_RESULTREQUEST']._serialized_start=816
+  _globals['_RESULTREQUEST']._serialized_end=902
+  _globals['_STATEINFOREQUEST']._serialized_start=904
+  _globals['_STATEINFOREQUEST']._serialized_end=1007
+  _globals['_TENSORINFO']._serialized_start=1009
+  _globals['_TENSORINFO']._serialized_end=1065
+  _globals['_STATEINFO']._serialized_start=1067
+  _globals['_STATEINFO']._serialized_end=1175
+  _globals['_RANGE']._serialized_start=1177
+  _globals['_RANGE']._serialized_end=1229
+  _globals['_STATEREQUEST']._serialized_start=1231
+  _globals['_STATEREQUEST']._serialized_end=1348
+  _globals['_STATECHUNK']._serialized_start=1350
+  _globals['_STATECHUNK']._serialized_end=1415
+  _globals['_ACTPACKET']._serialized_start=1417
+  _globals['_ACTPACKET']._serialized_end=1519
+  _globals['_PIPEMESSAGE']._serialized_start=1522
+  _globals['_PIPEMESSAGE']._serialized_end=1817
+  _globals['_PEERSERVICE']._serialized_start=2105
+  _globals['_PEERSERVICE']._serialized_end=2551
 # @@protoc_insertion_point(module_scope)

@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -6,15 +7,62 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Refusal(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REFUSAL_UNSPECIFIED: _ClassVar[Refusal]
+    UNKNOWN_RUN: _ClassVar[Refusal]
+    WRONG_STEP: _ClassVar[Refusal]
+    WRONG_EPOCH: _ClassVar[Refusal]
+    BASE_MISMATCH: _ClassVar[Refusal]
+    NOT_A_MEMBER: _ClassVar[Refusal]
+    NOT_OWNER: _ClassVar[Refusal]
+    ALREADY_REDUCED: _ClassVar[Refusal]
+    TAKEN_OVER: _ClassVar[Refusal]
+    DUPLICATE: _ClassVar[Refusal]
+    NOT_YET: _ClassVar[Refusal]
+    BUFFER_MISS: _ClassVar[Refusal]
+    BAD_MESSAGE: _ClassVar[Refusal]
+    NO_STATE: _ClassVar[Refusal]
+    UNSUPPORTED: _ClassVar[Refusal]
+    OVERLOADED: _ClassVar[Refusal]
+REFUSAL_UNSPECIFIED: Refusal
+UNKNOWN_RUN: Refusal
+WRONG_STEP: Refusal
+WRONG_EPOCH: Refusal
+BASE_MISMATCH: Refusal
+NOT_A_MEMBER: Refusal
+NOT_OWNER: Refusal
+ALREADY_REDUCED: Refusal
+TAKEN_OVER: Refusal
+DUPLICATE: Refusal
+NOT_YET: Refusal
+BUFFER_MISS: Refusal
+BAD_MESSAGE: Refusal
+NO_STATE: Refusal
+UNSUPPORTED: Refusal
+OVERLOADED: Refusal
+
 class Header(_message.Message):
-    __slots__ = ("run_id", "sender", "step")
+    __slots__ = ("run_id", "sender", "step", "epoch")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     sender: str
     step: int
-    def __init__(self, run_id: _Optional[str] = ..., sender: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, run_id: _Optional[str] = ..., sender: _Optional[str] = ..., step: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class RefusalInfo(_message.Message):
+    __slots__ = ("code", "at_step", "at_epoch")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    AT_STEP_FIELD_NUMBER: _ClassVar[int]
+    AT_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    code: Refusal
+    at_step: int
+    at_epoch: int
+    def __init__(self, code: _Optional[_Union[Refusal, str]] = ..., at_step: _Optional[int] = ..., at_epoch: _Optional[int] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("name", "dtype", "shape", "codec", "scales", "payload", "offset", "numel", "bits")
@@ -105,12 +153,14 @@ class ResultRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
 
 class StateInfoRequest(_message.Message):
-    __slots__ = ("header", "stage")
+    __slots__ = ("header", "stage", "version")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     header: Header
     stage: int
-    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., stage: _Optional[int] = ...) -> None: ...
+    version: int
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., stage: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class TensorInfo(_message.Message):
     __slots__ = ("name", "dtype", "shape")

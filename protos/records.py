@@ -66,6 +66,26 @@ class Manifest(_Record):
     seq: int = 0
 
 
+class StepReport(_Record):
+    """One outer step as a member lived it; a peer's last few ride on every heartbeat, so the
+    coordinator can fill in its history even for steps it was not there to see."""
+
+    step: int = Field(ge=0)
+    epoch: int = Field(0, ge=0, description="the epoch of the round that produced this version")
+    stage: int = Field(0, ge=0)
+    replica: int = Field(0, ge=0)
+    state_hash: str = ""
+    loss: float | None = Field(None, description="the member's smoothed inner loss at the end of the step")
+    eval_loss: float | None = Field(None, description="eval loss of theta_global at this version, once measured")
+    outer_s: float = Field(0.0, ge=0, description="wall time of the outer step")
+    outer_bytes: int = Field(0, ge=0, description="bytes this member sent in the all-reduce")
+    members: int = Field(0, ge=0, description="members of this stage's all-reduce")
+    contributors: int = Field(0, ge=0, description="fewest contributions any shard was averaged over")
+    dropped: list[str] = Field(default_factory=list, description="members the all-reduce went on without")
+    pipe: dict[str, int] = Field(default_factory=dict, description="pipeline bytes of the step, by kind")
+    t: float = Field(0.0, description="wall-clock time of the commit")
+
+
 class PeerRecord(_Record):
     """A peer's heartbeat: where it listens, what it is doing, what it contributes."""
 
@@ -96,6 +116,10 @@ class PeerRecord(_Record):
     stage: int = Field(0, ge=0, description="the pipeline stage whose state `version`/`state_hash` describe")
     dht_maddrs: list[str] = Field(default_factory=list, description="this peer's DHT addresses (for re-bootstrap)")
     replica: int = Field(-1, description="the replica this peer last trained in; -1 if none")
+    epoch: int = Field(0, ge=0, description="the epoch of the round that produced `version`")
+    prev_version: int = Field(-1, description="the version before `version`, which the peer still serves (-1: none)")
+    prev_hash: str = ""
+    recent: list[StepReport] = Field(default_factory=list, description="its last few outer steps, newest last")
     software: str = ""
     started_at: float = 0.0
     seq: int = 0
@@ -122,6 +146,8 @@ class Round(_Record):
     base_hash: str = Field("", description="hash of stage 0's version step-1 that most members hold; '' if unknown")
     stages: int = Field(1, ge=1, description="S: pipeline stages of the grid")
     base_hashes: list[str] = Field(default_factory=list, description="per stage: the hash of version step-1")
+    epoch: int = Field(0, ge=0, description="grows each time a round fails and the run rolls back: a member "
+                       "holding a version made in an older epoch than its round's must roll back to step-1")
     decided_at: float = 0.0
 
     def member(self, peer_id: str) -> Member | None:

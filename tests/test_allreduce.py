@@ -17,7 +17,7 @@ from potluck.compression.stream import encode_chunks
 from potluck.peer.allreduce import AllReduce, IncompleteRound, MemberAddr, RoundInfo, shard_bounds
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.identity import Identity
-from potluck.protos.transport import PeerClient, PeerServer, Traffic
+from potluck.protos.transport import STATUS_OF, PeerClient, PeerServer, Traffic, refusal_of
 
 RUN, NUMEL, BLOCK = "test-run", 10_000, 256
 BASE = "b" * 32
@@ -211,6 +211,55 @@ def test_an_owner_the_round_went_on_without_never_commits_its_own_result(members
         c.ar.run(round_for(members, c), deltas[c.id], wait_s=1, grace_s=1.0)
 
 
+def test_a_step_nobody_contributed_to_never_commits(members: list[Member]) -> None:
+    """All replicas stalled (a dead pipeline stage): the average of nothing is zeros, which the outer
+    momentum would still turn into a step. No member may commit it."""
+    out = run_all(members, {m.id: None for m in members}, wait_s=5)
+    assert all(isinstance(out[m.id], IncompleteRound) and "nothing to average" in str(out[m.id]) for m in members), out
+
+
+class Frozen(Member):
+    """A member whose process froze (SIGSTOP): connections open, nothing answered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thaw = threading.Event()
+
+    def ping(self, request: pb.PingRequest) -> pb.PingReply:
+        self.thaw.wait(30)
+        return super().ping(request)
+
+    def push_contribution(self, chunks):  # type: ignore[no-untyped-def]
+        self.thaw.wait(30)
+        return super().push_contribution(chunks)
+
+    def push_result(self, chunks):  # type: ignore[no-untyped-def]
+        self.thaw.wait(30)
+        return super().push_result(chunks)
+
+
+def test_a_frozen_backup_does_not_get_its_partner_dropped() -> None:
+    """The member after b in the ring (b's backup) freezes after contributing. b must hand its result
+    to the next member instead of waiting on the frozen one, or a gives up on b's shard and drops b."""
+    ms: list[Member] = [Member(), Member(), Frozen()]
+    try:
+        order = sorted(ms, key=lambda m: m.id)
+        frozen = ms[2]
+        owner = order[(order.index(frozen) - 1) % 3]  # the member whose backup is the frozen one
+        deltas = random_deltas(ms, seed=11)
+        out = run_all(ms, deltas, wait_s=3)  # the frozen one's own run sends its contributions, then waits
+        live = [m for m in ms if m is not frozen]
+        assert all(not isinstance(out[m.id], Exception) for m in live), out
+        (m0, s0), (m1, s1) = out[live[0].id], out[live[1].id]
+        assert torch.equal(m0, m1)
+        assert owner.id not in s0.dropped + s1.dropped and frozen.id in s0.dropped + s1.dropped
+        assert s0.contributors[order.index(owner)] == 3  # the frozen member's contribution was in time
+    finally:
+        ms[2].thaw.set()
+        for m in ms:
+            m.close()
+
+
 def test_stopping_interrupts_the_wait(members: list[Member]) -> None:
     a, b, c = members
     a.ar.stopping.set()
@@ -227,6 +276,7 @@ def chunks_for(target: Member, sender: str, **over) -> Iterator[pb.ShardChunk]: 
     lo, hi = shard_bounds(NUMEL, 3, BLOCK)[shard]
     values = over.pop("values", torch.randn(hi - lo) * 0.01)
     run_id, step, base = over.pop("run_id", RUN), over.pop("step", 1), over.pop("base_hash", BASE)
+    epoch = over.pop("epoch", 0)
     tensor_over = over.pop("tensor", {})
     for t in encode_chunks(f"shard{shard}", values, Int8BlockCodec(BLOCK), 1 << 20):
         for k, v in tensor_over.items():
@@ -236,7 +286,7 @@ def chunks_for(target: Member, sender: str, **over) -> Iterator[pb.ShardChunk]: 
                 setattr(t, k, v(getattr(t, k)))
             else:
                 setattr(t, k, v)
-        yield pb.ShardChunk(header=pb.Header(run_id=run_id, sender=sender, step=step), shard=shard,
+        yield pb.ShardChunk(header=pb.Header(run_id=run_id, sender=sender, step=step, epoch=epoch), shard=shard,
                             num_shards=num_shards, base_hash=base, tensor=t)
 
 
@@ -245,22 +295,23 @@ def NAN_SCALES(scales: bytes) -> bytes:  # noqa: N802 (used like a constant in t
 
 
 @pytest.mark.parametrize(
-    "over,code,match",
+    "over,refusal,match",
     [
-        ({"run_id": "other-run"}, grpc.StatusCode.INVALID_ARGUMENT, "unknown run id"),
-        ({"step": 7}, grpc.StatusCode.FAILED_PRECONDITION, "step 7"),
-        ({"base_hash": "c" * 32}, grpc.StatusCode.FAILED_PRECONDITION, "base hash mismatch"),
-        ({"sender": "stranger"}, grpc.StatusCode.PERMISSION_DENIED, "not a member"),
-        ({"num_shards": 4}, grpc.StatusCode.INVALID_ARGUMENT, "num_shards"),
-        ({"tensor": {"shape": [5]}}, grpc.StatusCode.INVALID_ARGUMENT, "shape"),
-        ({"tensor": {"dtype": "float16"}}, grpc.StatusCode.INVALID_ARGUMENT, "dtype"),
-        ({"tensor": {"scales": NAN_SCALES}}, grpc.StatusCode.INVALID_ARGUMENT, "finite"),
-        ({"tensor": {"payload": b"\x01\x02"}}, grpc.StatusCode.INVALID_ARGUMENT, "payload"),
-        ({"tensor": {"codec": "raw"}}, grpc.StatusCode.INVALID_ARGUMENT, "codec"),
-        ({"shard": 1}, grpc.StatusCode.INVALID_ARGUMENT, "not owned"),
+        ({"run_id": "other-run"}, pb.UNKNOWN_RUN, "unknown run id"),
+        ({"step": 7}, pb.WRONG_STEP, "step 7"),
+        ({"epoch": 3}, pb.WRONG_EPOCH, "epoch 3"),
+        ({"base_hash": "c" * 32}, pb.BASE_MISMATCH, "base hash mismatch"),
+        ({"sender": "stranger"}, pb.NOT_A_MEMBER, "not a member"),
+        ({"num_shards": 4}, pb.BAD_MESSAGE, "num_shards"),
+        ({"tensor": {"shape": [5]}}, pb.BAD_MESSAGE, "shape"),
+        ({"tensor": {"dtype": "float16"}}, pb.BAD_MESSAGE, "dtype"),
+        ({"tensor": {"scales": NAN_SCALES}}, pb.BAD_MESSAGE, "finite"),
+        ({"tensor": {"payload": b"\x01\x02"}}, pb.BAD_MESSAGE, "payload"),
+        ({"tensor": {"codec": "raw"}}, pb.BAD_MESSAGE, "codec"),
+        ({"shard": 1}, pb.NOT_OWNER, "not owned"),
     ],
 )
-def test_bad_contribution_is_rejected_and_changes_nothing(members: list[Member], over, code, match) -> None:  # type: ignore[no-untyped-def]
+def test_bad_contribution_is_rejected_and_changes_nothing(members: list[Member], over, refusal, match) -> None:  # type: ignore[no-untyped-def]
     order = sorted(members, key=lambda m: m.id)
     target, sender = order[0], order[1]
     target.ar.set_round(round_for(members, target))
@@ -269,7 +320,11 @@ def test_bad_contribution_is_rejected_and_changes_nothing(members: list[Member],
         sender_id = Identity.generate().peer_id
     with pytest.raises(grpc.RpcError) as err:
         sender.client.push_contribution(target.address, chunks_for(target, sender_id, **over), timeout=5)
-    assert err.value.code() == code and match in err.value.details()
+    info = refusal_of(err.value)  # the protocol's reason, and the gRPC status documented for it
+    assert info is not None and info.code == refusal and err.value.code() == STATUS_OF[refusal]
+    assert match in err.value.details()
+    if refusal == pb.WRONG_STEP:
+        assert info.at_step == 1  # the sender learns where the receiver is
     assert target.ar.pending_contributions() == 0
     assert target.traffic.rejected  # counted for the status page
 
@@ -301,5 +356,5 @@ def test_bad_result_is_rejected(members: list[Member]) -> None:
     target.ar.set_round(round_for(members, target))
     with pytest.raises(grpc.RpcError) as err:
         sender.client.push_result(target.address, chunks_for(target, sender.id, shard=1, tensor={"dtype": "int8"}), timeout=5)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and refusal_of(err.value).code == pb.BAD_MESSAGE
     assert target.ar.result_count() == 0

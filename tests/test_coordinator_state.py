@@ -1,4 +1,4 @@
-"""The coordinator's decisions, journal and checkpoints, without a network."""
+"""The coordinator's journal and checkpoints, without a network (rounds: tests/test_rounds.py)."""
 
 from __future__ import annotations
 
@@ -10,64 +10,25 @@ import torch
 from potluck.compression.transfer import Snapshot
 from potluck.coordinator.checkpoint import CheckpointStore
 from potluck.coordinator.journal import Journal, JournalError, JournalState
-from potluck.coordinator.membership import PeerTable
-from potluck.protos.records import PeerRecord
-
-
-def rec(pid: str, version: int = 0, state: str = "waiting", h: str = "h0", seq: int = 1) -> PeerRecord:
-    return PeerRecord(peer_id=pid, address=f"{pid}:1", version=version, state=state, state_hash=h, seq=seq)
-
-
-def test_first_round_waits_for_min_peers_then_admits_all_sorted() -> None:
-    t = PeerTable(heartbeat_timeout_s=5)
-    t.update({"b": rec("b")}, now=0)
-    assert not t.ready_to_decide(min_peers=2, now=0)
-    t.update({"a": rec("a"), "b": rec("b")}, now=1)
-    assert t.ready_to_decide(min_peers=2, now=1)
-    d = t.decide()
-    assert [m.peer_id for m in d.round.members] == ["a", "b"] and d.round.step == 1 and d.round.base_hash == "h0"
-    assert t.pending_step() is None  # round 1 is running
-
-
-def test_next_round_after_commit_admits_joiners_and_drops_the_lost() -> None:
-    t = PeerTable(heartbeat_timeout_s=5, settle_s=1)
-    t.update({"a": rec("a"), "b": rec("b")}, now=0)
-    t.decide()
-    t.update({"a": rec("a", 1, "training", "h1", 2), "c": rec("c")}, now=2)
-    assert t.committed == 1
-    assert not t.ready_to_decide(1, now=2)  # b has not reported v1 yet, settle time not over
-    t.update({}, now=3.5)
-    assert t.ready_to_decide(1, now=3.5)
-    t.update({}, now=6)  # b silent for 6 s > timeout: lost
-    d = t.decide()
-    assert [m.peer_id for m in d.round.members] == ["a", "c"] and d.joined == ["c"] and d.dropped == ["b"]
-    assert d.round.base_hash == "h1"
-
-
-def test_canonical_hash_is_the_majority() -> None:
-    t = PeerTable(heartbeat_timeout_s=5)
-    t.update({p: rec(p) for p in "abc"}, now=0)
-    t.decide()
-    t.update({"a": rec("a", 1, h="good", seq=2), "b": rec("b", 1, h="good", seq=2), "c": rec("c", 1, h="bad", seq=2)}, now=1)
-    assert t.canonical_hash(1) == "good"
-
-
-def test_goodbye_evicts_at_once() -> None:
-    t = PeerTable(heartbeat_timeout_s=100)
-    t.update({"a": rec("a")}, now=0)
-    events = t.update({"a": rec("a", state="left", seq=2)}, now=1)
-    assert ("left", "a") in events and t.live() == []
 
 
 def test_journal_round_trip_and_corruption(tmp_path) -> None:  # type: ignore[no-untyped-def]
     j = Journal(tmp_path)
     assert j.load() is None
-    j.save(JournalState(run_id="r", config={"a": 1}, created_at=1.0, committed=4, hashes={4: "x"}))
+    j.save(JournalState(run_id="r", config={"a": 1}, created_at=1.0, committed=4, hashes={0: {4: "x"}}, epoch=2))
     state = j.load()
-    assert state is not None and state.committed == 4 and state.hashes == {4: "x"}
+    assert state is not None and state.committed == 4 and state.hashes == {0: {4: "x"}} and state.epoch == 2
     j.path.write_text("{broken")
     with pytest.raises(JournalError):
         j.load()
+
+
+def test_a_version_1_journal_still_loads(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Version 1 kept stage 0's hashes as {version: hash}; they become stage 0's."""
+    (tmp_path / "journal.json").write_text(json.dumps({"v": 1, "run_id": "r", "config": {}, "created_at": 1.0,
+                                                       "committed": 3, "hashes": {"3": "abc"}}))
+    state = Journal(tmp_path).load()
+    assert state is not None and state.hashes == {0: {3: "abc"}} and state.epoch == 0 and state.committed_run()
 
 
 def snap(version: int) -> Snapshot:
@@ -121,8 +82,8 @@ def test_checkpoints_consolidate_stages_and_re_split_into_any_number(tmp_path) -
     import torch
 
     from potluck.coordinator.checkpoint import CheckpointStore, consolidate, slice_stage
-    from potluck.peer.pipeline import stage_bounds
     from potluck.protos.config import RunConfig, apply_overrides
+    from potluck.protos.layout import stage_bounds
 
     def cfg_for(stages: int):  # type: ignore[no-untyped-def]
         return apply_overrides(RunConfig(), {"model.n_layers": 2, "model.d_model": 32, "model.n_heads": 2,

@@ -43,7 +43,7 @@ class Peer:
         n = 0
         for c in chunks:
             if c.header.run_id != "r":
-                raise Rejected(grpc.StatusCode.PERMISSION_DENIED, "wrong run")
+                raise Rejected(pb.UNKNOWN_RUN, "wrong run")
             n += c.ByteSize()
         return pb.Ack(received_bytes=n)
 

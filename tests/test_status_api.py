@@ -103,30 +103,33 @@ def test_state_is_versioned_and_matches_the_schema(state: dict[str, Any]) -> Non
         srv.stop()
 
 
-def test_the_coordinators_own_snapshot_matches_the_schema(tmp_path) -> None:
-    """Builds a snapshot with the real Coordinator._build_state (no network) so schema and builder cannot drift."""
-    from potluck.coordinator.app import Coordinator
-    from potluck.coordinator.journal import Journal, JournalState
+def test_the_coordinators_own_snapshot_matches_the_schema() -> None:
+    """Builds a snapshot with the coordinator's own fold (no network) so schema and builder cannot drift."""
+    from potluck.coordinator.history import fold
     from potluck.coordinator.membership import PeerTable
+    from potluck.coordinator.placement import members, sticky_placement
+    from potluck.coordinator.rounds import Rounds
+    from potluck.coordinator.snapshot import RunInfo, Series, build
     from potluck.protos.config import RunConfig
-    from potluck.protos.records import PeerRecord
+    from potluck.protos.records import PeerRecord, StepReport
 
-    c = Coordinator(RunConfig())
-    c.run_id, c.id, c.join_address, c.status_url, c.started_at = "run-x", "12D3coord", "/ip4/10.0.0.1/tcp/1", "http://x/", 0.0
-    c.state = JournalState(run_id="run-x", config={}, created_at=0.0)
-    c.journal = Journal(tmp_path)
-    c.table = PeerTable(5, settle_s=0)
+    table, rounds = PeerTable(5), Rounds(stages=1)
     ids = ["12D3KooWaaaaaa", "12D3KooWbbbbbb"]
-    c.table.update({p: PeerRecord(peer_id=p, address=f"{p}:1", state="waiting") for p in ids})
-    c.table.decide(set(ids), decided_at=1.0)
-    c.table.update({p: PeerRecord(peer_id=p, address=f"{p}:1", state="training", version=1, state_hash="h1", seq=2,
-                                  loss=3.5, last_outer_bytes=1000, parameters=4096, bytes_sent={"outer": 1000},
-                                  compute_s=10.0, sync_s=1.0, tokens_per_s=50.0) for p in ids})
-    c._update_history()
-    snap = json.loads(json.dumps(c._build_state()))
+    table.update({p: PeerRecord(peer_id=p, address=f"{p}:1", state="waiting") for p in ids}, now=0)
+    rounds.decide(members(sticky_placement(ids, 1, 2, {}), [v.record for v in table.live()]), now=0, decided_at=1.0)
+    step = StepReport(step=1, state_hash="h1", loss=3.5, outer_s=0.4, outer_bytes=1000, members=2, contributors=2)
+    table.update({p: PeerRecord(peer_id=p, address=f"{p}:1", state="training", version=1, state_hash="h1", seq=2,
+                                loss=3.5, last_outer_bytes=1000, parameters=4096, bytes_sent={"outer": 1000},
+                                compute_s=10.0, sync_s=1.0, tokens_per_s=50.0, recent=[step]) for p in ids}, now=1)
+    rounds.observe(table.reports(), now=1)
+    history, _ = fold([], [v.record for v in table.peers.values()], rounds.round_at, rounds.committed)
+    run = RunInfo("run-x", "12D3coord", "/ip4/10.0.0.1/tcp/1", "http://x/", 0.0, False)
+    snap = json.loads(json.dumps(build(run, RunConfig(), list(table.peers.values()), rounds, history, [], [],
+                                       Series(), {})))
     errors = [f"{list(e.path)}: {e.message}" for e in VALIDATOR.iter_errors(snap)]
     assert not errors, errors[:5]
     assert snap["history"] and snap["grid"]["cells"] and snap["peers"][0]["tasklet"] == {"stage": 0, "replica": 0}
+    assert snap["history"][0]["state_hashes"] == dict.fromkeys(ids, "h1") and snap["run"]["outer_step"] == 1
 
 
 def test_no_snapshot_yet_is_503_and_non_finite_numbers_become_null(box: Box, server: StatusServer) -> None:

@@ -1,0 +1,142 @@
+"""Bringing a coordinator up: its journal, identity, DHT node and the addresses it tells the world.
+
+Restarted with the same journal directory, a coordinator keeps its identity (so the join address
+stays valid), resumes at the committed outer step, and rejoins the swarm its peers kept running
+through the peer addresses its journal remembers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from pathlib import Path
+
+from potluck.coordinator import history
+from potluck.coordinator.checkpointer import Served
+from potluck.coordinator.journal import Journal, JournalError, JournalState, write_atomic
+from potluck.coordinator.rounds import Rounds
+from potluck.coordinator.snapshot import RunInfo
+from potluck.protos.config import ConfigError, CoordinatorConfig, RunConfig
+from potluck.protos.identity import Identity
+from potluck.protos.log import get_logger
+from potluck.protos.records import Manifest
+from potluck.protos.swarm import JoinError, SwarmNode, guess_reachable_host, host_of_multiaddr
+
+log = get_logger(__name__)
+
+# What a resumed run may change: how the model is laid out and how peers are managed, not what is
+# trained (model, data, optimizers, codec) -- a universal checkpoint re-splits into any stage count.
+RESUMABLE_SECTIONS = {"pipeline", "membership", "links", "diloco"}
+
+
+def open_journal(cfg: RunConfig) -> tuple[Journal, JournalState]:
+    """The run's journal: resumed if it exists and fits ``cfg``, else a new one."""
+    journal = Journal(cfg.coordinator.journal_dir)
+    state = journal.load()
+    sections = cfg.manifest_sections()
+    if state is None or not state.committed_run():
+        run_id = cfg.run_id or (state.run_id if state else "") or f"run-{secrets.token_hex(3)}"
+        fresh = JournalState(run_id=run_id, config=sections, created_at=time.time())
+        journal.save(fresh)
+        return journal, fresh
+    if cfg.run_id and cfg.run_id != state.run_id:
+        raise JournalError(f"{journal.path} belongs to run {state.run_id!r}, not {cfg.run_id!r}; use another journal_dir")
+    changed = sorted(k for k in set(state.config) | set(sections) if state.config.get(k) != sections.get(k))
+    fixed = [k for k in changed if k not in RESUMABLE_SECTIONS]
+    if fixed:
+        raise JournalError(
+            f"{journal.path} was written with a different config (sections differ: {', '.join(fixed)}); "
+            f"resume with the same values there (only {', '.join(sorted(RESUMABLE_SECTIONS))} may change) "
+            "or use another journal_dir")
+    if changed:
+        log.warning("resuming run %s with changed config sections: %s", state.run_id, ", ".join(changed))
+        state.config = sections
+        if state.finished and state.committed < cfg.diloco.outer_steps:
+            state.finished = False  # the run was extended
+        journal.save(state)
+    log.info("resuming run %s from the journal at outer step %d", state.run_id, state.committed)
+    return journal, state
+
+
+def resume_layout(rounds: Rounds, served: Served | None, state: JournalState, cfg: RunConfig) -> str:
+    """Adopt the served checkpoint's hashes; resumed with another stage count, restart the run from that
+    checkpoint re-split into the new stages (steps after it are rolled back). Returns the event to log."""
+    latest = rounds.latest
+    if latest is None or latest.stages == rounds.stages:
+        if served is not None:
+            rounds.adopt_checkpoint(served.checkpoint())
+        return ""
+    if served is None:
+        raise ConfigError(f"pipeline.stages changed from {latest.stages} to {rounds.stages}, but there is no "
+                          "checkpoint to re-split; keep the old value")
+    rounds.reshard(rounds.stages, served.checkpoint(), time.monotonic())
+    state.history, undone = history.roll_back(state.history, served.version)
+    state.rolled_back += undone
+    state.finished = served.version >= cfg.diloco.outer_steps
+    return (f"pipeline.stages changed from {latest.stages} to {rounds.stages}: resuming from the checkpoint of "
+            f"v{served.version} re-split into {rounds.stages} stages")
+
+
+def start_node(identity: Identity, identity_path: Path, c: CoordinatorConfig, known: list[str]) -> SwarmNode:
+    """The DHT node the swarm bootstraps from; after a restart, rejoined through ``known`` peers."""
+    kwargs = {"host": c.host, "port": c.dht_port, "announce_host": c.announce_host,
+              "startup_timeout": c.startup_timeout_s, "identity_path": identity_path}
+    try:
+        node = SwarmNode(identity, initial_peers=known, **kwargs)  # type: ignore[arg-type]
+    except JoinError as err:
+        if not known:
+            raise
+        log.warning("none of the %d peers known from the journal answered (%s); starting a new swarm", len(known), err)
+        return SwarmNode(identity, **kwargs)  # type: ignore[arg-type]
+    if known:
+        log.info("rejoined the swarm through %d peers known from the journal", len(known))
+    return node
+
+
+def public_host(c: CoordinatorConfig) -> str:
+    return c.announce_host or (c.host if c.host not in ("0.0.0.0", "") else guess_reachable_host())
+
+
+def join_address(node: SwarmNode, host: str, peer_id: str) -> str:
+    """The multiaddr peers join through: one of the node's own at ``host`` if it has one."""
+    maddrs = node.maddrs
+    for m in maddrs:
+        if host_of_multiaddr(m) == host:
+            return m
+    port = maddrs[0].split("/tcp/")[1].split("/")[0]
+    return f"/ip4/{host}/tcp/{port}/p2p/{peer_id}"
+
+
+def announce(run: RunInfo, manifest: Manifest, committed: int, cfg: RunConfig, ready_file: str | None) -> None:
+    """Tell the operator (and a launcher waiting on ``ready_file``) where the run can be found."""
+    print(
+        f"potluck coordinator ready\n"
+        f"  run:          {run.run_id} (outer step {committed} of {cfg.diloco.outer_steps})\n"
+        f"  join address: {run.join_address}\n"
+        f"  status page:  {run.status_url}\n"
+        f"  admin token:  {Path(cfg.coordinator.journal_dir) / 'admin.token'} (or $POTLUCK_ADMIN_TOKEN)\n"
+        f"  start a peer: potluck peer --join {run.join_address}",
+        flush=True,
+    )
+    if ready_file:
+        info = {"run_id": run.run_id, "join": run.join_address, "status_url": run.status_url,
+                "grpc": manifest.coordinator_grpc, "coordinator": run.coordinator}
+        write_atomic(Path(ready_file), json.dumps(info).encode())
+
+
+def admin_token(journal_dir: Path) -> str:
+    """The token admin actions need: $POTLUCK_ADMIN_TOKEN, else one kept in the journal dir (0600)."""
+    token = os.environ.get("POTLUCK_ADMIN_TOKEN", "")
+    if token:
+        return token
+    path = journal_dir / "admin.token"
+    if path.exists():
+        return path.read_text().strip()
+    token = secrets.token_urlsafe(24)
+    journal_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token

@@ -1,0 +1,230 @@
+"""The coordinator's checkpoints: fetched from members off the tick, written, and served.
+
+The :class:`Checkpointer` owns everything about checkpoints: the on-disk store, the worker thread
+that fetches a committed version from its members, and the checkpoint it serves to recovering
+peers (cut into the run's current stages). The coordinator's loop only *asks* (:meth:`want`) and
+*hears back* (:meth:`results`): a newer wanted version supersedes an older one still being
+fetched, and the final version of a run is never skipped.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from potluck.compression.transfer import (
+    Snapshot,
+    SnapshotServer,
+    SnapshotUnavailable,
+    fetch_snapshot,
+    probe_sources,
+)
+from potluck.coordinator.checkpoint import CheckpointStore, consolidate, slice_stage
+from potluck.coordinator.rounds import Checkpoint
+from potluck.protos import potluck_pb2 as pb
+from potluck.protos.config import RunConfig
+from potluck.protos.layout import stage_bounds
+from potluck.protos.log import get_logger
+from potluck.protos.records import Round
+from potluck.protos.transport import PeerClient, Rejected
+
+log = get_logger(__name__)
+
+FETCH_DEADLINE_S = 30.0
+
+
+@dataclass(frozen=True)
+class Job:
+    """Checkpoint ``version``: members' addresses and the canonical hash, per stage."""
+
+    version: int
+    addresses: dict[int, list[str]]
+    hashes: dict[int, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, rnd: Round, version: int, canonical: Callable[[int, int], str]) -> Job:
+        """Checkpoint ``version`` from the members of ``rnd`` (the round that produced it)."""
+        stages = range(rnd.stages)
+        return cls(version, {s: [m.address for m in rnd.stage_members(s)] for s in stages},
+                   {s: canonical(version, s) for s in stages})
+
+
+@dataclass(frozen=True)
+class Written:
+    version: int
+    path: Path
+    checkpoint: Checkpoint  # what is served now: its version and hash per stage
+
+
+@dataclass(frozen=True)
+class NotWritten:
+    version: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Served:
+    """A checkpoint as recovering peers get it: the whole state and one server per stage."""
+
+    whole: Snapshot
+    servers: dict[int, SnapshotServer]
+
+    @property
+    def version(self) -> int:
+        return self.whole.version
+
+    @property
+    def hashes(self) -> dict[int, str]:
+        return {stage: server.current.hash for stage, server in self.servers.items() if server.current}
+
+    def checkpoint(self) -> Checkpoint:
+        return Checkpoint(self.version, self.hashes)
+
+
+class Checkpointer:
+    def __init__(self, directory: Path, keep: int, client: PeerClient, *, run_id: str, me: str,
+                 bounds: list[tuple[int, int]], chunk_bytes: int, rpc_timeout_s: float, meta: dict[str, Any]) -> None:
+        self.store = CheckpointStore(directory, keep=keep)
+        self.client, self.run_id, self.me, self.bounds = client, run_id, me, bounds
+        self.chunk_bytes, self.rpc_timeout_s, self.meta = chunk_bytes, rpc_timeout_s, meta
+        self.served: Served | None = None  # replaced whole, never changed in place: handlers read it lock-free
+        self._cond = threading.Condition()
+        self._job: Job | None = None
+        self._busy = False
+        self._results: queue.SimpleQueue[Written | NotWritten] = queue.SimpleQueue()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="checkpointer", daemon=True)
+
+    @classmethod
+    def for_run(cls, cfg: RunConfig, client: PeerClient, run_id: str, me: str) -> Checkpointer:
+        c = cfg.coordinator
+        return cls(Path(c.journal_dir) / "checkpoints", c.keep_checkpoints, client, run_id=run_id, me=me,
+                   bounds=stage_bounds(cfg.model, cfg.pipeline), chunk_bytes=cfg.sync.chunk_bytes,
+                   rpc_timeout_s=cfg.sync.rpc_timeout_s, meta={"model": cfg.model.model_dump(mode="json")})
+
+    def start(self) -> None:
+        self.serve(self.store.latest_valid())
+        self._thread.start()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stopping.set()
+        with self._cond:
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ the loop's side
+
+    def want(self, job: Job) -> None:
+        """Checkpoint ``job.version`` (replacing an older version not started yet)."""
+        with self._cond:
+            if self._job is None or job.version >= self._job.version:
+                self._job = job
+            self._cond.notify_all()
+
+    def checkpoint(self) -> Checkpoint | None:
+        """The served checkpoint's version and hashes (for rollbacks), if there is one."""
+        served = self.served
+        return served.checkpoint() if served is not None else None
+
+    def busy(self) -> bool:
+        with self._cond:
+            return self._busy or self._job is not None
+
+    def results(self) -> list[Written | NotWritten]:
+        out = []
+        while True:
+            try:
+                out.append(self._results.get_nowait())
+            except queue.Empty:
+                return out
+
+    def serve(self, whole: Snapshot | None, bounds: list[tuple[int, int]] | None = None) -> None:
+        """Serve ``whole`` cut into ``bounds`` (default: the run's current stages)."""
+        if whole is None:
+            return
+        self.bounds = bounds or self.bounds
+        servers = {}
+        for stage, (start, stop) in enumerate(self.bounds):
+            part = slice_stage(whole, start, stop, stage) if whole.meta.get("layout") else whole
+            server = SnapshotServer(self.run_id, self.chunk_bytes)
+            server.publish(part)
+            servers[stage] = server
+        self.served = Served(whole, servers)
+
+    # ------------------------------------------------------------------ the worker
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            with self._cond:
+                while self._job is None and not self._stopping.is_set():
+                    self._cond.wait(0.5)
+                job, self._job = self._job, None
+                self._busy = job is not None
+            if job is None:
+                return
+            try:
+                self._results.put(self._checkpoint(job))
+            except Exception as err:  # a bug here must not end the run: report and go on
+                log.exception("checkpoint of v%d failed", job.version)
+                self._results.put(NotWritten(job.version, str(err)))
+            finally:
+                with self._cond:
+                    self._busy = False
+
+    def _superseded(self, version: int) -> bool:
+        with self._cond:
+            return self._job is not None and self._job.version > version
+
+    def _checkpoint(self, job: Job) -> Written | NotWritten:
+        """Fetch every stage's state at ``job.version`` from its members, consolidate, write, serve."""
+        header = pb.Header(run_id=self.run_id, sender=self.me)
+        deadline = time.monotonic() + FETCH_DEADLINE_S
+        parts: dict[int, Snapshot] = {}
+        stages = len(job.addresses)
+        while len(parts) < stages and time.monotonic() < deadline and not self._stopping.is_set():
+            if self._superseded(job.version):
+                return NotWritten(job.version, "superseded by a newer version")
+            for stage, addresses in job.addresses.items():
+                if stage in parts:
+                    continue
+                want = job.hashes.get(stage, "")
+                sources = [s for s in probe_sources(self.client, header, addresses, stage=stage, version=job.version)
+                           if not want or s.info.state_hash == want]
+                if sources:
+                    try:
+                        parts[stage] = fetch_snapshot(self.client, header, sources, timeout=self.rpc_timeout_s,
+                                                      stage=stage)
+                    except SnapshotUnavailable as err:
+                        log.info("stage %d of v%d not fetched yet: %s", stage, job.version, err)
+            if len(parts) < stages:
+                self._stopping.wait(0.2)
+        if len(parts) < stages:
+            return NotWritten(job.version, f"no member served stages {sorted(set(job.addresses) - set(parts))}")
+        try:
+            whole = consolidate([parts[i] for i in range(stages)])
+            path = self.store.write(whole, {"run_id": self.run_id, "stages": stages, **self.meta})
+        except (OSError, ValueError) as err:
+            return NotWritten(job.version, str(err))
+        self.serve(whole)
+        assert self.served is not None
+        return Written(job.version, path, self.served.checkpoint())
+
+    # ------------------------------------------------------------------ gRPC (recovering peers)
+
+    def _server(self, stage: int) -> SnapshotServer:
+        served = self.served
+        if served is None or stage not in served.servers:
+            raise Rejected(pb.NO_STATE, f"no checkpoint of stage {stage}")
+        return served.servers[stage]
+
+    def get_state_info(self, request: pb.StateInfoRequest) -> pb.StateInfo:
+        return self._server(request.stage).get_state_info(request)
+
+    def fetch_state(self, request: pb.StateRequest) -> Iterator[pb.StateChunk]:
+        return self._server(request.stage).fetch_state(request)

@@ -1,0 +1,355 @@
+"""The round lifecycle: one explicit, pure state machine over the run's outer steps.
+
+A *round* is the coordinator's decision of who runs outer step ``v`` on which tasklet, and from which
+state (``base_hashes``: per stage, the hash of version ``v - 1``). Each round ends exactly once::
+
+    decided --(every stage has a member at v)----------------------> committed
+       |
+       +--(a stage lost all its members, or the round went silent)--> failed --> rolled back
+
+* **committed**: for every stage, some member of the round reports version ``v`` (or later: peers
+  go on without the coordinator, on the last plan, while it is away) made in the round's epoch.
+* **failed**: some stage has no live member left (after a start-up grace, so a restarted
+  coordinator gives the peers of a journaled round time to show up), or no member made visible
+  progress for ``floor_s`` (the round is *silent*), or, once step durations have been measured,
+  the round is older than ``factor`` times their median (and at least ``floor_s``). Deadlines come
+  from measured step times with a configurable floor (LESSONS: fixed timeouts cannot fit every
+  network), never from a constant.
+* **rolled back**: the run goes on from the newest version that every stage can still be had at:
+  held by a live peer (its current state or the one before it, both served) or in the newest
+  checkpoint; version 0 (theta_0, which every peer builds from the run's seed) always can. The
+  *epoch* grows by one, so a member still holding a version of the failed epoch knows it must roll
+  back, and its stragglers' messages are refused.
+
+Nothing here does I/O or reads a clock of its own: the coordinator feeds it peer reports and the
+time (``now``, monotonic seconds), and acts on the events it returns. That is what makes the
+lifecycle testable step by step (``tests/test_rounds.py``), like a torchft ``Manager`` quorum.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from potluck.protos.log import short_id
+from potluck.protos.records import Member, Round
+
+KEEP_ROUNDS = 16
+KEEP_DURATIONS = 8
+
+
+@dataclass(frozen=True)
+class Report:
+    """What the lifecycle needs of one peer's latest record."""
+
+    peer_id: str
+    stage: int
+    version: int
+    state_hash: str
+    epoch: int = 0
+    prev_version: int = -1
+    prev_hash: str = ""
+    live: bool = True
+    progress: tuple = ()  # changes whenever the peer makes visible progress (state, inner step, bytes)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """The newest checkpoint the coordinator serves: a version and its hash per stage (current layout)."""
+
+    version: int
+    hashes: dict[int, str]
+
+
+@dataclass(frozen=True)
+class Committed:
+    step: int
+    since: int  # the committed step before (several steps commit at once after the coordinator was away)
+    seconds: float | None  # decided -> committed, when this process saw the decision
+
+
+@dataclass(frozen=True)
+class Failed:
+    round: Round
+    reason: str
+
+
+@dataclass(frozen=True)
+class RolledBack:
+    from_step: int  # the committed step before the rollback
+    to_version: int
+    source: str  # "live peers", "checkpoint" or "theta_0"
+    epoch: int
+
+
+Event = Committed | Failed | RolledBack
+
+
+@dataclass
+class Outcome:
+    """How a round that did not commit ended (journaled, shown on the status page)."""
+
+    step: int
+    epoch: int
+    reason: str
+    members: int
+    rolled_back_to: int
+    t: float = 0.0
+
+
+@dataclass
+class Rounds:
+    """Committed step, decided rounds, canonical hashes and the epoch of a run."""
+
+    stages: int
+    floor_s: float = 60.0
+    factor: float = 4.0
+    settle_s: float = 1.0
+    grace_s: float = 8.0
+    committed: int = 0
+    epoch: int = 0
+    rounds: dict[int, Round] = field(default_factory=dict)
+    hashes: dict[int, dict[int, str]] = field(default_factory=dict)  # stage -> version -> hash
+    outcomes: list[Outcome] = field(default_factory=list)
+    _started: dict[int, float] = field(default_factory=dict)  # step -> when decided (or restored)
+    _committed_at: float | None = None
+    _durations: deque = field(default_factory=lambda: deque(maxlen=KEEP_DURATIONS))
+    _progress: dict[str, tuple[tuple, float]] = field(default_factory=dict)  # peer -> (signature, since)
+    _fresh_start: bool = True  # no round is running after a failure (or ever): wait for min_peers
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def latest(self) -> Round | None:
+        return self.rounds[max(self.rounds)] if self.rounds else None
+
+    def pending(self) -> Round | None:
+        """The decided round that has not ended: the one for ``committed + 1``."""
+        latest = self.latest
+        return latest if latest is not None and latest.step > self.committed else None
+
+    def canonical(self, version: int, stage: int = 0) -> str:
+        """The hash of ``version`` of ``stage`` every member must hold ('' if unknown: version 0, say)."""
+        return self.hashes.get(stage, {}).get(version, "")
+
+    def round_at(self, step: int) -> Round | None:
+        """The round that applied to ``step``: the latest decided at or before it (peers use the last plan)."""
+        best = max((s for s in self.rounds if s <= step), default=None)
+        return self.rounds[best] if best is not None else None
+
+    def deadline_s(self) -> float | None:
+        """Seconds a round may take before it fails, once step durations have been measured."""
+        if not self._durations:
+            return None
+        return max(self.floor_s, self.factor * statistics.median(self._durations))
+
+    # ------------------------------------------------------------------ inputs
+
+    def restore(self, committed: int, epoch: int, rounds: Iterable[Round], hashes: dict[int, dict[int, str]],
+                outcomes: Iterable[dict], now: float) -> None:
+        """Resume from a journal. A journaled pending round gets ``grace_s`` for its members to show
+        up and a fresh deadline, counted from now."""
+        self.committed, self.epoch = committed, epoch
+        self.rounds = {r.step: r for r in rounds}
+        self.hashes = {s: dict(v) for s, v in hashes.items()}
+        self.outcomes = [Outcome(**o) for o in outcomes]
+        self._started = {step: now for step in self.rounds}
+        self._committed_at = now
+        self._fresh_start = not self.rounds
+
+    def observe(self, reports: Sequence[Report], now: float, checkpoint: Checkpoint | None = None) -> list[Event]:
+        """Fold the peers' latest reports in: commits, canonical hashes, and failure of the pending round."""
+        events: list[Event] = []
+        self._note_progress(reports, now)
+        self._learn_hashes(reports)
+        step = self._reached(reports)
+        if step > self.committed:
+            started = self._started.get(step)
+            seconds = now - started if started is not None and step == self._latest_step() else None
+            if seconds is not None:
+                self._durations.append(seconds)
+            since, self.committed, self._committed_at, self._fresh_start = self.committed, step, now, False
+            self._learn_hashes(reports)
+            events.append(Committed(step, since, seconds))
+        pending = self.pending()
+        if pending is not None:
+            reason = self._failure(pending, reports, now)
+            if reason:
+                events.extend(self._fail(pending, reason, reports, checkpoint, now))
+        return events
+
+    def _latest_step(self) -> int:
+        return max(self.rounds, default=0)
+
+    def _reached(self, reports: Sequence[Report]) -> int:
+        """The highest version every stage of the latest round has reached in the current epoch.
+
+        A member reports a version only once its stage's all-reduce produced it, so one member per
+        stage is enough. It is above the round's step when peers went on without the coordinator (on
+        the last plan, in the same epoch); a version made in an epoch since abandoned never counts.
+        """
+        latest = self.latest
+        if latest is None:
+            return self.committed
+        reached = []
+        for stage in range(latest.stages):
+            members = {m.peer_id for m in latest.members if m.stage == stage}
+            versions = [r.version for r in reports if r.peer_id in members and r.stage == stage
+                        and r.epoch >= self.epoch and r.version >= latest.step]
+            if not versions:
+                return self.committed
+            reached.append(max(versions))
+        return min(reached)
+
+    def _learn_hashes(self, reports: Sequence[Report]) -> None:
+        """Canonical hash of each (stage, version) up to the committed step: what most live members of
+        the round that made it hold (a minority with another hash recovers the canonical one)."""
+        votes: dict[tuple[int, int], Counter] = {}
+        for r in reports:
+            made_by = self.round_at(r.version)
+            if (not r.live or not r.state_hash or r.version > self.committed or r.version == 0
+                    or made_by is None or r.epoch != made_by.epoch):
+                continue
+            votes.setdefault((r.stage, r.version), Counter())[r.state_hash] += 1
+        for (stage, version), counter in votes.items():
+            self.hashes.setdefault(stage, {})[version] = counter.most_common(1)[0][0]
+
+    def _note_progress(self, reports: Sequence[Report], now: float) -> None:
+        for r in reports:
+            old = self._progress.get(r.peer_id)
+            if old is None or old[0] != r.progress:
+                self._progress[r.peer_id] = (r.progress, now)
+
+    # ------------------------------------------------------------------ failing and rolling back
+
+    def _failure(self, rnd: Round, reports: Sequence[Report], now: float) -> str:
+        """Why ``rnd`` has failed by ``now``, or '' if it has not."""
+        started = self._started.setdefault(rnd.step, now)
+        age = now - started
+        live = {r.peer_id for r in reports if r.live}
+        if age >= self.grace_s:
+            for stage in range(rnd.stages):
+                if not any(m.peer_id in live for m in rnd.stage_members(stage)):
+                    return f"stage {stage} lost all its members" if rnd.stages > 1 else "every member is gone"
+        members = [m.peer_id for m in rnd.members if m.peer_id in live]
+        last = max((self._progress[p][1] for p in members if p in self._progress), default=started)
+        if now - max(last, started) >= self.floor_s:
+            return f"no member made progress for {self.floor_s:.0f} s"
+        deadline = self.deadline_s()
+        if deadline is not None and age >= deadline:
+            return f"not committed within {deadline:.0f} s ({self.factor:g}x the measured step time, at least the floor)"
+        return ""
+
+    def _fail(self, rnd: Round, reason: str, reports: Sequence[Report], checkpoint: Checkpoint | None,
+              now: float) -> list[Event]:
+        target, source = self.rollback_target(reports, checkpoint)
+        events: list[Event] = [Failed(rnd, reason)]
+        before = self.committed
+        for step in [s for s in self.rounds if s > target]:
+            del self.rounds[step]
+            self._started.pop(step, None)
+        for by_version in self.hashes.values():
+            for v in [v for v in by_version if v > target]:
+                del by_version[v]
+        if checkpoint is not None and checkpoint.version == target:
+            for stage, h in checkpoint.hashes.items():
+                self.hashes.setdefault(stage, {})[target] = h
+        self.epoch += 1
+        self.committed = target
+        self._committed_at = now
+        self._fresh_start = True
+        self.outcomes.append(Outcome(rnd.step, rnd.epoch, reason, len(rnd.members), target))
+        self.outcomes = self.outcomes[-KEEP_ROUNDS:]
+        if target < before:
+            events.append(RolledBack(before, target, source, self.epoch))
+        return events
+
+    def rollback_target(self, reports: Sequence[Report], checkpoint: Checkpoint | None) -> tuple[int, str]:
+        """The newest version at or below the committed one that every stage can be had at, and from where."""
+        for v in range(self.committed, 0, -1):
+            if checkpoint is not None and checkpoint.version == v:
+                return v, "checkpoint"
+            if all(self._held(stage, v, reports) for stage in range(self.stages)):
+                return v, "live peers"
+        return 0, "theta_0"
+
+    def _held(self, stage: int, version: int, reports: Sequence[Report]) -> bool:
+        want = self.canonical(version, stage)
+        for r in reports:
+            if not r.live or r.stage != stage:
+                continue
+            for v, h in ((r.version, r.state_hash), (r.prev_version, r.prev_hash)):
+                if v == version and h and (not want or h == want):
+                    return True
+        return False
+
+    # ------------------------------------------------------------------ deciding
+
+    def settled(self, now: float, grace_s: float | None = None, reports: Sequence[Report] = ()) -> bool:
+        """Every live member of the committed round has reported it, or ``grace_s`` (default
+        ``settle_s``) has passed since the commit."""
+        grace_s = self.settle_s if grace_s is None else grace_s
+        prev = self.rounds.get(self.committed)
+        if prev is None:
+            return True
+        behind = {r.peer_id for r in reports if r.live and r.version < self.committed}
+        waiting = [m.peer_id for m in prev.members if m.peer_id in behind]
+        return not waiting or (self._committed_at is not None and now - self._committed_at >= grace_s)
+
+    def ready_to_decide(self, live: int, min_peers: int, now: float, reports: Sequence[Report] = ()) -> bool:
+        """Time to decide round ``committed + 1``? Never while one is running; a fresh start (the first
+        round, or the first after a failure) waits for ``min_peers``; otherwise the committed round
+        must have settled."""
+        if self.pending() is not None or live < max(1, self.stages):
+            return False
+        if self._fresh_start:
+            return live >= min_peers
+        return self.settled(now, reports=reports)
+
+    def decide(self, members: list[Member], now: float, decided_at: float = 0.0) -> Round:
+        """Round ``committed + 1`` with these members (already placed on the grid), in this epoch."""
+        step = self.committed + 1
+        hashes = [self.canonical(step - 1, s) for s in range(self.stages)]
+        rnd = Round(step=step, members=sorted(members, key=lambda m: (m.stage, m.replica)), base_hash=hashes[0],
+                    stages=self.stages, base_hashes=hashes if self.stages > 1 else [], epoch=self.epoch,
+                    decided_at=decided_at)
+        self.rounds[step] = rnd
+        self._started[step] = now
+        for old in sorted(self.rounds)[:-KEEP_ROUNDS]:
+            del self.rounds[old]
+        return rnd
+
+    def reshard(self, stages: int, checkpoint: Checkpoint, now: float) -> None:
+        """Resume with another number of stages from ``checkpoint`` (re-split into ``stages``): every
+        hash of the old layout is dropped, the checkpoint's become canonical, and a new epoch begins."""
+        self.stages = stages
+        self.rounds.clear()
+        self._started.clear()
+        self.hashes = {s: {checkpoint.version: h} for s, h in checkpoint.hashes.items()}
+        self.committed, self._committed_at = checkpoint.version, now
+        self.epoch += 1
+        self._fresh_start = True
+
+    def adopt_checkpoint(self, checkpoint: Checkpoint) -> None:
+        """A checkpoint written of this layout: its hashes are canonical where none is known yet."""
+        for stage, h in checkpoint.hashes.items():
+            self.hashes.setdefault(stage, {}).setdefault(checkpoint.version, h)
+
+    def prune_hashes(self) -> None:
+        """Keep the hashes a journal needs: the bases of the rounds kept, and the committed step's."""
+        keep = {r.step - 1 for r in self.rounds.values()} | {self.committed}
+        for by_version in self.hashes.values():
+            for v in [v for v in by_version if v not in keep]:
+                del by_version[v]
+
+
+def describe_round(rnd: Round, before: dict[str, tuple[int, int]]) -> str:
+    """The event-log line for a decision: its grid, epoch, and who was admitted or left out."""
+    ids = {m.peer_id for m in rnd.members}
+    joined, dropped = sorted(ids - set(before)), sorted(set(before) - ids)
+    changes = (f"; admitted {', '.join(map(short_id, joined))}" if joined and rnd.step > 1 else "") + (
+        f"; without {', '.join(map(short_id, dropped))}" if dropped else "")
+    shape = f" ({rnd.stages} stages x {len(rnd.members) // rnd.stages} replicas)" if rnd.stages > 1 else ""
+    return f"step {rnd.step}: {len(rnd.members)} members{shape}, epoch {rnd.epoch}{changes}"

@@ -1,0 +1,164 @@
+"""The status page's data: one pure fold of the coordinator's state into ``/api/v1/state``.
+
+:func:`build` turns what the coordinator knows (peers, rounds, history, events, links) into the
+versioned JSON document that ``docs/status-api.md`` and ``static/state.schema.json`` describe. It
+reads, never writes; the coordinator rebuilds it once per tick and the status server hands the same
+encoded copy to every client until the next one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from potluck.coordinator.history import public
+from potluck.coordinator.membership import PeerView
+from potluck.coordinator.rounds import Rounds
+from potluck.coordinator.status import API
+from potluck.protos.config import RunConfig
+from potluck.protos.log import short_id
+from potluck.protos.swarm import LinkReport
+
+GONE = ("lost", "left", "finished")
+
+
+@dataclass
+class RunInfo:
+    run_id: str
+    coordinator: str
+    join_address: str
+    status_url: str
+    started_at: float
+    finished: bool
+
+
+@dataclass
+class Series:
+    """The swarm's throughput and size, sampled at most every ``every_s`` seconds."""
+
+    every_s: float = 2.0
+    samples: deque = field(default_factory=lambda: deque(maxlen=1800))
+
+    def sample(self, peers: Sequence[dict[str, Any]], now: float) -> None:
+        if self.samples and now - self.samples[-1]["t"] < self.every_s:
+            return
+        live = [p for p in peers if p["state"] not in GONE]
+        tps = sum(p["tokens_per_s"] for p in live if p["state"] == "training")
+        self.samples.append({"t": now, "tokens_per_s": tps, "live_peers": len(live)})
+
+
+def peer_rows(views: Sequence[PeerView], tasklet_of: Mapping[str, dict[str, int]], now: float) -> list[dict[str, Any]]:
+    rows = []
+    for view in sorted(views, key=lambda v: v.first_seen):
+        r = view.record
+        rows.append({
+            "id": r.peer_id, "short_id": short_id(r.peer_id), "name": r.name, "state": "lost" if view.lost else r.state,
+            "address": r.address, "device": r.device, "device_name": r.device_name, "memory_gb": r.memory_gb,
+            "tasklet": tasklet_of.get(r.peer_id), "version": r.version, "inner_step": r.inner_step, "loss": r.loss,
+            "eval_loss": r.eval_loss, "tokens_per_s": r.tokens_per_s, "tokens_total": r.tokens_total,
+            "bytes_sent": r.bytes_sent, "bytes_received": r.bytes_received,
+            "last_seen_s": round(now - view.last_seen, 2), "software": r.software, "state_hash": r.state_hash,
+            "compute_s": r.compute_s, "sync_s": r.sync_s,
+        })
+    return rows
+
+
+def build(run: RunInfo, cfg: RunConfig, views: Sequence[PeerView], rounds: Rounds, history: Sequence[dict[str, Any]],
+          rolled_back: Sequence[dict[str, Any]], events: Sequence[dict[str, Any]], series: Series,
+          links: Mapping[str, LinkReport], now: float | None = None) -> dict[str, Any]:
+    now = time.monotonic() if now is None else now
+    current = rounds.latest
+    tasklet_of = {m.peer_id: {"stage": m.stage, "replica": m.replica} for m in current.members} if current else {}
+    stages = current.stages if current else cfg.pipeline.stages
+    replicas = len(current.members) // stages if current else 0
+    peers = peer_rows(views, tasklet_of, now)
+    live = [p for p in peers if p["state"] not in GONE]
+    series.sample(peers, time.time())
+    last = next((h for h in reversed(history) if h["loss"] is not None), None)
+    last_eval = next((h for h in reversed(history) if h["eval_loss"] is not None), None)
+    records = [v.record for v in views]
+    compute, sync = sum(r.compute_s for r in records), sum(r.sync_s for r in records)
+    training = [p for p in live if p["state"] == "training"]
+    by_id = {p["id"]: p for p in peers}
+    m = cfg.model
+    return {
+        "api": API,
+        "generated_at": time.time(),
+        "run": {
+            "run_id": run.run_id, "coordinator": run.coordinator, "join_address": run.join_address,
+            "status_url": run.status_url, "finished": run.finished, "started_at": run.started_at,
+            "outer_step": rounds.committed, "outer_steps_total": cfg.diloco.outer_steps,
+            "inner_steps_per_outer": cfg.diloco.inner_steps, "epoch": rounds.epoch,
+            "inner_step": min((p["inner_step"] for p in training), default=0),
+            "model": {"parameters": max((r.parameters for r in records), default=0), "d_model": m.d_model,
+                      "n_layers": m.n_layers, "n_heads": m.n_heads, "vocab_size": m.vocab_size, "seq_len": m.seq_len},
+            "stages": stages, "replicas": replicas,
+            # tokens enter the model at stage 0: count them once per pipeline
+            "tokens_trained": sum(r.tokens_total for r in records if r.stage == 0),
+            "tokens_per_s": sum(p["tokens_per_s"] for p in training if not p["tasklet"] or p["tasklet"]["stage"] == 0),
+            "loss": last["loss"] if last else None, "eval_loss": last_eval["eval_loss"] if last_eval else None,
+            "loss_floor": next((r.loss_floor for r in records if r.loss_floor is not None), None),
+            "compute_utilization": compute / (compute + sync) if compute + sync > 0 else None,
+            "last_outer_at": history[-1]["t"] if history else None,
+            "last_allreduce_s": history[-1]["outer_s"] if history else None,
+            "waiting_reason": waiting_reason(cfg, rounds, live, run.finished),
+        },
+        "grid": {
+            "stages": stages, "replicas": replicas,
+            "cells": [{"stage": mb.stage, "replica": mb.replica, "peer": mb.peer_id,
+                       "state": by_id[mb.peer_id]["state"] if mb.peer_id in by_id else "lost"}
+                      for mb in current.members] if current else [],
+        },
+        "round": current.model_dump(mode="json") if current else None,
+        "history": [public(h) for h in history[-500:]],
+        "rolled_back": [public(h) for h in rolled_back[-50:]],
+        "failed_rounds": [vars(o) if not isinstance(o, dict) else o for o in rounds.outcomes[-50:]],
+        "series": list(series.samples),
+        "peers": peers,
+        # a finished run keeps showing the links its peers measured last
+        "links": links_state(links, [p for p in peers if p["state"] not in ("lost", "left")]),
+        "events": list(events)[-200:],
+        "config": {"heartbeat_timeout_s": cfg.membership.heartbeat_timeout_s},
+    }
+
+
+def links_state(reports: Mapping[str, LinkReport], live: list[dict[str, Any]]) -> dict[str, Any]:
+    """Measured links among ``live`` peers, ordered by tasklet (stage, replica) so pipelines sit together."""
+    ids = [p["id"] for p in sorted(live, key=lambda p: (p["tasklet"] is None, (p["tasklet"] or {}).get("stage", 0),
+                                                         (p["tasklet"] or {}).get("replica", 0), p["id"]))]
+    if not reports or not ids:
+        return {"peers": [], "rtt_ms": [], "bandwidth_mbps": []}
+
+    def cell(a: str, b: str, name: str) -> float | None:
+        stat = reports[a].links.get(b) if a in reports else None
+        value = getattr(stat, name) if stat is not None else None
+        return round(value, 3) if value is not None else None
+
+    return {"peers": ids,
+            "rtt_ms": [[None if a == b else cell(a, b, "rtt_ms") for b in ids] for a in ids],
+            "bandwidth_mbps": [[None if a == b else cell(a, b, "bandwidth_mbps") for b in ids] for a in ids]}
+
+
+def waiting_reason(cfg: RunConfig, rounds: Rounds, live: list[dict[str, Any]], finished: bool) -> str:
+    """What the run waits for, in one line ('' when it is simply training)."""
+    need = max(cfg.membership.min_peers, cfg.pipeline.stages)
+    if finished:
+        return ""
+    current = rounds.pending()
+    if current is None:
+        if len(live) < need and (not rounds.rounds or rounds.outcomes and rounds.outcomes[-1].step > rounds.committed):
+            return f"waiting for peers: {len(live)} of {need} needed to start"
+        return "deciding the next round" if rounds.rounds else ""
+    by_id = {p["id"]: p for p in live}
+    members = [by_id.get(m.peer_id) for m in current.members]
+    syncing = [p for p in members if p and p["state"] == "syncing"]
+    behind = [p for p in members if p is None or p["state"] != "syncing"]
+    if syncing and behind:
+        lost = sum(1 for p in members if p is None)
+        extra = f" ({lost} lost)" if lost else ""
+        return (f"outer step {current.step}: {len(syncing)} of {len(members)} members are ready; "
+                f"waiting for {len(behind)}{extra}")
+    return ""

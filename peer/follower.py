@@ -1,0 +1,134 @@
+"""A peer's side of the round lifecycle: one pure state machine from the plan to the next action.
+
+The coordinator decides rounds (:mod:`potluck.coordinator.rounds`); a peer *follows* them. Given the
+plan it last read and the state it holds, :meth:`Follower.next` says what to do now, as one of::
+
+    Finish                      the run is over
+    Wait(reason)                nothing to do until the plan changes (or a short timeout)
+    Switch(stage)               the grid moved this peer to another stage: hold that stage's layers
+    Recover(version, hash)      fetch exactly that state (behind, different, or rolled back)
+    Train(round, step)          run the inner steps of ``step`` with ``round``'s grid, then its outer step
+
+The rules, for the newest round ``R`` this peer is a member of and the version ``v`` it holds:
+
+* ``v`` was made in an older epoch than ``R`` and is not below ``R.step``: the run was rolled back
+  past it (a failed round): recover ``R.step - 1`` at ``R``'s base hash.
+* ``R.step > v + 1``: behind the swarm: recover ``R.step - 1`` at ``R``'s base hash.
+* ``R.step == v + 1``: if the held hash is not ``R``'s base, recover it; otherwise train ``R``.
+* ``R.step <= v``: no decision for ``v + 1`` yet. A pipeline waits ``plan_wait_s`` for it (the
+  grid decides who its neighbours are); after that, or at once with one stage, it trains ``v + 1``
+  on ``R``'s grid: peers keep training on the last plan while the coordinator is away.
+* After a step failed here, first fetch it from members that committed it; if none has within
+  ``plan_wait_s``, run it again (the whole round failed; the coordinator may decide it anew).
+
+No I/O and no clock of its own: the daemon passes ``now`` and carries the action out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from potluck.protos.log import get_logger
+from potluck.protos.records import Plan, Round
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Held:
+    """The committed state a peer holds (see :class:`potluck.peer.states.States`)."""
+
+    version: int
+    state_hash: str
+    stage: int
+    epoch: int
+    committed_at: float  # when it was committed or adopted (monotonic seconds)
+
+
+@dataclass(frozen=True)
+class Finish:
+    pass
+
+
+@dataclass(frozen=True)
+class Wait:
+    reason: str
+    seconds: float = 1.0
+
+
+@dataclass(frozen=True)
+class Switch:
+    stage: int
+
+
+@dataclass(frozen=True)
+class Recover:
+    version: int | None  # None: any version newer than the one held
+    state_hash: str  # '' when any hash the sources agree on will do
+    reason: str
+
+
+@dataclass(frozen=True)
+class Train:
+    round: Round  # the round whose grid and members apply (an older one when training on the last plan)
+    step: int
+
+
+Action = Finish | Wait | Switch | Recover | Train
+
+
+class Follower:
+    def __init__(self, me: str, *, pipelined: bool, plan_wait_s: float) -> None:
+        self.me, self.pipelined, self.plan_wait_s = me, pipelined, plan_wait_s
+        self._failed: tuple[int, float] | None = None  # (step, when) of a step that failed here
+
+    def failed(self, step: int, now: float) -> None:
+        """This peer could not commit ``step`` (an incomplete all-reduce, a stalled pipeline)."""
+        self._failed = (step, now)
+
+    def next(self, plan: Plan | None, held: Held, now: float, finished: bool = False) -> Action:
+        if finished:
+            return Finish()
+        mine = [r for r in plan.rounds if r.member(self.me) is not None] if plan else []
+        if not mine:
+            return Wait("waiting to be admitted: the coordinator admits peers at outer-step boundaries")
+        latest = max(mine, key=lambda r: r.step)
+        cell = latest.member(self.me)
+        assert cell is not None
+        if cell.stage != held.stage:
+            return Switch(cell.stage)
+        step, base = held.version + 1, latest.base_hash_of(cell.stage)
+        if held.epoch < latest.epoch and held.version >= latest.step:
+            return Recover(latest.step - 1, base, f"the run was rolled back to v{latest.step - 1} "
+                           f"(epoch {latest.epoch}); this peer's v{held.version} is from epoch {held.epoch}")
+        if latest.step > step:
+            return Recover(latest.step - 1, base, f"behind: the swarm starts step {latest.step} from "
+                           f"v{latest.step - 1}, this peer holds v{held.version}")
+        if self._failed is not None and self._failed[0] == step:
+            if now - self._failed[1] < self.plan_wait_s:
+                return Recover(None, "", f"step {step} failed here; fetching it from a member that committed it")
+            self._failed = None  # nobody got past it: run it again
+        if latest.step == step:
+            if base and base != held.state_hash:
+                return Recover(step - 1, base, f"this peer's v{held.version} ({held.state_hash[:12]}) differs "
+                               f"from the swarm's ({base[:12]})")
+            return Train(latest, step)
+        if self.pipelined and now - held.committed_at < self.plan_wait_s:
+            return Wait(f"waiting for the coordinator's round for step {step}", 0.5)
+        return Train(latest, step)
+
+    def resolve(self, plan: Plan | None, step: int, stage: int, held_hash: str) -> Round | None:
+        """The round whose members average ``step`` with this peer: the coordinator's round for it if
+        decided, else the last plan's (it is away). None if this peer is not in it, or not from the
+        state it holds (its delta would not fit: it must recover instead)."""
+        current = plan.round_for(step) if plan else None
+        me = current.member(self.me) if current else None
+        if current is None or me is None or me.stage != stage:
+            return None
+        if current.step != step:
+            log.warning("no decision from the coordinator for step %d; using the members of step %d", step, current.step)
+        want = current.base_hash_of(stage)
+        if current.step == step and want and want != held_hash:
+            log.warning("step %d starts from %s, this peer holds %s", step, want[:12], held_hash[:12])
+            return None
+        return current

@@ -1,0 +1,53 @@
+"""DiLoCo's outer step for one stage: pseudo-gradient, all-reduce among the stage's replicas, Nesterov.
+
+::
+
+    delta        <- theta_global - theta_local         (nothing if the inner phase stalled or diverged)
+    mean         <- all-reduce(delta)                   (int8 over gRPC; every member gets the same bits)
+    theta_global <- Nesterov(theta_global, mean)        (lr 0.7, momentum 0.9 by default)
+
+The all-reduce waits for a slow member up to a deadline derived from the measured inner phase
+(``deadline_factor`` x its duration, at least ``deadline_floor_s``), never a constant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from potluck.compression.transfer import Snapshot
+from potluck.peer.allreduce import AllReduce, AllReduceStats, RoundInfo
+from potluck.peer.diloco import nesterov_step, outer_snapshot
+from potluck.protos.config import RunConfig
+from potluck.protos.faults import fault
+from potluck.protos.log import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass
+class OuterResult:
+    snapshot: Snapshot  # the new theta_global and momentum, version ``step``
+    stats: AllReduceStats
+    mean_norm: float
+
+
+def outer_step(rc: RunConfig, allreduce: AllReduce, info: RoundInfo, held: Snapshot, theta_local: torch.Tensor,
+               contribute: bool, inner_seconds: float, meta: dict) -> OuterResult:
+    """Average this member's pseudo-gradient with the stage's other members and take the outer step.
+
+    Raises :class:`~potluck.peer.allreduce.IncompleteRound` when the step cannot be committed.
+    """
+    fault("outer.start", info.step)
+    theta = held.tensors["theta"]
+    delta: torch.Tensor | None = theta - theta_local if contribute else None
+    if delta is not None and not bool(torch.isfinite(delta).all()):
+        log.error("local training produced NaN/Inf; contributing nothing to step %d", info.step)
+        delta = None
+    s, d = rc.sync, rc.diloco
+    wait_s = max(s.deadline_floor_s, s.deadline_factor * inner_seconds)
+    mean, stats = allreduce.run(info, delta, wait_s=wait_s, grace_s=max(2.0, 0.25 * wait_s))
+    new_theta, new_m = nesterov_step(theta, held.tensors["momentum"], mean, d.outer_lr, d.outer_momentum, d.nesterov)
+    snap = outer_snapshot(new_theta, new_m, info.step, {**meta, "epoch": info.epoch})
+    return OuterResult(snap, stats, float(mean.norm()))

@@ -1,0 +1,155 @@
+"""One stage of the model on this peer: its layers, the inner AdamW loop, and evaluation.
+
+The stage worker does not know how bytes travel. With one stage it runs forward and backward on its
+own batches; with several it runs each inner step through a :class:`PipelineLink` (gRPC between
+peers in a run, anything in a test), which moves activations to the next stage and gradients back.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from potluck.peer.data import Dataset, ShardSampler
+from potluck.peer.diloco import flatten_params, load_flat
+from potluck.peer.model import build_layers, forward_layers, lm_loss
+from potluck.peer.pipeline import PipelineStall
+from potluck.protos.config import RunConfig
+from potluck.protos.faults import fault
+from potluck.protos.log import get_logger
+
+log = get_logger(__name__)
+
+Batch = tuple[list[int], torch.Tensor, torch.Tensor]  # sample ids, tokens, next-token targets
+
+
+class PipelineLink(Protocol):
+    """How a stage reaches its neighbours (see :class:`potluck.peer.pipeline.Pipeline`)."""
+
+    def train_step(self, layers: nn.ModuleList, inner: int, batch: Batch | None, device: torch.device) -> float: ...
+
+    def evaluate(self, layers: nn.ModuleList, version: int, batches: list[Batch] | None, n_batches: int,
+                 device: torch.device) -> float | None: ...
+
+
+@dataclass
+class InnerPhase:
+    """How an inner phase went: steps done, seconds, and why it stopped early ('' if it did not)."""
+
+    steps: int
+    seconds: float
+    stalled: str = ""
+    interrupted: bool = False
+
+
+class StageWorker:
+    def __init__(self, rc: RunConfig, stage: int, bounds: tuple[int, int], device: torch.device, data: Dataset,
+                 link: PipelineLink | None) -> None:
+        self.rc, self.stage, self.bounds, self.device, self.data, self.link = rc, stage, bounds, device, data, link
+        self.first = stage == 0
+        self.layers = build_layers(rc.model, rc.train.seed, *bounds).to(device)
+        self.params = list(self.layers.parameters())
+        self.numel = sum(p.numel() for p in self.params)
+        self.optimizer: torch.optim.Optimizer | None = None  # built on the first inner step (it imports torch._dynamo)
+        self.sampler: ShardSampler | None = None
+        self.steps_done = 0  # inner steps over the whole run (the lr warm-up counts them)
+
+    def theta(self) -> torch.Tensor:
+        """theta_local as one flat float32 CPU vector."""
+        return flatten_params(self.params)
+
+    def load(self, theta: torch.Tensor, steps_done: int | None = None) -> None:
+        load_flat(self.params, theta)
+        if steps_done is not None:
+            self.steps_done = steps_done
+
+    def meta(self) -> dict:
+        """What a snapshot of this stage records: counters and each parameter's name in the whole model,
+        so checkpoints re-split into any number of stages."""
+        start, stop = self.bounds
+        return {"inner_steps": self.steps_done, "stage": self.stage, "layers": [start, stop],
+                "layout": [[f"layers.{start + int(n.split('.', 1)[0])}.{n.split('.', 1)[1]}", list(p.shape)]
+                           for n, p in self.layers.named_parameters()]}
+
+    def inner_phase(self, step: int, shard: tuple[int, int], stopping: threading.Event,
+                    on_step: Callable[[int, float, float], None]) -> InnerPhase:
+        """H inner AdamW steps on shard ``shard = (index, count)`` of the data; ``on_step(i, loss, seconds)``."""
+        rc = self.rc
+        if self.first and (self.sampler is None or (self.sampler.index, self.sampler.count) != shard):
+            self.sampler = ShardSampler(self.data.num_samples, shard[0], shard[1], rc.data.seed)
+        if stopping.is_set():  # building the optimizer may wait seconds for torch._dynamo's import
+            return InnerPhase(0, 0.0, interrupted=True)
+        if self.optimizer is None:
+            t = rc.train
+            self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+        self.layers.train()
+        t0, h = time.monotonic(), rc.diloco.inner_steps
+        fault("inner.start", step)
+        for i in range(h):
+            if stopping.is_set():
+                return InnerPhase(i, time.monotonic() - t0, interrupted=True)
+            if i == h // 2:
+                fault("inner.mid", step)
+            t_step = time.monotonic()
+            for group in self.optimizer.param_groups:
+                group["lr"] = self._lr()
+            self.optimizer.zero_grad(set_to_none=True)
+            try:
+                loss = self._forward_backward(i)
+            except PipelineStall as err:
+                return InnerPhase(i, time.monotonic() - t0, stalled=str(err))
+            if rc.train.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.params, rc.train.grad_clip)
+            self.optimizer.step()
+            self.steps_done += 1
+            on_step(i, loss, time.monotonic() - t_step)
+        return InnerPhase(h, time.monotonic() - t0)
+
+    def _forward_backward(self, i: int) -> float:
+        batch = None
+        if self.first:
+            assert self.sampler is not None
+            ids = self.sampler.next_ids(self.rc.train.batch_size)
+            batch = (ids, *self.data.batch(ids))
+        if self.link is not None:
+            return self.link.train_step(self.layers, i, batch, self.device)
+        assert batch is not None
+        _, x, y = batch
+        loss = lm_loss(forward_layers(self.layers, x.to(self.device)), y.to(self.device))
+        loss.backward()
+        return float(loss.detach())
+
+    def _lr(self) -> float:
+        t = self.rc.train
+        if t.warmup_steps and self.steps_done < t.warmup_steps:
+            return t.lr * (self.steps_done + 1) / t.warmup_steps
+        return t.lr
+
+    @torch.no_grad()
+    def evaluate(self, version: int) -> float | None:
+        """Eval loss of the held parameters (through the whole pipeline when S > 1; the last stage reports it)."""
+        self.layers.eval()
+        try:
+            ids = self.data.eval_ids()
+            chunks = [ids[k : k + 64] for k in range(0, len(ids), 64)]
+            if self.link is not None:
+                batches = [(list(c), *self.data.batch(c)) for c in chunks] if self.first else None
+                try:
+                    return self.link.evaluate(self.layers, version, batches, len(chunks), self.device)
+                except PipelineStall as err:
+                    log.warning("evaluation of v%d skipped: %s", version, err)
+                    return None
+            total, n = 0.0, 0
+            for c in chunks:
+                x, y = self.data.batch(c)
+                total += float(lm_loss(forward_layers(self.layers, x.to(self.device)), y.to(self.device))) * len(x)
+                n += len(x)
+            return total / max(n, 1)
+        finally:
+            self.layers.train()

@@ -1,0 +1,52 @@
+"""The committed states a peer holds: theta_global and the outer momentum of its stage.
+
+A peer keeps its newest committed snapshot and the one before it, and serves both to peers that
+recover (:class:`~potluck.compression.transfer.SnapshotServer`): a member one step ahead of a round
+that failed rolls back to its own previous state, and others can fetch it from here. Each snapshot
+records the epoch of the round that made it (``meta["epoch"]``), which is how a peer knows a
+rollback has overtaken it.
+"""
+
+from __future__ import annotations
+
+import time
+
+from potluck.compression.transfer import Snapshot, SnapshotServer
+from potluck.peer.follower import Held
+
+
+class States:
+    def __init__(self, run_id: str, chunk_bytes: int, first: Snapshot) -> None:
+        self.server = SnapshotServer(run_id, chunk_bytes)
+        self.current = first
+        self.committed_at = time.monotonic()
+        self.server.publish(first)
+
+    def commit(self, snap: Snapshot) -> None:
+        """Hold ``snap`` from now on (the one it replaces stays served if older)."""
+        self.current, self.committed_at = snap, time.monotonic()
+        self.server.publish(snap)
+
+    def reset(self, snap: Snapshot) -> None:
+        """Hold only ``snap`` (a new stage's theta_0: nothing held before belongs to it)."""
+        self.server.publish(None)
+        self.commit(snap)
+
+    def previous(self, version: int, state_hash: str) -> Snapshot | None:
+        """The previous snapshot, if it is ``version`` at ``state_hash`` (a rollback of one step)."""
+        prev = self.server.previous
+        if prev is not None and prev.version == version and (not state_hash or prev.hash == state_hash):
+            return prev
+        return None
+
+    @property
+    def epoch(self) -> int:
+        return int(self.current.meta.get("epoch", 0))
+
+    def held(self, stage: int) -> Held:
+        c = self.current
+        return Held(c.version, c.hash, stage, self.epoch, self.committed_at)
+
+    def prev_of(self) -> tuple[int, str]:
+        prev = self.server.previous
+        return (prev.version, prev.hash) if prev is not None else (-1, "")

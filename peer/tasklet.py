@@ -1,0 +1,189 @@
+"""What a peer runs with: the run-wide toolbox, and the tasklet of the stage it holds.
+
+A :class:`Toolbox` lives as long as the peer's part in the run: device, data, the gRPC client and
+server, the heartbeat and the link prober. A :class:`Tasklet` is one stage's worth of state: the
+stage worker (layers and inner optimizer), its all-reduce, its pipeline end and the committed
+snapshots it serves. When the grid moves the peer to another stage, the tasklet is replaced whole.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from potluck.compression.int8 import Codec, make_codec
+from potluck.compression.transfer import Snapshot
+from potluck.peer.allreduce import AllReduce
+from potluck.peer.data import Dataset
+from potluck.peer.diloco import outer_snapshot
+from potluck.peer.heartbeat import Heartbeat
+from potluck.peer.joining import Joined, pick_device
+from potluck.peer.links import LinkConfig, LinkProber
+from potluck.peer.pipeline import Neighbour, Pipeline
+from potluck.peer.service import PeerService
+from potluck.peer.stage import StageWorker
+from potluck.peer.states import States
+from potluck.protos import potluck_pb2 as pb
+from potluck.protos.config import PeerConfig, RunConfig
+from potluck.protos.layout import stage_bounds
+from potluck.protos.log import get_logger, set_context, short_id
+from potluck.protos.netem import NetEm
+from potluck.protos.records import PeerRecord, Round
+from potluck.protos.transport import PeerClient, PeerServer, Traffic
+
+log = get_logger(__name__)
+
+
+@dataclass
+class Toolbox:
+    cfg: PeerConfig
+    rc: RunConfig
+    me: str
+    stopping: threading.Event
+    joined: Joined
+    device: torch.device
+    data: Dataset
+    bounds: list[tuple[int, int]]
+    netem: NetEm | None
+    traffic: Traffic
+    client: PeerClient
+    codec: Codec
+    links: LinkProber
+    addresses: dict[str, str] = field(default_factory=dict)  # peer id -> gRPC address, from the rounds seen
+    server: PeerServer | None = None
+    address: str = ""
+    maddrs: list[str] = field(default_factory=list)
+    threads: list[threading.Thread] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, cfg: PeerConfig, joined: Joined, me: str, stopping: threading.Event) -> Toolbox:
+        rc = joined.config
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        netem = NetEm.from_file(cfg.netem, region=cfg.region, peer=cfg.name) if cfg.netem else None
+        traffic = Traffic()
+        client = PeerClient(traffic, netem)
+        lc = rc.links
+        links = LinkProber(client, me, rc.run_id, LinkConfig(
+            period_s=lc.probe_period_s, max_probes_per_period=lc.probes_per_period, probe_bytes=lc.probe_bytes,
+            budget_bytes_per_min=lc.budget_bytes_per_min))
+        return cls(cfg, rc, me, stopping, joined, pick_device(cfg.device), Dataset(rc.data, rc.model),
+                   stage_bounds(rc.model, rc.pipeline), netem, traffic, client, make_codec(rc.sync.codec, rc.sync.block_size),
+                   links, maddrs=joined.node.maddrs[:4])
+
+    def serve(self, tasklet: Callable[[], Tasklet], ping: Callable[[pb.PingRequest], pb.PingReply],
+              record: Callable[[], PeerRecord]) -> Heartbeat:
+        """Start answering RPCs, heartbeating and probing links; returns the heartbeat (the plan's reader)."""
+        service = PeerService(self.rc.run_id, ping, lambda: tasklet().allreduce, lambda: tasklet().states.server,
+                              lambda: tasklet().pipeline)
+        self.server = PeerServer(service, self.traffic, host=self.cfg.host, port=self.cfg.port, netem=self.netem)
+        self.address = f"{self.joined.announce_host}:{self.server.port}"
+        m = self.rc.membership
+        heartbeat = Heartbeat(self.joined.node, self.joined.manifest, record, m.heartbeat_s, m.heartbeat_timeout_s)
+        heartbeat.start()
+        prober = threading.Thread(target=self._measure_links, name="links", daemon=True)
+        prober.start()
+        self.threads = [heartbeat, prober]
+        return heartbeat
+
+    def announce(self, numel: int, phases: dict[str, float]) -> None:
+        rc = self.rc
+        log.info("joined run %s as %s: gRPC %s, device %s, model %.2fM parameters%s, H=%d (%s)",
+                 rc.run_id, short_id(self.me), self.address, self.device, numel / 1e6,
+                 f" in stage 0 of {rc.pipeline.stages}" if rc.pipeline.stages > 1 else "", rc.diloco.inner_steps,
+                 ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
+
+    def _measure_links(self) -> None:
+        """Probe a few peers per period (bounded bytes) and publish the signed link report."""
+        period = self.rc.links.probe_period_s
+        node, run_id = self.joined.node, self.rc.run_id
+        while not self.stopping.wait(min(period, 2.0) if not self.links.report().links else period):
+            try:
+                records, _ = node.get_peers(run_id)
+                peers = {pid: r.address for pid, r in records.items()
+                         if pid != self.me and r.address and r.state not in ("left", "finished")}
+                if peers:
+                    self.links.probe_round(peers)
+                    node.publish_links(run_id, self.links.report(), ttl=max(60.0, 3 * period))
+            except Exception as err:  # measuring links must never take the peer down
+                log.debug("link measurement round failed: %s", err)
+
+    def ping_member(self, peer_id: str, timeout: float) -> pb.PingReply:
+        request = pb.PingRequest(header=pb.Header(run_id=self.rc.run_id, sender=self.me), sent_at=time.time())
+        return self.client.ping(self.addresses[peer_id], request, timeout)
+
+    def close(self, tasklet: Tasklet) -> None:
+        self.stopping.set()
+        for stop in (lambda: self.server and self.server.stop(grace=0.5), tasklet.close, self.client.close,
+                     self.joined.node.shutdown):
+            try:
+                stop()
+            except Exception as err:  # everything else must still be stopped
+                log.debug("closing: %s", err)
+        for thread in self.threads[1:]:
+            thread.join(timeout=2.0)
+
+
+@dataclass
+class Tasklet:
+    tools: Toolbox
+    stage: int
+    worker: StageWorker
+    allreduce: AllReduce
+    pipeline: Pipeline | None
+    states: States
+
+    @classmethod
+    def build(cls, tools: Toolbox, stage: int) -> Tasklet:
+        """Stage ``stage``'s layers at theta_0 (version 0); a running run then recovers its state."""
+        rc = tools.rc
+        pipeline = None
+        if rc.pipeline.stages > 1:
+            pipeline = Pipeline(run_id=rc.run_id, me=tools.me, stage=stage, stages=rc.pipeline.stages, model=rc.model,
+                                cfg=rc.pipeline, client=tools.client, num_samples=tools.data.num_samples,
+                                stopping=tools.stopping, on_transfer=tools.links.observe)
+        worker = StageWorker(rc, stage, tools.bounds[stage], tools.device, tools.data, pipeline)
+        allreduce = AllReduce(run_id=rc.run_id, me=tools.me, numel=worker.numel, codec=tools.codec, client=tools.client,
+                              chunk_bytes=rc.sync.chunk_bytes, rpc_timeout=rc.sync.rpc_timeout_s,
+                              ping=tools.ping_member, stopping=tools.stopping)
+        theta0 = worker.theta()
+        first = outer_snapshot(theta0, torch.zeros_like(theta0), 0, {**worker.meta(), "epoch": 0})
+        tasklet = cls(tools, stage, worker, allreduce, pipeline, States(rc.run_id, rc.sync.chunk_bytes, first))
+        tasklet.expect_next()
+        return tasklet
+
+    def replace(self, stage: int) -> Tasklet:
+        """A fresh tasklet of ``stage`` (at theta_0) in place of this one."""
+        self.close()
+        return Tasklet.build(self.tools, stage)
+
+    def adopt(self, snap: Snapshot) -> None:
+        """Hold ``snap`` as theta_global (committed here or recovered) and train on from it."""
+        self.worker.load(snap.tensors["theta"], int(snap.meta.get("inner_steps", self.worker.steps_done)))
+        epoch = int(snap.meta.get("epoch", 0))
+        self.states.commit(Snapshot(snap.tensors, snap.version, snap.hash, {**self.worker.meta(), "epoch": epoch}))
+        self.expect_next()
+        set_context(step=snap.version)
+
+    def begin(self, rnd: Round, step: int, replica: int) -> None:
+        """Start ``step`` of ``rnd``: a pipeline end learns its neighbours in this replica."""
+        if self.pipeline is None:
+            return
+        cells = {m.stage: m for m in rnd.members if m.replica == replica}
+        prev, nxt = cells.get(self.stage - 1), cells.get(self.stage + 1)
+        self.pipeline.begin_round(step, replica, Neighbour(prev.peer_id, prev.address) if prev else None,
+                                  Neighbour(nxt.peer_id, nxt.address) if nxt else None, epoch=rnd.epoch)
+
+    def expect_next(self) -> None:
+        """Accept all-reduce messages for the step after the state held (and drop any others)."""
+        current = self.states.current
+        self.allreduce.expect(current.version + 1, current.hash, self.states.epoch)
+
+    def close(self) -> None:
+        self.allreduce.close()
+        if self.pipeline is not None:
+            self.pipeline.close()

@@ -1,0 +1,151 @@
+"""What a peer reports about itself: its progress, its last outer steps, and its heartbeat record.
+
+The same figures reach the logs, Ping replies, the DHT record the coordinator reads, and through it
+the status page and ``/metrics`` (LESSONS: every byte and wait we measure should be visible).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from potluck import __version__
+from potluck.peer.allreduce import AllReduceStats
+from potluck.protos import potluck_pb2 as pb
+from potluck.protos.log import get_logger, short_id
+from potluck.protos.records import PeerRecord, StepReport, next_seq
+
+log = get_logger(__name__)
+
+KEEP_STEPS = 8
+
+
+@dataclass
+class Progress:
+    """The moving parts of a peer's record."""
+
+    state: str = "joining"
+    inner_step: int = 0
+    inner_steps: int = 0  # H of the current outer step
+    loss: float | None = None
+    eval_loss: float | None = None
+    eval_version: int = -1
+    samples_per_s: float = 0.0
+    tokens_per_s: float = 0.0
+    tokens_total: int = 0
+    step_time_s: float = 0.0
+    last_outer_s: float = 0.0
+    last_outer_bytes: int = 0
+    outer_wait_s: float = 0.0
+    compute_s: float = 0.0
+    sync_s: float = 0.0
+    last_pipe: dict[str, int] = field(default_factory=dict)  # pipeline bytes of the last outer step, by kind
+
+
+class Telemetry:
+    def __init__(self, peer_id: str, name: str, started_at: float) -> None:
+        self.peer_id, self.name, self.started_at = peer_id, name, started_at
+        self.progress = Progress()
+        self.steps: deque[StepReport] = deque(maxlen=KEEP_STEPS)
+        self.first_step_logged = False
+        self._pipe_before: dict[str, int] = {}  # the pipeline's byte counters at the last outer step
+
+    def set_state(self, state: str) -> bool:
+        """Change the reported state; True if it changed (the caller heartbeats at once)."""
+        p = self.progress
+        if state == p.state:
+            return False
+        p.state = state
+        if state != "training":
+            p.inner_step = 0
+        return True
+
+    def inner_step(self, i: int, loss: float, seconds: float, samples: int, tokens: int) -> None:
+        p = self.progress
+        p.loss = loss if p.loss is None or not math.isfinite(p.loss) else 0.9 * p.loss + 0.1 * loss
+        p.inner_step = i + 1
+        p.step_time_s = seconds if p.step_time_s == 0 else 0.9 * p.step_time_s + 0.1 * seconds
+        p.tokens_total += tokens
+        p.tokens_per_s = tokens / max(p.step_time_s, 1e-9)
+        p.samples_per_s = samples / max(p.step_time_s, 1e-9)
+
+    def outer_step(self, stats: AllReduceStats, seconds: float, mean_norm: float, report: StepReport,
+                   pipe_total: dict[str, int] | None) -> None:
+        """A committed outer step: its figures, logged and kept for the next heartbeats."""
+        p = self.progress
+        p.last_outer_s, p.outer_wait_s, p.last_outer_bytes = seconds, stats.wait_seconds, stats.bytes_sent
+        p.sync_s += seconds
+        if pipe_total is not None:  # the pipeline counts bytes since it started: this step's are the difference
+            p.last_pipe = {k: v - self._pipe_before.get(k, 0) for k, v in pipe_total.items()}
+            self._pipe_before = dict(pipe_total)
+        self.steps.append(report.model_copy(update={"loss": p.loss, "pipe": dict(p.last_pipe)}))
+        dropped = f", dropped {', '.join(short_id(d) for d in stats.dropped)}" if stats.dropped else ""
+        log.info("outer step %d: %d members, %.2f s (waited %.2f s), sent %.2f MB, |mean delta| %.3g, loss %.4f%s",
+                 stats.step, stats.members, seconds, stats.wait_seconds, stats.bytes_sent / 1e6, mean_norm,
+                 p.loss or float("nan"), dropped)
+
+    def evaluated(self, version: int, loss: float) -> None:
+        self.progress.eval_loss, self.progress.eval_version = loss, version
+        for i, report in enumerate(self.steps):
+            if report.step == version:
+                self.steps[i] = report.model_copy(update={"eval_loss": loss})
+
+    def ping_reply(self, request: pb.PingRequest, version: int) -> pb.PingReply:
+        p = self.progress
+        left = max(0, p.inner_steps - p.inner_step) if p.state == "training" else 0
+        padding = b"\0" * max(0, min(request.reply_bytes, 4 << 20))
+        return pb.PingReply(peer_id=self.peer_id, state=p.state, version=version, inner_step=p.inner_step,
+                            eta_s=left * p.step_time_s, sent_at=request.sent_at, padding=padding)
+
+    def record(self, *, address: str, version: int, state_hash: str, epoch: int, prev: tuple[int, str], stage: int,
+               replica: int, device: Any, numel: int, loss_floor: float | None, maddrs: list[str],
+               traffic: tuple[dict[str, int], dict[str, int]], extras: dict[str, Any]) -> PeerRecord:
+        p = self.progress
+        cuda = getattr(device, "type", "cpu") == "cuda"
+        import torch  # already loaded by the peer; kept out of this module's import time
+
+        return PeerRecord(
+            peer_id=self.peer_id, address=address, state=p.state, version=version, state_hash=state_hash,
+            epoch=epoch, prev_version=prev[0], prev_hash=prev[1], inner_step=p.inner_step,
+            device=getattr(device, "type", "cpu"),
+            device_name=torch.cuda.get_device_name(device) if cuda else f"cpu x{os.cpu_count()}",
+            memory_gb=torch.cuda.get_device_properties(device).total_memory / 2**30 if cuda else 0.0,
+            name=self.name, loss=p.loss if p.loss is None or math.isfinite(p.loss) else None,
+            eval_loss=p.eval_loss, eval_version=p.eval_version, samples_per_s=p.samples_per_s,
+            tokens_per_s=p.tokens_per_s, tokens_total=p.tokens_total, bytes_sent=traffic[0], bytes_received=traffic[1],
+            last_outer_s=p.last_outer_s, last_outer_bytes=p.last_outer_bytes, compute_s=p.compute_s, sync_s=p.sync_s,
+            parameters=numel, loss_floor=loss_floor, software=__version__, started_at=self.started_at,
+            seq=next_seq(), ts=time.time(), stage=stage, dht_maddrs=maddrs, replica=replica,
+            recent=list(self.steps),
+            extras={"outer_wait_s": p.outer_wait_s, "step_time_s": p.step_time_s,
+                    **({"pipe": p.last_pipe} if p.last_pipe else {}), **extras},
+        )
+
+    def first_step(self, joined_at: float, phases: dict[str, float]) -> None:
+        """When this peer's first optimizer step is done, and where the time before it went (logged once)."""
+        if self.first_step_logged:
+            return
+        self.first_step_logged = True
+        now = time.time()
+        log.info("first training step %.1f s after the process started (%.1f s after joining the DHT; %s)",
+                 now - process_started_at(), now - joined_at,
+                 ", ".join(f"{k} {v:.1f} s" for k, v in phases.items() if v or not k.startswith("of which")))
+
+
+def process_started_at() -> float:
+    """Wall-clock start of this process (Linux /proc; else the time this module was imported)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return _IMPORTED_AT
+
+
+_IMPORTED_AT = time.time()

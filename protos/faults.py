@@ -1,0 +1,97 @@
+"""Faults injected at named points of a real process, for tests (like torchft's FailureInjector).
+
+Tests drive the failure they fear at an exact step instead of polling for a random moment. A process
+started with ``POTLUCK_FAULTS`` set acts on it when it reaches a named point::
+
+    POTLUCK_FAULTS="allreduce.reduced@3:stop"            freeze (SIGSTOP) after reducing its shard of step 3
+    POTLUCK_FAULTS="inner.mid@4:kill,outer.committed@6:exit"
+
+Each entry is ``point@step:action``; ``step`` may be ``*`` (any) or ``N+`` (step N or the first
+after it the process reaches: a peer that was recovering during step N does not miss it). Actions: ``kill`` (SIGKILL this
+process and, if it leads its process group, the whole group: its DHT child and p2pd, like a machine
+losing power), ``stop`` (SIGSTOP likewise: a frozen machine, until someone sends SIGCONT), ``exit``
+(exit at once, status 3), ``hang`` (block this thread forever), ``sleep=SECONDS``. Every entry fires
+once. The points are listed in ``POINTS``; code calls :func:`fault` at each of them.
+
+Without the variable this module does nothing but one dictionary lookup per call.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+from potluck.protos.log import get_logger
+
+log = get_logger(__name__)
+
+ENV = "POTLUCK_FAULTS"
+POINTS = {
+    "inner.start": "a peer starts the inner steps of an outer step",
+    "inner.mid": "a peer is half way through the inner steps",
+    "outer.start": "a peer enters the outer step (before the all-reduce)",
+    "allreduce.reduced": "an owner has averaged its shard, before handing the result to anyone",
+    "outer.committed": "a peer has committed the outer step",
+    "recover.fetched": "a peer has fetched a state it recovers, before adopting it",
+    "coordinator.decided": "the coordinator has decided (and journaled) a round",
+    "coordinator.committed": "the coordinator has seen a step committed",
+}
+
+
+class FaultSpecError(ValueError):
+    """A ``POTLUCK_FAULTS`` value that cannot be parsed."""
+
+
+Fault = tuple[str, int | None, bool, str]  # point, step (None: any), or-later, action
+
+
+def parse(spec: str) -> list[Fault]:
+    out = []
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        try:
+            where, action = item.split(":", 1)
+            point, step = where.split("@", 1)
+        except ValueError:
+            raise FaultSpecError(f"{ENV} entry {item!r} is not point@step:action") from None
+        if point not in POINTS:
+            raise FaultSpecError(f"{ENV}: unknown point {point!r} (known: {', '.join(sorted(POINTS))})")
+        if action not in ("kill", "stop", "exit", "hang") and not action.startswith("sleep="):
+            raise FaultSpecError(f"{ENV}: unknown action {action!r}")
+        try:
+            first = None if step == "*" else int(step.rstrip("+"))
+        except ValueError:
+            raise FaultSpecError(f"{ENV}: step {step!r} is not a number, N+ or *") from None
+        out.append((point, first, step.endswith("+"), action))
+    return out
+
+
+_lock = threading.Lock()
+_pending = parse(os.environ.get(ENV, ""))
+
+
+def fault(point: str, step: int | None = None) -> None:
+    """Act on the first pending fault for ``point`` (and ``step``), if any."""
+    if not _pending:
+        return
+    with _lock:
+        hit = next((f for f in _pending if f[0] == point and (
+            f[1] is None or f[1] == step or (f[2] and step is not None and step >= f[1]))), None)
+        if hit is None:
+            return
+        _pending.remove(hit)
+    action = hit[3]
+    log.warning("fault injected at %s (step %s): %s", point, step, action)
+    if action in ("kill", "stop"):
+        sig = signal.SIGKILL if action == "kill" else signal.SIGSTOP
+        if os.getpgrp() == os.getpid():
+            os.killpg(os.getpid(), sig)
+        else:
+            os.kill(os.getpid(), sig)
+    elif action == "exit":
+        os._exit(3)
+    elif action == "hang":
+        threading.Event().wait()
+    else:
+        time.sleep(float(action.split("=", 1)[1]))

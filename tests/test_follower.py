@@ -1,0 +1,84 @@
+"""A peer's side of the round lifecycle: what the follower does for each plan it can see."""
+
+from __future__ import annotations
+
+from potluck.peer.follower import Finish, Follower, Held, Recover, Switch, Train, Wait
+from potluck.protos.records import Member, Plan, Round
+
+ME = "me"
+
+
+def rnd(step: int, epoch: int = 0, stage: int = 0, base: str = "", stages: int = 1, members: tuple = (ME, "x")) -> Round:
+    ms = [Member(peer_id=p, address=f"{p}:1", stage=stage if p == ME else 0, replica=i) for i, p in enumerate(members)]
+    return Round(step=step, members=ms, base_hash=base if stage == 0 else "", stages=stages, epoch=epoch,
+                 base_hashes=[base] * stages if stages > 1 else [])
+
+
+def plan(*rounds: Round, seq: int = 1) -> Plan:
+    return Plan(seq=seq, rounds=list(rounds))
+
+
+def held(version: int, h: str = "", epoch: int = 0, stage: int = 0, at: float = 0.0) -> Held:
+    return Held(version, h or f"h{version}", stage, epoch, at)
+
+
+def follower(pipelined: bool = False) -> Follower:
+    return Follower(ME, pipelined=pipelined, plan_wait_s=10.0)
+
+
+def test_not_admitted_yet_waits_and_the_run_over_finishes() -> None:
+    assert isinstance(follower().next(None, held(0), 0), Wait)
+    assert isinstance(follower().next(plan(rnd(1, members=("x", "y"))), held(0), 0), Wait)
+    assert isinstance(follower().next(plan(rnd(1)), held(0), 0, finished=True), Finish)
+
+
+def test_the_round_for_the_next_step_from_the_held_state_is_trained() -> None:
+    r = rnd(4, base="h3")
+    assert follower().next(plan(r), held(3), 0) == Train(r, 4)
+
+
+def test_behind_or_different_means_recover_exactly_the_rounds_base() -> None:
+    assert follower().next(plan(rnd(6, base="h5")), held(3), 0) == Recover(5, "h5", follower().next(
+        plan(rnd(6, base="h5")), held(3), 0).reason)
+    want = follower().next(plan(rnd(4, base="good")), held(3, "bad"), 0)
+    assert isinstance(want, Recover) and (want.version, want.state_hash) == (3, "good") and "differs" in want.reason
+
+
+def test_a_rollback_overtakes_a_state_of_an_abandoned_epoch() -> None:
+    """Round 4 failed after this peer committed it; the coordinator decided it again in epoch 1."""
+    want = follower().next(plan(rnd(4, epoch=1, base="h3")), held(4, "h4-old", epoch=0), 0)
+    assert isinstance(want, Recover) and (want.version, want.state_hash) == (3, "h3") and "rolled back" in want.reason
+    # deeper: the run went back to the checkpoint of v2 while this peer was at v5
+    want = follower().next(plan(rnd(3, epoch=2, base="c2")), held(5, epoch=1), 0)
+    assert isinstance(want, Recover) and want.version == 2
+    # the same epoch, ahead of the last decided round: the coordinator is away, not rolling back
+    assert follower().next(plan(rnd(4, epoch=1, base="h3")), held(6, epoch=1), 0) == Train(rnd(4, epoch=1, base="h3"), 7)
+
+
+def test_a_pipeline_waits_for_the_coordinators_round_but_not_forever() -> None:
+    r = rnd(4, stages=2, base="h3")
+    f = follower(pipelined=True)
+    assert isinstance(f.next(plan(r), held(4, at=100.0), 105.0), Wait)
+    assert f.next(plan(r), held(4, at=100.0), 111.0) == Train(r, 5)  # coordinator away: the last grid
+    assert follower().next(plan(rnd(4)), held(4), 0) == Train(rnd(4), 5)  # one stage needs nobody to start
+
+
+def test_moved_to_another_stage_switches_first() -> None:
+    assert follower().next(plan(rnd(4, stage=1, stages=2)), held(3, stage=0), 0) == Switch(1)
+
+
+def test_a_failed_step_is_fetched_from_others_then_run_again() -> None:
+    f = follower()
+    r = rnd(4, base="h3")
+    f.failed(4, now=50.0)
+    want = f.next(plan(r), held(3), 55.0)
+    assert isinstance(want, Recover) and want.version is None  # anything newer than v3
+    assert f.next(plan(r), held(3), 61.0) == Train(r, 4)  # nobody got past it within plan_wait_s
+
+
+def test_resolve_picks_the_explicit_round_or_the_last_plans_members() -> None:
+    f = follower()
+    assert f.resolve(plan(rnd(4, base="h3")), 4, 0, "h3") == rnd(4, base="h3")
+    assert f.resolve(plan(rnd(4, base="h3")), 6, 0, "h5") == rnd(4, base="h3")  # coordinator away
+    assert f.resolve(plan(rnd(4, base="h3")), 4, 0, "other") is None  # not from the state it holds
+    assert f.resolve(plan(rnd(4, members=("x", "y"))), 4, 0, "h3") is None  # not a member

@@ -1,0 +1,79 @@
+"""The code's shape is part of its design (shared/ARCHITECTURE.md): layering, small rooms, plain classes."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FOLDERS = ("protos", "kernels", "compression", "peer", "coordinator", "potluck")
+# who may import whom (top to bottom; nothing points back up)
+ALLOWED = {
+    "protos": {"protos"},
+    "kernels": {"kernels", "protos"},
+    "compression": {"compression", "kernels", "protos"},
+    "peer": {"peer", "compression", "kernels", "protos"},
+    "coordinator": {"coordinator", "compression", "kernels", "protos"},
+    "potluck": set(FOLDERS),
+}
+FOLDER_OF = {"protos": "protos", "kernels": "kernels", "compression": "compression", "peer": "peer",
+             "coordinator": "coordinator"}
+
+
+def modules(folder: str) -> list[Path]:
+    return sorted(p for p in (ROOT / folder).glob("*.py") if not p.name.endswith(("_pb2.py", "_pb2_grpc.py")))
+
+
+def potluck_imports(path: Path) -> set[str]:
+    """The potluck sub-packages a module imports (``potluck.peer.x`` -> ``peer``; the root -> ``potluck``)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "potluck" and [a.name for a in node.names] == ["__version__"]:
+            continue  # the package's version is metadata every layer may read
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+            [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "potluck":
+                out.add(FOLDER_OF.get(parts[1], "potluck") if len(parts) > 1 else "potluck")
+    return out
+
+
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_imports_point_one_way(folder: str) -> None:
+    bad = {f"{p.relative_to(ROOT)} imports {sorted(potluck_imports(p) - ALLOWED[folder])}"
+           for p in modules(folder) if potluck_imports(p) - ALLOWED[folder]}
+    assert not bad, sorted(bad)
+
+
+@pytest.mark.parametrize("path", ["peer/daemon.py", "coordinator/app.py"])
+def test_the_entry_rooms_stay_small(path: str) -> None:
+    lines = len((ROOT / path).read_text().splitlines())
+    assert lines < 250, f"{path} has {lines} lines; move a responsibility into a room of its own"
+
+
+def first_set_outside_init(path: Path) -> list[str]:
+    """Attributes of ``self`` assigned in a method before (or without) being assigned in ``__init__``."""
+    out = []
+    for cls in [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)]:
+        init: set[str] = set()
+        dataclass_fields = {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+        others: dict[str, str] = {}
+        for fn in [n for n in cls.body if isinstance(n, ast.FunctionDef)]:
+            for node in ast.walk(fn):
+                targets = node.targets if isinstance(node, ast.Assign) else (
+                    [node.target] if isinstance(node, ast.AnnAssign | ast.AugAssign) else [])
+                for t in targets:
+                    for el in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                        if isinstance(el, ast.Attribute) and isinstance(el.value, ast.Name) and el.value.id == "self":
+                            (init.add(el.attr) if fn.name == "__init__" else others.setdefault(el.attr, fn.name))
+        out += [f"{cls.name}.{a} (first set in {m})" for a, m in others.items() if a not in init | dataclass_fields]
+    return out
+
+
+@pytest.mark.parametrize("folder", ["peer", "coordinator"])
+def test_no_attribute_is_first_set_outside_init(folder: str) -> None:
+    bad = [f"{p.name}: {b}" for p in modules(folder) for b in first_set_outside_init(p)]
+    assert not bad, bad

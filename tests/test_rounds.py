@@ -1,0 +1,249 @@
+"""The round lifecycle, step by step with an injected clock: decided -> committed | failed -> rolled back."""
+
+from __future__ import annotations
+
+import pytest
+
+from potluck.coordinator.history import fold, roll_back
+from potluck.coordinator.membership import PeerTable
+from potluck.coordinator.placement import members, sticky_placement
+from potluck.coordinator.rounds import Checkpoint, Committed, Failed, RolledBack, Rounds
+from potluck.protos.records import PeerRecord, StepReport
+
+TIMEOUT = 5.0
+
+
+def rec(pid: str, version: int = 0, state: str = "waiting", h: str = "", seq: int = 1, stage: int = 0,
+        epoch: int = 0, prev: tuple[int, str] = (-1, ""), inner: int = 0, recent: list[StepReport] | None = None,
+        ) -> PeerRecord:
+    return PeerRecord(peer_id=pid, address=f"{pid}:1", version=version, state=state, state_hash=h or f"h{version}",
+                      seq=seq, stage=stage, epoch=epoch, prev_version=prev[0], prev_hash=prev[1], inner_step=inner,
+                      recent=recent or [])
+
+
+class Swarm:
+    """A PeerTable and a Rounds driven together, the way the coordinator's tick drives them."""
+
+    def __init__(self, stages: int = 1, floor_s: float = 30.0, min_peers: int = 1) -> None:
+        self.table = PeerTable(TIMEOUT)
+        self.rounds = Rounds(stages=stages, floor_s=floor_s, factor=4.0, settle_s=1.0, grace_s=TIMEOUT)
+        self.min_peers, self.seq, self.now = min_peers, 1, 0.0
+        self.checkpoint: Checkpoint | None = None
+
+    def tick(self, now: float, *records: PeerRecord) -> list:
+        self.now = now
+        self.seq += 1
+        self.table.update({r.peer_id: r.model_copy(update={"seq": self.seq}) for r in records}, now)
+        return self.rounds.observe(self.table.reports(), now, self.checkpoint)
+
+    def decide(self) -> object:
+        live = self.table.live()
+        assert self.rounds.ready_to_decide(len(live), self.min_peers, self.now, self.table.reports())
+        s = self.rounds.stages
+        ids = sorted(v.record.peer_id for v in live)
+        prev = self.rounds.rounds.get(self.rounds.committed)
+        before = {m.peer_id: (m.stage, m.replica) for m in prev.members} if prev else {}
+        grid = sticky_placement(ids, s, len(ids) // s, before)
+        return self.rounds.decide(members(grid, [v.record for v in live]), self.now)
+
+
+def test_first_round_waits_for_min_peers_then_admits_all_sorted() -> None:
+    s = Swarm(min_peers=2)
+    s.tick(0, rec("b"))
+    assert not s.rounds.ready_to_decide(1, 2, 0, s.table.reports())
+    s.tick(1, rec("a"), rec("b"))
+    r = s.decide()
+    assert [m.peer_id for m in r.members] == ["a", "b"] and r.step == 1 and r.epoch == 0
+    assert s.rounds.pending() is r and not s.rounds.ready_to_decide(2, 2, 1, s.table.reports())
+
+
+def test_commit_then_the_next_round_admits_joiners_and_drops_the_lost() -> None:
+    s = Swarm()
+    s.tick(0, rec("a"), rec("b"))
+    s.decide()
+    events = s.tick(2, rec("a", 1, "training", "good"), rec("c"))
+    assert [type(e) for e in events] == [Committed] and s.rounds.committed == 1
+    assert not s.rounds.ready_to_decide(3, 1, 2, s.table.reports())  # b has not reported v1, settle time not over
+    s.tick(3.5)
+    assert s.rounds.ready_to_decide(3, 1, 3.5, s.table.reports())
+    s.tick(6)  # b silent for 6 s > timeout: lost
+    r = s.decide()
+    assert [m.peer_id for m in r.members] == ["a", "c"] and r.base_hash == "good"
+
+
+def test_canonical_hash_is_the_majority_of_the_rounds_members() -> None:
+    s = Swarm()
+    s.tick(0, *(rec(p) for p in "abc"))
+    s.decide()
+    s.tick(1, rec("a", 1, h="good"), rec("b", 1, h="good"), rec("c", 1, h="bad"))
+    assert s.rounds.canonical(1) == "good"
+
+
+def test_goodbye_evicts_at_once() -> None:
+    t = PeerTable(heartbeat_timeout_s=100)
+    t.update({"a": rec("a")}, now=0)
+    events = t.update({"a": rec("a", state="left", seq=2)}, now=1)
+    assert ("left", "a") in events and t.live() == []
+
+
+def run_to(s: Swarm, step: int, ids: str = "abc", t0: float = 0.0) -> float:
+    """Decide and commit steps 1..step with these peers; returns the clock."""
+    now = t0
+    s.tick(now, *(rec(p, s.rounds.committed, "waiting") for p in ids))
+    while s.rounds.committed < step:
+        s.decide()
+        now += 2
+        v = s.rounds.committed + 1
+        s.tick(now, *(rec(p, v, "training", f"h{v}", prev=(v - 1, f"h{v - 1}")) for p in ids))
+        now += 2
+        s.tick(now, *(rec(p, v, "training", f"h{v}", prev=(v - 1, f"h{v - 1}")) for p in ids))
+    return now
+
+
+def test_every_member_of_the_pending_round_dies_so_it_fails_and_the_run_resumes_from_the_checkpoint() -> None:
+    s = Swarm(min_peers=3)
+    now = run_to(s, 3)
+    s.checkpoint = Checkpoint(2, {0: "h2"})
+    s.decide()  # round 4 decided ...
+    assert s.tick(now + 1) == []  # ... and all three members die: their records stop, nothing changes yet
+    events = s.tick(now + TIMEOUT + 1.5)  # lost: the round fails at once
+    failed = next(e for e in events if isinstance(e, Failed))
+    assert failed.round.step == 4 and "every member is gone" in failed.reason
+    back = next(e for e in events if isinstance(e, RolledBack))
+    assert (back.from_step, back.to_version, back.source, back.epoch) == (3, 2, "checkpoint", 1)
+    assert s.rounds.committed == 2 and s.rounds.pending() is None and s.rounds.epoch == 1
+    # new peers: a fresh start waits for min_peers again, then round 3 runs in the new epoch from the checkpoint
+    s.tick(now + 20, rec("d"), rec("e"))
+    assert not s.rounds.ready_to_decide(2, 3, now + 20, s.table.reports())
+    s.tick(now + 21, rec("d"), rec("e"), rec("f"))
+    r = s.decide()
+    assert (r.step, r.epoch, r.base_hash) == (3, 1, "h2")
+    assert [o.step for o in s.rounds.outcomes] == [4]
+
+
+def test_a_journaled_pending_round_of_peers_that_never_come_back_fails_after_a_restart() -> None:
+    s = Swarm()
+    run_to(s, 3)
+    s.decide()
+    journal = (s.rounds.committed, s.rounds.epoch, list(s.rounds.rounds.values()), s.rounds.hashes, [])
+    restarted = Swarm()
+    restarted.rounds.restore(*journal, now=100.0)
+    assert restarted.rounds.pending() is not None and restarted.rounds.pending().step == 4
+    assert restarted.tick(100.0 + TIMEOUT - 1, rec("x")) == []  # its members may still show up
+    events = restarted.tick(100.0 + TIMEOUT + 0.5, rec("x"))
+    assert any(isinstance(e, Failed) for e in events)
+    # nobody holds v3 and there is no checkpoint: every peer can rebuild theta_0
+    back = next(e for e in events if isinstance(e, RolledBack))
+    assert (back.to_version, back.source) == (0, "theta_0") and restarted.rounds.committed == 0
+
+
+def test_a_live_peer_holding_the_committed_state_means_a_retry_without_rollback() -> None:
+    s = Swarm()
+    now = run_to(s, 3, ids="ab")
+    s.decide()
+    # a stays (not a member of the new attempt's failure cause), b dies; round 4 goes silent
+    events = s.tick(now + 1, rec("a", 3, "syncing", "h3", prev=(2, "h2")))
+    assert events == []
+    events = s.tick(now + 40, rec("a", 3, "syncing", "h3", prev=(2, "h2")))
+    assert [type(e) for e in events] == [Failed] and "no member made progress" in events[0].reason
+    assert s.rounds.committed == 3 and s.rounds.epoch == 1
+    r = s.decide()
+    assert (r.step, r.epoch, [m.peer_id for m in r.members]) == (4, 1, ["a"])
+
+
+def test_rollback_finds_a_step_held_as_some_peers_previous_state() -> None:
+    s = Swarm(stages=2)
+    for p, st in (("a", 0), ("b", 1)):
+        s.table.update({p: rec(p, stage=st)}, 0)
+    s.rounds.hashes = {0: {3: "s0v3"}, 1: {3: "s1v3"}}
+    s.rounds.committed = 3
+    # stage 0's member committed v4 and still serves v3; stage 1's holds v3
+    reports = [rec("a", 4, h="s0v4", stage=0, prev=(3, "s0v3")), rec("b", 3, h="s1v3", stage=1, prev=(2, "x"))]
+    s.table.update({r.peer_id: r.model_copy(update={"seq": 9}) for r in reports}, 1)
+    assert s.rounds.rollback_target(s.table.reports(), None) == (3, "live peers")
+    # the stage 1 holder is lost: only the checkpoint (or theta_0) has both stages
+    s.table.update({}, 100)
+    s.table.update({"a": reports[0].model_copy(update={"seq": 10})}, 100)
+    assert s.rounds.rollback_target(s.table.reports(), None) == (0, "theta_0")
+    assert s.rounds.rollback_target(s.table.reports(), Checkpoint(2, {0: "c0", 1: "c1"})) == (2, "checkpoint")
+
+
+def test_deadline_comes_from_measured_steps_with_a_floor() -> None:
+    s = Swarm(floor_s=10.0)
+    now = run_to(s, 3)  # each step takes 2 s from decision to commit
+    assert s.rounds.deadline_s() == 10.0  # 4 x 2 s is below the floor
+    s.rounds.floor_s = 1.0
+    assert s.rounds.deadline_s() == pytest.approx(8.0)
+    s.decide()
+    busy = [rec(p, 3, "training", "h3", inner=i) for i, p in enumerate("abc")]
+    assert s.tick(now + 7, *busy) == []
+    events = s.tick(now + 8.5, *(r.model_copy(update={"inner_step": 9}) for r in busy))  # busy, but far too slow
+    assert any(isinstance(e, Failed) and "within 8 s" in e.reason for e in events)
+
+
+def test_a_stale_epochs_report_never_commits_the_new_round() -> None:
+    s = Swarm()
+    now = run_to(s, 3, ids="a")
+    s.decide()
+    s.tick(now + 40, rec("a", 3, "waiting", "h3"))  # silent: fails, epoch 1, round 4 decided again
+    assert s.rounds.epoch == 1
+    s.decide()
+    # a straggler of the failed epoch reports v4: not the new round's result
+    assert s.tick(now + 41, rec("a", 4, "training", "old", epoch=0)) == []
+    assert s.rounds.committed == 3
+    events = s.tick(now + 42, rec("a", 4, "training", "new", epoch=1))
+    assert isinstance(events[0], Committed) and s.rounds.canonical(4) == "new"
+
+
+def test_steps_committed_on_the_last_plan_while_the_coordinator_was_away() -> None:
+    s = Swarm()
+    now = run_to(s, 2, ids="ab")
+    s.decide()
+    events = s.tick(now + 30, rec("a", 6, "training", "h6"), rec("b", 6, "training", "h6"))
+    assert [(e.step, e.since) for e in events] == [(6, 2)] and s.rounds.canonical(6) == "h6"
+
+
+def test_reshard_replaces_every_hash_of_the_old_layout() -> None:
+    s = Swarm(stages=2)
+    s.rounds.hashes = {0: {4: "two-stage-s0"}, 1: {4: "two-stage-s1"}}
+    s.rounds.committed, s.rounds.epoch = 5, 3
+    s.rounds.reshard(1, Checkpoint(4, {0: "one-stage"}), now=0)
+    assert s.rounds.hashes == {0: {4: "one-stage"}} and s.rounds.committed == 4 and s.rounds.epoch == 4
+    assert s.rounds.stages == 1 and s.rounds.pending() is None
+
+
+# ----------------------------------------------------------------------------- the history, one outcome per step
+
+
+def report(step: int, h: str, loss: float, epoch: int = 0, **kw: object) -> StepReport:
+    return StepReport(step=step, epoch=epoch, state_hash=h, loss=loss, outer_s=0.5, outer_bytes=100, **kw)
+
+
+def test_history_folds_members_reports_idempotently_and_fills_steps_seen_late() -> None:
+    s = Swarm()
+    run_to(s, 3, ids="ab")
+    recs = [rec("a", 3, recent=[report(v, f"h{v}", 2.0 - v / 10) for v in (1, 2, 3)]),
+            rec("b", 3, recent=[report(v, f"h{v}", 2.0 - v / 10, eval_loss=1.5 if v == 3 else None) for v in (2, 3)])]
+    hist, added = fold([], recs, s.rounds.round_at, s.rounds.committed, now=1.0)
+    again, added_again = fold(hist, recs, s.rounds.round_at, s.rounds.committed, now=2.0)
+    assert added and not added_again and again == hist
+    assert [h["step"] for h in hist] == [1, 2, 3]
+    assert hist[0]["state_hashes"] == {"a": "h1"} and hist[2]["state_hashes"] == {"a": "h3", "b": "h3"}
+    assert hist[2]["eval_loss"] == 1.5 and hist[2]["bytes"]["outer"] == 200 and hist[2]["loss"] == pytest.approx(1.7)
+
+
+def test_a_rolled_back_step_leaves_the_history_and_its_rerun_takes_its_place() -> None:
+    s = Swarm()
+    run_to(s, 3, ids="a")
+    hist, _ = fold([], [rec("a", 3, recent=[report(v, f"old{v}", 1.0) for v in (1, 2, 3)])], s.rounds.round_at, 3)
+    kept, undone = roll_back(hist, 1)
+    assert [h["step"] for h in kept] == [1] and [(h["step"], h["rolled_back"]) for h in undone] == [(2, True), (3, True)]
+    s.rounds.committed, s.rounds.epoch = 1, 1
+    for step in (2, 3):
+        s.rounds.rounds.pop(step, None)
+    s.tick(100, rec("a", 1, h="old1"))
+    s.decide()
+    s.tick(101, rec("a", 2, h="new2", epoch=1, recent=[report(2, "new2", 0.9, epoch=1)]))
+    stale = rec("a", 2, h="new2", epoch=1, recent=[report(2, "old2", 1.0, epoch=0), report(2, "new2", 0.9, epoch=1)])
+    hist, _ = fold(kept, [stale], s.rounds.round_at, s.rounds.committed)
+    assert [h["step"] for h in hist] == [1, 2] and hist[1]["state_hashes"] == {"a": "new2"} and hist[1]["epoch"] == 1
