@@ -73,11 +73,13 @@ def run_swarm(args: argparse.Namespace, workdir: Path) -> dict:
 
 class _Member:
     def __init__(self, numel: int) -> None:
-        self.id = Identity.generate().peer_id
+        identity = Identity.generate()
+        self.id = identity.peer_id
         self.traffic = Traffic()
         self.client = PeerClient(self.traffic)
         self.ar = AllReduce(run_id="fp32", me=self.id, numel=numel, codec=make_codec("raw"), client=self.client,
-                            chunk_bytes=1 << 20, rpc_timeout=60, ping=lambda pid, t: pb.PingReply(state="syncing"))
+                            chunk_bytes=1 << 20, rpc_timeout=60, ping=lambda pid, t: pb.PingReply(state="syncing"),
+                            sign=identity.sign)
         self.ar.expect(1, "base")
         self.server = PeerServer(self, self.traffic, host="127.0.0.1", port=0)
         self.address = f"127.0.0.1:{self.server.port}"

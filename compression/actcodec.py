@@ -35,7 +35,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from potluck.compression.int8 import CodecError
+from potluck.compression.int8 import MAX_ABS, CodecError
 from potluck.kernels.quant import (
     SUPPORTED_BITS,
     dequantize_channels,
@@ -233,11 +233,15 @@ def _decode_valid(packet: Packet) -> torch.Tensor:
         out = torch.from_numpy(arr.astype(np.float32)).view(shape)
         if not bool(torch.isfinite(out).all()):
             raise CodecError(f"{packet.mode} payload holds NaN or Inf")
+        if out.numel() and float(out.abs().max()) > MAX_ABS:
+            raise CodecError(f"{packet.mode} payload holds values beyond +-{MAX_ABS:g}")
         return out
     scale_np = np.float16 if packet.mode == "quant_fp16_scales" else np.float32
     scales = torch.from_numpy(np.frombuffer(packet.scales, dtype=scale_np).astype(np.float32))
     if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
         raise CodecError("scales must be finite and non-negative")
+    if scales.numel() and float(scales.max()) * qmax_for(packet.bits) > MAX_ABS:
+        raise CodecError(f"scales decode to values beyond +-{MAX_ABS:g}")
     packed = torch.from_numpy(np.frombuffer(packet.payload, dtype=np.uint8).copy())
     try:
         codes = unpack_bits(packed, packet.bits, packet.numel)

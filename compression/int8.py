@@ -8,8 +8,9 @@ decodes every contribution to float32, sums in float32, and quantizes the mean o
 (:mod:`potluck.peer.allreduce`).
 
 Decoding checks everything a receiver relies on: the codec, sizes of payload and scales, finite
-non-negative scales and finite raw values. A bad message raises :class:`CodecError` and produces no
-tensor, so nothing downstream ever sees it.
+non-negative scales and finite raw values, and that no decoded value exceeds ``MAX_ABS`` in
+magnitude (a scale of 3e38 is finite, but 127 of it is not, nor is a sum of such values). A bad
+message raises :class:`CodecError` and produces no tensor, so nothing downstream ever sees it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import numpy as np
 import torch
 
 from potluck.kernels.quant import dequantize_rows, quantize_rows
+
+MAX_ABS = 1e6  # no decoded value may be larger: parameters, deltas and activations live far below
 
 
 class CodecError(ValueError):
@@ -79,6 +82,8 @@ class RawCodec:
         out = torch.from_numpy(np.frombuffer(enc.payload, dtype=np.float32).copy())
         if not bool(torch.isfinite(out).all()):
             raise CodecError("raw payload holds NaN or Inf")
+        if out.numel() and float(out.abs().max()) > MAX_ABS:
+            raise CodecError(f"raw payload holds values beyond +-{MAX_ABS:g}")
         return out
 
 
@@ -129,6 +134,8 @@ class Int8BlockCodec:
         scales = torch.from_numpy(np.frombuffer(enc.scales, dtype=np.float32).copy())
         if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
             raise CodecError("int8 scales must be finite and non-negative")
+        if scales.numel() and float(scales.max()) * 127 > MAX_ABS:
+            raise CodecError(f"int8 scales decode to values beyond +-{MAX_ABS:g}")
         codes = torch.from_numpy(np.frombuffer(enc.payload, dtype=np.int8).copy())
         if bool((codes == -128).any()):
             raise CodecError("int8 code -128 is outside the symmetric range [-127, 127]")

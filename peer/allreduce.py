@@ -41,8 +41,10 @@ import torch
 
 from potluck.compression.int8 import Codec
 from potluck.compression.stream import Assembler, WireError, encode_chunks
+from potluck.peer.aggregate import reduce_mean, result_digest, robust_mean  # noqa: F401 (reduce_mean: re-export)
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.faults import fault
+from potluck.protos.identity import verify
 from potluck.protos.log import get_logger, short_id
 from potluck.protos.transport import (
     PeerClient,
@@ -111,27 +113,23 @@ def shard_bounds(numel: int, parts: int, align: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def reduce_mean(contributions: dict[str, torch.Tensor], numel: int) -> torch.Tensor:
-    """Mean of decoded contributions, summed in float32 in sender-id order (so it is reproducible).
+@dataclass(frozen=True)
+class Outcome:
+    """How a shard was reduced: what every member applies from it, and who vouches for it."""
 
-    Quantized codes are never summed: each contribution is decoded first, so nothing can wrap or
-    lose the scale of another member's block.
-    """
-    acc = torch.zeros(numel, dtype=torch.float32)
-    for sender in sorted(contributions):
-        acc += contributions[sender].float()
-    if contributions:
-        acc /= len(contributions)
-    return acc
+    attempt: int
+    contributors: list[str]
+    clipped: list[str] = field(default_factory=list)
+    rejected: list[str] = field(default_factory=list)
+    signer: str = ""
+    signature: bytes = b""
 
 
 @dataclass
 class _Result:
-    attempt: int
     values: torch.Tensor
     chunks: list[pb.Tensor]
-    contributors: list[str]
-    owner: str
+    outcome: Outcome
 
 
 @dataclass
@@ -145,6 +143,8 @@ class AllReduceStats:
     taken_over: list[int] = field(default_factory=list)
     contributors: dict[int, int] = field(default_factory=dict)
     partial: list[str] = field(default_factory=list)  # contributors counted in some shards but not all
+    clipped: list[str] = field(default_factory=list)  # contributors some owner scaled down
+    rejected: list[str] = field(default_factory=list)  # contributors some owner left out
 
 
 class AllReduce:
@@ -162,8 +162,13 @@ class AllReduce:
         rpc_timeout: float,
         ping: Callable[[str, float], pb.PingReply],
         stopping: threading.Event | None = None,
+        sign: Callable[[bytes], bytes] | None = None,
+        clip_factor: float = 4.0,
+        reject_below: float | None = -0.1,
     ) -> None:
         self.run_id, self.me, self.numel, self.codec = run_id, me, numel, codec
+        self.sign = sign or (lambda digest: b"")
+        self.clip_factor, self.reject_below = clip_factor, reject_below
         self.stopping = stopping or threading.Event()
         self.client, self.chunk_bytes, self.rpc_timeout, self._ping = client, chunk_bytes, rpc_timeout, ping
         self._cond = threading.Condition()
@@ -211,8 +216,12 @@ class AllReduce:
                 for sender in [s for s in by_sender if s not in members]:
                     log.warning("dropping contribution from %s: not a member of step %d", short_id(sender), info.step)
                     del by_sender[sender]
-            for shard in [s for s, r in self._results.items() if r.owner not in members or s >= len(members)]:
-                del self._results[shard]
+            for shard, res in list(self._results.items()):
+                try:
+                    self._check_signed(shard, len(info.members), res.chunks, res.outcome, info)
+                except Rejected as err:
+                    log.warning("dropping a result received before the round was known: %s", err.reason)
+                    del self._results[shard]
 
     def pending_contributions(self) -> int:
         """Contributions held for the expected step (for tests and the status page)."""
@@ -247,9 +256,11 @@ class AllReduce:
         if not 0 <= chunk.shard < chunk.num_shards:
             raise Rejected(pb.BAD_MESSAGE, f"shard {chunk.shard} outside [0, {chunk.num_shards})")
 
-    def _receive(self, chunks: Iterator[pb.ShardChunk]) -> tuple[pb.ShardChunk, torch.Tensor, list[pb.Tensor]]:
-        """Validate and decode a whole stream; nothing is stored until it all checks out."""
+    def _receive(self, chunks: Iterator[pb.ShardChunk]) -> tuple[pb.ShardChunk, torch.Tensor, list[pb.Tensor], pb.ShardChunk]:
+        """Validate and decode a whole stream; nothing is stored until it all checks out. Returns the
+        first chunk (its header), the values, the raw tensors and the last chunk (its signature)."""
         first: pb.ShardChunk | None = None
+        last: pb.ShardChunk | None = None
         assembler: Assembler | None = None
         kept: list[pb.Tensor] = []
         try:
@@ -271,9 +282,10 @@ class AllReduce:
                 assert assembler is not None
                 assembler.add(chunk.tensor)
                 kept.append(chunk.tensor)
-            if first is None or assembler is None:
+                last = chunk
+            if first is None or assembler is None or last is None:
                 raise Rejected(pb.BAD_MESSAGE, "empty stream")
-            return first, assembler.result(), kept
+            return first, assembler.result(), kept, last
         except WireError as err:
             raise Rejected(pb.BAD_MESSAGE, str(err), first.header.sender if first else "") from None
         except Rejected as r:
@@ -281,7 +293,7 @@ class AllReduce:
             raise
 
     def on_contribution(self, chunks: Iterator[pb.ShardChunk]) -> pb.Ack:
-        first, values, kept = self._receive(chunks)
+        first, values, kept, _ = self._receive(chunks)
         key = (first.shard, first.attempt)
         with self._cond:
             self._check_header(first)  # the step may have moved on while the stream arrived
@@ -299,18 +311,36 @@ class AllReduce:
         return pb.Ack(received_bytes=sum(t.ByteSize() for t in kept))
 
     def on_result(self, chunks: Iterator[pb.ShardChunk]) -> pb.Ack:
-        first, values, kept = self._receive(chunks)
+        first, values, kept, last = self._receive(chunks)
+        outcome = Outcome(first.attempt, list(first.contributors), list(first.clipped), list(first.rejected),
+                          last.signer, last.signature)
         with self._cond:
             self._check_header(first)
             shard = first.shard
+            if self._round is not None:
+                self._check_signed(shard, len(self._round.members), kept, outcome, self._round)
             if first.attempt == 0 and shard in self._taken_over:
                 raise Rejected(pb.TAKEN_OVER, f"shard {shard} of step {self._step} was taken over")
             if shard not in self._results:
-                self._results[shard] = _Result(first.attempt, values, kept, list(first.contributors), first.header.sender)
+                self._results[shard] = _Result(values, kept, outcome)
                 self._cond.notify_all()
             elif not torch.equal(self._results[shard].values, values):
                 log.warning("ignoring a second, different result for shard %d of step %d", shard, self._step)
         return pb.Ack(received_bytes=sum(t.ByteSize() for t in kept))
+
+    def _check_signed(self, shard: int, num_shards: int, tensors: list[pb.Tensor], outcome: Outcome,
+                      rnd: RoundInfo) -> None:
+        """A result must be signed by its shard's owner (attempt 0, also when a backup forwards it) or, after
+        a take-over (attempt > 0), by another member: whoever delivers it, nobody can forge one."""
+        owner = rnd.ids[shard] if shard < len(rnd.ids) else ""
+        signer = outcome.signer
+        if signer not in rnd.ids or (outcome.attempt == 0) != (signer == owner):
+            raise Rejected(pb.BAD_IDENTITY, f"result of shard {shard} (attempt {outcome.attempt}) signed by "
+                           f"{short_id(signer) or 'nobody'}, not by {'its owner' if outcome.attempt == 0 else 'a taker'}")
+        digest = result_digest(self.run_id, self._step, self._epoch, shard, num_shards, outcome.attempt,
+                               self._base_hash, outcome.contributors, outcome.clipped, outcome.rejected, tensors)
+        if not verify(signer, digest, outcome.signature):
+            raise Rejected(pb.BAD_IDENTITY, f"bad signature on the result of shard {shard} from {short_id(signer)}")
 
     def on_fetch_result(self, request: pb.ResultRequest) -> Iterator[pb.ShardChunk]:
         with self._cond:
@@ -321,11 +351,17 @@ class AllReduce:
                 raise Rejected(pb.NO_STATE, f"no result for shard {request.shard} of step {request.header.step}")
             hdr = pb.Header(run_id=self.run_id, sender=self.me, step=self._step, epoch=self._epoch)
             base = self._base_hash
-        for t in result.chunks:
-            yield pb.ShardChunk(
-                header=hdr, shard=request.shard, num_shards=request.num_shards, attempt=result.attempt,
-                base_hash=base, contributors=result.contributors, tensor=t,
-            )
+        yield from self._result_chunks(hdr, request.shard, request.num_shards, base, result.chunks, result.outcome)
+
+    @staticmethod
+    def _result_chunks(hdr: pb.Header, shard: int, num_shards: int, base: str, tensors: list[pb.Tensor],
+                       o: Outcome) -> Iterator[pb.ShardChunk]:
+        for i, t in enumerate(tensors):
+            chunk = pb.ShardChunk(header=hdr, shard=shard, num_shards=num_shards, attempt=o.attempt, base_hash=base,
+                                  contributors=o.contributors, clipped=o.clipped, rejected=o.rejected, tensor=t)
+            if i == len(tensors) - 1:
+                chunk.signer, chunk.signature = o.signer, o.signature
+            yield chunk
 
     # ---------------------------------------------------------------- the procedure
 
@@ -403,11 +439,13 @@ class AllReduce:
         stats.seconds = time.monotonic() - t_start
         stats.bytes_sent = self.client.traffic.snapshot()[0].get("outer", 0) - sent_before
         stats.dropped = sorted(dead)
-        stats.contributors = {j: len(r.contributors) for j, r in enumerate(results)}
-        empty = [j for j, r in enumerate(results) if not r.contributors]
+        stats.contributors = {j: len(r.outcome.contributors) for j, r in enumerate(results)}
+        empty = [j for j, r in enumerate(results) if not r.outcome.contributors]
         if empty:  # an average of nothing is zeros, which momentum would still turn into a step
             raise IncompleteRound(f"step {info.step}: nobody contributed to shard(s) {empty}; nothing to average")
-        counted: list[set[str]] = [set(r.contributors) for r in results]
+        stats.clipped = sorted({p for r in results for p in r.outcome.clipped})
+        stats.rejected = sorted({p for r in results for p in r.outcome.rejected})
+        counted: list[set[str]] = [set(r.outcome.contributors) | set(r.outcome.rejected) for r in results]
         stats.partial = sorted(set().union(*counted) - counted[0].intersection(*counted[1:]))
         if stats.partial:  # each shard is still a true mean of its own contributors
             log.warning("step %d: contributions of %s arrived too late for some shards (counted in %s)", info.step,
@@ -418,15 +456,16 @@ class AllReduce:
     def _submit(self, fn: Callable, *args: object) -> Future:
         return self._pool.submit(fn, *args)
 
-    def _chunks(
-        self, info: RoundInfo, shard: int, attempt: int, tensors: list[pb.Tensor], contributors: list[str]
-    ) -> Iterator[pb.ShardChunk]:
+    def _chunks(self, info: RoundInfo, shard: int, attempt: int, tensors: list[pb.Tensor]) -> Iterator[pb.ShardChunk]:
+        """A contribution's chunks."""
         hdr = pb.Header(run_id=self.run_id, sender=self.me, step=info.step, epoch=info.epoch)
         for t in tensors:
-            yield pb.ShardChunk(
-                header=hdr, shard=shard, num_shards=len(info.members), attempt=attempt,
-                base_hash=info.base_hash, contributors=contributors, tensor=t,
-            )
+            yield pb.ShardChunk(header=hdr, shard=shard, num_shards=len(info.members), attempt=attempt,
+                                base_hash=info.base_hash, tensor=t)
+
+    def _results_of(self, info: RoundInfo, shard: int, tensors: list[pb.Tensor], outcome: Outcome) -> Iterator[pb.ShardChunk]:
+        hdr = pb.Header(run_id=self.run_id, sender=self.me, step=info.step, epoch=info.epoch)
+        return self._result_chunks(hdr, shard, len(info.members), info.base_hash, tensors, outcome)
 
     def _send(
         self, kind: str, info: RoundInfo, peer: MemberAddr, shard: int, attempt: int, values: torch.Tensor,
@@ -435,7 +474,7 @@ class AllReduce:
         tensors = list(encode_chunks(f"shard{shard}", values, self.codec, self.chunk_bytes))
         while True:
             try:
-                self.client.push_contribution(peer.address, self._chunks(info, shard, attempt, tensors, []), self.rpc_timeout)
+                self.client.push_contribution(peer.address, self._chunks(info, shard, attempt, tensors), self.rpc_timeout)
                 return True
             except grpc.RpcError as err:
                 at, info_r = _remote_step(err), refusal_of(err)
@@ -473,23 +512,25 @@ class AllReduce:
             forwarded = self._results.get(shard) if forwarded_ok else None
             got = dict(self._contribs.get((shard, attempt), {}))
         stats.wait_seconds += time.monotonic() - t0
-        if forwarded is not None:
-            result_chunks, contributors = forwarded.chunks, forwarded.contributors
-            attempt = forwarded.attempt
+        if forwarded is not None:  # we hold the owner's result already: hand on exactly that (its signature too)
+            result_chunks, outcome = forwarded.chunks, forwarded.outcome
         else:
             lo, hi = bounds[shard]
-            contributors = sorted(got)
-            acc = reduce_mean(got, hi - lo)
-            result_chunks = list(encode_chunks(f"shard{shard}", acc, self.codec, self.chunk_bytes))
-            if len(contributors) < len(expected):
-                missing = sorted(set(info.ids) - set(contributors))
+            red = robust_mean(got, hi - lo, self.clip_factor, self.reject_below)
+            result_chunks = list(encode_chunks(f"shard{shard}", red.mean, self.codec, self.chunk_bytes))
+            digest = result_digest(self.run_id, info.step, info.epoch, shard, len(info.members), attempt,
+                                   info.base_hash, red.contributors, red.clipped, red.rejected, result_chunks)
+            outcome = Outcome(attempt, red.contributors, red.clipped, red.rejected, self.me, self.sign(digest))
+            missing = sorted(set(info.ids) - set(got))
+            if len(got) < len(expected):
                 log.info("shard %d of step %d reduced without %s", shard, info.step, ", ".join(short_id(m) for m in missing))
+            if red.clipped or red.rejected:
+                log.warning("shard %d of step %d: clipped %s, rejected %s", shard, info.step,
+                            [short_id(p) for p in red.clipped], [short_id(p) for p in red.rejected])
         fault("allreduce.reduced", info.step)
-        self._distribute(info, shard, attempt, result_chunks, contributors, dead)
+        self._distribute(info, shard, result_chunks, outcome, dead)
 
-    def _distribute(
-        self, info: RoundInfo, shard: int, attempt: int, chunks: list[pb.Tensor], contributors: list[str], dead: set[str]
-    ) -> None:
+    def _distribute(self, info: RoundInfo, shard: int, chunks: list[pb.Tensor], outcome: Outcome, dead: set[str]) -> None:
         """Backup first, then everyone: nobody can hold a result its shard's backup lacks.
 
         The backup is the next member in ring order that is there: members whose contribution
@@ -498,13 +539,14 @@ class AllReduce:
         """
         n = len(info.members)
         ring = [info.members[(shard + k) % n] for k in range(1, n)]
-        candidates = [p for p in ring if p.peer_id in contributors] + [p for p in ring if p.peer_id not in contributors]
+        came = set(outcome.contributors) | set(outcome.rejected)
+        candidates = [p for p in ring if p.peer_id in came] + [p for p in ring if p.peer_id not in came]
         backup_ok, backup = True, None
         for peer in candidates:
             if peer.peer_id in dead or peer.peer_id == self.me or not self._answers(peer.peer_id, dead):
                 continue
             try:
-                self.client.push_result(peer.address, self._chunks(info, shard, attempt, chunks, contributors),
+                self.client.push_result(peer.address, self._results_of(info, shard, chunks, outcome),
                                         min(self.rpc_timeout, self._backup_timeout))
                 backup = peer
                 break
@@ -529,11 +571,11 @@ class AllReduce:
                 break
         if not backup_ok:
             return
-        self._store_own_result(info, shard, attempt, chunks, contributors)
+        self._store_own_result(info, shard, chunks, outcome)
         for peer in ring:
             if peer is backup or peer.peer_id in dead or peer.peer_id == self.me:
                 continue
-            self._pending.append(self._submit(self._push_result, info, peer, shard, attempt, chunks, contributors))
+            self._pending.append(self._submit(self._push_result, info, peer, shard, chunks, outcome))
 
     def _answers(self, peer_id: str, dead: set[str]) -> bool:
         """Does ``peer_id`` answer a ping now? A stopped or vanished member is marked dead instead."""
@@ -549,21 +591,19 @@ class AllReduce:
                 return False
             return True  # it answered, with a refusal: it is there
 
-    def _store_own_result(self, info: RoundInfo, shard: int, attempt: int, chunks: list[pb.Tensor], contributors: list[str]) -> None:
+    def _store_own_result(self, info: RoundInfo, shard: int, chunks: list[pb.Tensor], outcome: Outcome) -> None:
         lo, hi = shard_bounds(self.numel, len(info.members), self.codec.align)[shard]
         asm = Assembler(f"shard{shard}", hi - lo, self.codec)
         for t in chunks:
             asm.add(t)
         with self._cond:
             if shard not in self._results:
-                self._results[shard] = _Result(attempt, asm.result(), chunks, contributors, self.me)
+                self._results[shard] = _Result(asm.result(), chunks, outcome)
             self._cond.notify_all()
 
-    def _push_result(
-        self, info: RoundInfo, peer: MemberAddr, shard: int, attempt: int, chunks: list[pb.Tensor], contributors: list[str]
-    ) -> None:
+    def _push_result(self, info: RoundInfo, peer: MemberAddr, shard: int, chunks: list[pb.Tensor], outcome: Outcome) -> None:
         try:
-            self.client.push_result(peer.address, self._chunks(info, shard, attempt, chunks, contributors), self.rpc_timeout)
+            self.client.push_result(peer.address, self._results_of(info, shard, chunks, outcome), self.rpc_timeout)
         except grpc.RpcError as err:
             log.info("result of shard %d to %s failed: %s", shard, short_id(peer.peer_id), rpc_reason(err))
 

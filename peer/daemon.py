@@ -60,7 +60,7 @@ class Peer:
         joined: Joined | None = None
         try:
             joined = join(self.cfg, self.identity, self.stopping)
-            session = Session(self.cfg, joined, Toolbox.build(self.cfg, joined, self.id, self.stopping), self.telemetry)
+            session = Session(self.cfg, joined, Toolbox.build(self.cfg, joined, self.identity, self.stopping), self.telemetry)
             session.train()
             return 0
         except Stopped:

@@ -29,6 +29,7 @@ from potluck.peer.stage import StageWorker
 from potluck.peer.states import States
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config import PeerConfig, RunConfig
+from potluck.protos.identity import Identity
 from potluck.protos.layout import stage_bounds
 from potluck.protos.log import get_logger, set_context, short_id
 from potluck.protos.netem import NetEm
@@ -43,6 +44,7 @@ class Toolbox:
     cfg: PeerConfig
     rc: RunConfig
     me: str
+    sign: Callable[[bytes], bytes]  # this peer's Ed25519 signature (results it reduces are signed)
     stopping: threading.Event
     joined: Joined
     device: torch.device
@@ -60,18 +62,19 @@ class Toolbox:
     threads: list[threading.Thread] = field(default_factory=list)
 
     @classmethod
-    def build(cls, cfg: PeerConfig, joined: Joined, me: str, stopping: threading.Event) -> Toolbox:
+    def build(cls, cfg: PeerConfig, joined: Joined, identity: Identity, stopping: threading.Event) -> Toolbox:
         rc = joined.config
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         netem = NetEm.from_file(cfg.netem, region=cfg.region, peer=cfg.name) if cfg.netem else None
         traffic = Traffic()
         client = PeerClient(traffic, netem)
+        me = identity.peer_id
         lc = rc.links
         links = LinkProber(client, me, rc.run_id, LinkConfig(
             period_s=lc.probe_period_s, max_probes_per_period=lc.probes_per_period, probe_bytes=lc.probe_bytes,
             budget_bytes_per_min=lc.budget_bytes_per_min))
-        return cls(cfg, rc, me, stopping, joined, pick_device(cfg.device), Dataset(rc.data, rc.model),
+        return cls(cfg, rc, me, identity.sign, stopping, joined, pick_device(cfg.device), Dataset(rc.data, rc.model),
                    stage_bounds(rc.model, rc.pipeline), netem, traffic, client, make_codec(rc.sync.codec, rc.sync.block_size),
                    links, maddrs=joined.node.maddrs[:4])
 
@@ -149,7 +152,7 @@ class Tasklet:
         worker = StageWorker(rc, stage, tools.bounds[stage], tools.device, tools.data, pipeline)
         allreduce = AllReduce(run_id=rc.run_id, me=tools.me, numel=worker.numel, codec=tools.codec, client=tools.client,
                               chunk_bytes=rc.sync.chunk_bytes, rpc_timeout=rc.sync.rpc_timeout_s,
-                              ping=tools.ping_member, stopping=tools.stopping)
+                              ping=tools.ping_member, stopping=tools.stopping, sign=tools.sign)
         theta0 = worker.theta()
         first = outer_snapshot(theta0, torch.zeros_like(theta0), 0, {**worker.meta(), "epoch": 0})
         tasklet = cls(tools, stage, worker, allreduce, pipeline, States(rc.run_id, rc.sync.chunk_bytes, first))

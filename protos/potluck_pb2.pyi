@@ -25,6 +25,7 @@ class Refusal(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NO_STATE: _ClassVar[Refusal]
     UNSUPPORTED: _ClassVar[Refusal]
     OVERLOADED: _ClassVar[Refusal]
+    BAD_IDENTITY: _ClassVar[Refusal]
 REFUSAL_UNSPECIFIED: Refusal
 UNKNOWN_RUN: Refusal
 WRONG_STEP: Refusal
@@ -41,6 +42,7 @@ BAD_MESSAGE: Refusal
 NO_STATE: Refusal
 UNSUPPORTED: Refusal
 OVERLOADED: Refusal
+BAD_IDENTITY: Refusal
 
 class Header(_message.Message):
     __slots__ = ("run_id", "sender", "step", "epoch")
@@ -117,7 +119,7 @@ class PingReply(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., inner_step: _Optional[int] = ..., eta_s: _Optional[float] = ..., sent_at: _Optional[float] = ..., padding: _Optional[bytes] = ...) -> None: ...
 
 class ShardChunk(_message.Message):
-    __slots__ = ("header", "shard", "num_shards", "attempt", "base_hash", "contributors", "tensor")
+    __slots__ = ("header", "shard", "num_shards", "attempt", "base_hash", "contributors", "tensor", "clipped", "rejected", "signer", "signature")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +127,10 @@ class ShardChunk(_message.Message):
     BASE_HASH_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
+    CLIPPED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    SIGNER_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     header: Header
     shard: int
     num_shards: int
@@ -132,7 +138,11 @@ class ShardChunk(_message.Message):
     base_hash: str
     contributors: _containers.RepeatedScalarFieldContainer[str]
     tensor: Tensor
-    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., attempt: _Optional[int] = ..., base_hash: _Optional[str] = ..., contributors: _Optional[_Iterable[str]] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    clipped: _containers.RepeatedScalarFieldContainer[str]
+    rejected: _containers.RepeatedScalarFieldContainer[str]
+    signer: str
+    signature: bytes
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., attempt: _Optional[int] = ..., base_hash: _Optional[str] = ..., contributors: _Optional[_Iterable[str]] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., clipped: _Optional[_Iterable[str]] = ..., rejected: _Optional[_Iterable[str]] = ..., signer: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("received_bytes", "handler_s")

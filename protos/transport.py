@@ -71,6 +71,7 @@ STATUS_OF: dict[int, grpc.StatusCode] = {
     pb.NO_STATE: grpc.StatusCode.NOT_FOUND,
     pb.UNSUPPORTED: grpc.StatusCode.UNIMPLEMENTED,
     pb.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    pb.BAD_IDENTITY: grpc.StatusCode.UNAUTHENTICATED,
 }
 REFUSAL_KEY = "potluck-refusal-bin"
 

@@ -14,7 +14,8 @@ import torch
 
 from potluck.compression.int8 import Int8BlockCodec
 from potluck.compression.stream import encode_chunks
-from potluck.peer.allreduce import AllReduce, IncompleteRound, MemberAddr, RoundInfo, shard_bounds
+from potluck.peer.aggregate import result_digest
+from potluck.peer.allreduce import AllReduce, IncompleteRound, MemberAddr, Outcome, RoundInfo, shard_bounds
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.identity import Identity
 from potluck.protos.transport import STATUS_OF, PeerClient, PeerServer, Traffic, refusal_of
@@ -27,7 +28,8 @@ class Member:
     """One all-reduce participant with its own gRPC server, like a peer daemon minus training."""
 
     def __init__(self) -> None:
-        self.id = Identity.generate().peer_id
+        self.identity = Identity.generate()
+        self.id = self.identity.peer_id
         self.traffic = Traffic()
         self.client = PeerClient(self.traffic)
         self.state, self.version = "training", 0
@@ -35,7 +37,7 @@ class Member:
         self.addresses: dict[str, str] = {}
         self.ar = AllReduce(
             run_id=RUN, me=self.id, numel=NUMEL, codec=Int8BlockCodec(BLOCK), client=self.client,
-            chunk_bytes=4096, rpc_timeout=5.0, ping=self._ping,
+            chunk_bytes=4096, rpc_timeout=5.0, ping=self._ping, sign=self.identity.sign,
         )
         self.ar.expect(1, BASE)
         self.server = PeerServer(self, self.traffic, host="127.0.0.1", port=0)
@@ -102,8 +104,10 @@ def run_all(ms: list[Member], deltas: dict[str, torch.Tensor], wait_s: float, sk
 
 
 def random_deltas(ms: list[Member], seed: int = 0) -> dict[str, torch.Tensor]:
+    """Pseudo-gradients like real ones: members trained the same model, so they share a direction."""
     gen = torch.Generator().manual_seed(seed)
-    return {m.id: torch.randn(NUMEL, generator=gen) * 0.01 for m in ms}
+    common = torch.randn(NUMEL, generator=gen)
+    return {m.id: (common + 0.5 * torch.randn(NUMEL, generator=gen)) * 0.01 for m in ms}
 
 
 def test_all_members_end_bit_identical(members: list[Member]) -> None:
@@ -348,6 +352,39 @@ def test_malformed_bytes_are_rejected(members: list[Member]) -> None:
     assert err.value.code() != grpc.StatusCode.OK
     assert target.ar.pending_contributions() == 0
     channel.close()
+
+
+def forged_result(target: Member, author: Member, shard: int, attempt: int = 0, tamper: bool = False,
+                  signer: str | None = None) -> Iterator[pb.ShardChunk]:
+    """A result for ``shard`` as ``author`` would send it, signed with ``author``'s key."""
+    lo, hi = shard_bounds(NUMEL, 3, BLOCK)[shard]
+    tensors = list(encode_chunks(f"shard{shard}", torch.full((hi - lo,), 0.5), Int8BlockCodec(BLOCK), 4096))
+    contributors = sorted(m.id for m in [target, author])
+    digest = result_digest(RUN, 1, 0, shard, 3, attempt, BASE, contributors, [], [], tensors)
+    if tamper:
+        tensors[0].payload = bytes(len(tensors[0].payload))
+    outcome = Outcome(attempt, contributors, [], [], signer or author.id, author.identity.sign(digest))
+    return AllReduce._result_chunks(pb.Header(run_id=RUN, sender=author.id, step=1), shard, 3, BASE, tensors, outcome)
+
+
+@pytest.mark.parametrize("case", ["not-the-owner", "tampered", "claims-the-owner"])
+def test_a_forged_result_is_refused(members: list[Member], case: str) -> None:
+    """Results carry their reducer's signature: a member cannot pass off its own numbers as another
+    owner's shard, nor alter a result it forwards."""
+    order = sorted(members, key=lambda m: m.id)
+    target, author = order[0], order[1]
+    target.ar.set_round(round_for(members, target))
+    owner = order[2]  # shard 2 belongs to order[2]
+    chunks = {"not-the-owner": lambda: forged_result(target, author, shard=2),
+              "tampered": lambda: forged_result(target, owner, shard=2, tamper=True),
+              "claims-the-owner": lambda: forged_result(target, author, shard=2, signer=owner.id)}[case]()
+    with pytest.raises(grpc.RpcError) as err:
+        author.client.push_result(target.address, chunks, timeout=5)
+    assert refusal_of(err.value).code == pb.BAD_IDENTITY, err.value.details()
+    assert target.ar.result_count() == 0
+    ok = forged_result(target, owner, shard=2)  # the owner's own, signed result is taken, whoever delivers it
+    author.client.push_result(target.address, ok, timeout=5)
+    assert target.ar.result_count() == 1
 
 
 def test_bad_result_is_rejected(members: list[Member]) -> None:

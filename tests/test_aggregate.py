@@ -1,0 +1,98 @@
+"""Robust aggregation against an independent numpy reference, and the attacks it bounds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from potluck.peer.aggregate import reduce_mean, robust_mean
+
+
+def numpy_reference(xs: dict[str, np.ndarray], clip_factor: float, reject_below: float | None) -> tuple[np.ndarray, set, set]:
+    """The rule written out again in numpy: reject opposed (n >= 3, never a majority), clip to
+    clip_factor x the lower median norm, average in sender order."""
+    senders = sorted(xs)
+    rejected = set()
+    if reject_below is not None and len(senders) >= 3:
+        for s in senders:
+            center = np.median(np.stack([xs[o] for o in senders if o != s]), axis=0)
+            if len([o for o in senders if o != s]) % 2 == 0:  # torch.median takes the lower middle value
+                center = np.sort(np.stack([xs[o] for o in senders if o != s]), axis=0)[(len(senders) - 2) // 2]
+            na, nb = np.linalg.norm(xs[s]), np.linalg.norm(center)
+            if na and nb and float(xs[s] @ center) / (na * nb) < reject_below:
+                rejected.add(s)
+        if 2 * len(rejected) >= len(senders):
+            rejected = set()
+    kept = [s for s in senders if s not in rejected]
+    norms = [np.linalg.norm(xs[s]) for s in kept]
+    bound = clip_factor * sorted(norms)[(len(kept) - 1) // 2]
+    clipped = {s for s, n in zip(kept, norms, strict=True) if n > bound}
+    total = np.zeros_like(xs[senders[0]])
+    for s, n in zip(kept, norms, strict=True):
+        total += xs[s] * (bound / n if n > bound else 1.0)
+    return total / len(kept), clipped, rejected
+
+
+def honest(n: int, numel: int = 512, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    common = rng.standard_normal(numel).astype(np.float32)
+    return {f"peer{i}": ((common + 0.5 * rng.standard_normal(numel)) * 0.01).astype(np.float32) for i in range(n)}
+
+
+def run(xs: dict[str, np.ndarray], **kw: object):  # type: ignore[no-untyped-def]
+    return robust_mean({k: torch.from_numpy(v) for k, v in xs.items()}, len(next(iter(xs.values()))), **kw)
+
+
+@pytest.mark.parametrize("attack", ["none", "x1000", "sign-flip", "zeros"])
+def test_matches_the_numpy_reference(attack: str) -> None:
+    xs = honest(4)
+    if attack == "x1000":
+        xs["peer2"] = xs["peer2"] * 1000
+    elif attack == "sign-flip":
+        xs["peer2"] = -xs["peer2"]
+    elif attack == "zeros":
+        xs["peer2"] = np.zeros_like(xs["peer2"])
+    got = run(xs, clip_factor=4.0, reject_below=-0.1)
+    want, clipped, rejected = numpy_reference(xs, 4.0, -0.1)
+    np.testing.assert_allclose(got.mean.numpy(), want, rtol=1e-5, atol=1e-8)
+    assert set(got.clipped) == clipped and set(got.rejected) == rejected
+
+
+def test_a_scaled_up_update_counts_like_a_large_honest_one() -> None:
+    xs = honest(4)
+    honest_mean = run({k: v for k, v in xs.items() if k != "peer2"}).mean
+    xs["peer2"] = xs["peer2"] * 1000
+    plain = reduce_mean({k: torch.from_numpy(v) for k, v in xs.items()}, 512)
+    robust = run(xs)
+    assert robust.clipped == ["peer2"] and not robust.rejected
+    assert float((plain - honest_mean).norm()) > 100 * float(honest_mean.norm())  # the plain mean is ruined
+    assert float((robust.mean - honest_mean).norm()) < 1.5 * float(honest_mean.norm())  # bounded
+
+
+def test_a_sign_flipped_update_is_left_out() -> None:
+    xs = honest(4)
+    xs["peer1"] = -xs["peer1"]
+    out = run(xs)
+    assert out.rejected == ["peer1"] and "peer1" not in out.contributors
+    want = reduce_mean({k: torch.from_numpy(v) for k, v in xs.items() if k != "peer1"}, 512)
+    assert torch.equal(out.mean, want)
+
+
+def test_no_majority_no_rejection_and_two_members_are_only_clipped() -> None:
+    xs = honest(4)
+    for k in ("peer0", "peer1"):
+        xs[k] = -xs[k]  # half against half: nobody can tell who is right
+    assert run(xs).rejected == []
+    pair = honest(2)
+    pair["peer1"] = -pair["peer1"] * 10
+    out = run(pair)
+    assert out.rejected == [] and out.clipped == ["peer1"]
+
+
+def test_order_of_arrival_does_not_change_the_bits() -> None:
+    xs = honest(5, seed=3)
+    xs["peer4"] = xs["peer4"] * 50
+    a = run(xs)
+    b = run(dict(reversed(list(xs.items()))))
+    assert torch.equal(a.mean, b.mean) and a.clipped == b.clipped
