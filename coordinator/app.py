@@ -33,6 +33,7 @@ from potluck.coordinator.service import CoordinatorService, reachable
 from potluck.coordinator.snapshot import RunInfo, Series, build
 from potluck.coordinator.status import StatusServer
 from potluck.protos.config import ConfigError, RunConfig
+from potluck.protos.errors import CannotBind
 from potluck.protos.faults import fault
 from potluck.protos.identity import Identity
 from potluck.protos.log import get_logger, set_context, short_id
@@ -85,7 +86,7 @@ class Coordinator:
                     break
                 self.stopping.wait(max(0.0, self.cfg.coordinator.tick_s - (time.monotonic() - t0)))
             return 0
-        except (ConfigError, JournalError) as err:
+        except (ConfigError, JournalError, CannotBind) as err:
             log.error("%s", err)
             return 2
         finally:
@@ -112,7 +113,8 @@ class Coordinator:
         self.publisher = Publisher(self.node, Manifest(
             run_id=self.run_id, coordinator=self.id, config=self.cfg.manifest_sections(), created_at=s.created_at,
             coordinator_grpc=f"{host}:{self.grpc.port}", status_url=self.info.status_url, finished=s.finished,
-            seq=next_seq(), checkpoint_every=c.checkpoint_every, checkpoint_version=served.version if served else 0))
+            seq=next_seq(), checkpoint_every=c.checkpoint_every, checkpoint_version=served.version if served else 0,
+            data=bootstrap.data_identity(self.cfg)))
         self.publisher.publish(self.rounds.rounds.values())
         self._event("started", "", f"coordinator {__version__} serving run {self.run_id} at step {self.rounds.committed}")
         bootstrap.announce(self.info, self.publisher.manifest, self.rounds.committed, self.cfg, self.ready_file)

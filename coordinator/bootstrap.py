@@ -3,6 +3,10 @@
 Restarted with the same journal directory, a coordinator keeps its identity (so the join address
 stays valid), resumes at the committed outer step, and rejoins the swarm its peers kept running
 through the peer addresses its journal remembers.
+
+Nothing is written before the run passed :func:`~potluck.protos.runcheck.check_run`: a run its peers
+could not train is refused in one line, and the fixed run file starts afresh (a journal that never
+committed a step pins no config).
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from potluck.coordinator.snapshot import RunInfo
 from potluck.protos.config import ConfigError, CoordinatorConfig, RunConfig
 from potluck.protos.identity import Identity
 from potluck.protos.log import get_logger
-from potluck.protos.records import Manifest
+from potluck.protos.records import DataIdentity, Manifest
+from potluck.protos.runcheck import check_run, file_identity, markov_identity, non_public
 from potluck.protos.swarm import JoinError, SwarmNode, guess_reachable_host, host_of_multiaddr
 
 log = get_logger(__name__)
@@ -32,7 +37,11 @@ RESUMABLE_SECTIONS = {"pipeline", "membership", "links", "diloco"}
 
 
 def open_journal(cfg: RunConfig) -> tuple[Journal, JournalState]:
-    """The run's journal: resumed if it exists and fits ``cfg``, else a new one."""
+    """The run's journal: resumed if it exists and fits ``cfg``, else a new one.
+
+    Raises ConfigError (before anything is written) if the run cannot be trained."""
+    for note in check_run(cfg).notes:
+        log.warning("%s", note)
     journal = Journal(cfg.coordinator.journal_dir)
     state = journal.load()
     sections = cfg.manifest_sections()
@@ -95,8 +104,33 @@ def start_node(identity: Identity, identity_path: Path, c: CoordinatorConfig, kn
     return node
 
 
+def data_identity(cfg: RunConfig) -> DataIdentity:
+    """What the manifest tells peers about the run's data (the file was hashed by check_run already)."""
+    if cfg.data.source == "markov":
+        return markov_identity(cfg.data, cfg.model)
+    assert cfg.data.path is not None
+    try:
+        return file_identity(Path(cfg.data.path).expanduser())
+    except OSError as err:  # it was there a moment ago (check_run)
+        raise ConfigError(f"data.path = {cfg.data.path!r}: cannot read it ({err.strerror or err})") from None
+
+
 def public_host(c: CoordinatorConfig) -> str:
-    return c.announce_host or (c.host if c.host not in ("0.0.0.0", "") else guess_reachable_host())
+    """The address peers reach this box at; says so when peers on other machines will not reach it."""
+    if c.announce_host:
+        return c.announce_host
+    if c.host not in ("0.0.0.0", "::", ""):
+        if non_public(c.host) == "loopback":
+            log.info("listening on %s: peers on this machine only (for volunteers elsewhere pass --host 0.0.0.0)",
+                     c.host)
+        return c.host
+    guessed = guess_reachable_host()
+    kind = non_public(guessed)
+    if kind:
+        log.warning("announcing %s (a %s address, guessed from this box's route to the internet): peers on other "
+                    "networks will not reach it; pass --announce-host PUBLIC_IP, the address they reach this box at",
+                    guessed, kind)
+    return guessed
 
 
 def join_address(node: SwarmNode, host: str, peer_id: str) -> str:
@@ -111,13 +145,15 @@ def join_address(node: SwarmNode, host: str, peer_id: str) -> str:
 
 def announce(run: RunInfo, manifest: Manifest, committed: int, cfg: RunConfig, ready_file: str | None) -> None:
     """Tell the operator (and a launcher waiting on ``ready_file``) where the run can be found."""
+    corpus = (f" --data-path FILE\n                (FILE: this run's corpus {cfg.data.path!r}, sha256 {manifest.data.sha256})"
+              if cfg.data.source == "bytes" else "")
     print(
         f"potluck coordinator ready\n"
         f"  run:          {run.run_id} (outer step {committed} of {cfg.diloco.outer_steps})\n"
         f"  join address: {run.join_address}\n"
         f"  status page:  {run.status_url}\n"
         f"  admin token:  {Path(cfg.coordinator.journal_dir) / 'admin.token'} (or $POTLUCK_ADMIN_TOKEN)\n"
-        f"  start a peer: potluck peer --join {run.join_address}",
+        f"  start a peer: potluck peer --join {run.join_address}{corpus}",
         flush=True,
     )
     if ready_file:

@@ -39,6 +39,7 @@ from urllib.parse import unquote
 
 from potluck.coordinator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from potluck.coordinator.metrics import render as render_metrics
+from potluck.protos.errors import bind_error
 from potluck.protos.log import get_logger
 
 log = get_logger(__name__)
@@ -142,7 +143,10 @@ class StatusServer:
         self._cache_lock = threading.Lock()
         self._cache: _Encoded | None = None
 
-        self.httpd = _HTTPServer((host, port), _handler(self))
+        try:
+            self.httpd = _HTTPServer((host, port), _handler(self))
+        except OSError as err:
+            raise bind_error(err, "status port", host, port, "--status-port", "coordinator.status_port") from None
         self.host = host
         self.port = self.httpd.server_address[1]
         self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.1},

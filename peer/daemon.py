@@ -31,6 +31,7 @@ from potluck.peer.tasklet import Tasklet, Toolbox
 from potluck.peer.telemetry import Telemetry
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config import ConfigError, PeerConfig
+from potluck.protos.errors import CannotBind
 from potluck.protos.faults import fault
 from potluck.protos.identity import Identity
 from potluck.protos.log import get_logger, set_context
@@ -66,7 +67,7 @@ class Peer:
         except Stopped:
             log.info("stopped before joining the run")
             return 0
-        except (JoinError, ConfigError, TopologyError, DataError) as err:
+        except (JoinError, ConfigError, TopologyError, DataError, CannotBind) as err:
             log.error("%s", err)
             return 2
         finally:

@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from potluck.protos.config import DataConfig, ModelConfig
+from potluck.protos.config import BYTE_VOCAB, MAX_MARKOV_ENTRIES, DataConfig, ModelConfig
+from potluck.protos.runcheck import min_corpus_bytes
 
-MAX_MARKOV_STATES = 1 << 20
 EVAL_ID_OFFSET = 1 << 40  # eval sample ids live far above training ids
 
 
@@ -29,12 +29,18 @@ class DataError(ValueError):
 
 
 class MarkovSource:
-    """A random order-``k`` Markov chain; ``sample(i)`` is ``seq_len + 1`` tokens for id ``i``."""
+    """A random order-``k`` Markov chain; ``sample(i)`` is ``seq_len + 1`` tokens for id ``i``.
+
+    Peers check that they draw the run's samples through a hash of the parameters
+    (:func:`potluck.protos.runcheck.markov_identity`): a change to how samples are drawn from them
+    must bump ``MARKOV_GENERATOR`` there.
+    """
 
     def __init__(self, vocab_size: int, order: int, concentration: float, seed: int, seq_len: int) -> None:
         states = vocab_size**order
-        if states > MAX_MARKOV_STATES:
-            raise DataError(f"vocab_size**markov_order = {states} contexts is more than {MAX_MARKOV_STATES}")
+        if states * vocab_size > MAX_MARKOV_ENTRIES:
+            raise DataError(f"vocab_size**(markov_order + 1) = {states * vocab_size} table entries is more than "
+                            f"{MAX_MARKOV_ENTRIES}")
         self.vocab_size, self.order, self.seq_len, self.seed = vocab_size, order, seq_len, seed
         rng = np.random.default_rng([seed, 0x6D61726B])
         self.table = rng.dirichlet(np.full(vocab_size, concentration), size=states)  # [contexts, V]
@@ -104,14 +110,16 @@ class ByteFileSource:
         path = Path(path)
         if not path.is_file():
             raise DataError(f"data file {path} does not exist")
-        self.data = np.frombuffer(path.read_bytes(), dtype=np.uint8)
+        try:
+            self.data = np.frombuffer(path.read_bytes(), dtype=np.uint8)
+        except OSError as err:
+            raise DataError(f"cannot read the data file {path}: {err.strerror or err}") from None
         self.seq_len = seq_len
-        windows = (len(self.data) - 1) // seq_len
-        if windows < eval_windows + 1:
-            raise DataError(
-                f"{path} holds {len(self.data)} bytes: too small for {eval_windows + 1} windows of {seq_len + 1} bytes"
-            )
-        self.train_windows = windows - eval_windows
+        need = min_corpus_bytes(seq_len, eval_windows)
+        if len(self.data) < need:
+            raise DataError(f"{path} holds {len(self.data)} bytes: too small for {eval_windows + 1} windows of "
+                            f"{seq_len + 1} bytes (at least {need} bytes)")
+        self.train_windows = (len(self.data) - 1) // seq_len - eval_windows
         self.eval_windows = eval_windows
 
     def sample(self, sample_id: int) -> np.ndarray:
@@ -135,8 +143,8 @@ class Dataset:
             )
             self.num_samples = data.num_samples
         else:
-            if model.vocab_size != 256:
-                raise DataError(f"byte-level data needs model.vocab_size = 256, got {model.vocab_size}")
+            if model.vocab_size != BYTE_VOCAB:
+                raise DataError(f"byte-level data needs model.vocab_size = {BYTE_VOCAB}, got {model.vocab_size}")
             assert data.path is not None
             self.source = ByteFileSource(data.path, model.seq_len, data.eval_samples)
             self.num_samples = min(data.num_samples, self.source.train_windows)

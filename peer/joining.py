@@ -4,20 +4,28 @@ Everything a peer trains with comes from the manifest the coordinator signed, ne
 own files, so a swarm cannot silently train with two configs. The address a peer announces is the
 one other machines reach it at (LESSONS: peers that announced 127.0.0.1 could not be reached), and
 every failure to join says what was tried and what to check.
+
+The one thing a peer brings from its own disk is a byte corpus (``data.source = "bytes"``): it is
+read at the run's ``data.path`` relative to the peer's working directory, or where ``--data-path``
+says, and used only if its sha256 is the one in the manifest.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from potluck.peer.data import DataError
 from potluck.protos.config import ConfigError, PeerConfig, RunConfig, known_fields_only, parse_config
 from potluck.protos.identity import Identity
 from potluck.protos.log import get_logger, short_id
-from potluck.protos.records import Manifest, RecordError
+from potluck.protos.records import DataIdentity, Manifest, RecordError
+from potluck.protos.runcheck import file_identity, markov_identity, non_public
 from potluck.protos.swarm import (
     JoinError,
     SwarmNode,
@@ -44,16 +52,21 @@ class Joined:
 
 
 def join(cfg: PeerConfig, identity: Identity, stopping: threading.Event) -> Joined:
-    """Start a DHT node, find the run's manifest and read its config; raises JoinError or ConfigError."""
+    """Start a DHT node, find the run's manifest and read its config; raises JoinError, ConfigError or
+    DataError (this peer does not have the run's data)."""
     t0 = time.time()
+    if cfg.data_path and not Path(cfg.data_path).expanduser().is_file():
+        raise ConfigError(f"--data-path {cfg.data_path}: no such file")
     address, coordinator = parse_join_address(cfg.join)
     announce = cfg.announce_host or guess_reachable_host(host_of_multiaddr(address))
+    if not cfg.announce_host:
+        warn_unreachable(announce, host_of_multiaddr(address) or "")
     node = SwarmNode(identity, initial_peers=[address], host=cfg.host, port=cfg.dht_port, announce_host=announce,
                      startup_timeout=cfg.startup_timeout_s, client_mode=cfg.dht_client)
     joined_at = time.time()
     try:
         manifest = await_manifest(node, coordinator, cfg.join_timeout_s, stopping)
-        config = config_from(manifest)
+        config = with_local_data(config_from(manifest), manifest.data, cfg.data_path)
     except BaseException:
         node.shutdown()
         raise
@@ -84,6 +97,48 @@ def config_from(manifest: Manifest) -> RunConfig:
     if dropped:
         log.warning("manifest has fields this version does not know (ignored): %s", ", ".join(dropped))
     return parse_config({**data, "run_id": manifest.run_id}, source="run manifest")
+
+
+def with_local_data(config: RunConfig, run_data: DataIdentity, data_path: str | None) -> RunConfig:
+    """``config`` with ``data.path`` at this peer's copy of the corpus, once its sha256 is the run's.
+
+    Raises DataError, in one line naming both hashes, the file looked at and the fix, when this
+    peer's data is not the run's."""
+    d = config.data
+    if d.source == "markov":
+        if data_path:
+            log.warning("--data-path %s is not used: this run trains on built-in synthetic data", data_path)
+        mine = markov_identity(d, config.model)
+        if run_data.sha256 and mine.sha256 != run_data.sha256:
+            raise DataError(f"this peer would draw other synthetic samples than the run (parameters hash "
+                            f"{mine.sha256[:16]}, the run's {run_data.sha256[:16]}): run the coordinator's potluck version")
+        return config
+    assert d.path is not None
+    path = Path(data_path or d.path).expanduser().absolute()
+    theirs = f"the run's corpus {d.path!r} (sha256 {run_data.sha256 or 'not published'}, {run_data.size} bytes)"
+    fix = "get the run's corpus and pass --data-path FILE" + (
+        "" if data_path or Path(d.path).expanduser().is_absolute()
+        else f" (without it, data.path is looked up in this peer's working directory {os.getcwd()})")
+    if not path.is_file():
+        raise DataError(f"no corpus at {path}: this peer needs {theirs}; {fix}")
+    try:
+        mine = file_identity(path)
+    except OSError as err:
+        raise DataError(f"cannot read the corpus at {path}: {err.strerror or err}") from None
+    if not run_data.sha256:
+        log.warning("the coordinator did not publish its corpus's sha256: cannot check that %s is the run's corpus", path)
+    elif (mine.sha256, mine.size) != (run_data.sha256, run_data.size):
+        raise DataError(f"this peer's corpus {path} (sha256 {mine.sha256}, {mine.size} bytes) is not {theirs}: {fix}")
+    config.data.path = str(path)
+    return config
+
+
+def warn_unreachable(announce: str, coordinator_host: str) -> None:
+    """Other peers of a run over the internet reach this one at ``announce``: say so when they cannot."""
+    kind = non_public(announce)
+    if kind and not non_public(coordinator_host):
+        log.warning("announcing %s (a %s address) to a run on the internet: peers on other networks will not reach "
+                    "this one; pass --announce-host PUBLIC_IP", announce, kind)
 
 
 def pick_device(choice: str) -> torch.device:

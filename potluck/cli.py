@@ -95,9 +95,15 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     }
     cfg = _run_config(args, extra)
     from potluck.coordinator.app import Coordinator
+    from potluck.coordinator.journal import JournalError
+    from potluck.protos.config import ConfigError
+    from potluck.protos.identity import IdentityError
     from potluck.protos.stopping import install_stop_handlers
 
-    coordinator = Coordinator(cfg, exit_when_finished=args.exit_when_finished, ready_file=args.ready_file)
+    try:  # opening the run (journal, keys, corpus check) refuses what cannot work, in one line
+        coordinator = Coordinator(cfg, exit_when_finished=args.exit_when_finished, ready_file=args.ready_file)
+    except (ConfigError, JournalError, IdentityError, OSError) as err:
+        raise UsageError(str(err)) from None
     install_stop_handlers(coordinator.stopping)
     return coordinator.run()
 
@@ -112,7 +118,8 @@ def cmd_peer(args: argparse.Namespace) -> int:
     from potluck.protos.config import PeerConfig
 
     fields = {k: getattr(args, k) for k in ("join", "host", "port", "dht_port", "announce_host", "device", "name",
-                                             "threads", "dht_client", "startup_timeout_s", "plan_wait_s", "netem", "region")
+                                             "threads", "dht_client", "startup_timeout_s", "plan_wait_s", "netem", "region",
+                                             "data_path")
               if getattr(args, k) is not None}
     try:
         cfg = PeerConfig(**fields)
@@ -221,7 +228,7 @@ def _add_coordinator(sub: Any) -> None:
         "  potluck coordinator --set diloco.outer_steps=100 --journal-dir runs/first",
     )
     _add_config(c)
-    c.add_argument("--host", metavar="HOST", help="interface to bind (default 0.0.0.0)")
+    c.add_argument("--host", metavar="HOST", help="interface to bind (default 127.0.0.1: this machine only; 0.0.0.0 for volunteers elsewhere)")
     c.add_argument("--announce-host", metavar="HOST", help="address peers use to reach this box (default: auto-detected)")
     c.add_argument("--dht-port", type=int, metavar="PORT", help="DHT port (default: any free port; fix it for a real run)")
     c.add_argument("--grpc-port", type=int, metavar="PORT", help="checkpoint gRPC port (default: any free port)")
@@ -241,7 +248,8 @@ def _add_peer(sub: Any) -> None:
         "syncing with the other replicas of that stage every outer step.",
         "  potluck peer --join /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...\n"
         "  potluck peer --join ADDRESS --device cuda:1 --name alice\n"
-        "  potluck peer --join ADDRESS --dht-client   behind a NAT (no incoming)",
+        "  potluck peer --join ADDRESS --dht-client   behind a NAT (no incoming)\n"
+        "  potluck peer --join ADDRESS --data-path ~/corpus.txt   the run's text file",
     )
     pe.add_argument("--join", required=True, metavar="ADDRESS",
                     help="the join address the coordinator printed (/ip4/HOST/tcp/PORT/p2p/12D3KooW...)")
@@ -260,6 +268,9 @@ def _add_peer(sub: Any) -> None:
                     help="seconds to wait for the coordinator's round decision (default 10)")
     pe.add_argument("--netem", metavar="TOPOLOGY.json", help="emulate a WAN: delay and bandwidth per region pair")
     pe.add_argument("--region", help="this peer's region in the --netem topology (default: its entry there)")
+    pe.add_argument("--data-path", metavar="FILE",
+                    help="this machine's copy of the run's corpus, for a run on a text file (default: the run's "
+                    "data.path, relative to this folder); its sha256 must be the run's")
     pe.set_defaults(fn=cmd_peer)
 
 

@@ -4,6 +4,10 @@ It writes a run file, starts a coordinator and ``--peers`` peer processes (real 
 real gRPC on 127.0.0.1), follows the run through the coordinator's status API, prints the loss of
 every outer step and the final eval loss next to the data's entropy floor, and stops every process
 it started, also on Ctrl+C.
+
+Its work folder (run file, journal, checkpoints, logs) is kept, also the temporary one it makes
+without ``--workdir``: a user may want the logs of a failed run or to export the trained model. The
+last lines say where it is, how to export the model from it and (a temporary one) how to remove it.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -74,11 +79,14 @@ def run_demo(args: argparse.Namespace) -> int:
         args.peers = args.stages * (args.replicas or 2)
     if args.peers < 1:
         raise SystemExit("potluck demo: --peers must be at least 1")
+    made = not args.workdir
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="potluck-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     try:
         cfg = demo_config(args, workdir)
     except ConfigError as err:
+        if made:
+            workdir.rmdir()  # still empty: nothing to keep
         raise SystemExit(f"potluck demo: {err}") from None
 
     from potluck.peer.data import Dataset  # the floor is a property of the data, computed here once
@@ -109,6 +117,11 @@ def run_demo(args: argparse.Namespace) -> int:
         start = math.log(cfg.model.vocab_size)
         floor_text = f"; entropy floor of the data {floor:.3f}" if floor is not None else ""
         progress.line(f"final eval loss {final:.3f} nats/token (untrained: {start:.3f}){floor_text}")
+        revisits = revisits_per_sample(cfg, args.peers)
+        if cfg.pipeline.stages > 1 and revisits >= 2:
+            progress.line(f"  note: this pipelined demo revisits its {cfg.data.num_samples} samples ~{revisits:.0f} times "
+                          "each on purpose (AC-SGD saves bytes on revisits), so train loss can fall below the floor "
+                          "by memorization while eval loss rises")
         if args.linger > 0:
             progress.line(f"lingering {args.linger:.0f} s: status page {ready['status_url']} (Ctrl+C to stop)")
             time.sleep(args.linger)
@@ -121,6 +134,27 @@ def run_demo(args: argparse.Namespace) -> int:
         return 1
     finally:
         swarm.stop()
+        for line in leftover_lines(workdir, made):
+            progress.line(line)
+
+
+def revisits_per_sample(cfg: RunConfig, peers: int) -> float:
+    """How many times each training sample is drawn over the run: every replica draws ``batch_size``
+    samples per inner step from its shard of ``num_samples``."""
+    replicas = max(1, peers // cfg.pipeline.stages)
+    draws = replicas * cfg.diloco.outer_steps * cfg.diloco.inner_steps * cfg.train.batch_size
+    return draws / cfg.data.num_samples
+
+
+def leftover_lines(workdir: Path, made: bool) -> list[str]:
+    """What the demo leaves on disk, how to export the model from it, and how to remove it."""
+    kind = "temporary work folder" if made else "work folder"
+    lines = [f"kept the {kind} {workdir} (run file, journal, checkpoints, logs)"]
+    if any((workdir / "journal" / "checkpoints").glob("ckpt-*.json")):
+        lines.append(f"  export the model: potluck export --journal-dir {shlex.quote(str(workdir / 'journal'))} --out model.pt")
+    if made:  # never suggest removing a folder the user named: it may hold other things
+        lines.append(f"  remove it: rm -r {shlex.quote(str(workdir))}")
+    return lines
 
 
 def follow(url: str, cfg: RunConfig, progress: Progress, coord: Any, peers: list[Any]) -> float | None:

@@ -1,45 +1,76 @@
 """``potluck export``: the run's latest verified checkpoint as one plain file a user loads with torch.
 
     potluck export --journal-dir potluck-run --out model.pt
+    >>> from potluck.export import load_model
+    >>> model = load_model("model.pt")
+
+or, with torch alone::
+
+    >>> import torch
+    >>> from potluck.peer.model import TinyGPT
+    >>> from potluck.protos.config import ModelConfig
     >>> sd = torch.load("model.pt")
     >>> model = TinyGPT(ModelConfig(**sd["config"])); model.load_state_dict(sd["model"])
 
 Parameters are named as in :class:`~potluck.peer.model.TinyGPT` (``layers.<i>.<...>``), whatever
 number of pipeline stages wrote the checkpoint. ``.safetensors`` output holds the same tensors
-(the config goes into its metadata).
+(the config goes into its metadata). An existing output file is never replaced without ``--force``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from potluck.peer.model import TinyGPT
 
 DESCRIPTION = """\
 Write the run's newest verified checkpoint as one plain file that torch.load
 reads, its tensors named as in potluck's TinyGPT (layers.<i>.<...>) whatever
 number of pipeline stages wrote it. A .safetensors file holds the same tensors
 and the model config in its metadata. Run it where the coordinator keeps its
-journal (its --journal-dir)."""
+journal (its --journal-dir). An existing --out file is kept unless --force."""
+
+
+def load_lines(path: str) -> list[str]:
+    """The Python lines that load the exported file ``path`` (printed after an export, and in --help)."""
+    quoted = json.dumps(path, ensure_ascii=False)  # a JSON string is a valid Python literal
+    lines = ["from potluck.export import load_model", f"model = load_model({quoted})"]
+    if not path.endswith(".safetensors"):
+        lines += ["# or with torch alone:", "import torch", "from potluck.peer.model import TinyGPT",
+                  "from potluck.protos.config import ModelConfig", f"sd = torch.load({quoted})",
+                  'model = TinyGPT(ModelConfig(**sd["config"]))', 'model.load_state_dict(sd["model"])']
+    return lines
+
 
 EXAMPLES = """\
 examples:
   potluck export --journal-dir potluck-run --out model.pt
   potluck export --journal-dir potluck-run --step 8 --out step8.safetensors
+  potluck export --journal-dir potluck-run --out model.pt --force
 
 then, in Python:
-  import torch
-  from potluck.peer.model import TinyGPT
-  from potluck.protos.config import ModelConfig
-  sd = torch.load("model.pt")
-  model = TinyGPT(ModelConfig(**sd["config"]))
-  model.load_state_dict(sd["model"])"""
+""" + "\n".join(f"  {line}" for line in load_lines("model.pt"))
 
 
-def export_checkpoint(journal_dir: str | Path, out: str | Path, step: int | None = None) -> dict[str, Any]:
-    """Write the newest valid checkpoint (or the one of outer ``step``) to ``out``; returns a summary."""
+def export_checkpoint(journal_dir: str | Path, out: str | Path, step: int | None = None,
+                      force: bool = False) -> dict[str, Any]:
+    """Write the newest valid checkpoint (or the one of outer ``step``) to ``out``; returns a summary.
+
+    Raises ``ValueError`` when ``out`` exists and not ``force``, before reading any checkpoint. The
+    file is written under a temporary name and renamed, so an interrupted export leaves no half file
+    (and, with ``force``, the old one intact).
+    """
+    out = Path(out)
+    if out.exists() and not force:
+        raise ValueError(f"{out} already exists; pass --force to replace it, or choose another --out")
+    if out.is_dir():
+        raise ValueError(f"{out} is a folder; --out names the file to write")
     import torch  # here, not at module level: ``potluck --help`` must not wait for torch
 
     from potluck.coordinator.checkpoint import CheckpointStore, layer_of, split_by_layout
@@ -67,17 +98,55 @@ def export_checkpoint(journal_dir: str | Path, out: str | Path, step: int | None
     model = {f"layers.{layer_of(n)}.{n.split('.', 2)[2] if n.startswith('layers.') else n.split('.', 1)[1]}": t
              for n, t in named.items()}
     config = manifest.get("model") or {}
-    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if out.suffix == ".safetensors":
-        from safetensors.torch import save_file
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        if out.suffix == ".safetensors":
+            from safetensors.torch import save_file
 
-        save_file({k: v.contiguous() for k, v in model.items()}, str(out),
-                  metadata={"config": json.dumps(config), "version": str(snap.version)})
-    else:
-        torch.save({"model": model, "config": config, "version": snap.version, "state_hash": snap.hash}, out)
+            save_file({k: v.contiguous() for k, v in model.items()}, str(tmp),
+                      metadata={"config": json.dumps(config), "version": str(snap.version)})
+        else:
+            torch.save({"model": model, "config": config, "version": snap.version, "state_hash": snap.hash}, tmp)
+        tmp.replace(out)
+    finally:
+        tmp.unlink(missing_ok=True)
     return {"version": snap.version, "parameters": int(sum(t.numel() for t in model.values())), "out": str(out),
             "skipped": errors}
+
+
+def load_model(path: str | Path) -> TinyGPT:
+    """The :class:`~potluck.peer.model.TinyGPT` that ``potluck export`` wrote to ``path`` (.pt or .safetensors).
+
+    On the CPU and in eval mode; move it with ``model.to("cuda")``, train it after ``model.train()``.
+
+        >>> from potluck.export import load_model
+        >>> model = load_model("model.pt")
+        >>> logits = model(tokens)  # tokens: LongTensor [batch, seq_len], ids < model.cfg.vocab_size
+    """
+    import torch  # here, not at module level: ``potluck --help`` must not wait for torch
+
+    from potluck.peer.model import TinyGPT
+    from potluck.protos.config import ModelConfig
+
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        if "config" not in meta:
+            raise ValueError(f"{path} has no model config in its metadata: not written by potluck export")
+        config, state = json.loads(meta["config"]), load_file(str(path))
+    else:
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(sd, dict) or "model" not in sd or "config" not in sd:
+            raise ValueError(f"{path} holds no 'model' and 'config': not written by potluck export")
+        config, state = sd["config"], sd["model"]
+    model = TinyGPT(ModelConfig(**config))
+    model.load_state_dict(state)
+    return model.eval()
 
 
 class _DeprecatedAlias(argparse.Action):
@@ -102,6 +171,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                    help="the coordinator's journal dir (default ./potluck-run)")
     p.add_argument("--journal", dest="journal_dir", help=argparse.SUPPRESS)  # the old spelling
     p.add_argument("--out", default="model.pt", metavar="FILE", help="output file: .pt (torch.save) or .safetensors")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists (default: refuse)")
     p.add_argument("--step", type=int, metavar="N",
                    help="the checkpoint written at outer step N (default: the newest valid one)")
     # --version once meant --step, which read as this program's version next to `potluck --version`
@@ -113,11 +183,14 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        info = export_checkpoint(args.journal_dir, args.out, args.step)
+        info = export_checkpoint(args.journal_dir, args.out, args.step, force=args.force)
     except (ValueError, OSError) as err:
         print(f"potluck export: {err}", file=sys.stderr)
         return 2
     for skipped in info["skipped"]:
         print(f"potluck export: skipped {skipped}", file=sys.stderr)
-    print(f"wrote v{info['version']} ({info['parameters'] / 1e6:.2f}M parameters) to {info['out']}")
+    print(f"wrote v{info['version']} ({info['parameters'] / 1e6:.2f}M parameters) to {info['out']}; "
+          "load it in Python with:")
+    for line in load_lines(info["out"]):
+        print(f"  {line}")
     return 0

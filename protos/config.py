@@ -17,6 +17,11 @@ be greater than 0``). CLI flags override the file through :func:`apply_overrides
 The coordinator publishes the training-relevant sections (everything but ``coordinator``) as the run
 manifest; peers build their model, data and optimizers from it, never from their own files, so a
 swarm cannot silently train with two different configs.
+
+A field left out of the file keeps its default, except where another section decides it: byte-level
+data (``data.source = "bytes"``) is 256 tokens, so it sets ``model.vocab_size`` to 256 unless the
+file sets it (to anything else, the run is refused with the fix). What depends on the machine the
+coordinator runs on (its corpus, its address) is checked by :mod:`potluck.protos.runcheck`.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+BYTE_VOCAB = 256  # byte-level data: one token per byte value
+MAX_MARKOV_ENTRIES = 1 << 24  # transition-table entries of the synthetic source (2 float64 arrays of 128 MiB)
 
 
 class ConfigError(ValueError):
@@ -39,7 +47,9 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     """The built-in decoder-only transformer (pre-norm, learned positions, tied embeddings)."""
 
-    vocab_size: int = Field(64, ge=2, le=1 << 20, description="tokens; byte-level data forces 256")
+    vocab_size: int = Field(
+        64, ge=2, le=1 << 20, description="tokens; byte-level data (data.source='bytes') needs 256 and sets it when unset"
+    )
     d_model: int = Field(64, ge=8, description="residual width")
     n_layers: int = Field(2, ge=1, description="transformer blocks")
     n_heads: int = Field(4, ge=1, description="attention heads; must divide d_model")
@@ -64,7 +74,10 @@ class DataConfig(_Section):
     """Training data: a built-in synthetic Markov source with a known entropy floor, or a byte file."""
 
     source: Literal["markov", "bytes"] = Field("markov", description="'markov' (built-in) or 'bytes' (path)")
-    path: str | None = Field(None, description="text file for source='bytes' (byte-level tokens)")
+    path: str | None = Field(
+        None, description="text file for source='bytes' (byte-level tokens); relative to the working directory of "
+        "the coordinator, and of each peer (a peer may point at its copy with --data-path)"
+    )
     markov_order: int = Field(1, ge=1, le=3, description="context length of the synthetic source")
     markov_concentration: float = Field(
         0.05, gt=0, description="Dirichlet concentration of the transition rows: lower is more predictable"
@@ -191,7 +204,10 @@ class MembershipConfig(_Section):
 class CoordinatorConfig(_Section):
     """Where the coordinator listens and keeps its journal. Not part of the manifest."""
 
-    host: str = Field("0.0.0.0", description="interface the DHT, gRPC and status servers bind to")
+    host: str = Field(
+        "127.0.0.1", description="interface the DHT, gRPC and status servers bind to: this machine only by default "
+        "(a local trial); 0.0.0.0 for volunteers elsewhere"
+    )
     announce_host: str | None = Field(
         None, description="address peers should use to reach this box; auto-detected if unset"
     )
@@ -226,6 +242,10 @@ class PeerConfig(_Section):
     plan_wait_s: float = Field(
         10.0, gt=0, description="wait this long for the coordinator's round decision before using the last plan"
     )
+    data_path: str | None = Field(
+        None, description="this machine's copy of the run's corpus (data.source='bytes'); default: the run's "
+        "data.path, relative to the working directory"
+    )
 
     @field_validator("device")
     @classmethod
@@ -248,6 +268,25 @@ class RunConfig(_Section):
     links: LinksConfig = Field(default_factory=LinksConfig)
     membership: MembershipConfig = Field(default_factory=MembershipConfig)
     coordinator: CoordinatorConfig = Field(default_factory=CoordinatorConfig)
+
+    @model_validator(mode="after")
+    def _data_fits_model(self) -> RunConfig:
+        m, d = self.model, self.data
+        if d.source == "bytes" and m.vocab_size != BYTE_VOCAB:
+            if "vocab_size" in m.model_fields_set:
+                raise ValueError(f"model.vocab_size = {m.vocab_size}, but data.source = 'bytes' has {BYTE_VOCAB} "
+                                 f"tokens (one per byte value): set model.vocab_size = {BYTE_VOCAB}, or leave it out")
+            # decided by the data, not set by the user: a copy, and not marked as set, so that a later
+            # override of data.source decides again (apply_overrides keeps only what was set)
+            model = m.model_copy()
+            model.__dict__["vocab_size"] = BYTE_VOCAB
+            self.__dict__["model"] = model
+        entries = self.model.vocab_size ** (d.markov_order + 1)
+        if d.source == "markov" and entries > MAX_MARKOV_ENTRIES:
+            raise ValueError(f"the synthetic source's transition table would hold model.vocab_size ** "
+                             f"(data.markov_order + 1) = {entries} entries, more than {MAX_MARKOV_ENTRIES}: "
+                             "lower model.vocab_size or data.markov_order")
+        return self
 
     @model_validator(mode="after")
     def _pipeline_fits_model(self) -> RunConfig:
@@ -282,11 +321,9 @@ class RunConfig(_Section):
 def _describe(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        msg = e["msg"]
-        if e["type"] == "extra_forbidden":
-            msg = "unknown field"
-        lines.append(f"{where}: {msg}")
+        where = ".".join(str(p) for p in e["loc"])
+        msg = "unknown field" if e["type"] == "extra_forbidden" else str(e["msg"]).removeprefix("Value error, ")
+        lines.append(f"{where}: {msg}" if where else msg)  # a whole-run rule names its fields itself
     return "; ".join(lines)
 
 
@@ -323,17 +360,18 @@ def apply_overrides(config: RunConfig, overrides: dict[str, Any]) -> RunConfig:
     """Return a copy with dotted ``section.field`` overrides applied and the result re-validated.
 
     String values are read as TOML literals (``"0.5"`` becomes a float, ``"true"`` a bool), so
-    ``--set diloco.outer_lr=0.5`` works from a shell.
+    ``--set diloco.outer_lr=0.5`` works from a shell. Fields the config did not set stay unset, so
+    what other sections decide (``model.vocab_size`` for byte data) is decided again.
     """
-    data = config.model_dump()
+    known, data = config.model_dump(), config.model_dump(exclude_unset=True)
     for dotted, value in overrides.items():
         parts = dotted.split(".")
-        node = data
+        fields, node = known, data
         for p in parts[:-1]:
-            if not isinstance(node.get(p), dict):
+            if not isinstance(fields.get(p), dict):
                 raise ConfigError(f"invalid override {dotted}: unknown section {p!r}")
-            node = node[p]
-        if parts[-1] not in node:
+            fields, node = fields[p], node.setdefault(p, {})
+        if parts[-1] not in fields:
             raise ConfigError(f"invalid override {dotted}: unknown field")
         node[parts[-1]] = _coerce(value) if isinstance(value, str) else value
     return parse_config(data, source="overrides")

@@ -51,6 +51,14 @@ class _Record(BaseModel):
 _R = TypeVar("_R", bound=_Record)
 
 
+class DataIdentity(_Record):
+    """Which data a run trains on, so that a peer can tell its own copy is the same (see protos/runcheck)."""
+
+    source: str = Field("", description="'bytes' or 'markov'; '' from a coordinator that did not say")
+    sha256: str = Field("", description="bytes: of the file's content; markov: of the parameters that define it")
+    size: int = Field(0, ge=0, description="bytes: the file's size; markov: 0")
+
+
 class Manifest(_Record):
     """What a run is: its id, its config, and where the coordinator can be reached."""
 
@@ -63,6 +71,7 @@ class Manifest(_Record):
     finished: bool = False
     checkpoint_every: int = Field(0, description="outer steps between coordinator checkpoints (0: none)")
     checkpoint_version: int = Field(0, description="newest version the coordinator holds a checkpoint of")
+    data: DataIdentity = Field(default_factory=DataIdentity, description="the identity of the run's data")
     seq: int = 0
 
 

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 from pydantic import Field
 
+from potluck.protos.errors import check_port_free
 from potluck.protos.identity import Identity, IdentityError, public_key_from_peer_id
 from potluck.protos.log import get_logger
 from potluck.protos.records import (
@@ -169,6 +170,8 @@ class SwarmNode:
         client_mode: bool = False,
         identity_path: str | Path | None = None,
     ) -> None:
+        # p2pd binds with SO_REUSEPORT, so it would share a taken port silently; refuse it here instead
+        check_port_free("DHT port", host, port, "--dht-port")
         self.identity = identity
         self._pipe_lock = threading.Lock()
         tmpdir = None

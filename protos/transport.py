@@ -23,6 +23,7 @@ import grpc
 
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos import potluck_pb2_grpc as pb_grpc
+from potluck.protos.errors import check_port_free, explain_bind_failure
 from potluck.protos.log import get_logger, short_id
 from potluck.protos.netem import NetEm
 
@@ -263,15 +264,22 @@ class PeerServer:
         on_reject: Callable[[str, str, str], None] = _log_reject,
         netem: NetEm | None = None,
     ) -> None:
+        # gRPC sets SO_REUSEPORT by default: a second server on a taken port would bind silently and
+        # get a share of its connections. Probe first (a clear error), and bind without it.
+        check_port_free("gRPC port", host, port, "--grpc-port")
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
-            options=CHANNEL_OPTIONS,
+            options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)],
             interceptors=[netem.server_interceptor()] if netem else None,
         )
         pb_grpc.add_PeerServiceServicer_to_server(_Servicer(handlers, traffic, on_reject), self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        try:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:  # newer grpcio raises where older ones returned 0
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"could not bind the gRPC server to {host}:{port} (is the port in use?)")
+            self.server.stop(None)
+            raise explain_bind_failure("gRPC port", host, port, "--grpc-port")
         self.server.start()
 
     def stop(self, grace: float = 1.0) -> None:

@@ -93,3 +93,15 @@ def test_cli_reports_bad_config_without_traceback(tmp_path) -> None:  # type: ig
     )
     assert proc.returncode != 0
     assert "diloco.outer_lr" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_byte_data_decides_the_vocabulary_unless_the_run_file_does() -> None:
+    assert parse_config({"data": {"source": "bytes", "path": "c.txt"}}).model.vocab_size == 256
+    assert parse_config({"data": {"source": "bytes", "path": "c.txt"}, "model": {"vocab_size": 256}}).model.vocab_size == 256
+    with pytest.raises(ConfigError, match="set model.vocab_size = 256, or leave it out"):
+        parse_config({"data": {"source": "bytes", "path": "c.txt"}, "model": {"vocab_size": 64}})
+    # --set data.source=bytes on a file that never named a vocabulary: what was not set stays unset
+    cfg = apply_overrides(RunConfig(), {"data.source": "bytes", "data.path": "c.txt"})
+    assert cfg.model.vocab_size == 256 and cfg.model.model_fields_set == set()
+    assert parse_config(tomllib.loads(dump_toml(cfg))) == cfg
+    assert apply_overrides(cfg, {"data.source": "markov"}).model.vocab_size == 64

@@ -69,6 +69,11 @@ def test_byte_file_source(tmp_path) -> None:  # type: ignore[no-untyped-def]
         Dataset(DataConfig(source="bytes", path=str(tmp_path / "nope")), ModelConfig(vocab_size=256))
 
 
+def test_a_markov_table_too_big_for_memory_is_refused() -> None:
+    with pytest.raises(DataError, match="table entries"):
+        MarkovSource(4096, 2, 0.1, seed=0, seq_len=8)
+
+
 def test_model_init_is_identical_however_it_is_sliced() -> None:
     cfg = ModelConfig(d_model=32, n_layers=3, n_heads=2, seq_len=16)
     full = build_layers(cfg, seed=3)

@@ -1,0 +1,264 @@
+"""What a new user gets wrong, answered in one line: ports in use, an export over an existing file,
+and what ``potluck demo`` leaves behind and what its numbers mean."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from potluck.procs import ProcessGroup
+from potluck.protos import potluck_pb2 as pb
+from potluck.protos.errors import CannotBind, PortInUse, check_port_free
+from potluck.protos.identity import Identity
+
+# ---------------------------------------------------------------------- ports in use
+
+
+@pytest.fixture
+def held_port() -> Iterator[int]:
+    """A port on 127.0.0.1 that another program (this test) listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def test_port_in_use_message_names_the_port_and_the_flag() -> None:
+    err = PortInUse("status port", "127.0.0.1", 8080, "--status-port", "coordinator.status_port")
+    assert issubclass(PortInUse, CannotBind) and issubclass(CannotBind, ValueError)
+    assert (err.port, err.what, err.flag) == (8080, "status port", "--status-port")
+    assert str(err) == ("status port 8080 on 127.0.0.1 is in use by another program; choose another with "
+                        "--status-port (or coordinator.status_port), or 0 for any free port")
+
+
+def test_check_port_free(held_port: int) -> None:
+    check_port_free("DHT port", "127.0.0.1", 0, "--dht-port")  # 0: any free port, never checked
+    with pytest.raises(PortInUse, match=f"DHT port {held_port} on 127.0.0.1 is in use"):
+        check_port_free("DHT port", "127.0.0.1", held_port, "--dht-port")
+    with pytest.raises(PortInUse):  # the wildcard overlaps 127.0.0.1
+        check_port_free("DHT port", "0.0.0.0", held_port, "--dht-port")
+    with pytest.raises(CannotBind, match="not an address of this machine"):
+        check_port_free("DHT port", "192.0.2.1", held_port, "--dht-port")  # TEST-NET-1, never local
+
+
+def test_status_server_refuses_a_port_in_use(held_port: int) -> None:
+    from potluck.coordinator.status import StatusServer
+
+    with pytest.raises(PortInUse) as info:
+        StatusServer("127.0.0.1", held_port, dict)
+    assert str(info.value) == (f"status port {held_port} on 127.0.0.1 is in use by another program; choose another "
+                               "with --status-port (or coordinator.status_port), or 0 for any free port")
+
+
+class Pong:
+    def ping(self, request: pb.PingRequest) -> pb.PingReply:
+        return pb.PingReply(peer_id="first")
+
+
+def test_grpc_server_refuses_a_port_in_use_even_by_another_grpc_server(held_port: int) -> None:
+    from potluck.protos.transport import PeerClient, PeerServer, Traffic
+
+    with pytest.raises(PortInUse, match=f"gRPC port {held_port} on 127.0.0.1 is in use.*--grpc-port"):
+        PeerServer(Pong(), Traffic(), "127.0.0.1", held_port)  # type: ignore[arg-type]
+    # gRPC sets SO_REUSEPORT by default: a second server used to share the first one's port silently
+    first = PeerServer(Pong(), Traffic(), "127.0.0.1", 0)  # type: ignore[arg-type]
+    try:
+        client = PeerClient(Traffic())
+        assert client.ping(f"127.0.0.1:{first.port}", pb.PingRequest(), timeout=10).peer_id == "first"
+        client.close()
+        with pytest.raises(PortInUse, match=f"gRPC port {first.port} "):
+            PeerServer(object(), Traffic(), "127.0.0.1", first.port)  # type: ignore[arg-type]
+        with pytest.raises(PortInUse):
+            PeerServer(object(), Traffic(), "0.0.0.0", first.port)  # type: ignore[arg-type]
+    finally:
+        first.stop(0)
+
+
+def test_dht_node_refuses_a_port_in_use_before_starting_hivemind(held_port: int) -> None:
+    from potluck.protos.swarm import SwarmNode
+
+    with pytest.raises(PortInUse, match=f"DHT port {held_port} on 127.0.0.1 is in use.*--dht-port"):
+        SwarmNode(Identity.generate(), host="127.0.0.1", port=held_port)
+
+
+@pytest.mark.slow
+def test_dht_node_refuses_the_port_of_another_dht_node() -> None:
+    """p2pd binds with SO_REUSEPORT: without the check a second node listened on the same port."""
+    from potluck.protos.swarm import SwarmNode
+
+    first = SwarmNode(Identity.generate(), host="127.0.0.1")
+    try:
+        port = int(first.maddrs[0].split("/tcp/")[1].split("/")[0])
+        with pytest.raises(PortInUse, match=f"DHT port {port} "):
+            SwarmNode(Identity.generate(), host="127.0.0.1", port=port)
+    finally:
+        first.shutdown()
+
+
+# The processes: one line naming the port and the flag, exit code 2, no traceback. These need
+# Coordinator.run and Peer.run to catch CannotBind.
+
+
+def run_file(tmp_path: Path) -> Path:
+    from swarm import run_config
+
+    from potluck.protos.config import dump_toml
+
+    path = tmp_path / "run.toml"
+    path.write_text(dump_toml(run_config(journal=tmp_path / "journal")))
+    return path
+
+
+def refused(procs: ProcessGroup, tmp_path: Path, args: list[str], timeout: float = 120) -> str:
+    log = tmp_path / f"{args[0]}.log"
+    proc = procs.spawn_potluck(args, log)
+    rc = proc.wait(timeout=timeout)
+    out = log.read_text()
+    assert rc == 2, f"exit code {rc}:\n{out}"
+    assert "Traceback" not in out, out
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag, what", [("--status-port", "status port"), ("--grpc-port", "gRPC port"),
+                                        ("--dht-port", "DHT port")])
+def test_coordinator_refuses_a_port_in_use(procs: ProcessGroup, tmp_path: Path, held_port: int,
+                                           flag: str, what: str) -> None:
+    out = refused(procs, tmp_path, ["coordinator", "--config", str(run_file(tmp_path)), flag, str(held_port)])
+    assert f"{what} {held_port} on 127.0.0.1 is in use by another program; choose another with {flag}" in out
+
+
+@pytest.mark.slow
+def test_peer_refuses_a_dht_port_in_use(procs: ProcessGroup, tmp_path: Path, held_port: int) -> None:
+    join = f"/ip4/127.0.0.1/tcp/9/p2p/{Identity.generate().peer_id}"  # never reached: the port is checked first
+    out = refused(procs, tmp_path, ["peer", "--join", join, "--host", "127.0.0.1", "--dht-port", str(held_port)])
+    assert f"DHT port {held_port} on 127.0.0.1 is in use by another program; choose another with --dht-port" in out
+
+
+@pytest.mark.slow
+def test_peer_refuses_a_grpc_port_in_use(procs: ProcessGroup, tmp_path: Path, held_port: int) -> None:
+    from swarm import LocalSwarm
+
+    swarm = LocalSwarm(procs, tmp_path)
+    swarm.start_coordinator()
+    peer = swarm.start_peer("--grpc-port", str(held_port))
+    rc = peer.wait(timeout=120)
+    out = (swarm.logs / "peer-0.log").read_text()
+    assert rc == 2 and "Traceback" not in out, f"exit code {rc}:\n{out}"
+    assert f"gRPC port {held_port} on 127.0.0.1 is in use by another program; choose another with --grpc-port" in out
+
+
+# ---------------------------------------------------------------------- export
+
+
+def write_checkpoint(journal: Path, version: int = 5):  # type: ignore[no-untyped-def]
+    """A checkpoint as the coordinator writes it, of a TinyGPT with its own init; returns the model."""
+    import torch
+
+    from potluck.compression.transfer import Snapshot
+    from potluck.coordinator.checkpoint import CheckpointStore
+    from potluck.peer.model import TinyGPT
+    from potluck.protos.config import ModelConfig
+
+    cfg = ModelConfig(d_model=16, n_layers=2, n_heads=2, seq_len=8, vocab_size=32)
+    model = TinyGPT(cfg, seed=7)
+    params = list(model.named_parameters())
+    theta = torch.cat([p.detach().reshape(-1) for _, p in params])
+    layout = [[n, list(p.shape)] for n, p in params]
+    snap = Snapshot.create({"theta": theta, "momentum": torch.zeros_like(theta)}, version, {"layout": layout})
+    CheckpointStore(journal / "checkpoints").write(snap, {"run_id": "t", "model": cfg.model_dump(mode="json")})
+    return model
+
+
+@pytest.mark.parametrize("name", ["model.pt", "model.safetensors"])
+def test_export_then_load_model_gives_back_the_checkpointed_model(tmp_path: Path, name: str) -> None:
+    import torch
+
+    from potluck.export import export_checkpoint, load_model
+
+    original = write_checkpoint(tmp_path / "journal")
+    info = export_checkpoint(tmp_path / "journal", tmp_path / name)
+    assert info["version"] == 5 and not list(tmp_path.glob(".*.tmp"))
+    model = load_model(tmp_path / name)
+    assert not model.training and model.cfg == original.cfg
+    for (n, a), (m, b) in zip(original.state_dict().items(), model.state_dict().items(), strict=True):
+        assert n == m and torch.equal(a, b), n
+    tokens = torch.randint(0, 32, (2, 8))
+    with torch.no_grad():
+        assert torch.equal(original.eval()(tokens), model(tokens))
+
+
+def test_export_never_overwrites_without_force(tmp_path: Path) -> None:
+    from potluck.export import export_checkpoint
+
+    write_checkpoint(tmp_path / "journal")
+    out = tmp_path / "model.pt"
+    out.write_text("the user's own file")
+    with pytest.raises(ValueError, match="already exists; pass --force"):
+        export_checkpoint(tmp_path / "journal", out)
+    assert out.read_text() == "the user's own file"
+    export_checkpoint(tmp_path / "journal", out, force=True)
+    assert out.stat().st_size > 100
+
+
+def test_export_cli_refuses_in_one_line_and_prints_lines_that_load_the_file(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path / "journal")
+    (tmp_path / "model.pt").write_text("keep me")
+    export = [sys.executable, "-m", "potluck", "export", "--journal-dir", "journal", "--out", "model.pt"]
+    proc = subprocess.run(export, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == ("potluck export: model.pt already exists; pass --force to replace it, "
+                           "or choose another --out\n")
+    assert (tmp_path / "model.pt").read_text() == "keep me"
+
+    proc = subprocess.run([*export, "--force"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    first, *code = proc.stdout.splitlines()
+    assert first == "wrote v5 (0.01M parameters) to model.pt; load it in Python with:"
+    assert code[:2] == ["  from potluck.export import load_model", '  model = load_model("model.pt")']
+    assert "  from potluck.peer.model import TinyGPT" in code and "  from potluck.protos.config import ModelConfig" in code
+    # the printed lines run as they are, from where the user ran the export
+    script = "\n".join(line[2:] for line in code) + "\nprint(type(model).__name__, model.cfg.d_model)"
+    ran = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0 and ran.stdout == "TinyGPT 16\n", ran.stderr
+
+
+def test_load_model_says_when_a_file_is_not_an_export(tmp_path: Path) -> None:
+    import torch
+
+    from potluck.export import load_model
+
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="not written by potluck export"):
+        load_model(tmp_path / "other.pt")
+
+
+# ---------------------------------------------------------------------- demo
+
+
+def test_demo_says_what_it_leaves_behind(tmp_path: Path) -> None:
+    from potluck.demo import leftover_lines
+
+    (tmp_path / "journal" / "checkpoints").mkdir(parents=True)
+    assert leftover_lines(tmp_path, made=False) == [
+        f"kept the work folder {tmp_path} (run file, journal, checkpoints, logs)"]  # never 'rm -r' the user's own
+    (tmp_path / "journal" / "checkpoints" / "ckpt-000003.json").write_text("{}")
+    lines = leftover_lines(tmp_path, made=True)
+    assert lines == [f"kept the temporary work folder {tmp_path} (run file, journal, checkpoints, logs)",
+                     f"  export the model: potluck export --journal-dir {tmp_path / 'journal'} --out model.pt",
+                     f"  remove it: rm -r {tmp_path}"]
+
+
+def test_pipelined_demo_revisits_its_samples() -> None:
+    from potluck.demo import demo_config, revisits_per_sample
+
+    args = argparse.Namespace(config=None, stages=2, peers=4, replicas=2, outer_steps=None, inner_steps=None, set=[])
+    cfg = demo_config(args, Path("/nonexistent"))
+    # 2 replicas x 12 outer x 30 inner x 16 samples over 1024 samples
+    assert revisits_per_sample(cfg, 4) == pytest.approx(2 * 12 * 30 * 16 / 1024)
