@@ -8,11 +8,16 @@ Prints one JSON line with, all measured in this run:
 * total communication against fully synchronous data parallel, which all-reduces fp32 gradients
   every inner step (H times per outer step);
 * the share of wall time the peers spent in outer steps (network and waiting), from the peers'
-  own accounting.
+  own accounting;
+* what security costs: the same swarm run again with ``coordinator.insecure`` (plain gRPC), and,
+  less noisy, the int8 all-reduce of the same vector between two in-process members over real gRPC,
+  alternating rounds with mutual TLS + signed results + robust aggregation (what every run does)
+  and without any of it (plain gRPC, no signing or verifying, a plain mean).
 
 Targets (issue 2): traffic per outer step <= 0.3x fp32; outer-step time < 5% of wall time.
+Target (issue 12): mTLS + signatures cost < 5% of the outer step time.
 
-    python benchmarks/diloco_allreduce.py [--outer-steps 4] [--inner-steps 50]
+    python benchmarks/diloco_allreduce.py [--outer-steps 4] [--inner-steps 50] [--security-rounds 8]
 """
 
 from __future__ import annotations
@@ -33,13 +38,15 @@ from potluck.compression.int8 import make_codec
 from potluck.local import LocalSwarm
 from potluck.peer.allreduce import AllReduce, MemberAddr, RoundInfo
 from potluck.protos import potluck_pb2 as pb
+from potluck.protos.certs import CertificateAuthority, TlsIdentity
 from potluck.protos.config import RunConfig, apply_overrides
 from potluck.protos.identity import Identity
 from potluck.protos.transport import PeerClient, PeerServer, Traffic
 
 
-def run_swarm(args: argparse.Namespace, workdir: Path) -> dict:
+def run_swarm(args: argparse.Namespace, workdir: Path, insecure: bool = False) -> dict:
     cfg = apply_overrides(RunConfig(), {
+        "coordinator.insecure": insecure,
         "run_id": "bench",
         "model.d_model": 240, "model.n_layers": 3, "model.n_heads": 4, "model.seq_len": 64,
         "train.batch_size": 16,
@@ -72,16 +79,21 @@ def run_swarm(args: argparse.Namespace, workdir: Path) -> dict:
 
 
 class _Member:
-    def __init__(self, numel: int) -> None:
+    def __init__(self, numel: int, codec: str = "raw", ca: CertificateAuthority | None = None) -> None:
         identity = Identity.generate()
         self.id = identity.peer_id
         self.traffic = Traffic()
-        self.client = PeerClient(self.traffic)
-        self.ar = AllReduce(run_id="fp32", me=self.id, numel=numel, codec=make_codec("raw"), client=self.client,
-                            chunk_bytes=1 << 20, rpc_timeout=60, ping=lambda pid, t: pb.PingReply(state="syncing"),
-                            sign=identity.sign)
+        tls = None
+        if ca is not None:  # certified by the run's CA, as the coordinator admits a peer
+            tls = TlsIdentity.generate()
+            tls.adopt(ca.issue(self.id, tls.public_pem, 3600), ca.cert_pem, self.id)
+        self.client = PeerClient(self.traffic, tls=tls)
+        self.step = 1  # the step being averaged: a member asked about the other says it is syncing that one
+        self.ar = AllReduce(run_id="bench", me=self.id, numel=numel, codec=make_codec(codec), client=self.client,
+                            chunk_bytes=1 << 20, rpc_timeout=60, sign=identity.sign,
+                            ping=lambda pid, t: pb.PingReply(state="syncing", version=self.step - 1))
         self.ar.expect(1, "base")
-        self.server = PeerServer(self, self.traffic, host="127.0.0.1", port=0)
+        self.server = PeerServer(self, self.traffic, host="127.0.0.1", port=0, tls=tls)
         self.address = f"127.0.0.1:{self.server.port}"
 
     def push_contribution(self, chunks):  # type: ignore[no-untyped-def]
@@ -112,15 +124,70 @@ def fp32_allreduce_bytes(numel: int) -> tuple[float, float]:
     return statistics.mean(out[m.id][1].bytes_sent for m in members), max(out[m.id][1].seconds for m in members)
 
 
+def _allreduce_round(members: list[_Member], step: int, numel: int) -> float:
+    """One all-reduce of a random vector among ``members``; the slowest member's seconds."""
+    order = sorted(members, key=lambda m: m.id)
+    seconds: dict[str, float] = {}
+
+    def go(m: _Member) -> None:
+        info = RoundInfo(step, tuple(MemberAddr(x.id, x.address) for x in order), m.id, "base")
+        stats = m.ar.run(info, torch.randn(numel), wait_s=60)[1]
+        # the figure is worth something only if every shard averaged both members' contributions
+        assert min(stats.contributors.values()) == len(members), stats.contributors
+        seconds[m.id] = stats.seconds
+
+    for m in members:
+        m.step = step
+        m.ar.expect(step, "base")
+    threads = [threading.Thread(target=go, args=(m,)) for m in members]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(seconds) == len(members), "a member's all-reduce failed"
+    return max(seconds.values())
+
+
+def security_cost(numel: int, rounds: int) -> tuple[float, float]:
+    """Median seconds of an int8 all-reduce of ``numel`` floats between two members, with everything a
+    run does for security, and with none of it (the verification is switched off for that member set
+    only: signatures are neither made nor checked, the mean is plain). Rounds alternate, one warm-up each."""
+    import potluck.peer.allreduce as allreduce_module
+
+    ca = CertificateAuthority.load_or_create(Path(tempfile.mkdtemp(prefix="potluck-ca-")) / "ca.key", "bench")
+    secure = [_Member(numel, "int8", ca) for _ in range(2)]
+    plain = [_Member(numel, "int8") for _ in range(2)]
+    for m in plain:
+        m.ar.sign, m.ar.clip_factor, m.ar.reject_below = (lambda digest: b""), 0.0, None
+    verify = allreduce_module.verify
+    times: dict[str, list[float]] = {"secure": [], "plain": []}
+    try:
+        for step in range(1, rounds + 2):
+            times["secure"].append(_allreduce_round(secure, step, numel))
+            allreduce_module.verify = lambda *a: True  # type: ignore[assignment]
+            try:
+                times["plain"].append(_allreduce_round(plain, step, numel))
+            finally:
+                allreduce_module.verify = verify
+    finally:
+        for m in secure + plain:
+            m.server.stop(0.1)
+            m.ar.close()
+            m.client.close()
+    return statistics.median(times["secure"][1:]), statistics.median(times["plain"][1:])
+
+
 def main() -> None:
     # a SIGTERM (e.g. from `timeout`) unwinds through ProcessGroup's cleanup instead of orphaning the swarm
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--outer-steps", type=int, default=4)
     parser.add_argument("--inner-steps", type=int, default=50)
+    parser.add_argument("--security-rounds", type=int, default=8, help="all-reduce rounds each way (0: skip)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="potluck-bench-") as tmp:
-        state = run_swarm(args, Path(tmp))
+        state = run_swarm(args, Path(tmp) / "secure")
+        plain_state = run_swarm(args, Path(tmp) / "insecure", insecure=True) if args.security_rounds else None
     hist = state["history"]
     params = state["run"]["model"]["parameters"]
     per_peer = [h["bytes"]["outer"] / len(h["state_hashes"]) for h in hist if h["state_hashes"]]
@@ -131,6 +198,19 @@ def main() -> None:
     compute = sum(p["compute_s"] for p in peers)
     sync = sum(p["sync_s"] for p in peers)
     int8_bytes = statistics.mean(per_peer)
+    outer_s = statistics.median(h["outer_s"] for h in hist)
+    step_wall_s = (compute + sync) / len(peers) / max(len(hist), 1)  # one outer step, inner steps included
+    security: dict = {}
+    if plain_state is not None:
+        secure_s, plain_s = security_cost(params, args.security_rounds)
+        security = {
+            "allreduce_s_secure": round(secure_s, 4),
+            "allreduce_s_plain": round(plain_s, 4),
+            "security_cost_of_allreduce": round(secure_s / plain_s - 1, 4),
+            "security_cost_of_outer_step": round((secure_s - plain_s) / step_wall_s, 4),
+            "target_security_cost_of_outer_step": 0.05,
+            "swarm_outer_step_s_median_insecure": round(statistics.median(h["outer_s"] for h in plain_state["history"]), 3),
+        }
     result = {
         "benchmark": "diloco_outer_allreduce",
         "peers": 2,
@@ -146,7 +226,9 @@ def main() -> None:
         "outer_time_fraction": round(sync / (compute + sync), 4) if compute + sync else None,
         "peer_states": sorted(p["state"] for p in peers),
         "target_outer_time_fraction": 0.05,
-        "outer_step_s_median": round(statistics.median(h["outer_s"] for h in hist), 3),
+        "outer_step_s_median": round(outer_s, 3),
+        "outer_step_wall_s": round(step_wall_s, 2),
+        **security,
         "fp32_allreduce_s": round(fp32_s, 3),
         "wall_s": round(state["wall_s"], 1),
         "identical_parameters_every_step": all(len(set(h["state_hashes"].values())) == 1 for h in hist),

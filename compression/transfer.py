@@ -141,32 +141,44 @@ def stage_of(info: pb.StateInfo) -> int:
 
 
 @dataclass(frozen=True)
-class Source:
+class Target:
+    """A process that may serve state: its peer id (what TLS checks) and its gRPC address."""
+
+    peer_id: str
     address: str
+
+
+@dataclass(frozen=True)
+class Source:
+    target: Target
     info: pb.StateInfo
 
+    @property
+    def address(self) -> str:
+        return self.target.address
 
-def probe_sources(client: PeerClient, header: pb.Header, addresses: Sequence[str], timeout: float = 2.0,
+
+def probe_sources(client: PeerClient, header: pb.Header, targets: Sequence[Target], timeout: float = 2.0,
                   stage: int = 0, version: int | None = None) -> list[Source]:
-    """Ask every address at once what it serves of pipeline ``stage`` (at ``version``, or its newest).
+    """Ask every target at once what it serves of pipeline ``stage`` (at ``version``, or its newest).
 
     Unreachable, silent or refusing ones, and those serving another stage (a peer serves the stage it
     holds, whatever is asked), are skipped; a frozen source costs ``timeout``, once, not per source.
     """
     request = pb.StateInfoRequest(header=header, stage=stage, version=version)
 
-    def ask(address: str) -> Source | None:
+    def ask(target: Target) -> Source | None:
         try:
-            info = client.get_state_info(address, request, timeout)
+            info = client.get_state_info(target.address, request, timeout, peer=target.peer_id)
         except grpc.RpcError as err:
-            log.debug("no state from %s: %s", address, rpc_reason(err))
+            log.debug("no state from %s: %s", target.address, rpc_reason(err))
             return None
-        return Source(address, info) if stage_of(info) == stage else None
+        return Source(target, info) if stage_of(info) == stage else None
 
-    if not addresses:
+    if not targets:
         return []
-    with ThreadPoolExecutor(max_workers=min(16, len(addresses))) as pool:
-        return [s for s in pool.map(ask, addresses) if s is not None]
+    with ThreadPoolExecutor(max_workers=min(16, len(targets))) as pool:
+        return [s for s in pool.map(ask, targets) if s is not None]
 
 
 def fetch_snapshot(
@@ -211,7 +223,7 @@ def fetch_snapshot(
                                   stage=stage)
             asm = Assembler(name, sizes[name], RawCodec(), start=lo, stop=hi)
             try:
-                for chunk in client.fetch_state(src.address, req, timeout):
+                for chunk in client.fetch_state(src.address, req, timeout, peer=src.target.peer_id):
                     if chunk.version != version:
                         raise WireError(f"chunk of version {chunk.version}, expected {version}")
                     asm.add(chunk.tensor)

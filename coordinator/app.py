@@ -23,6 +23,7 @@ from typing import Any
 
 from potluck import __version__
 from potluck.coordinator import bootstrap, history
+from potluck.coordinator.admission import Gatekeeper
 from potluck.coordinator.checkpointer import Checkpointer, Job, Written
 from potluck.coordinator.journal import JournalError
 from potluck.coordinator.membership import PeerTable, describe
@@ -37,7 +38,6 @@ from potluck.protos.errors import CannotBind
 from potluck.protos.faults import fault
 from potluck.protos.identity import Identity
 from potluck.protos.log import get_logger, set_context, short_id
-from potluck.protos.records import Manifest, next_seq
 from potluck.protos.swarm import LinkReport
 from potluck.protos.transport import PeerClient, PeerServer, Traffic
 
@@ -46,7 +46,7 @@ log = get_logger(__name__)
 
 class Coordinator:
     def __init__(self, cfg: RunConfig, *, exit_when_finished: bool = False, ready_file: str | None = None) -> None:
-        c, m = cfg.coordinator, cfg.membership
+        c = cfg.coordinator
         self.cfg, self.exit_when_finished, self.ready_file = cfg, exit_when_finished, ready_file
         self.stopping = threading.Event()
         self._admin: queue.SimpleQueue[str] = queue.SimpleQueue()  # admin requests from the status server
@@ -56,10 +56,11 @@ class Coordinator:
         self.id = self.identity.peer_id
         self.journal, self.state = bootstrap.open_journal(cfg)
         self.run_id = self.state.run_id
-        self.table = PeerTable(m.heartbeat_timeout_s)
-        self.rounds = Rounds(stages=cfg.pipeline.stages, floor_s=m.round_timeout_floor_s, factor=m.round_timeout_factor,
-                             grace_s=m.heartbeat_timeout_s)
-        self.client = PeerClient(self.traffic)
+        self.table = PeerTable(cfg.membership.heartbeat_timeout_s)
+        self.rounds = Rounds.for_run(cfg)
+        self.gate = Gatekeeper(cfg, self.run_id, self.id, Path(c.journal_dir), self.state.revoked)
+        self.tls = None if c.insecure else self.gate.tls  # gRPC with peers over mutual TLS unless --insecure
+        self.client = PeerClient(self.traffic, tls=self.tls)
         self.checkpointer = Checkpointer.for_run(cfg, self.client, self.run_id, self.id)
         self.placement = PlacementWorker(cfg, cfg.links.search_budget_s)
         self.series, self.links = Series(), dict[str, LinkReport]()
@@ -72,8 +73,6 @@ class Coordinator:
         self._dirty, self._links_read_at = False, 0.0
         self._warned: set[str] = set()
         set_context(role="coordinator", peer_id=self.id)
-
-    # ------------------------------------------------------------------ lifecycle
 
     def run(self) -> int:
         try:
@@ -103,18 +102,14 @@ class Coordinator:
         self.node = bootstrap.start_node(self.identity, Path(c.journal_dir) / "identity.key", c, list(s.known_peers))
         host = bootstrap.public_host(c)
         self.grpc = PeerServer(CoordinatorService(self.id, lambda: self.rounds.committed, self.checkpointer),
-                               self.traffic, host=c.host, port=c.grpc_port)
-        self.status = StatusServer(c.host, c.status_port, lambda: self._snapshot,
-                                   admin_token=bootstrap.admin_token(Path(c.journal_dir)),
-                                   actions={"finish": self._admin_finish})
+                               self.traffic, host=c.host, port=c.grpc_port, tls=self.tls, revoked=self.gate.revoked)
+        self.status, self.info.fingerprint = bootstrap.status_server(c, host, lambda: self._snapshot,
+                                                                     {"finish": self._admin_finish})
         self.info.join_address = bootstrap.join_address(self.node, host, self.id)
-        self.info.status_url = f"http://{host}:{self.status.port}/"
-        served = self.checkpointer.served
-        self.publisher = Publisher(self.node, Manifest(
-            run_id=self.run_id, coordinator=self.id, config=self.cfg.manifest_sections(), created_at=s.created_at,
-            coordinator_grpc=f"{host}:{self.grpc.port}", status_url=self.info.status_url, finished=s.finished,
-            seq=next_seq(), checkpoint_every=c.checkpoint_every, checkpoint_version=served.version if served else 0,
-            data=bootstrap.data_identity(self.cfg)))
+        self.info.status_url = f"{'https' if self.info.fingerprint else 'http'}://{host}:{self.status.port}/"
+        manifest = bootstrap.manifest(self.cfg, s, self.info, f"{host}:{self.grpc.port}", self.checkpointer.served,
+                                      self.gate.ca.cert_pem.decode())
+        self.publisher = Publisher(self.node, manifest, self.gate.admission.revoked)
         self.publisher.publish(self.rounds.rounds.values())
         self._event("started", "", f"coordinator {__version__} serving run {self.run_id} at step {self.rounds.committed}")
         bootstrap.announce(self.info, self.publisher.manifest, self.rounds.committed, self.cfg, self.ready_file)
@@ -138,14 +133,11 @@ class Coordinator:
     def tick(self) -> None:
         now = time.monotonic()
         if now - self._links_read_at > 5.0:  # for placement and the status page's heatmap
-            self._links_read_at = now
-            try:
-                self.links, refused = self.node.get_links(self.run_id)
-                self._refused(refused)
-            except Exception as err:
-                log.warning("could not read link reports: %s", err)
-        records, refused = self.node.get_peers(self.run_id)
-        self._refused(refused)
+            self._links_read_at, self.links = now, self._read(self.node.get_links) or self.links
+        records, events = self.gate.tick(self.node, self._read(self.node.get_peers) or {}, self.rounds.round_at)
+        for pid, message in events:
+            self._event("evicted" if "evicted" in message else "rejected", pid, message)
+        self.publisher.revoked_changed()
         for kind, pid in self.table.update(records, now):
             rec = self.table.peers[pid].record
             self._event(kind, pid, describe(kind, rec, self.cfg.membership.heartbeat_timeout_s))
@@ -224,15 +216,22 @@ class Coordinator:
         s, r = self.state, self.rounds
         r.prune_hashes()
         s.committed, s.epoch, s.rounds, s.hashes = r.committed, r.epoch, list(r.rounds.values()), r.hashes
-        s.outcomes = [vars(o) for o in r.outcomes]
+        s.outcomes, s.revoked = [vars(o) for o in r.outcomes], sorted(self.gate.admission.revoked)
         self.journal.save(s)
         self._dirty = False
 
-    def _refused(self, reasons: list[str]) -> None:
-        for reason in reasons:  # forged, stale or malformed records: one event per new reason
+    def _read(self, get: Any) -> dict:
+        """Records from the DHT, with an event for each new reason some were refused (forged, stale, malformed)."""
+        try:
+            records, refused = get()
+        except Exception as err:  # the DHT child is restarting, say: try again next tick
+            log.warning("could not read the DHT: %s", err)
+            return {}
+        for reason in refused:
             if reason not in self._warned:
                 self._warned.add(reason)
                 self._event("rejected", "", reason)
+        return records
 
     def _event(self, kind: str, peer: str, message: str) -> None:
         self.events.append({"t": time.time(), "kind": kind, "peer": peer, "message": message})

@@ -12,20 +12,22 @@ committed a step pins no config).
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from potluck.coordinator import history
 from potluck.coordinator.checkpointer import Served
-from potluck.coordinator.journal import Journal, JournalError, JournalState, write_atomic
+from potluck.coordinator.journal import Journal, JournalError, JournalState, kept_secret, write_atomic
 from potluck.coordinator.rounds import Rounds
 from potluck.coordinator.snapshot import RunInfo
-from potluck.protos.config import ConfigError, CoordinatorConfig, RunConfig
+from potluck.coordinator.status import StatusServer
+from potluck.coordinator.status_tls import status_tls
+from potluck.protos.config import ConfigError, CoordinatorConfig, RunConfig, known_fields_only, parse_config
 from potluck.protos.identity import Identity
 from potluck.protos.log import get_logger
-from potluck.protos.records import DataIdentity, Manifest
+from potluck.protos.records import DataIdentity, Manifest, next_seq
 from potluck.protos.runcheck import check_run, file_identity, markov_identity, non_public
 from potluck.protos.swarm import JoinError, SwarmNode, guess_reachable_host, host_of_multiaddr
 
@@ -52,7 +54,8 @@ def open_journal(cfg: RunConfig) -> tuple[Journal, JournalState]:
         return journal, fresh
     if cfg.run_id and cfg.run_id != state.run_id:
         raise JournalError(f"{journal.path} belongs to run {state.run_id!r}, not {cfg.run_id!r}; use another journal_dir")
-    changed = sorted(k for k in set(state.config) | set(sections) if state.config.get(k) != sections.get(k))
+    stored = _with_defaults(state.config)  # fields added since the journal was written take their defaults
+    changed = sorted(k for k in set(stored) | set(sections) if stored.get(k) != sections.get(k))
     fixed = [k for k in changed if k not in RESUMABLE_SECTIONS]
     if fixed:
         raise JournalError(
@@ -88,9 +91,28 @@ def resume_layout(rounds: Rounds, served: Served | None, state: JournalState, cf
             f"v{served.version} re-split into {rounds.stages} stages")
 
 
+def manifest(cfg: RunConfig, state: JournalState, info: RunInfo, grpc_address: str, served: Served | None,
+             ca_pem: str) -> Manifest:
+    """What a run is, as peers read it: its config, identity of its data, addresses, and how to join safely."""
+    c = cfg.coordinator
+    return Manifest(run_id=state.run_id, coordinator=info.coordinator, config=cfg.manifest_sections(),
+                    created_at=state.created_at, coordinator_grpc=grpc_address, status_url=info.status_url,
+                    finished=state.finished, seq=next_seq(), checkpoint_every=c.checkpoint_every,
+                    checkpoint_version=served.version if served else 0, data=data_identity(cfg),
+                    security="insecure" if c.insecure else "mtls", admission=cfg.admission.mode, ca_pem=ca_pem)
+
+
+def _with_defaults(sections: dict) -> dict:
+    try:
+        known, _ = known_fields_only(RunConfig, dict(sections))
+        return parse_config(known, source="the journal's config").manifest_sections()
+    except ConfigError:
+        return sections
+
+
 def start_node(identity: Identity, identity_path: Path, c: CoordinatorConfig, known: list[str]) -> SwarmNode:
     """The DHT node the swarm bootstraps from; after a restart, rejoined through ``known`` peers."""
-    kwargs = {"host": c.host, "port": c.dht_port, "announce_host": c.announce_host,
+    kwargs = {"coordinator": identity.peer_id, "host": c.host, "port": c.dht_port, "announce_host": c.announce_host,
               "startup_timeout": c.startup_timeout_s, "identity_path": identity_path}
     try:
         node = SwarmNode(identity, initial_peers=known, **kwargs)  # type: ignore[arg-type]
@@ -147,13 +169,18 @@ def announce(run: RunInfo, manifest: Manifest, committed: int, cfg: RunConfig, r
     """Tell the operator (and a launcher waiting on ``ready_file``) where the run can be found."""
     corpus = (f" --data-path FILE\n                (FILE: this run's corpus {cfg.data.path!r}, sha256 {manifest.data.sha256})"
               if cfg.data.source == "bytes" else "")
+    journal = Path(cfg.coordinator.journal_dir)
+    token = (f" --token TOKEN\n                (TOKEN: this private run's join token, in {journal / 'join.token'})"
+             if cfg.admission.mode == "private" else "")
+    tls = f"  status TLS:   SHA-256 {run.fingerprint} (visitors compare it with their browser's)\n" if run.fingerprint else ""
     print(
         f"potluck coordinator ready\n"
         f"  run:          {run.run_id} (outer step {committed} of {cfg.diloco.outer_steps})\n"
         f"  join address: {run.join_address}\n"
         f"  status page:  {run.status_url}\n"
-        f"  admin token:  {Path(cfg.coordinator.journal_dir) / 'admin.token'} (or $POTLUCK_ADMIN_TOKEN)\n"
-        f"  start a peer: potluck peer --join {run.join_address}{corpus}",
+        f"{tls}"
+        f"  admin token:  {journal / 'admin.token'} (or $POTLUCK_ADMIN_TOKEN)\n"
+        f"  start a peer: potluck peer --join {run.join_address}{token}{corpus}",
         flush=True,
     )
     if ready_file:
@@ -164,15 +191,13 @@ def announce(run: RunInfo, manifest: Manifest, committed: int, cfg: RunConfig, r
 
 def admin_token(journal_dir: Path) -> str:
     """The token admin actions need: $POTLUCK_ADMIN_TOKEN, else one kept in the journal dir (0600)."""
-    token = os.environ.get("POTLUCK_ADMIN_TOKEN", "")
-    if token:
-        return token
-    path = journal_dir / "admin.token"
-    if path.exists():
-        return path.read_text().strip()
-    token = secrets.token_urlsafe(24)
-    journal_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    return token
+    return kept_secret(journal_dir / "admin.token", "POTLUCK_ADMIN_TOKEN")
+
+
+def status_server(c: CoordinatorConfig, host: str, snapshot: Callable[[], dict], actions: dict) -> tuple[StatusServer, str]:
+    """The status page's server (HTTPS when ``status_tls`` says so) and its certificate's fingerprint."""
+    tls, fingerprint = status_tls(c.status_tls_cert, c.status_tls_key, c.status_tls == "self-signed",
+                                  Path(c.journal_dir), host=host)
+    server = StatusServer(c.host, c.status_port, snapshot, admin_token=admin_token(Path(c.journal_dir)),
+                          actions=actions, tls=tls)
+    return server, fingerprint

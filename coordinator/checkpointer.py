@@ -21,6 +21,7 @@ from potluck.compression.transfer import (
     Snapshot,
     SnapshotServer,
     SnapshotUnavailable,
+    Target,
     fetch_snapshot,
     probe_sources,
 )
@@ -43,14 +44,14 @@ class Job:
     """Checkpoint ``version``: members' addresses and the canonical hash, per stage."""
 
     version: int
-    addresses: dict[int, list[str]]
+    members: dict[int, list[Target]]
     hashes: dict[int, str] = field(default_factory=dict)
 
     @classmethod
     def of(cls, rnd: Round, version: int, canonical: Callable[[int, int], str]) -> Job:
         """Checkpoint ``version`` from the members of ``rnd`` (the round that produced it)."""
         stages = range(rnd.stages)
-        return cls(version, {s: [m.address for m in rnd.stage_members(s)] for s in stages},
+        return cls(version, {s: [Target(m.peer_id, m.address) for m in rnd.stage_members(s)] for s in stages},
                    {s: canonical(version, s) for s in stages})
 
 
@@ -186,15 +187,15 @@ class Checkpointer:
         header = pb.Header(run_id=self.run_id, sender=self.me)
         deadline = time.monotonic() + FETCH_DEADLINE_S
         parts: dict[int, Snapshot] = {}
-        stages = len(job.addresses)
+        stages = len(job.members)
         while len(parts) < stages and time.monotonic() < deadline and not self._stopping.is_set():
             if self._superseded(job.version):
                 return NotWritten(job.version, "superseded by a newer version")
-            for stage, addresses in job.addresses.items():
+            for stage, targets in job.members.items():
                 if stage in parts:
                     continue
                 want = job.hashes.get(stage, "")
-                sources = [s for s in probe_sources(self.client, header, addresses, stage=stage, version=job.version)
+                sources = [s for s in probe_sources(self.client, header, targets, stage=stage, version=job.version)
                            if not want or s.info.state_hash == want]
                 if sources:
                     try:
@@ -205,7 +206,7 @@ class Checkpointer:
             if len(parts) < stages:
                 self._stopping.wait(0.2)
         if len(parts) < stages:
-            return NotWritten(job.version, f"no member served stages {sorted(set(job.addresses) - set(parts))}")
+            return NotWritten(job.version, f"no member served stages {sorted(set(job.members) - set(parts))}")
         try:
             whole = consolidate([parts[i] for i in range(stages)])
             path = self.store.write(whole, {"run_id": self.run_id, "stages": stages, **self.meta})

@@ -27,7 +27,8 @@ def new_entry(step: int, rnd: Round | None, now: float | None = None) -> dict[st
     return {
         "step": step, "t": time.time() if now is None else now, "epoch": rnd.epoch if rnd else 0,
         "members": len(rnd.members) if rnd else 0, "loss": None, "eval_loss": None, "outer_s": None,
-        "state_hashes": {}, "stages": {}, "tasklets": {}, "dropped": [], "contributors": None,
+        "state_hashes": {}, "stages": {}, "tasklets": {}, "dropped": [], "clipped": [], "rejected": [],
+        "contributors": None,
         "bytes": dict.fromkeys(KINDS, 0), "bytes_fp32": dict.fromkeys(KINDS, 0), "_peers": {},
     }
 
@@ -74,6 +75,8 @@ def _aggregate(entry: dict[str, Any]) -> None:
     entry["eval_loss"] = next((r.eval_loss for r in reports.values() if r.eval_loss is not None), None)
     entry["outer_s"] = max((r.outer_s for r in reports.values()), default=None)
     entry["dropped"] = sorted({d for r in reports.values() for d in r.dropped})
+    entry["clipped"] = sorted({d for r in reports.values() for d in r.clipped})
+    entry["rejected"] = sorted({d for r in reports.values() for d in r.rejected})
     entry["contributors"] = min((r.contributors for r in reports.values()), default=None)
     entry["bytes"] = dict.fromkeys(KINDS, 0)
     entry["bytes_fp32"] = dict.fromkeys(KINDS, 0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ class JournalState(BaseModel):
                                               "undone by a rollback, marked with the epoch that ran them")
     checkpoints: list[str] = Field(default_factory=list)
     finished: bool = False
+    revoked: list[str] = Field(default_factory=list, description="peers evicted from the run")
     known_peers: list[str] = Field(default_factory=list, description="DHT addresses of recent peers: "
                                    "a restarted coordinator rejoins the swarm through them")
 
@@ -71,6 +73,21 @@ def write_atomic(path: Path, data: bytes) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def kept_secret(path: Path, env: str) -> str:
+    """A token the operator hands out: ``$env`` if set, else the one kept in ``path`` (made once, 0600)."""
+    token = os.environ.get(env, "")
+    if token:
+        return token
+    if path.exists():
+        return path.read_text().strip()
+    token = secrets.token_urlsafe(24)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
 
 
 class Journal:

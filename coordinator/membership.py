@@ -35,8 +35,11 @@ class PeerView:
         """The record as the round lifecycle sees it."""
         r = self.record
         moved = sum(int(r.bytes_sent.get(k, 0)) + int(r.bytes_received.get(k, 0)) for k in WORK_KINDS)
+        # a peer that finished the run still holds (and serves) the final state until it stops heartbeating:
+        # for the round it made, it is there -- its stage has not lost it, and its version counts
+        present = not self.lost and (not self.left or r.state == "finished")
         return Report(peer_id=r.peer_id, stage=r.stage, version=r.version, state_hash=r.state_hash, epoch=r.epoch,
-                      prev_version=r.prev_version, prev_hash=r.prev_hash, live=self.live,
+                      prev_version=r.prev_version, prev_hash=r.prev_hash, live=present,
                       progress=(r.state, r.version, r.inner_step, moved))
 
 
@@ -65,9 +68,10 @@ class PeerTable:
                 view.left = True
                 events.append(("left", pid))
         for pid, view in self.peers.items():
-            if view.live and now - view.last_seen > self.timeout:
-                view.lost = True
-                events.append(("lost", pid))
+            if not view.lost and now - view.last_seen > self.timeout:
+                view.lost = True  # (one that said goodbye is not reported lost, but no longer counts as there)
+                if not view.left:
+                    events.append(("lost", pid))
         return events
 
     def live(self) -> list[PeerView]:

@@ -171,6 +171,8 @@ def _peer_families(peers: list[Mapping[str, Any]]) -> list[Family]:
     received = Family("potluck_peer_bytes_received_total", "counter", "bytes the peer has received, by kind")
     compute = Family("potluck_peer_compute_seconds_total", "counter", "seconds the peer spent in inner steps")
     sync = Family("potluck_peer_sync_seconds_total", "counter", "seconds the peer spent in outer steps")
+    clipped = Family("potluck_peer_clipped_total", "counter", "outer steps in which an owner clipped the peer's update")
+    rejected = Family("potluck_peer_rejected_total", "counter", "outer steps in which an owner left the peer's update out")
     for p in peers:
         pid = str(p.get("id", ""))
         t = p.get("tasklet")
@@ -191,7 +193,9 @@ def _peer_families(peers: list[Mapping[str, Any]]) -> list[Family]:
             received.add(n, peer=pid, kind=kind)
         compute.add(p.get("compute_s"), peer=pid)
         sync.add(p.get("sync_s"), peer=pid)
-    return [info, seen, version, inner, tps, tokens, loss, memory, sent, received, compute, sync]
+        clipped.add(p.get("clipped", 0), peer=pid)
+        rejected.add(p.get("rejected", 0), peer=pid)
+    return [info, seen, version, inner, tps, tokens, loss, memory, sent, received, compute, sync, clipped, rejected]
 
 
 def _link_families(links: Mapping[str, Any]) -> list[Family]:

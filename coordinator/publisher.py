@@ -11,22 +11,30 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from potluck.protos.records import MANIFEST_KEY, Manifest, Plan, Round, next_seq, plan_key
+from potluck.protos.records import Manifest, Plan, Round, next_seq
 from potluck.protos.swarm import SwarmNode
 
 RECORD_TTL_S, REFRESH_S, PLAN_ROUNDS = 60.0, 15.0, 4
 
 
 class Publisher:
-    def __init__(self, node: SwarmNode, manifest: Manifest) -> None:
+    def __init__(self, node: SwarmNode, manifest: Manifest, revoked: set[str]) -> None:
         self.node, self.manifest = node, manifest
         self.plan_seq = next_seq()
+        self.revoked = revoked  # peers evicted (the admission room's set): on the plan, so every peer refuses them
+        self._revoked_published: set[str] = set(revoked)
         self._published_at = 0.0
 
     def update(self, **fields: Any) -> None:
         """Change the manifest (a new ``seq``, so readers take it) and publish it now."""
         self.manifest = self.manifest.model_copy(update={**fields, "seq": next_seq()})
         self._published_at = 0.0
+
+    def revoked_changed(self) -> None:
+        """Republish the plan at once when someone was evicted since it was last published."""
+        if self.revoked != self._revoked_published:
+            self._revoked_published = set(self.revoked)
+            self.new_plan()
 
     def new_plan(self) -> None:
         """A round was decided: publish the plan now."""
@@ -39,8 +47,8 @@ class Publisher:
         if now - self._published_at < REFRESH_S:
             return
         self._published_at = now
-        self.node.store(MANIFEST_KEY, self.manifest, ttl=RECORD_TTL_S)
+        self.node.publish_manifest(self.manifest, ttl=RECORD_TTL_S)
         recent = sorted(rounds, key=lambda r: r.step)[-PLAN_ROUNDS:]
         if recent:
-            self.node.store(plan_key(self.manifest.run_id), Plan(seq=self.plan_seq, rounds=recent, ts=time.time()),
-                            ttl=RECORD_TTL_S)
+            self.node.publish_plan(Plan(seq=self.plan_seq, rounds=recent, ts=time.time(), revoked=sorted(self.revoked)),
+                                   ttl=RECORD_TTL_S)

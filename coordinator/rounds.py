@@ -29,10 +29,12 @@ lifecycle testable step by step (``tests/test_rounds.py``), like a torchft ``Man
 from __future__ import annotations
 
 import statistics
+import time
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from potluck.protos.config import RunConfig
 from potluck.protos.log import short_id
 from potluck.protos.records import Member, Round
 
@@ -118,6 +120,13 @@ class Rounds:
     _durations: deque = field(default_factory=lambda: deque(maxlen=KEEP_DURATIONS))
     _progress: dict[str, tuple[tuple, float]] = field(default_factory=dict)  # peer -> (signature, since)
     _fresh_start: bool = True  # no round is running after a failure (or ever): wait for min_peers
+    wall: Callable[[], float] = time.time  # wall-clock stamps for the journal (every decision uses ``now``)
+
+    @classmethod
+    def for_run(cls, cfg: RunConfig) -> Rounds:
+        m = cfg.membership
+        return cls(stages=cfg.pipeline.stages, floor_s=m.round_timeout_floor_s, factor=m.round_timeout_factor,
+                   grace_s=m.heartbeat_timeout_s)
 
     # ------------------------------------------------------------------ views
 
@@ -186,22 +195,24 @@ class Rounds:
     def _reached(self, reports: Sequence[Report]) -> int:
         """The highest version every stage of the latest round has reached in the current epoch.
 
-        A member reports a version only once its stage's all-reduce produced it, so one member per
-        stage is enough. It is above the round's step when peers went on without the coordinator (on
-        the last plan, in the same epoch); a version made in an epoch since abandoned never counts.
+        A member reports a version only once its stage's all-reduce produced it, so it is enough that
+        at least half of a stage's live members (all of its members, if none is live) report it: one
+        member claiming version 5000 moves nothing while its peers are at 7. It is above the round's
+        step when peers went on without the coordinator (on the last plan, in the same epoch); a
+        version made in an epoch since abandoned never counts.
         """
         latest = self.latest
         if latest is None:
             return self.committed
+        by_id = {r.peer_id: r for r in reports}
         reached = []
         for stage in range(latest.stages):
-            members = {m.peer_id for m in latest.members if m.stage == stage}
-            versions = [r.version for r in reports if r.peer_id in members and r.stage == stage
-                        and r.epoch >= self.epoch and r.version >= latest.step]
-            if not versions:
-                return self.committed
-            reached.append(max(versions))
-        return min(reached)
+            members = [m.peer_id for m in latest.stage_members(stage)]
+            voters = [p for p in members if p in by_id and by_id[p].live] or members
+            versions = sorted((by_id[p].version if p in by_id and by_id[p].stage == stage and by_id[p].epoch >= self.epoch
+                               else -1 for p in voters), reverse=True)
+            reached.append(versions[(len(versions) + 1) // 2 - 1])  # what at least half of them reached
+        return max(self.committed, min(reached)) if min(reached) >= latest.step else self.committed
 
     def _learn_hashes(self, reports: Sequence[Report]) -> None:
         """Canonical hash of each (stage, version) up to the committed step: what most live members of
@@ -210,7 +221,7 @@ class Rounds:
         for r in reports:
             made_by = self.round_at(r.version)
             if (not r.live or not r.state_hash or r.version > self.committed or r.version == 0
-                    or made_by is None or r.epoch != made_by.epoch):
+                    or made_by is None or r.epoch != made_by.epoch or made_by.member(r.peer_id) is None):
                 continue
             votes.setdefault((r.stage, r.version), Counter())[r.state_hash] += 1
         for (stage, version), counter in votes.items():
@@ -260,7 +271,7 @@ class Rounds:
         self.committed = target
         self._committed_at = now
         self._fresh_start = True
-        self.outcomes.append(Outcome(rnd.step, rnd.epoch, reason, len(rnd.members), target))
+        self.outcomes.append(Outcome(rnd.step, rnd.epoch, reason, len(rnd.members), target, self.wall()))
         self.outcomes = self.outcomes[-KEEP_ROUNDS:]
         if target < before:
             events.append(RolledBack(before, target, source, self.epoch))

@@ -48,7 +48,7 @@ def reachable(client: PeerClient, run_id: str, me: str, records: Iterable[PeerRe
     def ping(rec: PeerRecord) -> str | None:
         request = pb.PingRequest(header=pb.Header(run_id=run_id, sender=me), sent_at=time.time())
         try:
-            client.ping(rec.address, request, PING_TIMEOUT_S)
+            client.ping(rec.address, request, PING_TIMEOUT_S, peer=rec.peer_id)
             return rec.peer_id
         except grpc.RpcError:
             return None

@@ -33,6 +33,7 @@ class RunInfo:
     status_url: str
     started_at: float
     finished: bool
+    fingerprint: str = ""  # SHA-256 of the status page's TLS certificate, if it has one
 
 
 @dataclass
@@ -50,18 +51,25 @@ class Series:
         self.samples.append({"t": now, "tokens_per_s": tps, "live_peers": len(live)})
 
 
-def peer_rows(views: Sequence[PeerView], tasklet_of: Mapping[str, dict[str, int]], now: float) -> list[dict[str, Any]]:
+def peer_rows(views: Sequence[PeerView], tasklet_of: Mapping[str, dict[str, int]], now: float,
+              history: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    flagged: dict[str, dict[str, int]] = {"clipped": {}, "rejected": {}}
+    for h in history:  # how often owners bounded or left out each peer's update (robust aggregation)
+        for kind, counts in flagged.items():
+            for pid in h.get(kind) or []:
+                counts[pid] = counts.get(pid, 0) + 1
     rows = []
     for view in sorted(views, key=lambda v: v.first_seen):
         r = view.record
         rows.append({
-            "id": r.peer_id, "short_id": short_id(r.peer_id), "name": r.name, "state": "lost" if view.lost else r.state,
+            "id": r.peer_id, "short_id": short_id(r.peer_id), "name": r.name, "state": "lost" if view.lost and not view.left else r.state,
             "address": r.address, "device": r.device, "device_name": r.device_name, "memory_gb": r.memory_gb,
             "tasklet": tasklet_of.get(r.peer_id), "version": r.version, "inner_step": r.inner_step, "loss": r.loss,
             "eval_loss": r.eval_loss, "tokens_per_s": r.tokens_per_s, "tokens_total": r.tokens_total,
             "bytes_sent": r.bytes_sent, "bytes_received": r.bytes_received,
             "last_seen_s": round(now - view.last_seen, 2), "software": r.software, "state_hash": r.state_hash,
-            "compute_s": r.compute_s, "sync_s": r.sync_s,
+            "compute_s": r.compute_s, "sync_s": r.sync_s, "clipped": flagged["clipped"].get(r.peer_id, 0),
+            "rejected": flagged["rejected"].get(r.peer_id, 0),
         })
     return rows
 
@@ -74,7 +82,7 @@ def build(run: RunInfo, cfg: RunConfig, views: Sequence[PeerView], rounds: Round
     tasklet_of = {m.peer_id: {"stage": m.stage, "replica": m.replica} for m in current.members} if current else {}
     stages = current.stages if current else cfg.pipeline.stages
     replicas = len(current.members) // stages if current else 0
-    peers = peer_rows(views, tasklet_of, now)
+    peers = peer_rows(views, tasklet_of, now, history)
     live = [p for p in peers if p["state"] not in GONE]
     series.sample(peers, time.time())
     last = next((h for h in reversed(history) if h["loss"] is not None), None)
@@ -90,6 +98,7 @@ def build(run: RunInfo, cfg: RunConfig, views: Sequence[PeerView], rounds: Round
         "run": {
             "run_id": run.run_id, "coordinator": run.coordinator, "join_address": run.join_address,
             "status_url": run.status_url, "finished": run.finished, "started_at": run.started_at,
+            "security": "insecure" if cfg.coordinator.insecure else "mtls", "admission": cfg.admission.mode,
             "outer_step": rounds.committed, "outer_steps_total": cfg.diloco.outer_steps,
             "inner_steps_per_outer": cfg.diloco.inner_steps, "epoch": rounds.epoch,
             "inner_step": min((p["inner_step"] for p in training), default=0),

@@ -51,6 +51,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the raw /api/v1/state snapshot as JSON")
     p.add_argument("--peers", type=int, default=20, metavar="N", help="peer rows to show (default 20, 0 = all)")
     p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="HTTP timeout (default 5)")
+    p.add_argument("--fingerprint", metavar="SHA256", help="an https:// page's certificate fingerprint, as the "
+                   "coordinator printed it ('status TLS: SHA-256 AB:CD:...'): trust that certificate, self-signed or not")
     p.set_defaults(fn=run)
     return p
 
@@ -58,7 +60,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     try:
         url = state_url(args.address)
-        body = fetch(url, getattr(args, "timeout", 5.0))
+        body = fetch(url, getattr(args, "timeout", 5.0), getattr(args, "fingerprint", None))
         state = parse(body, url)
     except StatusUnavailable as err:
         print(f"potluck status: {err}", file=sys.stderr)
@@ -92,11 +94,13 @@ def state_url(address: str) -> str:
     return f"{parts.scheme}://{parts.netloc}{path}/api/v1/state"
 
 
-def fetch(url: str, timeout: float) -> bytes:
+def fetch(url: str, timeout: float, fingerprint: str | None = None) -> bytes:
     import socket  # with urllib.request, here rather than at import: `potluck --help` builds this parser
     import urllib.error
     import urllib.request
 
+    if fingerprint:
+        return _fetch_pinned(url, timeout, fingerprint)
     base = url.removesuffix("/api/v1/state")
     hint = (f"Is the coordinator running, and is {base} its status page? "
             "The coordinator prints it at start-up ('status page: http://...').")
@@ -106,8 +110,7 @@ def fetch(url: str, timeout: float) -> bytes:
             return resp.read()
     except urllib.error.HTTPError as err:
         if err.code == 503:
-            raise StatusUnavailable(f"{base} is up but the coordinator has not built its first snapshot yet; "
-                                    "try again in a second") from None
+            raise StatusUnavailable(_BUSY.format(base=base)) from None
         raise StatusUnavailable(f"{url} answered HTTP {err.code} {err.reason}. {hint}") from None
     except urllib.error.URLError as err:
         reason = err.reason
@@ -124,6 +127,47 @@ def fetch(url: str, timeout: float) -> bytes:
         raise StatusUnavailable(f"cannot reach the status server at {base}: no answer within {timeout:g} s. {hint}") from None
     except OSError as err:
         raise StatusUnavailable(f"cannot reach the status server at {base}: {err}. {hint}") from None
+
+
+_BUSY = ("{base} is up but busy (at its connection limit) or has not built its first snapshot yet; "
+         "try again in a second")
+
+
+def _fetch_pinned(url: str, timeout: float, fingerprint: str) -> bytes:
+    """GET ``url`` over HTTPS from the server whose certificate has this SHA-256 ``fingerprint`` only."""
+    import hashlib
+    import http.client
+    import ssl
+
+    parts, base = urlsplit(url), url.removesuffix("/api/v1/state")
+    if parts.scheme != "https":
+        raise StatusUnavailable(f"--fingerprint pins the certificate of an https:// status page, not {base}")
+    want = fingerprint.replace(":", "").strip().upper()
+    if len(want) != 64 or any(c not in "0123456789ABCDEF" for c in want):
+        raise StatusUnavailable(f"--fingerprint {fingerprint!r} is not a SHA-256 fingerprint (64 hex digits, "
+                                "colons allowed)")
+    ctx = ssl.create_default_context()
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE  # the fingerprint below is the whole check
+    conn = http.client.HTTPSConnection(parts.hostname or "", parts.port or 443, timeout=timeout, context=ctx)
+    try:
+        conn.connect()
+        der = conn.sock.getpeercert(binary_form=True) or b""  # type: ignore[union-attr]
+        got = hashlib.sha256(der).hexdigest().upper()
+        if got != want:
+            shown = ":".join(got[i:i + 2] for i in range(0, 64, 2))
+            raise StatusUnavailable(f"{base} presented a certificate with fingerprint {shown}, not the one given: "
+                                    "another server, or someone in between; nothing was sent to it")
+        conn.request("GET", parts.path or "/", headers={"Accept": "application/json"})
+        resp = conn.getresponse()
+        if resp.status == 503:
+            raise StatusUnavailable(_BUSY.format(base=base))
+        if resp.status != 200:
+            raise StatusUnavailable(f"{url} answered HTTP {resp.status} {resp.reason}")
+        return resp.read()
+    except (OSError, http.client.HTTPException) as err:
+        raise StatusUnavailable(f"cannot reach the status server at {base}: {err}") from None
+    finally:
+        conn.close()
 
 
 def parse(body: bytes, url: str) -> dict[str, Any]:

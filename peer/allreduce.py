@@ -244,12 +244,12 @@ class AllReduce:
         if h.epoch != self._epoch:
             raise Rejected(pb.WRONG_EPOCH, f"message for epoch {h.epoch} of step {h.step}, this peer runs epoch "
                            f"{self._epoch}", at_step=self._step, at_epoch=self._epoch)
+        if self._round is not None and h.sender not in self._round.ids:  # who sends it first, then what
+            raise Rejected(pb.NOT_A_MEMBER, f"{short_id(h.sender)} is not a member of step {h.step}")
         if chunk.base_hash != self._base_hash:
             raise Rejected(pb.BASE_MISMATCH, f"base hash mismatch: sender computed from {chunk.base_hash[:12]}, "
                            f"this peer holds {self._base_hash[:12]}")
         if self._round is not None:
-            if h.sender not in self._round.ids:
-                raise Rejected(pb.NOT_A_MEMBER, f"{short_id(h.sender)} is not a member of step {h.step}")
             if chunk.num_shards != len(self._round.members):
                 raise Rejected(pb.BAD_MESSAGE, f"num_shards {chunk.num_shards} but step {h.step} has "
                                f"{len(self._round.members)} members")
@@ -474,12 +474,15 @@ class AllReduce:
         tensors = list(encode_chunks(f"shard{shard}", values, self.codec, self.chunk_bytes))
         while True:
             try:
-                self.client.push_contribution(peer.address, self._chunks(info, shard, attempt, tensors), self.rpc_timeout)
+                self.client.push_contribution(peer.address, self._chunks(info, shard, attempt, tensors), self.rpc_timeout,
+                                              peer=peer.peer_id)
                 return True
             except grpc.RpcError as err:
                 at, info_r = _remote_step(err), refusal_of(err)
-                behind = (at is not None and at < info.step) or (
-                    info_r is not None and info_r.code == pb.WRONG_EPOCH and info_r.at_epoch < info.epoch)
+                # the owner is behind, or at this step but not yet holding its base (a member re-assigned to
+                # this stage still holds its old stage's state until it fetched this one)
+                behind = (at is not None and at < info.step) or (info_r is not None and (
+                    (info_r.code == pb.WRONG_EPOCH and info_r.at_epoch < info.epoch) or info_r.code == pb.BASE_MISMATCH))
                 if behind and time.monotonic() < self._catch_up_until and not self.stopping.wait(0.2):
                     continue  # the owner is still fetching this round's base state: try again shortly
                 on_error(peer, err)
@@ -499,8 +502,8 @@ class AllReduce:
                 if forwarded_ok and shard in self._results:
                     break
                 waiting = expected - set(got) - dead
-                if not waiting or time.monotonic() >= deadline:
-                    break
+                if not waiting or time.monotonic() >= deadline or self._ahead:
+                    break  # (a member already went past this step: it is lost here, stop collecting for it)
                 if self.stopping.is_set():
                     raise IncompleteRound("stopping")
                 if time.monotonic() >= next_ping:
@@ -547,7 +550,7 @@ class AllReduce:
                 continue
             try:
                 self.client.push_result(peer.address, self._results_of(info, shard, chunks, outcome),
-                                        min(self.rpc_timeout, self._backup_timeout))
+                                        min(self.rpc_timeout, self._backup_timeout), peer=peer.peer_id)
                 backup = peer
                 break
             except grpc.RpcError as err:
@@ -603,7 +606,8 @@ class AllReduce:
 
     def _push_result(self, info: RoundInfo, peer: MemberAddr, shard: int, chunks: list[pb.Tensor], outcome: Outcome) -> None:
         try:
-            self.client.push_result(peer.address, self._results_of(info, shard, chunks, outcome), self.rpc_timeout)
+            self.client.push_result(peer.address, self._results_of(info, shard, chunks, outcome), self.rpc_timeout,
+                                    peer=peer.peer_id)
         except grpc.RpcError as err:
             log.info("result of shard %d to %s failed: %s", shard, short_id(peer.peer_id), rpc_reason(err))
 

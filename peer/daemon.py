@@ -21,10 +21,11 @@ import threading
 import time
 from dataclasses import asdict
 
-from potluck.peer.allreduce import IncompleteRound, MemberAddr, RoundInfo
+from potluck.compression.transfer import Target
+from potluck.peer.allreduce import IncompleteRound, RoundInfo
 from potluck.peer.data import DataError
 from potluck.peer.follower import Finish, Follower, Recover, Switch, Train, Wait
-from potluck.peer.joining import Joined, Stopped, join
+from potluck.peer.joining import Joined, Stopped, join, load_identity
 from potluck.peer.outer import outer_step
 from potluck.peer.recovery import recover
 from potluck.peer.tasklet import Tasklet, Toolbox
@@ -33,10 +34,9 @@ from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config import ConfigError, PeerConfig
 from potluck.protos.errors import CannotBind
 from potluck.protos.faults import fault
-from potluck.protos.identity import Identity
 from potluck.protos.log import get_logger, set_context
 from potluck.protos.netem import TopologyError
-from potluck.protos.records import PeerRecord, Round, StepReport
+from potluck.protos.records import PeerRecord, Round
 from potluck.protos.swarm import JoinError
 
 log = get_logger(__name__)
@@ -45,12 +45,12 @@ log = get_logger(__name__)
 class Peer:
     """A volunteer's daemon: ``run()`` joins, trains until the run ends or ``stopping`` is set, leaves."""
 
-    def __init__(self, cfg: PeerConfig) -> None:
+    def __init__(self, cfg: PeerConfig, progress: str = "auto") -> None:
         self.cfg = cfg
-        self.identity = Identity.generate()
+        self.identity = load_identity(cfg)
         self.id = self.identity.peer_id
         self.stopping = threading.Event()
-        self.telemetry = Telemetry(self.id, cfg.name, time.time())
+        self.telemetry = Telemetry(self.id, cfg.name, time.time(), progress)
         set_context(role="peer", peer_id=self.id)
 
     def run(self) -> int:
@@ -87,6 +87,7 @@ class Session:
         self.follower = Follower(self.me, pipelined=self.rc.pipeline.stages > 1, plan_wait_s=cfg.plan_wait_s)
         self.tasklet = Tasklet.build(tools, stage=0)
         self.replica, self.waiting = -1, ""
+        self.round_known = False  # the all-reduce knows the coordinator's round for the step in training
         self.heartbeat = tools.serve(lambda: self.tasklet, self.ping, self.record)
         self.phases = {**joined.phases, "setup": time.time() - joined.joined_at - joined.phases["manifest"]}
         self.ready_at, self.first_round_at, self.recovered_s = time.time(), 0.0, 0.0
@@ -136,18 +137,15 @@ class Session:
         self.first_round_at = self.first_round_at or time.time()
         set_context(step=step)
         self._set_state("training")
-        self.telemetry.progress.inner_steps = self.rc.diloco.inner_steps
+        self.telemetry.begin_inner(step, self.rc.diloco.inner_steps, self.tools.device)
         t.begin(rnd, step, self.replica)
-        return self._round_info(rnd, step)
-
-    def _round_info(self, rnd: Round, step: int) -> RoundInfo:
-        self.tools.addresses.update({m.peer_id: m.address for m in rnd.members})  # whom the all-reduce may ping
-        members = tuple(MemberAddr(m.peer_id, m.address) for m in rnd.stage_members(self.tasklet.stage))
-        return RoundInfo(step=step, members=members, me=self.me, base_hash=self.tasklet.states.current.hash,
-                         epoch=rnd.epoch)
+        # the coordinator's round for it (not the last plan's): now, or as soon as it arrives (_inner_step)
+        self.round_known = t.learn_round(self.heartbeat.plan, step)
+        return t.round_info(rnd, step)
 
     def _inner_step(self, i: int, loss: float, seconds: float) -> None:
-        rc = self.rc
+        rc, t = self.rc, self.tasklet
+        self.round_known = self.round_known or t.learn_round(self.heartbeat.plan, t.states.current.version + 1)
         self.telemetry.inner_step(i, loss, seconds, rc.train.batch_size, rc.train.batch_size * rc.model.seq_len)
         if not self.telemetry.first_step_logged:  # where the time to the first step went, once
             self.telemetry.first_step(self.joined.joined_at, {**self.phases, "to first round": self.first_round_at
@@ -167,12 +165,8 @@ class Session:
             log.warning("%s; recovering state from the other members", err)
             return self._fail(step)
         t.adopt(done.snapshot)
-        stats = done.stats
-        report = StepReport(step=step, epoch=info.epoch, stage=t.stage, replica=max(self.replica, 0),
-                            state_hash=done.snapshot.hash, outer_s=time.monotonic() - t0, outer_bytes=stats.bytes_sent,
-                            members=stats.members, contributors=min(stats.contributors.values(), default=0),
-                            dropped=stats.dropped, t=time.time())
-        self.telemetry.outer_step(stats, report.outer_s, done.mean_norm, report,
+        self.telemetry.outer_step(done.stats, time.monotonic() - t0, done.mean_norm, info.epoch, t.stage,
+                                  max(self.replica, 0), done.snapshot.hash,
                                   asdict(t.pipeline.traffic) if t.pipeline is not None else None)
         fault("outer.committed", step)
         every = self.rc.data.eval_every
@@ -187,7 +181,7 @@ class Session:
         plan = self.heartbeat.wait_plan(lambda p: p is not None and any(r.step == step for r in p.rounds),
                                         timeout=self.cfg.plan_wait_s)
         rnd = self.follower.resolve(plan, step, self.tasklet.stage, self.tasklet.states.current.hash)
-        return self._round_info(rnd, step) if rnd is not None else None
+        return self.tasklet.round_info(rnd, step) if rnd is not None else None
 
     def _fail(self, step: int) -> None:
         """This peer did not commit ``step``: drop the round's messages and recover before going on."""
@@ -205,8 +199,9 @@ class Session:
         if own is not None:
             log.info("%s: back to this peer's own v%d", want.reason, own.version)
             return t.adopt(own)
+        m = self.heartbeat.manifest
         snap = recover(self.tools, t.stage, t.worker.numel, want, t.states.current.version, self.heartbeat.plan,
-                       self.heartbeat.manifest.coordinator_grpc)
+                       Target(m.coordinator, m.coordinator_grpc) if m.coordinator_grpc else None)
         if snap is None:
             self.heartbeat.wait_plan(lambda p: False, timeout=0.25)
             return

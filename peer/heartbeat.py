@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from potluck.protos.log import get_logger
-from potluck.protos.records import Manifest, PeerRecord, Plan, RecordError, peers_key
+from potluck.protos.records import Manifest, PeerRecord, Plan, RecordError
 from potluck.protos.swarm import SwarmNode
 
 log = get_logger(__name__)
@@ -79,7 +79,7 @@ class Heartbeat(threading.Thread):
         self.join(timeout=10)
         if goodbye is not None:
             try:  # a short-lived "left" record lets the coordinator evict us at once
-                self.node.store(peers_key(self.manifest.run_id), goodbye, ttl=max(5.0, 2 * self.heartbeat_s), subkey=goodbye.peer_id)
+                self.node.publish_peer(goodbye, ttl=max(5.0, 2 * self.heartbeat_s))
             except Exception as err:
                 log.debug("goodbye record not stored: %s", err)
         with self._cond:
@@ -100,16 +100,15 @@ class Heartbeat(threading.Thread):
     def _publish(self) -> None:
         rec = self.record()
         try:
-            if not self.node.store(peers_key(self.manifest.run_id), rec, ttl=self.ttl_s, subkey=rec.peer_id):
+            if not self.node.publish_peer(rec, ttl=self.ttl_s):
                 log.warning("heartbeat not stored in the DHT (no DHT node accepted it)")
         except Exception as err:
             log.warning("heartbeat failed: %s", err)
 
     def _refresh(self, with_manifest: bool) -> None:
-        coordinator, run_id = self.manifest.coordinator, self.manifest.run_id
         try:
-            plan = self.node.get_plan(run_id, coordinator, min_seq=self._plan.seq if self._plan else 0)
-            manifest = self.node.get_manifest(coordinator, min_seq=self.manifest.seq) if with_manifest else None
+            plan = self.node.get_plan(min_seq=self._plan.seq if self._plan else 0)
+            manifest = self.node.get_manifest(min_seq=self.manifest.seq) if with_manifest else None
         except RecordError as err:
             if str(err) not in self._warned:
                 self._warned.add(str(err))

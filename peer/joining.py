@@ -8,10 +8,14 @@ every failure to join says what was tried and what to check.
 The one thing a peer brings from its own disk is a byte corpus (``data.source = "bytes"``): it is
 read at the run's ``data.path`` relative to the peer's working directory, or where ``--data-path``
 says, and used only if its sha256 is the one in the manifest.
+
+Then the peer is admitted (:mod:`potluck.peer.admission`): the coordinator certifies a fresh TLS
+key of this process, and the data path runs over mutual TLS with it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import threading
 import time
@@ -20,9 +24,11 @@ from pathlib import Path
 
 import torch
 
+from potluck.peer import admission
 from potluck.peer.data import DataError
+from potluck.protos.certs import TlsIdentity, token_proof
 from potluck.protos.config import ConfigError, PeerConfig, RunConfig, known_fields_only, parse_config
-from potluck.protos.identity import Identity
+from potluck.protos.identity import Identity, IdentityError
 from potluck.protos.log import get_logger, short_id
 from potluck.protos.records import DataIdentity, Manifest, RecordError
 from potluck.protos.runcheck import file_identity, markov_identity, non_public
@@ -48,6 +54,8 @@ class Joined:
     config: RunConfig
     announce_host: str
     joined_at: float
+    tls: TlsIdentity  # certified by the run's CA (used for gRPC unless the run is --insecure)
+    token_proof: str  # what this peer shows to be (re-)admitted to a private run
     phases: dict[str, float] = field(default_factory=dict)  # seconds spent joining, by phase (for the logs)
 
 
@@ -61,17 +69,41 @@ def join(cfg: PeerConfig, identity: Identity, stopping: threading.Event) -> Join
     announce = cfg.announce_host or guess_reachable_host(host_of_multiaddr(address))
     if not cfg.announce_host:
         warn_unreachable(announce, host_of_multiaddr(address) or "")
-    node = SwarmNode(identity, initial_peers=[address], host=cfg.host, port=cfg.dht_port, announce_host=announce,
+    node = SwarmNode(identity, coordinator=coordinator, initial_peers=[address], host=cfg.host, port=cfg.dht_port, announce_host=announce,
                      startup_timeout=cfg.startup_timeout_s, client_mode=cfg.dht_client)
     joined_at = time.time()
     try:
         manifest = await_manifest(node, coordinator, cfg.join_timeout_s, stopping)
         config = with_local_data(config_from(manifest), manifest.data, cfg.data_path)
+        t_manifest = time.time()
+        tls = TlsIdentity.generate()
+        token = cfg.token or os.environ.get("POTLUCK_JOIN_TOKEN", "")
+        proof = token_proof(token, manifest.run_id, identity.peer_id, tls.public_pem.decode()) if token else ""
+        admission.admit(node, manifest, identity.peer_id, tls, proof, cfg.join_timeout_s, stopping)
     except BaseException:
         node.shutdown()
         raise
-    return Joined(node, manifest, config, announce, joined_at,
-                  {"dht": joined_at - t0, "manifest": time.time() - joined_at})
+    return Joined(node, manifest, config, announce, joined_at, tls, proof,
+                  {"dht": joined_at - t0, "manifest": t_manifest - joined_at, "admission": time.time() - t_manifest})
+
+
+def load_identity(cfg: PeerConfig) -> Identity:
+    """This peer's key: ``--identity FILE`` or ~/.potluck/peer.key, created (0600) if missing, and locked
+    for the life of this process, so two peers never run as one identity."""
+    path = Path(cfg.identity or "~/.potluck/peer.key").expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = open(path.with_name(path.name + ".lock"), "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.close()
+        raise IdentityError(f"the identity {path} is in use by another peer on this machine; give this one its own "
+                            "with --identity FILE") from None
+    _held_locks.append(lock)
+    return Identity.load_or_create(path)
+
+
+_held_locks: list = []
 
 
 def await_manifest(node: SwarmNode, coordinator: str, timeout_s: float, stopping: threading.Event) -> Manifest:
@@ -79,7 +111,7 @@ def await_manifest(node: SwarmNode, coordinator: str, timeout_s: float, stopping
     last_err = "no manifest in the DHT yet"
     while time.monotonic() < deadline and not stopping.is_set():
         try:
-            m = node.get_manifest(coordinator)
+            m = node.get_manifest()
             if m is not None:
                 return m
         except RecordError as err:

@@ -210,7 +210,7 @@ class LinkProber:
             return None
         start = time.perf_counter()
         try:
-            reply = self.client.ping(address, request, timeout=self.cfg.timeout_s)
+            reply = self.client.ping(address, request, timeout=self.cfg.timeout_s, peer=peer_id)
         except grpc.RpcError as err:
             self._spend(peer_id, size, commit=True)
             log.debug("probe of %s at %s failed: %s", short_id(peer_id), address, rpc_reason(err))

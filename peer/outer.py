@@ -20,7 +20,7 @@ from potluck.compression.transfer import Snapshot
 from potluck.peer.allreduce import AllReduce, AllReduceStats, RoundInfo
 from potluck.peer.diloco import nesterov_step, outer_snapshot
 from potluck.protos.config import RunConfig
-from potluck.protos.faults import fault
+from potluck.protos.faults import fault, tamper
 from potluck.protos.log import get_logger
 
 log = get_logger(__name__)
@@ -45,6 +45,8 @@ def outer_step(rc: RunConfig, allreduce: AllReduce, info: RoundInfo, held: Snaps
     if delta is not None and not bool(torch.isfinite(delta).all()):
         log.error("local training produced NaN/Inf; contributing nothing to step %d", info.step)
         delta = None
+    if delta is not None:
+        delta = tamper("outer.delta", info.step, delta)  # a Byzantine peer, in the attack tests only
     s, d = rc.sync, rc.diloco
     wait_s = max(s.deadline_floor_s, s.deadline_factor * inner_seconds)
     mean, stats = allreduce.run(info, delta, wait_s=wait_s, grace_s=max(2.0, 0.25 * wait_s))

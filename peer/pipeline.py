@@ -213,13 +213,13 @@ class Pipeline:
             if inner > 0:
                 timeout = self.cfg.pipe_timeout_s
         if not self.last:
-            for k, (out, inp) in enumerate(outputs):
+            for k, (out, held) in enumerate(outputs):
                 grad, loss_k = self._take(r, "backward", inner, k, timeout)
                 out.backward(grad.to(device))
                 loss_total += loss_k
-                if inp is not None:
-                    assert inp.grad is not None
-                    self._send(r, "backward", inner, k, None, inp.grad, loss=loss_k)
+                if held is not None:
+                    assert held.grad is not None
+                    self._send(r, "backward", inner, k, None, held.grad, loss=loss_k)
         self._flush(r)
         return loss_total
 
@@ -273,7 +273,8 @@ class Pipeline:
             try:
                 nbytes = msg.ByteSize()
                 t0 = time.perf_counter()
-                ack = self.client.push_pipe(to.address, msg, timeout=self.cfg.pipe_timeout_s * 2, nbytes=nbytes)
+                ack = self.client.push_pipe(to.address, msg, timeout=self.cfg.pipe_timeout_s * 2, nbytes=nbytes,
+                                            peer=to.peer_id)
                 if self.on_transfer is not None:  # network time only: not the receiver's wait for its round
                     self.on_transfer(to.peer_id, nbytes, time.perf_counter() - t0 - max(0.0, ack.handler_s))
                 return

@@ -12,7 +12,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from potluck.compression.transfer import Snapshot, SnapshotUnavailable, Source, fetch_snapshot, probe_sources
+from potluck.compression.transfer import (
+    Snapshot,
+    SnapshotUnavailable,
+    Source,
+    Target,
+    fetch_snapshot,
+    probe_sources,
+)
 from potluck.peer.follower import Recover
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.log import get_logger
@@ -25,10 +32,10 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 
-def find_sources(client: PeerClient, header: pb.Header, addresses: Sequence[str], stage: int, want: Recover,
+def find_sources(client: PeerClient, header: pb.Header, targets: Sequence[Target], stage: int, want: Recover,
                  held_version: int) -> list[Source]:
     """The sources serving the wanted state, all at one (version, hash): the newest most agree on."""
-    probed = probe_sources(client, header, addresses, stage=stage, version=want.version)
+    probed = probe_sources(client, header, targets, stage=stage, version=want.version)
     if want.version is None:
         fits = [s for s in probed if s.info.version > held_version]
     else:
@@ -41,13 +48,14 @@ def find_sources(client: PeerClient, header: pb.Header, addresses: Sequence[str]
 
 
 def recover(tools: Toolbox, stage: int, numel: int, want: Recover, held_version: int, plan: Plan | None,
-            coordinator: str) -> Snapshot | None:
+            coordinator: Target | None) -> Snapshot | None:
     """The wanted state of ``stage``, from the members of the plan's rounds or the coordinator's checkpoint."""
-    addresses = sorted({m.address for r in (plan.rounds if plan else []) for m in r.members
-                        if m.peer_id != tools.me and m.stage == stage})
+    targets = sorted({Target(m.peer_id, m.address) for r in (plan.rounds if plan else []) for m in r.members
+                      if m.peer_id != tools.me and m.stage == stage}, key=lambda t: t.peer_id)
+    if coordinator:  # its checkpoint, when no member holds what we want
+        targets.append(coordinator)
     header = pb.Header(run_id=tools.rc.run_id, sender=tools.me)
-    sources = find_sources(tools.client, header, addresses + ([coordinator] if coordinator else []), stage, want,
-                           held_version)
+    sources = find_sources(tools.client, header, targets, stage, want, held_version)
     return fetch(tools.client, header, sources, stage, numel, tools.rc.sync.rpc_timeout_s) if sources else None
 
 

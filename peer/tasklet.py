@@ -17,7 +17,8 @@ import torch
 
 from potluck.compression.int8 import Codec, make_codec
 from potluck.compression.transfer import Snapshot
-from potluck.peer.allreduce import AllReduce
+from potluck.peer import admission
+from potluck.peer.allreduce import AllReduce, MemberAddr, RoundInfo
 from potluck.peer.data import Dataset
 from potluck.peer.diloco import outer_snapshot
 from potluck.peer.heartbeat import Heartbeat
@@ -28,15 +29,18 @@ from potluck.peer.service import PeerService
 from potluck.peer.stage import StageWorker
 from potluck.peer.states import States
 from potluck.protos import potluck_pb2 as pb
+from potluck.protos.certs import TlsIdentity
 from potluck.protos.config import PeerConfig, RunConfig
 from potluck.protos.identity import Identity
 from potluck.protos.layout import stage_bounds
 from potluck.protos.log import get_logger, set_context, short_id
 from potluck.protos.netem import NetEm
-from potluck.protos.records import PeerRecord, Round
+from potluck.protos.records import PeerRecord, Plan, Round
 from potluck.protos.transport import PeerClient, PeerServer, Traffic
 
 log = get_logger(__name__)
+
+RENEW_CHECK_S = 60.0
 
 
 @dataclass
@@ -56,6 +60,8 @@ class Toolbox:
     codec: Codec
     links: LinkProber
     addresses: dict[str, str] = field(default_factory=dict)  # peer id -> gRPC address, from the rounds seen
+    tls: TlsIdentity | None = None  # mutual TLS for gRPC, unless the run is --insecure
+    heartbeat: Heartbeat | None = None
     server: PeerServer | None = None
     address: str = ""
     maddrs: list[str] = field(default_factory=list)
@@ -68,7 +74,8 @@ class Toolbox:
             torch.set_num_threads(cfg.threads)
         netem = NetEm.from_file(cfg.netem, region=cfg.region, peer=cfg.name) if cfg.netem else None
         traffic = Traffic()
-        client = PeerClient(traffic, netem)
+        tls = joined.tls if joined.manifest.security == "mtls" else None
+        client = PeerClient(traffic, netem, tls)
         me = identity.peer_id
         lc = rc.links
         links = LinkProber(client, me, rc.run_id, LinkConfig(
@@ -76,22 +83,42 @@ class Toolbox:
             budget_bytes_per_min=lc.budget_bytes_per_min))
         return cls(cfg, rc, me, identity.sign, stopping, joined, pick_device(cfg.device), Dataset(rc.data, rc.model),
                    stage_bounds(rc.model, rc.pipeline), netem, traffic, client, make_codec(rc.sync.codec, rc.sync.block_size),
-                   links, maddrs=joined.node.maddrs[:4])
+                   links, tls=tls, maddrs=joined.node.maddrs[:4])
 
     def serve(self, tasklet: Callable[[], Tasklet], ping: Callable[[pb.PingRequest], pb.PingReply],
               record: Callable[[], PeerRecord]) -> Heartbeat:
         """Start answering RPCs, heartbeating and probing links; returns the heartbeat (the plan's reader)."""
         service = PeerService(self.rc.run_id, ping, lambda: tasklet().allreduce, lambda: tasklet().states.server,
                               lambda: tasklet().pipeline)
-        self.server = PeerServer(service, self.traffic, host=self.cfg.host, port=self.cfg.port, netem=self.netem)
+        self.server = PeerServer(service, self.traffic, host=self.cfg.host, port=self.cfg.port, netem=self.netem,
+                                 tls=self.tls, revoked=self.revoked)
         self.address = f"{self.joined.announce_host}:{self.server.port}"
         m = self.rc.membership
-        heartbeat = Heartbeat(self.joined.node, self.joined.manifest, record, m.heartbeat_s, m.heartbeat_timeout_s)
+        heartbeat = self.heartbeat = Heartbeat(self.joined.node, self.joined.manifest, record, m.heartbeat_s,
+                                               m.heartbeat_timeout_s)
         heartbeat.start()
-        prober = threading.Thread(target=self._measure_links, name="links", daemon=True)
-        prober.start()
-        self.threads = [heartbeat, prober]
+        self.threads = [heartbeat]
+        for target, name in ((self._measure_links, "links"), (self._keep_admitted, "admission")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self.threads.append(thread)
         return heartbeat
+
+    def revoked(self, peer_id: str) -> bool:
+        """Was ``peer_id`` evicted from the run (the coordinator's signed plan says so)?"""
+        plan = self.heartbeat.plan if self.heartbeat is not None else None
+        return plan is not None and peer_id in plan.revoked
+
+    def _keep_admitted(self) -> None:
+        """Re-ask for admission every minute (a restarted coordinator re-admits from these requests, and
+        renews certificates at half their life) and adopt a renewed certificate when it comes."""
+        j = self.joined
+        while not self.stopping.wait(RENEW_CHECK_S):
+            try:
+                admission.request(j.node, j.manifest, self.me, j.tls, j.token_proof)
+                admission.take(j.node, j.manifest, self.me, j.tls)
+            except Exception as err:  # the coordinator may be away: the certificate lasts hours
+                log.debug("admission refresh failed: %s", err)
 
     def announce(self, numel: int, phases: dict[str, float]) -> None:
         rc = self.rc
@@ -103,21 +130,21 @@ class Toolbox:
     def _measure_links(self) -> None:
         """Probe a few peers per period (bounded bytes) and publish the signed link report."""
         period = self.rc.links.probe_period_s
-        node, run_id = self.joined.node, self.rc.run_id
+        node = self.joined.node
         while not self.stopping.wait(min(period, 2.0) if not self.links.report().links else period):
             try:
-                records, _ = node.get_peers(run_id)
+                records, _ = node.get_peers()
                 peers = {pid: r.address for pid, r in records.items()
                          if pid != self.me and r.address and r.state not in ("left", "finished")}
                 if peers:
                     self.links.probe_round(peers)
-                    node.publish_links(run_id, self.links.report(), ttl=max(60.0, 3 * period))
+                    node.publish_links(self.links.report(), ttl=max(60.0, 3 * period))
             except Exception as err:  # measuring links must never take the peer down
                 log.debug("link measurement round failed: %s", err)
 
     def ping_member(self, peer_id: str, timeout: float) -> pb.PingReply:
         request = pb.PingRequest(header=pb.Header(run_id=self.rc.run_id, sender=self.me), sent_at=time.time())
-        return self.client.ping(self.addresses[peer_id], request, timeout)
+        return self.client.ping(self.addresses[peer_id], request, timeout, peer=peer_id)
 
     def close(self, tasklet: Tasklet) -> None:
         self.stopping.set()
@@ -152,12 +179,31 @@ class Tasklet:
         worker = StageWorker(rc, stage, tools.bounds[stage], tools.device, tools.data, pipeline)
         allreduce = AllReduce(run_id=rc.run_id, me=tools.me, numel=worker.numel, codec=tools.codec, client=tools.client,
                               chunk_bytes=rc.sync.chunk_bytes, rpc_timeout=rc.sync.rpc_timeout_s,
-                              ping=tools.ping_member, stopping=tools.stopping, sign=tools.sign)
+                              ping=tools.ping_member, stopping=tools.stopping, sign=tools.sign,
+                              clip_factor=rc.sync.clip_factor, reject_below=rc.sync.reject_below)
         theta0 = worker.theta()
         first = outer_snapshot(theta0, torch.zeros_like(theta0), 0, {**worker.meta(), "epoch": 0})
         tasklet = cls(tools, stage, worker, allreduce, pipeline, States(rc.run_id, rc.sync.chunk_bytes, first))
         tasklet.expect_next()
         return tasklet
+
+    def round_info(self, rnd: Round, step: int) -> RoundInfo:
+        """What the all-reduce of ``step`` needs of ``rnd``: this stage's members, from the state held."""
+        self.tools.addresses.update({m.peer_id: m.address for m in rnd.members})  # whom the all-reduce may ping
+        members = tuple(MemberAddr(m.peer_id, m.address) for m in rnd.stage_members(self.stage))
+        return RoundInfo(step=step, members=members, me=self.tools.me, base_hash=self.states.current.hash,
+                         epoch=rnd.epoch)
+
+    def learn_round(self, plan: Plan | None, step: int) -> bool:
+        """Once the coordinator's round for ``step`` is known (it may arrive while this tasklet trains on the
+        last plan's), tell the all-reduce: members that finish sooner are checked against it at once, and a
+        stranger is refused as one instead of held until the outer step. True if it was."""
+        rnd = plan.round_for(step) if plan is not None else None
+        cell = rnd.member(self.tools.me) if rnd is not None and rnd.step == step else None
+        if rnd is None or cell is None or cell.stage != self.stage:
+            return False
+        self.allreduce.set_round(self.round_info(rnd, step))
+        return True
 
     def replace(self, stage: int) -> Tasklet:
         """A fresh tasklet of ``stage`` (at theta_0) in place of this one."""

@@ -1,7 +1,8 @@
 """What a peer reports about itself: its progress, its last outer steps, and its heartbeat record.
 
 The same figures reach the logs, Ping replies, the DHT record the coordinator reads, and through it
-the status page and ``/metrics`` (LESSONS: every byte and wait we measure should be visible).
+the status page and ``/metrics`` (LESSONS: every byte and wait we measure should be visible). The
+inner steps also reach the volunteer's own screen, through :mod:`potluck.peer.progress`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from potluck import __version__
 from potluck.peer.allreduce import AllReduceStats
+from potluck.peer.progress import ProgressReporter
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.log import get_logger, short_id
 from potluck.protos.records import PeerRecord, StepReport, next_seq
@@ -47,9 +49,11 @@ class Progress:
 
 
 class Telemetry:
-    def __init__(self, peer_id: str, name: str, started_at: float) -> None:
+    def __init__(self, peer_id: str, name: str, started_at: float, progress: str = "auto") -> None:
+        """``progress``: how inner steps are shown, one of :data:`potluck.peer.progress.MODES`."""
         self.peer_id, self.name, self.started_at = peer_id, name, started_at
         self.progress = Progress()
+        self.reporter = ProgressReporter(progress)
         self.steps: deque[StepReport] = deque(maxlen=KEEP_STEPS)
         self.first_step_logged = False
         self._pipe_before: dict[str, int] = {}  # the pipeline's byte counters at the last outer step
@@ -62,7 +66,13 @@ class Telemetry:
         p.state = state
         if state != "training":
             p.inner_step = 0
+            self.reporter.clear()
         return True
+
+    def begin_inner(self, step: int, inner_steps: int, device: Any) -> None:
+        """Outer step ``step``'s inner phase of H = ``inner_steps`` starts on ``device``."""
+        self.progress.inner_steps = inner_steps
+        self.reporter.begin(step, inner_steps, device_label(device))
 
     def inner_step(self, i: int, loss: float, seconds: float, samples: int, tokens: int) -> None:
         p = self.progress
@@ -72,10 +82,15 @@ class Telemetry:
         p.tokens_total += tokens
         p.tokens_per_s = tokens / max(p.step_time_s, 1e-9)
         p.samples_per_s = samples / max(p.step_time_s, 1e-9)
+        self.reporter.step(i, p.loss, seconds, tokens)
 
-    def outer_step(self, stats: AllReduceStats, seconds: float, mean_norm: float, report: StepReport,
-                   pipe_total: dict[str, int] | None) -> None:
+    def outer_step(self, stats: AllReduceStats, seconds: float, mean_norm: float, epoch: int, stage: int, replica: int,
+                   state_hash: str, pipe_total: dict[str, int] | None) -> None:
         """A committed outer step: its figures, logged and kept for the next heartbeats."""
+        report = StepReport(step=stats.step, epoch=epoch, stage=stage, replica=replica, state_hash=state_hash,
+                            outer_s=seconds, outer_bytes=stats.bytes_sent, members=stats.members,
+                            contributors=min(stats.contributors.values(), default=0), dropped=stats.dropped,
+                            clipped=stats.clipped, rejected=stats.rejected, t=time.time())
         p = self.progress
         p.last_outer_s, p.outer_wait_s, p.last_outer_bytes = seconds, stats.wait_seconds, stats.bytes_sent
         p.sync_s += seconds
@@ -97,7 +112,7 @@ class Telemetry:
     def ping_reply(self, request: pb.PingRequest, version: int) -> pb.PingReply:
         p = self.progress
         left = max(0, p.inner_steps - p.inner_step) if p.state == "training" else 0
-        padding = b"\0" * max(0, min(request.reply_bytes, 4 << 20))
+        padding = b"\0" * max(0, min(request.reply_bytes, 64 << 10))  # no amplifier: at most 64 KiB back
         return pb.PingReply(peer_id=self.peer_id, state=p.state, version=version, inner_step=p.inner_step,
                             eta_s=left * p.step_time_s, sent_at=request.sent_at, padding=padding)
 
@@ -112,7 +127,7 @@ class Telemetry:
             peer_id=self.peer_id, address=address, state=p.state, version=version, state_hash=state_hash,
             epoch=epoch, prev_version=prev[0], prev_hash=prev[1], inner_step=p.inner_step,
             device=getattr(device, "type", "cpu"),
-            device_name=torch.cuda.get_device_name(device) if cuda else f"cpu x{os.cpu_count()}",
+            device_name=device_label(device),
             memory_gb=torch.cuda.get_device_properties(device).total_memory / 2**30 if cuda else 0.0,
             name=self.name, loss=p.loss if p.loss is None or math.isfinite(p.loss) else None,
             eval_loss=p.eval_loss, eval_version=p.eval_version, samples_per_s=p.samples_per_s,
@@ -134,6 +149,16 @@ class Telemetry:
         log.info("first training step %.1f s after the process started (%.1f s after joining the DHT; %s)",
                  now - process_started_at(), now - joined_at,
                  ", ".join(f"{k} {v:.1f} s" for k, v in phases.items() if v or not k.startswith("of which")))
+
+
+def device_label(device: Any) -> str:
+    """A device as a volunteer names it: the GPU's model, or ``cpu x16`` (its core count)."""
+    kind = getattr(device, "type", "cpu")
+    if kind == "cuda":
+        import torch  # already loaded by the peer; kept out of this module's import time
+
+        return torch.cuda.get_device_name(device)
+    return f"cpu x{os.cpu_count()}" if kind == "cpu" else kind
 
 
 def process_started_at() -> float:

@@ -90,9 +90,15 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     extra = {
         f"coordinator.{k}": v
         for k, v in (("host", args.host), ("dht_port", args.dht_port), ("status_port", args.status_port),
-                     ("grpc_port", args.grpc_port), ("journal_dir", args.journal_dir), ("announce_host", args.announce_host))
+                     ("grpc_port", args.grpc_port), ("journal_dir", args.journal_dir), ("announce_host", args.announce_host),
+                     ("status_tls", args.status_tls), ("status_tls_cert", args.status_tls_cert),
+                     ("status_tls_key", args.status_tls_key))
         if v is not None
     }
+    if args.status_tls is None and (args.status_tls_cert or args.status_tls_key):
+        extra["coordinator.status_tls"] = "files"  # giving the files says it
+    if args.insecure:
+        extra["coordinator.insecure"] = True
     cfg = _run_config(args, extra)
     from potluck.coordinator.app import Coordinator
     from potluck.coordinator.journal import JournalError
@@ -119,7 +125,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
 
     fields = {k: getattr(args, k) for k in ("join", "host", "port", "dht_port", "announce_host", "device", "name",
                                              "threads", "dht_client", "startup_timeout_s", "plan_wait_s", "netem", "region",
-                                             "data_path")
+                                             "data_path", "identity", "token")
               if getattr(args, k) is not None}
     try:
         cfg = PeerConfig(**fields)
@@ -133,9 +139,13 @@ def cmd_peer(args: argparse.Namespace) -> int:
     except JoinError as err:
         raise UsageError(str(err)) from None
     from potluck.peer.daemon import Peer
+    from potluck.protos.identity import IdentityError
     from potluck.protos.stopping import install_stop_handlers
 
-    peer = Peer(cfg)
+    try:
+        peer = Peer(cfg, progress=args.progress)
+    except IdentityError as err:
+        raise UsageError(str(err)) from None
     install_stop_handlers(peer.stopping)
     return peer.run()
 
@@ -234,6 +244,13 @@ def _add_coordinator(sub: Any) -> None:
     c.add_argument("--grpc-port", type=int, metavar="PORT", help="checkpoint gRPC port (default: any free port)")
     c.add_argument("--status-port", type=int, metavar="PORT", help="status page port (default: any free port)")
     c.add_argument("--journal-dir", metavar="DIR", help="run state, identity and checkpoints (default ./potluck-run)")
+    c.add_argument("--status-tls", choices=("off", "self-signed", "files"),
+                   help="status page over HTTPS: a self-signed certificate kept in the journal dir (its fingerprint "
+                   "is printed), or --status-tls-cert/--status-tls-key (default off: plain HTTP)")
+    c.add_argument("--status-tls-cert", metavar="FILE", help="PEM certificate (and chain) of the status page")
+    c.add_argument("--status-tls-key", metavar="FILE", help="PEM private key of --status-tls-cert")
+    c.add_argument("--insecure", action="store_true", help="plaintext gRPC between peers, no certificates: local "
+                   "experiments only (the status page says so)")
     c.add_argument("--exit-when-finished", action="store_true", help="exit once all outer steps are committed")
     c.add_argument("--ready-file", metavar="FILE", help="write a JSON file with the join address once serving")
     c.set_defaults(fn=cmd_coordinator)
@@ -255,6 +272,9 @@ def _add_peer(sub: Any) -> None:
                     help="the join address the coordinator printed (/ip4/HOST/tcp/PORT/p2p/12D3KooW...)")
     pe.add_argument("--device", help="auto (default: cuda if present, else cpu), cpu, cuda, cuda:N or mps")
     pe.add_argument("--name", help="public name on the status page (opt-in)")
+    pe.add_argument("--identity", metavar="KEY_FILE",
+                    help="this peer's key (created if missing; default ~/.potluck/peer.key, one peer at a time)")
+    pe.add_argument("--token", help="the join token of a private run (default: $POTLUCK_JOIN_TOKEN)")
     pe.add_argument("--host", metavar="HOST", help="interface to bind (default 0.0.0.0)")
     pe.add_argument("--grpc-port", dest="port", type=int, metavar="PORT", help="gRPC port (default: any free port)")
     pe.add_argument("--port", dest="port", type=int, help=argparse.SUPPRESS)  # the old spelling
@@ -268,6 +288,9 @@ def _add_peer(sub: Any) -> None:
                     help="seconds to wait for the coordinator's round decision (default 10)")
     pe.add_argument("--netem", metavar="TOPOLOGY.json", help="emulate a WAN: delay and bandwidth per region pair")
     pe.add_argument("--region", help="this peer's region in the --netem topology (default: its entry there)")
+    pe.add_argument("--progress", choices=("auto", "bar", "lines", "off"), default="auto",
+                    help="inner-step progress: a line redrawn in place (bar), a log line every 15 s (lines) or none "
+                    "(default auto: bar on a terminal, else lines); POTLUCK_LOG=WARNING hides it too")
     pe.add_argument("--data-path", metavar="FILE",
                     help="this machine's copy of the run's corpus, for a run on a text file (default: the run's "
                     "data.path, relative to this folder); its sha256 must be the run's")

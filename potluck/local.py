@@ -78,8 +78,9 @@ class LocalSwarm:
     def start_peer(self, *extra: str, name: str | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
         """Start a peer joining this swarm; its log is ``logs/peer-<n>.log`` (n in start order)."""
         idx = len(self.peers)
+        key = self.workdir / "keys" / f"peer-{idx}.key"  # peers on one machine each need their own identity
         args = ["peer", "--join", self.ready["join"], "--host", "127.0.0.1", "--threads", str(self.threads),
-                "--name", name or f"peer-{idx}", *extra]
+                "--name", name or f"peer-{idx}", "--identity", str(key), *extra]
         proc = self.procs.spawn_potluck(args, self._log(f"peer-{idx}"), env)
         self.peers.append(proc)
         return proc

@@ -130,6 +130,12 @@ class SyncConfig(_Section):
         0.5, ge=0, description="wait also up to this fraction of the measured inner-phase time"
     )
     rpc_timeout_s: float = Field(30.0, gt=0, description="timeout of a single transfer RPC")
+    clip_factor: float = Field(
+        4.0, ge=0, description="robust aggregation: each contribution is clipped to this many times the lower median "
+        "contribution norm (0: a plain mean)")
+    reject_below: float = Field(
+        -0.1, ge=-1, le=1, description="robust aggregation: a contribution whose cosine with the others' median is "
+        "below this is left out (with 3+ contributors; -1: never)")
 
 
 class PipelineConfig(_Section):
@@ -219,6 +225,38 @@ class CoordinatorConfig(_Section):
     keep_checkpoints: int = Field(3, ge=1)
     tick_s: float = Field(0.2, gt=0, description="how often the coordinator re-reads the DHT")
     startup_timeout_s: float = Field(60.0, gt=0, description="time allowed for the DHT daemon to start")
+    insecure: bool = Field(False, description="plaintext gRPC between peers: local experiments only (the status "
+                           "page says so); by default it runs over mutual TLS with certificates from the run's CA")
+    status_tls: Literal["off", "self-signed", "files"] = Field(
+        "off", description="the status page over HTTPS, so the admin token never crosses the network in clear: "
+        "'self-signed' makes a certificate once (status-tls.pem in journal_dir; the coordinator prints its SHA-256 "
+        "fingerprint for visitors to compare), 'files' serves status_tls_cert and status_tls_key, 'off' is plain HTTP")
+    status_tls_cert: str | None = Field(
+        None, description="PEM certificate of the status page, its chain after it (status_tls = 'files')")
+    status_tls_key: str | None = Field(None, description="PEM private key of status_tls_cert (status_tls = 'files')")
+
+    @model_validator(mode="after")
+    def _status_tls_files(self) -> CoordinatorConfig:
+        given = bool(self.status_tls_cert or self.status_tls_key)
+        if self.status_tls == "files" and not (self.status_tls_cert and self.status_tls_key):
+            raise ValueError("status_tls = 'files' needs both status_tls_cert and status_tls_key")
+        if self.status_tls != "files" and given:
+            raise ValueError(f"status_tls_cert and status_tls_key are served only with status_tls = 'files' "
+                             f"(it is {self.status_tls!r})")
+        return self
+
+
+class AdmissionConfig(_Section):
+    """Who may take part (the coordinator's policy). Not part of the manifest: peers learn the mode only."""
+
+    mode: Literal["open", "private"] = Field(
+        "open", description="'open': anyone may join (volunteer runs); 'private': the join token or `allow` is needed")
+    allow: list[str] = Field(default_factory=list, description="peer ids admitted to a private run without the token")
+    cert_lifetime_s: float = Field(6 * 3600.0, ge=60, description="lifetime of a peer's certificate; renewed at half "
+                                   "of it while the peer heartbeats (the coordinator must be back within it)")
+    max_per_minute: int = Field(120, ge=1, description="new peers admitted a minute at most")
+    evict_after: int = Field(3, ge=1, description="a peer clipped or rejected in this many of its last 5 outer steps "
+                             "is evicted")
 
 
 class PeerConfig(_Section):
@@ -242,6 +280,9 @@ class PeerConfig(_Section):
     plan_wait_s: float = Field(
         10.0, gt=0, description="wait this long for the coordinator's round decision before using the last plan"
     )
+    identity: str = Field("", description="this peer's Ed25519 key file (created 0600 if missing); default "
+                          "~/.potluck/peer.key, one peer at a time")
+    token: str = Field("", description="the join token of a private run (or $POTLUCK_JOIN_TOKEN)")
     data_path: str | None = Field(
         None, description="this machine's copy of the run's corpus (data.source='bytes'); default: the run's "
         "data.path, relative to the working directory"
@@ -268,6 +309,7 @@ class RunConfig(_Section):
     links: LinksConfig = Field(default_factory=LinksConfig)
     membership: MembershipConfig = Field(default_factory=MembershipConfig)
     coordinator: CoordinatorConfig = Field(default_factory=CoordinatorConfig)
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
 
     @model_validator(mode="after")
     def _data_fits_model(self) -> RunConfig:
@@ -315,7 +357,7 @@ class RunConfig(_Section):
 
     def manifest_sections(self) -> dict[str, Any]:
         """What every peer must agree on: the config minus the coordinator's local settings."""
-        return self.model_dump(exclude={"coordinator"})
+        return self.model_dump(exclude={"coordinator", "admission"})
 
 
 def _describe(err: ValidationError) -> str:
@@ -405,6 +447,8 @@ def dump_toml(config: RunConfig) -> str:
             return "true" if v else "false"
         if isinstance(v, (int, float)):
             return repr(v)
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
         return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
     data = config.model_dump()

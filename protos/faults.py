@@ -6,6 +6,10 @@ started with ``POTLUCK_FAULTS`` set acts on it when it reaches a named point::
     POTLUCK_FAULTS="allreduce.reduced@3:stop"            freeze (SIGSTOP) after reducing its shard of step 3
     POTLUCK_FAULTS="inner.mid@4:kill,outer.committed@6:exit"
 
+A peer can also be made Byzantine at ``outer.delta`` (its pseudo-gradient, before it is sent):
+``outer.delta@*:scale=1000``, ``:flip`` (sign-flipped) or ``:nan``; these act at every matching
+step (:func:`tamper`), for the attack tests and ``benchmarks/poisoning.py``.
+
 Each entry is ``point@step:action``; ``step`` may be ``*`` (any) or ``N+`` (step N or the first
 after it the process reaches: a peer that was recovering during step N does not miss it). Actions: ``kill`` (SIGKILL this
 process and, if it leads its process group, the whole group: its DHT child and p2pd, like a machine
@@ -22,6 +26,7 @@ import os
 import signal
 import threading
 import time
+from typing import Any
 
 from potluck.protos.log import get_logger
 
@@ -37,7 +42,9 @@ POINTS = {
     "recover.fetched": "a peer has fetched a state it recovers, before adopting it",
     "coordinator.decided": "the coordinator has decided (and journaled) a round",
     "coordinator.committed": "the coordinator has seen a step committed",
+    "outer.delta": "a peer's pseudo-gradient before it is sent (tamper actions only)",
 }
+TAMPER = ("flip", "nan")
 
 
 class FaultSpecError(ValueError):
@@ -57,7 +64,8 @@ def parse(spec: str) -> list[Fault]:
             raise FaultSpecError(f"{ENV} entry {item!r} is not point@step:action") from None
         if point not in POINTS:
             raise FaultSpecError(f"{ENV}: unknown point {point!r} (known: {', '.join(sorted(POINTS))})")
-        if action not in ("kill", "stop", "exit", "hang") and not action.startswith("sleep="):
+        known = action in ("kill", "stop", "exit", "hang", *TAMPER) or action.startswith(("sleep=", "scale="))
+        if not known:
             raise FaultSpecError(f"{ENV}: unknown action {action!r}")
         try:
             first = None if step == "*" else int(step.rstrip("+"))
@@ -95,3 +103,16 @@ def fault(point: str, step: int | None = None) -> None:
         threading.Event().wait()
     else:
         time.sleep(float(action.split("=", 1)[1]))
+
+
+def tamper(point: str, step: int, x: Any) -> Any:
+    """``x`` as a Byzantine peer would send it, if ``POTLUCK_FAULTS`` makes this one (else ``x``)."""
+    for p, first, later, action in _pending:
+        if p == point and (first is None or first == step or (later and step >= first)):
+            if action == "flip":
+                return -x
+            if action == "nan":
+                return x * float("nan")
+            if action.startswith("scale="):
+                return x * float(action.split("=", 1)[1])
+    return x

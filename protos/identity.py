@@ -92,7 +92,7 @@ class Identity:
 
     @classmethod
     def load_or_create(cls, path: str | Path) -> Identity:
-        """Load a libp2p-format key file, or create one (mode 0400) if it does not exist."""
+        """Load a libp2p-format key file, or create one (mode 0600) if it does not exist."""
         path = Path(path)
         if path.exists():
             raw = path.read_bytes()
@@ -110,7 +110,7 @@ class Identity:
         """Write the key in libp2p's protobuf format, which hivemind's p2pd reads as its identity."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(_PRIVATE_PREFIX + self.private_seed + self.public_bytes)
 

@@ -8,11 +8,17 @@ one already seen from the same author. Bodies are parsed tolerantly, like Petals
 required fields first, unknown fields ignored, missing optional fields defaulted, so a newer writer
 does not crash an older reader; anything else is a :class:`RecordError` with the reason.
 
-Keys (one DHT per run, bootstrapped by its coordinator):
+Keys (one DHT per run, bootstrapped by its coordinator and named by its id, see
+:func:`potluck.protos.dhtguard.run_key`; every node of the run refuses anything else):
 
-* ``potluck/manifest``: :class:`Manifest`, written by the coordinator.
-* ``potluck/<run_id>/peers``: one subkey per peer id, :class:`PeerRecord`, refreshed as a heartbeat.
-* ``potluck/<run_id>/plan``: :class:`Plan`, the membership of the coming outer steps.
+* ``potluck/<coordinator>/manifest``: :class:`Manifest`, written by the coordinator.
+* ``potluck/<coordinator>/plan``: :class:`Plan`, the membership of the coming outer steps.
+* ``potluck/<coordinator>/peers``: one subkey per peer id, :class:`PeerRecord`, refreshed as a heartbeat.
+* ``potluck/<coordinator>/admission`` and ``.../certs``: a peer's :class:`AdmissionRequest` and the
+  coordinator's :class:`Certificate` answer, one subkey per peer id.
+
+Every body carries ``_expires`` (wall-clock seconds), signed with it: a record is refused after it,
+and no DHT node keeps a record longer (so a genuine old record cannot be replayed to live on).
 """
 
 from __future__ import annotations
@@ -21,23 +27,15 @@ import json
 import time
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from potluck.protos.identity import Identity, verify
 
-ENVELOPE_VERSION = 1
-MANIFEST_KEY = "potluck/manifest"
+ENVELOPE_VERSION = 2
 MAX_CLOCK_SKEW_S = 300.0
+NAME_LEN, ADDRESS_LEN, HASH_LEN, ID_LEN, TEXT_LEN = 64, 256, 128, 64, 512
 
 PeerState = Literal["joining", "recovering", "training", "syncing", "waiting", "left", "lost", "finished"]
-
-
-def peers_key(run_id: str) -> str:
-    return f"potluck/{run_id}/peers"
-
-
-def plan_key(run_id: str) -> str:
-    return f"potluck/{run_id}/plan"
 
 
 class RecordError(ValueError):
@@ -72,6 +70,9 @@ class Manifest(_Record):
     checkpoint_every: int = Field(0, description="outer steps between coordinator checkpoints (0: none)")
     checkpoint_version: int = Field(0, description="newest version the coordinator holds a checkpoint of")
     data: DataIdentity = Field(default_factory=DataIdentity, description="the identity of the run's data")
+    security: Literal["mtls", "insecure"] = Field("mtls", description="peer-to-peer gRPC over mutual TLS, or not")
+    admission: Literal["open", "private"] = Field("open", description="'private': joining needs the join token")
+    ca_pem: str = Field("", description="the run's CA certificate: peers' TLS certificates chain to it")
     seq: int = 0
 
 
@@ -83,57 +84,68 @@ class StepReport(_Record):
     epoch: int = Field(0, ge=0, description="the epoch of the round that produced this version")
     stage: int = Field(0, ge=0)
     replica: int = Field(0, ge=0)
-    state_hash: str = ""
+    state_hash: str = Field("", max_length=HASH_LEN)
     loss: float | None = Field(None, description="the member's smoothed inner loss at the end of the step")
     eval_loss: float | None = Field(None, description="eval loss of theta_global at this version, once measured")
     outer_s: float = Field(0.0, ge=0, description="wall time of the outer step")
     outer_bytes: int = Field(0, ge=0, description="bytes this member sent in the all-reduce")
     members: int = Field(0, ge=0, description="members of this stage's all-reduce")
     contributors: int = Field(0, ge=0, description="fewest contributions any shard was averaged over")
-    dropped: list[str] = Field(default_factory=list, description="members the all-reduce went on without")
-    pipe: dict[str, int] = Field(default_factory=dict, description="pipeline bytes of the step, by kind")
+    dropped: list[str] = Field(default_factory=list, max_length=256, description="members the all-reduce went on without")
+    clipped: list[str] = Field(default_factory=list, max_length=256, description="contributors an owner scaled down")
+    rejected: list[str] = Field(default_factory=list, max_length=256, description="contributors an owner left out")
+    pipe: dict[str, int] = Field(default_factory=dict, max_length=8, description="pipeline bytes of the step, by kind")
     t: float = Field(0.0, description="wall-clock time of the commit")
 
 
 class PeerRecord(_Record):
     """A peer's heartbeat: where it listens, what it is doing, what it contributes."""
 
-    peer_id: str
-    address: str = Field(description="host:port of the peer's gRPC server, as other peers reach it")
-    state: str = "joining"
-    version: int = Field(0, description="committed outer steps of its theta_global")
-    state_hash: str = ""
-    inner_step: int = 0
-    device: str = "cpu"
-    device_name: str = ""
-    memory_gb: float = 0.0
-    name: str = Field("", description="public name, only if the volunteer opted in")
+    peer_id: str = Field(max_length=ID_LEN)
+    address: str = Field(max_length=ADDRESS_LEN, description="host:port of the peer's gRPC server, as other peers reach it")
+    state: PeerState = "joining"
+    version: int = Field(0, ge=0, description="committed outer steps of its theta_global")
+    state_hash: str = Field("", max_length=HASH_LEN)
+    inner_step: int = Field(0, ge=0)
+    device: str = Field("cpu", max_length=16)
+    device_name: str = Field("", max_length=NAME_LEN * 2)
+    memory_gb: float = Field(0.0, ge=0)
+    name: str = Field("", max_length=NAME_LEN, description="public name, only if the volunteer opted in")
     loss: float | None = None
     eval_loss: float | None = None
     eval_version: int = Field(-1, description="the version eval_loss was measured on")
-    samples_per_s: float = 0.0
-    tokens_per_s: float = 0.0
-    tokens_total: int = 0
-    bytes_sent: dict[str, int] = Field(default_factory=dict)
-    bytes_received: dict[str, int] = Field(default_factory=dict)
-    last_outer_s: float = Field(0.0, description="wall time of this peer's last outer step")
-    last_outer_bytes: int = Field(0, description="bytes this peer sent in its last outer all-reduce")
-    compute_s: float = Field(0.0, description="total seconds spent in inner steps")
-    sync_s: float = Field(0.0, description="total seconds spent in outer steps (network and waiting)")
-    parameters: int = 0
+    samples_per_s: float = Field(0.0, ge=0)
+    tokens_per_s: float = Field(0.0, ge=0)
+    tokens_total: int = Field(0, ge=0)
+    bytes_sent: dict[str, int] = Field(default_factory=dict, max_length=16)
+    bytes_received: dict[str, int] = Field(default_factory=dict, max_length=16)
+    last_outer_s: float = Field(0.0, ge=0, description="wall time of this peer's last outer step")
+    last_outer_bytes: int = Field(0, ge=0, description="bytes this peer sent in its last outer all-reduce")
+    compute_s: float = Field(0.0, ge=0, description="total seconds spent in inner steps")
+    sync_s: float = Field(0.0, ge=0, description="total seconds spent in outer steps (network and waiting)")
+    parameters: int = Field(0, ge=0)
     loss_floor: float | None = Field(None, description="best achievable loss on the run's data, if known")
-    stage: int = Field(0, ge=0, description="the pipeline stage whose state `version`/`state_hash` describe")
-    dht_maddrs: list[str] = Field(default_factory=list, description="this peer's DHT addresses (for re-bootstrap)")
-    replica: int = Field(-1, description="the replica this peer last trained in; -1 if none")
+    stage: int = Field(0, ge=0, le=1024, description="the pipeline stage whose state `version`/`state_hash` describe")
+    dht_maddrs: list[str] = Field(default_factory=list, max_length=4,
+                                  description="this peer's DHT addresses (for re-bootstrap)")
+    replica: int = Field(-1, ge=-1, description="the replica this peer last trained in; -1 if none")
     epoch: int = Field(0, ge=0, description="the epoch of the round that produced `version`")
-    prev_version: int = Field(-1, description="the version before `version`, which the peer still serves (-1: none)")
-    prev_hash: str = ""
-    recent: list[StepReport] = Field(default_factory=list, description="its last few outer steps, newest last")
-    software: str = ""
+    prev_version: int = Field(-1, ge=-1, description="the version before `version`, which the peer still serves (-1: none)")
+    prev_hash: str = Field("", max_length=HASH_LEN)
+    recent: list[StepReport] = Field(default_factory=list, max_length=16,
+                                     description="its last few outer steps, newest last")
+    software: str = Field("", max_length=32)
     started_at: float = 0.0
     seq: int = 0
     ts: float = 0.0
-    extras: dict[str, Any] = Field(default_factory=dict)
+    extras: dict[str, Any] = Field(default_factory=dict, max_length=16)
+
+    @field_validator("dht_maddrs")
+    @classmethod
+    def _short_addresses(cls, v: list[str]) -> list[str]:
+        if any(len(a) > ADDRESS_LEN for a in v):
+            raise ValueError(f"a DHT address longer than {ADDRESS_LEN} characters")
+        return v
 
 
 class Member(_Record):
@@ -177,6 +189,8 @@ class Plan(_Record):
     seq: int
     rounds: list[Round]
     ts: float = 0.0
+    revoked: list[str] = Field(default_factory=list, max_length=4096,
+                               description="peers evicted from the run: every peer refuses their calls")
 
     def round_for(self, step: int) -> Round | None:
         """The membership that applies to ``step``: the latest round decided at or before it."""
@@ -187,9 +201,32 @@ class Plan(_Record):
         return best
 
 
-def seal(identity: Identity, record: BaseModel) -> dict[str, Any]:
-    """Sign a record for the DHT."""
-    body = json.dumps(record.model_dump(mode="json"), sort_keys=True, separators=(",", ":")).encode()
+class AdmissionRequest(_Record):
+    """A peer asking to take part: its fresh TLS key to certify, and for a private run a token proof."""
+
+    peer_id: str = Field(max_length=ID_LEN)
+    run_id: str = Field(max_length=ID_LEN)
+    tls_key: str = Field(max_length=1024, description="PEM of the ECDSA P-256 public key to certify")
+    proof: str = Field("", max_length=128, description="HMAC of peer id and TLS key under the join token")
+    ts: float = 0.0
+    seq: int = 0
+
+
+class Certificate(_Record):
+    """The coordinator's answer to an admission request: a certificate, or why there is none."""
+
+    peer_id: str = Field(max_length=ID_LEN)
+    cert_pem: str = Field("", max_length=4096)
+    refused: str = Field("", max_length=TEXT_LEN, description="why the request was refused (for good: a policy)")
+    request_seq: int = Field(0, description="the request this answers (a refusal of an older one does not count)")
+    not_after: float = 0.0
+    seq: int = 0
+
+
+def seal(identity: Identity, record: BaseModel, ttl: float) -> dict[str, Any]:
+    """Sign a record for the DHT; it is refused everywhere ``ttl`` seconds from now."""
+    data = {**record.model_dump(mode="json"), "_expires": time.time() + ttl}
+    body = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
     return {"v": ENVELOPE_VERSION, "by": identity.peer_id, "body": body, "sig": identity.sign(body)}
 
 
@@ -212,6 +249,9 @@ def unseal(model: type[_R], value: Any, *, author: str, min_seq: int = 0) -> _R:
         raise RecordError(f"bad signature on a record claiming to come from {author[-6:]}")
     try:
         data = json.loads(body)
+        expires = data.get("_expires") if isinstance(data, dict) else None
+        if not isinstance(expires, int | float) or expires < time.time() - MAX_CLOCK_SKEW_S:
+            raise RecordError(f"{model.__name__} has expired (or carries no signed expiry)")
         record = model.model_validate(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise RecordError(f"record body is not JSON: {err}") from None

@@ -26,14 +26,13 @@ from potluck.protos.errors import check_port_free
 from potluck.protos.identity import Identity, IdentityError, public_key_from_peer_id
 from potluck.protos.log import get_logger
 from potluck.protos.records import (
-    MANIFEST_KEY,
+    AdmissionRequest,
+    Certificate,
     Manifest,
     PeerRecord,
     Plan,
     RecordError,
     _Record,
-    peers_key,
-    plan_key,
     seal,
     unseal,
 )
@@ -49,11 +48,9 @@ os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
 from hivemind.dht import DHT
 from hivemind.utils import get_dht_time
 
+from potluck.protos.dhtguard import RunRecords, run_key
+
 log = get_logger(__name__)
-
-
-def links_key(run_id: str) -> str:
-    return f"potluck/{run_id}/links"
 
 
 class LinkStat(_Record):
@@ -162,6 +159,7 @@ class SwarmNode:
         self,
         identity: Identity,
         *,
+        coordinator: str,
         initial_peers: list[str] | None = None,
         host: str = "0.0.0.0",
         port: int = 0,
@@ -172,7 +170,7 @@ class SwarmNode:
     ) -> None:
         # p2pd binds with SO_REUSEPORT, so it would share a taken port silently; refuse it here instead
         check_port_free("DHT port", host, port, "--dht-port")
-        self.identity = identity
+        self.identity, self.coordinator = identity, coordinator
         self._pipe_lock = threading.Lock()
         tmpdir = None
         if identity_path is None:
@@ -192,6 +190,7 @@ class SwarmNode:
             check_if_identity_free=False,
             startup_timeout=startup_timeout,
             client_mode=client_mode,
+            record_validators=[RunRecords(coordinator)],  # this run's signed records only, everywhere
         )
         # multiprocessing's own exit hook would join the DHT process forever (it ignores SIGTERM);
         # ours is registered later, so it runs first
@@ -219,50 +218,84 @@ class SwarmNode:
     def maddrs(self) -> list[str]:
         return [str(m) for m in self.dht.get_visible_maddrs()]
 
-    def store(self, key: str, record: Any, ttl: float, subkey: str | None = None) -> bool:
-        value = seal(self.identity, record)
+    def _store(self, kind: str, record: Any, ttl: float, subkey: str | None = None) -> bool:
+        value = seal(self.identity, record, ttl)
         with self._pipe_lock:  # hivemind's DHT pipe is not safe for concurrent senders
-            future = self.dht.store(key, value, expiration_time=get_dht_time() + ttl, subkey=subkey, return_future=True)
+            future = self.dht.store(run_key(self.coordinator, kind), value, expiration_time=get_dht_time() + ttl,
+                                    subkey=subkey, return_future=True)
         return bool(future.result())
 
-    def _dht_get(self, key: str, latest: bool = True) -> Any:
+    def _dht_get(self, kind: str, latest: bool = True) -> Any:
         with self._pipe_lock:
-            future = self.dht.get(key, latest=latest, return_future=True)
+            future = self.dht.get(run_key(self.coordinator, kind), latest=latest, return_future=True)
         return future.result()
 
-    def get_manifest(self, coordinator: str, min_seq: int = 0) -> Manifest | None:
-        found = self._dht_get(MANIFEST_KEY, latest=True)
-        if found is None:
-            return None
-        return unseal(Manifest, found.value, author=coordinator, min_seq=min_seq)
+    # -- the coordinator's records (it signs them; everyone reads them)
 
-    def get_plan(self, run_id: str, coordinator: str, min_seq: int = 0) -> Plan | None:
-        found = self._dht_get(plan_key(run_id), latest=True)
-        if found is None:
-            return None
-        return unseal(Plan, found.value, author=coordinator, min_seq=min_seq)
+    def publish_manifest(self, manifest: Manifest, ttl: float) -> bool:
+        return self._store("manifest", manifest, ttl)
 
-    def get_peers(self, run_id: str) -> tuple[dict[str, PeerRecord], list[str]]:
+    def get_manifest(self, min_seq: int = 0) -> Manifest | None:
+        found = self._dht_get("manifest")
+        return None if found is None else unseal(Manifest, found.value, author=self.coordinator, min_seq=min_seq)
+
+    def publish_plan(self, plan: Plan, ttl: float) -> bool:
+        return self._store("plan", plan, ttl)
+
+    def get_plan(self, min_seq: int = 0) -> Plan | None:
+        found = self._dht_get("plan")
+        return None if found is None else unseal(Plan, found.value, author=self.coordinator, min_seq=min_seq)
+
+    def publish_certificate(self, cert: Certificate, ttl: float) -> bool:
+        return self._store("certs", cert, ttl, subkey=cert.peer_id)
+
+    def get_certificate(self, peer_id: str) -> Certificate | None:
+        """The coordinator's answer to ``peer_id``'s admission request, if any (RecordError if forged)."""
+        found = self._dht_get("certs")
+        item = found.value.get(peer_id) if found is not None and isinstance(found.value, dict) else None
+        if item is None:
+            return None
+        cert = unseal(Certificate, item.value, author=self.coordinator)
+        if cert.peer_id != peer_id:
+            raise RecordError(f"certificate for {cert.peer_id[-6:]} stored under {peer_id[-6:]}")
+        return cert
+
+    # -- each peer's records (it signs them under its own id)
+
+    def publish_peer(self, record: PeerRecord, ttl: float) -> bool:
+        """Store this peer's heartbeat; it expires after ``ttl`` seconds unless refreshed."""
+        return self._store("peers", self._own(record), ttl, subkey=record.peer_id)
+
+    def get_peers(self) -> tuple[dict[str, PeerRecord], list[str]]:
         """Valid peer records by id, and the reasons any others were refused."""
-        return self._get_signed_by_subkey(peers_key(run_id), PeerRecord, "peer record", {})
+        return self._get_signed_by_subkey("peers", PeerRecord, "peer record", {})
 
-    def publish_links(self, run_id: str, report: LinkReport, ttl: float) -> bool:
+    def publish_links(self, report: LinkReport, ttl: float) -> bool:
         """Store this peer's signed link report; it expires after ``ttl`` seconds unless refreshed."""
-        if report.peer_id != self.identity.peer_id:
-            raise ValueError(f"a link report of {report.peer_id[-6:]} cannot be published by {self.identity.peer_id[-6:]}")
-        return self.store(links_key(run_id), report, ttl, subkey=report.peer_id)
+        return self._store("links", self._own(report), ttl, subkey=report.peer_id)
 
-    def get_links(self, run_id: str, min_seq: Mapping[str, int] | None = None) -> tuple[dict[str, LinkReport], list[str]]:
+    def get_links(self, min_seq: Mapping[str, int] | None = None) -> tuple[dict[str, LinkReport], list[str]]:
         """Valid link reports by peer id, and the reasons any others were refused.
 
         ``min_seq`` holds the newest ``seq`` already accepted per peer; older reports are refused.
         """
-        return self._get_signed_by_subkey(links_key(run_id), LinkReport, "link report", min_seq or {})
+        return self._get_signed_by_subkey("links", LinkReport, "link report", min_seq or {})
 
-    def _get_signed_by_subkey(self, key: str, model: type[_S], what: str,
+    def request_admission(self, request: AdmissionRequest, ttl: float) -> bool:
+        return self._store("admission", self._own(request), ttl, subkey=request.peer_id)
+
+    def get_admissions(self) -> tuple[dict[str, AdmissionRequest], list[str]]:
+        return self._get_signed_by_subkey("admission", AdmissionRequest, "admission request", {})
+
+    def _own(self, record: Any) -> Any:
+        if record.peer_id != self.identity.peer_id:
+            raise ValueError(f"a record of {record.peer_id[-6:]} cannot be published by {self.identity.peer_id[-6:]}")
+        return record
+
+    def _get_signed_by_subkey(self, kind: str, model: type[_S], what: str,
                               min_seq: Mapping[str, int]) -> tuple[dict[str, _S], list[str]]:
-        """Records stored one per peer under ``key``, each signed by the peer its subkey names."""
-        found = self._dht_get(key, latest=True)
+        """Records stored one per peer under ``kind``, each signed by the peer its subkey names."""
+        found = self._dht_get(kind)
         records: dict[str, _S] = {}
         refused: list[str] = []
         if found is None or not isinstance(found.value, dict):

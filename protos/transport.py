@@ -6,6 +6,13 @@ same way: deliberate message size limits, counting every byte sent and received 
 figures the logs, ``/metrics`` and the status page show), and turning a handler's
 :class:`Rejected` into a gRPC status with a clear reason, logged once on the receiving side.
 
+With a :class:`~potluck.protos.certs.TlsIdentity`, both sides run mutual TLS with certificates
+from the run's CA: the server learns who calls from the client certificate and refuses a message
+whose ``header.sender`` says otherwise (or whose sender was evicted), and the client names the
+peer id it means to reach, so a reply can only come from that key. Every client identity (a
+certificate's peer id, else a remote host) may hold at most ``per_client`` calls at once, so an
+idle or slow client cannot occupy the server's threads; connections are closed after an hour.
+
 Given a :class:`~potluck.protos.netem.NetEm`, server and client also play an emulated wide-area
 network (delay and bandwidth per region pair) through gRPC interceptors, so every RPC, present and
 future, crosses it; without one no interceptor is installed.
@@ -20,9 +27,11 @@ from concurrent import futures
 from typing import Protocol, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos import potluck_pb2_grpc as pb_grpc
+from potluck.protos.certs import TlsIdentity, peer_of
 from potluck.protos.errors import check_port_free, explain_bind_failure
 from potluck.protos.log import get_logger, short_id
 from potluck.protos.netem import NetEm
@@ -32,6 +41,13 @@ log = get_logger(__name__)
 # One chunk carries at most SyncConfig.chunk_bytes (<= 4 MiB) of payload plus scales and header;
 # 8 MiB bounds any single message we accept or send, whatever a misbehaving sender claims.
 MAX_MESSAGE_BYTES = 8 << 20
+PER_CLIENT_CALLS = 12
+SERVER_OPTIONS = [
+    ("grpc.max_connection_age_ms", 3_600_000),  # long-lived idle streams end, whatever a client does
+    ("grpc.max_connection_age_grace_ms", 600_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -172,39 +188,124 @@ def _counted(messages: Iterable[M], count: Callable[[int], None]) -> Iterator[M]
         yield m
 
 
-class _Servicer(pb_grpc.PeerServiceServicer):
-    def __init__(self, handlers: Handlers, traffic: Traffic, on_reject: Callable[[str, str, str], None]) -> None:
+class _Malformed:
+    """A request that does not parse as its message type: refused as BAD_MESSAGE, never handed on."""
+
+    def __init__(self, size: int, error: str) -> None:
+        self.size, self.error = size, error
+
+    def ByteSize(self) -> int:  # noqa: N802 (as a protobuf message, for the byte counts)
+        return self.size
+
+
+def _parser(cls: type[Message]) -> Callable[[bytes], Message | _Malformed]:
+    """Parse requests ourselves: gRPC's own parser would answer INTERNAL and log a traceback per bad message."""
+    def parse(data: bytes) -> Message | _Malformed:
+        try:
+            return cls.FromString(data)
+        except (DecodeError, ValueError, RecursionError) as err:
+            return _Malformed(len(data), str(err)[:200] or "cannot parse")
+    return parse
+
+
+def _rpc_handlers(servicer: object) -> grpc.GenericRpcHandler:
+    """The PeerService methods of ``servicer`` as gRPC handlers, from the service's descriptor."""
+    service = pb.DESCRIPTOR.services_by_name["PeerService"]
+    kinds = {(False, False): grpc.unary_unary_rpc_method_handler, (True, False): grpc.stream_unary_rpc_method_handler,
+             (False, True): grpc.unary_stream_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+    return grpc.method_handlers_generic_handler(service.full_name, {
+        m.name: kinds[(m.client_streaming, m.server_streaming)](
+            getattr(servicer, m.name), request_deserializer=_parser(getattr(pb, m.input_type.name)),
+            response_serializer=lambda reply: reply.SerializeToString())
+        for m in service.methods})
+
+
+class _Servicer:
+    def __init__(self, handlers: Handlers, traffic: Traffic, on_reject: Callable[[str, str, str], None],
+                 tls: bool, revoked: Callable[[str], bool], per_client: int) -> None:
         self.h, self.traffic, self.on_reject = handlers, traffic, on_reject
+        self.tls, self.revoked, self.per_client = tls, revoked, per_client
+        self._active: dict[str, int] = defaultdict(int)
+        self._lock = threading.Lock()
+
+    def _enter(self, context: grpc.ServicerContext) -> str:
+        """Who calls (the certificate's peer id, or the remote host without TLS); refuse if over its share."""
+        who = peer_of(context.auth_context()) if self.tls else context.peer().rsplit(":", 1)[0]
+        if self.tls and not who:
+            raise Rejected(pb.BAD_IDENTITY, "no client certificate")
+        if self.tls and self.revoked(who):
+            raise Rejected(pb.BAD_IDENTITY, f"{short_id(who)} was evicted from this run", who)
+        with self._lock:
+            if self._active[who] >= self.per_client:
+                raise Rejected(pb.OVERLOADED, f"{self.per_client} calls of this client are running already", who)
+            self._active[who] += 1
+        return who
+
+    def _leave(self, who: str) -> None:
+        with self._lock:
+            self._active[who] -= 1
+            if not self._active[who]:
+                del self._active[who]
+
+    def _claims(self, who: str, message: object) -> None:
+        """A message must parse, and with TLS its sender must be the certificate's peer id."""
+        if isinstance(message, _Malformed):
+            raise Rejected(pb.BAD_MESSAGE, f"malformed message: {message.error}", who)
+        sender = getattr(getattr(message, "header", None), "sender", "")
+        if self.tls and sender != who:
+            raise Rejected(pb.BAD_IDENTITY, f"the header says {sender[:64]!r}, the certificate {short_id(who)}", who)
+
+    def _checked(self, who: str, messages: Iterator[M]) -> Iterator[M]:
+        for m in messages:
+            self._claims(who, m)
+            yield m
 
     def _unary(self, method: str, request: object, context: grpc.ServicerContext, fn: Callable) -> object:
         kind = KIND_BY_METHOD[method]
         self.traffic.add_received(kind, request.ByteSize())  # type: ignore[attr-defined]
+        who = ""
         try:
+            who = self._enter(context)
+            self._claims(who, request)
             reply = fn(request)
         except Rejected as r:
             self._reject(method, request, r, context)
         except Exception as err:  # a bug in a handler must not kill the server thread silently
             log.exception("%s handler failed", method)
             context.abort(grpc.StatusCode.INTERNAL, f"{method} failed: {err}")
+        finally:
+            if who:
+                self._leave(who)
         self.traffic.add_sent(kind, reply.ByteSize())
         return reply
 
     def _client_stream(self, method: str, it: Iterator, context: grpc.ServicerContext, fn: Callable) -> object:
         kind = KIND_BY_METHOD[method]
+        who = ""
         try:
-            reply = fn(_counted(it, lambda n: self.traffic.add_received(kind, n)))
+            who = self._enter(context)
+            reply = fn(self._checked(who, _counted(it, lambda n: self.traffic.add_received(kind, n))))
         except Rejected as r:
             self._reject(method, None, r, context)
+        except grpc.RpcError:  # reading the stream failed: the client cancelled it or went away mid-stream
+            log.info("%s from %s: the stream ended early (the sender cancelled it or went away)", method, short_id(who))
+            context.abort(grpc.StatusCode.CANCELLED, f"{method}: the stream ended early")
         except Exception as err:
             log.exception("%s handler failed", method)
             context.abort(grpc.StatusCode.INTERNAL, f"{method} failed: {err}")
+        finally:
+            if who:
+                self._leave(who)
         self.traffic.add_sent(kind, reply.ByteSize())
         return reply
 
     def _server_stream(self, method: str, request: object, context: grpc.ServicerContext, fn: Callable) -> Iterator:
         kind = KIND_BY_METHOD[method]
         self.traffic.add_received(kind, request.ByteSize())  # type: ignore[attr-defined]
+        who = ""
         try:
+            who = self._enter(context)
+            self._claims(who, request)
             for m in fn(request):
                 self.traffic.add_sent(kind, m.ByteSize())
                 yield m
@@ -213,6 +314,9 @@ class _Servicer(pb_grpc.PeerServiceServicer):
         except Exception as err:
             log.exception("%s handler failed", method)
             context.abort(grpc.StatusCode.INTERNAL, f"{method} failed: {err}")
+        finally:
+            if who:
+                self._leave(who)
 
     def _reject(self, method: str, request: object, r: Rejected, context: grpc.ServicerContext) -> None:
         sender = r.sender or getattr(getattr(request, "header", None), "sender", "") or "?"
@@ -260,21 +364,28 @@ class PeerServer:
         traffic: Traffic,
         host: str = "0.0.0.0",
         port: int = 0,
-        workers: int = 32,
+        workers: int = 64,
         on_reject: Callable[[str, str, str], None] = _log_reject,
         netem: NetEm | None = None,
+        tls: TlsIdentity | None = None,
+        revoked: Callable[[str], bool] = lambda peer_id: False,
+        per_client: int = PER_CLIENT_CALLS,
     ) -> None:
         # gRPC sets SO_REUSEPORT by default: a second server on a taken port would bind silently and
         # get a share of its connections. Probe first (a clear error), and bind without it.
         check_port_free("gRPC port", host, port, "--grpc-port")
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
-            options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)],
+            options=[*CHANNEL_OPTIONS, *SERVER_OPTIONS, ("grpc.so_reuseport", 0)],
             interceptors=[netem.server_interceptor()] if netem else None,
+            maximum_concurrent_rpcs=4 * workers,  # beyond that, callers are told RESOURCE_EXHAUSTED at once
         )
-        pb_grpc.add_PeerServiceServicer_to_server(_Servicer(handlers, traffic, on_reject), self.server)
+        servicer = _Servicer(handlers, traffic, on_reject, tls is not None, revoked, per_client)
+        self.server.add_generic_rpc_handlers((_rpc_handlers(servicer),))
         try:
-            self.port = self.server.add_insecure_port(f"{host}:{port}")
+            where = f"{host}:{port}"
+            self.port = (self.server.add_secure_port(where, tls.server_credentials()) if tls is not None
+                         else self.server.add_insecure_port(where))
         except RuntimeError:  # newer grpcio raises where older ones returned 0
             self.port = 0
         if self.port == 0:
@@ -287,67 +398,78 @@ class PeerServer:
 
 
 class PeerClient:
-    """Calls other peers' PeerService; one channel per address, reused across calls.
+    """Calls other peers' PeerService; one channel per address (and peer id), reused across calls.
 
-    With ``netem``, every call is tagged with this process's region, for the receiver to emulate.
+    With ``tls``, every call names the peer id it means to reach (``peer``): the channel checks the
+    server's certificate is that peer's, so a reply can only come from its key. With ``netem``,
+    every call is tagged with this process's region, for the receiver to emulate.
     """
 
-    def __init__(self, traffic: Traffic, netem: NetEm | None = None) -> None:
-        self.traffic = traffic
+    def __init__(self, traffic: Traffic, netem: NetEm | None = None, tls: TlsIdentity | None = None) -> None:
+        self.traffic, self.tls = traffic, tls
         self._tag = netem.client_interceptor() if netem else None
         self._lock = threading.Lock()
-        self._stubs: dict[str, pb_grpc.PeerServiceStub] = {}
-        self._channels: dict[str, grpc.Channel] = {}
+        self._stubs: dict[tuple[str, str, int], pb_grpc.PeerServiceStub] = {}
+        self._channels: dict[tuple[str, str, int], grpc.Channel] = {}
 
-    def stub(self, address: str) -> pb_grpc.PeerServiceStub:
+    def stub(self, address: str, peer: str = "") -> pb_grpc.PeerServiceStub:
+        tls = self.tls
+        if tls is not None and not peer:
+            raise ValueError(f"a call to {address} over TLS must name the peer id it is meant for")
+        key = (address, peer if tls is not None else "", tls.generation if tls is not None else 0)
         with self._lock:
-            stub = self._stubs.get(address)
+            stub = self._stubs.get(key)
             if stub is None:
-                channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                if tls is not None:
+                    options = [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", peer.lower())]
+                    channel = grpc.secure_channel(address, tls.channel_credentials(), options=options)
+                else:
+                    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
                 if self._tag is not None:
                     channel = grpc.intercept_channel(channel, self._tag)
-                self._channels[address] = channel
-                stub = self._stubs[address] = pb_grpc.PeerServiceStub(channel)
+                self._channels[key] = channel
+                stub = self._stubs[key] = pb_grpc.PeerServiceStub(channel)
             return stub
 
-    def ping(self, address: str, request: pb.PingRequest, timeout: float) -> pb.PingReply:
+    def ping(self, address: str, request: pb.PingRequest, timeout: float, peer: str = "") -> pb.PingReply:
         self.traffic.add_sent("probe", request.ByteSize())
-        reply = self.stub(address).Ping(request, timeout=timeout)
+        reply = self.stub(address, peer).Ping(request, timeout=timeout)
         self.traffic.add_received("probe", reply.ByteSize())
         return reply
 
-    def push_contribution(self, address: str, chunks: Iterable[pb.ShardChunk], timeout: float) -> pb.Ack:
-        return self.stub(address).PushContribution(
+    def push_contribution(self, address: str, chunks: Iterable[pb.ShardChunk], timeout: float, peer: str = "") -> pb.Ack:
+        return self.stub(address, peer).PushContribution(
             _counted(chunks, lambda n: self.traffic.add_sent("outer", n)), timeout=timeout
         )
 
-    def push_result(self, address: str, chunks: Iterable[pb.ShardChunk], timeout: float) -> pb.Ack:
-        return self.stub(address).PushResult(
+    def push_result(self, address: str, chunks: Iterable[pb.ShardChunk], timeout: float, peer: str = "") -> pb.Ack:
+        return self.stub(address, peer).PushResult(
             _counted(chunks, lambda n: self.traffic.add_sent("outer", n)), timeout=timeout
         )
 
-    def fetch_result(self, address: str, request: pb.ResultRequest, timeout: float) -> Iterator[pb.ShardChunk]:
+    def fetch_result(self, address: str, request: pb.ResultRequest, timeout: float, peer: str = "") -> Iterator[pb.ShardChunk]:
         self.traffic.add_sent("outer", request.ByteSize())
         return _counted(
-            self.stub(address).FetchResult(request, timeout=timeout), lambda n: self.traffic.add_received("outer", n)
+            self.stub(address, peer).FetchResult(request, timeout=timeout), lambda n: self.traffic.add_received("outer", n)
         )
 
-    def get_state_info(self, address: str, request: pb.StateInfoRequest, timeout: float) -> pb.StateInfo:
+    def get_state_info(self, address: str, request: pb.StateInfoRequest, timeout: float, peer: str = "") -> pb.StateInfo:
         self.traffic.add_sent("state", request.ByteSize())
-        info = self.stub(address).GetStateInfo(request, timeout=timeout)
+        info = self.stub(address, peer).GetStateInfo(request, timeout=timeout)
         self.traffic.add_received("state", info.ByteSize())
         return info
 
-    def fetch_state(self, address: str, request: pb.StateRequest, timeout: float) -> Iterator[pb.StateChunk]:
+    def fetch_state(self, address: str, request: pb.StateRequest, timeout: float, peer: str = "") -> Iterator[pb.StateChunk]:
         self.traffic.add_sent("state", request.ByteSize())
         return _counted(
-            self.stub(address).FetchState(request, timeout=timeout), lambda n: self.traffic.add_received("state", n)
+            self.stub(address, peer).FetchState(request, timeout=timeout), lambda n: self.traffic.add_received("state", n)
         )
 
-    def push_pipe(self, address: str, request: pb.PipeMessage, timeout: float, nbytes: int | None = None) -> pb.Ack:
+    def push_pipe(self, address: str, request: pb.PipeMessage, timeout: float, nbytes: int | None = None,
+                  peer: str = "") -> pb.Ack:
         """``nbytes``: ``request.ByteSize()`` if the caller has it (it serializes the whole message)."""
         self.traffic.add_sent("pipeline", request.ByteSize() if nbytes is None else nbytes)
-        ack = self.stub(address).PushPipe(request, timeout=timeout)
+        ack = self.stub(address, peer).PushPipe(request, timeout=timeout)
         self.traffic.add_received("pipeline", ack.ByteSize())
         return ack
 

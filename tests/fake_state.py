@@ -3,7 +3,12 @@
     make_state(peers=1000, stages=4, replicas=8, steps=120, hole=True)
 
 Peers fill the grid first (stage-major), the rest wait, a few are lost or gone; history, series,
-events and links look like a run that has trained ``steps`` outer steps. Deterministic per seed.
+events and links look like a run that has trained ``steps`` outer steps. A run of 10 steps or more
+has lived through one failed round: two steps were rolled back and re-run in epoch 1. Owners clip
+or reject a member's update now and then, and the peers' ``clipped``/``rejected`` counts agree with
+the history. Per-member maps (``state_hashes``, ``stages``, ``tasklets``) fill only the newest
+``detail`` entries, so 1,000 peers stay light; the coordinator keeps them on every entry.
+Deterministic per seed.
 """
 
 from __future__ import annotations
@@ -37,8 +42,12 @@ def make_state(
     parameters: int = 1_234_567,
     inner_steps: int = 30,
     outer_steps: int | None = None,
+    security: str = "mtls",
+    admission: str = "open",
+    detail: int = 16,
 ) -> dict[str, Any]:
     rng = random.Random(seed)
+    aux = random.Random(seed + 1)  # for the fields added later: the figures above stay what they were
     outer_steps = max(100, steps) if outer_steps is None else outer_steps
     now = time.time() if now is None else now
     started = now - 60.0 - 5.0 * steps
@@ -96,19 +105,34 @@ def make_state(
                 c["state"] = "lost"
 
     n_members = max(1, replicas)
+    # one failed round in a run long enough: steps base+1 and base+2 were undone and re-run in epoch 1
+    base = steps // 2 - 2 if steps >= 10 else None
     history = []
     for v in range(1, steps + 1):
         outer = int(2 * (n_members - 1) / n_members * parameters / stages) * n_members if n_members > 1 else 0
         act = rng.randint(10**6, 10**7) if stages > 1 else 0
         grad = rng.randint(10**6, 10**7) if stages > 1 else 0
-        history.append({
+        entry = {
             "step": v, "t": started + 60.0 + 5.0 * v, "members": n_members * stages,
             "loss": round(floor + 7.5 * math.exp(-v / 25) + rng.uniform(0, 0.15), 4),
             "eval_loss": round(floor + 7.6 * math.exp(-v / 25), 4) if v % 2 == 0 else None,
-            "outer_s": round(rng.uniform(0.2, 3.0), 3), "state_hashes": {},
+            "outer_s": round(rng.uniform(0.2, 3.0), 3),
             "bytes": {"activations": act, "gradients": grad, "outer": outer},
             "bytes_fp32": {"activations": act * 8, "gradients": grad * 4, "outer": outer * 4},
-        })
+        }
+        epoch = 1 if base is not None and v > base else 0
+        history.append(_robust(entry, epoch, cells, stages, aux, detail=v > steps - detail))
+    rolled_back, failed_rounds = [], []
+    if base is not None:  # the first tries of base+1 and base+2, before the round of base+3 failed
+        t_base = started + 60.0 + 5.0 * base
+        for v in (base + 1, base + 2):
+            undone = _robust({**history[v - 1], "t": t_base + 1.5 * (v - base)}, 0, cells, stages, aux, detail=False)
+            rolled_back.append({**undone, "rolled_back": True})
+        failed_rounds.append({"step": base + 3, "epoch": 0, "reason": "no member made progress for 60 s",
+                              "members": n_members * stages, "rolled_back_to": base, "t": t_base + 4.0})
+    flagged = {kind: [pid for h in history for pid in h[kind]] for kind in ("clipped", "rejected")}
+    for p in table:
+        p["clipped"], p["rejected"] = flagged["clipped"].count(p["id"]), flagged["rejected"].count(p["id"])
     n_live = sum(1 for p in table if p["state"] not in ("lost", "left", "finished"))
     series = [
         {"t": now - 2.0 * k, "tokens_per_s": round(rng.uniform(0.8, 1.0) * 9000 * n_live, 1),
@@ -131,6 +155,7 @@ def make_state(
     trainers = [p for p in live if p["state"] == "training"]
     compute = sum(p["compute_s"] for p in table)
     sync = sum(p["sync_s"] for p in table)
+    by_id = {p["id"]: p for p in table}
     return {
         "api": "potluck.status/v1",
         "generated_at": now,
@@ -138,8 +163,9 @@ def make_state(
             "run_id": f"run-{seed:06x}", "coordinator": "12D3KooWCoordinator" + "x" * 33,
             "join_address": "/ip4/10.0.0.1/tcp/31337/p2p/12D3KooWCoordinator",
             "status_url": "http://10.0.0.1:8080/", "finished": finished, "started_at": started,
+            "security": security, "admission": admission,
             "outer_step": outer_steps if finished else steps, "outer_steps_total": outer_steps,
-            "inner_steps_per_outer": inner_steps,
+            "inner_steps_per_outer": inner_steps, "epoch": len(failed_rounds),
             "inner_step": min((p["inner_step"] for p in trainers), default=0),
             "model": {"parameters": parameters, "d_model": 256, "n_layers": 4, "n_heads": 4, "vocab_size": 256,
                       "seq_len": 128},
@@ -156,16 +182,45 @@ def make_state(
         },
         "grid": {"stages": stages, "replicas": replicas, "cells": cells},
         "round": {
-            "step": steps + 1, "base_hash": "ab" * 8, "decided_at": now - 3.0,
-            "members": [{"peer_id": c["peer"], "address": "10.0.0.2:1"} for c in cells],
+            "step": steps + 1, "base_hash": "ab" * 8, "decided_at": now - 3.0, "stages": stages,
+            "base_hashes": [f"{s:02x}" * 8 for s in range(stages)] if stages > 1 else [], "epoch": len(failed_rounds),
+            "members": [{"peer_id": c["peer"], "address": by_id[c["peer"]]["address"], "stage": c["stage"],
+                         "replica": c["replica"]} for c in cells],
         } if cells else None,
         "history": history,
+        "rolled_back": rolled_back,
+        "failed_rounds": failed_rounds,
         "series": series,
         "peers": table,
         "links": {"peers": link_ids, "rtt_ms": rtt, "bandwidth_mbps": bw},
         "events": events,
         "config": {"heartbeat_timeout_s": heartbeat_timeout_s},
     }
+
+
+def _robust(entry: dict[str, Any], epoch: int, cells: list[dict[str, Any]], stages: int, rng: random.Random,
+            detail: bool) -> dict[str, Any]:
+    """``entry`` with what its members reported besides losses and bytes: epoch, per-member maps (when
+    ``detail``), the members an all-reduce went on without, and the updates owners clipped or rejected."""
+    ids = [c["peer"] for c in cells]
+    v = entry["step"]
+    dropped, clipped, rejected = ([rng.choice(ids)] if ids and v % k == 0 else [] for k in (11, 7, 13))
+    per_stage = len(cells) // max(1, stages)
+    out = {**entry, "epoch": epoch, "dropped": dropped, "clipped": clipped, "rejected": rejected,
+           "contributors": max(1, per_stage - len(dropped) - len(rejected)) if cells else None,
+           "state_hashes": {}, "stages": {}, "tasklets": {}}
+    if detail:
+        out["state_hashes"] = {c["peer"]: f"{v:04x}{c['stage']:04x}" * 2 for c in cells}
+        out["stages"] = {c["peer"]: c["stage"] for c in cells}
+        out["tasklets"] = {c["peer"]: [c["stage"], c["replica"]] for c in cells}
+    if stages > 1:
+        b, f = entry["bytes"], entry["bytes_fp32"]
+        out["by_stage"] = {str(s): {
+            "activations": b["activations"] // stages, "activations_fp32": f["activations"] // stages,
+            "gradients": b["gradients"] // stages, "gradients_fp32": f["gradients"] // stages,
+            "losses": [entry["loss"]] * per_stage if s == stages - 1 and entry["loss"] is not None else [],
+        } for s in range(stages)}
+    return out
 
 
 def fresh_state(now: float | None = None) -> dict[str, Any]:

@@ -26,6 +26,13 @@ def test_defaults_are_valid_and_round_trip_through_toml() -> None:
     assert cfg.diloco.outer_lr == 0.7 and cfg.diloco.outer_momentum == 0.9
 
 
+
+def test_robust_aggregation_can_be_switched_off_in_a_run_file() -> None:
+    """A plain mean must be expressible in TOML (which has no null): clip_factor 0, reject_below -1."""
+    cfg = apply_overrides(RunConfig(), {"sync.clip_factor": 0.0, "sync.reject_below": -1.0})
+    back = parse_config(tomllib.loads(dump_toml(cfg)))
+    assert (back.sync.clip_factor, back.sync.reject_below) == (0.0, -1.0)
+
 @pytest.mark.parametrize(
     "data,field",
     [

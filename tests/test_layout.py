@@ -54,6 +54,9 @@ def test_the_entry_rooms_stay_small(path: str) -> None:
     assert lines < 250, f"{path} has {lines} lines; move a responsibility into a room of its own"
 
 
+INITIALIZERS = ("__init__", "__post_init__", "setup")  # setup: how socketserver handlers initialise
+
+
 def first_set_outside_init(path: Path) -> list[str]:
     """Attributes of ``self`` assigned in a method before (or without) being assigned in ``__init__``."""
     out = []
@@ -68,7 +71,7 @@ def first_set_outside_init(path: Path) -> list[str]:
                 for t in targets:
                     for el in (t.elts if isinstance(t, ast.Tuple) else [t]):
                         if isinstance(el, ast.Attribute) and isinstance(el.value, ast.Name) and el.value.id == "self":
-                            (init.add(el.attr) if fn.name == "__init__" else others.setdefault(el.attr, fn.name))
+                            (init.add(el.attr) if fn.name in INITIALIZERS else others.setdefault(el.attr, fn.name))
         out += [f"{cls.name}.{a} (first set in {m})" for a, m in others.items() if a not in init | dataclass_fields]
     return out
 

@@ -17,10 +17,11 @@ import pytest
 
 from potluck.peer.links import LinkConfig, LinkProber, LinkReport, LinkStat
 from potluck.protos import potluck_pb2 as pb
+from potluck.protos.dhtguard import run_key
 from potluck.protos.identity import Identity
 from potluck.protos.netem import NetEm, Topology, TopologyError
 from potluck.protos.records import seal
-from potluck.protos.swarm import SwarmNode, links_key
+from potluck.protos.swarm import SwarmNode
 from potluck.protos.transport import PeerClient, PeerServer, Rejected, Traffic
 
 DELAY_MS, MBPS = 40.0, 50.0
@@ -243,24 +244,23 @@ def test_observed_transfers_refresh_bandwidth() -> None:
 
 def test_link_reports_travel_the_dht_signed() -> None:
     a_id, b_id, mallory = Identity.generate(), Identity.generate(), Identity.generate()
-    a = SwarmNode(a_id, host="127.0.0.1")
-    b = SwarmNode(b_id, initial_peers=a.maddrs, host="127.0.0.1")
+    a = SwarmNode(a_id, coordinator=a_id.peer_id, host="127.0.0.1")
+    b = SwarmNode(b_id, coordinator=a_id.peer_id, initial_peers=a.maddrs, host="127.0.0.1")
     try:
         report = LinkReport(peer_id=a_id.peer_id, ts=time.time(), seq=1,
                             links={b_id.peer_id: LinkStat(rtt_ms=80.0, bandwidth_mbps=50.0, samples=3, ts=time.time())})
-        assert a.publish_links("r", report, ttl=60)
+        assert a.publish_links(report, ttl=60)
         with pytest.raises(ValueError, match="cannot be published"):
-            b.publish_links("r", report, ttl=60)
-        # mallory claims to be a peer and signs with her own key; and an unsigned value
+            b.publish_links(report, ttl=60)
+        # mallory claims to be a peer and signs with her own key; and an unsigned value: no node keeps them
         forged = LinkReport(peer_id=b_id.peer_id, links={a_id.peer_id: LinkStat(rtt_ms=1.0, bandwidth_mbps=1e5)})
-        assert b.dht.store(links_key("r"), seal(mallory, forged), expiration_time=_expire(60), subkey=b_id.peer_id)
-        assert b.dht.store(links_key("r"), "not signed", expiration_time=_expire(60), subkey=mallory.peer_id)
-        reports, refused = b.get_links("r")
-        assert set(reports) == {a_id.peer_id}
+        key = run_key(a_id.peer_id, "links")
+        assert not b.dht.store(key, seal(mallory, forged, 60), expiration_time=_expire(60), subkey=b_id.peer_id)
+        assert not b.dht.store(key, "not signed", expiration_time=_expire(60), subkey=mallory.peer_id)
+        reports, refused = b.get_links()
+        assert set(reports) == {a_id.peer_id} and not refused
         assert reports[a_id.peer_id].links[b_id.peer_id].bandwidth_mbps == 50.0
-        assert len(refused) == 2 and any("must come from" in r for r in refused)
-        assert any("not a signed record" in r for r in refused)
-        _, refused = b.get_links("r", min_seq={a_id.peer_id: 2})
+        _, refused = b.get_links(min_seq={a_id.peer_id: 2})
         assert any("stale LinkReport" in r for r in refused)
     finally:
         b.shutdown()

@@ -70,33 +70,45 @@ def manifest(ident: Identity, **kw) -> Manifest:  # type: ignore[no-untyped-def]
 
 def test_signed_record_round_trip() -> None:
     ident = Identity.generate()
-    value = seal(ident, manifest(ident))
+    value = seal(ident, manifest(ident), 60)
     assert unseal(Manifest, value, author=ident.peer_id).run_id == "r"
 
 
 def test_forged_record_is_refused() -> None:
     coordinator, mallory = Identity.generate(), Identity.generate()
-    forged = seal(mallory, manifest(coordinator))
+    forged = seal(mallory, manifest(coordinator), 60)
     with pytest.raises(RecordError, match="must come from"):
         unseal(Manifest, forged, author=coordinator.peer_id)
-    tampered = seal(coordinator, manifest(coordinator))
+    tampered = seal(coordinator, manifest(coordinator), 60)
     body = json.loads(tampered["body"])
     body["finished"] = True
     tampered["body"] = json.dumps(body).encode()
     with pytest.raises(RecordError, match="bad signature"):
         unseal(Manifest, tampered, author=coordinator.peer_id)
-    stolen = dict(seal(mallory, manifest(coordinator)), by=coordinator.peer_id)
+    stolen = dict(seal(mallory, manifest(coordinator), 60), by=coordinator.peer_id)
     with pytest.raises(RecordError, match="bad signature"):
         unseal(Manifest, stolen, author=coordinator.peer_id)
+
+
+def test_expired_and_undated_records_are_refused() -> None:
+    """The signed body carries its expiry: a genuine old record replayed later is refused."""
+    ident = Identity.generate()
+    old = seal(ident, manifest(ident), -3600)
+    with pytest.raises(RecordError, match="expired"):
+        unseal(Manifest, old, author=ident.peer_id)
+    body = json.dumps(manifest(ident).model_dump(mode="json")).encode()  # no _expires
+    undated = {"v": ENVELOPE_VERSION, "by": ident.peer_id, "body": body, "sig": ident.sign(body)}
+    with pytest.raises(RecordError, match="expir"):
+        unseal(Manifest, undated, author=ident.peer_id)
 
 
 def test_stale_and_future_records_are_refused() -> None:
     ident = Identity.generate()
     with pytest.raises(RecordError, match="stale"):
-        unseal(Manifest, seal(ident, manifest(ident, seq=3)), author=ident.peer_id, min_seq=4)
+        unseal(Manifest, seal(ident, manifest(ident, seq=3), 60), author=ident.peer_id, min_seq=4)
     rec = PeerRecord(peer_id=ident.peer_id, address="h:1", ts=time.time() + 3600)
     with pytest.raises(RecordError, match="future"):
-        unseal(PeerRecord, seal(ident, rec), author=ident.peer_id)
+        unseal(PeerRecord, seal(ident, rec, 60), author=ident.peer_id)
 
 
 @pytest.mark.parametrize(
@@ -118,11 +130,13 @@ def test_malformed_body_and_tolerant_parsing() -> None:
     def sealed(body: bytes) -> dict:
         return {"v": ENVELOPE_VERSION, "by": ident.peer_id, "body": body, "sig": ident.sign(body)}
 
+    later = time.time() + 60
     with pytest.raises(RecordError, match="not JSON"):
         unseal(Manifest, sealed(b"{nope"), author=ident.peer_id)
     with pytest.raises(RecordError, match="malformed Manifest"):
-        unseal(Manifest, sealed(json.dumps({"run_id": "r"}).encode()), author=ident.peer_id)
-    newer = {"run_id": "r", "coordinator": ident.peer_id, "config": {}, "a_field_from_the_future": [1, 2]}
+        unseal(Manifest, sealed(json.dumps({"run_id": "r", "_expires": later}).encode()), author=ident.peer_id)
+    newer = {"run_id": "r", "coordinator": ident.peer_id, "config": {}, "a_field_from_the_future": [1, 2],
+             "_expires": later}
     assert unseal(Manifest, sealed(json.dumps(newer).encode()), author=ident.peer_id).run_id == "r"
 
 

@@ -86,6 +86,24 @@ def test_goodbye_evicts_at_once() -> None:
     assert ("left", "a") in events and t.live() == []
 
 
+def test_members_that_finished_the_last_step_commit_it_and_are_not_a_lost_stage() -> None:
+    """Seen in the chaos test: a stage's members finished the run's last step (state ``finished``, still
+    serving it) while one joiner of the other stage was behind; the round was failed as "stage 0 lost all
+    its members" and the whole run rolled back to theta_0."""
+    s = Swarm(stages=2)
+    s.tick(0, *(rec(p) for p in "abcd"))
+    r = s.decide()
+    stage = {p: r.member(p).stage for p in "abcd"}
+    late = next(p for p in "abcd" if stage[p] == 1)
+    done = [rec(p, 1, "finished", "h1", stage=stage[p], prev=(0, "h0"), seq=0) for p in "abcd" if p != late]
+    events = s.tick(2, *done, rec(late, 0, "training", "h0", stage=1))
+    assert [type(e) for e in events] == [Committed] and s.rounds.committed == 1
+    assert {v.record.peer_id for v in s.table.live()} == {late}  # (finished peers are not in the next round)
+    # once they stop heartbeating they count no more, and are not reported lost
+    later = s.table.update({late: rec(late, 1, "training", "h1", stage=1, seq=99)}, 2 + 2 * TIMEOUT)
+    assert later == [] and [x.peer_id for x in s.table.reports() if x.live] == [late]
+
+
 def run_to(s: Swarm, step: int, ids: str = "abc", t0: float = 0.0) -> float:
     """Decide and commit steps 1..step with these peers; returns the clock."""
     now = t0
@@ -201,6 +219,20 @@ def test_steps_committed_on_the_last_plan_while_the_coordinator_was_away() -> No
     s.decide()
     events = s.tick(now + 30, rec("a", 6, "training", "h6"), rec("b", 6, "training", "h6"))
     assert [(e.step, e.since) for e in events] == [(6, 2)] and s.rounds.canonical(6) == "h6"
+
+
+def test_one_member_claiming_version_5000_moves_nothing() -> None:
+    """Nothing a peer says about itself is trusted alone: at least half of a stage's live members must
+    report a version for it to count, and only the round's members vote on its hash."""
+    s = Swarm()
+    now = run_to(s, 2)
+    s.decide()
+    assert s.tick(now + 1, rec("a", 5000, "training", "evil"), rec("b", 2, "training", "h2"),
+                  rec("c", 2, "training", "h2")) == []
+    assert s.rounds.committed == 2
+    events = s.tick(now + 2, rec("a", 5000, "training", "evil"), rec("b", 3, "training", "h3"),
+                    rec("c", 3, "training", "h3"))
+    assert [(e.step, e.since) for e in events] == [(3, 2)] and s.rounds.canonical(3) == "h3"
 
 
 def test_reshard_replaces_every_hash_of_the_old_layout() -> None:

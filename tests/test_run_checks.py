@@ -1,7 +1,8 @@
 """A run is checked as a whole before anything is published, and a peer trains only on the run's data.
 
-A new user's first run is the README's minimal run file: byte-level data in ``corpus.txt`` and no
-``model.vocab_size``. It must validate, train, and tell volunteers that they need the corpus; every
+A new user's first byte-level run (the README's old minimal run file, kept here as the case that
+used to fail): byte-level data in ``corpus.txt`` and no ``model.vocab_size``. It must validate,
+train, and tell volunteers that they need the corpus; every
 run its peers could not train is refused in one line that says what to change, before a journal is
 written or a manifest published.
 """

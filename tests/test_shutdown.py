@@ -250,8 +250,10 @@ def signal_twice(proc: subprocess.Popen, log: Path) -> None:
     wait_for(lambda: not group_alive(proc.pid), EXIT_S, f"{log.stem}'s process group to go")
     print(f"{log.stem}: exited {exited:.2f} s after the second SIGTERM (group gone after "
           f"{time.monotonic() - t0:.2f} s), code {proc.returncode}")
-    assert proc.returncode in (0, 128 + signal.SIGTERM), tail(log)
-    if proc.returncode:
+    # -SIGTERM: the signal came while the interpreter was finalizing, after Python had given the
+    # default disposition back, and the kernel ended the process: gone at once all the same
+    assert proc.returncode in (0, 128 + signal.SIGTERM, -signal.SIGTERM), tail(log)
+    if proc.returncode == 128 + signal.SIGTERM:
         assert "second signal" in log.read_text()
     assert exited < SECOND_S, f"{exited:.1f} s after the second SIGTERM"
 

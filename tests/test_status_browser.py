@@ -138,6 +138,7 @@ def test_page_shows_lost_contact_when_the_server_stops_and_recovers(page: Page, 
         page.goto(srv.url)
         page.wait_for_selector("[data-testid=peer-row]")
         assert page.locator("[data-testid=banner]").is_hidden()
+        assert page.locator("[data-testid=insecure-badge]").is_hidden()  # mutual TLS: nothing to warn about
         assert "updated" in page.inner_text("[data-testid=freshness]")
     finally:
         srv.stop()
@@ -155,7 +156,8 @@ def test_page_shows_lost_contact_when_the_server_stops_and_recovers(page: Page, 
 
 
 def test_details_polling_fallback_and_untrusted_names(page: Page, errors: list[str], artifacts: Path) -> None:
-    state = make_state(8, steps=6, hole=True, waiting_reason="waiting for peers: 1 of 2 needed to start")
+    state = make_state(8, steps=6, hole=True, waiting_reason="waiting for peers: 1 of 2 needed to start",
+                       security="insecure")
     evil = '<img src=x onerror="window.pwned=1">'
     state["peers"][0]["name"] = evil
     lost = next(p for p in state["peers"] if p["state"] == "lost")
@@ -166,6 +168,7 @@ def test_details_polling_fallback_and_untrusted_names(page: Page, errors: list[s
         page.wait_for_function("window.potluck.mode === 'polling'")
         assert page.inner_text("[data-testid=waiting-reason]") == "Waiting: waiting for peers: 1 of 2 needed to start"
         assert page.locator("[data-testid=finished-badge]").is_hidden()
+        assert page.locator("[data-testid=insecure-badge]").is_visible()  # plaintext gRPC: said at the top
         assert page.inner_text("[data-testid=links-empty]") == "no link measurements yet"
 
         row = page.locator(f"[data-testid=peer-row][data-peer-id='{lost['id']}']")

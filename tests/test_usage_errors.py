@@ -19,6 +19,8 @@ from potluck.protos.identity import Identity
 
 # ---------------------------------------------------------------------- ports in use
 
+COORD = Identity.generate().peer_id  # the run a test DHT node belongs to
+
 
 @pytest.fixture
 def held_port() -> Iterator[int]:
@@ -84,7 +86,7 @@ def test_dht_node_refuses_a_port_in_use_before_starting_hivemind(held_port: int)
     from potluck.protos.swarm import SwarmNode
 
     with pytest.raises(PortInUse, match=f"DHT port {held_port} on 127.0.0.1 is in use.*--dht-port"):
-        SwarmNode(Identity.generate(), host="127.0.0.1", port=held_port)
+        SwarmNode(Identity.generate(), coordinator=COORD, host="127.0.0.1", port=held_port)
 
 
 @pytest.mark.slow
@@ -92,11 +94,11 @@ def test_dht_node_refuses_the_port_of_another_dht_node() -> None:
     """p2pd binds with SO_REUSEPORT: without the check a second node listened on the same port."""
     from potluck.protos.swarm import SwarmNode
 
-    first = SwarmNode(Identity.generate(), host="127.0.0.1")
+    first = SwarmNode(Identity.generate(), coordinator=COORD, host="127.0.0.1")
     try:
         port = int(first.maddrs[0].split("/tcp/")[1].split("/")[0])
         with pytest.raises(PortInUse, match=f"DHT port {port} "):
-            SwarmNode(Identity.generate(), host="127.0.0.1", port=port)
+            SwarmNode(Identity.generate(), coordinator=COORD, host="127.0.0.1", port=port)
     finally:
         first.shutdown()
 

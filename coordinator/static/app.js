@@ -200,6 +200,7 @@
     setText("run-id", r.run_id);
     $("run-id").title = "coordinator " + r.coordinator + (r.join_address ? "\njoin: " + r.join_address : "");
     $("finished").hidden = !r.finished;
+    $("insecure").hidden = r.security !== "insecure";
     setText("st-outer", r.outer_step + " / " + r.outer_steps_total);
     $("st-progress").style.width = (r.outer_steps_total ? Math.min(100, 100 * r.outer_step / r.outer_steps_total) : 0) + "%";
     setText("st-inner", r.finished ? "all outer steps committed" : "inner step " + r.inner_step + " / " + r.inner_steps_per_outer);

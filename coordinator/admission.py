@@ -1,0 +1,187 @@
+"""Who may take part: the coordinator admits peers explicitly and certifies their TLS keys.
+
+A peer asks to be admitted with a record signed by its identity key (``potluck/<coordinator>/
+admission``, subkey its peer id) that names a fresh TLS key and, for a private run, proves it
+knows the join token (an HMAC of its peer id and TLS key under the token; the token never travels).
+The coordinator's :class:`Admission` reads those requests, applies the run's policy and answers
+each admitted peer with a certificate for that TLS key (:mod:`potluck.protos.certs`), stored under
+``potluck/<coordinator>/certs``. Certificates are short-lived and renewed while the peer keeps
+heartbeating; an evicted peer gets none, and its id goes on the plan's revocation list, so every
+peer refuses its calls at once.
+
+Policy (``admission`` section of the run file):
+
+* ``open`` (the default, volunteer runs): any key is admitted, at most ``max_per_minute`` new
+  ones a minute (a flood of fresh keys cannot swamp the coordinator; it can still join, slowly:
+  see docs/threat-model.md on Sybils).
+* ``private``: only keys that prove the join token, or whose peer id is on ``allow``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from potluck.coordinator.journal import kept_secret
+from potluck.protos.certs import CertError, CertificateAuthority, TlsIdentity, fingerprint, token_proof
+from potluck.protos.config import RunConfig
+from potluck.protos.log import get_logger, short_id
+from potluck.protos.records import AdmissionRequest, Certificate, PeerRecord, Round
+from potluck.protos.swarm import SwarmNode
+
+log = get_logger(__name__)
+
+
+@dataclass
+class Admitted:
+    tls_fingerprint: str
+    not_after: float
+    issued_at: float
+
+
+@dataclass
+class Admission:
+    ca: CertificateAuthority
+    run_id: str
+    mode: str = "open"
+    token: str = ""
+    allow: frozenset[str] = frozenset()
+    lifetime_s: float = 6 * 3600.0
+    max_per_minute: int = 120
+    admitted: dict[str, Admitted] = field(default_factory=dict)
+    revoked: set[str] = field(default_factory=set)
+    _recent: deque = field(default_factory=deque)  # wall times of recent new admissions
+    _answered: dict[str, int] = field(default_factory=dict)  # peer -> seq of the request last refused
+
+    def review(self, requests: dict[str, AdmissionRequest], now: float | None = None) -> tuple[list[Certificate], list[str]]:
+        """Certificate records to publish (new admissions, renewals, and refusals that tell the peer
+        why), and refusals worth an event. Only requests not answered yet get an answer."""
+        now = time.time() if now is None else now
+        out: list[Certificate] = []
+        refused: list[str] = []
+        while self._recent and now - self._recent[0] > 60.0:
+            self._recent.popleft()
+        for pid, req in sorted(requests.items(), key=lambda kv: kv[1].ts):
+            reason = self._refusal(pid, req)
+            if reason:
+                if self._answered.get(pid) != req.seq:
+                    self._answered[pid] = req.seq
+                    refused.append(f"{short_id(pid)} not admitted: {reason}")
+                    out.append(Certificate(peer_id=pid, refused=reason, request_seq=req.seq, seq=int(now * 1e6)))
+                continue
+            have = self.admitted.get(pid)
+            fp = fingerprint(req.tls_key.encode())
+            fresh = have is not None and have.tls_fingerprint == fp and now < have.issued_at + self.lifetime_s / 2
+            if fresh:
+                continue
+            if have is None and len(self._recent) >= self.max_per_minute:
+                if self._answered.get(pid) != req.seq:  # not a refusal: it is admitted once the minute allows
+                    self._answered[pid] = req.seq
+                    refused.append(f"{short_id(pid)} waits: more than {self.max_per_minute} admissions a minute")
+                continue
+            try:
+                cert = self.ca.issue(pid, req.tls_key.encode(), self.lifetime_s)
+            except CertError as err:
+                refused.append(f"{short_id(pid)} not admitted: {err}")
+                continue
+            if have is None:
+                self._recent.append(now)
+                log.info("admitted %s", short_id(pid))
+            self.admitted[pid] = Admitted(fp, now + self.lifetime_s, now)
+            out.append(Certificate(peer_id=pid, cert_pem=cert.decode(), not_after=now + self.lifetime_s,
+                                   request_seq=req.seq, seq=int(now * 1e6)))
+        return out, refused
+
+    def _refusal(self, pid: str, req: AdmissionRequest) -> str:
+        if pid in self.revoked:
+            return "evicted from this run"
+        if req.run_id != self.run_id:
+            return f"asks for run {req.run_id[:32]!r}"
+        if self.mode == "open" or pid in self.allow:
+            return ""
+        if self.token and hmac.compare_digest(req.proof, token_proof(self.token, self.run_id, pid, req.tls_key)):
+            return ""
+        return "this run is private: it needs the join token (potluck peer --token) or an allowlisted key"
+
+    def is_admitted(self, peer_id: str, now: float | None = None) -> bool:
+        now = time.time() if now is None else now
+        a = self.admitted.get(peer_id)
+        return a is not None and now < a.not_after and peer_id not in self.revoked
+
+    def revoke(self, peer_id: str) -> None:
+        self.revoked.add(peer_id)
+        self.admitted.pop(peer_id, None)
+
+
+CERT_TTL_S = 300.0  # the certificate records in the DHT (peers re-ask every minute; see peer/admission.py)
+RECENT_STEPS = 5
+
+
+class Gatekeeper:
+    """The coordinator's admission room: reads requests from the DHT, answers them, keeps the
+    membership to admitted peers, and evicts a peer most of whose recent steps were clipped or rejected
+    (as the owners that averaged them report)."""
+
+    def __init__(self, cfg: RunConfig, run_id: str, me: str, journal_dir: Path, revoked: list[str]) -> None:
+        a = cfg.admission
+        self.ca = CertificateAuthority.load_or_create(journal_dir / "ca.key", me)
+        self.tls = TlsIdentity.generate()  # the coordinator's own, for its server and its calls to peers
+        self.tls.adopt(self.ca.issue(me, self.tls.public_pem, 30 * 86400.0), self.ca.cert_pem, me)
+        self.token = join_token(journal_dir) if a.mode == "private" else ""
+        self.admission = Admission(self.ca, run_id, a.mode, self.token, frozenset(a.allow), a.cert_lifetime_s,
+                                   a.max_per_minute, revoked=set(revoked))
+        self.evict_after = a.evict_after
+        self._flagged: dict[str, dict[int, bool]] = {}  # peer -> step -> clipped or rejected by some owner
+
+    def tick(self, node: SwarmNode, records: dict[str, PeerRecord],
+             round_at: Callable[[int], Round | None]) -> tuple[dict[str, PeerRecord], list[tuple[str, str]]]:
+        """Answer admission requests; the records of admitted peers, and events as (peer, message):
+        admissions refused, evictions, heartbeats of strangers ignored."""
+        requests, refused = node.get_admissions()
+        certs, events = self.admission.review(requests)
+        for cert in certs:
+            node.publish_certificate(cert, ttl=CERT_TTL_S)
+        out = [("", e) for e in events + refused] + self._evictions(records, round_at)
+        kept = {pid: r for pid, r in records.items() if self.admission.is_admitted(pid)}
+        strangers = sorted(set(records) - set(kept) - self.admission.revoked)
+        return kept, out + [(p, "heartbeat ignored: not admitted") for p in strangers[:3]]
+
+    def _evictions(self, records: dict[str, PeerRecord], round_at: Callable[[int], Round | None]) -> list[tuple[str, str]]:
+        """Owners sign whom they clipped or rejected, and every member of a stage applies the same results, so
+        names the same peers in its step report. A peer counts as flagged in a step only when most of its
+        stage's members name it: one liar cannot get honest peers evicted. Flagged too often: evicted."""
+        named: dict[tuple[int, int], Counter[str]] = {}
+        for rec in records.values():
+            if not self.admission.is_admitted(rec.peer_id):
+                continue
+            for step in {s.step: s for s in rec.recent}.values():  # one vote per reporter and step
+                self._flagged.setdefault(rec.peer_id, {}).setdefault(step.step, False)  # it took part
+                named.setdefault((step.step, step.stage), Counter()).update(set(step.clipped) | set(step.rejected))
+        for (step, stage), counts in named.items():
+            rnd = round_at(step)
+            members = {m.peer_id for m in rnd.members if m.stage == stage} if rnd is not None else set()
+            for pid, n in counts.items():
+                if pid in members and 2 * n > len(members):
+                    self._flagged.setdefault(pid, {})[step] = True
+        out = []
+        for pid, steps in self._flagged.items():
+            for old in sorted(steps)[:-4 * RECENT_STEPS]:
+                del steps[old]
+            recent = [steps[s] for s in sorted(steps)[-RECENT_STEPS:]]
+            if sum(recent) >= self.evict_after and pid not in self.admission.revoked:
+                self.admission.revoke(pid)
+                out.append((pid, f"evicted: most members of its stage clipped or left out its update "
+                                 f"in {sum(recent)} of its last {len(recent)} outer steps"))
+        return out
+
+    def revoked(self, peer_id: str) -> bool:
+        return peer_id in self.admission.revoked
+
+
+def join_token(journal_dir: Path) -> str:
+    """A private run's join token: $POTLUCK_JOIN_TOKEN, else one kept in the journal dir (0600)."""
+    return kept_secret(journal_dir / "join.token", "POTLUCK_JOIN_TOKEN")

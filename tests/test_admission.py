@@ -1,0 +1,172 @@
+"""The coordinator's admission policy and evictions (coordinator/admission.py), without a swarm.
+
+Real keys and certificates throughout: the CA issues X.509 certificates that the peers' TLS side
+(:class:`potluck.protos.certs.TlsIdentity`) must accept, and refusals are what a peer is told.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from potluck.coordinator.admission import RECENT_STEPS, Admission, Gatekeeper
+from potluck.protos.certs import CertError, CertificateAuthority, TlsIdentity, check_certificate, token_proof
+from potluck.protos.config import RunConfig, apply_overrides
+from potluck.protos.identity import Identity
+from potluck.protos.records import AdmissionRequest, Member, PeerRecord, Round, StepReport
+
+RUN, T0 = "adm", 1_000_000.0
+
+
+@pytest.fixture(scope="module")
+def ca(tmp_path_factory: pytest.TempPathFactory) -> CertificateAuthority:
+    return CertificateAuthority.load_or_create(tmp_path_factory.mktemp("ca") / "ca.key", "coordinator-id")
+
+
+def asking(proof: str = "", run_id: str = RUN, seq: int = 1) -> tuple[str, TlsIdentity, AdmissionRequest]:
+    pid, tls = Identity.generate().peer_id, TlsIdentity.generate()
+    return pid, tls, AdmissionRequest(peer_id=pid, run_id=run_id, tls_key=tls.public_pem.decode(), proof=proof,
+                                      ts=T0, seq=seq)
+
+
+def test_an_open_run_certifies_the_tls_key_of_whoever_asks(ca: CertificateAuthority) -> None:
+    adm = Admission(ca, RUN)
+    pid, tls, req = asking()
+    certs, refused = adm.review({pid: req}, now=T0)
+    assert refused == [] and len(certs) == 1 and not certs[0].refused and certs[0].request_seq == 1
+    tls.adopt(certs[0].cert_pem.encode(), ca.cert_pem, pid)  # the peer's own check of what it got
+    assert check_certificate(certs[0].cert_pem.encode(), ca.cert_pem, pid).peer_id == pid
+    assert adm.is_admitted(pid, now=T0) and not adm.is_admitted(pid, now=T0 + adm.lifetime_s + 1)
+    with pytest.raises(CertError):  # a certificate names its peer: nobody else can present it
+        TlsIdentity(tls.key).adopt(certs[0].cert_pem.encode(), ca.cert_pem, Identity.generate().peer_id)
+    with pytest.raises(CertError):  # and carries its TLS key: another key cannot use it either
+        TlsIdentity.generate().adopt(certs[0].cert_pem.encode(), ca.cert_pem, pid)
+    other_ca = CertificateAuthority.load_or_create(Path(tempfile.mkdtemp(prefix="potluck-ca-")) / "ca.key", "x")
+    with pytest.raises(CertError):  # another run's CA is not this run's
+        check_certificate(certs[0].cert_pem.encode(), other_ca.cert_pem, pid)
+
+
+def test_a_private_run_needs_the_token_proof_for_this_key_or_the_allowlist(ca: CertificateAuthority) -> None:
+    token = "s3cret"
+    adm = Admission(ca, RUN, mode="private", token=token)
+    stranger, _, req = asking()
+    certs, refused = adm.review({stranger: req}, now=T0)
+    assert [c.cert_pem for c in certs] == [""] and "private" in certs[0].refused and "join token" in refused[0]
+    assert not adm.is_admitted(stranger, now=T0)
+
+    holder, tls, _ = asking()
+    good = AdmissionRequest(peer_id=holder, run_id=RUN, tls_key=tls.public_pem.decode(),
+                            proof=token_proof(token, RUN, holder, tls.public_pem.decode()), ts=T0, seq=1)
+    assert adm.review({holder: good}, now=T0)[0][0].cert_pem
+    # the proof binds the key: replayed with another TLS key (someone who saw the request) it fails
+    thief = good.model_copy(update={"tls_key": TlsIdentity.generate().public_pem.decode(), "seq": 2})
+    assert adm.review({holder: thief}, now=T0 + 1)[0][0].refused
+    # and the peer id: another peer cannot reuse it
+    other, _, _ = asking()
+    assert adm.review({other: good.model_copy(update={"peer_id": other})}, now=T0)[0][0].refused
+
+    listed, _, req = asking()
+    assert Admission(ca, RUN, mode="private", allow=frozenset({listed})).review({listed: req}, now=T0)[0][0].cert_pem
+
+
+def test_refusals_are_answered_once_per_request_and_name_the_run(ca: CertificateAuthority) -> None:
+    adm = Admission(ca, RUN, mode="private", token="t")
+    pid, _, req = asking(run_id="another-run")
+    first = adm.review({pid: req}, now=T0)
+    assert "another-run" in first[0][0].refused and first[1]
+    assert adm.review({pid: req}, now=T0 + 5) == ([], [])  # the same request again: already answered
+    assert adm.review({pid: req.model_copy(update={"seq": 2})}, now=T0 + 6)[0][0].request_seq == 2
+
+
+def test_new_admissions_are_rate_limited_and_renewals_are_not(ca: CertificateAuthority) -> None:
+    adm = Admission(ca, RUN, max_per_minute=2)
+    asks = [asking() for _ in range(3)]
+    certs, waiting = adm.review({pid: req for pid, _, req in asks}, now=T0)
+    assert len(certs) == 2 and len(waiting) == 1 and "waits" in waiting[0]
+    late = next(pid for pid, _, _ in asks if not adm.is_admitted(pid, now=T0))
+    assert adm.review({pid: req for pid, _, req in asks}, now=T0 + 30) == ([], [])  # fresh ones are not re-issued
+    certs, _ = adm.review({pid: req for pid, _, req in asks}, now=T0 + 61)
+    assert [c.peer_id for c in certs] == [late]
+    # past half its lifetime a peer's next request renews its certificate, whatever the rate
+    pid, _, req = asks[0]
+    renewal = adm.review({pid: req.model_copy(update={"seq": 5})}, now=T0 + adm.lifetime_s * 0.6)[0]
+    assert len(renewal) == 1 and renewal[0].cert_pem and adm.is_admitted(pid, now=T0 + adm.lifetime_s * 1.2)
+
+
+def test_an_evicted_peer_gets_no_certificate_again(ca: CertificateAuthority) -> None:
+    adm = Admission(ca, RUN)
+    pid, _, req = asking()
+    adm.review({pid: req}, now=T0)
+    adm.revoke(pid)
+    assert not adm.is_admitted(pid, now=T0)
+    certs, _ = adm.review({pid: req.model_copy(update={"seq": 2})}, now=T0 + 1)
+    assert certs[0].refused == "evicted from this run"
+
+
+class _Node:
+    """The two DHT calls the gatekeeper makes, answered from memory."""
+
+    def __init__(self, requests: dict[str, AdmissionRequest]) -> None:
+        self.requests, self.published = requests, []
+
+    def get_admissions(self) -> tuple[dict, list[str]]:
+        return self.requests, []
+
+    def publish_certificate(self, cert: object, ttl: float) -> None:
+        self.published.append(cert)
+
+
+def test_eviction_needs_most_of_a_stage_so_one_liar_cannot_evict_honest_peers(tmp_path: Path) -> None:
+    cfg = apply_overrides(RunConfig(), {"admission.evict_after": 3})
+    gate = Gatekeeper(cfg, RUN, Identity.generate().peer_id, tmp_path, [])
+    asks = {name: asking() for name in ("a", "b", "liar", "poisoner")}
+    node = _Node({pid: req for pid, _, req in asks.values()})
+    ids = {name: pid for name, (pid, _, _) in asks.items()}
+    rounds = {s: Round(step=s, members=[Member(peer_id=p, address="x:1", replica=i) for i, p in
+                                        enumerate(sorted(ids.values()))]) for s in range(1, RECENT_STEPS + 1)}
+
+    def record(name: str, flagged: list[str]) -> PeerRecord:
+        steps = [StepReport(step=s, clipped=flagged) for s in range(1, RECENT_STEPS + 1)]
+        return PeerRecord(peer_id=ids[name], address="x:1", recent=steps)
+
+    # the liar names both honest peers (and a stranger) in every step; the three others name the poisoner
+    records = {ids["liar"]: record("liar", [ids["a"], ids["b"], "12D3KooWnobody"])}
+    for name in ("a", "b", "poisoner"):
+        records[ids[name]] = record(name, [ids["poisoner"]])
+    kept, events = gate.tick(node, records, rounds.get)  # type: ignore[arg-type]
+    assert set(kept) == set(ids.values()) - {ids["poisoner"]}  # all four admitted on this tick, one evicted at once
+    evicted = [(pid, msg) for pid, msg in events if "evicted" in msg]
+    assert evicted == [(ids["poisoner"], evicted[0][1])] and "most members" in evicted[0][1]
+    assert gate.revoked(ids["poisoner"]) and not gate.revoked(ids["a"]) and not gate.revoked(ids["b"])
+    kept, _ = gate.tick(node, records, rounds.get)  # type: ignore[arg-type]
+    assert ids["poisoner"] not in kept  # its heartbeats no longer count, and it gets no certificate
+    assert any(c.peer_id == ids["poisoner"] and c.refused for c in node.published)
+
+
+def test_heartbeats_of_peers_never_admitted_are_ignored(tmp_path: Path) -> None:
+    gate = Gatekeeper(RunConfig(), RUN, Identity.generate().peer_id, tmp_path, [])
+    pid = Identity.generate().peer_id
+    kept, events = gate.tick(_Node({}), {pid: PeerRecord(peer_id=pid, address="x:1", version=5000)}, lambda s: None)
+    assert kept == {} and events == [(pid, "heartbeat ignored: not admitted")]
+
+
+def test_a_restarted_peer_waits_past_the_certificate_of_its_previous_tls_key(ca: CertificateAuthority) -> None:
+    """The DHT still holds the certificate issued to the identity's previous process (another TLS key):
+    that is a delay until the coordinator answers the new request, not a refusal."""
+    from types import SimpleNamespace
+
+    from potluck.peer.admission import take
+    from potluck.protos.records import Certificate
+
+    pid, old, new = Identity.generate().peer_id, TlsIdentity.generate(), TlsIdentity.generate()
+    manifest = SimpleNamespace(ca_pem=ca.cert_pem.decode())
+    answer = [Certificate(peer_id=pid, cert_pem=ca.issue(pid, old.public_pem, 3600).decode(), request_seq=1)]
+    node = SimpleNamespace(get_certificate=lambda peer_id: answer[0])
+    assert take(node, manifest, pid, new, {2}) == (False, "")  # type: ignore[arg-type]
+    answer[0] = Certificate(peer_id=pid, cert_pem=ca.issue(pid, new.public_pem, 3600).decode(), request_seq=2)
+    assert take(node, manifest, pid, new, {2}) == (True, "") and new.cert_pem  # type: ignore[arg-type]
+    answer[0] = Certificate(peer_id=pid, refused="evicted from this run", request_seq=3)
+    assert take(node, manifest, pid, TlsIdentity.generate(), {3}) == (False, "evicted from this run")  # type: ignore[arg-type]
+    assert take(node, manifest, pid, TlsIdentity.generate(), {4}) == (False, "")  # type: ignore[arg-type]

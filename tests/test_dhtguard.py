@@ -1,0 +1,87 @@
+"""Every DHT node of a run refuses records that are not the run's, not signed by their author,
+too big, or stored to live too long: with two real hivemind nodes, as an attacker would try it."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
+from hivemind.utils import MSGPackSerializer, get_dht_time
+
+from potluck.protos.dhtguard import MAX_RECORD_BYTES, RunRecords, run_key
+from potluck.protos.identity import Identity
+from potluck.protos.records import ENVELOPE_VERSION, Manifest, PeerRecord, seal
+from potluck.protos.swarm import SwarmNode
+
+COORD, PEER, MALLORY = Identity.generate(), Identity.generate(), Identity.generate()
+
+
+def record(kind: str, value: object, subkey: str | None = None, ttl: float = 60.0) -> DHTRecord:
+    return DHTRecord(DHTID.generate(source=run_key(COORD.peer_id, kind)).to_bytes(), MSGPackSerializer.dumps(subkey),
+                     MSGPackSerializer.dumps(value), get_dht_time() + ttl)
+
+
+def beat(who: Identity, ttl: float = 60.0) -> dict:
+    return seal(who, PeerRecord(peer_id=who.peer_id, address="127.0.0.1:1", seq=time.time_ns()), ttl)
+
+
+def huge(who: Identity) -> dict:
+    """A well-signed record far over the size cap (field caps stop honest code from making one)."""
+    body = json.dumps({"peer_id": who.peer_id, "address": "x", "_expires": time.time() + 60,
+                       "padding": "x" * MAX_RECORD_BYTES}).encode()
+    return {"v": ENVELOPE_VERSION, "by": who.peer_id, "body": body, "sig": who.sign(body)}
+
+
+@pytest.mark.parametrize("case,reason", [
+    ("fine", ""),
+    ("forged", "must be signed by the peer its subkey names"),
+    ("unsigned", "not a signed record"),
+    ("tampered", "bad signature"),
+    ("too-long-lived", "more than 300 s"),
+    ("outlives-its-signature", "longer than its author signed for"),
+    ("too-big", "more than"),
+    ("not-a-run-key", "not one of this run's keys"),
+    ("manifest-by-a-peer", "must be signed by the coordinator"),
+])
+def test_the_validator_says_why(case: str, reason: str) -> None:
+    v = RunRecords(COORD.peer_id)
+    r = {
+        "fine": lambda: record("peers", beat(PEER), PEER.peer_id),
+        "forged": lambda: record("peers", beat(MALLORY), PEER.peer_id),
+        "unsigned": lambda: record("peers", {"hello": 1}, PEER.peer_id),
+        "tampered": lambda: record("peers", {**beat(PEER), "body": beat(MALLORY)["body"]}, PEER.peer_id),
+        "too-long-lived": lambda: record("peers", beat(PEER, ttl=3600), PEER.peer_id, ttl=3600),
+        "outlives-its-signature": lambda: record("peers", beat(PEER, ttl=10), PEER.peer_id, ttl=200),
+        "too-big": lambda: record("peers", huge(PEER), PEER.peer_id),
+        "not-a-run-key": lambda: DHTRecord(DHTID.generate(source="potluck/manifest").to_bytes(),
+                                           MSGPackSerializer.dumps(None), b"junk", get_dht_time() + 60),
+        "manifest-by-a-peer": lambda: record("manifest", seal(PEER, Manifest(run_id="r", coordinator=COORD.peer_id,
+                                                                             config={}), 60)),
+    }[case]()
+    got = v.reason(r)
+    assert (got == "") if not reason else (reason in got), got
+
+
+def test_real_nodes_keep_the_victims_heartbeat_and_drop_the_forgeries() -> None:
+    a = SwarmNode(COORD, coordinator=COORD.peer_id, host="127.0.0.1")
+    b = SwarmNode(PEER, coordinator=COORD.peer_id, initial_peers=a.maddrs, host="127.0.0.1")
+    try:
+        assert b.publish_peer(PeerRecord(peer_id=PEER.peer_id, address="127.0.0.1:1", seq=time.time_ns()), ttl=10)
+        key, far = run_key(COORD.peer_id, "peers"), get_dht_time() + 3600
+        # a forged heartbeat under the victim's subkey, with a later expiry that would have won
+        assert not a.dht.store(key, beat(MALLORY), expiration_time=far, subkey=PEER.peer_id)
+        # the victim's own genuine record, replayed to live an hour
+        assert not a.dht.store(key, beat(PEER, ttl=10), expiration_time=far, subkey=PEER.peer_id)
+        # junk under the manifest key (a new peer used to need 28 s to get past it)
+        assert not a.dht.store(run_key(COORD.peer_id, "manifest"), "junk", expiration_time=get_dht_time() + 60)
+        records, refused = a.get_peers()
+        assert list(records) == [PEER.peer_id] and not refused
+        assert a.publish_manifest(Manifest(run_id="r", coordinator=COORD.peer_id, config={}, seq=1), ttl=60)
+        t0 = time.monotonic()
+        assert b.get_manifest() is not None and time.monotonic() - t0 < 5
+    finally:
+        b.shutdown()
+        a.shutdown()
