@@ -17,6 +17,7 @@ import jsonschema
 import pytest
 from fake_state import fresh_state, make_state
 from prometheus_client.parser import text_string_to_metric_families
+from rawhttp import raw_request
 
 from potluck.coordinator import status_cli
 from potluck.coordinator.status import STATIC_DIR, StatusServer
@@ -90,13 +91,7 @@ def server(box: Box, calls: list[dict[str, Any]]) -> Iterator[StatusServer]:
 def request(srv: StatusServer, method: str, path: str, body: bytes | None = None,
             headers: dict[str, str] | None = None) -> tuple[int, http.client.HTTPMessage, bytes]:
     """A raw request: the path goes on the wire exactly as given (no client-side normalisation)."""
-    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
-    try:
-        conn.request(method, path, body=body, headers=headers or {})
-        resp = conn.getresponse()
-        return resp.status, resp.headers, resp.read()
-    finally:
-        conn.close()
+    return raw_request(srv.port, method, path, body, headers)
 
 
 def get_json(srv: StatusServer, path: str) -> Any:

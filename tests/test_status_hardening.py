@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 from fake_state import make_state
+from rawhttp import raw_request
 
 from potluck.coordinator.status import Limits, StatusServer
 from potluck.coordinator.status_tls import status_tls
@@ -43,17 +44,7 @@ def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> float:
 
 def get(port: int, path: str = "/api/v1/state", *, tls: ssl.SSLContext | None = None, method: str = "GET",
         body: bytes | None = None, headers: dict[str, str] | None = None) -> tuple[int, http.client.HTTPMessage, bytes]:
-    conn: http.client.HTTPConnection
-    if tls is None:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    else:
-        conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=10, context=tls)
-    try:
-        conn.request(method, path, body=body, headers=headers or {})
-        resp = conn.getresponse()
-        return resp.status, resp.headers, resp.read()
-    finally:
-        conn.close()
+    return raw_request(port, method, path, body, headers, tls)
 
 
 def closed_by_peer(sock: socket.socket) -> bool:
