@@ -30,13 +30,13 @@ import time
 
 import torch
 
+from potluck.models import stage_bounds
 from potluck.peer.data import Dataset, ShardSampler
 from potluck.peer.model import build_layers, lm_loss
 from potluck.peer.pipeline import Neighbour, Pipeline
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config import RunConfig, apply_overrides
 from potluck.protos.identity import Identity
-from potluck.protos.layout import stage_bounds
 from potluck.protos.transport import PeerClient, PeerServer, Traffic
 
 VARIANTS = {

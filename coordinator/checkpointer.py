@@ -27,9 +27,9 @@ from potluck.compression.transfer import (
 )
 from potluck.coordinator.checkpoint import CheckpointStore, consolidate, slice_stage
 from potluck.coordinator.rounds import Checkpoint
+from potluck.models import stage_bounds
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config import RunConfig
-from potluck.protos.layout import stage_bounds
 from potluck.protos.log import get_logger
 from potluck.protos.records import Round
 from potluck.protos.transport import PeerClient, Rejected

@@ -143,8 +143,9 @@ class Dataset:
             )
             self.num_samples = data.num_samples
         else:
-            if model.vocab_size != BYTE_VOCAB:
-                raise DataError(f"byte-level data needs model.vocab_size = {BYTE_VOCAB}, got {model.vocab_size}")
+            if model.vocab_size < BYTE_VOCAB:
+                raise DataError(f"byte-level data needs model.vocab_size = {BYTE_VOCAB} (or more: a Hugging Face model's "
+                                f"vocabulary), got {model.vocab_size}")
             assert data.path is not None
             self.source = ByteFileSource(data.path, model.seq_len, data.eval_samples)
             self.num_samples = min(data.num_samples, self.source.train_windows)

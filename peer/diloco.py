@@ -46,10 +46,12 @@ def nesterov_step(
         raise ValueError(f"shapes differ: theta {tuple(theta.shape)}, momentum {tuple(momentum.shape)}, delta {tuple(delta.shape)}")
     if not bool(torch.isfinite(delta).all()):
         raise ValueError("the averaged pseudo-gradient holds NaN or Inf")
+    # three new buffers, the rest in place (same operations, same rounding as the plain formula):
+    # m' = mu * m + delta; update = delta + mu * m' (Nesterov) or m'; theta' = theta - lr * update
     f32 = torch.float32
-    new_m = torch.add(torch.mul(momentum, torch.tensor(mu, dtype=f32)), delta)
-    update = torch.add(delta, torch.mul(new_m, torch.tensor(mu, dtype=f32))) if nesterov else new_m
-    new_theta = torch.sub(theta, torch.mul(update, torch.tensor(lr, dtype=f32)))
+    new_m = torch.mul(momentum, torch.tensor(mu, dtype=f32)).add_(delta)
+    update = torch.mul(new_m, torch.tensor(mu, dtype=f32)).add_(delta) if nesterov else new_m.clone()
+    new_theta = torch.sub(theta, update.mul_(torch.tensor(lr, dtype=f32)), out=update)
     return new_theta, new_m
 
 

@@ -41,7 +41,8 @@ def outer_step(rc: RunConfig, allreduce: AllReduce, info: RoundInfo, held: Snaps
     """
     fault("outer.start", info.step)
     theta = held.tensors["theta"]
-    delta: torch.Tensor | None = theta - theta_local if contribute else None
+    # into theta_local's own buffer (the caller's fresh copy, consumed here): one model-sized vector less
+    delta: torch.Tensor | None = torch.sub(theta, theta_local, out=theta_local) if contribute else None
     if delta is not None and not bool(torch.isfinite(delta).all()):
         log.error("local training produced NaN/Inf; contributing nothing to step %d", info.step)
         delta = None

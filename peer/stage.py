@@ -109,6 +109,7 @@ class StageWorker:
             self.optimizer.step()
             self.steps_done += 1
             on_step(i, loss, time.monotonic() - t_step)
+        self.optimizer.zero_grad(set_to_none=True)  # the outer step needs the memory more than the next step
         return InnerPhase(h, time.monotonic() - t0)
 
     def _forward_backward(self, i: int) -> float:

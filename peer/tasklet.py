@@ -17,6 +17,7 @@ import torch
 
 from potluck.compression.int8 import Codec, make_codec
 from potluck.compression.transfer import Snapshot
+from potluck.models import stage_bounds
 from potluck.peer import admission
 from potluck.peer.allreduce import AllReduce, MemberAddr, RoundInfo
 from potluck.peer.data import Dataset
@@ -32,7 +33,6 @@ from potluck.protos import potluck_pb2 as pb
 from potluck.protos.certs import TlsIdentity
 from potluck.protos.config import PeerConfig, RunConfig
 from potluck.protos.identity import Identity
-from potluck.protos.layout import stage_bounds
 from potluck.protos.log import get_logger, set_context, short_id
 from potluck.protos.netem import NetEm
 from potluck.protos.records import PeerRecord, Plan, Round

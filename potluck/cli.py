@@ -298,7 +298,7 @@ def _add_peer(sub: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from potluck import export
+    from potluck import export, generate
     from potluck.coordinator import schedule_cli, status_cli
 
     p = Parser(prog="potluck", description=DESCRIPTION, epilog=QUICKSTART, formatter_class=HelpFormatter)
@@ -310,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     status_cli.register(sub)
     schedule_cli.register(sub)
     export.register(sub)
+    generate.register(sub)
     return p
 
 

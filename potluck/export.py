@@ -7,12 +7,12 @@
 or, with torch alone::
 
     >>> import torch
-    >>> from potluck.peer.model import TinyGPT
+    >>> from potluck.peer.model import Model
     >>> from potluck.protos.config import ModelConfig
     >>> sd = torch.load("model.pt")
-    >>> model = TinyGPT(ModelConfig(**sd["config"])); model.load_state_dict(sd["model"])
+    >>> model = Model(ModelConfig(**sd["config"])); model.load_state_dict(sd["model"])
 
-Parameters are named as in :class:`~potluck.peer.model.TinyGPT` (``layers.<i>.<...>``), whatever
+Parameters are named as in :class:`~potluck.peer.model.Model` (``layers.<i>.<...>``), whatever
 number of pipeline stages wrote the checkpoint. ``.safetensors`` output holds the same tensors
 (the config goes into its metadata). An existing output file is never replaced without ``--force``.
 """
@@ -22,16 +22,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from potluck.peer.model import TinyGPT
+    from potluck.peer.model import Model
 
 DESCRIPTION = """\
 Write the run's newest verified checkpoint as one plain file that torch.load
-reads, its tensors named as in potluck's TinyGPT (layers.<i>.<...>) whatever
+reads, its tensors named as in potluck's Model (layers.<i>.<...>) whatever
 number of pipeline stages wrote it. A .safetensors file holds the same tensors
 and the model config in its metadata. Run it where the coordinator keeps its
 journal (its --journal-dir). An existing --out file is kept unless --force."""
@@ -42,9 +43,9 @@ def load_lines(path: str) -> list[str]:
     quoted = json.dumps(path, ensure_ascii=False)  # a JSON string is a valid Python literal
     lines = ["from potluck.export import load_model", f"model = load_model({quoted})"]
     if not path.endswith(".safetensors"):
-        lines += ["# or with torch alone:", "import torch", "from potluck.peer.model import TinyGPT",
+        lines += ["# or with torch alone:", "import torch", "from potluck.peer.model import Model",
                   "from potluck.protos.config import ModelConfig", f"sd = torch.load({quoted})",
-                  'model = TinyGPT(ModelConfig(**sd["config"]))', 'model.load_state_dict(sd["model"])']
+                  'model = Model(ModelConfig(**sd["config"]))', 'model.load_state_dict(sd["model"])']
     return lines
 
 
@@ -58,22 +59,8 @@ then, in Python:
 """ + "\n".join(f"  {line}" for line in load_lines("model.pt"))
 
 
-def export_checkpoint(journal_dir: str | Path, out: str | Path, step: int | None = None,
-                      force: bool = False) -> dict[str, Any]:
-    """Write the newest valid checkpoint (or the one of outer ``step``) to ``out``; returns a summary.
-
-    Raises ``ValueError`` when ``out`` exists and not ``force``, before reading any checkpoint. The
-    file is written under a temporary name and renamed, so an interrupted export leaves no half file
-    (and, with ``force``, the old one intact).
-    """
-    out = Path(out)
-    if out.exists() and not force:
-        raise ValueError(f"{out} already exists; pass --force to replace it, or choose another --out")
-    if out.is_dir():
-        raise ValueError(f"{out} is a folder; --out names the file to write")
-    import torch  # here, not at module level: ``potluck --help`` must not wait for torch
-
-    from potluck.coordinator.checkpoint import CheckpointStore, layer_of, split_by_layout
+def _newest(journal_dir: str | Path, step: int | None) -> tuple[Any, list[Path]]:
+    from potluck.coordinator.checkpoint import CheckpointStore
 
     store = CheckpointStore(Path(journal_dir) / "checkpoints")
     manifests = store.manifests()
@@ -81,6 +68,13 @@ def export_checkpoint(journal_dir: str | Path, out: str | Path, step: int | None
         manifests = [m for m in manifests if m.stem == f"ckpt-{step:06d}"]
     if not manifests:
         raise ValueError(f"no checkpoint{f' of outer step {step}' if step is not None else ''} in {journal_dir}")
+    return store, manifests
+
+
+def read_model(journal_dir: str | Path, step: int | None = None) -> tuple[dict[str, Any], Any, dict[str, Any], list[str]]:
+    """(model config, verified whole-model snapshot, its manifest, skipped checkpoints) of the newest
+    valid checkpoint (or that of outer ``step``): what ``export`` and ``generate --journal`` read."""
+    store, manifests = _newest(journal_dir, step)
     errors = []
     for path in manifests:
         try:
@@ -91,17 +85,72 @@ def export_checkpoint(journal_dir: str | Path, out: str | Path, step: int | None
             errors.append(f"{path.stem}: {err}")
     else:
         raise ValueError("no usable checkpoint: " + "; ".join(errors))
-    layout = [(n, list(s)) for n, s in snap.meta.get("layout", [])]
-    if not layout:
+    if not snap.meta.get("layout"):
         raise ValueError(f"{path.stem} has no per-parameter layout; it cannot be exported as a model")
+    journal = Path(journal_dir) / "journal.json"
+    try:  # what the run trained on decides how ``potluck generate`` reads a prompt
+        data = json.loads(journal.read_text()).get("config", {}).get("data", {}) if journal.exists() else {}
+    except (OSError, ValueError):
+        data = {}
+    manifest["data"] = {"source": data.get("source", "markov")}
+    return manifest.get("model") or {}, snap, manifest, errors
+
+
+def named_theta(snap: Any) -> dict[str, Any]:
+    """The snapshot's parameters by their potluck names (``layers.<entry>.<name>``)."""
+    from potluck.coordinator.checkpoint import layer_of, split_by_layout
+
+    layout = [(n, list(s)) for n, s in snap.meta["layout"]]
     named = split_by_layout(snap.tensors["theta"], layout)
-    model = {f"layers.{layer_of(n)}.{n.split('.', 2)[2] if n.startswith('layers.') else n.split('.', 1)[1]}": t
-             for n, t in named.items()}
-    config = manifest.get("model") or {}
+    return {f"layers.{layer_of(n)}.{n.split('.', 2)[2] if n.startswith('layers.') else n.split('.', 1)[1]}": t
+            for n, t in named.items()}
+
+
+def default_out(journal_dir: str | Path, step: int | None = None) -> str:
+    """``model.pt`` for the built-in model, ``model-hf`` (a Hugging Face folder) for the others."""
+    _, manifests = _newest(journal_dir, step)
+    family = (json.loads(manifests[0].read_text()).get("model") or {}).get("family", "tiny")
+    return "model.pt" if family == "tiny" else "model-hf"
+
+
+def export_checkpoint(journal_dir: str | Path, out: str | Path | None = None, step: int | None = None,
+                      force: bool = False) -> dict[str, Any]:
+    """Write the newest valid checkpoint (or the one of outer ``step``) to ``out``; returns a summary.
+
+    ``out`` ending in ``.pt`` is a torch file, ``.safetensors`` one safetensors file (potluck names);
+    anything else is a Hugging Face folder (``config.json`` + ``model.safetensors``) that
+    ``AutoModelForCausalLM.from_pretrained`` loads, for ``llama`` and ``hf`` runs. Raises ``ValueError``
+    when ``out`` exists and not ``force``, before reading any tensor. Output is written under a
+    temporary name and renamed, so an interrupted export leaves no half file (and, with ``force``,
+    the old one intact).
+    """
+    out = Path(out if out is not None else default_out(journal_dir, step))
+    folder = out.suffix not in (".pt", ".safetensors")
+    if out.exists() and not force:
+        raise ValueError(f"{out} already exists; pass --force to replace it, or choose another --out")
+    if out.is_dir() and not folder:
+        raise ValueError(f"{out} is a folder; --out names the file to write")
+    import torch  # here, not at module level: ``potluck --help`` must not wait for torch
+
+    config, snap, manifest, errors = read_model(journal_dir, step)
+    model = named_theta(snap)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
-        if out.suffix == ".safetensors":
+        if folder:
+            from potluck.models.hub import write_folder
+            from potluck.protos.config import ModelConfig
+
+            cfg = ModelConfig.model_validate(config)
+            if cfg.family == "tiny":
+                raise ValueError(f"{out} has no .pt or .safetensors suffix, so it names a Hugging Face folder; the "
+                                 "built-in model (family 'tiny') has none: use --out model.pt")
+            run = {"version": snap.version, "state_hash": snap.hash, "run_id": manifest.get("run_id", ""),
+                   "data": manifest.get("data") or {}}
+            write_folder(tmp, cfg, model.items(), run)
+            if out.exists():
+                shutil.rmtree(out) if out.is_dir() else out.unlink()
+        elif out.suffix == ".safetensors":
             from safetensors.torch import save_file
 
             save_file({k: v.contiguous() for k, v in model.items()}, str(tmp),
@@ -110,13 +159,16 @@ def export_checkpoint(journal_dir: str | Path, out: str | Path, step: int | None
             torch.save({"model": model, "config": config, "version": snap.version, "state_hash": snap.hash}, tmp)
         tmp.replace(out)
     finally:
-        tmp.unlink(missing_ok=True)
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
     return {"version": snap.version, "parameters": int(sum(t.numel() for t in model.values())), "out": str(out),
-            "skipped": errors}
+            "skipped": errors, "folder": folder}
 
 
-def load_model(path: str | Path) -> TinyGPT:
-    """The :class:`~potluck.peer.model.TinyGPT` that ``potluck export`` wrote to ``path`` (.pt or .safetensors).
+def load_model(path: str | Path) -> Model:
+    """The :class:`~potluck.peer.model.Model` that ``potluck export`` wrote to ``path`` (.pt or .safetensors).
 
     On the CPU and in eval mode; move it with ``model.to("cuda")``, train it after ``model.train()``.
 
@@ -126,7 +178,7 @@ def load_model(path: str | Path) -> TinyGPT:
     """
     import torch  # here, not at module level: ``potluck --help`` must not wait for torch
 
-    from potluck.peer.model import TinyGPT
+    from potluck.peer.model import Model
     from potluck.protos.config import ModelConfig
 
     path = Path(path)
@@ -144,7 +196,7 @@ def load_model(path: str | Path) -> TinyGPT:
         if not isinstance(sd, dict) or "model" not in sd or "config" not in sd:
             raise ValueError(f"{path} holds no 'model' and 'config': not written by potluck export")
         config, state = sd["config"], sd["model"]
-    model = TinyGPT(ModelConfig(**config))
+    model = Model(ModelConfig(**config))
     model.load_state_dict(state)
     return model.eval()
 

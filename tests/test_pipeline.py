@@ -12,13 +12,13 @@ import torch
 
 from potluck.compression.acsgd import AcsgdSender
 from potluck.compression.actcodec import ActCodec
+from potluck.models import stage_bounds
 from potluck.peer.data import Dataset, ShardSampler
 from potluck.peer.model import build_layers, lm_loss
 from potluck.peer.pipeline import Neighbour, Pipeline, PipelineStall
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config import RunConfig, apply_overrides
 from potluck.protos.identity import Identity
-from potluck.protos.layout import stage_bounds
 from potluck.protos.transport import PeerClient, PeerServer, Traffic
 
 RUN = "pipe-test"

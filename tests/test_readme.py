@@ -446,13 +446,58 @@ def test_the_first_run_trains_and_its_model_loads(procs: ProcessGroup, tmp_path:
         done = subprocess.run(status, cwd=tmp_path, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0 and "first-run" in done.stdout, done.stdout + done.stderr
 
-        export = [potluck_exe(), *readme_command("potluck", "export")[1:]]
+        export = [potluck_exe(), *readme_command("potluck", "export", lacking="model-hf")[1:]]
         done = subprocess.run(export, cwd=tmp_path, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stdout + done.stderr
-        for block in (b for b in BLOCKS if b.lang == "python"):
+        for block in (b for b in BLOCKS if b.lang == "python" and "model-hf" not in b.text):
             done = subprocess.run([sys.executable, "-c", block.text], cwd=tmp_path, capture_output=True, text=True,
                                   timeout=120)
             assert done.returncode == 0, f"{block}:\n{done.stderr}"
+
+
+@pytest.mark.slow
+def test_the_real_model_section_trains_exports_and_generates(procs: ProcessGroup, tmp_path: Path) -> None:
+    """"Train a real model", shortened to 2 outer steps of 2 inner steps and split into 2 stages: the
+    exported Hugging Face folder loads with from_pretrained and gives the run's own eval loss (1e-4)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from potluck.peer.data import Dataset
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(b"".join(p.read_bytes() for p in [README, *sorted((REPO / "docs").glob("*.md"))]))
+    cfg = load_config(REPO / "examples" / "llama-20m.toml")
+    cfg = apply_overrides(cfg, {"coordinator.host": "127.0.0.1", "coordinator.dht_port": 0, "coordinator.grpc_port": 0,
+                                "coordinator.status_port": 0, "coordinator.journal_dir": str(tmp_path / "potluck-run"),
+                                "data.path": str(corpus), "diloco.inner_steps": 2, "diloco.outer_steps": 2,
+                                "train.batch_size": 2, "pipeline.stages": 2, "pipeline.balance": "params",
+                                "membership.min_peers": 2})
+    swarm = LocalSwarm(tmp_path / "swarm", procs)
+    with logs_on_failure(swarm):
+        swarm.start_coordinator(cfg)
+        swarm.start_peer()
+        swarm.start_peer()
+        state = swarm.wait_state(lambda s: s["run"]["finished"] and s["history"][-1]["eval_loss"] is not None,
+                                 300, "2 outer steps of the 2-stage llama-20m run")
+        final = tmp_path / "potluck-run" / "checkpoints" / "ckpt-000002.json"
+        swarm.wait_for(final.exists, 60, f"the final checkpoint {final.name}")
+        export = [potluck_exe(), *readme_command("potluck", "export", having="model-hf")[1:]]
+        done = subprocess.run(export, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        generate = [potluck_exe(), *readme_command("potluck", "generate")[1:], "--max-new-tokens", "8"]
+        done = subprocess.run(generate, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and done.stdout.startswith("Peers find each other"), done.stdout + done.stderr
+        for block in (b for b in BLOCKS if b.lang == "python" and "model-hf" in b.text):
+            done = subprocess.run([sys.executable, "-c", block.text], cwd=tmp_path, capture_output=True, text=True,
+                                  timeout=300)
+            assert done.returncode == 0, f"{block}:\n{done.stderr}"
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model-hf").eval()
+    data = Dataset(cfg.data, cfg.model)
+    ids = data.eval_ids()
+    with torch.no_grad():
+        total = sum(float(torch.nn.functional.cross_entropy(model(x).logits.flatten(0, 1), y.flatten())) * len(c)
+                    for c in (ids[k:k + 64] for k in range(0, len(ids), 64)) for x, y in [data.batch(c)])
+    assert total / len(ids) == pytest.approx(state["history"][-1]["eval_loss"], abs=1e-4)
 
 
 @pytest.mark.slow

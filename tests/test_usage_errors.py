@@ -224,11 +224,11 @@ def test_export_cli_refuses_in_one_line_and_prints_lines_that_load_the_file(tmp_
     first, *code = proc.stdout.splitlines()
     assert first == "wrote v5 (0.01M parameters) to model.pt; load it in Python with:"
     assert code[:2] == ["  from potluck.export import load_model", '  model = load_model("model.pt")']
-    assert "  from potluck.peer.model import TinyGPT" in code and "  from potluck.protos.config import ModelConfig" in code
+    assert "  from potluck.peer.model import Model" in code and "  from potluck.protos.config import ModelConfig" in code
     # the printed lines run as they are, from where the user ran the export
     script = "\n".join(line[2:] for line in code) + "\nprint(type(model).__name__, model.cfg.d_model)"
     ran = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert ran.returncode == 0 and ran.stdout == "TinyGPT 16\n", ran.stderr
+    assert ran.returncode == 0 and ran.stdout == "Model 16\n", ran.stderr
 
 
 def test_load_model_says_when_a_file_is_not_an_export(tmp_path: Path) -> None:

@@ -1,0 +1,111 @@
+"""Peak memory of one pipeline stage's peer, and of the coordinator checkpointing the whole model.
+
+Each figure is the peak RSS (``ru_maxrss``) of a fresh Python process that does one job:
+
+* ``stage``: a peer of stage ``--stage`` of ``--stages``, built alone on the meta device, through
+  ``--inner-steps`` AdamW steps on its own part (random activations in, random gradients back, as
+  a middle stage gets them), then an outer step as ``peer/outer.py`` takes it (pseudo-gradient,
+  Nesterov step, the new snapshot hashed and published while the previous one stays served);
+* ``whole``: the same peer as it was before #13, building the whole model and keeping its slice;
+* ``coordinator``: the coordinator's checkpointer fetching the ``--stages`` stage snapshots (theta
+  and momentum) of one version over gRPC from a process serving them, writing and serving them.
+
+The reference is what the stage itself must hold: its fp32 parameters, AdamW's two moments and
+the outer state (theta_global and momentum), 5 x 4 bytes per parameter. Targets: stage peer <= 1.5x
+that, coordinator <= 1.5x that.
+
+    python benchmarks/stage_memory.py [--preset llama-1b] [--stages 4] [--stage 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import textwrap
+
+TARGET = 1.5
+
+PRELUDE = """
+import json, resource, sys
+import torch
+from potluck.protos.config import ModelConfig, PipelineConfig
+from potluck.models import build_stage, stage_bounds
+args = json.loads(sys.argv[1])
+cfg = ModelConfig(preset=args["preset"], vocab_size=256, seq_len=args["seq"])
+bounds = stage_bounds(cfg, PipelineConfig(stages=args["stages"]))
+start, stop = bounds[args["stage"]]
+def peak_mib():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+"""
+
+STAGE = """
+from potluck.compression.transfer import SnapshotServer
+from potluck.peer.diloco import flatten_params, nesterov_step, outer_snapshot
+if args["whole"]:  # before #13: every peer built the whole model, then kept its slice
+    layers = build_stage(cfg, 0)[start:stop]
+else:
+    layers = build_stage(cfg, 0, start, stop)
+params = list(layers.parameters())
+build_peak = peak_mib()
+n = sum(p.numel() for p in params)
+held = outer_snapshot(flatten_params(params), torch.zeros(n), 0)  # theta_global and momentum, as joined
+server = SnapshotServer("bench", 1 << 20)
+server.publish(held)
+opt = torch.optim.AdamW(params, lr=1e-4)
+x = torch.randn(args["batch"], args["seq"], cfg.d_model)
+for _ in range(args["inner_steps"]):
+    opt.zero_grad(set_to_none=True)
+    out = x
+    for layer in layers:
+        out = layer(out)
+    out.backward(torch.randn_like(out))
+    opt.step()
+opt.zero_grad(set_to_none=True)  # as StageWorker.inner_phase ends
+theta_local = flatten_params(params)
+delta = torch.sub(held.tensors["theta"], theta_local, out=theta_local)  # as peer/outer.py does
+new_theta, new_m = nesterov_step(held.tensors["theta"], held.tensors["momentum"], delta, 0.7, 0.9)
+server.publish(outer_snapshot(new_theta, new_m, 1))
+print(json.dumps({"peak_mib": peak_mib(), "params": n, "build_peak_mib": build_peak}))
+"""
+
+
+def child(code: str, args: dict) -> dict:
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(PRELUDE + code), json.dumps(args)],
+                          capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise SystemExit(f"child failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="llama-1b")
+    ap.add_argument("--stages", type=int, default=4)
+    ap.add_argument("--stage", type=int, default=1, help="which stage's peer to measure (default 1: a middle one)")
+    ap.add_argument("--inner-steps", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=128)
+    a = ap.parse_args()
+    args = {"preset": a.preset, "stages": a.stages, "stage": a.stage, "inner_steps": a.inner_steps,
+            "batch": a.batch, "seq": a.seq}
+    whole = child(STAGE, {**args, "whole": True})
+    stage = child(STAGE, {**args, "whole": False})
+    reference_mib = 5 * 4 * stage["params"] / 2**20
+    print(json.dumps({
+        "benchmark": "stage_memory", "preset": a.preset, "stages": a.stages, "stage": a.stage,
+        "stage_params": stage["params"],
+        "stage_reference_mib": round(reference_mib, 1),
+        "stage_peer_peak_mib": round(stage["peak_mib"], 1),
+        "stage_peer_ratio": round(stage["peak_mib"] / reference_mib, 2),
+        "stage_peer_build_peak_mib": round(stage["build_peak_mib"], 1),
+        "whole_model_peer_peak_mib": round(whole["peak_mib"], 1),
+        "whole_model_peer_ratio": round(whole["peak_mib"] / reference_mib, 2),
+        "whole_model_build_peak_mib": round(whole["build_peak_mib"], 1),
+        "target": TARGET,
+    }))
+
+
+if __name__ == "__main__":
+    main()
