@@ -33,6 +33,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 BYTE_VOCAB = 256  # byte-level data: one token per byte value
+MAX_RECORD_TTL_S = 300.0  # the DHT refuses records asking to live longer (potluck.protos.dhtguard)
 MAX_MARKOV_ENTRIES = 1 << 24  # transition-table entries of the synthetic source (2 float64 arrays of 128 MiB)
 
 
@@ -242,7 +243,10 @@ class PipelineConfig(_Section):
 class LinksConfig(_Section):
     """Link measurement (peers) and link-aware placement (coordinator)."""
 
-    probe_period_s: float = Field(10.0, gt=0, description="seconds between a peer's probing rounds")
+    probe_period_s: float = Field(
+        10.0, gt=0, le=MAX_RECORD_TTL_S / 3, description="seconds between a peer's probing rounds (its link report "
+        "lives 3 periods in the DHT)"
+    )
     probes_per_period: int = Field(4, ge=0, description="peers probed per round at most (no all-pairs storms)")
     probe_bytes: int = Field(256 << 10, ge=1 << 10, le=4 << 20, description="payload of one bandwidth probe")
     budget_bytes_per_min: int = Field(1 << 20, ge=0, description="probe bytes per peer pair per minute at most")
@@ -257,7 +261,8 @@ class MembershipConfig(_Section):
 
     heartbeat_s: float = Field(1.0, gt=0, description="how often a peer refreshes its DHT record")
     heartbeat_timeout_s: float = Field(
-        8.0, gt=0, description="a peer whose record is older than this is considered lost"
+        8.0, gt=0, le=MAX_RECORD_TTL_S, description="a peer whose record is older than this is considered lost "
+        "(its record lives this long in the DHT)"
     )
     min_peers: int = Field(1, ge=1, description="peers needed before the first outer step starts (and the "
                            "first after a round failed)")

@@ -26,10 +26,11 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
+from potluck.protos.config import MAX_RECORD_TTL_S
 from potluck.protos.identity import verify
 
 MAX_RECORD_BYTES = 64 << 10
-MAX_TTL_S = 300.0
+MAX_TTL_S = MAX_RECORD_TTL_S
 SKEW_S = 5.0
 
 # who signs the records under each of a run's keys

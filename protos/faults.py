@@ -64,9 +64,16 @@ def parse(spec: str) -> list[Fault]:
             raise FaultSpecError(f"{ENV} entry {item!r} is not point@step:action") from None
         if point not in POINTS:
             raise FaultSpecError(f"{ENV}: unknown point {point!r} (known: {', '.join(sorted(POINTS))})")
-        known = action in ("kill", "stop", "exit", "hang", *TAMPER) or action.startswith(("sleep=", "scale="))
-        if not known:
+        tampers = action in TAMPER or action.startswith("scale=")
+        if not (tampers or action in ("kill", "stop", "exit", "hang") or action.startswith("sleep=")):
             raise FaultSpecError(f"{ENV}: unknown action {action!r}")
+        if tampers != (point == "outer.delta"):  # a tamper changes a tensor; only outer.delta has one
+            raise FaultSpecError(f"{ENV}: {action!r} cannot act at {point!r} (outer.delta takes flip, nan or scale=X;"
+                                 " the other points kill, stop, exit, hang or sleep=S)")
+        try:
+            float(action.split("=", 1)[1]) if "=" in action else None
+        except ValueError:
+            raise FaultSpecError(f"{ENV}: {action!r} needs a number after '='") from None
         try:
             first = None if step == "*" else int(step.rstrip("+"))
         except ValueError:
@@ -79,13 +86,16 @@ _lock = threading.Lock()
 _pending = parse(os.environ.get(ENV, ""))
 
 
+def _matches(f: Fault, point: str, step: int | None) -> bool:
+    return f[0] == point and (f[1] is None or f[1] == step or (f[2] and step is not None and step >= f[1]))
+
+
 def fault(point: str, step: int | None = None) -> None:
     """Act on the first pending fault for ``point`` (and ``step``), if any."""
     if not _pending:
         return
     with _lock:
-        hit = next((f for f in _pending if f[0] == point and (
-            f[1] is None or f[1] == step or (f[2] and step is not None and step >= f[1]))), None)
+        hit = next((f for f in _pending if _matches(f, point, step)), None)
         if hit is None:
             return
         _pending.remove(hit)
@@ -107,8 +117,9 @@ def fault(point: str, step: int | None = None) -> None:
 
 def tamper(point: str, step: int, x: Any) -> Any:
     """``x`` as a Byzantine peer would send it, if ``POTLUCK_FAULTS`` makes this one (else ``x``)."""
-    for p, first, later, action in _pending:
-        if p == point and (first is None or first == step or (later and step >= first)):
+    for f in _pending:
+        if _matches(f, point, step):
+            action = f[3]
             if action == "flip":
                 return -x
             if action == "nan":

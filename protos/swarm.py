@@ -48,7 +48,7 @@ os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
 from hivemind.dht import DHT
 from hivemind.utils import get_dht_time
 
-from potluck.protos.dhtguard import RunRecords, run_key
+from potluck.protos.dhtguard import MAX_TTL_S, RunRecords, run_key
 
 log = get_logger(__name__)
 
@@ -219,6 +219,8 @@ class SwarmNode:
         return [str(m) for m in self.dht.get_visible_maddrs()]
 
     def _store(self, kind: str, record: Any, ttl: float, subkey: str | None = None) -> bool:
+        if not 0 < ttl <= MAX_TTL_S:  # every node's validator would refuse it: say so here, not with a silent False
+            raise ValueError(f"a {kind} record asks to live {ttl:.0f} s; records live (0, {MAX_TTL_S:.0f}] s")
         value = seal(self.identity, record, ttl)
         with self._pipe_lock:  # hivemind's DHT pipe is not safe for concurrent senders
             future = self.dht.store(run_key(self.coordinator, kind), value, expiration_time=get_dht_time() + ttl,

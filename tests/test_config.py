@@ -43,6 +43,9 @@ def test_robust_aggregation_can_be_switched_off_in_a_run_file() -> None:
         ({"sync": {"codec": "zstd"}}, "sync.codec"),
         ({"data": {"source": "bytes"}}, "data"),
         ({"membership": {"heartbeat_s": 5, "heartbeat_timeout_s": 6}}, "membership"),
+        # records outliving what every DHT node accepts (300 s) would be refused, silently, at every heartbeat
+        ({"membership": {"heartbeat_timeout_s": 301}}, "membership.heartbeat_timeout_s"),
+        ({"links": {"probe_period_s": 101}}, "links.probe_period_s"),
         ({"run_id": "has space"}, "run_id"),
         ({"nonsense": 1}, "nonsense: unknown field"),
     ],

@@ -82,6 +82,9 @@ def test_real_nodes_keep_the_victims_heartbeat_and_drop_the_forgeries() -> None:
         assert a.publish_manifest(Manifest(run_id="r", coordinator=COORD.peer_id, config={}, seq=1), ttl=60)
         t0 = time.monotonic()
         assert b.get_manifest() is not None and time.monotonic() - t0 < 5
+        # a record asking to live longer than every node accepts is a clear error at its author
+        with pytest.raises(ValueError, match="asks to live 301 s; records live"):
+            b.publish_peer(PeerRecord(peer_id=PEER.peer_id, address="127.0.0.1:1", seq=time.time_ns()), ttl=301)
     finally:
         b.shutdown()
         a.shutdown()
