@@ -18,7 +18,8 @@ from potluck.coordinator.history import public
 from potluck.coordinator.membership import PeerView
 from potluck.coordinator.rounds import Rounds
 from potluck.coordinator.status import API
-from potluck.protos.config import RunConfig
+from potluck.models import entry_costs
+from potluck.protos.config import ModelConfig, RunConfig
 from potluck.protos.log import short_id
 from potluck.protos.swarm import LinkReport
 
@@ -74,6 +75,12 @@ def peer_rows(views: Sequence[PeerView], tasklet_of: Mapping[str, dict[str, int]
     return rows
 
 
+def model_parameters(m: ModelConfig) -> int:
+    """Parameters of the whole model, counted on the meta device (a tied head shares the embedding)."""
+    total = int(sum(entry_costs(m, "params")))
+    return total - m.vocab_size * m.d_model if m.tie_embeddings else total
+
+
 def build(run: RunInfo, cfg: RunConfig, views: Sequence[PeerView], rounds: Rounds, history: Sequence[dict[str, Any]],
           rolled_back: Sequence[dict[str, Any]], events: Sequence[dict[str, Any]], series: Series,
           links: Mapping[str, LinkReport], now: float | None = None) -> dict[str, Any]:
@@ -102,7 +109,7 @@ def build(run: RunInfo, cfg: RunConfig, views: Sequence[PeerView], rounds: Round
             "outer_step": rounds.committed, "outer_steps_total": cfg.diloco.outer_steps,
             "inner_steps_per_outer": cfg.diloco.inner_steps, "epoch": rounds.epoch,
             "inner_step": min((p["inner_step"] for p in training), default=0),
-            "model": {"parameters": max((r.parameters for r in records), default=0), "d_model": m.d_model,
+            "model": {"parameters": model_parameters(m), "family": m.family, "d_model": m.d_model,
                       "n_layers": m.n_layers, "n_heads": m.n_heads, "vocab_size": m.vocab_size, "seq_len": m.seq_len},
             "stages": stages, "replicas": replicas,
             # tokens enter the model at stage 0: count them once per pipeline

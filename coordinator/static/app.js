@@ -205,7 +205,7 @@
     $("st-progress").style.width = (r.outer_steps_total ? Math.min(100, 100 * r.outer_step / r.outer_steps_total) : 0) + "%";
     setText("st-inner", r.finished ? "all outer steps committed" : "inner step " + r.inner_step + " / " + r.inner_steps_per_outer);
     setText("st-params", si(m.parameters));
-    setText("st-model", ["parameters", m.n_layers && m.n_layers + " layers", m.d_model && "d " + m.d_model,
+    setText("st-model", ["parameters", m.family && m.family !== "tiny" && m.family, m.n_layers && m.n_layers + " layers", m.d_model && "d " + m.d_model,
       m.seq_len && "seq " + m.seq_len].filter(Boolean).join(" · "));
     setText("st-grid", r.stages + " × " + r.replicas);
     const counts = {};
