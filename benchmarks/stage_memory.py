@@ -7,8 +7,11 @@ Each figure is the peak RSS (``ru_maxrss``) of a fresh Python process that does 
   a middle stage gets them), then an outer step as ``peer/outer.py`` takes it (pseudo-gradient,
   Nesterov step, the new snapshot hashed and published while the previous one stays served);
 * ``whole``: the same peer as it was before #13, building the whole model and keeping its slice;
-* ``coordinator``: the coordinator's checkpointer fetching the ``--stages`` stage snapshots (theta
-  and momentum) of one version over gRPC from a process serving them, writing and serving them.
+* ``coordinator``: the coordinator's checkpoint store taking the ``--stages`` stage snapshots (theta
+  and momentum) of one version as its checkpointer receives them, one after the other, writing them
+  and serving them from the file (the gRPC fetch of each stage is not part of this figure);
+  ``--old-coordinator`` also measures the whole-model path it replaced (every stage held,
+  consolidated, written).
 
 The reference is what the stage itself must hold: its fp32 parameters, AdamW's two moments and
 the outer state (theta_global and momentum), 5 x 4 bytes per parameter. Targets: stage peer <= 1.5x
@@ -71,6 +74,30 @@ print(json.dumps({"peak_mib": peak_mib(), "params": n, "build_peak_mib": build_p
 """
 
 
+COORDINATOR = """
+import tempfile
+from pathlib import Path
+from potluck.compression.transfer import Snapshot, tensors_hash
+from potluck.coordinator.checkpoint import CheckpointStore, consolidate, stage_views
+from potluck.models import entry_costs
+costs = entry_costs(cfg, "params")
+def stage(s):  # stage s's snapshot as the checkpointer receives it from its members
+    a, b = bounds[s]
+    n = int(sum(costs[a:b]))
+    tensors = {"theta": torch.full((n,), 0.5), "momentum": torch.full((n,), -0.5)}
+    return Snapshot(tensors, 1, tensors_hash(tensors), {"layout": [[f"layers.{a}.w", [n]]]})
+with tempfile.TemporaryDirectory() as d:
+    store = CheckpointStore(Path(d))
+    if args["whole"]:  # before #13: every stage fetched, consolidated, written
+        path = store.write(consolidate([stage(s) for s in range(len(bounds))]))
+    else:
+        path = store.write_stages(1, (stage(s) for s in range(len(bounds))))
+        m = store.verified(path)
+        served = [stage_views(store.dir / m["file"], part, 1) for part in m["stages"]]
+    print(json.dumps({"peak_mib": peak_mib(), "params": int(sum(costs[start:stop]))}))
+"""
+
+
 def child(code: str, args: dict) -> dict:
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(PRELUDE + code), json.dumps(args)],
                           capture_output=True, text=True, timeout=3600)
@@ -87,11 +114,16 @@ def main() -> None:
     ap.add_argument("--inner-steps", type=int, default=2)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--old-coordinator", action="store_true",
+                    help="also measure the coordinator's old whole-model path (~6x the model's fp32 size: "
+                    "it does not fit a 24 GiB box at llama-1b)")
     a = ap.parse_args()
     args = {"preset": a.preset, "stages": a.stages, "stage": a.stage, "inner_steps": a.inner_steps,
             "batch": a.batch, "seq": a.seq}
     whole = child(STAGE, {**args, "whole": True})
     stage = child(STAGE, {**args, "whole": False})
+    coordinator = child(COORDINATOR, {**args, "whole": False})
+    old_coordinator = child(COORDINATOR, {**args, "whole": True}) if a.old_coordinator else None
     reference_mib = 5 * 4 * stage["params"] / 2**20
     print(json.dumps({
         "benchmark": "stage_memory", "preset": a.preset, "stages": a.stages, "stage": a.stage,
@@ -103,6 +135,9 @@ def main() -> None:
         "whole_model_peer_peak_mib": round(whole["peak_mib"], 1),
         "whole_model_peer_ratio": round(whole["peak_mib"] / reference_mib, 2),
         "whole_model_build_peak_mib": round(whole["build_peak_mib"], 1),
+        "coordinator_checkpoint_peak_mib": round(coordinator["peak_mib"], 1),
+        "coordinator_ratio": round(coordinator["peak_mib"] / reference_mib, 2),
+        "whole_model_coordinator_peak_mib": round(old_coordinator["peak_mib"], 1) if old_coordinator else None,
         "target": TARGET,
     }))
 

@@ -34,6 +34,9 @@ from potluck.protos.transport import PeerClient, Rejected, rpc_reason
 log = get_logger(__name__)
 
 
+HASH_CHUNK = 16 << 20
+
+
 class SnapshotUnavailable(RuntimeError):
     """No source could provide the requested snapshot."""
 
@@ -43,7 +46,9 @@ def tensors_hash(tensors: dict[str, torch.Tensor]) -> str:
     h = hashlib.blake2b(digest_size=16)
     for name in sorted(tensors):
         h.update(name.encode() + b"\0")
-        h.update(tensors[name].detach().to("cpu").contiguous().numpy().tobytes())
+        view = memoryview(tensors[name].detach().to("cpu").contiguous().numpy()).cast("B")  # no copy of the bytes
+        for k in range(0, len(view), HASH_CHUNK):
+            h.update(view[k : k + HASH_CHUNK])
     return h.hexdigest()
 
 

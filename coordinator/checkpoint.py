@@ -4,6 +4,11 @@ Tensors are stored per parameter (``theta/layers.1.attn.qkv.weight``, ``momentum
 the peers report the model's layout, so a checkpoint does not depend on how the model was split
 into stages when it was written; without a layout the flat vectors are stored as they are.
 
+The coordinator writes a checkpoint one stage at a time (:meth:`CheckpointStore.write_stages`):
+each stage's tensors are appended to the file's body as the stage arrives, so it never holds more
+than one stage, and the manifest records where each stage's ``theta`` and ``momentum`` lie in the
+file, so that recovering peers are served straight from it (:func:`stage_views`, memory-mapped).
+
 Writing is atomic: the tensor file and then its manifest are written under temporary names and
 renamed, and the manifest (written last) records the file's SHA-256 and the state hash. Reading
 checks both, newest first, and falls back to the previous checkpoint with a clear log line when a
@@ -14,7 +19,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -110,12 +118,71 @@ def slice_stage(whole: Snapshot, start: int, stop: int, stage: int) -> Snapshot:
     return Snapshot(tensors, whole.version, tensors_hash(tensors), meta)
 
 
+def _whole_hash(path: Path, parts: list[dict[str, Any]]) -> str:
+    """:func:`tensors_hash` of the whole model (``momentum`` then ``theta``, all stages in order), read
+    back from the file in chunks."""
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        for key in ("momentum", "theta"):
+            h.update(key.encode() + b"\0")
+            for part in parts:
+                begin, end = part[key]
+                f.seek(begin)
+                while begin < end:
+                    block = f.read(min(CHUNK, end - begin))
+                    h.update(block)
+                    begin += len(block)
+    return h.hexdigest()
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+CHUNK = 16 << 20
+
+
+def _header(entries: list[tuple[str, list[int], int, int]], metadata: dict[str, str]) -> bytes:
+    """A safetensors header (length prefix included) for F32 tensors at the given body offsets."""
+    head: dict[str, Any] = {"__metadata__": metadata}
+    head.update({name: {"dtype": "F32", "shape": shape, "data_offsets": [begin, end]}
+                 for name, shape, begin, end in entries})
+    raw = json.dumps(head, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def _write_view(f: Any, flat: torch.Tensor) -> None:
+    """Write a flat float32 CPU tensor's bytes without copying it whole."""
+    view = memoryview(flat.detach().contiguous().numpy()).cast("B")
+    for k in range(0, len(view), CHUNK):
+        f.write(view[k : k + CHUNK])
+
+
+def stage_views(path: Path, stage: dict[str, Any], version: int, inner_steps: int = 0) -> Snapshot:
+    """Stage ``stage`` (an entry of a manifest's ``stages``) of the checkpoint file ``path``, its
+    tensors memory-mapped read-only: nothing is read until a peer fetches a range of it."""
+    import numpy as np
+
+    tensors = {}
+    for key in ("theta", "momentum"):
+        begin, end = stage[key]
+        arr = np.memmap(path, dtype=np.float32, mode="r", offset=begin, shape=((end - begin) // 4,))
+        tensors[key] = torch.from_numpy(arr) if arr.flags.writeable else _readonly(arr)
+    meta = {"layout": stage["layout"], "stage": stage["stage"], "layers": stage["layers"], "inner_steps": inner_steps}
+    return Snapshot(tensors, version, stage["hash"], meta)
+
+
+def _readonly(arr: Any) -> torch.Tensor:
+    import warnings
+
+    with warnings.catch_warnings():  # torch warns that it cannot protect a read-only buffer; nothing writes it
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(arr)
 
 
 class CheckpointStore:
@@ -155,17 +222,84 @@ class CheckpointStore:
         self._prune()
         return manifest_path
 
-    def manifests(self) -> list[Path]:
-        return sorted(self.dir.glob("ckpt-*.json"), reverse=True)
+    def write_stages(self, version: int, stages: Iterable[Snapshot], extra: dict[str, Any] | None = None) -> Path:
+        """Write ``ckpt-<version>`` from stage snapshots arriving one at a time (stage 0 first), holding
+        none of them longer than it takes to append it; returns the manifest path.
 
-    def _prune(self) -> None:
-        for old in self.manifests()[self.keep :]:
-            data = self.dir / f"{old.stem}.safetensors"
-            old.unlink(missing_ok=True)
-            data.unlink(missing_ok=True)
+        The file is the same safetensors layout as :meth:`write` (``theta/<name>``, ``momentum/<name>``
+        per parameter, loadable by safetensors itself); its body is written first (stage by stage,
+        ``theta`` then ``momentum``), then the header and the body are joined into the final file.
+        """
+        name = f"ckpt-{version:06d}"
+        body, tmp = self.dir / f".{name}.body.tmp", self.dir / f".{name}.safetensors.tmp"
+        entries: list[tuple[str, list[int], int, int]] = []
+        parts: list[dict[str, Any]] = []
+        inner = 0
+        try:
+            with open(body, "wb") as f:
+                offset = 0
+                for snap in stages:  # not enumerate: its cached (i, item) tuple would keep the last stage alive
+                    i = len(parts)
+                    if snap.version != version:
+                        raise ValueError(f"stage {i} is at version {snap.version}, not {version}")
+                    layout = [(n, list(sh)) for n, sh in snap.meta.get("layout", [])]
+                    if not layout:
+                        raise ValueError(f"stage {i}'s snapshot has no layout")
+                    layers = [layer_of(n) for n, _ in layout]
+                    if parts and min(layers) < parts[-1]["layers"][1]:
+                        raise ValueError(f"stage {i} starts at layer {min(layers)}, not after the previous stage")
+                    part: dict[str, Any] = {"stage": i, "layers": [min(layers), max(layers) + 1], "hash": snap.hash,
+                                            "layout": [[n, sh] for n, sh in layout]}
+                    for key in ("theta", "momentum"):
+                        flat = snap.tensors[key]
+                        start = offset
+                        for pname, shape in layout:
+                            n = math.prod(shape)
+                            entries.append((f"{key}/{pname}", shape, offset, offset + 4 * n))
+                            offset += 4 * n
+                        if offset - start != 4 * flat.numel():
+                            raise ValueError(f"stage {i}'s layout covers {(offset - start) // 4} values, "
+                                             f"its {key} {flat.numel()}")
+                        _write_view(f, flat)
+                        part[key] = [start, offset]
+                    inner = max(inner, int(snap.meta.get("inner_steps", 0)))
+                    parts.append(part)
+                    del snap, flat  # released before the next stage is fetched
+            if not parts:
+                raise ValueError("no stage snapshots to write")
+            head = _header(entries, {"format": FORMAT, "version": str(version)})
+            digest = hashlib.sha256(head)
+            with open(tmp, "wb") as out, open(body, "rb") as f:
+                out.write(head)
+                for block in iter(lambda: f.read(CHUNK), b""):
+                    digest.update(block)
+                    out.write(block)
+                out.flush()
+                os.fsync(out.fileno())
+            data_path = self.dir / f"{name}.safetensors"
+            tmp.replace(data_path)
+        finally:
+            body.unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
+        for part in parts:  # offsets from the start of the file, for memory-mapped serving
+            for key in ("theta", "momentum"):
+                part[key] = [part[key][0] + len(head), part[key][1] + len(head)]
+        layout = [entry for part in parts for entry in part["layout"]]
+        manifest = {
+            "format": FORMAT, "version": version, "state_hash": _whole_hash(data_path, parts),
+            "file": data_path.name, "file_sha256": digest.hexdigest(), "tensors": ["momentum", "theta"],
+            "layout": layout, "stages": parts,
+            "meta": {"layout": layout, "stages": [p["layers"] for p in parts], "inner_steps": inner},
+            "created_at": time.time(), **(extra or {}),
+        }
+        manifest_path = self.dir / f"{name}.json"
+        write_atomic(manifest_path, json.dumps(manifest, indent=1).encode())
+        self._prune()
+        return manifest_path
 
-    def load(self, manifest_path: Path) -> Snapshot:
-        """Load and verify one checkpoint; raises ValueError saying what is wrong with it."""
+    def verified(self, manifest_path: Path) -> dict[str, Any]:
+        """The manifest of a checkpoint whose file is intact (sha256 streamed, nothing held); raises
+        ValueError saying what is wrong."""
         try:
             manifest = json.loads(manifest_path.read_text())
         except (OSError, json.JSONDecodeError) as err:
@@ -178,6 +312,31 @@ class CheckpointStore:
         digest = _sha256(data_path)
         if digest != manifest["file_sha256"]:
             raise ValueError(f"{data_path.name} is corrupted or truncated (sha256 {digest[:12]}, expected {manifest['file_sha256'][:12]})")
+        return manifest
+
+    def latest_verified(self) -> tuple[Path, dict[str, Any]] | None:
+        """The newest checkpoint whose file verifies, without loading it; corrupted ones are skipped."""
+        for path in self.manifests():
+            try:
+                return path, self.verified(path)
+            except (ValueError, KeyError) as err:
+                log.error("checkpoint %s is unusable (%s); trying the previous one", path.stem, err)
+        return None
+
+    def manifests(self) -> list[Path]:
+        return sorted(self.dir.glob("ckpt-*.json"), reverse=True)
+
+    def _prune(self) -> None:
+        for old in self.manifests()[self.keep :]:
+            data = self.dir / f"{old.stem}.safetensors"
+            old.unlink(missing_ok=True)
+            data.unlink(missing_ok=True)
+
+    def load(self, manifest_path: Path) -> Snapshot:
+        """Load and verify one checkpoint, the whole model (export asks for it); raises ValueError
+        saying what is wrong with it."""
+        manifest = self.verified(manifest_path)
+        data_path = self.dir / manifest["file"]
         try:
             stored = load_file(str(data_path))
         except Exception as err:

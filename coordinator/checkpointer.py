@@ -25,7 +25,7 @@ from potluck.compression.transfer import (
     fetch_snapshot,
     probe_sources,
 )
-from potluck.coordinator.checkpoint import CheckpointStore, consolidate, slice_stage
+from potluck.coordinator.checkpoint import CheckpointStore, slice_stage, stage_views
 from potluck.coordinator.rounds import Checkpoint
 from potluck.models import stage_bounds
 from potluck.protos import potluck_pb2 as pb
@@ -37,6 +37,10 @@ from potluck.protos.transport import PeerClient, Rejected
 log = get_logger(__name__)
 
 FETCH_DEADLINE_S = 30.0
+
+
+class Superseded(Exception):
+    """A newer version was asked for while this one was being fetched."""
 
 
 @dataclass(frozen=True)
@@ -70,14 +74,11 @@ class NotWritten:
 
 @dataclass(frozen=True)
 class Served:
-    """A checkpoint as recovering peers get it: the whole state and one server per stage."""
+    """A checkpoint as recovering peers get it: one server per stage (memory-mapped from its file when
+    the run's stages are the checkpoint's, else re-split in memory)."""
 
-    whole: Snapshot
+    version: int
     servers: dict[int, SnapshotServer]
-
-    @property
-    def version(self) -> int:
-        return self.whole.version
 
     @property
     def hashes(self) -> dict[int, str]:
@@ -109,7 +110,12 @@ class Checkpointer:
                    rpc_timeout_s=cfg.sync.rpc_timeout_s, meta={"model": cfg.model.model_dump(mode="json")})
 
     def start(self) -> None:
-        self.serve(self.store.latest_valid())
+        found = self.store.latest_verified()
+        if found is not None:
+            try:
+                self.serve(*found)
+            except (ValueError, KeyError, OSError) as err:
+                log.error("checkpoint %s cannot be served (%s); starting without one", found[0].stem, err)
         self._thread.start()
 
     def stop(self, timeout: float = 2.0) -> None:
@@ -145,18 +151,26 @@ class Checkpointer:
             except queue.Empty:
                 return out
 
-    def serve(self, whole: Snapshot | None, bounds: list[tuple[int, int]] | None = None) -> None:
-        """Serve ``whole`` cut into ``bounds`` (default: the run's current stages)."""
-        if whole is None:
-            return
+    def serve(self, path: Path, manifest: dict[str, Any], bounds: list[tuple[int, int]] | None = None) -> None:
+        """Serve the checkpoint ``path`` (its verified ``manifest``) cut into ``bounds`` (default: the
+        run's current stages): straight from the file when it was written in those stages; re-split
+        from the whole model otherwise (a run resumed with another stage count, or an older format)."""
         self.bounds = bounds or self.bounds
+        version = int(manifest["version"])
+        stored = manifest.get("stages") if isinstance(manifest.get("stages"), list) else []  # older: a count
+        if [tuple(part["layers"]) for part in stored] == [tuple(b) for b in self.bounds]:
+            inner = int(manifest.get("meta", {}).get("inner_steps", 0))
+            parts = {i: stage_views(self.store.dir / manifest["file"], part, version, inner) for i, part in enumerate(stored)}
+        else:
+            whole = self.store.load(path)
+            parts = {stage: slice_stage(whole, start, stop, stage) if whole.meta.get("layout") else whole
+                     for stage, (start, stop) in enumerate(self.bounds)}
         servers = {}
-        for stage, (start, stop) in enumerate(self.bounds):
-            part = slice_stage(whole, start, stop, stage) if whole.meta.get("layout") else whole
+        for stage, part in parts.items():
             server = SnapshotServer(self.run_id, self.chunk_bytes)
             server.publish(part)
             servers[stage] = server
-        self.served = Served(whole, servers)
+        self.served = Served(version, servers)
 
     # ------------------------------------------------------------------ the worker
 
@@ -183,36 +197,35 @@ class Checkpointer:
             return self._job is not None and self._job.version > version
 
     def _checkpoint(self, job: Job) -> Written | NotWritten:
-        """Fetch every stage's state at ``job.version`` from its members, consolidate, write, serve."""
+        """Fetch every stage's state at ``job.version`` from its members, one stage at a time, appending
+        each to the checkpoint file as it arrives; then serve the file."""
         header = pb.Header(run_id=self.run_id, sender=self.me)
         deadline = time.monotonic() + FETCH_DEADLINE_S
-        parts: dict[int, Snapshot] = {}
-        stages = len(job.members)
-        while len(parts) < stages and time.monotonic() < deadline and not self._stopping.is_set():
-            if self._superseded(job.version):
-                return NotWritten(job.version, "superseded by a newer version")
-            for stage, targets in job.members.items():
-                if stage in parts:
-                    continue
-                want = job.hashes.get(stage, "")
+
+        def fetched(stage: int) -> Snapshot:
+            targets, want = job.members[stage], job.hashes.get(stage, "")
+            while time.monotonic() < deadline and not self._stopping.is_set():
+                if self._superseded(job.version):
+                    raise Superseded
                 sources = [s for s in probe_sources(self.client, header, targets, stage=stage, version=job.version)
                            if not want or s.info.state_hash == want]
                 if sources:
                     try:
-                        parts[stage] = fetch_snapshot(self.client, header, sources, timeout=self.rpc_timeout_s,
-                                                      stage=stage)
+                        return fetch_snapshot(self.client, header, sources, timeout=self.rpc_timeout_s, stage=stage)
                     except SnapshotUnavailable as err:
                         log.info("stage %d of v%d not fetched yet: %s", stage, job.version, err)
-            if len(parts) < stages:
                 self._stopping.wait(0.2)
-        if len(parts) < stages:
-            return NotWritten(job.version, f"no member served stages {sorted(set(job.members) - set(parts))}")
+            raise SnapshotUnavailable(f"no member served stage {stage}")
+
+        stages = len(job.members)
         try:
-            whole = consolidate([parts[i] for i in range(stages)])
-            path = self.store.write(whole, {"run_id": self.run_id, "stages": stages, **self.meta})
-        except (OSError, ValueError) as err:
+            path = self.store.write_stages(job.version, (fetched(i) for i in range(stages)),
+                                           {"run_id": self.run_id, "stages_count": stages, **self.meta})
+            self.serve(path, self.store.verified(path))
+        except Superseded:
+            return NotWritten(job.version, "superseded by a newer version")
+        except (SnapshotUnavailable, OSError, ValueError) as err:
             return NotWritten(job.version, str(err))
-        self.serve(whole)
         assert self.served is not None
         return Written(job.version, path, self.served.checkpoint())
 
