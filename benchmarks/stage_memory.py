@@ -68,7 +68,7 @@ for _ in range(args["inner_steps"]):
 opt.zero_grad(set_to_none=True)  # as StageWorker.inner_phase ends
 theta_local = flatten_params(params)
 delta = torch.sub(held.tensors["theta"], theta_local, out=theta_local)  # as peer/outer.py does
-new_theta, new_m = nesterov_step(held.tensors["theta"], held.tensors["momentum"], delta, 0.7, 0.9)
+new_theta, new_m = nesterov_step(held.tensors["theta"], held.tensors["momentum"], delta, 0.7, 0.9, consume=True)
 server.publish(outer_snapshot(new_theta, new_m, 1))
 print(json.dumps({"peak_mib": peak_mib(), "params": n, "build_peak_mib": build_peak}))
 """

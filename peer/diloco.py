@@ -26,6 +26,8 @@ from torch import nn
 
 from potluck.compression.transfer import Snapshot
 
+CHUNK = 1 << 20
+
 
 def outer_snapshot(theta: torch.Tensor, momentum: torch.Tensor, version: int, meta: dict | None = None) -> Snapshot:
     """What a member commits after an outer step: ``theta_global`` and the outer momentum.
@@ -39,19 +41,29 @@ def outer_snapshot(theta: torch.Tensor, momentum: torch.Tensor, version: int, me
 
 
 def nesterov_step(
-    theta: torch.Tensor, momentum: torch.Tensor, delta: torch.Tensor, lr: float, mu: float, nesterov: bool = True
+    theta: torch.Tensor, momentum: torch.Tensor, delta: torch.Tensor, lr: float, mu: float, nesterov: bool = True,
+    consume: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One outer step; returns new ``(theta, momentum)`` and leaves the inputs untouched."""
+    """One outer step; returns new ``(theta, momentum)`` and leaves ``theta`` and ``momentum`` untouched.
+
+    ``consume=True`` lets the step write into ``delta``'s buffer (an owned, freshly averaged vector): the
+    new theta is returned in it, and the step allocates only the new momentum. Either way the result
+    is bit-for-bit that of the plain float32 formula (separate multiplies and adds, no fused ops).
+    """
     if not (theta.shape == momentum.shape == delta.shape):
         raise ValueError(f"shapes differ: theta {tuple(theta.shape)}, momentum {tuple(momentum.shape)}, delta {tuple(delta.shape)}")
     if not bool(torch.isfinite(delta).all()):
         raise ValueError("the averaged pseudo-gradient holds NaN or Inf")
-    # three new buffers, the rest in place (same operations, same rounding as the plain formula):
-    # m' = mu * m + delta; update = delta + mu * m' (Nesterov) or m'; theta' = theta - lr * update
     f32 = torch.float32
-    new_m = torch.mul(momentum, torch.tensor(mu, dtype=f32)).add_(delta)
-    update = torch.mul(new_m, torch.tensor(mu, dtype=f32)).add_(delta) if nesterov else new_m.clone()
-    new_theta = torch.sub(theta, update.mul_(torch.tensor(lr, dtype=f32)), out=update)
+    mu_t, lr_t = torch.tensor(mu, dtype=f32), torch.tensor(lr, dtype=f32)
+    new_m = torch.mul(momentum, mu_t).add_(delta)  # m' = mu * m + delta
+    update = delta if consume else torch.empty_like(delta)
+    if nesterov:  # update = delta + mu * m', a chunk at a time: no model-sized temporary
+        for k in range(0, delta.numel(), CHUNK):
+            torch.add(delta[k : k + CHUNK], torch.mul(new_m[k : k + CHUNK], mu_t), out=update[k : k + CHUNK])
+    else:
+        update.copy_(new_m)
+    new_theta = torch.sub(theta, update.mul_(lr_t), out=update)  # theta' = theta - lr * update
     return new_theta, new_m
 
 

@@ -51,6 +51,9 @@ def outer_step(rc: RunConfig, allreduce: AllReduce, info: RoundInfo, held: Snaps
     s, d = rc.sync, rc.diloco
     wait_s = max(s.deadline_floor_s, s.deadline_factor * inner_seconds)
     mean, stats = allreduce.run(info, delta, wait_s=wait_s, grace_s=max(2.0, 0.25 * wait_s))
-    new_theta, new_m = nesterov_step(theta, held.tensors["momentum"], mean, d.outer_lr, d.outer_momentum, d.nesterov)
+    delta = None  # the step needs only the mean (a fresh vector, which it turns into the new theta)
+    mean_norm = float(mean.norm())
+    new_theta, new_m = nesterov_step(theta, held.tensors["momentum"], mean, d.outer_lr, d.outer_momentum, d.nesterov,
+                                     consume=True)
     snap = outer_snapshot(new_theta, new_m, info.step, {**meta, "epoch": info.epoch})
-    return OuterResult(snap, stats, float(mean.norm()))
+    return OuterResult(snap, stats, mean_norm)

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_pipeline import config, make_stages, run_steps  # noqa: F401 - make_stages is a fixture
+from test_pipeline import config, make_stages, run_steps, train_unsplit  # noqa: F401 - make_stages is a fixture
 
-from potluck.models import build_stage, entry_costs, forward_layers, lm_loss, partition, stage_bounds
+from potluck.models import build_stage, entry_costs, forward_layers, partition, stage_bounds
 from potluck.peer.data import Dataset, ShardSampler
 from potluck.protos.config import ConfigError, ModelConfig, PipelineConfig, RunConfig, apply_overrides
 
@@ -100,17 +100,7 @@ def test_split_training_gives_the_unsplit_models_loss(name: str, stages: int, hf
     data = Dataset(cfg.data, cfg.model)
     piped = run_steps(make_stages(cfg), cfg, 6, ShardSampler(cfg.data.num_samples, 0, 1, 0), data)
 
-    full = build_stage(cfg.model, cfg.train.seed)
-    opt = torch.optim.AdamW(full.parameters(), lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2),
-                            weight_decay=0.0)
-    sampler, reference = ShardSampler(cfg.data.num_samples, 0, 1, 0), []
-    for _ in range(6):
-        x, y = data.batch(sampler.next_ids(cfg.train.batch_size))
-        loss = lm_loss(forward_layers(full, x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        reference.append(float(loss.detach()))
+    _, reference = train_unsplit(cfg, data, 6)
     assert piped == pytest.approx(reference, rel=1e-4, abs=1e-5)
     assert reference[-1] < reference[0]
 

@@ -14,7 +14,7 @@ from potluck.compression.acsgd import AcsgdSender
 from potluck.compression.actcodec import ActCodec
 from potluck.models import stage_bounds
 from potluck.peer.data import Dataset, ShardSampler
-from potluck.peer.model import build_layers, lm_loss
+from potluck.peer.model import build_layers, forward_layers, lm_loss
 from potluck.peer.pipeline import Neighbour, Pipeline, PipelineStall
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config import RunConfig, apply_overrides
@@ -133,6 +133,22 @@ def test_stage_bounds_cover_the_model_in_order() -> None:
     assert stage_bounds(cfg.model, cfg.pipeline) == [(0, 1), (1, 4)]
 
 
+def train_unsplit(cfg: RunConfig, data: Dataset, steps: int) -> tuple[torch.nn.ModuleList, list[float]]:
+    """The same steps on the whole model in one process: the reference a pipeline must reproduce."""
+    full = build_layers(cfg.model, cfg.train.seed)
+    opt = torch.optim.AdamW(full.parameters(), lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2),
+                            weight_decay=0.0)
+    sampler, losses = ShardSampler(cfg.data.num_samples, 0, 1, 0), []
+    for _ in range(steps):
+        x, y = data.batch(sampler.next_ids(cfg.train.batch_size))
+        loss = lm_loss(forward_layers(full, x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return full, losses
+
+
 def test_uncompressed_pipeline_matches_the_unsplit_model(make_stages) -> None:
     cfg = config(**{"pipeline.compression": "none", "pipeline.grad_bits": None, "pipeline.stages": 3,
                     "model.n_layers": 3})
@@ -140,21 +156,7 @@ def test_uncompressed_pipeline_matches_the_unsplit_model(make_stages) -> None:
     stages = make_stages(cfg)
     piped = run_steps(stages, cfg, 12, ShardSampler(cfg.data.num_samples, 0, 1, 0), data)
 
-    full = build_layers(cfg.model, cfg.train.seed)
-    opt = torch.optim.AdamW(full.parameters(), lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2),
-                            weight_decay=0.0)
-    sampler = ShardSampler(cfg.data.num_samples, 0, 1, 0)
-    reference = []
-    for _ in range(12):
-        x, y = data.batch(sampler.next_ids(cfg.train.batch_size))
-        out = x
-        for layer in full:
-            out = layer(out)
-        loss = lm_loss(out, y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        reference.append(float(loss.detach()))
+    full, reference = train_unsplit(cfg, data, 12)
     assert piped == pytest.approx(reference, rel=1e-4, abs=1e-5)
     assert reference[-1] < reference[0]
     # and the parameters themselves agree

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from potluck.models.native import NativeSpec
 from potluck.protos.config import ModelConfig
 
 
@@ -122,24 +123,12 @@ class Head(nn.Module):
         return self.lm_head(self.norm(x))
 
 
-class LlamaSpec:
+class LlamaSpec(NativeSpec):
     family = "llama"
     init_std = 0.02
     residual = ("o_proj.weight", "down_proj.weight")
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        self.cfg, self.n_layers = cfg, cfg.n_layers
-
-    def make_entry(self, i: int) -> nn.Module:
-        if i == 0:
-            return Embedding(self.cfg)
-        return Block(self.cfg) if i <= self.n_layers else Head(self.cfg)
-
-    def reset_buffers(self, entry: nn.Module, i: int) -> None:
-        pass  # RoPE tables are computed in forward; no buffers
-
-    def load_pretrained(self, entries: dict[int, nn.Module]) -> bool:
-        return False
+    embedding, block, head = Embedding, Block, Head
 
     def tie(self, embed: nn.Module, head: nn.Module) -> None:
         head.lm_head.weight = embed.embed_tokens.weight  # type: ignore[union-attr]

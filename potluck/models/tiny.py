@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from potluck.models.native import NativeSpec
 from potluck.protos.config import ModelConfig
 
 
@@ -63,24 +64,12 @@ class Head(nn.Module):
         return self.proj(self.ln(x))
 
 
-class TinySpec:
+class TinySpec(NativeSpec):
     family = "tiny"
     init_std = 0.02
     residual = ("attn.proj.weight", "out.weight")
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        self.cfg, self.n_layers = cfg, cfg.n_layers
-
-    def make_entry(self, i: int) -> nn.Module:
-        if i == 0:
-            return Embedding(self.cfg)
-        return Block(self.cfg) if i <= self.n_layers else Head(self.cfg)
-
-    def reset_buffers(self, entry: nn.Module, i: int) -> None:
-        pass
-
-    def load_pretrained(self, entries: dict[int, nn.Module]) -> bool:
-        return False
+    embedding, block, head = Embedding, Block, Head
 
     def tie(self, embed: nn.Module, head: nn.Module) -> None:
         head.proj.weight = embed.tok.weight  # type: ignore[union-attr]
