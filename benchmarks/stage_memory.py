@@ -78,7 +78,7 @@ COORDINATOR = """
 import tempfile
 from pathlib import Path
 from potluck.compression.transfer import Snapshot, tensors_hash
-from potluck.coordinator.checkpoint import CheckpointStore, consolidate, stage_views
+from potluck.coordinator.checkpoint import CheckpointStore, consolidate
 from potluck.models import entry_costs
 costs = entry_costs(cfg, "params")
 def stage(s):  # stage s's snapshot as the checkpointer receives it from its members
@@ -92,8 +92,8 @@ with tempfile.TemporaryDirectory() as d:
         path = store.write(consolidate([stage(s) for s in range(len(bounds))]))
     else:
         path = store.write_stages(1, (stage(s) for s in range(len(bounds))))
-        m = store.verified(path)
-        served = [stage_views(store.dir / m["file"], part, 1) for part in m["stages"]]
+        store.verified(path)
+        served = store.stages(path, bounds)
     print(json.dumps({"peak_mib": peak_mib(), "params": int(sum(costs[start:stop]))}))
 """
 

@@ -41,14 +41,20 @@ class SnapshotUnavailable(RuntimeError):
     """No source could provide the requested snapshot."""
 
 
+def byte_chunks(t: torch.Tensor, size: int = HASH_CHUNK) -> Iterator[memoryview]:
+    """The raw bytes of ``t`` in blocks of at most ``size``, as views: a contiguous CPU tensor is not copied."""
+    view = t.detach().to("cpu").contiguous().reshape(-1).numpy().data.cast("B")
+    for k in range(0, len(view), size):
+        yield view[k : k + size]
+
+
 def tensors_hash(tensors: dict[str, torch.Tensor]) -> str:
     """BLAKE2b (128 bits, hex) over names and raw bytes of the tensors, in name order."""
     h = hashlib.blake2b(digest_size=16)
     for name in sorted(tensors):
         h.update(name.encode() + b"\0")
-        view = memoryview(tensors[name].detach().to("cpu").contiguous().numpy()).cast("B")  # no copy of the bytes
-        for k in range(0, len(view), HASH_CHUNK):
-            h.update(view[k : k + HASH_CHUNK])
+        for block in byte_chunks(tensors[name]):
+            h.update(block)
     return h.hexdigest()
 
 
@@ -227,6 +233,7 @@ def fetch_snapshot(
             req = pb.StateRequest(header=header, version=version, ranges=[pb.Range(name=name, offset=lo, numel=hi - lo)],
                                   stage=stage)
             asm = Assembler(name, sizes[name], RawCodec(), start=lo, stop=hi)
+            asm.buffer = buffers[name][lo:hi]  # decoded in place: a fetch holds the snapshot once, not twice
             try:
                 for chunk in client.fetch_state(src.address, req, timeout, peer=src.target.peer_id):
                     if chunk.version != version:
@@ -234,7 +241,7 @@ def fetch_snapshot(
                     asm.add(chunk.tensor)
                     if on_progress is not None:
                         on_progress(chunk.tensor.numel)
-                buffers[name][lo:hi] = asm.result()
+                asm.result()  # raises unless every element arrived
                 return
             except (grpc.RpcError, WireError) as err:
                 errors.append(f"{src.address}: {rpc_reason(err) if isinstance(err, grpc.RpcError) else err}")

@@ -25,7 +25,7 @@ from potluck.compression.transfer import (
     fetch_snapshot,
     probe_sources,
 )
-from potluck.coordinator.checkpoint import CheckpointStore, slice_stage, stage_views
+from potluck.coordinator.checkpoint import CheckpointStore
 from potluck.coordinator.rounds import Checkpoint
 from potluck.models import stage_bounds
 from potluck.protos import potluck_pb2 as pb
@@ -74,8 +74,8 @@ class NotWritten:
 
 @dataclass(frozen=True)
 class Served:
-    """A checkpoint as recovering peers get it: one server per stage (memory-mapped from its file when
-    the run's stages are the checkpoint's, else re-split in memory)."""
+    """A checkpoint as recovering peers get it: one server per stage of the run, each serving that
+    stage memory-mapped from a file (see :meth:`CheckpointStore.stages`)."""
 
     version: int
     servers: dict[int, SnapshotServer]
@@ -110,12 +110,15 @@ class Checkpointer:
                    rpc_timeout_s=cfg.sync.rpc_timeout_s, meta={"model": cfg.model.model_dump(mode="json")})
 
     def start(self) -> None:
-        found = self.store.latest_verified()
-        if found is not None:
+        """Serve the newest checkpoint whose files verify (skipping, with a log line, those that do not),
+        then start the worker."""
+        for path in self.store.manifests():
             try:
-                self.serve(*found)
+                self.store.verified(path)
+                self.serve(path)
+                break
             except (ValueError, KeyError, OSError) as err:
-                log.error("checkpoint %s cannot be served (%s); starting without one", found[0].stem, err)
+                log.error("checkpoint %s is unusable (%s); trying the previous one", path.stem, err)
         self._thread.start()
 
     def stop(self, timeout: float = 2.0) -> None:
@@ -151,26 +154,18 @@ class Checkpointer:
             except queue.Empty:
                 return out
 
-    def serve(self, path: Path, manifest: dict[str, Any], bounds: list[tuple[int, int]] | None = None) -> None:
-        """Serve the checkpoint ``path`` (its verified ``manifest``) cut into ``bounds`` (default: the
-        run's current stages): straight from the file when it was written in those stages; re-split
-        from the whole model otherwise (a run resumed with another stage count, or an older format)."""
+    def serve(self, path: Path, bounds: list[tuple[int, int]] | None = None) -> None:
+        """Serve the checkpoint of manifest ``path`` (its files checked) cut into ``bounds`` (default: the
+        run's current stages), each stage from a file, memory-mapped: the checkpoint's own stage files
+        when they match, files re-split from them otherwise (a run resumed with other stages)."""
         self.bounds = bounds or self.bounds
-        version = int(manifest["version"])
-        stored = manifest.get("stages") if isinstance(manifest.get("stages"), list) else []  # older: a count
-        if [tuple(part["layers"]) for part in stored] == [tuple(b) for b in self.bounds]:
-            inner = int(manifest.get("meta", {}).get("inner_steps", 0))
-            parts = {i: stage_views(self.store.dir / manifest["file"], part, version, inner) for i, part in enumerate(stored)}
-        else:
-            whole = self.store.load(path)
-            parts = {stage: slice_stage(whole, start, stop, stage) if whole.meta.get("layout") else whole
-                     for stage, (start, stop) in enumerate(self.bounds)}
+        parts = self.store.stages(path, self.bounds)
         servers = {}
-        for stage, part in parts.items():
+        for stage, part in enumerate(parts):
             server = SnapshotServer(self.run_id, self.chunk_bytes)
             server.publish(part)
             servers[stage] = server
-        self.served = Served(version, servers)
+        self.served = Served(parts[0].version, servers)
 
     # ------------------------------------------------------------------ the worker
 
@@ -197,8 +192,8 @@ class Checkpointer:
             return self._job is not None and self._job.version > version
 
     def _checkpoint(self, job: Job) -> Written | NotWritten:
-        """Fetch every stage's state at ``job.version`` from its members, one stage at a time, appending
-        each to the checkpoint file as it arrives; then serve the file."""
+        """Fetch every stage's state at ``job.version`` from its members, one stage at a time, each
+        written to its file before the next is fetched; then serve the files."""
         header = pb.Header(run_id=self.run_id, sender=self.me)
         deadline = time.monotonic() + FETCH_DEADLINE_S
 
@@ -215,13 +210,13 @@ class Checkpointer:
                     except SnapshotUnavailable as err:
                         log.info("stage %d of v%d not fetched yet: %s", stage, job.version, err)
                 self._stopping.wait(0.2)
-            raise SnapshotUnavailable(f"no member served stage {stage}")
+            raise SnapshotUnavailable("stopping" if self._stopping.is_set() else f"no member served stage {stage}")
 
         stages = len(job.members)
         try:
             path = self.store.write_stages(job.version, (fetched(i) for i in range(stages)),
-                                           {"run_id": self.run_id, "stages_count": stages, **self.meta})
-            self.serve(path, self.store.verified(path))
+                                           {"run_id": self.run_id, **self.meta})
+            self.serve(path)
         except Superseded:
             return NotWritten(job.version, "superseded by a newer version")
         except (SnapshotUnavailable, OSError, ValueError) as err:

@@ -114,9 +114,9 @@ class HFSpec:
         with torch.device("meta"):  # the skeleton only: what each entry is made of, no memory
             self.skeleton = tf.AutoModelForCausalLM.from_config(self.hf)
         self.init_std = float(getattr(self.hf, "initializer_range", 0.02))
-        self.residual = ("c_proj.weight",) if self.model_type == "gpt2" else ("o_proj.weight", "down_proj.weight")
-        if self.model_type == "gpt2":  # GPT-2 scales only the blocks' output projections, not the MLP input
-            self.residual = ("attn.c_proj.weight", "mlp.c_proj.weight")
+        # residual output projections, scaled at init (GPT-2's c_proj of attention and MLP)
+        self.residual: tuple[str, ...] = (("attn.c_proj.weight", "mlp.c_proj.weight") if self.model_type == "gpt2"
+                                          else ("o_proj.weight", "down_proj.weight"))
 
     def make_entry(self, i: int) -> nn.Module:
         sk, last = self.skeleton, i == self.n_layers + 1

@@ -126,7 +126,7 @@ class Head(nn.Module):
 class LlamaSpec(NativeSpec):
     family = "llama"
     init_std = 0.02
-    residual = ("o_proj.weight", "down_proj.weight")
+    residual: tuple[str, ...] = ("o_proj.weight", "down_proj.weight")
 
     embedding, block, head = Embedding, Block, Head
 

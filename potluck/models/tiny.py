@@ -67,7 +67,7 @@ class Head(nn.Module):
 class TinySpec(NativeSpec):
     family = "tiny"
     init_std = 0.02
-    residual = ("attn.proj.weight", "out.weight")
+    residual: tuple[str, ...] = ("attn.proj.weight", "out.weight")
 
     embedding, block, head = Embedding, Block, Head
 
