@@ -226,3 +226,21 @@ def test_an_exported_folder_generates_and_loads_back_bit_exact(tmp_path) -> None
         assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
     with pytest.raises(ValueError, match="has no Hugging Face format"):
         write_folder(tmp_path / "t", ModelConfig(), [], {})
+
+
+@pytest.mark.parametrize("name", ["hf-llama", "hf-qwen2", "hf-gpt2"])
+def test_an_hf_run_exports_a_folder_transformers_loads_as_is(name: str, hf_dirs, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from potluck.models.hub import write_folder
+
+    cfg = ModelConfig(family="hf", hf_model=str(hf_dirs[name.removeprefix("hf-")]), tie_embeddings=False)
+    layers = build_stage(cfg, seed=4)  # as a split run trains it: untied
+    with torch.no_grad():  # "trained": the head no longer equals the embedding
+        for p in layers[-1].parameters():
+            p.add_(0.01)
+    write_folder(tmp_path / "out", cfg, [(f"layers.{n}", p.detach()) for n, p in layers.named_parameters()], {})
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(loaded).__name__ == {"hf-llama": "LlamaForCausalLM", "hf-qwen2": "Qwen2ForCausalLM",
+                                     "hf-gpt2": "GPT2LMHeadModel"}[name]
+    x = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, forward_layers(layers.eval(), x))

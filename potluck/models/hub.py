@@ -63,8 +63,7 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
         out = source(cfg.hf_model).to_dict()
         out.pop("_attn_implementation", None)
         out["tie_word_embeddings"] = cfg.tie_embeddings
-        out["architectures"] = ["GPT2LMHeadModel" if out.get("model_type") == "gpt2" else
-                                out.get("architectures", [None])[0] or "LlamaForCausalLM"]
+        out["architectures"] = [type(spec_for(cfg).skeleton).__name__]  # type: ignore[attr-defined]
         return out
     _model_type(cfg)
     return {
