@@ -22,10 +22,11 @@ every peer of a stage starts bit-identical and no peer ever allocates the rest o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -83,6 +84,26 @@ def _spec(key: str) -> ModelSpec:
     return HFSpec(cfg)
 
 
+@contextlib.contextmanager
+def _skeleton() -> Iterator[None]:
+    """Construct modules on ``meta`` without running their initialisers: a meta tensor's first
+    random fill loads torch's reference decompositions, 1.4 s a process here, for values nobody keeps."""
+    import torch
+    from torch.nn import init
+
+    names = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
+             "trunc_normal_", "ones_", "zeros_", "constant_")
+    saved = {n: getattr(init, n) for n in names}
+    try:
+        for n in names:
+            setattr(init, n, lambda tensor, *args, **kwargs: tensor)
+        with torch.device("meta"):
+            yield
+    finally:
+        for n, fn in saved.items():
+            setattr(init, n, fn)
+
+
 def spec_for(cfg: ModelConfig) -> ModelSpec:
     """The :class:`ModelSpec` of ``cfg`` (cached: building an ``hf`` spec reads its config)."""
     return _spec(cfg.model_dump_json())
@@ -119,7 +140,6 @@ def build_stage(cfg: ModelConfig, seed: int, start: int = 0, stop: int | None = 
 
     The result is bit-identical to the same slice of the whole model built from the same seed.
     """
-    import torch
     from torch import nn
 
     spec, total = spec_for(cfg), entries(cfg)
@@ -128,7 +148,7 @@ def build_stage(cfg: ModelConfig, seed: int, start: int = 0, stop: int | None = 
         raise ValueError(f"layer slice [{start}, {stop}) is outside the model's {total} layers")
     if cfg.tie_embeddings and (start != 0 or stop != total):
         raise ValueError("tie_embeddings needs embedding and head in one stage; set model.tie_embeddings = false")
-    with torch.device("meta"):
+    with _skeleton():
         parts = {i: spec.make_entry(i) for i in range(start, stop)}
     for i, part in parts.items():
         part.to_empty(device="cpu")
@@ -160,27 +180,32 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=16)
 def _costs(key: str, by: str) -> tuple[float, ...]:
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode
-
     from potluck.protos.config import ModelConfig
 
     cfg = ModelConfig.model_validate_json(key)
-    spec = spec_for(cfg)
-    out = []
-    with torch.device("meta"):
-        x: torch.Tensor = torch.zeros(1, cfg.seq_len, dtype=torch.long)
-        for i in range(entries(cfg)):
+    spec, out = spec_for(cfg), []
+    for i in range(entries(cfg)):
+        with _skeleton():
             part = spec.make_entry(i)
-            if by == "params":
-                out.append(float(sum(p.numel() for p in part.parameters())))
-                continue
-            inp = x if i == 0 else torch.zeros(1, cfg.seq_len, cfg.d_model, requires_grad=True)
-            counter = FlopCounterMode(display=False)
-            with counter:
-                part(inp).float().sum().backward()
-            out.append(float(counter.get_total_flops()))
+        if by == "params":
+            out.append(float(sum(p.numel() for p in part.parameters())))
+        else:
+            out.append(_flops(part, i, cfg))
     return tuple(out)
+
+
+def _flops(part: nn.Module, i: int, cfg: ModelConfig) -> float:
+    """Forward + backward FLOPs of one sample through entry ``i``, counted on the meta device."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.device("meta"):
+        inp = (torch.zeros(1, cfg.seq_len, dtype=torch.long) if i == 0
+               else torch.zeros(1, cfg.seq_len, cfg.d_model, requires_grad=True))
+        counter = FlopCounterMode(display=False)
+        with counter:
+            part(inp).float().sum().backward()
+    return float(counter.get_total_flops())
 
 
 def entry_costs(cfg: ModelConfig, by: str = "params") -> list[float]:
