@@ -29,7 +29,7 @@ import torch
 
 from potluck.compression.acsgd import AcsgdConfig, AcsgdMessage, AcsgdReceiver, AcsgdSender
 from potluck.compression.actcodec import ActCodec
-from potluck.peer.data import Dataset, ShardSampler
+from potluck.peer.data import Dataset, in_run_order
 from potluck.peer.model import build_layers, lm_loss
 from potluck.protos.config import DataConfig, ModelConfig
 
@@ -54,7 +54,7 @@ def tinygpt(args: argparse.Namespace) -> Iterator[Batch]:
     data = Dataset(DataConfig(markov_order=2, num_samples=args.samples), model_cfg)
     layers = build_layers(model_cfg, seed=0)
     opt = torch.optim.AdamW(layers.parameters(), lr=2e-3)
-    sampler = ShardSampler(args.samples, 0, 1, seed=0)
+    sampler = in_run_order(args.samples, seed=0, count=1 << 16)
     cut = 3  # embedding + 2 blocks | 2 blocks + head
     steps_per_epoch = args.samples // args.batch
     for step in range(args.epochs * steps_per_epoch):

@@ -93,7 +93,7 @@ class Coordinator:
 
     def start(self) -> None:
         c, s = self.cfg.coordinator, self.state
-        self.rounds.restore(s.committed, s.epoch, s.rounds, s.hashes, s.outcomes, time.monotonic())
+        self.rounds.restore(s.committed, s.epoch, s.rounds, s.hashes, s.outcomes, time.monotonic(), s.cursors)
         self.checkpointer.start()
         resharded = bootstrap.resume_layout(self.rounds, self.checkpointer.served, self.state, self.cfg)
         if resharded:  # resumed with another stage count: the run continues from the newest checkpoint
@@ -109,7 +109,7 @@ class Coordinator:
         self.info.status_url = f"{'https' if self.info.fingerprint else 'http'}://{host}:{self.status.port}/"
         manifest = bootstrap.manifest(self.cfg, s, self.info, f"{host}:{self.grpc.port}", self.checkpointer.served,
                                       self.gate.ca.cert_pem.decode())
-        self.publisher = Publisher(self.node, manifest, self.gate.admission.revoked)
+        self.publisher, self.info.samples = Publisher(self.node, manifest, self.gate.admission.revoked), manifest.data.samples
         self.publisher.publish(self.rounds.rounds.values())
         self._event("started", "", f"coordinator {__version__} serving run {self.run_id} at step {self.rounds.committed}")
         bootstrap.announce(self.info, self.publisher.manifest, self.rounds.committed, self.cfg, self.ready_file)
@@ -162,7 +162,7 @@ class Coordinator:
             self.state.known_peers = [m for v in self.table.live() for m in v.record.dht_maddrs[:1]][:16]
             every, v, rnd = self.cfg.coordinator.checkpoint_every, ev.step, self.rounds.round_at(ev.step)
             if every and rnd is not None and (v // every > ev.since // every or v >= self.cfg.diloco.outer_steps):
-                self.checkpointer.want(Job.of(rnd, v, self.rounds.canonical))
+                self.checkpointer.want(Job.of(rnd, v, self.rounds.canonical, self.rounds.data.cursor(v)))
         elif isinstance(ev, Failed):
             self._event("failed", "", f"round {ev.round.step} (epoch {ev.round.epoch}) failed: {ev.reason}")
         elif isinstance(ev, RolledBack):
@@ -215,7 +215,7 @@ class Coordinator:
     def _save(self) -> None:
         s, r = self.state, self.rounds
         r.prune_hashes()
-        s.committed, s.epoch, s.rounds, s.hashes = r.committed, r.epoch, list(r.rounds.values()), r.hashes
+        s.committed, s.epoch, s.rounds, s.hashes, s.cursors = r.committed, r.epoch, list(r.rounds.values()), r.hashes, r.data.to_json()
         s.outcomes, s.revoked = [vars(o) for o in r.outcomes], sorted(self.gate.admission.revoked)
         self.journal.save(s)
         self._dirty = False

@@ -132,7 +132,9 @@ def data_identity(cfg: RunConfig) -> DataIdentity:
         return markov_identity(cfg.data, cfg.model)
     assert cfg.data.path is not None
     try:
-        return file_identity(Path(cfg.data.path).expanduser())
+        found = file_identity(Path(cfg.data.path).expanduser())
+        windows = (found.size - 1) // cfg.model.seq_len - cfg.data.eval_samples
+        return found.model_copy(update={"samples": min(cfg.data.num_samples, windows)})
     except OSError as err:  # it was there a moment ago (check_run)
         raise ConfigError(f"data.path = {cfg.data.path!r}: cannot read it ({err.strerror or err})") from None
 

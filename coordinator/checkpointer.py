@@ -9,6 +9,7 @@ fetched, and the final version of a run is never skipped.
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
@@ -26,6 +27,7 @@ from potluck.compression.transfer import (
     probe_sources,
 )
 from potluck.coordinator.checkpoint import CheckpointStore
+from potluck.coordinator.cursor import Cursor
 from potluck.coordinator.rounds import Checkpoint
 from potluck.models import stage_bounds
 from potluck.protos import potluck_pb2 as pb
@@ -50,13 +52,14 @@ class Job:
     version: int
     members: dict[int, list[Target]]
     hashes: dict[int, str] = field(default_factory=dict)
+    cursor: Cursor | None = None  # the data cursor of ``version``: a run resumed from it reads on from there
 
     @classmethod
-    def of(cls, rnd: Round, version: int, canonical: Callable[[int, int], str]) -> Job:
+    def of(cls, rnd: Round, version: int, canonical: Callable[[int, int], str], cursor: Cursor | None = None) -> Job:
         """Checkpoint ``version`` from the members of ``rnd`` (the round that produced it)."""
         stages = range(rnd.stages)
         return cls(version, {s: [Target(m.peer_id, m.address) for m in rnd.stage_members(s)] for s in stages},
-                   {s: canonical(version, s) for s in stages})
+                   {s: canonical(version, s) for s in stages}, cursor)
 
 
 @dataclass(frozen=True)
@@ -79,13 +82,14 @@ class Served:
 
     version: int
     servers: dict[int, SnapshotServer]
+    cursor: Cursor | None = None
 
     @property
     def hashes(self) -> dict[int, str]:
         return {stage: server.current.hash for stage, server in self.servers.items() if server.current}
 
     def checkpoint(self) -> Checkpoint:
-        return Checkpoint(self.version, self.hashes)
+        return Checkpoint(self.version, self.hashes, self.cursor)
 
 
 class Checkpointer:
@@ -165,7 +169,8 @@ class Checkpointer:
             server = SnapshotServer(self.run_id, self.chunk_bytes)
             server.publish(part)
             servers[stage] = server
-        self.served = Served(parts[0].version, servers)
+        cursor = json.loads(path.read_text()).get("data_cursor")
+        self.served = Served(parts[0].version, servers, Cursor.from_json(cursor) if cursor is not None else None)
 
     # ------------------------------------------------------------------ the worker
 
@@ -214,8 +219,10 @@ class Checkpointer:
 
         stages = len(job.members)
         try:
-            path = self.store.write_stages(job.version, (fetched(i) for i in range(stages)),
-                                           {"run_id": self.run_id, **self.meta})
+            extra = {"run_id": self.run_id, **self.meta}
+            if job.cursor is not None:
+                extra["data_cursor"] = job.cursor.to_json()
+            path = self.store.write_stages(job.version, (fetched(i) for i in range(stages)), extra)
             self.serve(path)
         except Superseded:
             return NotWritten(job.version, "superseded by a newer version")

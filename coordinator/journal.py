@@ -37,6 +37,8 @@ class JournalState(BaseModel):
     epoch: int = Field(0, description="grows with every failed round (see potluck.coordinator.rounds)")
     hashes: dict[int, dict[int, str]] = Field(default_factory=dict, description="stage -> version -> canonical hash")
     rounds: list[Round] = Field(default_factory=list)
+    cursors: dict[str, Any] = Field(default_factory=dict, description="committed version -> data cursor "
+                                    "(potluck.coordinator.cursor): the samples that version has not trained on")
     outcomes: list[dict[str, Any]] = Field(default_factory=list, description="rounds that failed, newest last")
     history: list[dict[str, Any]] = Field(default_factory=list, description="one entry per committed step")
     rolled_back: list[dict[str, Any]] = Field(default_factory=list, description="history entries of steps "

@@ -34,6 +34,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from potluck.coordinator.cursor import Cursor, DataCursor
 from potluck.protos.config import RunConfig
 from potluck.protos.log import short_id
 from potluck.protos.records import Member, Round
@@ -55,6 +56,7 @@ class Report:
     prev_hash: str = ""
     live: bool = True
     progress: tuple = ()  # changes whenever the peer makes visible progress (state, inner step, bytes)
+    included: tuple[tuple[int, int, tuple[int, ...]], ...] = ()  # stage 0: (step, epoch, replicas in that version)
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class Checkpoint:
 
     version: int
     hashes: dict[int, str]
+    cursor: Cursor | None = None  # the data cursor of ``version`` (None: a checkpoint from before cursors)
 
 
 @dataclass(frozen=True)
@@ -121,12 +124,13 @@ class Rounds:
     _progress: dict[str, tuple[tuple, float]] = field(default_factory=dict)  # peer -> (signature, since)
     _fresh_start: bool = True  # no round is running after a failure (or ever): wait for min_peers
     wall: Callable[[], float] = time.time  # wall-clock stamps for the journal (every decision uses ``now``)
+    data: DataCursor = field(default_factory=lambda: DataCursor(per_replica=1))  # who trains on which samples
 
     @classmethod
     def for_run(cls, cfg: RunConfig) -> Rounds:
         m = cfg.membership
         return cls(stages=cfg.pipeline.stages, floor_s=m.round_timeout_floor_s, factor=m.round_timeout_factor,
-                   grace_s=m.heartbeat_timeout_s)
+                   grace_s=m.heartbeat_timeout_s, data=DataCursor(cfg.diloco.inner_steps * cfg.train.batch_size))
 
     # ------------------------------------------------------------------ views
 
@@ -157,22 +161,27 @@ class Rounds:
     # ------------------------------------------------------------------ inputs
 
     def restore(self, committed: int, epoch: int, rounds: Iterable[Round], hashes: dict[int, dict[int, str]],
-                outcomes: Iterable[dict], now: float) -> None:
+                outcomes: Iterable[dict], now: float, cursors: dict | None = None) -> None:
         """Resume from a journal. A journaled pending round gets ``grace_s`` for its members to show
         up and a fresh deadline, counted from now."""
         self.committed, self.epoch = committed, epoch
+        self.data.restore(cursors, committed)
         self.rounds = {r.step: r for r in rounds}
         self.hashes = {s: dict(v) for s, v in hashes.items()}
         self.outcomes = [Outcome(**o) for o in outcomes]
         self._started = {step: now for step in self.rounds}
         self._committed_at = now
         self._fresh_start = not self.rounds
+        for rnd in [r for r in self.rounds.values() if not r.shares and r.step > committed]:  # journaled before cursors
+            shares, data_next = self.data.assign(rnd.step - 1, sorted(m.replica for m in rnd.members if m.stage == 0))
+            self.rounds[rnd.step] = rnd.model_copy(update={"shares": shares, "data_next": data_next})
 
     def observe(self, reports: Sequence[Report], now: float, checkpoint: Checkpoint | None = None) -> list[Event]:
         """Fold the peers' latest reports in: commits, canonical hashes, and failure of the pending round."""
         events: list[Event] = []
         self._note_progress(reports, now)
         self._learn_hashes(reports)
+        self._learn_included(reports)
         step = self._reached(reports)
         if step > self.committed:
             started = self._started.get(step)
@@ -181,6 +190,7 @@ class Rounds:
                 self._durations.append(seconds)
             since, self.committed, self._committed_at, self._fresh_start = self.committed, step, now, False
             self._learn_hashes(reports)
+            self.data.commit(since, step, self.round_at)
             events.append(Committed(step, since, seconds))
         pending = self.pending()
         if pending is not None:
@@ -227,6 +237,15 @@ class Rounds:
         for (stage, version), counter in votes.items():
             self.hashes.setdefault(stage, {})[version] = counter.most_common(1)[0][0]
 
+    def _learn_included(self, reports: Sequence[Report]) -> None:
+        """Which replicas' samples each new version holds, as the stage-0 members of its round say."""
+        for r in reports:
+            for step, epoch, included in r.included:
+                made_by = self.round_at(step)
+                if step > self.committed and made_by is not None and made_by.member(r.peer_id) is not None \
+                        and epoch == made_by.epoch == self.epoch and r.live:
+                    self.data.vote(step, epoch, r.peer_id, included)
+
     def _note_progress(self, reports: Sequence[Report], now: float) -> None:
         for r in reports:
             old = self._progress.get(r.peer_id)
@@ -269,6 +288,7 @@ class Rounds:
                 self.hashes.setdefault(stage, {})[target] = h
         self.epoch += 1
         self.committed = target
+        self.data.roll_back(target, checkpoint.cursor if checkpoint is not None and checkpoint.version == target else None)
         self._committed_at = now
         self._fresh_start = True
         self.outcomes.append(Outcome(rnd.step, rnd.epoch, reason, len(rnd.members), target, self.wall()))
@@ -323,9 +343,10 @@ class Rounds:
         """Round ``committed + 1`` with these members (already placed on the grid), in this epoch."""
         step = self.committed + 1
         hashes = [self.canonical(step - 1, s) for s in range(self.stages)]
+        shares, data_next = self.data.assign(self.committed, sorted(m.replica for m in members if m.stage == 0))
         rnd = Round(step=step, members=sorted(members, key=lambda m: (m.stage, m.replica)), base_hash=hashes[0],
                     stages=self.stages, base_hashes=hashes if self.stages > 1 else [], epoch=self.epoch,
-                    decided_at=decided_at)
+                    decided_at=decided_at, shares=shares, data_next=data_next)
         self.rounds[step] = rnd
         self._started[step] = now
         for old in sorted(self.rounds)[:-KEEP_ROUNDS]:
@@ -340,6 +361,7 @@ class Rounds:
         self._started.clear()
         self.hashes = {s: {checkpoint.version: h} for s, h in checkpoint.hashes.items()}
         self.committed, self._committed_at = checkpoint.version, now
+        self.data.roll_back(checkpoint.version, checkpoint.cursor)
         self.epoch += 1
         self._fresh_start = True
 

@@ -8,6 +8,7 @@ encoded copy to every client until the next one.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -35,6 +36,7 @@ class RunInfo:
     started_at: float
     finished: bool
     fingerprint: str = ""  # SHA-256 of the status page's TLS certificate, if it has one
+    samples: int = 0  # training samples of the run's data (the manifest's), for the data epoch
 
 
 @dataclass
@@ -81,6 +83,11 @@ def model_parameters(m: ModelConfig) -> int:
     return total - m.vocab_size * m.d_model if m.tie_embeddings else total
 
 
+def perplexity(loss: float | None) -> float | None:
+    """exp(loss), where it is a number (a diverged run's loss overflows it)."""
+    return math.exp(loss) if loss is not None and loss < 700 else None
+
+
 def build(run: RunInfo, cfg: RunConfig, views: Sequence[PeerView], rounds: Rounds, history: Sequence[dict[str, Any]],
           rolled_back: Sequence[dict[str, Any]], events: Sequence[dict[str, Any]], series: Series,
           links: Mapping[str, LinkReport], now: float | None = None) -> dict[str, Any]:
@@ -116,6 +123,8 @@ def build(run: RunInfo, cfg: RunConfig, views: Sequence[PeerView], rounds: Round
             "tokens_trained": sum(r.tokens_total for r in records if r.stage == 0),
             "tokens_per_s": sum(p["tokens_per_s"] for p in training if not p["tasklet"] or p["tasklet"]["stage"] == 0),
             "loss": last["loss"] if last else None, "eval_loss": last_eval["eval_loss"] if last_eval else None,
+            "eval_perplexity": perplexity(last_eval["eval_loss"]) if last_eval else None,
+            "data": {"source": cfg.data.source, **rounds.data.summary(rounds.committed, run.samples or None)},
             "loss_floor": next((r.loss_floor for r in records if r.loss_floor is not None), None),
             "compute_utilization": compute / (compute + sync) if compute + sync > 0 else None,
             "last_outer_at": history[-1]["t"] if history else None,

@@ -91,6 +91,11 @@ class RoundInfo:
     me: str
     base_hash: str  # hash of the state every member computes its delta from
     epoch: int = 0  # the coordinator's epoch of the round (a failed round's stragglers are refused)
+    replicas: tuple[int, ...] = ()  # each member's replica in the round (default: its position)
+
+    def replica_of(self, peer_id: str) -> int:
+        k = self.ids.index(peer_id)
+        return self.replicas[k] if k < len(self.replicas) else k
 
     @property
     def ids(self) -> list[str]:
@@ -145,6 +150,7 @@ class AllReduceStats:
     partial: list[str] = field(default_factory=list)  # contributors counted in some shards but not all
     clipped: list[str] = field(default_factory=list)  # contributors some owner scaled down
     rejected: list[str] = field(default_factory=list)  # contributors some owner left out
+    included: list[int] = field(default_factory=list)  # replicas whose contributions the result holds (any shard)
 
 
 class AllReduce:
@@ -447,6 +453,7 @@ class AllReduce:
         stats.rejected = sorted({p for r in results for p in r.outcome.rejected})
         counted: list[set[str]] = [set(r.outcome.contributors) | set(r.outcome.rejected) for r in results]
         stats.partial = sorted(set().union(*counted) - counted[0].intersection(*counted[1:]))
+        stats.included = sorted({info.replica_of(p) for r in results for p in r.outcome.contributors if p in info.ids})
         if stats.partial:  # each shard is still a true mean of its own contributors
             log.warning("step %d: contributions of %s arrived too late for some shards (counted in %s)", info.step,
                         ", ".join(short_id(p) for p in stats.partial),

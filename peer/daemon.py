@@ -107,9 +107,9 @@ class Session:
                 case Recover() as want:
                     self._recover(want)
                 case Train(round=rnd, step=step):
-                    info = self._begin(rnd, step)
-                    phase = self.tasklet.worker.inner_phase(step, (info.index, len(info.members)), self.stopping,
-                                                            self._inner_step)  # H inner AdamW steps
+                    self._begin(rnd, step)
+                    phase = self.tasklet.worker.inner_phase(rnd.data_spans(step, self.replica), self.stopping,
+                                                            self._inner_step, step)  # H inner AdamW steps
                     self.telemetry.progress.compute_s += phase.seconds
                     if phase.stalled:
                         log.warning("replica %d stalled at inner step %d: %s; contributing nothing to outer step %d",

@@ -18,14 +18,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from potluck.data import DataError
+from potluck.data.order import sample_ids
 from potluck.protos.config import BYTE_VOCAB, MAX_MARKOV_ENTRIES, DataConfig, ModelConfig
 from potluck.protos.runcheck import min_corpus_bytes
 
 EVAL_ID_OFFSET = 1 << 40  # eval sample ids live far above training ids
-
-
-class DataError(ValueError):
-    """A data source that cannot serve the requested samples."""
 
 
 class MarkovSource:
@@ -176,40 +174,29 @@ class Dataset:
         return [EVAL_ID_OFFSET + j for j in range(self.cfg.eval_samples)]
 
 
-class ShardSampler:
-    """The ids one peer trains on: shard ``index`` of ``count``, reshuffled every epoch.
-
-    Shard ``r`` holds ids ``r, r + count, r + 2*count, ...``; the order within an epoch is a
-    permutation seeded by (data seed, shard, epoch), so it is reproducible and differs per shard.
+class SpanSampler:
+    """The sample ids one replica trains on in one outer step: the coordinator's spans of global
+    positions (:class:`~potluck.protos.records.Share`) through the run's order (:mod:`potluck.data.order`).
     """
 
-    def __init__(self, num_samples: int, index: int, count: int, seed: int) -> None:
-        if not 0 <= index < count:
-            raise DataError(f"shard index {index} is outside [0, {count})")
-        self.ids = np.arange(index, num_samples, count)
-        if len(self.ids) == 0:
-            raise DataError(f"shard {index} of {count} is empty: only {num_samples} samples")
-        self.index, self.count, self.seed = index, count, seed
+    def __init__(self, spans: list[tuple[int, int]], num_samples: int, seed: int, count: int) -> None:
+        self.spans = spans
+        self.ids = sample_ids(spans, num_samples, seed)
+        if len(self.ids) < count:
+            raise DataError(f"the round hands this replica {len(self.ids)} samples; an outer step needs {count}")
         self.position = 0
-        self._epoch = -1
-        self._order = self.ids
 
     def next_ids(self, batch_size: int) -> list[int]:
-        out: list[int] = []
-        while len(out) < batch_size:
-            epoch, offset = divmod(self.position, len(self.ids))
-            if epoch != self._epoch:
-                rng = np.random.default_rng([self.seed, self.index, self.count, epoch])
-                self._order = rng.permutation(self.ids)
-                self._epoch = epoch
-            take = min(batch_size - len(out), len(self.ids) - offset)
-            out.extend(int(i) for i in self._order[offset : offset + take])
-            self.position += take
-        return out
+        if self.position + batch_size > len(self.ids):
+            raise DataError(f"this replica's {len(self.ids)} samples of the step are used up")
+        out = self.ids[self.position : self.position + batch_size]
+        self.position += batch_size
+        return [int(i) for i in out]
 
-    @property
-    def epoch(self) -> float:
-        return self.position / len(self.ids)
+
+def in_run_order(num_samples: int, seed: int, count: int = 1 << 12) -> SpanSampler:
+    """The first ``count`` samples of the run's order, as one replica alone would read them (tests, benchmarks)."""
+    return SpanSampler([(0, count)], num_samples, seed, count)
 
 
 def bits_per_token(nats: float) -> float:

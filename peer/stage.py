@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from potluck.peer.data import Dataset, ShardSampler
+from potluck.peer.data import Dataset, SpanSampler
 from potluck.peer.diloco import flatten_params, load_flat
 from potluck.peer.model import build_layers, forward_layers, lm_loss
 from potluck.peer.pipeline import PipelineStall
@@ -57,7 +57,7 @@ class StageWorker:
         self.params = list(self.layers.parameters())
         self.numel = sum(p.numel() for p in self.params)
         self.optimizer: torch.optim.Optimizer | None = None  # built on the first inner step (it imports torch._dynamo)
-        self.sampler: ShardSampler | None = None
+        self.sampler: SpanSampler | None = None
         self.steps_done = 0  # inner steps over the whole run (the lr warm-up counts them)
 
     def theta(self) -> torch.Tensor:
@@ -77,12 +77,14 @@ class StageWorker:
                 "layout": [[f"layers.{start + int(n.split('.', 1)[0])}.{n.split('.', 1)[1]}", list(p.shape)]
                            for n, p in self.layers.named_parameters()]}
 
-    def inner_phase(self, step: int, shard: tuple[int, int], stopping: threading.Event,
-                    on_step: Callable[[int, float, float], None]) -> InnerPhase:
-        """H inner AdamW steps on shard ``shard = (index, count)`` of the data; ``on_step(i, loss, seconds)``."""
+    def inner_phase(self, spans: list[tuple[int, int]], stopping: threading.Event,
+                    on_step: Callable[[int, float, float], None], step: int = 0) -> InnerPhase:
+        """H inner AdamW steps on the samples at ``spans`` (global positions: this replica's share of the
+        step, which only stage 0 reads); ``on_step(i, loss, seconds)``."""
         rc = self.rc
-        if self.first and (self.sampler is None or (self.sampler.index, self.sampler.count) != shard):
-            self.sampler = ShardSampler(self.data.num_samples, shard[0], shard[1], rc.data.seed)
+        if self.first:
+            self.sampler = SpanSampler(spans, self.data.num_samples, rc.data.seed,
+                                       rc.diloco.inner_steps * rc.train.batch_size)
         if stopping.is_set():  # building the optimizer may wait seconds for torch._dynamo's import
             return InnerPhase(0, 0.0, interrupted=True)
         if self.optimizer is None:

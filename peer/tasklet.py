@@ -190,9 +190,10 @@ class Tasklet:
     def round_info(self, rnd: Round, step: int) -> RoundInfo:
         """What the all-reduce of ``step`` needs of ``rnd``: this stage's members, from the state held."""
         self.tools.addresses.update({m.peer_id: m.address for m in rnd.members})  # whom the all-reduce may ping
-        members = tuple(MemberAddr(m.peer_id, m.address) for m in rnd.stage_members(self.stage))
+        cells = rnd.stage_members(self.stage)
+        members = tuple(MemberAddr(m.peer_id, m.address) for m in cells)
         return RoundInfo(step=step, members=members, me=self.tools.me, base_hash=self.states.current.hash,
-                         epoch=rnd.epoch)
+                         epoch=rnd.epoch, replicas=tuple(m.replica for m in cells))
 
     def learn_round(self, plan: Plan | None, step: int) -> bool:
         """Once the coordinator's round for ``step`` is known (it may arrive while this tasklet trains on the

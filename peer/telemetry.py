@@ -90,7 +90,7 @@ class Telemetry:
         report = StepReport(step=stats.step, epoch=epoch, stage=stage, replica=replica, state_hash=state_hash,
                             outer_s=seconds, outer_bytes=stats.bytes_sent, members=stats.members,
                             contributors=min(stats.contributors.values(), default=0), dropped=stats.dropped,
-                            clipped=stats.clipped, rejected=stats.rejected, t=time.time())
+                            clipped=stats.clipped, rejected=stats.rejected, included=stats.included, t=time.time())
         p = self.progress
         p.last_outer_s, p.outer_wait_s, p.last_outer_bytes = seconds, stats.wait_seconds, stats.bytes_sent
         p.sync_s += seconds

@@ -27,7 +27,7 @@ import json
 import time
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from potluck.protos.identity import Identity, verify
 
@@ -55,6 +55,7 @@ class DataIdentity(_Record):
     source: str = Field("", description="'bytes' or 'markov'; '' from a coordinator that did not say")
     sha256: str = Field("", description="bytes: of the file's content; markov: of the parameters that define it")
     size: int = Field(0, ge=0, description="bytes: the file's size; markov: 0")
+    samples: int = Field(0, ge=0, description="training samples (ids 0..samples-1); 0 from a coordinator that did not say")
 
 
 class Manifest(_Record):
@@ -94,6 +95,8 @@ class StepReport(_Record):
     dropped: list[str] = Field(default_factory=list, max_length=256, description="members the all-reduce went on without")
     clipped: list[str] = Field(default_factory=list, max_length=256, description="contributors an owner scaled down")
     rejected: list[str] = Field(default_factory=list, max_length=256, description="contributors an owner left out")
+    included: list[int] = Field(default_factory=list, max_length=1024, description="replicas whose contributions "
+                                "this version holds (stage 0: the data cursor returns the others' samples)")
     pipe: dict[str, int] = Field(default_factory=dict, max_length=8, description="pipeline bytes of the step, by kind")
     t: float = Field(0.0, description="wall-clock time of the commit")
 
@@ -155,6 +158,24 @@ class Member(_Record):
     replica: int = Field(0, ge=0, description="the replica (pipeline) of this member's tasklet")
 
 
+class Share(_Record):
+    """The samples one stage-0 replica trains on in the round's step: spans of global positions (see
+    :mod:`potluck.data.order`), handed out by the coordinator's data cursor (:mod:`potluck.coordinator.cursor`)."""
+
+    replica: int = Field(ge=0)
+    count: int = Field(ge=0, description="samples per outer step: inner_steps x batch_size")
+    spans: list[tuple[int, int]] = Field(default_factory=list, max_length=64,
+                                         description="[start, stop) positions for the round's own step")
+
+    @model_validator(mode="after")
+    def _spans_hold_count(self) -> Share:
+        if any(a < 0 or b < a for a, b in self.spans):
+            raise ValueError("a span must be [start, stop) with 0 <= start <= stop")
+        if sum(b - a for a, b in self.spans) != self.count:
+            raise ValueError(f"the spans hold {sum(b - a for a, b in self.spans)} positions, not count = {self.count}")
+        return self
+
+
 class Round(_Record):
     """The tasklet grid of one outer step and the state each stage must start from.
 
@@ -170,12 +191,27 @@ class Round(_Record):
     epoch: int = Field(0, ge=0, description="grows each time a round fails and the run rolls back: a member "
                        "holding a version made in an older epoch than its round's must roll back to step-1")
     decided_at: float = 0.0
+    shares: list[Share] = Field(default_factory=list, max_length=1024, description="per stage-0 replica, its samples")
+    data_next: int = Field(0, ge=0, description="the data frontier after `step`: later steps on this plan read on from it")
 
     def member(self, peer_id: str) -> Member | None:
         return next((m for m in self.members if m.peer_id == peer_id), None)
 
     def stage_members(self, stage: int) -> list[Member]:
         return sorted((m for m in self.members if m.stage == stage), key=lambda m: m.replica)
+
+    def data_spans(self, step: int, replica: int) -> list[tuple[int, int]]:
+        """The global sample positions ``replica`` trains on at ``step`` (this round's, or a later step run on
+        the same plan: consecutive spans from ``data_next``, each replica its ``count`` in replica order)."""
+        mine = next((s for s in self.shares if s.replica == replica), None)
+        if mine is None or step < self.step:
+            return []
+        if step == self.step:
+            return [(a, b) for a, b in mine.spans]
+        total = sum(s.count for s in self.shares)
+        offset = sum(s.count for s in self.shares if s.replica < replica)
+        start = self.data_next + (step - self.step - 1) * total + offset
+        return [(start, start + mine.count)]
 
     def base_hash_of(self, stage: int) -> str:
         if self.base_hashes:

@@ -97,7 +97,8 @@ def markov_identity(data: DataConfig, model: ModelConfig) -> DataIdentity:
     """The synthetic source's identity: every parameter its samples depend on, and its generator's version."""
     params = {"generator": MARKOV_GENERATOR, "vocab_size": model.vocab_size, "order": data.markov_order,
               "concentration": data.markov_concentration, "seed": data.seed, "seq_len": model.seq_len}
-    return DataIdentity(source="markov", sha256=hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest())
+    return DataIdentity(source="markov", sha256=hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest(),
+                        samples=data.num_samples)
 
 
 def non_public(host: str) -> str:

@@ -179,6 +179,10 @@ def make_state(
             "last_outer_at": history[-1]["t"] if history else None,
             "last_allreduce_s": history[-1]["outer_s"] if history else None,
             "waiting_reason": "" if finished else waiting_reason,
+            "eval_perplexity": None,
+            "data": {"source": "markov", "samples": 65536, "frontier": steps * replicas * inner_steps * 16,
+                     "pool": 16 * inner_steps if failed_rounds else 0, "trained": steps * replicas * inner_steps * 16,
+                     "returned": 0, "repeats": 0, "epoch": steps * replicas * inner_steps * 16 / 65536},
         },
         "grid": {"stages": stages, "replicas": replicas, "cells": cells},
         "round": {

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from potluck.peer.data import EVAL_ID_OFFSET, DataError, Dataset, MarkovSource, ShardSampler
+from potluck.peer.data import EVAL_ID_OFFSET, DataError, Dataset, MarkovSource
 from potluck.peer.model import TinyGPT, build_layers, lm_loss, num_layers
 from potluck.protos.config import DataConfig, ModelConfig
 
@@ -32,19 +32,6 @@ def test_entropy_floor_matches_the_empirical_loss_of_the_true_model(order: int, 
             nll.append(-np.log(src.table[ctx, s[t]]))
     assert abs(np.mean(nll) - src.entropy_rate()) < 0.03
     assert src.loss_floor() >= src.entropy_rate() - 1e-12
-
-
-def test_shards_are_disjoint_and_cover_the_data() -> None:
-    seen = []
-    for r in range(3):
-        s = ShardSampler(100, r, 3, seed=0)
-        ids = s.next_ids(len(s.ids))
-        assert sorted(ids) == sorted(range(r, 100, 3))
-        seen += ids
-        assert s.next_ids(5) != ids[:5]  # a new epoch is reshuffled
-    assert sorted(seen) == list(range(100))
-    with pytest.raises(DataError):
-        ShardSampler(10, 3, 3, seed=0)
 
 
 def test_eval_ids_are_held_out_and_bad_ids_refused() -> None:

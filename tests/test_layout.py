@@ -8,20 +8,21 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = ("protos", "kernels", "compression", "models", "peer", "coordinator", "potluck")
+FOLDERS = ("protos", "kernels", "compression", "models", "data", "peer", "coordinator", "potluck")
 # who may import whom (top to bottom; nothing points back up)
 ALLOWED = {
     "protos": {"protos"},
     "kernels": {"kernels", "protos"},
     "compression": {"compression", "kernels", "protos"},
     "models": {"models", "kernels", "protos"},
-    "peer": {"peer", "models", "compression", "kernels", "protos"},
-    "coordinator": {"coordinator", "models", "compression", "kernels", "protos"},
+    "data": {"data", "protos"},
+    "peer": {"peer", "models", "data", "compression", "kernels", "protos"},
+    "coordinator": {"coordinator", "models", "data", "compression", "kernels", "protos"},
     "potluck": set(FOLDERS),
 }
 FOLDER_OF = {"protos": "protos", "kernels": "kernels", "compression": "compression", "peer": "peer",
-             "coordinator": "coordinator", "models": "models"}
-PATH_OF = {"models": "potluck/models"}
+             "coordinator": "coordinator", "models": "models", "data": "data"}
+PATH_OF = {"models": "potluck/models", "data": "potluck/data"}
 
 
 def modules(folder: str) -> list[Path]:

@@ -12,7 +12,7 @@ import torch
 from test_pipeline import config, make_stages, run_steps, train_unsplit  # noqa: F401 - make_stages is a fixture
 
 from potluck.models import build_stage, entry_costs, forward_layers, partition, stage_bounds
-from potluck.peer.data import Dataset, ShardSampler
+from potluck.peer.data import Dataset, in_run_order
 from potluck.protos.config import ConfigError, ModelConfig, PipelineConfig, RunConfig, apply_overrides
 
 transformers = pytest.importorskip("transformers")
@@ -98,7 +98,7 @@ def test_split_training_gives_the_unsplit_models_loss(name: str, stages: int, hf
     cfg = config(**{**family(name, hf_dirs), "pipeline.compression": "none", "pipeline.grad_bits": None,
                     "pipeline.stages": stages, "model.seq_len": 16})
     data = Dataset(cfg.data, cfg.model)
-    piped = run_steps(make_stages(cfg), cfg, 6, ShardSampler(cfg.data.num_samples, 0, 1, 0), data)
+    piped = run_steps(make_stages(cfg), cfg, 6, in_run_order(cfg.data.num_samples, 0), data)
 
     _, reference = train_unsplit(cfg, data, 6)
     assert piped == pytest.approx(reference, rel=1e-4, abs=1e-5)

@@ -13,7 +13,7 @@ import torch
 from potluck.compression.acsgd import AcsgdSender
 from potluck.compression.actcodec import ActCodec
 from potluck.models import stage_bounds
-from potluck.peer.data import Dataset, ShardSampler
+from potluck.peer.data import Dataset, SpanSampler, in_run_order
 from potluck.peer.model import build_layers, forward_layers, lm_loss
 from potluck.peer.pipeline import Neighbour, Pipeline, PipelineStall
 from potluck.protos import potluck_pb2 as pb
@@ -93,7 +93,7 @@ def link(stages: list[Stage], step: int) -> None:
         s.pipe.begin_round(step, 0, prev, nxt)
 
 
-def run_steps(stages: list[Stage], cfg: RunConfig, steps: int, sampler: ShardSampler, data: Dataset) -> list[float]:
+def run_steps(stages: list[Stage], cfg: RunConfig, steps: int, sampler: SpanSampler, data: Dataset) -> list[float]:
     """Every stage in its own thread, as on separate peers; returns the first stage's losses."""
     losses: list[float] = []
     errors: list[BaseException] = []
@@ -138,7 +138,7 @@ def train_unsplit(cfg: RunConfig, data: Dataset, steps: int) -> tuple[torch.nn.M
     full = build_layers(cfg.model, cfg.train.seed)
     opt = torch.optim.AdamW(full.parameters(), lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2),
                             weight_decay=0.0)
-    sampler, losses = ShardSampler(cfg.data.num_samples, 0, 1, 0), []
+    sampler, losses = in_run_order(cfg.data.num_samples, 0), []
     for _ in range(steps):
         x, y = data.batch(sampler.next_ids(cfg.train.batch_size))
         loss = lm_loss(forward_layers(full, x), y)
@@ -154,7 +154,7 @@ def test_uncompressed_pipeline_matches_the_unsplit_model(make_stages) -> None:
                     "model.n_layers": 3})
     data = Dataset(cfg.data, cfg.model)
     stages = make_stages(cfg)
-    piped = run_steps(stages, cfg, 12, ShardSampler(cfg.data.num_samples, 0, 1, 0), data)
+    piped = run_steps(stages, cfg, 12, in_run_order(cfg.data.num_samples, 0), data)
 
     full, reference = train_unsplit(cfg, data, 12)
     assert piped == pytest.approx(reference, rel=1e-4, abs=1e-5)
@@ -169,7 +169,7 @@ def test_acsgd_buffers_stay_identical_across_the_wire(make_stages) -> None:
     cfg = config(**{"pipeline.compression": "acsgd", "pipeline.bits": 2})
     data = Dataset(cfg.data, cfg.model)
     stages = make_stages(cfg)
-    losses = run_steps(stages, cfg, 24, ShardSampler(cfg.data.num_samples, 0, 1, 0), data)  # 6 epochs of 32 samples
+    losses = run_steps(stages, cfg, 24, in_run_order(cfg.data.num_samples, 0), data)  # 6 epochs of 32 samples
     sender, receiver = stages[0].pipe.sender, stages[1].pipe.receiver
     assert sender is not None and receiver is not None
     assert sorted(sender.buffer.ids()) == list(range(32))
@@ -183,7 +183,7 @@ def test_handover_falls_back_to_first_visits(make_stages) -> None:
     cfg = config()
     data = Dataset(cfg.data, cfg.model)
     stages = make_stages(cfg)
-    sampler = ShardSampler(cfg.data.num_samples, 0, 1, 0)
+    sampler = in_run_order(cfg.data.num_samples, 0)
     run_steps(stages, cfg, 8, sampler, data)
     # stage 1 moves to a new peer that has no buffer; the sender is not told (worst case)
     stages[1].pipe.close()
@@ -240,7 +240,7 @@ def test_bad_activation_messages_are_rejected_and_change_no_buffer(make_stages, 
     cfg = config()
     stages = make_stages(cfg)
     data = Dataset(cfg.data, cfg.model)
-    run_steps(stages, cfg, 4, ShardSampler(cfg.data.num_samples, 0, 1, 0), data)
+    run_steps(stages, cfg, 4, in_run_order(cfg.data.num_samples, 0), data)
     link(stages, step=2)
     receiver = stages[1].pipe.receiver
     before = receiver.buffer.digest()

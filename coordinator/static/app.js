@@ -214,13 +214,16 @@
     setText("st-peers", live + " live");
     setText("st-peers-sub", (counts.lost ? counts.lost + " lost · " : "") + s.peers.length + " known");
     setText("st-tokens", si(r.tokens_trained));
-    setText("st-tps", si(r.tokens_per_s) + " tokens/s");
+    const d = r.data || {};
+    setText("st-tps", si(r.tokens_per_s) + " tokens/s" + (d.epoch !== null && d.epoch !== undefined
+      ? " · data epoch " + num(d.epoch, 2) : "") + (d.pool ? " · " + si(d.pool) + " samples to re-issue" : ""));
     setText("st-loss", num(r.loss, 3));
     let ev = "eval " + num(r.eval_loss, 3);
     if (r.loss_floor !== null && r.loss_floor !== undefined) {
       ev += " · floor " + num(r.loss_floor, 2);
       if (r.eval_loss !== null && r.eval_loss !== undefined) ev += " (+" + num(r.eval_loss - r.loss_floor, 2) + ")";
     }
+    if (r.eval_perplexity !== null && r.eval_perplexity !== undefined) ev += " · ppl " + num(r.eval_perplexity, r.eval_perplexity < 100 ? 2 : 0);
     setText("st-eval", ev);
     setText("st-util", r.compute_utilization === null || r.compute_utilization === undefined
       ? "–" : (100 * r.compute_utilization).toFixed(1) + " %");

@@ -1,0 +1,231 @@
+"""The data cursor: which samples each round's replicas train on, so that none repeats before its epoch ends.
+
+Samples are read in the order of *global positions* (:mod:`potluck.data.order`: position ``g`` is a
+sample of epoch ``g div n``, through one seeded permutation per epoch). The positions the committed
+model has not trained on yet are the *free* set: everything from the ``frontier`` on, plus a
+``pool`` of spans handed back. A cursor is that set; the coordinator keeps one per committed
+version, because a version *is* a set of samples trained on:
+
+* **deciding** round ``v``: each stage-0 replica gets ``count`` free positions (H inner steps x
+  batch), the pool's first, then the frontier's. The spans ride in the signed round record
+  (:class:`~potluck.protos.records.Share`); steps after ``v`` that peers run on the same plan while the
+  coordinator is away take consecutive spans from the round's ``data_next`` (:meth:`Round.data_spans`);
+* **committing** ``v``: the cursor of ``v`` is the cursor of ``v - 1`` without every span step ``v``
+  handed out, plus the spans of replicas whose contributions are *not* in version ``v`` (dead,
+  stalled, dropped as too slow, rejected as poison): those samples go back to the pool, and the next
+  round takes them first. Which replicas are in a version, the members say in their step reports
+  (the contributors every shard of the all-reduce was averaged over); most reporting members win;
+* **failing** and rolling back to ``t``: the cursor of ``t`` again (kept, in the journal, or in the
+  checkpoint of ``t``; theta_0 is the empty cursor): samples of the steps undone are free again.
+
+So joins, leaves, deaths, re-plans and coordinator restarts never repeat or skip a sample within an
+epoch (``tests/test_cursor.py`` drives 200 such rounds). Like :mod:`.rounds`, nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from potluck.protos.log import get_logger
+from potluck.protos.records import Round, Share
+
+log = get_logger(__name__)
+
+Span = tuple[int, int]
+KEEP_CURSORS = 64  # committed versions whose cursor is kept: a rollback goes back at most to the one before the last
+MAX_POOL = 4096  # spans in the pool; beyond that the smallest neighbours are merged (never happens in practice)
+
+
+def merge(spans: Iterable[Span]) -> list[Span]:
+    """Sorted, non-empty, non-overlapping spans covering the same positions."""
+    out: list[list[int]] = []
+    for a, b in sorted(s for s in spans if s[1] > s[0]):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def subtract(spans: Sequence[Span], cut: Span) -> list[Span]:
+    a, b = cut
+    out = []
+    for x, y in spans:
+        if y <= a or x >= b:
+            out.append((x, y))
+            continue
+        if x < a:
+            out.append((x, a))
+        if y > b:
+            out.append((b, y))
+    return out
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """The positions a version has not trained on: ``frontier`` onwards, and the spans of ``pool``."""
+
+    frontier: int = 0
+    pool: tuple[Span, ...] = ()
+
+    def free(self, span: Span) -> bool:
+        """Is every position of ``span`` still free?"""
+        a, b = span
+        if a >= self.frontier:
+            return True
+        inside = min(b, self.frontier)
+        need = inside - a
+        return sum(max(0, min(y, inside) - max(x, a)) for x, y in self.pool) == need and b >= a
+
+    def take(self, counts: Sequence[int]) -> tuple[list[list[Span]], int]:
+        """``counts[i]`` free positions for each replica, in order: the pool's first (lowest first),
+        then the frontier's. Returns each replica's spans and the frontier after them."""
+        sources = list(self.pool)
+        frontier, out = self.frontier, []
+        for count in counts:
+            mine: list[Span] = []
+            while count > 0:
+                if sources:
+                    a, b = sources[0]
+                    n = min(count, b - a)
+                    mine.append((a, a + n))
+                    sources[0] = (a + n, b)
+                    if a + n == b:
+                        sources.pop(0)
+                else:
+                    n = count
+                    mine.append((frontier, frontier + n))
+                    frontier += n
+                count -= n
+            out.append(merge(mine))
+        return out, frontier
+
+    def without(self, spans: Iterable[Span]) -> Cursor:
+        """This cursor once ``spans`` were trained on (positions not free are ignored: see :meth:`free`)."""
+        pool, frontier = list(self.pool), self.frontier
+        for a, b in merge(spans):
+            if b > frontier:
+                if a > frontier:
+                    pool.append((frontier, a))  # never happens with spans from take(); nothing is lost if it does
+                frontier = b
+            pool = subtract(pool, (a, min(b, frontier)))
+        return Cursor(frontier, tuple(merge(pool)))
+
+    def with_back(self, spans: Iterable[Span]) -> Cursor:
+        """This cursor with ``spans`` free again (the samples were handed out but not trained into the version)."""
+        pool = merge([*self.pool, *(s for s in spans if s[0] < self.frontier)])
+        pool = [(a, min(b, self.frontier)) for a, b in pool]
+        while len(pool) > MAX_POOL:  # bound the journal; merging two neighbours frees what lies between: a repeat
+            i = min(range(len(pool) - 1), key=lambda j: pool[j + 1][0] - pool[j][1])
+            pool[i:i + 2] = [(pool[i][0], pool[i + 1][1])]
+        return Cursor(self.frontier, tuple(pool))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"frontier": self.frontier, "pool": [list(s) for s in self.pool]}
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any] | None) -> Cursor:
+        if not value:
+            return cls()
+        return cls(int(value.get("frontier", 0)), tuple(merge((int(a), int(b)) for a, b in value.get("pool", []))))
+
+
+@dataclass
+class DataCursor:
+    """One :class:`Cursor` per committed version, and what the members say each version holds."""
+
+    per_replica: int  # samples a replica trains on in one outer step: inner_steps x batch_size
+    at: dict[int, Cursor] = field(default_factory=lambda: {0: Cursor()})
+    _votes: dict[tuple[int, int], dict[str, tuple[int, ...]]] = field(default_factory=dict)  # (step, epoch) -> peer -> say
+    repeats: int = 0  # positions a step was handed that were not free (a bug if ever > 0; counted, logged)
+    returned: int = 0  # positions handed back to the pool since this process started (dead, stalled, rejected)
+
+    # ------------------------------------------------------------------ views
+
+    def cursor(self, version: int) -> Cursor | None:
+        return self.at.get(version)
+
+    def newest(self) -> Cursor:
+        return self.at[max(self.at)] if self.at else Cursor()
+
+    # ------------------------------------------------------------------ transitions
+
+    def assign(self, committed: int, replicas: Sequence[int]) -> tuple[list[Share], int]:
+        """The shares of round ``committed + 1`` for these stage-0 replicas, and the frontier after them."""
+        base = self.at.get(committed)
+        if base is None:
+            log.warning("no data cursor of v%d: handing out samples from the newest one kept", committed)
+            base = self.newest()
+        spans, data_next = base.take([self.per_replica] * len(replicas))
+        shares = [Share(replica=r, count=self.per_replica, spans=[list(s) for s in mine])
+                  for r, mine in zip(replicas, spans, strict=True)]
+        return shares, data_next
+
+    def vote(self, step: int, epoch: int, peer: str, included: Sequence[int]) -> None:
+        """Member ``peer`` of ``step`` (made in ``epoch``) says which stage-0 replicas the version holds."""
+        self._votes.setdefault((step, epoch), {})[peer] = tuple(sorted(set(included)))
+
+    def commit(self, since: int, step: int, round_at: Callable[[int], Round | None]) -> None:
+        """Versions ``since + 1 .. step`` were committed: fold each one's samples in, in order."""
+        for v in range(since + 1, step + 1):
+            base = self.at.get(v - 1)
+            rnd = round_at(v)
+            if base is None or rnd is None or not rnd.shares:
+                log.warning("data cursor of v%d unknown (no cursor of v%d or no round): it carries the newest one",
+                            v, v - 1)
+                self.at[v] = self.newest()
+                continue
+            votes = Counter(self._votes.get((v, rnd.epoch), {}).values())
+            included = set(votes.most_common(1)[0][0]) if votes else {s.replica for s in rnd.shares}
+            handed = [span for s in rnd.shares for span in rnd.data_spans(v, s.replica)]
+            missed = sum(b - a for a, b in handed if not base.free((a, b)))
+            if missed:
+                self.repeats += missed
+                log.error("step %d was handed %d positions already trained on", v, missed)
+            back = [span for s in rnd.shares if s.replica not in included for span in rnd.data_spans(v, s.replica)]
+            self.at[v] = base.without(handed).with_back(back)
+            self.returned += sum(b - a for a, b in back)
+        self.prune(step)
+
+    def roll_back(self, version: int, checkpoint: Cursor | None) -> None:
+        """The run goes on from ``version``: its cursor is the kept one, the checkpoint's, or (theta_0) empty."""
+        cursor = self.at.get(version)
+        if cursor is None:
+            cursor = checkpoint if checkpoint is not None else Cursor() if version == 0 else None
+        if cursor is None:
+            log.error("no data cursor of v%d kept: samples since the newest kept one may repeat", version)
+            cursor = self.at[max((v for v in self.at if v <= version), default=min(self.at, default=0))] \
+                if self.at else Cursor()
+        self.at = {v: c for v, c in self.at.items() if v < version}
+        self.at[version] = cursor
+        self._votes = {k: c for k, c in self._votes.items() if k[0] <= version}
+
+    def prune(self, committed: int) -> None:
+        for v in [v for v in self.at if v < committed - KEEP_CURSORS]:
+            del self.at[v]
+        for k in [k for k in self._votes if k[0] < committed - KEEP_CURSORS]:
+            del self._votes[k]
+
+    def summary(self, committed: int, samples: int | None) -> dict[str, Any]:
+        """For the status page: where the committed version stands in the sample order."""
+        c = self.at.get(committed) or self.newest()
+        pool = sum(b - a for a, b in c.pool)
+        return {"samples": samples, "frontier": c.frontier, "pool": pool, "trained": c.frontier - pool,
+                "returned": self.returned, "repeats": self.repeats,
+                "epoch": (c.frontier - pool) / samples if samples else None}
+
+    # ------------------------------------------------------------------ the journal
+
+    def to_json(self) -> dict[str, Any]:
+        return {str(v): c.to_json() for v, c in sorted(self.at.items())}
+
+    def restore(self, value: dict[str, Any] | None, committed: int) -> None:
+        """The cursors of a journal; one from before cursors existed starts the order over at ``committed``."""
+        self.at = {int(v): Cursor.from_json(c) for v, c in (value or {}).items()}
+        if committed not in self.at:
+            if committed:
+                log.warning("the journal has no data cursor of v%d: the sample order starts over", committed)
+            self.at[committed] = Cursor()

@@ -1,0 +1,291 @@
+"""The run's sample order and the coordinator's data cursor: no sample repeats or goes missing in an epoch.
+
+The order is a keyed Feistel permutation per epoch (golden tests against its scalar reference and
+against being a bijection). The cursor is driven through the real round lifecycle (``Rounds`` and a
+``PeerTable``, as the coordinator's tick drives them) for 200 rounds of random joins, leaves, deaths
+in the middle of a round, stalled replicas, re-plans, peers running ahead while the coordinator is
+away, failed rounds with rollbacks and a coordinator restart from its journal; the samples the run's
+final model was trained on are then counted position by position.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from potluck.coordinator.cursor import Cursor, DataCursor, merge
+from potluck.coordinator.journal import JournalState
+from potluck.coordinator.membership import PeerTable
+from potluck.coordinator.placement import members, sticky_placement
+from potluck.coordinator.rounds import Checkpoint, Failed, Rounds
+from potluck.data import DataError
+from potluck.data.order import permute, permute_one, sample_ids
+from potluck.peer.data import SpanSampler
+from potluck.protos.records import PeerRecord, Round, Share, StepReport
+
+# ---------------------------------------------------------------------- the order
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 16, 17, 100, 1000, 4097, 65536, 100_003])
+def test_each_epoch_is_a_permutation_equal_to_the_scalar_reference(n: int) -> None:
+    for epoch in (0, 1, 7):
+        p = permute(np.arange(n), n, seed=42, epoch=epoch)
+        assert np.array_equal(np.sort(p), np.arange(n))
+        for i in sorted({0, n // 3, n // 2, n - 1}):
+            assert p[i] == permute_one(i, n, 42, epoch)
+
+
+def test_epochs_and_seeds_give_other_orders_and_positions_cross_epochs() -> None:
+    n = 1000
+    a, b, c = (permute(np.arange(n), n, s, e) for s, e in ((0, 0), (0, 1), (1, 0)))
+    assert (a != b).mean() > 0.9 and (a != c).mean() > 0.9
+    ids = sample_ids([(n - 3, n + 3)], n, seed=0)
+    assert list(ids[:3]) == list(a[-3:]) and list(ids[3:]) == list(b[:3])
+    assert sorted(sample_ids([(0, 400), (400, n)], n, 0)) == list(range(n))
+    with pytest.raises(DataError):
+        permute(np.array([n]), n, 0, 0)
+
+
+def test_a_span_sampler_reads_its_spans_in_batches() -> None:
+    s = SpanSampler([(10, 14), (30, 34)], 1000, seed=3, count=8)
+    got = s.next_ids(4) + s.next_ids(4)
+    assert got == list(sample_ids([(10, 14), (30, 34)], 1000, 3))
+    with pytest.raises(DataError, match="used up"):
+        s.next_ids(1)
+    with pytest.raises(DataError, match="needs 8"):
+        SpanSampler([(0, 4)], 1000, 3, count=8)
+
+
+# ---------------------------------------------------------------------- the cursor's arithmetic
+
+
+def test_take_serves_the_pool_first_then_the_frontier() -> None:
+    c = Cursor(100, ((10, 13), (50, 52)))
+    spans, nxt = c.take([4, 4])
+    assert spans == [[(10, 13), (50, 51)], [(51, 52), (100, 103)]] and nxt == 103
+    after = c.without([s for mine in spans for s in mine])
+    assert after == Cursor(103, ())
+    assert after.with_back(spans[1]) == Cursor(103, ((51, 52), (100, 103)))
+    assert c.free((10, 13)) and c.free((100, 200)) and not c.free((9, 11)) and not c.free((52, 53))
+    assert merge([(5, 7), (1, 3), (3, 4), (6, 9), (9, 9)]) == [(1, 4), (5, 9)]
+    assert Cursor.from_json(json.loads(json.dumps(c.to_json()))) == c
+
+
+def test_shares_are_validated_and_later_steps_read_on_from_data_next() -> None:
+    rnd = Round(step=5, members=[], data_next=40, shares=[Share(replica=0, count=4, spans=[(0, 2), (20, 22)]),
+                                                          Share(replica=1, count=4, spans=[(36, 40)])])
+    assert rnd.data_spans(5, 1) == [(36, 40)] and rnd.data_spans(6, 0) == [(40, 44)]
+    assert rnd.data_spans(7, 1) == [(52, 56)] and rnd.data_spans(4, 0) == [] and rnd.data_spans(5, 9) == []
+    with pytest.raises(ValueError, match="not count"):
+        Share(replica=0, count=5, spans=[(0, 4)])
+    with pytest.raises(ValueError, match="start"):
+        Share(replica=0, count=0, spans=[(4, 0)])
+
+
+# ---------------------------------------------------------------------- 200 rounds of a hostile swarm
+
+N = 211  # training samples: an epoch is 211 positions
+COUNT = 6  # samples a replica trains per outer step (inner_steps x batch_size)
+TIMEOUT = 5.0
+
+
+@dataclass
+class Sim:
+    """Peers that train what the coordinator's rounds tell them, and a model whose samples are counted."""
+
+    rng: random.Random
+    stages: int
+    rounds: Rounds = field(init=False)
+    table: PeerTable = field(init=False)
+    now: float = 0.0
+    seq: int = 0
+    alive: dict[str, dict] = field(default_factory=dict)  # peer -> {version, hash, epoch, prev, stage, recent}
+    trained: dict[str, Counter] = field(default_factory=lambda: {"root": Counter()})  # state hash -> positions
+    checkpoint: Checkpoint | None = None
+    ckpt_trained: dict[int, str] = field(default_factory=dict)
+    next_id: int = 0
+    stats: Counter = field(default_factory=Counter)
+
+    def __post_init__(self) -> None:
+        self.rounds = self.fresh_rounds()
+        self.table = PeerTable(TIMEOUT)
+
+    def fresh_rounds(self) -> Rounds:
+        return Rounds(stages=self.stages, floor_s=12.0, factor=4.0, settle_s=1.0, grace_s=TIMEOUT,
+                      data=DataCursor(COUNT))
+
+    # -------------------------------------------------------------- peers
+
+    def join(self) -> None:
+        pid = f"p{self.next_id:03d}"
+        self.next_id += 1
+        self.alive[pid] = {"version": 0, "hash": "root", "epoch": 0, "prev": (-1, ""), "stage": 0, "recent": []}
+
+    def record(self, pid: str) -> PeerRecord:
+        p = self.alive[pid]
+        self.seq += 1
+        return PeerRecord(peer_id=pid, address=f"{pid}:1", state="training", version=p["version"], state_hash=p["hash"],
+                          epoch=p["epoch"], prev_version=p["prev"][0], prev_hash=p["prev"][1], stage=p["stage"],
+                          seq=self.seq, inner_step=self.seq, recent=p["recent"][-16:])
+
+    def tick(self, dt: float = 1.0) -> list:
+        self.now += dt
+        self.table.update({pid: self.record(pid) for pid in self.alive}, self.now)
+        events = self.rounds.observe(self.table.reports(), self.now, self.checkpoint)
+        self.stats.update(type(e).__name__ for e in events)
+        return events
+
+    # -------------------------------------------------------------- the coordinator's side
+
+    def restart_coordinator(self) -> None:
+        """The coordinator process dies and comes back from its journal (serialised as it is on disk)."""
+        r = self.rounds
+        state = JournalState(run_id="r", config={}, created_at=0.0, committed=r.committed, epoch=r.epoch,
+                             rounds=list(r.rounds.values()), hashes=r.hashes, cursors=r.data.to_json(),
+                             outcomes=[vars(o) for o in r.outcomes])
+        state = JournalState.model_validate_json(state.model_dump_json())
+        self.rounds, self.table = self.fresh_rounds(), PeerTable(TIMEOUT)
+        self.rounds.restore(state.committed, state.epoch, state.rounds, state.hashes, state.outcomes, self.now,
+                            state.cursors)
+        self.stats["restart"] += 1
+
+    def decide(self) -> Round | None:
+        for _ in range(40):
+            live = self.table.live()
+            if self.rounds.ready_to_decide(len(live), 1, self.now, self.table.reports()):
+                ids = sorted(v.record.peer_id for v in live)
+                replicas = len(ids) // self.stages
+                if replicas == 0:
+                    return None
+                prev = self.rounds.rounds.get(self.rounds.committed)
+                before = {m.peer_id: (m.stage, m.replica) for m in prev.members} if prev else {}
+                grid = sticky_placement(ids, self.stages, replicas, before)
+                return self.rounds.decide(members(grid, [v.record for v in live]), self.now)
+            self.tick()
+        return None
+
+    # -------------------------------------------------------------- a round as the peers live it
+
+    def base_of(self, version: int) -> str:
+        if version == 0:
+            return "root"
+        want = self.rounds.canonical(version)
+        assert want in self.trained, f"no state {want!r} of v{version}"
+        return want
+
+    def run(self, rnd: Round, extra_steps: int = 0) -> None:
+        """Members recover the round's base, train, die at random; survivors commit what their stages averaged."""
+        base = self.base_of(rnd.step - 1)
+        for m in rnd.members:  # recovery: every member starts from the canonical state of step - 1
+            if m.peer_id in self.alive:
+                p = self.alive[m.peer_id]
+                if (p["version"], p["hash"]) != (rnd.step - 1, base):
+                    p.update(version=rnd.step - 1, hash=base, epoch=rnd.epoch, prev=(-1, ""))
+                p["stage"] = m.stage
+        if extra_steps == 0 and self.rng.random() < 0.04:  # every member of the round dies in the middle of it
+            for m in rnd.members:
+                self.alive.pop(m.peer_id, None)
+            self.stats["wipe"] += 1
+        for step in range(rnd.step, rnd.step + 1 + extra_steps):
+            for m in rnd.members:  # deaths in the middle of the step
+                if m.peer_id in self.alive and self.rng.random() < (0.07 if extra_steps == 0 else 0.0):
+                    del self.alive[m.peer_id]
+                    self.stats["death"] += 1
+            complete = sorted(k for k in {m.replica for m in rnd.members}
+                              if all(c.peer_id in self.alive for c in rnd.members if c.replica == k))
+            stalled = self.rng.random() < 0.05 and len(complete) > 1  # a replica's pipeline stalls: no contribution
+            if stalled:
+                complete.pop(self.rng.randrange(len(complete)))
+                self.stats["stall"] += 1
+            if not complete:
+                return  # every stage's all-reduce has nothing to average: the round fails
+            before = self.trained[base]
+            after = before.copy()
+            for k in complete:
+                for a, b in rnd.data_spans(step, k):
+                    after.update(range(a, b))
+            new = hashlib.sha256(json.dumps(sorted(after.items())).encode()).hexdigest()[:16]
+            self.trained[new] = after
+            for m in rnd.members:
+                if m.peer_id in self.alive:
+                    p = self.alive[m.peer_id]
+                    p.update(version=step, hash=new, epoch=rnd.epoch, prev=(step - 1, base))
+                    p["recent"] = [*p["recent"], StepReport(step=step, epoch=rnd.epoch, stage=m.stage,
+                                                            replica=m.replica, included=complete)]
+            base = new
+
+    def settle(self) -> None:
+        """Ticks until the round in flight committed or failed (and rolled back)."""
+        for _ in range(60):
+            if self.rounds.pending() is None:
+                return
+            events = self.tick()
+            if any(isinstance(e, Failed) for e in events):
+                self.stats["failed round"] += 1
+                return
+
+    def write_checkpoint(self) -> None:
+        v = self.rounds.committed
+        if v and self.rounds.data.cursor(v) is not None:
+            self.checkpoint = Checkpoint(v, {s: self.rounds.canonical(v, s) for s in range(self.stages)},
+                                         self.rounds.data.cursor(v))
+
+
+@pytest.mark.parametrize("stages,seed", [(1, 0), (2, 1), (1, 2)])
+def test_200_rounds_of_churn_never_repeat_or_skip_a_sample(stages: int, seed: int) -> None:
+    sim = Sim(random.Random(seed), stages)
+    for _ in range(4 * stages):
+        sim.join()
+    sim.tick()
+    decided = 0
+    while decided < 200:
+        r = sim.rng.random()
+        if r < 0.25 or len(sim.alive) < 2 * stages:
+            sim.join()
+            sim.stats["join"] += 1
+        elif r < 0.35 and len(sim.alive) > stages:
+            del sim.alive[sim.rng.choice(sorted(sim.alive))]  # leaves between rounds
+            sim.stats["leave"] += 1
+        if decided == 120:
+            sim.restart_coordinator()
+        if sim.rng.random() < 0.1:
+            sim.write_checkpoint()
+        sim.tick()
+        rnd = sim.decide()
+        if rnd is None:
+            continue
+        decided += 1
+        away = 2 if sim.rng.random() < 0.05 else 0  # the coordinator is away: peers go on with the same plan
+        sim.run(rnd, extra_steps=away)
+        sim.stats["ran ahead"] += away
+        sim.settle()
+
+    for _ in range(30):  # let the last round end
+        if sim.rounds.pending() is None:
+            break
+        sim.tick()
+    r = sim.rounds
+    final = sim.trained[sim.base_of(r.committed)]
+    cursor = r.data.cursor(r.committed)
+    assert cursor is not None
+    repeats = {p: n for p, n in final.items() if n > 1}
+    pool = {p for a, b in cursor.pool for p in range(a, b)}
+    skipped = [p for p in range(cursor.frontier) if final[p] == 0 and p not in pool]
+    assert not repeats, f"{len(repeats)} positions trained more than once"
+    assert not skipped, f"{len(skipped)} positions neither trained nor back in the pool: {skipped[:10]}"
+    assert not pool & set(final), "a position in the pool was already trained"
+    assert r.data.repeats == 0
+    assert len(pool) <= 3 * COUNT * len(sim.alive) + COUNT * 8, "handed-back samples are not re-issued promptly"
+    epochs = cursor.frontier / N
+    # the churn really happened, and the run got somewhere
+    assert sim.stats["death"] > 10 and sim.stats["failed round"] >= 2 and sim.stats["restart"] == 1, sim.stats
+    assert sim.stats["RolledBack"] >= 1, sim.stats
+    assert sim.stats["ran ahead"] > 0 and r.committed > 100 and epochs > 2, (sim.stats, r.committed, epochs)
+    per_epoch = Counter(sample_ids([(p, p + 1) for p in sorted(final)], N, 0).tolist())
+    assert max(per_epoch.values()) <= epochs + 1  # a sample id at most once per epoch
