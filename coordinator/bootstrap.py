@@ -24,6 +24,8 @@ from potluck.coordinator.rounds import Rounds
 from potluck.coordinator.snapshot import RunInfo
 from potluck.coordinator.status import StatusServer
 from potluck.coordinator.status_tls import status_tls
+from potluck.data import DataError
+from potluck.data.corpus import ShardCorpus, locate
 from potluck.protos.config import ConfigError, CoordinatorConfig, RunConfig, known_fields_only, parse_config
 from potluck.protos.identity import Identity
 from potluck.protos.log import get_logger
@@ -44,6 +46,8 @@ def open_journal(cfg: RunConfig) -> tuple[Journal, JournalState]:
     Raises ConfigError (before anything is written) if the run cannot be trained."""
     for note in check_run(cfg).notes:
         log.warning("%s", note)
+    if cfg.data.source in ("shards", "hf"):
+        log.info("the run's data: %s", shard_identity(cfg))
     journal = Journal(cfg.coordinator.journal_dir)
     state = journal.load()
     sections = cfg.manifest_sections()
@@ -126,10 +130,21 @@ def start_node(identity: Identity, identity_path: Path, c: CoordinatorConfig, kn
     return node
 
 
+def shard_identity(cfg: RunConfig) -> DataIdentity:
+    """The run's shards, fetched or prepared here and checked: ConfigError, naming the fix, if they cannot train it."""
+    try:
+        return ShardCorpus.open(locate(cfg.data), cfg.data, cfg.model).identity(cfg.data.source)
+    except DataError as err:
+        where = f"data.path = {cfg.data.path!r}" if cfg.data.source == "shards" else f"data.hf_dataset = {cfg.data.hf_dataset!r}"
+        raise ConfigError(f"{where}: {err}") from None
+
+
 def data_identity(cfg: RunConfig) -> DataIdentity:
     """What the manifest tells peers about the run's data (the file was hashed by check_run already)."""
     if cfg.data.source == "markov":
         return markov_identity(cfg.data, cfg.model)
+    if cfg.data.source in ("shards", "hf"):
+        return shard_identity(cfg)
     assert cfg.data.path is not None
     try:
         found = file_identity(Path(cfg.data.path).expanduser())

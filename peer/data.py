@@ -1,8 +1,10 @@
-"""Training data with stable sample ids: a synthetic Markov source, or the bytes of a text file.
+"""Training data with stable sample ids: a synthetic Markov source, a byte file, or token shards.
 
 Every sample has an integer id and is a pure function of the data config and that id, so any peer
-can produce sample 1234 without coordination, AC-SGD can keep one buffer per id, and a shard is
-just a set of ids.
+can produce sample 1234 without coordination and AC-SGD can keep one buffer per id. Which ids a
+replica trains on in a step is the coordinator's decision (spans of the run's order, see
+:mod:`potluck.coordinator.cursor`), read here by :class:`SpanSampler`. Token shards
+(:mod:`potluck.data.corpus`) and byte files are memory-mapped, never read whole into RAM.
 
 The built-in source is a random Markov chain of order ``k`` over ``vocab_size`` tokens (Dirichlet
 rows, fixed by the seed). Its entropy rate is known exactly, which gives the best loss any model can
@@ -19,6 +21,7 @@ import numpy as np
 import torch
 
 from potluck.data import DataError
+from potluck.data.corpus import ShardCorpus, locate
 from potluck.data.order import sample_ids
 from potluck.protos.config import BYTE_VOCAB, MAX_MARKOV_ENTRIES, DataConfig, ModelConfig
 from potluck.protos.runcheck import min_corpus_bytes
@@ -108,8 +111,8 @@ class ByteFileSource:
         path = Path(path)
         if not path.is_file():
             raise DataError(f"data file {path} does not exist")
-        try:
-            self.data = np.frombuffer(path.read_bytes(), dtype=np.uint8)
+        try:  # memory-mapped: a corpus bigger than RAM trains too
+            self.data = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)
         except OSError as err:
             raise DataError(f"cannot read the data file {path}: {err.strerror or err}") from None
         self.seq_len = seq_len
@@ -134,12 +137,16 @@ class Dataset:
 
     def __init__(self, data: DataConfig, model: ModelConfig) -> None:
         self.cfg = data
-        self.source: MarkovSource | ByteFileSource
+        self.source: MarkovSource | ByteFileSource | ShardCorpus
+        self.eval_samples = data.eval_samples
         if data.source == "markov":
             self.source = MarkovSource(
                 model.vocab_size, data.markov_order, data.markov_concentration, data.seed, model.seq_len
             )
             self.num_samples = data.num_samples
+        elif data.source in ("shards", "hf"):  # a peer's joining already fetched (or prepared) and checked them
+            self.source = ShardCorpus.open(locate(data, override=data.path if data.source == "hf" else None), data, model)
+            self.num_samples, self.eval_samples = self.source.num_samples, self.source.eval_samples
         else:
             if model.vocab_size < BYTE_VOCAB:
                 raise DataError(f"byte-level data needs model.vocab_size = {BYTE_VOCAB} (or more: a Hugging Face model's "
@@ -157,6 +164,8 @@ class Dataset:
     def sample(self, sample_id: int) -> np.ndarray:
         if sample_id < 0 or (sample_id >= self.num_samples and sample_id < EVAL_ID_OFFSET):
             raise DataError(f"sample id {sample_id} is outside the training set [0, {self.num_samples})")
+        if isinstance(self.source, ShardCorpus):  # memory-mapped: reading again is cheaper than holding it
+            return self.source.sample(sample_id, EVAL_ID_OFFSET)
         cached = self._cache.get(sample_id)
         if cached is None:
             cached = self.source.sample(sample_id)
@@ -171,7 +180,7 @@ class Dataset:
         return tokens[:, :-1], tokens[:, 1:]
 
     def eval_ids(self) -> list[int]:
-        return [EVAL_ID_OFFSET + j for j in range(self.cfg.eval_samples)]
+        return [EVAL_ID_OFFSET + j for j in range(self.eval_samples)]
 
 
 class SpanSampler:

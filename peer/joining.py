@@ -5,9 +5,12 @@ own files, so a swarm cannot silently train with two configs. The address a peer
 one other machines reach it at (LESSONS: peers that announced 127.0.0.1 could not be reached), and
 every failure to join says what was tried and what to check.
 
-The one thing a peer brings from its own disk is a byte corpus (``data.source = "bytes"``): it is
+The one thing a peer brings from its own disk is its data: a byte corpus (``data.source = "bytes"``)
 read at the run's ``data.path`` relative to the peer's working directory, or where ``--data-path``
-says, and used only if its sha256 is the one in the manifest.
+says, and used only if its sha256 is the one in the manifest; or token shards (``"shards"``,
+``"hf"``), fetched from the run's URL or prepared from its dataset into ``data.cache_dir`` (or
+found at ``--data-path``), and used only if their index (which hashes every shard and the
+tokenizer) is the manifest's.
 
 Then the peer is admitted (:mod:`potluck.peer.admission`): the coordinator certifies a fresh TLS
 key of this process, and the data path runs over mutual TLS with it.
@@ -24,8 +27,9 @@ from pathlib import Path
 
 import torch
 
+from potluck.data import DataError
+from potluck.data.corpus import locate
 from potluck.peer import admission
-from potluck.peer.data import DataError
 from potluck.protos.certs import TlsIdentity, token_proof
 from potluck.protos.config import ConfigError, PeerConfig, RunConfig, known_fields_only, parse_config
 from potluck.protos.identity import Identity, IdentityError
@@ -63,8 +67,8 @@ def join(cfg: PeerConfig, identity: Identity, stopping: threading.Event) -> Join
     """Start a DHT node, find the run's manifest and read its config; raises JoinError, ConfigError or
     DataError (this peer does not have the run's data)."""
     t0 = time.time()
-    if cfg.data_path and not Path(cfg.data_path).expanduser().is_file():
-        raise ConfigError(f"--data-path {cfg.data_path}: no such file")
+    if cfg.data_path and "://" not in cfg.data_path and not Path(cfg.data_path).expanduser().exists():
+        raise ConfigError(f"--data-path {cfg.data_path}: no such file or folder")
     address, coordinator = parse_join_address(cfg.join)
     announce = cfg.announce_host or guess_reachable_host(host_of_multiaddr(address))
     if not cfg.announce_host:
@@ -144,6 +148,12 @@ def with_local_data(config: RunConfig, run_data: DataIdentity, data_path: str | 
         if run_data.sha256 and mine.sha256 != run_data.sha256:
             raise DataError(f"this peer would draw other synthetic samples than the run (parameters hash "
                             f"{mine.sha256[:16]}, the run's {run_data.sha256[:16]}): run the coordinator's potluck version")
+        return config
+    if d.source in ("shards", "hf"):  # fetched or prepared into data.cache_dir, and checked against the manifest
+        folder = locate(d, override=data_path, expect=run_data if run_data.sha256 else None)
+        if not run_data.sha256:
+            log.warning("the coordinator did not publish its shards' index sha256: cannot check they are the run's")
+        config.data.path = str(folder)
         return config
     assert d.path is not None
     path = Path(data_path or d.path).expanduser().absolute()

@@ -291,15 +291,17 @@ def _add_peer(sub: Any) -> None:
     pe.add_argument("--progress", choices=("auto", "bar", "lines", "off"), default="auto",
                     help="inner-step progress: a line redrawn in place (bar), a log line every 15 s (lines) or none "
                     "(default auto: bar on a terminal, else lines); POTLUCK_LOG=WARNING hides it too")
-    pe.add_argument("--data-path", metavar="FILE",
-                    help="this machine's copy of the run's corpus, for a run on a text file (default: the run's "
-                    "data.path, relative to this folder); its sha256 must be the run's")
+    pe.add_argument("--data-path", metavar="PATH",
+                    help="this machine's copy of the run's data: its text file (data.source = bytes), or its shards "
+                    "(a folder, or a file:// or https:// URL to fetch them from); default: the run's data.path, "
+                    "relative to this folder. Its sha256 (a shards index's) must be the run's")
     pe.set_defaults(fn=cmd_peer)
 
 
 def build_parser() -> argparse.ArgumentParser:
     from potluck import export, generate
     from potluck.coordinator import schedule_cli, status_cli
+    from potluck.data import cli as data_cli
 
     p = Parser(prog="potluck", description=DESCRIPTION, epilog=QUICKSTART, formatter_class=HelpFormatter)
     p.add_argument("--version", action="version", version=f"potluck {__version__}")
@@ -311,6 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     schedule_cli.register(sub)
     export.register(sub)
     generate.register(sub)
+    data_cli.register(sub)
     return p
 
 

@@ -41,26 +41,46 @@ MAX_MARKOV_ENTRIES = 1 << 24  # transition-table entries of the synthetic source
 
 
 class DataConfig(_Section):
-    """Training data: a built-in synthetic Markov source with a known entropy floor, or a byte file."""
+    """Training data: the built-in synthetic Markov source (a known entropy floor), a byte file, or
+    token shards (``potluck data prepare``) from a folder, a URL or a Hugging Face dataset."""
 
-    source: Literal["markov", "bytes"] = Field("markov", description="'markov' (built-in) or 'bytes' (path)")
+    source: Literal["markov", "bytes", "shards", "hf"] = Field(
+        "markov", description="'markov' (built-in), 'bytes' (path: a text file), 'shards' (path: a prepared folder, "
+        "or a file:// or https:// base URL to download it from) or 'hf' (hf_dataset, tokenized with `tokenizer`)")
     path: str | None = Field(
-        None, description="text file for source='bytes' (byte-level tokens); relative to the working directory of "
-        "the coordinator, and of each peer (a peer may point at its copy with --data-path)"
+        None, description="source='bytes': the text file (byte-level tokens); source='shards': the folder "
+        "`potluck data prepare` wrote, or its file:// / https:// base URL. A relative path is read from the working "
+        "directory of the coordinator, and of each peer (a peer may point at its copy with --data-path)"
     )
+    hf_dataset: str | None = Field(None, description="source='hf': a Hugging Face datasets name (or local folder)")
+    hf_config: str | None = Field(None, description="source='hf': the dataset's configuration, if it has several")
+    hf_split: str = Field("train", description="source='hf': the split to train on (a held-out part is cut off it)")
+    text_field: str = Field("text", min_length=1, description="source='hf': the column holding the text")
+    eval_fraction: float = Field(0.01, gt=0, lt=1, description="source='hf': the share of documents held out "
+                                 "(the last ones) for the eval split")
+    tokenizer: str = Field("bytes", min_length=1, description="source='hf': 'bytes' or a Hugging Face tokenizer "
+                           "(a local folder or a Hub id); source='shards' records its own in the index")
+    cache_dir: str = Field("~/.cache/potluck/data", description="where downloaded and prepared shards are kept "
+                           "(each machine's own; not part of the run's identity)")
     markov_order: int = Field(1, ge=1, le=3, description="context length of the synthetic source")
     markov_concentration: float = Field(
         0.05, gt=0, description="Dirichlet concentration of the transition rows: lower is more predictable"
     )
-    num_samples: int = Field(1 << 16, ge=1, description="training samples (stable ids 0..num_samples-1)")
+    num_samples: int = Field(1 << 16, ge=1, description="training samples (stable ids 0..num_samples-1); a "
+                             "file or shards give at most as many as they hold")
     eval_samples: int = Field(128, ge=1, description="held-out samples for eval loss")
     eval_every: int = Field(1, ge=0, description="evaluate theta_global every this many outer steps (0: never)")
     seed: int = Field(0, description="seed of the source and of the sample order")
 
     @model_validator(mode="after")
-    def _bytes_needs_path(self) -> DataConfig:
+    def _source_needs_its_fields(self) -> DataConfig:
         if self.source == "bytes" and not self.path:
             raise ValueError("source='bytes' needs data.path (a text file)")
+        if self.source == "shards" and not self.path:
+            raise ValueError("source='shards' needs data.path: the folder `potluck data prepare` wrote, or its "
+                             "file:// or https:// base URL")
+        if self.source == "hf" and not self.hf_dataset:
+            raise ValueError("source='hf' needs data.hf_dataset (a Hugging Face datasets name)")
         return self
 
 

@@ -52,10 +52,13 @@ _R = TypeVar("_R", bound=_Record)
 class DataIdentity(_Record):
     """Which data a run trains on, so that a peer can tell its own copy is the same (see protos/runcheck)."""
 
-    source: str = Field("", description="'bytes' or 'markov'; '' from a coordinator that did not say")
-    sha256: str = Field("", description="bytes: of the file's content; markov: of the parameters that define it")
-    size: int = Field(0, ge=0, description="bytes: the file's size; markov: 0")
+    source: str = Field("", description="'bytes', 'markov', 'shards' or 'hf'; '' from a coordinator that did not say")
+    sha256: str = Field("", description="bytes: of the file's content; markov: of the parameters that define it; "
+                        "shards and hf: of the shards' index.json (which hashes every shard and the tokenizer)")
+    size: int = Field(0, ge=0, description="bytes: the file's size; shards: training tokens; markov: 0")
     samples: int = Field(0, ge=0, description="training samples (ids 0..samples-1); 0 from a coordinator that did not say")
+    tokenizer: str = Field("", max_length=256, description="shards: the tokenizer they were made with")
+    tokenizer_sha256: str = Field("", max_length=64, description="shards: the tokenizer's definition, hashed")
 
 
 class Manifest(_Record):

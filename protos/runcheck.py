@@ -45,6 +45,8 @@ def check_run(cfg: RunConfig) -> RunCheck:
     """
     if cfg.data.source == "markov":
         return RunCheck(markov_identity(cfg.data, cfg.model))
+    if cfg.data.source in ("shards", "hf"):  # fetched or prepared, then checked, by potluck.data.corpus
+        return RunCheck(DataIdentity(source=cfg.data.source))
     assert cfg.data.path is not None  # DataConfig's validator
     path = Path(cfg.data.path).expanduser()
     named = f"data.path = {cfg.data.path!r}"

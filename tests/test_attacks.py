@@ -9,6 +9,7 @@ slow down by more than 20%. A poisoner among the members and a private run are t
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -158,8 +159,13 @@ def attack_everything(swarm: LocalSwarm, stranger: Attacker, insider: Attacker) 
         """As well-formed as an outsider can make it: the step, epoch and base hash the target expects,
         from the status page and the target's own refusals, so that what is refused is who sends it."""
         answer, step, epoch, base = "", None, None, None
+        seen = 0.0
         for _ in range(30):  # the step may move on between learning it and sending
-            s = swarm.state()
+            # each try on a newer snapshot: a target that does not know its round yet learns it in a moment,
+            # and a base hash read off a stale snapshot is read again
+            s = swarm.wait_state(functools.partial(lambda after, s: s["generated_at"] > after, seen), 30,
+                                 "a newer status snapshot")
+            seen = s["generated_at"]
             rnd, row = s["round"], next(p for p in s["peers"] if p["id"] == target["peer_id"])
             chunks = contribution(sender, step if step is not None else rnd["step"],
                                   epoch if epoch is not None else rnd["epoch"],

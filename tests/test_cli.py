@@ -18,7 +18,7 @@ import pytest
 from potluck.cli import UsageError, _demo_grid, build_parser
 from potluck.protos.identity import Identity, IdentityError, public_key_from_peer_id
 
-COMMANDS = ["demo", "coordinator", "peer", "status", "schedule", "export", "generate"]
+COMMANDS = ["demo", "coordinator", "peer", "status", "schedule", "export", "generate", "data"]
 PEER_ID = Identity.generate().peer_id
 JOIN = f"/ip4/127.0.0.1/tcp/31337/p2p/{PEER_ID}"
 

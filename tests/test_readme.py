@@ -49,6 +49,7 @@ from packaging.utils import canonicalize_name
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from potluck.cli import UsageError, build_parser
+from potluck.coordinator import bootstrap
 from potluck.local import LocalSwarm, wait_for
 from potluck.procs import ProcessGroup
 from potluck.protos.config import RunConfig, apply_overrides, load_config
@@ -170,6 +171,11 @@ def run_potluck(argv: list[str], sandbox: Path, monkeypatch: pytest.MonkeyPatch)
     args = parse(argv)
     stand_ins = {"coordinator": "potluck.coordinator.app.Coordinator", "peer": "potluck.peer.daemon.Peer",
                  "demo": "potluck.demo.run_demo"}
+    if args.command == "data":  # it makes files the next commands use: run it, for real, in the sandbox
+        with monkeypatch.context() as m:
+            m.chdir(sandbox)
+            assert args.fn(args) == 0, f"potluck {shlex.join(argv)} failed"
+        return
     if args.command not in stand_ins:
         return  # status, export, schedule: they read what a run leaves, so the slow test runs them
 
@@ -193,8 +199,10 @@ def run_potluck(argv: list[str], sandbox: Path, monkeypatch: pytest.MonkeyPatch)
             what = demo_config(what, sandbox / "demo")
         if isinstance(what, RunConfig):
             check_run(what)  # what the coordinator checks before it writes anything
+            if what.data.source == "shards" and "://" not in (what.data.path or ""):
+                bootstrap.data_identity(what)  # and its shards: there, whole, and fit for the model
         elif what.data_path:
-            assert Path(what.data_path).expanduser().is_file(), f"--data-path {what.data_path}: not made by the README"
+            assert Path(what.data_path).expanduser().exists(), f"--data-path {what.data_path}: not made by the README"
 
 
 def declared() -> tuple[list[Requirement], dict[str, list[Requirement]]]:
@@ -320,8 +328,11 @@ CHECKED_INLINE = list(dict.fromkeys(
 
 
 def options() -> set[str]:
-    """Every flag some potluck command documents in its --help."""
-    return {flag for parser in subparsers().values() for flag, action in parser._option_string_actions.items()
+    """Every flag some potluck command (or subcommand: ``potluck data prepare``) documents in its --help."""
+    parsers = list(subparsers().values())
+    parsers += [p for parser in parsers for a in parser._actions if isinstance(a, argparse._SubParsersAction)
+                for p in a.choices.values()]
+    return {flag for parser in parsers for flag, action in parser._option_string_actions.items()
             if action.help != argparse.SUPPRESS}
 
 

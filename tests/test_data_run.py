@@ -1,0 +1,155 @@
+"""A run on token shards (#14): the manifest names the shards and their tokenizer, peers get them from a
+folder, a URL or a ``datasets`` dataset, and a peer with other shards or another tokenizer refuses."""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+from collections.abc import Iterator
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from test_data_shards import make_docs, train_bpe, write_jsonl
+
+from potluck.coordinator import bootstrap
+from potluck.data import DataError
+from potluck.data.prepare import prepare
+from potluck.data.tokenizer import load_tokenizer
+from potluck.peer.data import EVAL_ID_OFFSET, Dataset
+from potluck.peer.joining import with_local_data
+from potluck.protos.config import ConfigError, RunConfig, parse_config
+from potluck.protos.records import DataIdentity
+
+SMALL = {"model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 32},
+         "diloco": {"inner_steps": 3, "outer_steps": 3}, "train": {"batch_size": 4}}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The same documents prepared with a small BPE and with bytes."""
+    root = tmp_path_factory.mktemp("corpus")
+    docs = write_jsonl(root / "docs.jsonl", make_docs(600, seed=3))
+    bpe = train_bpe(root / "bpe")
+    return {"bpe": prepare([docs], load_tokenizer(str(bpe)), root / "shards-bpe", shard_tokens=4096,
+                           eval_fraction=0.05, progress=False),
+            "bytes": prepare([docs], load_tokenizer("bytes"), root / "shards-bytes", shard_tokens=4096, eval_fraction=0.05,
+                             progress=False),
+            "jsonl": docs, "tokenizer": bpe}
+
+
+def run_config(path: Path | str, tmp_path: Path, vocab: int = 512, **data: object) -> RunConfig:
+    return parse_config({**SMALL, "model": {**SMALL["model"], "vocab_size": vocab},
+                         "data": {"source": "shards", "path": str(path), "cache_dir": str(tmp_path / "cache"),
+                                  "eval_samples": 8, **data}})
+
+
+def test_the_manifest_names_the_shards_and_a_peer_checks_them(corpus: dict[str, Path], tmp_path: Path) -> None:
+    cfg = run_config(corpus["bpe"], tmp_path)
+    run = bootstrap.data_identity(cfg)
+    assert run.source == "shards" and run.tokenizer == "bpe" and len(run.sha256) == len(run.tokenizer_sha256) == 64
+    assert run.samples > 100 and run.size > run.samples * 32
+
+    ready = with_local_data(cfg.model_copy(deep=True), run, None)
+    data = Dataset(ready.data, ready.model)
+    assert data.num_samples == run.samples and len(data.eval_ids()) == 8
+    x, y = data.batch([0, 5, EVAL_ID_OFFSET + 7])
+    assert x.shape == (3, 32) and int(x.max()) < 512 and (x[:, 1:] == y[:, :-1]).all()
+
+    with pytest.raises(DataError, match="tokenizer 'bytes'.* the run's with 'bpe'"):  # another tokenizer
+        with_local_data(cfg.model_copy(deep=True), run, str(corpus["bytes"]))
+    other = prepare([write_jsonl(tmp_path / "o.jsonl", make_docs(100, seed=9))], load_tokenizer(str(corpus["tokenizer"])),
+                    tmp_path / "other", progress=False)
+    with pytest.raises(DataError, match="not this run's data"):  # same tokenizer, other text
+        with_local_data(cfg.model_copy(deep=True), run, str(other))
+    with pytest.raises(DataError, match="index.json"):
+        with_local_data(cfg.model_copy(deep=True), run, str(tmp_path / "nowhere"))
+
+
+def test_a_run_its_shards_cannot_feed_is_refused_in_one_line(corpus: dict[str, Path], tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"data.path = .*has \d+ tokens, more than model.vocab_size = 256"):
+        bootstrap.data_identity(run_config(corpus["bpe"], tmp_path, vocab=256))
+    with pytest.raises(ConfigError, match="data.path = .*index.json"):
+        bootstrap.data_identity(run_config(tmp_path / "missing", tmp_path))
+    with pytest.raises(ConfigError, match="needs data.path"):
+        parse_config({"data": {"source": "shards"}})
+    with pytest.raises(ConfigError, match="needs data.hf_dataset"):
+        parse_config({"data": {"source": "hf"}})
+
+
+def test_an_hf_dataset_is_prepared_once_per_machine(corpus: dict[str, Path], tmp_path: Path) -> None:
+    """``data.source = "hf"``: a datasets dataset (a local folder of jsonl here: the Hub is unreachable),
+    streamed and tokenized into the cache; prepared again elsewhere it has the same identity."""
+    pytest.importorskip("datasets")
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", make_docs(300, seed=4))
+    base = {**SMALL, "model": {**SMALL["model"], "vocab_size": 512}}
+    cfgs = [parse_config({**base, "data": {"source": "hf", "hf_dataset": str(folder), "tokenizer": str(corpus["tokenizer"]),
+                                           "cache_dir": str(tmp_path / f"cache-{i}"), "eval_samples": 4,
+                                           "eval_fraction": 0.05}})
+            for i in range(2)]
+    run = bootstrap.data_identity(cfgs[0])
+    assert run.source == "hf" and run.tokenizer == "bpe" and run.samples > 0
+    ready = with_local_data(cfgs[1], run, None)  # another machine: its own cache, the same shards
+    assert Path(ready.data.path or "").is_relative_to(tmp_path / "cache-1")
+    assert Dataset(ready.data, ready.model).num_samples == run.samples
+
+
+class Quiet(SimpleHTTPRequestHandler):
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def served(corpus: dict[str, Path]) -> Iterator[str]:
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(corpus["bpe"])))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@pytest.mark.slow
+def test_a_swarm_trains_on_shards_from_a_folder_and_a_url(corpus: dict[str, Path], served: str, tmp_path: Path,
+                                                          procs) -> None:  # type: ignore[no-untyped-def]
+    from potluck.local import LocalSwarm
+    from potluck.protos.config import apply_overrides
+
+    cfg = apply_overrides(run_config(corpus["bpe"], tmp_path), {
+        "coordinator.host": "127.0.0.1", "coordinator.dht_port": 0, "coordinator.grpc_port": 0,
+        "coordinator.status_port": 0, "coordinator.journal_dir": str(tmp_path / "journal"),
+        "membership.min_peers": 2})
+    swarm = LocalSwarm(tmp_path / "swarm", procs)
+    try:
+        swarm.start_coordinator(cfg)
+        swarm.start_peer()  # the run's folder, where data.path says
+        swarm.start_peer("--data-path", served)  # the same shards over HTTP, into its cache
+        wrong = swarm.start_peer("--data-path", str(corpus["bytes"]))  # other shards: refuses to join
+        assert wrong.wait(timeout=120) == 2
+        state = swarm.wait_state(lambda s: s["run"]["finished"] and s["run"]["eval_loss"] is not None, 240,
+                                 "3 outer steps on shards")
+    except BaseException:
+        swarm.dump_logs()
+        raise
+    run = state["run"]
+    assert run["data"]["source"] == "shards" and run["data"]["repeats"] == 0
+    per_step = 2 * cfg.diloco.inner_steps * cfg.train.batch_size
+    assert run["data"]["trained"] == run["data"]["frontier"] == 3 * per_step and run["data"]["pool"] == 0
+    assert run["data"]["epoch"] == pytest.approx(3 * per_step / run["data"]["samples"])
+    assert run["eval_perplexity"] == pytest.approx(math.exp(run["eval_loss"]))
+    assert run["eval_loss"] < math.log(512)
+    log = (tmp_path / "swarm" / "logs" / "peer-2.log").read_text()
+    assert "tokenizer 'bytes'" in log and "the run's with 'bpe'" in log, log[-2000:]
+
+
+def test_a_byte_run_identity_counts_its_samples(tmp_path: Path) -> None:
+    text = tmp_path / "t.txt"
+    text.write_bytes(b"potluck " * 4000)
+    cfg = parse_config({**SMALL, "data": {"source": "bytes", "path": str(text), "eval_samples": 4}})
+    ident = bootstrap.data_identity(cfg)
+    assert isinstance(ident, DataIdentity) and ident.samples == (len(text.read_bytes()) - 1) // 32 - 4
