@@ -93,6 +93,13 @@ def read_model(journal_dir: str | Path, step: int | None = None) -> tuple[dict[s
     except (OSError, ValueError):
         data = {}
     manifest["data"] = {"source": data.get("source", "markov")}
+    if data.get("source") in ("shards", "hf"):  # the tokenizer its shards were made with, where this machine has it
+        from potluck.data.corpus import tokenizer_folder
+        from potluck.protos.config import DataConfig
+
+        found = tokenizer_folder(DataConfig.model_validate(data))
+        manifest["data"]["tokenizer"] = "hf" if found else "bytes"
+        manifest["tokenizer_folder"] = str(found) if found else ""
     return manifest.get("model") or {}, snap, manifest, errors
 
 
@@ -147,7 +154,7 @@ def export_checkpoint(journal_dir: str | Path, out: str | Path | None = None, st
                                  "built-in model (family 'tiny') has none: use --out model.pt")
             run = {"version": snap.version, "state_hash": snap.hash, "run_id": manifest.get("run_id", ""),
                    "data": manifest.get("data") or {}}
-            write_folder(tmp, cfg, model.items(), run)
+            write_folder(tmp, cfg, model.items(), run, Path(manifest.get("tokenizer_folder") or "") or None)
             if out.exists():
                 shutil.rmtree(out) if out.is_dir() else out.unlink()
         elif out.suffix == ".safetensors":

@@ -35,13 +35,14 @@ class Tokenizer:
         self.kind, self.hf = kind, hf
 
     @classmethod
-    def for_model(cls, folder: Path | None, data_source: str) -> Tokenizer:
+    def for_model(cls, folder: Path | None, data_source: str, tokenizer: str = "") -> Tokenizer:
         if folder is not None and (folder / "tokenizer.json").exists() or \
                 folder is not None and (folder / "tokenizer_config.json").exists():
             from transformers import AutoTokenizer
 
             return cls("hf", AutoTokenizer.from_pretrained(str(folder)))
-        return cls("bytes" if data_source == "bytes" else "ids")
+        byte_level = data_source == "bytes" or data_source in ("shards", "hf") and tokenizer == "bytes"
+        return cls("bytes" if byte_level else "ids")
 
     def encode(self, text: str) -> list[int]:
         if self.kind == "hf":
@@ -73,7 +74,9 @@ def load(model: str | None, journal: str | None, step: int | None = None) -> tup
         config, snap, manifest, _ = read_model(journal, step)
         net = Model(ModelConfig.model_validate(config))
         load_named(net, named_theta(snap))
-        return net.eval(), Tokenizer.for_model(None, manifest["data"]["source"])
+        data = manifest["data"]
+        folder = Path(manifest["tokenizer_folder"]) if manifest.get("tokenizer_folder") else None
+        return net.eval(), Tokenizer.for_model(folder, data["source"], data.get("tokenizer", ""))
     assert model is not None
     path = Path(model)
     if not path.exists():
@@ -85,7 +88,8 @@ def load(model: str | None, journal: str | None, step: int | None = None) -> tup
             cfg, info, tensors = read_folder(path)
             net = Model(cfg)
             load_named(net, dict(tensors))
-            return net.eval(), Tokenizer.for_model(path, info.get("data", {}).get("source", "markov"))
+            data = info.get("data", {})
+            return net.eval(), Tokenizer.for_model(path, data.get("source", "markov"), data.get("tokenizer", ""))
         net = Model(ModelConfig(family="hf", hf_model=str(path)), pretrained=True)  # any supported HF folder
         return net.eval(), Tokenizer.for_model(path, "bytes")
     from potluck.export import load_model

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import math
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -65,6 +67,24 @@ def test_the_manifest_names_the_shards_and_a_peer_checks_them(corpus: dict[str, 
         with_local_data(cfg.model_copy(deep=True), run, str(other))
     with pytest.raises(DataError, match="index.json"):
         with_local_data(cfg.model_copy(deep=True), run, str(tmp_path / "nowhere"))
+
+
+def test_the_tokenizer_travels_with_its_shards(corpus: dict[str, Path]) -> None:
+    """prepare saves a Hugging Face tokenizer beside the shards: the same definition (its sha256 is the
+    index's), and transformers loads it to the same ids, which is how export and generate read prompts."""
+    from transformers import AutoTokenizer
+
+    from potluck.data.shards import ShardSet
+
+    shards = corpus["bpe"]
+    saved = load_tokenizer(str(shards))
+    assert saved.info.sha256 == ShardSet.open(shards).tokenizer.sha256 == load_tokenizer(str(corpus["tokenizer"])).info.sha256
+    assert saved.info.eos_id == ShardSet.open(shards).tokenizer.eos_id
+    auto = AutoTokenizer.from_pretrained(str(shards))
+    text = "the cat sat on the mat"
+    assert auto.encode(text, add_special_tokens=False) == saved.encode(text).tolist()
+    assert auto.eos_token_id == saved.info.eos_id
+    assert not (corpus["bytes"] / "tokenizer.json").exists()  # bytes need no file
 
 
 def test_a_run_its_shards_cannot_feed_is_refused_in_one_line(corpus: dict[str, Path], tmp_path: Path) -> None:
@@ -145,6 +165,11 @@ def test_a_swarm_trains_on_shards_from_a_folder_and_a_url(corpus: dict[str, Path
     assert run["eval_loss"] < math.log(512)
     log = (tmp_path / "swarm" / "logs" / "peer-2.log").read_text()
     assert "tokenizer 'bytes'" in log and "the run's with 'bpe'" in log, log[-2000:]
+    # the run's model reads a prompt with the shards' tokenizer and writes text back
+    done = subprocess.run([sys.executable, "-m", "potluck", "generate", "--journal", str(tmp_path / "journal"),
+                           "--prompt", "the cat", "--max-new-tokens", "6"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("the cat"), done.stdout + done.stderr
+    assert len(done.stdout.split()) > 2
 
 
 def test_a_byte_run_identity_counts_its_samples(tmp_path: Path) -> None:

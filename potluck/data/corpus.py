@@ -74,6 +74,16 @@ def locate(data: DataConfig, *, override: str | None = None, expect: DataIdentit
     return folder
 
 
+def tokenizer_folder(data: DataConfig) -> Path | None:
+    """The folder holding the tokenizer the run's shards were made with (``potluck data prepare`` saves a
+    Hugging Face one beside them), if this machine has them; None for byte-level shards."""
+    try:
+        folder = locate(data)
+    except DataError:
+        return None
+    return folder if (folder / "tokenizer.json").is_file() else None
+
+
 @dataclass
 class ShardCorpus:
     """Training samples (windows of the train split) and held-out ones (of the eval split) by id."""

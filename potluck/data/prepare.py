@@ -36,12 +36,13 @@ import numpy as np
 from potluck.data import DataError
 from potluck.data.shards import DEFAULT_SHARD_TOKENS, DOCS_DTYPE, INDEX, token_dtype, write_index, write_split
 from potluck.data.sources import Chunk, Item, chunks, dataset_items, expand, file_items
-from potluck.data.tokenizer import Tokenizer
+from potluck.data.tokenizer import HFTokenizer, Tokenizer
 
 DEFAULT_EVAL_FRACTION = 0.005
 # what a folder may hold to count as a previous prepare (it is then replaced without --force)
 _SHARD_FILE = re.compile(r"^[0-9]{5,}\.(bin|docs)$")
-OURS = {INDEX, INDEX + ".tmp", "train", "eval", ".train.stream", ".train.docs", ".eval.stream", ".eval.docs"}
+OURS = {INDEX, INDEX + ".tmp", "train", "eval", ".train.stream", ".train.docs", ".eval.stream", ".eval.docs",
+        "tokenizer.json", "tokenizer_config.json"}
 
 
 def prepare(files: list[Path], tokenizer: Tokenizer, out: Path, *, workers: int = 2,
@@ -268,5 +269,7 @@ def _prepare(out: Path, tokenizer: Tokenizer, train: Iterable[tuple[Item, int]],
         for name in (".train.stream", ".train.docs", ".eval.stream", ".eval.docs"):
             (out / name).unlink(missing_ok=True)
     write_index(out, tokenizer.info, shard_tokens, splits)
+    if isinstance(tokenizer, HFTokenizer):  # the tokenizer travels with its shards (export, generate)
+        tokenizer.save(out)
     bar.summary(splits)
     return out

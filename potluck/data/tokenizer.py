@@ -89,9 +89,18 @@ class HFTokenizer(Tokenizer):
     """A ``tokenizers.Tokenizer`` (the Rust library behind every fast Hugging Face tokenizer): its batch
     API encodes on all cores."""
 
-    def __init__(self, tok: Any, name: str, sha256: str, eos_id: int | None) -> None:
-        self.tok = tok
+    def __init__(self, tok: Any, name: str, sha256: str, eos_id: int | None, definition: str = "") -> None:
+        self.tok, self.definition = tok, definition  # definition: the tokenizer.json text sha256 is of
         self.info = TokenizerInfo(name, sha256, int(tok.get_vocab_size(with_added_tokens=True)), eos_id)
+
+    def save(self, folder: Path) -> None:
+        """``tokenizer.json`` (the very bytes its sha256 is of) and a ``tokenizer_config.json`` naming its EOS,
+        so that transformers' ``AutoTokenizer`` (and ``potluck generate``) load it from ``folder``."""
+        text = self.definition or self.tok.to_str()
+        (folder / "tokenizer.json").write_bytes(text.encode("utf-8"))
+        eos = self.tok.id_to_token(self.info.eos_id) if self.info.eos_id is not None else None
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", **({"eos_token": eos} if eos else {})}
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         encode = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)  # fast: no offsets
@@ -144,7 +153,8 @@ def _from_file(path: Path, name: str) -> HFTokenizer:
         tok = RustTokenizer.from_str(raw.decode("utf-8"))
     except Exception as err:  # the Rust library raises plain Exception on a bad definition
         raise DataError(f"{path} is not a Hugging Face tokenizer.json ({err})") from None
-    return HFTokenizer(tok, name, hashlib.sha256(raw).hexdigest(), _eos_id(tok, path.parent / "tokenizer_config.json"))
+    return HFTokenizer(tok, name, hashlib.sha256(raw).hexdigest(), _eos_id(tok, path.parent / "tokenizer_config.json"),
+                       raw.decode("utf-8"))
 
 
 def _eos_id(tok: Any, config: Path) -> int | None:
@@ -177,9 +187,10 @@ def _from_transformers(source: str, name: str) -> Tokenizer:
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is None:
         return TransformersTokenizer(tok, name)
-    sha = hashlib.sha256(backend.to_str().encode("utf-8")).hexdigest()
+    definition = backend.to_str()
+    sha = hashlib.sha256(definition.encode("utf-8")).hexdigest()
     eos = tok.eos_token_id if tok.eos_token_id is not None else _eos_id(backend, Path("/nonexistent"))
-    return HFTokenizer(backend, name, sha, eos)
+    return HFTokenizer(backend, name, sha, eos, definition)
 
 
 def _from_hub(repo_id: str) -> Tokenizer:
@@ -200,7 +211,7 @@ def _from_hub(repo_id: str) -> Tokenizer:
     if tok.info.eos_id is None:  # the Hub's config names the EOS token; fetch it when cached or reachable
         try:
             config = Path(hf_hub_download(repo_id, "tokenizer_config.json"))
-            tok = HFTokenizer(tok.tok, repo_id, tok.info.sha256, _eos_id(tok.tok, config))
+            tok = HFTokenizer(tok.tok, repo_id, tok.info.sha256, _eos_id(tok.tok, config), tok.definition)
         except Exception:  # no config: the EOS candidates were already tried
             pass
     return tok

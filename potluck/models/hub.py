@@ -78,9 +78,11 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
-def write_folder(out: Path, cfg: ModelConfig, named: Iterable[tuple[str, torch.Tensor]], info: dict[str, Any]) -> int:
+def write_folder(out: Path, cfg: ModelConfig, named: Iterable[tuple[str, torch.Tensor]], info: dict[str, Any],
+                 tokenizer: Path | None = None) -> int:
     """Write the model (``named``: potluck names and tensors) as a Hugging Face folder; returns the
-    parameter count. Tied runs store the embedding once, as ``from_pretrained`` expects."""
+    parameter count. Tied runs store the embedding once, as ``from_pretrained`` expects. The tokenizer
+    files of an ``hf`` model's folder, or of ``tokenizer`` (the run's shards'), are copied beside it."""
     from safetensors.torch import save_file
 
     tensors = {to_hf_name(cfg, n): t.contiguous() for n, t in named}
@@ -91,10 +93,11 @@ def write_folder(out: Path, cfg: ModelConfig, named: Iterable[tuple[str, torch.T
     if cfg.family == "hf":  # read back from this folder's own config.json, wherever the run's model came from
         model.update(hf_model=".", pretrained=False)
     (out / POTLUCK).write_text(json.dumps({**info, "model": model}, indent=1) + "\n")
-    if cfg.family == "hf" and Path(cfg.hf_model or "").is_dir():
+    source = tokenizer or (Path(cfg.hf_model or "") if cfg.family == "hf" else None)
+    if source is not None and source.is_dir():
         for name in TOKENIZER_FILES:
-            if (Path(cfg.hf_model or "") / name).exists() and name != CONFIG:
-                shutil.copy(Path(cfg.hf_model or "") / name, out / name)
+            if (source / name).exists() and name != CONFIG:
+                shutil.copy(source / name, out / name)
     return int(sum(t.numel() for t in tensors.values()))
 
 
