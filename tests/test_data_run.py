@@ -87,6 +87,25 @@ def test_the_tokenizer_travels_with_its_shards(corpus: dict[str, Path]) -> None:
     assert not (corpus["bytes"] / "tokenizer.json").exists()  # bytes need no file
 
 
+def test_a_corrupt_local_shard_is_refused_and_a_good_one_hashed_once(corpus: dict[str, Path], tmp_path: Path) -> None:
+    import shutil
+
+    from potluck.data.corpus import locate
+
+    copy = tmp_path / "copy"
+    shutil.copytree(corpus["bpe"], copy)
+    cfg = run_config(copy, tmp_path)
+    run = bootstrap.data_identity(cfg)
+    records = list((tmp_path / "cache" / "verified").glob("*.json"))
+    assert len(records) == 1 and "train/00000.bin" in records[0].read_text()
+    shard = copy / "train" / "00001.bin"
+    raw = bytearray(shard.read_bytes())
+    raw[100] ^= 0xFF  # same size, other content: only its hash tells
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(DataError, match=r"sha256 of train/00001.bin is .* the file is corrupt"):
+        locate(cfg.data, expect=run)
+
+
 def test_a_run_its_shards_cannot_feed_is_refused_in_one_line(corpus: dict[str, Path], tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"data.path = .*has \d+ tokens, more than model.vocab_size = 256"):
         bootstrap.data_identity(run_config(corpus["bpe"], tmp_path, vocab=256))

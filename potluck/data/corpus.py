@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from potluck.data import DataError
-from potluck.data.shards import ShardSet
+from potluck.data.shards import ShardSet, check_file
 from potluck.protos.config import DataConfig, ModelConfig
 from potluck.protos.records import DataIdentity
 
@@ -62,6 +62,7 @@ def locate(data: DataConfig, *, override: str | None = None, expect: DataIdentit
     else:
         raise DataError(f"data.source = {data.source!r} has no token shards")
     found = ShardSet.open(folder, "train", verify="size")
+    verify_once(folder, cache_root(data) / "verified")
     mine = found.tokenizer
     if expect is not None and expect.tokenizer_sha256 and mine.sha256 != expect.tokenizer_sha256:
         raise DataError(f"the shards at {folder} were made with tokenizer {mine.name!r} (sha256 {mine.sha256[:16]}), "
@@ -72,6 +73,34 @@ def locate(data: DataConfig, *, override: str | None = None, expect: DataIdentit
                         f"run's is {expect_sha256} (another corpus, tokenizer or prepare settings); point --data-path "
                         "at the run's shards or delete the folder to fetch them again")
     return folder
+
+
+def verify_once(folder: Path, record_dir: Path) -> None:
+    """Hash every file of the shards at ``folder`` against their index, once per machine: a file whose
+    size and mtime are as recorded after its last check is not read again (a 100 GB corpus is hashed
+    at about 1 GB/s). A corrupt shard is a DataError naming it, never a silent fallback."""
+    index = (folder / "index.json").read_bytes()
+    record = record_dir / f"{hashlib.sha256(index).hexdigest()[:32]}.json"
+    try:
+        seen = json.loads(record.read_text())
+    except (OSError, ValueError):
+        seen = {}
+    checked = {}
+    for split in json.loads(index).get("splits", {}):
+        shards = ShardSet.open(folder, split, verify="size")
+        for s in shards.shards:
+            for name, sha in ((s["file"], s["sha256"]), (s["docs_file"], s["docs_sha256"])):
+                st = (folder / name).stat()
+                stamp = [str((folder / name).resolve()), st.st_size, st.st_mtime_ns]
+                if seen.get(name) != stamp:
+                    check_file(folder, name, st.st_size, sha, "full")
+                checked[name] = stamp
+    if checked != seen:
+        try:
+            record_dir.mkdir(parents=True, exist_ok=True)
+            record.write_text(json.dumps(checked))
+        except OSError:  # a read-only cache: hash again next time, nothing worse
+            pass
 
 
 def tokenizer_folder(data: DataConfig) -> Path | None:
