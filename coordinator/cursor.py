@@ -24,7 +24,6 @@ epoch (``tests/test_cursor.py`` drives 200 such rounds). Like :mod:`.rounds`, no
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +35,7 @@ log = get_logger(__name__)
 
 Span = tuple[int, int]
 KEEP_CURSORS = 64  # committed versions whose cursor is kept: a rollback goes back at most to the one before the last
+POOL_IN_ROUND = 256  # pool spans a round record carries for the steps after its own
 MAX_POOL = 4096  # spans in the pool; beyond that the smallest neighbours are merged (never happens in practice)
 
 
@@ -153,24 +153,62 @@ class DataCursor:
 
     # ------------------------------------------------------------------ transitions
 
-    def assign(self, committed: int, replicas: Sequence[int]) -> tuple[list[Share], int]:
-        """The shares of round ``committed + 1`` for these stage-0 replicas, and the frontier after them."""
+    def assign(self, committed: int, stage0: Sequence[tuple[str, int]], prev: Round | None = None,
+               epoch: int = 0) -> tuple[list[Share], int, list[tuple[int, int]]]:
+        """The shares of round ``committed + 1`` for its stage-0 members (``(peer, replica)``), the
+        frontier after them, and the pool left (which later steps on the round's plan read first).
+
+        Peers of one stage do not wait for this round: they start the step at once on the plan they
+        hold (``prev``, in the same epoch), reading ``prev.data_spans(committed + 1, their old replica)``.
+        So a member that was in ``prev``'s stage 0 keeps exactly those spans, whatever replica it gets
+        now, and whichever plan it trains the step on, it reads the same samples. The spans of ``prev``'s
+        replicas nobody continues go back to the pool, and newcomers take the pool's first, then fresh ones.
+        """
         base = self.at.get(committed)
         if base is None:
             log.warning("no data cursor of v%d: handing out samples from the newest one kept", committed)
             base = self.newest()
-        spans, data_next = base.take([self.per_replica] * len(replicas))
-        shares = [Share(replica=r, count=self.per_replica, spans=[list(s) for s in mine])
-                  for r, mine in zip(replicas, spans, strict=True)]
-        return shares, data_next
+        step, carried = committed + 1, {}
+        if prev is not None and prev.shares and prev.epoch == epoch and prev.step <= step:
+            old = {m.peer_id: m.replica for m in prev.members if m.stage == 0}
+            block = {s.replica: prev.data_spans(step, s.replica) for s in prev.shares}
+            carried = {peer: block[old[peer]] for peer, _ in stage0 if old.get(peer) in block}
+            kept = {old[peer] for peer in carried}
+            if all(base.free(span) for spans in block.values() for span in spans):
+                base = base.without([x for spans in block.values() for x in spans])
+                base = base.with_back([x for r, spans in block.items() if r not in kept for x in spans])
+            else:  # not where the cursor stands (a journal from before, a bug): hand out fresh samples
+                carried = {}
+        fresh = [replica for peer, replica in stage0 if peer not in carried]
+        spans, data_next = base.take([self.per_replica] * len(fresh))
+        given = dict(zip(fresh, spans, strict=True))
+        shares = [Share(replica=replica, count=self.per_replica,
+                        spans=[list(x) for x in (carried[peer] if peer in carried else given[replica])])
+                  for peer, replica in sorted(stage0, key=lambda pr: pr[1])]
+        after = base.without([tuple(x) for share in shares for x in share.spans])
+        return shares, after.frontier, list(after.pool[:POOL_IN_ROUND])
 
     def vote(self, step: int, epoch: int, peer: str, included: Sequence[int]) -> None:
-        """Member ``peer`` of ``step`` (made in ``epoch``) says which stage-0 replicas the version holds."""
-        self._votes.setdefault((step, epoch), {})[peer] = tuple(sorted(set(included)))
+        """Stage-0 member ``peer`` of ``step`` (made in ``epoch``) says which replicas the version holds."""
+        self._votes.setdefault((step, epoch), {})[peer] = tuple(sorted(set(included)))[:4096]
+
+    def included(self, rnd: Round, step: int, round_at: Callable[[int], Round | None]) -> set[int]:
+        """The replicas of ``rnd`` whose samples version ``step`` holds: all but those a strict majority
+        of the round's voting stage-0 members leave out (a tie keeps a replica: its samples count as
+        trained, so one liar cannot make honest samples repeat). With no vote for the step (peers ran
+        ahead more steps than their reports remember), the nearest step run on the same round answers."""
+        replicas = [s.replica for s in rnd.shares]
+        probes = [v for v in range(max(rnd.step, step - KEEP_CURSORS), step + KEEP_CURSORS) if round_at(v) is rnd]
+        for probe in sorted(probes, key=lambda v: (abs(v - step), -v)):
+            votes = list(self._votes.get((probe, rnd.epoch), {}).values())
+            if votes:
+                return {r for r in replicas if 2 * sum(r in v for v in votes) >= len(votes)}
+        return set(replicas)
 
     def commit(self, since: int, step: int, round_at: Callable[[int], Round | None]) -> None:
-        """Versions ``since + 1 .. step`` were committed: fold each one's samples in, in order."""
-        for v in range(since + 1, step + 1):
+        """Versions ``since + 1 .. step`` were committed: fold each one's samples in, in order (at most
+        the last ``KEEP_CURSORS`` of them: before those, the newest cursor carries over)."""
+        for v in range(max(since + 1, step - KEEP_CURSORS), step + 1):
             base = self.at.get(v - 1)
             rnd = round_at(v)
             if base is None or rnd is None or not rnd.shares:
@@ -178,8 +216,7 @@ class DataCursor:
                             v, v - 1)
                 self.at[v] = self.newest()
                 continue
-            votes = Counter(self._votes.get((v, rnd.epoch), {}).values())
-            included = set(votes.most_common(1)[0][0]) if votes else {s.replica for s in rnd.shares}
+            included = self.included(rnd, v, round_at)
             handed = [span for s in rnd.shares for span in rnd.data_spans(v, s.replica)]
             missed = sum(b - a for a, b in handed if not base.free((a, b)))
             if missed:

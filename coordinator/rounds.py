@@ -172,9 +172,12 @@ class Rounds:
         self._started = {step: now for step in self.rounds}
         self._committed_at = now
         self._fresh_start = not self.rounds
-        for rnd in [r for r in self.rounds.values() if not r.shares and r.step > committed]:  # journaled before cursors
-            shares, data_next = self.data.assign(rnd.step - 1, sorted(m.replica for m in rnd.members if m.stage == 0))
-            self.rounds[rnd.step] = rnd.model_copy(update={"shares": shares, "data_next": data_next})
+        latest = max(self.rounds, default=None)
+        for rnd in [r for r in self.rounds.values() if not r.shares and (r.step > committed or r.step == latest)]:
+            # journaled before cursors: peers running ahead on it need its shares too
+            shares, data_next, pool = self.data.assign(rnd.step - 1, [(m.peer_id, m.replica) for m in rnd.members
+                                                                      if m.stage == 0])
+            self.rounds[rnd.step] = rnd.model_copy(update={"shares": shares, "data_next": data_next, "pool": pool})
 
     def observe(self, reports: Sequence[Report], now: float, checkpoint: Checkpoint | None = None) -> list[Event]:
         """Fold the peers' latest reports in: commits, canonical hashes, and failure of the pending round."""
@@ -238,13 +241,15 @@ class Rounds:
             self.hashes.setdefault(stage, {})[version] = counter.most_common(1)[0][0]
 
     def _learn_included(self, reports: Sequence[Report]) -> None:
-        """Which replicas' samples each new version holds, as the stage-0 members of its round say."""
+        """Which replicas' samples each coming version holds, as the stage-0 members of its round say
+        (the round's own record says who is in stage 0, not the report)."""
         for r in reports:
             for step, epoch, included in r.included:
                 made_by = self.round_at(step)
-                if step > self.committed and made_by is not None and made_by.member(r.peer_id) is not None \
-                        and epoch == made_by.epoch == self.epoch and r.live:
-                    self.data.vote(step, epoch, r.peer_id, included)
+                cell = made_by.member(r.peer_id) if made_by is not None else None
+                if (self.committed < step <= self.committed + KEEP_ROUNDS and cell is not None and cell.stage == 0
+                        and epoch == made_by.epoch == self.epoch and r.live):
+                    self.data.vote(step, epoch, r.peer_id, [i for i in included if made_by.share_of(i) is not None])
 
     def _note_progress(self, reports: Sequence[Report], now: float) -> None:
         for r in reports:
@@ -343,10 +348,11 @@ class Rounds:
         """Round ``committed + 1`` with these members (already placed on the grid), in this epoch."""
         step = self.committed + 1
         hashes = [self.canonical(step - 1, s) for s in range(self.stages)]
-        shares, data_next = self.data.assign(self.committed, sorted(m.replica for m in members if m.stage == 0))
+        stage0 = [(m.peer_id, m.replica) for m in members if m.stage == 0]
+        shares, data_next, pool = self.data.assign(self.committed, stage0, self.round_at(self.committed), self.epoch)
         rnd = Round(step=step, members=sorted(members, key=lambda m: (m.stage, m.replica)), base_hash=hashes[0],
                     stages=self.stages, base_hashes=hashes if self.stages > 1 else [], epoch=self.epoch,
-                    decided_at=decided_at, shares=shares, data_next=data_next)
+                    decided_at=decided_at, shares=shares, data_next=data_next, pool=pool)
         self.rounds[step] = rnd
         self._started[step] = now
         for old in sorted(self.rounds)[:-KEEP_ROUNDS]:

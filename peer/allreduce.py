@@ -453,7 +453,8 @@ class AllReduce:
         stats.rejected = sorted({p for r in results for p in r.outcome.rejected})
         counted: list[set[str]] = [set(r.outcome.contributors) | set(r.outcome.rejected) for r in results]
         stats.partial = sorted(set().union(*counted) - counted[0].intersection(*counted[1:]))
-        stats.included = sorted({info.replica_of(p) for r in results for p in r.outcome.contributors if p in info.ids})
+        named = [p for r in results for p in set(r.outcome.contributors) if p in info.ids]  # in most shards:
+        stats.included = sorted({info.replica_of(p) for p in set(named) if 2 * named.count(p) > len(results)})
         if stats.partial:  # each shard is still a true mean of its own contributors
             log.warning("step %d: contributions of %s arrived too late for some shards (counted in %s)", info.step,
                         ", ".join(short_id(p) for p in stats.partial),

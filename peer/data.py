@@ -190,9 +190,10 @@ class SpanSampler:
 
     def __init__(self, spans: list[tuple[int, int]], num_samples: int, seed: int, count: int) -> None:
         self.spans = spans
+        held = sum(b - a for a, b in spans)
+        if held < count:  # checked before a single id is made: a bad span must not allocate its size
+            raise DataError(f"the round hands this replica {held} samples; an outer step needs {count}")
         self.ids = sample_ids(spans, num_samples, seed)
-        if len(self.ids) < count:
-            raise DataError(f"the round hands this replica {len(self.ids)} samples; an outer step needs {count}")
         self.position = 0
 
     def next_ids(self, batch_size: int) -> list[int]:

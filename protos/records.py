@@ -161,6 +161,10 @@ class Member(_Record):
     replica: int = Field(0, ge=0, description="the replica (pipeline) of this member's tasklet")
 
 
+MAX_POSITION = 1 << 62  # global sample positions: billions of epochs of billions of samples
+MAX_SHARE = 1 << 24  # samples one replica trains on in one outer step
+
+
 class Share(_Record):
     """The samples one stage-0 replica trains on in the round's step: spans of global positions (see
     :mod:`potluck.data.order`), handed out by the coordinator's data cursor (:mod:`potluck.coordinator.cursor`)."""
@@ -172,8 +176,10 @@ class Share(_Record):
 
     @model_validator(mode="after")
     def _spans_hold_count(self) -> Share:
-        if any(a < 0 or b < a for a, b in self.spans):
-            raise ValueError("a span must be [start, stop) with 0 <= start <= stop")
+        if any(a < 0 or b < a or b > MAX_POSITION for a, b in self.spans):
+            raise ValueError(f"a span must be [start, stop) with 0 <= start <= stop <= {MAX_POSITION}")
+        if self.count > MAX_SHARE:
+            raise ValueError(f"count {self.count} is more than {MAX_SHARE} samples per outer step")
         if sum(b - a for a, b in self.spans) != self.count:
             raise ValueError(f"the spans hold {sum(b - a for a, b in self.spans)} positions, not count = {self.count}")
         return self
@@ -195,7 +201,17 @@ class Round(_Record):
                        "holding a version made in an older epoch than its round's must roll back to step-1")
     decided_at: float = 0.0
     shares: list[Share] = Field(default_factory=list, max_length=1024, description="per stage-0 replica, its samples")
-    data_next: int = Field(0, ge=0, description="the data frontier after `step`: later steps on this plan read on from it")
+    data_next: int = Field(0, ge=0, le=MAX_POSITION, description="the data frontier after `step`: later steps on this "
+                           "plan read `pool`, then on from it")
+    pool: list[tuple[int, int]] = Field(default_factory=list, max_length=256, description="positions handed back "
+                                        "and not re-issued at `step`: later steps on this plan read them first")
+
+    @model_validator(mode="after")
+    def _pool_is_ordered(self) -> Round:
+        if any(not 0 <= a < b <= self.data_next for a, b in self.pool) or \
+                any(self.pool[i][1] > self.pool[i + 1][0] for i in range(len(self.pool) - 1)):
+            raise ValueError("pool must hold sorted, disjoint, non-empty spans below data_next")
+        return self
 
     def member(self, peer_id: str) -> Member | None:
         return next((m for m in self.members if m.peer_id == peer_id), None)
@@ -203,18 +219,33 @@ class Round(_Record):
     def stage_members(self, stage: int) -> list[Member]:
         return sorted((m for m in self.members if m.stage == stage), key=lambda m: m.replica)
 
+    def share_of(self, replica: int) -> Share | None:
+        return next((s for s in self.shares if s.replica == replica), None)
+
     def data_spans(self, step: int, replica: int) -> list[tuple[int, int]]:
-        """The global sample positions ``replica`` trains on at ``step`` (this round's, or a later step run on
-        the same plan: consecutive spans from ``data_next``, each replica its ``count`` in replica order)."""
-        mine = next((s for s in self.shares if s.replica == replica), None)
+        """The global sample positions ``replica`` trains on at ``step``: this round's share, or, for a later
+        step run on the same plan, the next ``count`` positions per replica (in replica order) of the
+        round's ``pool`` followed by everything from ``data_next`` on."""
+        mine = self.share_of(replica)
         if mine is None or step < self.step:
             return []
         if step == self.step:
             return [(a, b) for a, b in mine.spans]
         total = sum(s.count for s in self.shares)
-        offset = sum(s.count for s in self.shares if s.replica < replica)
-        start = self.data_next + (step - self.step - 1) * total + offset
-        return [(start, start + mine.count)]
+        start = (step - self.step - 1) * total + sum(s.count for s in self.shares if s.replica < replica)
+        return self._read_on(start, start + mine.count)
+
+    def _read_on(self, a: int, b: int) -> list[tuple[int, int]]:
+        """Positions ``[a, b)`` of what later steps on this plan read: ``pool``'s spans, then ``data_next`` on."""
+        out, at = [], 0
+        for x, y in [*self.pool, (self.data_next, MAX_POSITION)]:
+            lo, hi = max(a, at), min(b, at + y - x)
+            if lo < hi:
+                out.append((x + lo - at, x + hi - at))
+            at += y - x
+            if at >= b:
+                break
+        return out
 
     def base_hash_of(self, stage: int) -> str:
         if self.base_hashes:

@@ -77,6 +77,23 @@ def test_take_serves_the_pool_first_then_the_frontier() -> None:
     assert Cursor.from_json(json.loads(json.dumps(c.to_json()))) == c
 
 
+def test_a_vote_counts_only_from_the_rounds_stage_0_and_only_for_the_coming_steps() -> None:
+    """A stage-1 member cannot say which replicas' samples a version holds, a vote for a step far ahead
+    is not kept, and a version far ahead folds in bounded time."""
+    from potluck.coordinator.rounds import KEEP_ROUNDS, Report
+    from potluck.protos.records import Member
+
+    r = Rounds(stages=2, data=DataCursor(4))
+    rnd = r.decide([Member(peer_id=p, address="a:1", stage=s, replica=0) for p, s in (("a", 0), ("b", 1))], 0.0)
+    assert rnd.shares[0].spans == [(0, 4)]
+    liar = Report("b", 1, 0, "", included=((1, 0, ()),))  # stage 1 says replica 0 is not in v1
+    far = Report("a", 0, 0, "", included=((1 + KEEP_ROUNDS + 1, 0, ()), (1, 0, (0, 7))))
+    r.observe([liar, far], 1.0)
+    assert r.data._votes == {(1, 0): {"a": (0,)}}  # replica 7 is not in the round either
+    r.data.commit(0, 10**9, r.round_at)  # a member claiming version 10**9: the fold stays bounded
+    assert max(r.data.at) == 10**9 and len(r.data.at) <= 70
+
+
 def test_shares_are_validated_and_later_steps_read_on_from_data_next() -> None:
     rnd = Round(step=5, members=[], data_next=40, shares=[Share(replica=0, count=4, spans=[(0, 2), (20, 22)]),
                                                           Share(replica=1, count=4, spans=[(36, 40)])])
@@ -86,6 +103,16 @@ def test_shares_are_validated_and_later_steps_read_on_from_data_next() -> None:
         Share(replica=0, count=5, spans=[(0, 4)])
     with pytest.raises(ValueError, match="start"):
         Share(replica=0, count=0, spans=[(4, 0)])
+    with pytest.raises(ValueError, match="stop <="):
+        Share(replica=0, count=2**70, spans=[(0, 2**70)])
+    with pytest.raises(DataError, match="needs 8"):  # refused before any id is made
+        SpanSampler([(0, 4)], 10**12, 0, count=8)
+    later = Round(step=1, members=[], data_next=100, pool=[(10, 13), (50, 52)],
+                  shares=[Share(replica=0, count=4, spans=[(0, 4)]), Share(replica=1, count=4, spans=[(4, 8)])])
+    assert later.data_spans(2, 0) == [(10, 13), (50, 51)] and later.data_spans(2, 1) == [(51, 52), (100, 103)]
+    assert later.data_spans(3, 0) == [(103, 107)]
+    with pytest.raises(ValueError, match="pool"):
+        Round(step=1, members=[], data_next=10, pool=[(5, 20)])
 
 
 # ---------------------------------------------------------------------- 200 rounds of a hostile swarm
@@ -111,6 +138,7 @@ class Sim:
     ckpt_trained: dict[int, str] = field(default_factory=dict)
     next_id: int = 0
     stats: Counter = field(default_factory=Counter)
+    plan_held: Round | None = None
 
     def __post_init__(self) -> None:
         self.rounds = self.fresh_rounds()
@@ -166,6 +194,7 @@ class Sim:
                 prev = self.rounds.rounds.get(self.rounds.committed)
                 before = {m.peer_id: (m.stage, m.replica) for m in prev.members} if prev else {}
                 grid = sticky_placement(ids, self.stages, replicas, before)
+                self.plan_held = self.rounds.round_at(self.rounds.committed)  # what peers hold while it is decided
                 return self.rounds.decide(members(grid, [v.record for v in live]), self.now)
             self.tick()
         return None
@@ -207,8 +236,17 @@ class Sim:
                 return  # every stage's all-reduce has nothing to average: the round fails
             before = self.trained[base]
             after = before.copy()
+            held = self.plan_held
             for k in complete:
-                for a, b in rnd.data_spans(step, k):
+                spans = rnd.data_spans(step, k)
+                first = next(m for m in rnd.members if m.replica == k and m.stage == 0)
+                old = held.member(first.peer_id) if held is not None and held.epoch == rnd.epoch else None
+                if step == rnd.step and old is not None and old.stage == 0:
+                    # one stage: this member started the step at once, on the plan it held, and read the same
+                    early = held.data_spans(step, old.replica)
+                    assert early == spans, f"step {step}: {first.peer_id} would read {early} early, {spans} on time"
+                    self.stats["read ahead"] += 1
+                for a, b in spans:
                     after.update(range(a, b))
             new = hashlib.sha256(json.dumps(sorted(after.items())).encode()).hexdigest()[:16]
             self.trained[new] = after
@@ -287,5 +325,6 @@ def test_200_rounds_of_churn_never_repeat_or_skip_a_sample(stages: int, seed: in
     assert sim.stats["death"] > 10 and sim.stats["failed round"] >= 2 and sim.stats["restart"] == 1, sim.stats
     assert sim.stats["RolledBack"] >= 1, sim.stats
     assert sim.stats["ran ahead"] > 0 and r.committed > 100 and epochs > 2, (sim.stats, r.committed, epochs)
+    assert sim.stats["read ahead"] > 100, sim.stats
     per_epoch = Counter(sample_ids([(p, p + 1) for p in sorted(final)], N, 0).tolist())
     assert max(per_epoch.values()) <= epochs + 1  # a sample id at most once per epoch

@@ -39,8 +39,17 @@ def hf_folder(data: DataConfig) -> Path:
 
 
 def locate(data: DataConfig, *, override: str | None = None, expect: DataIdentity | None = None) -> Path:
-    """The local folder of the run's shards, fetched or prepared if need be; DataError if they are not
-    ``expect`` (the run's, from its manifest): another tokenizer, or other shards."""
+    """The local folder of the run's shards, fetched or prepared if need be, every file hashed once;
+    DataError if they are not ``expect`` (the run's, from its manifest: checked before anything is
+    hashed), or a folder cannot be written or read."""
+    try:
+        return _locate(data, override, expect)
+    except OSError as err:  # an unwritable cache, a full disk, a folder gone: one line, not a traceback
+        raise DataError(f"the run's shards: {err.strerror or err}{f' ({err.filename})' if err.filename else ''}; "
+                        "check data.cache_dir and --data-path") from None
+
+
+def _locate(data: DataConfig, override: str | None, expect: DataIdentity | None) -> Path:
     expect_sha256 = expect.sha256 if expect is not None else ""
     if data.source == "shards":
         from potluck.data.fetch import resolve
@@ -62,7 +71,6 @@ def locate(data: DataConfig, *, override: str | None = None, expect: DataIdentit
     else:
         raise DataError(f"data.source = {data.source!r} has no token shards")
     found = ShardSet.open(folder, "train", verify="size")
-    verify_once(folder, cache_root(data) / "verified")
     mine = found.tokenizer
     if expect is not None and expect.tokenizer_sha256 and mine.sha256 != expect.tokenizer_sha256:
         raise DataError(f"the shards at {folder} were made with tokenizer {mine.name!r} (sha256 {mine.sha256[:16]}), "
@@ -72,6 +80,7 @@ def locate(data: DataConfig, *, override: str | None = None, expect: DataIdentit
         raise DataError(f"the shards at {folder} are not this run's data: index sha256 {found.index_sha256}, the "
                         f"run's is {expect_sha256} (another corpus, tokenizer or prepare settings); point --data-path "
                         "at the run's shards or delete the folder to fetch them again")
+    verify_once(folder, cache_root(data) / "verified")
     return folder
 
 

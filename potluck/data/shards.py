@@ -125,6 +125,9 @@ def parse_index(raw: bytes, where: str) -> dict[str, Any]:
                 for key in ("file", "docs_file"):
                     if not _FILE_NAME.match(str(s[key])) or not str(s[key]).startswith(name + "/"):
                         raise DataError(f"{where}: {key} {s[key]!r} is not a shard file name of split {name!r}")
+                if not all(isinstance(s[k], str) and len(s[k]) == 64 for k in ("sha256", "docs_sha256")) \
+                        or int(s["documents"]) < 0:
+                    raise DataError(f"{where}: {s['file']} lacks its sha256 or document count")
                 if (int(s["tokens"]) != size and i != len(shards) - 1) or not 0 < int(s["tokens"]) <= size:
                     raise DataError(f"{where}: {s['file']} holds {s['tokens']} tokens; every shard but the last "
                                     f"holds {size}")
