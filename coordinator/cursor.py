@@ -20,6 +20,12 @@ version, because a version *is* a set of samples trained on:
 
 So joins, leaves, deaths, re-plans and coordinator restarts never repeat or skip a sample within an
 epoch (``tests/test_cursor.py`` drives 200 such rounds). Like :mod:`.rounds`, nothing here does I/O.
+
+One window is not covered: peers that run ahead on an old plan *past* a step the coordinator then
+decides late (a decision lagging more than a whole outer step behind the peers, possible only when
+outer steps are shorter than the coordinator's tick) read that later step by the old plan while the
+cursor folds it by the new one; with no change of membership and an empty pool the two agree.
+Peers reporting the plan they read by would close it.
 """
 
 from __future__ import annotations
