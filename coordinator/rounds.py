@@ -246,9 +246,10 @@ class Rounds:
         for r in reports:
             for step, epoch, included in r.included:
                 made_by = self.round_at(step)
-                cell = made_by.member(r.peer_id) if made_by is not None else None
-                if (self.committed < step <= self.committed + KEEP_ROUNDS and cell is not None and cell.stage == 0
-                        and epoch == made_by.epoch == self.epoch and r.live):
+                if made_by is None or not r.live or not self.committed < step <= self.committed + KEEP_ROUNDS:
+                    continue
+                cell = made_by.member(r.peer_id)
+                if cell is not None and cell.stage == 0 and epoch == made_by.epoch == self.epoch:
                     self.data.vote(step, epoch, r.peer_id, [i for i in included if made_by.share_of(i) is not None])
 
     def _note_progress(self, reports: Sequence[Report], now: float) -> None:
