@@ -75,6 +75,13 @@ def test_take_serves_the_pool_first_then_the_frontier() -> None:
     assert c.free((10, 13)) and c.free((100, 200)) and not c.free((9, 11)) and not c.free((52, 53))
     assert merge([(5, 7), (1, 3), (3, 4), (6, 9), (9, 9)]) == [(1, 4), (5, 9)]
     assert Cursor.from_json(json.loads(json.dumps(c.to_json()))) == c
+    data = DataCursor(4, at={0: Cursor(), 5: Cursor(40), 6: Cursor(48, ((0, 4),))})
+    data.roll_back(5, None)
+    assert data.at == {0: Cursor(), 5: Cursor(40)}  # the kept cursor of the version gone back to
+    data.roll_back(3, Cursor(24))
+    assert data.at == {0: Cursor(), 3: Cursor(24)}  # not kept: the checkpoint's
+    data.roll_back(0, None)
+    assert data.at == {0: Cursor()}  # theta_0: nothing trained yet
 
 
 def test_a_vote_counts_only_from_the_rounds_stage_0_and_only_for_the_coming_steps() -> None:
