@@ -106,6 +106,22 @@ def test_a_corrupt_local_shard_is_refused_and_a_good_one_hashed_once(corpus: dic
         locate(cfg.data, expect=run)
 
 
+def test_a_failed_prepare_leaves_the_previous_one_as_it_was(tmp_path: Path) -> None:
+    from potluck.data.shards import ShardSet
+
+    docs = write_jsonl(tmp_path / "d.jsonl", make_docs(50))
+    out = prepare([docs], load_tokenizer("bytes"), tmp_path / "shards", progress=False)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    one = tmp_path / "one.txt"
+    one.write_text("a single document")
+    with pytest.raises(DataError, match="too few to hold some out"):
+        prepare([one], load_tokenizer("bytes"), out, eval_fraction=0.1, progress=False)
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert ShardSet.open(out, verify="full").num_documents == 50 - 1 and not list(tmp_path.glob(".shards.*"))
+    again = prepare([one], load_tokenizer("bytes"), out, eval_fraction=0, progress=False)  # a good one replaces it
+    assert ShardSet.open(again, verify="full").num_documents == 1 and not (out / "eval").exists()
+
+
 def test_a_run_its_shards_cannot_feed_is_refused_in_one_line(corpus: dict[str, Path], tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"data.path = .*has \d+ tokens, more than model.vocab_size = 256"):
         bootstrap.data_identity(run_config(corpus["bpe"], tmp_path, vocab=256))

@@ -198,8 +198,8 @@ class Progress:
                   f"{self.text / 1e6 / took:.2f} MB/s", file=sys.stderr, flush=True)
 
 
-def _claim(out: Path, force: bool) -> None:
-    """Make ``out`` ready: new, empty or a previous prepare (its entries are removed), or ``force``."""
+def _check_out(out: Path, force: bool) -> None:
+    """Refuse an ``out`` that is a file, or a non-empty folder that is not a previous prepare (unless ``force``)."""
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {out} is a file; give a folder")
     foreign = sorted(set(os.listdir(out)) - OURS) if out.exists() else []
@@ -209,14 +209,21 @@ def _claim(out: Path, force: bool) -> None:
     if foreign and not force:
         raise DataError(f"{out} is not empty and not a previous potluck data prepare (it holds {', '.join(foreign[:3])}"
                         f"{', ...' if len(foreign) > 3 else ''}); choose an empty folder or add --force")
+
+
+def _install(work: Path, out: Path) -> None:
+    """Replace ``out``'s prepared entries with ``work``'s (a finished prepare): a failed one never touched them."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / INDEX).unlink(missing_ok=True)  # first: a half-rewritten folder must never pass for a finished one
+    (out / INDEX).unlink(missing_ok=True)  # first: a half-replaced folder must never pass for a finished one
     for name in OURS:
         path = out / name
         if path.is_dir():
             shutil.rmtree(path)
         else:
             path.unlink(missing_ok=True)
+    for entry in sorted(work.iterdir(), key=lambda e: e.name == INDEX):  # the index last
+        entry.rename(out / entry.name)
+    work.rmdir()
 
 
 def _stream(out: Path, split: str, results: Iterator[Encoded], bar: Progress) -> tuple[Path, np.ndarray]:
@@ -241,7 +248,10 @@ def _prepare(out: Path, tokenizer: Tokenizer, train: Iterable[tuple[Item, int]],
         raise DataError(f"--eval-fraction must be in [0, 1), got {eval_fraction}")
     if shard_tokens < 1:
         raise DataError(f"--shard-tokens must be at least 1, got {shard_tokens}")
-    _claim(out, force)
+    _check_out(out, force)
+    final, out = out, out.parent / f".{out.name}.partial-{os.getpid()}"  # written aside, installed when whole
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
     dtype = token_dtype(tokenizer.info.vocab_size)
     bar = Progress(total, progress)
     splits: dict[str, dict[str, Any]] = {}
@@ -264,12 +274,16 @@ def _prepare(out: Path, tokenizer: Tokenizer, train: Iterable[tuple[Item, int]],
             splits["eval"] = write_split(out, "eval", stream, starts, dtype, shard_tokens, start=int(starts[keep]))
             starts = starts[:keep]
         splits["train"] = write_split(out, "train", stream, starts, dtype, shard_tokens)
-    finally:
-        bar.close()
         for name in (".train.stream", ".train.docs", ".eval.stream", ".eval.docs"):
             (out / name).unlink(missing_ok=True)
-    write_index(out, tokenizer.info, shard_tokens, splits)
-    if isinstance(tokenizer, HFTokenizer):  # the tokenizer travels with its shards (export, generate)
-        tokenizer.save(out)
+        write_index(out, tokenizer.info, shard_tokens, splits)
+        if isinstance(tokenizer, HFTokenizer):  # the tokenizer travels with its shards (export, generate)
+            tokenizer.save(out)
+    except BaseException:  # bad input, Ctrl-C: the previous prepare (if any) stays as it was
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    finally:
+        bar.close()
+    _install(out, final)
     bar.summary(splits)
-    return out
+    return final
