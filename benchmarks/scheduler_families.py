@@ -1,0 +1,506 @@
+"""Tasklet scheduler: how far the evolutionary search lands from the best known plan, per family of swarm.
+
+For every family, size and seed it generates one topology and job shape, runs
+:func:`~potluck.coordinator.scheduler.evolutionary_search` for ``--budget`` seconds (a fresh
+cost model, as ``potluck schedule`` does) and compares its cost with a *reference* found in the
+same run, in ``--long-factor`` times the budget, as the best cost of:
+
+* the blocks layout and the two greedy seeds (``greedy``, also the baseline: ``greedy_*``);
+* hand-made layouts from the structure the generator built and the search never sees
+  (:func:`placed_layouts`, polished by a swap descent): ``placed``;
+* :func:`random_search`, for a tenth of the time;
+* restarts of the evolutionary search with other seeds and settings (default, no greedy seeds,
+  a larger population with more patience) for the rest, sharing one cost model's caches;
+* the run under test itself, if it beats all of these (``short_run``: a sign of a weak reference);
+* for instances small enough (at most ``EXACT_LIMIT`` assignments, e.g. 8 devices into 2 x 3),
+  instead of all that, the exact optimum, by enumerating every way to pick and split the devices.
+
+Per family it prints the mean and worst regret (``cost / reference - 1``) and
+``seed_unchanged_but_worse``: the share of instances where the search returned one of its start
+layouts unchanged (``evals_to_best <= population``: blocks = 1, pipeline-first greedy = 2,
+group-first greedy = 3, then random starts) although the reference is better. ``searches_only_*``
+is the regret against the searches alone (no hand-made layouts, no enumeration): where it is far
+below the regret, the evolutionary search cannot find those plans even with 100 times the time.
+The families take turns, instance by instance, so that a burst of load on a shared box spreads
+over all of them; ``median_evaluations`` tells how much searching a budget bought.
+
+Target (issue #15): worst regret <= 2 % per family and mean <= 0.5 %.
+
+The families (device ids shuffled, so that no layout can lean on their order; ms, Gbit/s, GB):
+
+* ``datacenter``: 8-GPU boxes, NVLink-like inside, a datacenter fabric between boxes;
+* ``spot_mix``: 2/4/8-GPU boxes holding 25-60 % of the GPUs, the rest single GPUs, all joined by
+  ONE uniform slower link (the kind of swarm issue #15 reports);
+* ``two_dc``: two such data centres joined by a slower wide-area link;
+* ``regions``: 3-6 regions of boxes of 1-8 GPUs; each region its own LAN, each pair its own WAN link;
+* ``world``: sites of 1-8 GPUs on the globe, delay ~ distance, bandwidth the slower site uplink,
+  worn down with distance; one GPU speed per site;
+* ``volunteers``: single GPUs with their own access bandwidth and latency: a link is as fast as
+  the slower end, its delay both access latencies plus distance; mixed GPU speeds.
+
+Sizes of 8 devices or fewer get tiny job shapes, solved exactly. A full run at the defaults takes
+days; ``--quick`` is the CI smoke run (under a minute).
+
+    python benchmarks/scheduler_families.py [--families spot_mix,world] [--seeds 10]
+        [--sizes 8,16,32,64,128] [--budget 10] [--long-factor 100] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import itertools
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from potluck.coordinator.costmodel import CostModel, Topology, canonical, plan_cost
+from potluck.coordinator.scheduler import (
+    Groups,
+    blocks_layout,
+    evolutionary_search,
+    greedy_seeds,
+    random_search,
+)
+
+TARGET_WORST = 0.02
+TARGET_MEAN = 0.005
+EXACT_LIMIT = 20_000  # assignments; one evaluation is some 50 us
+MAX_RESTARTS = 6  # of the reference's evolutionary runs; small instances stall in milliseconds
+RANDOM_EVALS = 20_000  # random search's share ends at this or at its time, whichever comes first
+START_LAYOUTS = inspect.signature(evolutionary_search).parameters["population"].default
+SOLVED = 1e-9  # relative cost difference below which two plans count as equally good
+
+# in-box GPU links (NVLink to PCIe) and a datacenter fabric between boxes
+BOX_DELAY_MS, BOX_GBPS = 0.01, (200.0, 2400.0)
+FABRIC_DELAY_MS, FABRIC_GBPS = 0.05, (100.0, 200.0)
+KM_PER_MS = 200.0  # light in fibre
+ROUTE_FACTOR = 1.5  # fibre paths are longer than great circles
+
+
+# ------------------------------------------------------------------ generators
+
+
+def _boxes(rng: np.random.Generator, devices: int, sizes: tuple[int, ...],
+           weights: tuple[float, ...]) -> np.ndarray:
+    """Box label of each device: boxes of sizes drawn from ``sizes`` until the devices run out."""
+    label, box, d = np.empty(devices, dtype=int), 0, 0
+    while d < devices:
+        size = min(int(rng.choice(sizes, p=np.asarray(weights) / sum(weights))), devices - d)
+        label[d:d + size] = box
+        box, d = box + 1, d + size
+    return label
+
+
+def _split(rng: np.random.Generator, devices: int, parts: int) -> np.ndarray:
+    """Part label of each device; parts of random sizes, each of at least 2 devices."""
+    cuts = np.sort(rng.choice(np.arange(2, devices - 1, 2), parts - 1, replace=False))
+    label = np.zeros(devices, dtype=int)
+    for c in cuts:
+        label[c:] += 1
+    return label
+
+
+def _overlay(delay: np.ndarray, gbps: np.ndarray, label: np.ndarray, delay_ms: np.ndarray,
+             link_gbps: np.ndarray) -> None:
+    """Links between two devices of the same label take that label's delay and bandwidth."""
+    same = label[:, None] == label[None, :]
+    delay[same] = np.broadcast_to(delay_ms[label][:, None], delay.shape)[same]
+    gbps[same] = np.broadcast_to(link_gbps[label][:, None], gbps.shape)[same]
+
+
+def _jitter(rng: np.random.Generator, m: np.ndarray, amount: float) -> np.ndarray:
+    """Symmetric multiplicative noise, as measured links have: no two links tie exactly."""
+    noise = np.triu(rng.uniform(-amount, amount, m.shape), 1)
+    return m * (1 + noise + noise.T)
+
+
+def _boxed(rng: np.random.Generator, delay: np.ndarray, gbps: np.ndarray, box: np.ndarray) -> None:
+    """GPUs of the same box (any labels) talk over NVLink or PCIe, one bandwidth per box."""
+    labels, box = np.unique(box, return_inverse=True)
+    _overlay(delay, gbps, box, np.full(len(labels), BOX_DELAY_MS), rng.uniform(*BOX_GBPS, len(labels)))
+
+
+def _fabric(rng: np.random.Generator, devices: int) -> tuple[np.ndarray, np.ndarray]:
+    delay = _jitter(rng, np.full((devices, devices), FABRIC_DELAY_MS), 0.05)
+    return delay, _jitter(rng, np.full((devices, devices), rng.uniform(*FABRIC_GBPS)), 0.05)
+
+
+def _globe(rng: np.random.Generator, points: int) -> np.ndarray:
+    """Great-circle distances (km) between random points of the inhabited latitudes."""
+    lat = np.radians(rng.uniform(-45, 65, points))
+    lon = np.radians(rng.uniform(-180, 180, points))
+    xyz = np.stack([np.cos(lat) * np.cos(lon), np.cos(lat) * np.sin(lon), np.sin(lat)], axis=1)
+    return 6371.0 * np.arccos(np.clip(xyz @ xyz.T, -1.0, 1.0))
+
+
+def _geo_delay(km: np.ndarray) -> np.ndarray:
+    return ROUTE_FACTOR * km / KM_PER_MS
+
+
+class Swarm(NamedTuple):
+    """What a family generator draws: links, GPU speeds (``None``: all alike) and ``places``, label
+    arrays from the finest level up (boxes, then data centres or regions): the structure it built,
+    which the reference's hand-made layouts use and the search under test never sees."""
+
+    delay_ms: np.ndarray
+    bandwidth_gbps: np.ndarray
+    compute: np.ndarray | None
+    places: list[np.ndarray]
+
+
+def datacenter(devices: int, rng: np.random.Generator) -> Swarm:
+    delay, gbps = _fabric(rng, devices)
+    box = np.arange(devices) // min(8, devices // 2)  # tiny ones: two boxes
+    _boxed(rng, delay, gbps, box)
+    return Swarm(delay, gbps, None, [box])
+
+
+def spot_mix(devices: int, rng: np.random.Generator) -> Swarm:
+    box = np.arange(devices)  # a single GPU is a box of one
+    in_boxes = rng.uniform(0.25, 0.6) * devices  # share of the GPUs that sit in multi-GPU boxes
+    d = 0
+    while (size := int(rng.choice([2, 4, 8], p=[0.2, 0.3, 0.5]))) and d + size <= in_boxes:
+        box[d:d + size] = d
+        d += size
+    delay = np.full((devices, devices), rng.uniform(10.0, 50.0))
+    gbps = np.full((devices, devices), rng.uniform(0.5, 5.0))
+    _boxed(rng, delay, gbps, box)
+    return Swarm(delay, gbps, None, [box])
+
+
+def two_dc(devices: int, rng: np.random.Generator) -> Swarm:
+    dc = (np.arange(devices) >= int(devices * rng.uniform(0.3, 0.7))).astype(int)
+    delay = _jitter(rng, np.full((devices, devices), rng.uniform(5.0, 40.0)), 0.05)
+    gbps = _jitter(rng, np.full((devices, devices), rng.uniform(5.0, 40.0)), 0.05)
+    fabric_delay, fabric_gbps = _fabric(rng, devices)
+    same = dc[:, None] == dc[None, :]
+    delay[same], gbps[same] = fabric_delay[same], fabric_gbps[same]
+    box = np.concatenate([np.arange((dc == k).sum()) // 8 + 1000 * k for k in (0, 1)])
+    _boxed(rng, delay, gbps, box)
+    return Swarm(delay, gbps, None, [box, dc])
+
+
+def regions(devices: int, rng: np.random.Generator) -> Swarm:
+    k = int(rng.integers(3, 7))
+    region = _split(rng, devices, min(k, devices // 2))
+    count = region.max() + 1
+    pair_delay = np.triu(rng.uniform(20.0, 150.0, (count, count)), 1)
+    pair_gbps = np.triu(rng.uniform(0.2, 2.0, (count, count)), 1)
+    delay = _jitter(rng, (pair_delay + pair_delay.T)[region][:, region], 0.05)
+    gbps = _jitter(rng, (pair_gbps + pair_gbps.T)[region][:, region], 0.05)
+    _overlay(delay, gbps, region, rng.uniform(1.0, 5.0, count), rng.uniform(2.0, 10.0, count))
+    box = _boxes(rng, devices, (1, 2, 4, 8), (3, 2, 2, 1)) * 1000 + region  # no box straddles two regions
+    _boxed(rng, delay, gbps, box)
+    return Swarm(delay, gbps, None, [box, region])
+
+
+def world(devices: int, rng: np.random.Generator) -> Swarm:
+    site = _boxes(rng, devices, (1, 2, 4, 8), (4, 2, 2, 1))
+    sites = site.max() + 1
+    km = _globe(rng, sites)
+    uplink = np.exp(rng.uniform(np.log(1.0), np.log(10.0), sites))
+    site_gbps = np.minimum(uplink[:, None], uplink[None, :]) / (1 + km / 10_000.0)  # TCP slows with RTT
+    delay = _jitter(rng, (2.0 + _geo_delay(km))[site][:, site], 0.05)
+    gbps = _jitter(rng, site_gbps[site][:, site], 0.05)
+    _boxed(rng, delay, gbps, site)
+    speed = rng.choice([0.7, 1.0, 1.5, 2.0], sites)  # one GPU model per site
+    return Swarm(delay, gbps, speed[site], [site])
+
+
+def volunteers(devices: int, rng: np.random.Generator) -> Swarm:
+    access_gbps = np.clip(np.exp(rng.normal(np.log(0.3), 0.8, devices)), 0.02, 10.0)
+    access_ms = rng.uniform(2.0, 40.0, devices)
+    delay = access_ms[:, None] + access_ms[None, :] + _geo_delay(_globe(rng, devices))
+    gbps = np.minimum(access_gbps[:, None], access_gbps[None, :])
+    return Swarm(delay, gbps, np.exp(rng.uniform(np.log(0.3), np.log(3.0), devices)), [])
+
+
+FAMILIES: dict[str, Callable[[int, np.random.Generator], Swarm]] = {
+    "datacenter": datacenter, "spot_mix": spot_mix, "two_dc": two_dc, "regions": regions, "world": world,
+    "volunteers": volunteers}
+
+
+def job_shape(devices: int, rng: np.random.Generator) -> tuple[int, int]:
+    """``(S, R)``: ``S * R <= devices``, half the time all of them when some shape fits exactly.
+    8 devices or fewer get tiny shapes that leave devices over, so the exact optimum is enumerable."""
+    if devices <= 8:
+        shapes = [(s, r) for s, r in ((2, 2), (2, 3), (3, 2)) if s * r <= devices - 2] or [(2, 2)]
+    else:
+        shapes = [(s, r) for s in range(2, 9) for r in range(2, 17) if devices // 2 <= s * r <= devices]
+        full = [(s, r) for s, r in shapes if s * r == devices]
+        fewer = [(s, r) for s, r in shapes if s * r < devices]
+        shapes = full if full and (not fewer or rng.random() < 0.5) else fewer
+    s, r = shapes[int(rng.integers(len(shapes)))]
+    return s, r
+
+
+class Instance(NamedTuple):
+    topology: Topology
+    places: list[np.ndarray]  # as in :class:`Swarm`, in the topology's (shuffled) device ids
+
+
+def generate(family: str, devices: int, seed: int) -> Instance:
+    """One instance: the family's links, a job shape and payloads, device ids shuffled."""
+    rng = np.random.default_rng([seed, devices, list(FAMILIES).index(family)])
+    swarm = FAMILIES[family](devices, rng)
+    stages, replicas = job_shape(devices, rng)
+    perm = rng.permutation(devices)
+    delay = swarm.delay_ms[np.ix_(perm, perm)]
+    np.fill_diagonal(delay, 0.0)
+    topology = Topology(delay_ms=delay, bandwidth_gbps=swarm.bandwidth_gbps[np.ix_(perm, perm)],
+                        stages=stages, replicas=replicas, activation_gb=float(rng.uniform(0.05, 0.4)),
+                        gradient_gb=float(rng.uniform(0.2, 2.0)), outer_every=int(rng.choice([1, 10, 50])),
+                        compute=None if swarm.compute is None else swarm.compute[perm], stage_seconds=0.5)
+    return Instance(topology, [label[perm] for label in swarm.places])
+
+
+# ------------------------------------------------------------------ references
+
+
+def assignment_count(t: Topology) -> int:
+    """Ways to pick ``S * R`` devices and split them into ``S`` unordered groups of ``R``."""
+    k = t.stages * t.replicas
+    return math.comb(t.devices, k) * math.factorial(k) // (math.factorial(t.replicas) ** t.stages
+                                                           * math.factorial(t.stages))
+
+
+def _splits(items: tuple[int, ...], size: int) -> Iterator[list[tuple[int, ...]]]:
+    """Every split of ``items`` into unordered groups of ``size``: the first item's group first."""
+    if not items:
+        yield []
+        return
+    for rest in itertools.combinations(items[1:], size - 1):
+        group = (items[0], *rest)
+        left = tuple(d for d in items[1:] if d not in rest)
+        for tail in _splits(left, size):
+            yield [group, *tail]
+
+
+def exact_optimum(t: Topology) -> float:
+    """The cheapest assignment by enumeration: every subset of devices, every split of it."""
+    model = CostModel(t)
+    best, arg = math.inf, None
+    for used in itertools.combinations(range(t.devices), t.stages * t.replicas):
+        for groups in _splits(used, t.replicas):
+            score = model.score(groups)
+            assert score is not None  # no bound, no pruning
+            if score.cost < best:
+                best, arg = score.cost, groups
+    return plan_cost(t, np.array(arg)).cost
+
+
+def placed_layouts(t: Topology, places: list[np.ndarray]) -> list[Groups]:
+    """Hand-made layouts from the structure a generator built (the search never sees it).
+
+    A pipeline edge is as slow as its slowest replica's hop, so it is fast only if *every* replica
+    crosses it inside a place. Hence, for each segment length ``k``: cut every pipeline into
+    segments of ``k`` consecutive stages at the same stage boundaries, and put each segment inside
+    one place where one fits (smallest or largest place first). And one group per place, for
+    all-reduces that stay inside.
+    """
+    out = []
+    for label in places:
+        members = [np.flatnonzero(label == p).tolist() for p in np.unique(label)]
+        for k in range(1, t.stages + 1):
+            out += [_segments(t, members, k, smallest) for smallest in (True, False)]
+        out.append(_segments(t, members, 1, True, by_group=True))
+    return out
+
+
+def _segments(t: Topology, members: list[list[int]], k: int, smallest: bool,
+              by_group: bool = False) -> Groups:
+    free = [list(m) for m in members]
+    rows, length, count = (t.stages, t.replicas, 1) if by_group else (t.replicas, k, -(-t.stages // k))
+    chains: list[list[int]] = [[] for _ in range(rows)]
+    for block in range(count):
+        size = length if by_group else min(k, t.stages - block * k)
+        for chain in chains:
+            fits = [f for f in free if len(f) >= size]
+            if fits:
+                place = (min if smallest else max)(fits, key=len)
+                chain += place[:size]
+                del place[:size]
+            else:  # no place holds the whole segment: take from the fullest ones
+                for _ in range(size):
+                    chain.append(max(free, key=len).pop(0))
+    return canonical(np.array(chains) if by_group else np.array(chains).T)
+
+
+def descend(model: CostModel, groups: Groups, deadline: float, rng: np.random.Generator) -> float:
+    """First-improvement descent on the cost alone: swap two devices of two groups, or one device
+    with an unused one, in random order, until no swap helps or time is up. Returns the cost."""
+    s, r = model.topology.stages, model.topology.replicas
+    flat = np.array(groups)
+    unused = np.setdiff1d(np.arange(model.topology.devices), flat)
+    best = model.evaluate(flat)
+    improved = True
+    while improved and time.perf_counter() < deadline:
+        improved = False
+        cells = [(g, i) for g in range(s) for i in range(r)]
+        partners = cells + [(-1, u) for u in range(len(unused))]
+        swaps = itertools.product(rng.permutation(cells).tolist(), rng.permutation(partners).tolist())
+        for (g, i), (h, j) in swaps:
+            if h == g or time.perf_counter() >= deadline:
+                continue
+            trial = flat.copy()
+            if h < 0:
+                trial[g, i] = unused[j]
+            else:
+                trial[g, i], trial[h, j] = flat[h, j], flat[g, i]
+            cost = model.evaluate(trial)
+            if cost < best * (1 - SOLVED):
+                if h < 0:
+                    unused[j] = flat[g, i]
+                flat, best, improved = trial, cost, True
+                break
+    return best
+
+
+def long_reference(instance: Instance, seconds: float, seed: int) -> tuple[dict[str, float], int]:
+    """The best cost of each method within ``seconds`` in all, and how many evolutionary runs.
+
+    A tenth of the time goes to the hand-made layouts (each built layout evaluated, the best few
+    then polished by :func:`descend`), a tenth to random search, the rest to evolutionary runs.
+    """
+    t = instance.topology
+    start, model, rng = time.perf_counter(), CostModel(t), np.random.default_rng(seed + 1)
+    starts = [canonical(blocks_layout(t)), *greedy_seeds(model)]
+    found = {"greedy": min(model.evaluate(np.array(g)) for g in starts)}
+    placed = sorted(placed_layouts(t, instance.places), key=lambda g: model.evaluate(np.array(g)))
+    if placed:
+        found["placed"] = model.evaluate(np.array(placed[0]))
+        for groups in placed[:3]:
+            polish = start + seconds / 10 * (placed.index(groups) + 1) / 3
+            found["placed"] = min(found["placed"], descend(model, groups, polish, rng))
+    found["random"] = random_search(t, seed=seed + 1, budget_evals=RANDOM_EVALS, budget_seconds=seconds / 10,
+                                    model=model).plan.cost
+    variants: list[tuple[str, dict[str, Any]]] = [
+        ("evolutionary", {}), ("evolutionary_no_greedy", {"greedy": False}),
+        ("evolutionary_patient", {"population": 20, "stall_generations": 30})]
+    deadline = start + seconds
+    restarts = 0
+    while restarts < MAX_RESTARTS and (left := deadline - time.perf_counter()) > 0.01:
+        name, kwargs = variants[restarts % len(variants)]
+        run = evolutionary_search(t, seed=seed + 1000 + restarts, budget_seconds=min(left, seconds * 0.3),
+                                  model=model, **kwargs)
+        found[name] = min(found.get(name, math.inf), run.plan.cost)
+        restarts += 1
+    return found, restarts
+
+
+# ------------------------------------------------------------------ measurement
+
+
+def measure(family: str, devices: int, seed: int, budget: float, long_factor: float) -> dict[str, Any]:
+    instance = generate(family, devices, seed)
+    t = instance.topology
+    run = evolutionary_search(t, seed=seed, budget_seconds=budget)
+    found, restarts = long_reference(instance, budget * long_factor, seed)
+    method = min(found, key=lambda k: found[k])
+    long_cost, cost = found[method], run.plan.cost
+    searched = min(v for k, v in found.items() if k != "placed")
+    exact = exact_optimum(t) if assignment_count(t) <= EXACT_LIMIT else None
+    if exact is not None:
+        assert min(cost, long_cost) >= exact * (1 - SOLVED), "a search beat the enumeration"
+        reference, method = exact, "exact"
+    elif cost < long_cost * (1 - SOLVED):
+        reference, method = cost, "short_run"
+    else:
+        reference = min(cost, long_cost)
+    return {"family": family, "devices": devices, "seed": seed, "stages": t.stages, "replicas": t.replicas,
+            "outer_every": t.outer_every, "cost": cost, "reference": reference,
+            "regret": cost / reference - 1, "greedy_regret": found["greedy"] / reference - 1,
+            "regret_vs_searches": cost / min(cost, searched) - 1,
+            "evals_to_best": run.evals_to_best, "evaluations": run.evaluations,
+            "seconds": round(run.seconds, 3), "stopped": run.stopped,
+            "seed_unchanged": run.evals_to_best <= START_LAYOUTS, "reference_method": method,
+            "exact": exact is not None,
+            "long_run_missed_exact": exact is not None and long_cost > exact * (1 + SOLVED),
+            "restarts": restarts}
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    regret = [r["regret"] for r in rows]
+    worst = max(rows, key=lambda r: r["regret"])
+    stuck = [r for r in rows if r["seed_unchanged"] and r["regret"] > SOLVED]
+    by_size: dict[str, dict[str, float]] = {}
+    for n in sorted({r["devices"] for r in rows}):
+        mine = [r["regret"] for r in rows if r["devices"] == n]
+        by_size[str(n)] = {"mean_regret": statistics.fmean(mine), "worst_regret": max(mine)}
+    methods: dict[str, int] = {}
+    for r in rows:
+        methods[r["reference_method"]] = methods.get(r["reference_method"], 0) + 1
+    mean = statistics.fmean(regret)
+    return {
+        "instances": len(rows), "mean_regret": mean, "worst_regret": worst["regret"],
+        "meets_targets": mean <= TARGET_MEAN and worst["regret"] <= TARGET_WORST,
+        "over_2pct": sum(x > TARGET_WORST for x in regret),
+        "seed_unchanged_but_worse": len(stuck) / len(rows), "seed_unchanged_but_worse_count": len(stuck),
+        "solved": sum(x <= SOLVED for x in regret),
+        "greedy_mean_regret": statistics.fmean(r["greedy_regret"] for r in rows),
+        "greedy_worst_regret": max(r["greedy_regret"] for r in rows),
+        "searches_only_mean_regret": statistics.fmean(r["regret_vs_searches"] for r in rows),
+        "searches_only_worst_regret": max(r["regret_vs_searches"] for r in rows),
+        "median_evaluations": statistics.median(r["evaluations"] for r in rows),
+        "median_evals_to_best": statistics.median(r["evals_to_best"] for r in rows),
+        "by_size": by_size, "reference_methods": methods,
+        "exact_instances": sum(r["exact"] for r in rows),
+        "long_run_missed_exact": sum(r["long_run_missed_exact"] for r in rows),
+        "worst": {k: worst[k] for k in ("devices", "seed", "stages", "replicas", "outer_every", "cost",
+                                        "reference", "evals_to_best", "evaluations", "reference_method")},
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--families", default=",".join(FAMILIES),
+                   help="comma-separated, of: " + ", ".join(FAMILIES))
+    p.add_argument("--seeds", type=int, default=10)
+    p.add_argument("--sizes", default="8,16,32,64,128", help="device counts, comma-separated")
+    p.add_argument("--budget", type=float, default=10.0, help="seconds for the search under test")
+    p.add_argument("--long-factor", type=float, default=100.0, help="the reference gets this many budgets")
+    p.add_argument("--quick", action="store_true",
+                   help="CI smoke run: 2 seeds, budget 0.2 s, long factor 10, sizes 8,16")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.seeds, args.budget, args.long_factor, args.sizes = 2, 0.2, 10.0, "8,16"
+    families = [f.strip() for f in args.families.split(",") if f.strip()]
+    unknown = sorted(set(families) - set(FAMILIES))
+    if unknown:
+        p.error(f"unknown famil{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}; "
+                f"choose from {', '.join(FAMILIES)}")
+    sizes = [int(s) for s in args.sizes.split(",")]
+    if min(sizes) < 6:
+        p.error("--sizes: every size must be >= 6 devices")
+    start = time.perf_counter()
+    rows: dict[str, list[dict[str, Any]]] = {f: [] for f in families}
+    for devices, seed, family in itertools.product(sizes, range(args.seeds), families):
+        row = measure(family, devices, seed, args.budget, args.long_factor)
+        rows[family].append(row)
+        print(f"[scheduler_families {family} n={devices} seed={seed}] S={row['stages']} R={row['replicas']} "
+              f"H={row['outer_every']} regret={row['regret']:.4f} evals_to_best={row['evals_to_best']} "
+              f"evals={row['evaluations']} ref={row['reference_method']}", file=sys.stderr, flush=True)
+    out = {
+        "benchmark": "scheduler_families",
+        "settings": {"families": families, "sizes": sizes, "seeds": args.seeds, "budget_seconds": args.budget,
+                     "long_factor": args.long_factor, "quick": args.quick, "exact_limit": EXACT_LIMIT,
+                     "start_layouts": START_LAYOUTS,
+                     "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]},
+        "targets": {"worst_regret": TARGET_WORST, "mean_regret": TARGET_MEAN},
+        "families": {f: summarize(r) for f, r in rows.items()},
+        "overall": summarize([r for f in families for r in rows[f]]),
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
