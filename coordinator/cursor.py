@@ -41,7 +41,9 @@ log = get_logger(__name__)
 
 Span = tuple[int, int]
 KEEP_CURSORS = 64  # committed versions whose cursor is kept: a rollback goes back at most to the one before the last
-POOL_IN_ROUND = 256  # pool spans a round record carries for the steps after its own
+POOL_IN_ROUND = 32  # pool spans a round record carries for later steps (a share read from them stays < 64 spans;
+                    # the plan record is <= 64 KiB)
+MAX_PIECES = 32  # spans of one replica's share (Share.spans holds at most 64)
 MAX_POOL = 4096  # spans in the pool; beyond that the smallest neighbours are merged (never happens in practice)
 
 
@@ -94,7 +96,7 @@ class Cursor:
         for count in counts:
             mine: list[Span] = []
             while count > 0:
-                if sources:
+                if sources and len(mine) < MAX_PIECES - 1:  # a fragmented pool: the rest comes from the frontier
                     a, b = sources[0]
                     n = min(count, b - a)
                     mine.append((a, a + n))

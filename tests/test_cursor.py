@@ -74,6 +74,10 @@ def test_take_serves_the_pool_first_then_the_frontier() -> None:
     assert after.with_back(spans[1]) == Cursor(103, ((51, 52), (100, 103)))
     assert c.free((10, 13)) and c.free((100, 200)) and not c.free((9, 11)) and not c.free((52, 53))
     assert merge([(5, 7), (1, 3), (3, 4), (6, 9), (9, 9)]) == [(1, 4), (5, 9)]
+    crumbs = Cursor(10_000, tuple((2 * i, 2 * i + 1) for i in range(1000)))  # a pool in 1,000 pieces
+    spans, nxt = crumbs.take([100, 100])
+    assert all(len(mine) <= 32 for mine in spans) and sum(b - a for mine in spans for a, b in mine) == 200
+    assert [Share(replica=i, count=100, spans=mine) for i, mine in enumerate(spans)] and nxt > 10_000
     assert Cursor.from_json(json.loads(json.dumps(c.to_json()))) == c
     data = DataCursor(4, at={0: Cursor(), 5: Cursor(40), 6: Cursor(48, ((0, 4),))})
     data.roll_back(5, None)
