@@ -68,6 +68,7 @@ from potluck.coordinator.scheduler import (
     evolutionary_search,
     greedy_seeds,
     random_search,
+    segments_layout,
 )
 
 TARGET_WORST = 0.02
@@ -310,28 +311,9 @@ def placed_layouts(t: Topology, places: list[np.ndarray]) -> list[Groups]:
     for label in places:
         members = [np.flatnonzero(label == p).tolist() for p in np.unique(label)]
         for k in range(1, t.stages + 1):
-            out += [_segments(t, members, k, smallest) for smallest in (True, False)]
-        out.append(_segments(t, members, 1, True, by_group=True))
+            out += [segments_layout(t, members, k, smallest) for smallest in (True, False)]
+        out.append(segments_layout(t, members, 1, True, by_group=True))
     return out
-
-
-def _segments(t: Topology, members: list[list[int]], k: int, smallest: bool,
-              by_group: bool = False) -> Groups:
-    free = [list(m) for m in members]
-    rows, length, count = (t.stages, t.replicas, 1) if by_group else (t.replicas, k, -(-t.stages // k))
-    chains: list[list[int]] = [[] for _ in range(rows)]
-    for block in range(count):
-        size = length if by_group else min(k, t.stages - block * k)
-        for chain in chains:
-            fits = [f for f in free if len(f) >= size]
-            if fits:
-                place = (min if smallest else max)(fits, key=len)
-                chain += place[:size]
-                del place[:size]
-            else:  # no place holds the whole segment: take from the fullest ones
-                for _ in range(size):
-                    chain.append(max(free, key=len).pop(0))
-    return canonical(np.array(chains) if by_group else np.array(chains).T)
 
 
 def descend(model: CostModel, groups: Groups, deadline: float, rng: np.random.Generator) -> float:

@@ -166,6 +166,69 @@ def greedy_seeds(model: CostModel) -> list[Groups]:
     return [pipeline_first, group_first]
 
 
+def places(link: np.ndarray, levels: int = 3) -> list[list[list[int]]]:
+    """Groups of devices joined by clearly faster links than the rest (a box, a data center, a
+    region): the connected components below each of the ``levels`` widest relative gaps between the
+    sorted link costs. Found from the measured links alone, as the search sees them."""
+    n = len(link)
+    costs = np.unique(np.round(link[~np.eye(n, dtype=bool)], 9))
+    if len(costs) < 2:
+        return []
+    ratios = costs[1:] / np.maximum(costs[:-1], 1e-12)
+    out = []
+    for gap in np.argsort(-ratios, kind="stable")[:levels]:
+        if ratios[gap] < 1.5:
+            break
+        near = link <= costs[gap]
+        label = -np.ones(n, dtype=int)
+        for start in range(n):
+            if label[start] < 0:
+                stack, label[start] = [start], start
+                while stack:
+                    i = stack.pop()
+                    for j in np.flatnonzero(near[i] & (label < 0)):
+                        label[j] = start
+                        stack.append(int(j))
+        groups = [np.flatnonzero(label == g).tolist() for g in np.unique(label)]
+        if 1 < len(groups) < n:
+            out.append(groups)
+    return out
+
+
+def segment_seeds(model: CostModel) -> list[Groups]:
+    """Layouts that keep pipeline *segments* inside places: a pipeline edge is as slow as its slowest
+    replica's hop, so it is fast only if every replica crosses it inside a place. For each grouping
+    (:func:`places`) and segment length ``k``: cut every pipeline into ``k`` consecutive stages at the
+    same boundaries and put each segment inside one place where one fits (smallest place first, and
+    largest first); plus one stage group per place, for all-reduces that stay inside."""
+    t = model.topology
+    out: list[Groups] = []
+    for members in places(model.pp_link):
+        for k in range(1, t.stages + 1):
+            out += [segments_layout(t, members, k, smallest) for smallest in (True, False)]
+        out.append(segments_layout(t, members, 1, True, by_group=True))
+    return list({tuple(g): g for g in out}.values())
+
+
+def segments_layout(t: Topology, members: list[list[int]], k: int, smallest: bool, by_group: bool = False) -> Groups:
+    """Pipelines cut into segments of ``k`` stages, each inside one of ``members`` (places) where one fits."""
+    free = [list(m) for m in members]
+    rows, length, count = (t.stages, t.replicas, 1) if by_group else (t.replicas, k, -(-t.stages // k))
+    chains: list[list[int]] = [[] for _ in range(rows)]
+    for block in range(count):
+        size = length if by_group else min(k, t.stages - block * k)
+        for chain in chains:
+            fits = [f for f in free if len(f) >= size]
+            if fits:
+                place = (min if smallest else max)(fits, key=len)
+                chain += place[:size]
+                del place[:size]
+            else:  # no place holds the whole segment: take from the fullest ones
+                for _ in range(size):
+                    chain.append(max(free, key=len).pop(0))
+    return canonical(np.array(chains) if by_group else np.array(chains).T)
+
+
 # ------------------------------------------------------------------ operators
 
 
@@ -271,7 +334,7 @@ def evolutionary_search(topology: Topology, *, seed: int = 0, budget_seconds: fl
     model = model or CostModel(topology)
     rng = np.random.default_rng(seed)
     run = _Run(model, budget_seconds, budget_evals)
-    seeds = [canonical(blocks_layout(topology))] + (greedy_seeds(model) if greedy else [])
+    seeds = [canonical(blocks_layout(topology))] + (greedy_seeds(model) + segment_seeds(model) if greedy else [])
     seeds += [_random_groups(topology, rng) for _ in range(max(0, population - len(seeds)))]
     pop: list[tuple[Score, Groups]] = []
     for groups in seeds:
@@ -279,6 +342,7 @@ def evolutionary_search(topology: Topology, *, seed: int = 0, budget_seconds: fl
             break
         pop.append((run.exact(groups), groups))
     pop.sort(key=lambda p: _key(p[0], smooth))
+    del pop[max(population, 2):]  # the structured seeds compete for the population's places
     groups, score = local_search(run, pop[0][1], pop[0][0], rng, smooth, local_search_evals)
     pop[0] = (score, groups)
     generations = stalled = 0

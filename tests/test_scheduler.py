@@ -305,3 +305,25 @@ def test_register_adds_the_subcommand(tmp_path: Path, capsys: pytest.CaptureFixt
     assert args.fn(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert sorted(out["pipelines"]) == [[0], [1], [2]] and out["evaluations"] == 20
+
+
+def test_structured_seeds_find_the_boxes_and_keep_segments_inside_them() -> None:
+    """Two 4-GPU boxes (fast inside) and four single GPUs, all joined by one slow link: the places are
+    read off the links alone, and a seed keeps each 2-stage segment of every pipeline inside a box --
+    what the search's greedy seed alone never reached on this kind of swarm."""
+    from potluck.coordinator.costmodel import CostModel, Topology, plan_cost
+    from potluck.coordinator.scheduler import evolutionary_search, places, segment_seeds
+
+    box = np.repeat([0, 0, 0, 0, 1, 1, 1, 1, 2, 3, 4, 5], 1)
+    same = box[:, None] == box[None, :]
+    delay, bandwidth = np.where(same, 0.01, 20.0), np.where(same, 400.0, 1.0)
+    t = Topology(delay_ms=delay, bandwidth_gbps=bandwidth, stages=4, replicas=2, activation_gb=0.1, gradient_gb=0.5,
+                 outer_every=50)
+    found = places(CostModel(t).pp_link)
+    assert [sorted(map(sorted, g)) for g in found][0][:2] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    seeds = segment_seeds(CostModel(t))
+    inside = [g for g in seeds if all(len({int(box[d]) for d in (g[s][r], g[s + 1][r])}) == 1
+                                      for s in (0, 2) for r in range(2))]
+    assert inside, "no seed keeps the 2-stage segments inside boxes"
+    result = evolutionary_search(t, seed=0, budget_evals=400)
+    assert result.plan.cost <= min(plan_cost(t, np.array(g)).cost for g in seeds) + 1e-12
