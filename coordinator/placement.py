@@ -25,6 +25,7 @@ import numpy as np
 from potluck.coordinator.costmodel import CostModel, Topology, TopologyError
 from potluck.coordinator.scheduler import evolutionary_search
 from potluck.protos.config import RunConfig
+from potluck.protos.faults import fault
 from potluck.protos.log import get_logger
 from potluck.protos.records import Member, PeerRecord
 from potluck.protos.swarm import LinkReport
@@ -135,7 +136,12 @@ class Request:
 
     @property
     def key(self) -> tuple:
-        return self.ids, self.stages, self.replicas, tuple(sorted(self.before.items()))
+        """What the plan depends on: the peers, the grid's shape, where they are, and which links are
+        measured (a link measured since the last search is worth a new one)."""
+        peers = set(self.ids)
+        measured = sum(1 for p in self.ids if p in self.reports for q, stat in self.reports[p].links.items()
+                       if q in peers and stat.rtt_ms is not None and stat.bandwidth_mbps)
+        return self.ids, self.stages, self.replicas, tuple(sorted(self.before.items())), measured
 
 
 def place(cfg: RunConfig, req: Request, budget_s: float = 1.0,
@@ -178,7 +184,8 @@ def place(cfg: RunConfig, req: Request, budget_s: float = 1.0,
 def grid_for(cfg: RunConfig, records: list[PeerRecord], stages: int, before: Mapping[str, tuple[int, int]],
              links: Mapping[str, LinkReport], worker: PlacementWorker) -> tuple[Grid, Replan | None] | None:
     """The grid of the coming round for these (live, reachable) peers; None while there is not one
-    whole pipeline yet, or while the worker still searches (ask again on the next tick)."""
+    whole pipeline yet. While the worker still searches, the current grid (sticky): rounds never wait
+    for a search, and its plan is taken at the first boundary after it is ready."""
     ids = sorted(r.peer_id for r in records)
     replicas = len(ids) // stages
     if not replicas:
@@ -186,7 +193,9 @@ def grid_for(cfg: RunConfig, records: list[PeerRecord], stages: int, before: Map
     held = {r.peer_id: r.stage for r in records if r.version > 0}
     if stages > 1 and cfg.links.placement == "scheduler":
         params = sum({r.stage: r.parameters for r in records}.values())
-        return worker.poll(Request(tuple(ids), stages, replicas, before, held, links, params))
+        placed = worker.poll(Request(tuple(ids), stages, replicas, before, held, links, params))
+        if placed is not None:
+            return placed
     return sticky_placement(ids, stages, replicas, before, held), None
 
 
@@ -227,6 +236,7 @@ class PlacementWorker:
 
     def _run(self, req: Request) -> None:
         try:
+            fault("placement.search")
             result = place(self.cfg, req, self.budget_s)
         except Exception:  # a search bug must not stop the run: keep every tasklet where it is
             log.exception("placement failed; keeping tasklets")

@@ -14,7 +14,8 @@ Each entry is ``point@step:action``; ``step`` may be ``*`` (any) or ``N+`` (step
 after it the process reaches: a peer that was recovering during step N does not miss it). Actions: ``kill`` (SIGKILL this
 process and, if it leads its process group, the whole group: its DHT child and p2pd, like a machine
 losing power), ``stop`` (SIGSTOP likewise: a frozen machine, until someone sends SIGCONT), ``exit``
-(exit at once, status 3), ``hang`` (block this thread forever), ``sleep=SECONDS``. Every entry fires
+(exit at once, status 3), ``hang`` (block this thread forever), ``sleep=SECONDS``, ``spin=SECONDS``
+(keep this thread busy in Python bytecode, holding the GIL as a CPU-bound search does). Every entry fires
 once. The points are listed in ``POINTS``; code calls :func:`fault` at each of them.
 
 Without the variable this module does nothing but one dictionary lookup per call.
@@ -43,6 +44,7 @@ POINTS = {
     "coordinator.decided": "the coordinator has decided (and journaled) a round",
     "coordinator.committed": "the coordinator has seen a step committed",
     "outer.delta": "a peer's pseudo-gradient before it is sent (tamper actions only)",
+    "placement.search": "the coordinator's placement worker starts a search (on its own thread)",
 }
 TAMPER = ("flip", "nan")
 
@@ -65,11 +67,11 @@ def parse(spec: str) -> list[Fault]:
         if point not in POINTS:
             raise FaultSpecError(f"{ENV}: unknown point {point!r} (known: {', '.join(sorted(POINTS))})")
         tampers = action in TAMPER or action.startswith("scale=")
-        if not (tampers or action in ("kill", "stop", "exit", "hang") or action.startswith("sleep=")):
+        if not (tampers or action in ("kill", "stop", "exit", "hang") or action.startswith(("sleep=", "spin="))):
             raise FaultSpecError(f"{ENV}: unknown action {action!r}")
         if tampers != (point == "outer.delta"):  # a tamper changes a tensor; only outer.delta has one
             raise FaultSpecError(f"{ENV}: {action!r} cannot act at {point!r} (outer.delta takes flip, nan or scale=X;"
-                                 " the other points kill, stop, exit, hang or sleep=S)")
+                                 " the other points kill, stop, exit, hang, sleep=S or spin=S)")
         try:
             float(action.split("=", 1)[1]) if "=" in action else None
         except ValueError:
@@ -111,6 +113,10 @@ def fault(point: str, step: int | None = None) -> None:
         os._exit(3)
     elif action == "hang":
         threading.Event().wait()
+    elif action.startswith("spin="):
+        end = time.monotonic() + float(action.split("=", 1)[1])
+        while time.monotonic() < end:
+            sum(i * i for i in range(1000))
     else:
         time.sleep(float(action.split("=", 1)[1]))
 

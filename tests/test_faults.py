@@ -12,6 +12,19 @@ def test_specs_parse_into_point_step_action() -> None:
     assert parse("allreduce.reduced@3:stop, inner.mid@4+:sleep=0.5,outer.delta@*:scale=1000") == [
         ("allreduce.reduced", 3, False, "stop"), ("inner.mid", 4, True, "sleep=0.5"), ("outer.delta", None, False, "scale=1000")]
     assert parse("") == []
+    assert parse("placement.search@*:spin=30") == [("placement.search", None, False, "spin=30")]
+
+
+def test_spin_keeps_the_thread_busy_for_its_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from potluck.protos import faults
+
+    monkeypatch.setattr(faults, "_pending", parse("placement.search@*:spin=0.2"))
+    t0, c0 = time.monotonic(), time.thread_time()
+    faults.fault("placement.search")
+    assert time.monotonic() - t0 >= 0.2 and time.thread_time() - c0 >= 0.1  # busy, not asleep
+    assert faults._pending == []
 
 
 @pytest.mark.parametrize("spec,message", [
@@ -19,6 +32,7 @@ def test_specs_parse_into_point_step_action() -> None:
     ("outer.start@3:scale=10", "'scale=10' cannot act at 'outer.start'"),
     ("outer.delta@3:kill", "'kill' cannot act at 'outer.delta'"),
     ("inner.mid@3:sleep=soon", "needs a number after '='"),
+    ("placement.search@*:spin=", "needs a number after '='"),
     ("inner.mid@3:explode", "unknown action 'explode'"),
     ("nowhere@3:kill", "unknown point 'nowhere'"),
     ("inner.mid@x:kill", "step 'x' is not a number"),
