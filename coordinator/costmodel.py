@@ -55,9 +55,11 @@ Groups = Sequence[tuple[int, ...]]
 
 class Score(NamedTuple):
     """What a search compares. ``cost`` is the objective. ``soft`` is no part of it: ``2 * pp_cost``
-    as if every pipeline hop cost the *average* link of a min-sum matching, over all pairs of groups.
-    The bottleneck terms make ``cost`` flat under most single moves; ``soft`` still tells which
-    neighbour is closer to matchable groups, so a search uses it to break ties or to smooth."""
+    as if every pipeline hop cost the *average* link of a min-sum matching, over all pairs of groups,
+    plus the all-reduce and compute terms with power means in place of their maxima. The bottleneck
+    terms make ``cost`` flat under most single moves; ``soft`` still tells which neighbour is closer
+    to matchable groups, to all-reduces off slow links, to slow devices gathered in one stage, so a
+    search uses it to break ties or to smooth."""
 
     cost: float
     soft: float
@@ -250,6 +252,7 @@ class CostModel:
         self._soft = 0.0 if pairs == 0 else 2.0 * (t.stages - 1) / (pairs * t.replicas)
         self._tsp = HeldKarp(t.stages) if t.stages <= EXACT_TSP_MAX_STAGES else None
         self._group: dict[tuple[int, ...], tuple[float, float, np.ndarray]] = {}
+        self._group_soft: dict[tuple[int, ...], tuple[float, float]] = {}  # (dp, compute) as power means
         self._pair: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[float, float]] = {}
 
     def evaluate(self, assignment: np.ndarray | Sequence[Sequence[int]]) -> float:
@@ -266,7 +269,8 @@ class CostModel:
         With a ``bound``, returns ``None`` as soon as ``cost + smooth * soft`` provably exceeds it:
         new pairs of groups first get cheap lower bounds on their bottleneck and min-sum matchings
         (every row and every column must use one entry), and as the path cost only grows with its
-        edge costs, the path over those bounds bounds the cost from below.
+        edge costs, the path over those bounds bounds the cost from below; a minimum spanning tree
+        bounds each path from below before the exact path is solved.
         """
         self.evaluations += 1
         terms = [self._group_terms(g) for g in groups]
@@ -274,6 +278,7 @@ class CostModel:
         if bound is not None and base > bound:
             return None
         node = None if self.prev_stage is None else np.stack([m for _, _, m in terms])
+        base_soft = self._base_soft(groups)
         dist, min_sum, missing = self._cached_pairs(groups)
         if missing:
             blocks = self._blocks([key for _, _, key in missing])
@@ -283,9 +288,11 @@ class CostModel:
                 low = dist.copy()
                 for (i, j, _), value in zip(missing, lower, strict=True):
                     low[i, j] = low[j, i] = 2.0 * value
-                low_sum = min_sum + np.maximum(row_min.sum(axis=1), col_min.sum(axis=1)).sum()
-                low_cost = base + self._path(low, node, want_path=False)[0]
-                if low_cost + smooth * self._soft * low_sum > bound:
+                low_soft = smooth * (base_soft + self._soft * (
+                    min_sum + np.maximum(row_min.sum(axis=1), col_min.sum(axis=1)).sum()))
+                if base + path_lower_bound(low, node) + low_soft > bound:
+                    return None  # the cheap bound: a path is a spanning tree
+                if base + self._path(low, node, want_path=False)[0] + low_soft > bound:
                     return None
             if len(self._pair) > _CACHE_LIMIT:
                 self._pair.clear()
@@ -293,7 +300,22 @@ class CostModel:
                 hit = self._pair[key] = bottleneck_matching_cost(block, value)
                 dist[i, j] = dist[j, i] = 2.0 * hit[0]
                 min_sum += hit[1]
-        return Score(base + self._path(dist, node, want_path=False)[0], self._soft * min_sum)
+        soft = base_soft + self._soft * min_sum
+        if bound is not None and base + path_lower_bound(dist, node) + smooth * soft > bound:
+            return None
+        return Score(base + self._path(dist, node, want_path=False)[0], soft)
+
+    def _base_soft(self, groups: Groups) -> float:
+        """The soft terms of the groups alone: the all-reduce and compute bottlenecks as power means
+        (over groups of power means over members), which, unlike a max, fall a little with every
+        device moved off a slow link or into the group of the other slow ones."""
+        soft = [self._group_soft.get(g) or self._soft_terms(np.asarray(g)) for g in groups]
+        return power_mean(np.array([d for d, _ in soft])) / self.topology.outer_every + sum(c for _, c in soft)
+
+    def _soft_terms(self, idx: np.ndarray, sums: np.ndarray | None = None) -> tuple[float, float]:
+        if sums is None:
+            sums = self.dp_link[np.ix_(idx, idx)].sum(axis=1)
+        return power_mean(sums), 0.0 if self.stage_time is None else power_mean(self.stage_time[idx])
 
     def _plan(self, groups: Groups) -> Plan:
         """The full plan; not counted as an evaluation (a search calls it once, for its result)."""
@@ -323,8 +345,12 @@ class CostModel:
         hit = self._group.get(g)
         if hit is None:
             idx = np.asarray(g)
-            dp = float(self.dp_link[np.ix_(idx, idx)].sum(axis=1).max())
+            sums = self.dp_link[np.ix_(idx, idx)].sum(axis=1)
+            dp = float(sums.max())
             compute = 0.0 if self.stage_time is None else float(self.stage_time[idx].max())
+            if len(self._group_soft) > _CACHE_LIMIT:
+                self._group_soft.clear()
+            self._group_soft[g] = self._soft_terms(idx, sums)
             moved = np.zeros(self.topology.stages)
             if self.prev_stage is not None:
                 stages = np.arange(self.topology.stages)
@@ -379,6 +405,16 @@ class CostModel:
         out = np.empty(len(a), dtype=int)
         out[rows] = cols
         return out
+
+
+SOFT_POWER = 8.0
+
+
+def power_mean(x: np.ndarray, p: float = SOFT_POWER) -> float:
+    """``(mean x^p)^(1/p)``: between the mean and the max of ``x >= 0``, and, unlike the max, lower for
+    every entry lowered; concave in how many entries share the max, so gathering them pays."""
+    top = float(x.max()) if len(x) else 0.0
+    return 0.0 if top <= 0 else top * float(np.mean((x / top) ** p)) ** (1.0 / p)
 
 
 def bottleneck_matching_cost(link: np.ndarray, lower: float | None = None) -> tuple[float, float]:
@@ -460,6 +496,21 @@ class HeldKarp:
             last = prev_node
             path.append(last)
         return cost, path[::-1]
+
+
+def path_lower_bound(dist: np.ndarray, node: np.ndarray | None = None) -> float:
+    """A lower bound on the shortest open path through every node: an open path is a spanning tree,
+    so it costs at least a minimum spanning tree (Prim); each node's cheapest position bounds ``node``."""
+    n = len(dist)
+    total, inside, reach = 0.0, np.zeros(n, dtype=bool), dist[0].copy()
+    inside[0] = True
+    for _ in range(n - 1):
+        reach[inside] = np.inf
+        j = int(reach.argmin())
+        total += reach[j]
+        inside[j] = True
+        reach = np.minimum(reach, dist[j])
+    return float(total) if node is None else float(total + node.min(axis=1).sum())
 
 
 def heuristic_path(dist: np.ndarray, node: np.ndarray | None = None) -> tuple[float, list[int]]:

@@ -4,29 +4,38 @@ The search space is every way to split ``S * R`` of the ``N`` devices into ``S``
 (the cost model orders the groups into a pipeline itself). :func:`evolutionary_search` is a
 memetic algorithm, as in Yuan et al. (NeurIPS 2022):
 
-1. a population of random assignments, the blocks layout and two greedy seeds (one pipeline per
-   cluster of close devices; one group per cluster);
+1. a population from the blocks layout, two greedy seeds (one pipeline per cluster of close
+   devices; one group per cluster), *structured seeds* (:func:`segment_seeds`: pipeline segments
+   kept inside the places -- boxes, data centers, regions -- read off the links at several
+   thresholds) and random assignments; half the places go to the cheapest, half to the cheapest on
+   the smoothed objective, and both of those are descended first;
 2. each generation, children of two tournament-picked parents: a group-wise crossover (align the
    parents' group labels by overlap, take each group from either parent, drop duplicates, refill
    to exactly ``R`` devices per group), a few random swaps, then local search;
 3. local search cycles through pairs of groups Kernighan-Lin style, trying device swaps between
    the two (and with unused devices), keeping each one that lowers ``cost + smooth * soft``, until
    a whole cycle brings no improvement;
-4. a child replaces the worst member if it is better and new.
+4. a child replaces the worst member if it is better and new;
+5. after ``stall_generations`` generations without a new best, a *restart*: the next structured
+   seed not descended yet (or, once they are used up, the best plan kicked by random swaps) is
+   descended and joins the population.
 
 Why ``soft`` (:class:`~potluck.coordinator.costmodel.Score`): pipeline edges cost a *bottleneck*,
 so moving one device rarely changes the cost until the last mismatched device of two groups is
 fixed; descending on the cost alone stops on these plateaus far from one-pipeline-per-region
-layouts. The soft term (average instead of slowest matched link) slopes the plateaus. The best
-assignment is always judged by ``cost`` alone, and gets a last descent on ``cost`` alone.
+layouts. The soft term (average instead of slowest matched link; power means instead of the
+slowest all-reduce and the slowest device of a stage) slopes the plateaus. The best assignment is
+always judged by ``cost`` alone, and gets a last descent on ``cost`` alone.
 
-It stops at the time or evaluation budget, or after ``stall_generations`` generations without a
-new best. Every random choice comes from one seeded ``numpy.random.Generator``, so a run with an
-evaluation budget (not a time budget) is reproducible.
+It stops at the time or evaluation budget, or after ``stall_restarts`` restarts in a row that
+found no new best (a small swarm is solved in milliseconds and does not burn its budget). Every
+random choice comes from one seeded ``numpy.random.Generator``, so a run with an evaluation budget
+(not a time budget) is reproducible.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -34,6 +43,8 @@ from typing import Any
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
+from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import connected_components
 
 from potluck.coordinator.costmodel import CostModel, Plan, Score, Topology, canonical
 
@@ -48,11 +59,14 @@ class SearchResult:
     evals_to_best: int
     stopped: str  # "evaluations", "seconds" or "stalled"
     generations: int = 0
+    restarts: int = 0
+    start_evaluations: int = 0  # spent on the start layouts: evals_to_best <= this returns one unchanged
     curve: list[tuple[int, float]] = field(default_factory=list, repr=False)  # (evaluations, best cost)
 
     def to_json(self, curve_points: int = 20) -> dict[str, Any]:
         return {"cost": self.plan.cost, "evaluations": self.evaluations, "seconds": round(self.seconds, 3),
                 "evals_to_best": self.evals_to_best, "stopped": self.stopped, "generations": self.generations,
+                "restarts": self.restarts, "start_evaluations": self.start_evaluations,
                 "curve": [[e, c] for e, c in subsample(self.curve, curve_points)]}
 
 
@@ -106,13 +120,13 @@ class _Run:
         assert s is not None  # no bound, no pruning
         return s
 
-    def result(self, stopped: str, generations: int = 0) -> SearchResult:
+    def result(self, stopped: str, generations: int = 0, restarts: int = 0, starts: int = 0) -> SearchResult:
         assert self.best is not None
         seconds = time.perf_counter() - self.start
         plan = self.model.plan(np.array(self.best[1]))
         return SearchResult(plan=plan, evaluations=self.evaluations, seconds=seconds,
                             evals_to_best=self.evals_to_best, stopped=stopped, generations=generations,
-                            curve=self.curve)
+                            restarts=restarts, start_evaluations=starts, curve=self.curve)
 
     def stop_reason(self) -> str:
         return "evaluations" if self.evaluations >= self.max_evals else "seconds"
@@ -166,33 +180,35 @@ def greedy_seeds(model: CostModel) -> list[Groups]:
     return [pipeline_first, group_first]
 
 
-def places(link: np.ndarray, levels: int = 3) -> list[list[list[int]]]:
-    """Groups of devices joined by clearly faster links than the rest (a box, a data center, a
-    region): the connected components below each of the ``levels`` widest relative gaps between the
-    sorted link costs. Found from the measured links alone, as the search sees them."""
+def places(link: np.ndarray, levels: int = 4, min_ratio: float = 1.25) -> list[list[list[int]]]:
+    """Groups of devices joined by clearly faster links than the rest (boxes, data centers, regions),
+    finest first: single-linkage components (``link <= threshold``) at the ``levels`` widest relative
+    gaps (at least ``min_ratio``) between the sorted link costs, and between the sorted edge costs of a
+    minimum spanning tree (which sees the gaps *along* chains of close devices). Found from the
+    measured links alone, as the search sees them; each grouping nests in the next."""
     n = len(link)
-    costs = np.unique(np.round(link[~np.eye(n, dtype=bool)], 9))
-    if len(costs) < 2:
+    if n < 3:
         return []
-    ratios = costs[1:] / np.maximum(costs[:-1], 1e-12)
-    out = []
-    for gap in np.argsort(-ratios, kind="stable")[:levels]:
-        if ratios[gap] < 1.5:
-            break
-        near = link <= costs[gap]
-        label = -np.ones(n, dtype=int)
-        for start in range(n):
-            if label[start] < 0:
-                stack, label[start] = [start], start
-                while stack:
-                    i = stack.pop()
-                    for j in np.flatnonzero(near[i] & (label < 0)):
-                        label[j] = start
-                        stack.append(int(j))
-        groups = [np.flatnonzero(label == g).tolist() for g in np.unique(label)]
-        if 1 < len(groups) < n:
-            out.append(groups)
-    return out
+    weights, inside, dist = [], np.zeros(n, dtype=bool), link[0].astype(np.float64)
+    inside[0] = True
+    for _ in range(n - 1):  # Prim's algorithm on the dense matrix
+        j = int(np.where(inside, np.inf, dist).argmin())
+        weights.append(dist[j])
+        inside[j] = True
+        dist = np.minimum(dist, link[j])
+    thresholds = set()
+    for values in (np.asarray(weights), link[~np.eye(n, dtype=bool)]):
+        costs = np.unique(np.round(values, 12))
+        ratios = costs[1:] / np.maximum(costs[:-1], 1e-12)
+        for gap in np.argsort(-ratios, kind="stable")[:levels]:
+            if ratios[gap] >= min_ratio:
+                thresholds.add(math.sqrt(costs[gap] * costs[gap + 1]))
+    out: dict[tuple[int, ...], list[list[int]]] = {}
+    for threshold in sorted(thresholds):
+        count, label = connected_components(csr_matrix(link <= threshold), directed=False)
+        if 1 < count < n:
+            out.setdefault(tuple(label), [np.flatnonzero(label == g).tolist() for g in range(count)])
+    return list(out.values())
 
 
 def segment_seeds(model: CostModel) -> list[Groups]:
@@ -200,29 +216,50 @@ def segment_seeds(model: CostModel) -> list[Groups]:
     replica's hop, so it is fast only if every replica crosses it inside a place. For each grouping
     (:func:`places`) and segment length ``k``: cut every pipeline into ``k`` consecutive stages at the
     same boundaries and put each segment inside one place where one fits (smallest place first, and
-    largest first); plus one stage group per place, for all-reduces that stay inside."""
+    largest first; after the first, places in the same larger place as the last one come first);
+    plus one stage group per place, for all-reduces that stay inside."""
     t = model.topology
     out: list[Groups] = []
-    for members in places(model.pp_link):
-        for k in range(1, t.stages + 1):
-            out += [segments_layout(t, members, k, smallest) for smallest in (True, False)]
-        out.append(segments_layout(t, members, 1, True, by_group=True))
+    found = places(model.pp_link)
+    labels = [_labels(members, t.devices) for members in found]
+    for level, members in enumerate(found):
+        parents = [tuple(int(lab[m[0]]) for lab in labels[level + 1:]) for m in members]
+        for near, smallest in itertools.product((None, parents), (True, False)):
+            out += [segments_layout(t, members, k, smallest, parents=near) for k in range(1, t.stages + 1)]
+            out.append(segments_layout(t, members, 1, smallest, by_group=True, parents=near))
     return list({tuple(g): g for g in out}.values())
 
 
-def segments_layout(t: Topology, members: list[list[int]], k: int, smallest: bool, by_group: bool = False) -> Groups:
-    """Pipelines cut into segments of ``k`` stages, each inside one of ``members`` (places) where one fits."""
+def _labels(members: list[list[int]], devices: int) -> np.ndarray:
+    label = np.empty(devices, dtype=int)
+    for i, m in enumerate(members):
+        label[m] = i
+    return label
+
+
+def segments_layout(t: Topology, members: list[list[int]], k: int, smallest: bool, by_group: bool = False,
+                    parents: list[tuple[int, ...]] | None = None) -> Groups:
+    """Pipelines cut into segments of ``k`` stages, each inside one of ``members`` (places) where one
+    fits; ``parents[i]`` names the larger places that hold place ``i`` (finest first), and a segment
+    goes to a place sharing the most of them with the last place used before any other."""
     free = [list(m) for m in members]
+    family = parents or [()] * len(free)
     rows, length, count = (t.stages, t.replicas, 1) if by_group else (t.replicas, k, -(-t.stages // k))
     chains: list[list[int]] = [[] for _ in range(rows)]
+    last: tuple[int, ...] = ()
+
+    def near(i: int) -> int:  # larger places shared with the last place used
+        return sum(a == b for a, b in zip(family[i], last, strict=False))
+
     for block in range(count):
         size = length if by_group else min(k, t.stages - block * k)
         for chain in chains:
-            fits = [f for f in free if len(f) >= size]
+            fits = [i for i, f in enumerate(free) if len(f) >= size]
             if fits:
-                place = (min if smallest else max)(fits, key=len)
-                chain += place[:size]
-                del place[:size]
+                i = min(fits, key=lambda i: (-near(i), len(free[i]) if smallest else -len(free[i])))
+                chain += free[i][:size]
+                del free[i][:size]
+                last = family[i]
             else:  # no place holds the whole segment: take from the fullest ones
                 for _ in range(size):
                     chain.append(max(free, key=len).pop(0))
@@ -321,7 +358,8 @@ def _swaps(n: int, m: int, rng: np.random.Generator) -> list[tuple[int, int]]:
 
 def evolutionary_search(topology: Topology, *, seed: int = 0, budget_seconds: float | None = 10.0,
                         budget_evals: int | None = None, population: int = 10, offspring: int = 2,
-                        stall_generations: int = 10, mutation_swaps: int = 2, smooth: float = 1.0,
+                        stall_generations: int = 10, stall_restarts: int = 5, mutation_swaps: int = 2,
+                        smooth: float = 1.0,
                         local_search_evals: int | None = None, greedy: bool = True,
                         model: CostModel | None = None) -> SearchResult:
     """DT-FM's hybrid genetic algorithm; see the module docstring.
@@ -341,12 +379,37 @@ def evolutionary_search(topology: Topology, *, seed: int = 0, budget_seconds: fl
         if run.exhausted() and pop:
             break
         pop.append((run.exact(groups), groups))
+    seeded = run.evaluations
+    # The structured seeds compete for the population's places: half go to the cheapest, half to
+    # the cheapest on the smoothed objective (the starts a descent gets furthest from).
+    by_cost = sorted(pop, key=lambda p: (p[0].cost, p[0].soft))
+    by_key = sorted(pop, key=lambda p: _key(p[0], smooth))
+    keep = max(population, 2)
+    pop = list({tuple(g): (sc, g) for sc, g in by_cost[: keep // 2] + by_key[: keep - keep // 2]}.values())
+    pop += [p for p in by_key if all(p[1] != g for _, g in pop)][: keep - len(pop)]
+    for start in {tuple(by_key[0][1]): by_key[0], tuple(by_cost[0][1]): by_cost[0]}.values():
+        if run.exhausted():
+            break
+        groups, score = local_search(run, start[1], start[0], rng, smooth, local_search_evals)
+        pop[pop.index(start)] = (score, groups)
     pop.sort(key=lambda p: _key(p[0], smooth))
-    del pop[max(population, 2):]  # the structured seeds compete for the population's places
-    groups, score = local_search(run, pop[0][1], pop[0][0], rng, smooth, local_search_evals)
-    pop[0] = (score, groups)
-    generations = stalled = 0
-    while not run.exhausted() and stalled < stall_generations:
+    # Later starts, for restarts: the structured seeds not descended yet, cheapest first.
+    starts = [g for _, g in by_cost if all(g != p for _, p in pop)]
+    generations = stalled = fruitless = restarts = 0
+    while not run.exhausted():
+        if stalled >= stall_generations:  # a plateau: restart from a new start instead of stopping
+            if fruitless >= stall_restarts:
+                break
+            assert run.best is not None
+            before = run.best[0]
+            fresh = starts.pop(0) if starts else _mutate(run.best[1], topology, rng, kick_swaps(topology))
+            groups, score = local_search(run, fresh, run.exact(fresh), rng, smooth, local_search_evals)
+            pop.sort(key=lambda p: _key(p[0], smooth))
+            if all(groups != g for _, g in pop):
+                pop[-1] = (score, groups)
+            restarts, stalled = restarts + 1, 0
+            fruitless = 0 if better(run.best[0], before) else fruitless + 1
+            continue
         generations += 1
         before = run.best[0] if run.best else None
         for _ in range(offspring):
@@ -361,10 +424,16 @@ def evolutionary_search(topology: Topology, *, seed: int = 0, budget_seconds: fl
                 pop[-1] = (score, child)
         improved = run.best is not None and before is not None and better(run.best[0], before)
         stalled = 0 if improved else stalled + 1
-    stopped = "stalled" if stalled >= stall_generations else run.stop_reason()
+        fruitless = 0 if improved else fruitless
+    stopped = "stalled" if not run.exhausted() else run.stop_reason()
     if run.best is not None and smooth > 0:
         local_search(run, run.best[1], run.best[0], rng)
-    return run.result(stopped, generations)
+    return run.result(stopped, generations, restarts, seeded)
+
+
+def kick_swaps(topology: Topology) -> int:
+    """Random swaps that move a restart away from the best plan: about a tenth of the tasklets."""
+    return max(2, topology.stages * topology.replicas // 10)
 
 
 def _key(score: Score, smooth: float) -> tuple[float, float]:

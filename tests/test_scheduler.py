@@ -327,3 +327,75 @@ def test_structured_seeds_find_the_boxes_and_keep_segments_inside_them() -> None
     assert inside, "no seed keeps the 2-stage segments inside boxes"
     result = evolutionary_search(t, seed=0, budget_evals=400)
     assert result.plan.cost <= min(plan_cost(t, np.array(g)).cost for g in seeds) + 1e-12
+
+
+def test_path_lower_bound_never_exceeds_the_exact_path() -> None:
+    """The pruning bound (a minimum spanning tree, plus each node's cheapest position) is a lower bound
+    of Held-Karp's exact open path on random matrices, and equal to it on a line."""
+    from potluck.coordinator.costmodel import HeldKarp, path_lower_bound
+
+    rng = np.random.default_rng(0)
+    for n in (2, 3, 5, 8):
+        hk = HeldKarp(n)
+        for _ in range(30):
+            d = rng.uniform(0, 10, (n, n))
+            d = d + d.T
+            np.fill_diagonal(d, 0)
+            node = rng.uniform(0, 3, (n, n))
+            assert path_lower_bound(d) <= hk.solve(d, want_path=False)[0] + 1e-9
+            assert path_lower_bound(d, node) <= hk.solve(d, node, want_path=False)[0] + 1e-9
+    x = np.arange(6.0)
+    line = np.abs(x[:, None] - x[None, :])
+    assert path_lower_bound(line) == pytest.approx(HeldKarp(6).solve(line)[0]) == pytest.approx(5.0)
+
+
+def test_power_mean_lies_between_mean_and_max_and_rewards_gathering() -> None:
+    from potluck.coordinator.costmodel import power_mean
+
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        x = rng.uniform(0, 5, int(rng.integers(1, 20)))
+        ref = float(np.mean(x ** 8) ** (1 / 8))  # the textbook formula, unscaled
+        assert power_mean(x) == pytest.approx(ref, rel=1e-9)
+        assert x.mean() - 1e-12 <= power_mean(x) <= x.max() + 1e-12
+    assert power_mean(np.zeros(3)) == 0.0 and power_mean(np.array([])) == 0.0
+    slow, fast = 0.7, 0.25  # 9 slow devices over two groups of 16: gathering them lowers the sum
+    split = power_mean(np.array([slow] * 5 + [fast] * 11)) + power_mean(np.array([slow] * 4 + [fast] * 12))
+    gathered = power_mean(np.array([slow] * 6 + [fast] * 10)) + power_mean(np.array([slow] * 3 + [fast] * 13))
+    assert gathered < split
+
+
+def test_places_are_nested_and_see_boxes_through_jitter() -> None:
+    """Two data centres of 8-GPU boxes: NVLink inside a box, a jittered fabric inside a data centre, a
+    slow link between: the groupings nest, and both the boxes and the data centres are among them."""
+    from potluck.coordinator.costmodel import CostModel, Topology
+    from potluck.coordinator.scheduler import places
+
+    rng = np.random.default_rng(2)
+    dc, box = np.repeat([0, 1], 16), np.repeat(np.arange(4), 8)
+    delay = np.where(box[:, None] == box[None, :], 0.01, np.where(dc[:, None] == dc[None, :], 0.05, 20.0))
+    noise = np.triu(rng.uniform(-0.05, 0.05, delay.shape), 1)
+    gbps = np.where(box[:, None] == box[None, :], 1000.0, np.where(dc[:, None] == dc[None, :], 100.0, 5.0))
+    gbps = gbps * (1 + noise + noise.T)
+    t = Topology(delay_ms=delay, bandwidth_gbps=gbps, stages=4, replicas=8, activation_gb=0.1, gradient_gb=0.5)
+    found = places(CostModel(t).pp_link)
+    as_sets = [sorted(sorted(g) for g in level) for level in found]
+    assert sorted(np.flatnonzero(box == b).tolist() for b in range(4)) in as_sets
+    assert sorted(np.flatnonzero(dc == d).tolist() for d in range(2)) in as_sets
+    for fine, coarse in zip(found, found[1:], strict=False):  # finest first, each inside the next
+        assert all(any(set(g) <= set(c) for c in coarse) for g in fine)
+
+
+def test_a_solved_swarm_stops_early_and_a_time_budget_buys_restarts() -> None:
+    """Restarts replace stopping on a plateau, but a small swarm whose restarts find nothing new stops
+    ("stalled") long before a generous budget is spent; a reproducible run stays reproducible."""
+    from potluck.coordinator.scheduler import evolutionary_search
+
+    t = generate_random_topology(8, 2, 2, seed=4)
+    result = evolutionary_search(t, seed=0, budget_seconds=30.0)
+    assert result.stopped == "stalled" and result.seconds < 5.0 and result.restarts >= 1
+    t = generate_random_topology(24, 4, 5, seed=1)
+    a = evolutionary_search(t, seed=3, budget_seconds=None, budget_evals=3000)
+    b = evolutionary_search(t, seed=3, budget_seconds=None, budget_evals=3000)
+    assert (a.plan.cost, a.evaluations, a.restarts, a.plan.pipelines) == (b.plan.cost, b.evaluations, b.restarts,
+                                                                          b.plan.pipelines)
