@@ -42,6 +42,15 @@ def test_building_the_parser_imports_nothing_heavy(tmp_path: Path) -> None:
     assert done.stdout.strip() == ""
 
 
+def test_schedule_searches_without_torch_or_hivemind(tmp_path: Path) -> None:
+    """``potluck schedule`` is numpy and scipy only: its help answers in well under half a second."""
+    code = ("import sys; from potluck.coordinator import schedule_cli, scheduler; "
+            "print(' '.join(m for m in ('torch', 'hivemind', 'grpc', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == ""
+
+
 def test_top_level_help_lists_every_command_with_a_description(tmp_path: Path) -> None:
     done = potluck("--help", cwd=tmp_path)
     assert done.returncode == 0 and done.stderr == ""
