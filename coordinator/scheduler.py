@@ -402,15 +402,9 @@ def evolutionary_search(topology: Topology, *, seed: int = 0, budget_seconds: fl
                 break
             assert run.best is not None
             before = run.best[0]
-            fresh = starts.pop(0) if starts else _mutate(run.best[1], topology, rng, kick_swaps(topology))
             # every other restart descends on the cost alone: the smoothing that crosses plateaus
             # can also lead away from a plan that only plain swaps reach
-            groups, score = local_search(run, fresh, run.exact(fresh), rng, smooth if restarts % 2 else 0.0,
-                                         local_search_evals)
-            score = run.exact(groups)
-            pop.sort(key=lambda p: _key(p[0], smooth))
-            if all(groups != g for _, g in pop):
-                pop[-1] = (score, groups)
+            _restart(run, pop, starts, rng, smooth, smooth if restarts % 2 else 0.0, local_search_evals)
             restarts, stalled = restarts + 1, 0
             fruitless = 0 if better(run.best[0], before) else fruitless + 1
             continue
@@ -433,6 +427,19 @@ def evolutionary_search(topology: Topology, *, seed: int = 0, budget_seconds: fl
     if run.best is not None and smooth > 0:
         local_search(run, run.best[1], run.best[0], rng)
     return run.result(stopped, generations, restarts, seeded)
+
+
+def _restart(run: _Run, pop: list[tuple[Score, Groups]], starts: list[Groups], rng: np.random.Generator,
+             smooth: float, descent_smooth: float, local_search_evals: int | None) -> None:
+    """Descend (on ``cost + descent_smooth * soft``) from the next unused start, or from the best plan
+    kicked by random swaps, and let the result replace the population's worst member if it is new."""
+    assert run.best is not None
+    topology = run.model.topology
+    fresh = starts.pop(0) if starts else _mutate(run.best[1], topology, rng, kick_swaps(topology))
+    groups, score = local_search(run, fresh, run.exact(fresh), rng, descent_smooth, local_search_evals)
+    pop.sort(key=lambda p: _key(p[0], smooth))
+    if all(groups != g for _, g in pop):
+        pop[-1] = (score, groups)
 
 
 def kick_swaps(topology: Topology) -> int:
