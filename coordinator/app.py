@@ -116,6 +116,7 @@ class Coordinator:
 
     def stop(self) -> None:
         self.stopping.set()
+        fault("shutdown.start")
         try:
             self._save()  # the history's latest figures, on a clean shutdown
         except OSError as err:

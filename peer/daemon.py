@@ -221,6 +221,7 @@ class Session:
                 or self.heartbeat.manifest.finished)
 
     def close(self) -> None:
+        fault("shutdown.start")
         self._set_state("finished" if self.completed() else "left", poke=False)
         self.heartbeat.stop(goodbye=self.record())
         self.tools.close(self.tasklet)

@@ -45,6 +45,7 @@ POINTS = {
     "coordinator.committed": "the coordinator has seen a step committed",
     "outer.delta": "a peer's pseudo-gradient before it is sent (tamper actions only)",
     "placement.search": "the coordinator's placement worker starts a search (on its own thread)",
+    "shutdown.start": "a peer or the coordinator begins its orderly shutdown (on the main thread)",
 }
 TAMPER = ("flip", "nan")
 

@@ -259,16 +259,19 @@ def signal_twice(proc: subprocess.Popen, log: Path) -> None:
 
 
 def test_second_sigterm_during_shutdown_exits_at_once(swarm: LocalSwarm) -> None:
-    """The first SIGTERM starts an orderly shutdown; one more, while it runs, ends the process now."""
-    peer_state = PeerStates(swarm.start_coordinator(RUN)["status_url"])
-    peer = swarm.start_peer(name="twice")
+    """The first SIGTERM starts an orderly shutdown; one more, while it runs, ends the process now.
+    Each shutdown is held at its start (a fault: 30 s, longer than the grace period), so the second
+    signal surely lands in it, however quickly this box would have finished it."""
+    slow = {"POTLUCK_FAULTS": "shutdown.start@*:sleep=30"}
+    peer_state = PeerStates(swarm.start_coordinator(RUN, env=slow)["status_url"])
+    peer = swarm.start_peer(name="twice", env=slow)
     wait_for(lambda: peer_state("twice") == "training" or peer.poll() is not None, START_S, "the peer to train")
     assert peer.poll() is None, swarm.tail("peer-0")
     signal_twice(peer, swarm.logs / "peer-0.log")
     assert swarm.coordinator is not None
     signal_twice(swarm.coordinator, swarm.logs / "coordinator.log")
-    # an orderly shutdown takes longer than the test's reaction to the log line: the second signal cut it short
-    assert 128 + signal.SIGTERM in (peer.returncode, swarm.coordinator.returncode)
+    # both shutdowns were held: the second signal cut each short
+    assert peer.returncode == swarm.coordinator.returncode == 128 + signal.SIGTERM
 
 
 def sessions_alive(sids: set[int]) -> dict[int, str]:
