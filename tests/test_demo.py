@@ -72,8 +72,12 @@ def test_ctrl_c_stops_every_process(tmp_path) -> None:  # type: ignore[no-untype
         tree = descendants(demo.pid)
         assert len(tree) >= 6, f"expected coordinator, peers, DHT processes and p2pd daemons, got {tree}"
         os.kill(demo.pid, signal.SIGINT)
-        rc = demo.wait(timeout=60)
-        rest = demo.stdout.read()
+        try:  # read while waiting: a demo blocked on a full stdout pipe would never exit
+            rest, _ = demo.communicate(timeout=60)
+        except subprocess.TimeoutExpired as err:
+            said = err.output.decode(errors="replace") if isinstance(err.output, bytes) else err.output
+            raise AssertionError(f"the demo did not exit within 60 s of Ctrl+C; it said:\n{said}") from None
+        rc = demo.returncode
         assert rc == 130, rest
         assert "interrupted" in rest
         deadline = time.monotonic() + 10
