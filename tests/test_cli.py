@@ -34,21 +34,23 @@ def test_the_parser_knows_every_command() -> None:
     assert list(sub.choices) == COMMANDS
 
 
-def test_building_the_parser_imports_nothing_heavy(tmp_path: Path) -> None:
-    code = ("import sys; from potluck.cli import build_parser; build_parser(); "
-            "print(' '.join(m for m in ('torch', 'numpy', 'scipy', 'hivemind', 'grpc', 'pydantic') if m in sys.modules))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+def loaded_after(statement: str, modules: tuple[str, ...], cwd: Path) -> str:
+    """Which of ``modules`` a fresh interpreter has imported after running ``statement``."""
+    code = f"import sys; {statement}; print(' '.join(m for m in {modules!r} if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == ""
+    return done.stdout.strip()
+
+
+def test_building_the_parser_imports_nothing_heavy(tmp_path: Path) -> None:
+    heavy = ("torch", "numpy", "scipy", "hivemind", "grpc", "pydantic")
+    assert loaded_after("from potluck.cli import build_parser; build_parser()", heavy, tmp_path) == ""
 
 
 def test_schedule_searches_without_torch_or_hivemind(tmp_path: Path) -> None:
     """``potluck schedule`` is numpy and scipy only: its help answers in well under half a second."""
-    code = ("import sys; from potluck.coordinator import schedule_cli, scheduler; "
-            "print(' '.join(m for m in ('torch', 'hivemind', 'grpc', 'transformers') if m in sys.modules))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == ""
+    statement = "from potluck.coordinator import schedule_cli, scheduler"
+    assert loaded_after(statement, ("torch", "hivemind", "grpc", "transformers"), tmp_path) == ""
 
 
 def test_top_level_help_lists_every_command_with_a_description(tmp_path: Path) -> None:
