@@ -205,7 +205,7 @@ class Coordinator:
         if placed is None:
             return  # not one whole pipeline yet, or the search still runs off this loop
         grid, replan = placed
-        if replan is not None and replan.moved:
+        if replan is not None and any(before.get(pid) != cell for pid, cell in grid.items()):
             self._event("replan", "", replan.describe())
         r = self.rounds.decide(members(grid, records), now, time.time())
         self.publisher.new_plan()

@@ -15,6 +15,7 @@ the model's parameters / S).
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Mapping
@@ -136,12 +137,15 @@ class Request:
 
     @property
     def key(self) -> tuple:
-        """What the plan depends on: the peers, the grid's shape, where they are, and which links are
-        measured (a link measured since the last search is worth a new one)."""
+        """What the plan depends on: the peers, the grid's shape, where they are, and their links as
+        measured to within a factor of two (a link measured since the last search, or one whose RTT
+        or bandwidth has since doubled or halved, is worth a new search; noise is not)."""
         peers = set(self.ids)
-        measured = sum(1 for p in self.ids if p in self.reports for q, stat in self.reports[p].links.items()
-                       if q in peers and stat.rtt_ms is not None and stat.bandwidth_mbps)
-        return self.ids, self.stages, self.replicas, tuple(sorted(self.before.items())), measured
+        links = tuple(sorted(
+            (p, q, round(math.log2(max(stat.rtt_ms, 1e-3))), round(math.log2(stat.bandwidth_mbps)))
+            for p in self.ids if p in self.reports for q, stat in self.reports[p].links.items()
+            if q in peers and stat.rtt_ms is not None and stat.bandwidth_mbps))
+        return self.ids, self.stages, self.replicas, tuple(sorted(self.before.items())), links
 
 
 def place(cfg: RunConfig, req: Request, budget_s: float = 1.0,
@@ -207,23 +211,38 @@ def members(grid: Grid, records: list[PeerRecord]) -> list[Member]:
 
 class PlacementWorker:
     """Runs the search on a thread of its own, so the coordinator's loop (heartbeats, rounds, the
-    status page) never waits for it: :meth:`poll` starts a request and returns its grid once done."""
+    status page) never waits for it: :meth:`poll` starts a request and returns its grid once done.
+
+    Links are measured all the time, so by the time a search is done the request that would ask
+    for it again has often changed (newer links, or the grid of a round decided meanwhile). A plan
+    that moves peers is still taken then, once, if it places exactly the same peers on the same
+    shape: a plan on links a few seconds old beats none, and the next boundary plans again from the
+    grid it made. A finished search that moved no one is not taken; the new request is searched."""
 
     def __init__(self, cfg: RunConfig, budget_s: float) -> None:
         self.cfg, self.budget_s = cfg, budget_s
         self._lock = threading.Lock()
-        self._key: tuple | None = None
+        self._req: Request | None = None
         self._result: tuple[Grid, Replan | None] | None = None
+        self._taken = False
         self._thread: threading.Thread | None = None
 
     def poll(self, req: Request) -> tuple[Grid, Replan | None] | None:
-        """The placement for ``req`` if it is computed; otherwise start computing it and return None."""
+        """The placement for ``req`` if it is computed (or a fresh plan for the same peers moves some);
+        otherwise start computing it and return None (the caller keeps the current grid)."""
         with self._lock:
-            if self._key == req.key and self._result is not None:
-                return self._result
             if self._thread is not None and self._thread.is_alive():
-                return None  # another request is still running; ask again
-            self._key, self._result = req.key, None
+                return None  # a search is still running; ask again
+            done, result = self._req, self._result
+            if done is not None and result is not None:
+                if done.key == req.key:
+                    self._taken = True
+                    return result
+                same_peers = (done.ids, done.stages, done.replicas) == (req.ids, req.stages, req.replicas)
+                if same_peers and not self._taken and result[1] is not None and result[1].moved:
+                    self._taken = True
+                    return result
+            self._req, self._result, self._taken = req, None, False
             self._thread = threading.Thread(target=self._run, args=(req,), name="placement", daemon=True)
             self._thread.start()
             return None
@@ -241,8 +260,11 @@ class PlacementWorker:
         except Exception:  # a search bug must not stop the run: keep every tasklet where it is
             log.exception("placement failed; keeping tasklets")
             result = (sticky_placement(list(req.ids), req.stages, req.replicas, req.before, req.held), None)
+        replan = result[1]
+        log.info("placement for %d peers: %s", len(req.ids), replan.describe() if replan is not None
+                 else "not searched (links not all measured yet, or one tasklet)")
         with self._lock:
-            if self._key == req.key:
+            if self._req is req:
                 self._result = result
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import shlex
 import sys
 import tempfile
@@ -103,6 +104,9 @@ def run_demo(args: argparse.Namespace) -> int:
         flush=True,
     )
     swarm = LocalSwarm(workdir, logs=not args.verbose, threads=max(1, (os.cpu_count() or 2) // args.peers))
+    # Ctrl+C stops the demo even when it was started with SIGINT ignored (a background job of a
+    # script, nohup): Python installs its handler only where the parent left SIGINT's default
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         ready = swarm.start_coordinator(cfg)
         print(f"  join address: {ready['join']}\n  status page: {ready['status_url']}", flush=True)

@@ -54,9 +54,48 @@ def test_rounds_go_on_on_the_current_grid_until_the_plan_is_ready(monkeypatch: p
     assert len(calls) == 2 and calls[0] != calls[1]
 
 
-def test_the_request_key_counts_only_measured_links_among_the_peers() -> None:
+def test_the_request_key_changes_with_new_links_and_real_drift_only() -> None:
+    def key(reports: dict[str, LinkReport]) -> tuple:
+        return Request(tuple(IDS), 2, 2, {}, {}, reports, 0).key
+
+    base = key(links(12))
     reports = links(12)
     reports[IDS[0]].links["stranger"] = LinkStat(rtt_ms=1.0, bandwidth_mbps=10.0)  # not in this round
-    reports[IDS[1]].links[IDS[3]] = LinkStat(rtt_ms=1.0)  # no bandwidth yet: not measured
-    key = Request(tuple(IDS), 2, 2, {}, {}, reports, 0).key
-    assert key[-1] == 11
+    reports[IDS[1]].links[IDS[3]] = LinkStat(rtt_ms=2.0, bandwidth_mbps=100.0, samples=9)  # same figures
+    reports[IDS[2]].links[IDS[0]] = LinkStat(rtt_ms=2.2, bandwidth_mbps=93.0)  # measurement noise
+    assert key(reports) == base
+    reports[IDS[1]].links[IDS[3]] = LinkStat(rtt_ms=2.0)  # no bandwidth yet: not measured
+    assert key(reports) != base
+    slower = links(12)
+    slower[IDS[0]].links[IDS[1]] = LinkStat(rtt_ms=2.0, bandwidth_mbps=40.0)  # bandwidth fell 2.5x
+    assert key(slower) != base
+    farther = links(12)
+    farther[IDS[3]].links[IDS[2]] = LinkStat(rtt_ms=9.0, bandwidth_mbps=100.0)  # RTT 4.5x
+    assert key(farther) != base
+
+
+def test_a_plan_that_moves_peers_is_taken_once_even_if_links_changed_meanwhile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Links are measured all the time: a plan searched on links a few seconds old is still taken
+    (once) for the same peers, else a run whose links keep changing would never adopt any plan."""
+    cfg = apply_overrides(RunConfig(), {"pipeline.stages": 2})
+    planned = {IDS[0]: (1, 1), IDS[1]: (0, 0), IDS[2]: (1, 0), IDS[3]: (0, 1)}
+    calls: list[tuple] = []
+
+    def place(cfg: RunConfig, req: Request, budget_s: float) -> tuple[dict, placement.Replan]:
+        calls.append(req.key)
+        return planned, placement.Replan(cost=1.0, kept_cost=2.0, moved=4, seconds=0.1, evaluations=10)
+
+    monkeypatch.setattr(placement, "place", place)
+    worker = PlacementWorker(cfg, budget_s=1.0)
+    before = {IDS[0]: (0, 0), IDS[1]: (0, 1), IDS[2]: (1, 0), IDS[3]: (1, 1)}
+    assert grid_for(cfg, records(), 2, before, links(11), worker) == (before, None)
+    worker.stop(5)
+    grid, replan = grid_for(cfg, records(), 2, before, links(12), worker)  # type: ignore[misc]
+    assert grid == planned and replan is not None and replan.moved == 4 and len(calls) == 1
+    assert grid_for(cfg, records(), 2, before, links(10), worker) == (before, None)  # taken once: search anew
+    worker.stop(5)
+    assert len(calls) == 2
+    worker._taken = False  # as if unused: still, a plan for other peers never applies
+    grid, _ = grid_for(cfg, records()[:3], 2, before, links(9), worker)  # type: ignore[misc]
+    worker.stop(5)
+    assert grid != planned and set(grid) <= set(IDS[:3]) and len(calls) == 3
