@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import signal
 import shlex
+import signal
 import sys
 import tempfile
 import time
