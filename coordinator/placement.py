@@ -176,10 +176,14 @@ def place(cfg: RunConfig, req: Request, budget_s: float = 1.0,
     model = CostModel(topo, previous=previous, migration_weight=weight)
     t0 = time.monotonic()
     result = evolutionary_search(topo, seed=len(ids), budget_seconds=budget_s, model=model)
-    kept_cost = model.plan(previous).cost
-    chosen = result.plan
+    kept_plan = model.plan(previous)
+    kept_cost, chosen = kept_plan.cost, result.plan
     if chosen.cost >= kept_cost - 1e-9:
-        return kept, Replan(kept_cost, kept_cost, 0, time.monotonic() - t0, result.evaluations)
+        # Keep every peer on its stage, but wire the replicas as the cost model priced them: its
+        # cost assumes the best matching between consecutive stages, which the sticky grid's
+        # replica numbers need not follow (two pipelines could cross a slow link both predicted
+        # to avoid). Same stage, no state to move: only who sends activations to whom changes.
+        chosen = kept_plan
     grid = {ids[dev]: (s, r) for r, pipe in enumerate(chosen.pipelines) for s, dev in enumerate(pipe)}
     moved = sum(1 for pid, cell in grid.items() if kept.get(pid) != cell)
     return grid, Replan(chosen.cost, kept_cost, moved, time.monotonic() - t0, result.evaluations)

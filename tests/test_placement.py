@@ -99,3 +99,27 @@ def test_a_plan_that_moves_peers_is_taken_once_even_if_links_changed_meanwhile(m
     grid, _ = grid_for(cfg, records()[:3], 2, before, links(9), worker)  # type: ignore[misc]
     worker.stop(5)
     assert grid != planned and set(grid) <= set(IDS[:3]) and len(calls) == 3
+
+
+def test_a_kept_grid_is_wired_as_the_cost_model_priced_it() -> None:
+    """Two regions, 2 stages x 2 replicas, every peer already on a stage that the best plan also gives
+    it, but the replica numbers cross regions (a->d, b->c). The cost model prices the best matching
+    (a->c, b->d), so keeping the grid must also keep that wiring: no peer changes stage."""
+    cfg = apply_overrides(RunConfig(), {"pipeline.stages": 2})
+    a, b, c, d = IDS
+    region = {a: "eu", c: "eu", b: "us", d: "us"}
+    reports: dict[str, LinkReport] = {}
+    for p in IDS:
+        for q in IDS:
+            if p != q:
+                near = region[p] == region[q]
+                reports.setdefault(p, LinkReport(peer_id=p)).links[q] = LinkStat(
+                    rtt_ms=2.0 if near else 400.0, bandwidth_mbps=1000.0 if near else 10.0)
+    before = {a: (0, 0), b: (0, 1), d: (1, 0), c: (1, 1)}
+    grid, replan = placement.place(cfg, Request(tuple(IDS), 2, 2, before, {}, reports, 10_000), budget_s=0.5)
+    assert {p: s for p, (s, _) in grid.items()} == {p: s for p, (s, _) in before.items()}  # no stage moved
+    pipes: dict[int, set[str]] = {}
+    for p, (_, r) in grid.items():
+        pipes.setdefault(r, set()).add(region[p])
+    assert all(len(regions) == 1 for regions in pipes.values()), grid
+    assert replan is not None and replan.moved == 2
