@@ -498,19 +498,25 @@ class HeldKarp:
         return cost, path[::-1]
 
 
-def path_lower_bound(dist: np.ndarray, node: np.ndarray | None = None) -> float:
-    """A lower bound on the shortest open path through every node: an open path is a spanning tree,
-    so it costs at least a minimum spanning tree (Prim); each node's cheapest position bounds ``node``."""
+def spanning_tree_edges(dist: np.ndarray) -> np.ndarray:
+    """The edge costs of a minimum spanning tree of the complete graph ``dist`` (Prim, dense)."""
     n = len(dist)
-    total, inside, reach = 0.0, np.zeros(n, dtype=bool), dist[0].copy()
+    edges, inside, reach = np.empty(max(n - 1, 0)), np.zeros(n, dtype=bool), dist[0].astype(np.float64)
     inside[0] = True
-    for _ in range(n - 1):
+    for k in range(n - 1):
         reach[inside] = np.inf
         j = int(reach.argmin())
-        total += reach[j]
+        edges[k] = reach[j]
         inside[j] = True
         reach = np.minimum(reach, dist[j])
-    return float(total) if node is None else float(total + node.min(axis=1).sum())
+    return edges
+
+
+def path_lower_bound(dist: np.ndarray, node: np.ndarray | None = None) -> float:
+    """A lower bound on the shortest open path through every node: an open path is a spanning tree,
+    so it costs at least a minimum spanning tree; each node's cheapest position bounds ``node``."""
+    total = float(spanning_tree_edges(dist).sum())
+    return total if node is None else total + float(node.min(axis=1).sum())
 
 
 def heuristic_path(dist: np.ndarray, node: np.ndarray | None = None) -> tuple[float, list[int]]:

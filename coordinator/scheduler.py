@@ -46,7 +46,7 @@ from scipy.optimize import linear_sum_assignment
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import connected_components
 
-from potluck.coordinator.costmodel import CostModel, Plan, Score, Topology, canonical
+from potluck.coordinator.costmodel import CostModel, Plan, Score, Topology, canonical, spanning_tree_edges
 
 Groups = list[tuple[int, ...]]
 
@@ -189,15 +189,8 @@ def places(link: np.ndarray, levels: int = 4, min_ratio: float = 1.25) -> list[l
     n = len(link)
     if n < 3:
         return []
-    weights, inside, dist = [], np.zeros(n, dtype=bool), link[0].astype(np.float64)
-    inside[0] = True
-    for _ in range(n - 1):  # Prim's algorithm on the dense matrix
-        j = int(np.where(inside, np.inf, dist).argmin())
-        weights.append(dist[j])
-        inside[j] = True
-        dist = np.minimum(dist, link[j])
     thresholds = set()
-    for values in (np.asarray(weights), link[~np.eye(n, dtype=bool)]):
+    for values in (spanning_tree_edges(link), link[~np.eye(n, dtype=bool)]):
         costs = np.unique(np.round(values, 12))
         ratios = costs[1:] / np.maximum(costs[:-1], 1e-12)
         for gap in np.argsort(-ratios, kind="stable")[:levels]:
