@@ -46,10 +46,10 @@ from scipy.optimize import linear_sum_assignment
 from potluck.coordinator.costmodel import CostModel, Plan, Score, Topology, canonical
 from potluck.coordinator.layouts import (  # noqa: F401  (places, segments_layout: for callers)
     Groups,
-    random_groups,
     blocks_layout,
     greedy_seeds,
     places,
+    random_groups,
     segment_seeds,
     segments_layout,
 )
