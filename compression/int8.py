@@ -21,8 +21,6 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from potluck.kernels.quant import dequantize_rows, quantize_rows
-
 MAX_ABS = 1e6  # no decoded value may be larger: parameters, deltas and activations live far below
 
 
@@ -55,6 +53,8 @@ class Codec(Protocol):
 
     def decode(self, enc: Encoded) -> torch.Tensor: ...
 
+    def decode_into(self, enc: Encoded, out: torch.Tensor) -> None: ...
+
 
 def _flat_float(x: torch.Tensor) -> torch.Tensor:
     if x.dim() != 1:
@@ -75,16 +75,22 @@ class RawCodec:
         return Encoded(self.name, x.numel(), x.numpy().tobytes())
 
     def decode(self, enc: Encoded) -> torch.Tensor:
+        out = torch.empty(enc.numel if enc.numel > 0 else 0, dtype=torch.float32)
+        self.decode_into(enc, out)
+        return out
+
+    def decode_into(self, enc: Encoded, out: torch.Tensor) -> None:
+        """Decode into ``out`` (a float32 CPU tensor of ``enc.numel`` elements); on error it is left as it was."""
         if enc.codec != self.name:
             raise CodecError(f"expected codec {self.name!r}, got {enc.codec!r}")
         if len(enc.payload) != 4 * enc.numel:
             raise CodecError(f"raw payload of {enc.numel} float32 needs {4 * enc.numel} bytes, got {len(enc.payload)}")
-        out = torch.from_numpy(np.frombuffer(enc.payload, dtype=np.float32).copy())
-        if not bool(torch.isfinite(out).all()):
+        values = np.frombuffer(enc.payload, dtype=np.float32)
+        if not np.isfinite(values).all():
             raise CodecError("raw payload holds NaN or Inf")
-        if out.numel() and float(out.abs().max()) > MAX_ABS:
+        if values.size and float(np.abs(values).max()) > MAX_ABS:
             raise CodecError(f"raw payload holds values beyond +-{MAX_ABS:g}")
-        return out
+        _target(out, enc.numel).numpy()[:] = values
 
 
 class Int8BlockCodec:
@@ -105,44 +111,77 @@ class Int8BlockCodec:
 
     def encode(self, x: torch.Tensor) -> Encoded:
         x = _flat_float(x)
-        if not bool(torch.isfinite(x).all()):
+        n, bs = x.numel(), self.block_size
+        full = n - n % bs
+        codes = torch.empty(n, dtype=torch.int8)
+        scales = torch.empty(self._blocks(n), dtype=torch.float32)
+        if full:  # whole blocks in place, no padded copy of the vector
+            _quantize_blocks(x[:full].view(-1, bs), codes[:full].view(-1, bs), scales[: full // bs])
+        if full < n:  # the last, partial block, padded with zeros (which change neither its scale nor its codes)
+            tail = torch.zeros(1, bs)
+            tail[0, : n - full] = x[full:]
+            tail_codes = torch.empty(1, bs, dtype=torch.int8)
+            _quantize_blocks(tail, tail_codes, scales[-1:])
+            codes[full:] = tail_codes[0, : n - full]
+        if not bool(torch.isfinite(scales).all()):  # a NaN or Inf anywhere makes its block's absmax one
             raise CodecError("refusing to encode NaN or Inf")
-        n = x.numel()
-        pad = self._blocks(n) * self.block_size - n
-        padded = torch.nn.functional.pad(x, (0, pad)) if pad else x
-        codes, scales = quantize_rows(padded.view(-1, self.block_size), 8)
-        return Encoded(
-            self.name,
-            n,
-            codes.view(-1)[:n].numpy().tobytes(),
-            scales.numpy().astype(np.float32).tobytes(),
-            bits=8,
-        )
+        return Encoded(self.name, n, codes.numpy().tobytes(), scales.numpy().tobytes(), bits=8)
 
     def decode(self, enc: Encoded) -> torch.Tensor:
+        out = torch.empty(max(enc.numel, 0), dtype=torch.float32)
+        self.decode_into(enc, out)
+        return out
+
+    def decode_into(self, enc: Encoded, out: torch.Tensor) -> None:
+        """Decode into ``out`` (a float32 CPU tensor of ``enc.numel`` elements), reading the codes where
+        they lie in the message: no copy of them, no float32 temporary. On error ``out`` is untouched."""
         if enc.codec != self.name:
             raise CodecError(f"expected codec {self.name!r}, got {enc.codec!r}")
-        n = enc.numel
+        n, bs = enc.numel, self.block_size
         nblocks = self._blocks(n)
         if len(enc.payload) != n:
             raise CodecError(f"int8 payload of {n} elements needs {n} bytes, got {len(enc.payload)}")
         if len(enc.scales) != 4 * nblocks:
             raise CodecError(
-                f"int8 payload of {n} elements in blocks of {self.block_size} needs {nblocks} scales "
+                f"int8 payload of {n} elements in blocks of {bs} needs {nblocks} scales "
                 f"({4 * nblocks} bytes), got {len(enc.scales)} bytes"
             )
-        scales = torch.from_numpy(np.frombuffer(enc.scales, dtype=np.float32).copy())
-        if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
+        scales = np.frombuffer(enc.scales, dtype=np.float32)
+        if not np.isfinite(scales).all() or bool((scales < 0).any()):
             raise CodecError("int8 scales must be finite and non-negative")
-        if scales.numel() and float(scales.max()) * 127 > MAX_ABS:
+        if scales.size and float(scales.max()) * 127 > MAX_ABS:
             raise CodecError(f"int8 scales decode to values beyond +-{MAX_ABS:g}")
-        codes = torch.from_numpy(np.frombuffer(enc.payload, dtype=np.int8).copy())
-        if bool((codes == -128).any()):
+        codes = np.frombuffer(enc.payload, dtype=np.int8)
+        if codes.size and int(codes.min()) == -128:
             raise CodecError("int8 code -128 is outside the symmetric range [-127, 127]")
-        pad = nblocks * self.block_size - n
-        if pad:
-            codes = torch.nn.functional.pad(codes, (0, pad))
-        return dequantize_rows(codes.view(nblocks, self.block_size), scales).view(-1)[:n].clone()
+        target = _target(out, n).numpy()
+        full = n - n % bs
+        # int8 -> float32 is exact and each element is one float32 multiply: the bits of dequantize_rows
+        np.multiply(codes[:full].reshape(-1, bs), scales[: full // bs, None], out=target[:full].reshape(-1, bs))
+        np.multiply(codes[full:], scales[-1] if full < n else np.float32(0), out=target[full:])
+
+
+def _quantize_blocks(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
+    """:func:`~potluck.kernels.quant.quantize_rows` at 8 bits, written into ``codes`` and ``scales``.
+
+    The same operations (absmax / 127, divide, round half to even, clamp), in fewer passes over
+    memory: one for the absmax (min and max together, no ``|x|`` temporary), one division into a
+    scratch row block, and the rounding, clamping and int8 conversion in place.
+    """
+    lo, hi = torch.aminmax(x, dim=1)
+    torch.maximum(hi, lo.neg_(), out=scales)
+    scales.div_(127)
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)
+    y = torch.div(x, safe)  # an all-zero block (scale 0) divides by 1 and stays zero
+    codes.copy_(y.round_().clamp_(-127, 127))
+
+
+def _target(out: torch.Tensor, numel: int) -> torch.Tensor:
+    if out.dtype != torch.float32 or out.device.type != "cpu" or out.dim() != 1 or not out.is_contiguous():
+        raise ValueError(f"decode_into needs a contiguous flat float32 CPU tensor, got {out.dtype} {tuple(out.shape)}")
+    if out.numel() != numel:
+        raise CodecError(f"{numel} decoded elements do not fit an output of {out.numel()}")
+    return out
 
 
 def make_codec(name: str, block_size: int = 2048) -> Codec:

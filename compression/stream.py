@@ -85,11 +85,11 @@ class Assembler:
             raise WireError(f"{self.name}: chunk [{t.offset}, {t.offset + t.numel}) is outside [{self.start}, {self.stop})")
         if t.offset % self.codec.align:
             raise WireError(f"{self.name}: chunk offset {t.offset} is not a multiple of {self.codec.align}")
-        try:
-            values = self.codec.decode(Encoded(t.codec, t.numel, t.payload, t.scales, t.bits))
+        lo = t.offset - self.start
+        try:  # straight into the buffer: a chunk that fails its checks leaves it as it was
+            self.codec.decode_into(Encoded(t.codec, t.numel, t.payload, t.scales, t.bits), self.buffer[lo : lo + t.numel])
         except CodecError as err:
             raise WireError(f"{self.name}: {err}") from None
-        self.buffer[t.offset - self.start : t.offset - self.start + t.numel] = values
         self.filled += t.numel
 
     @property

@@ -21,6 +21,7 @@ peers is only bounded by the codec's value limit.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -37,51 +38,109 @@ class Reduced:
     rejected: list[str] = field(default_factory=list)
 
 
+CHUNK = 1 << 18  # elements per pass over the contributions: a few MB of each, so passes stay in cache
+
+
+@dataclass
+class Reduction:
+    """Who counts in an owner's average and how much: decided from whole-shard statistics, applied
+    a chunk at a time by :meth:`mean`, so the owner can encode chunk ``i`` of the result (and send
+    it) before chunk ``i + 1`` is summed. Every element of the mean depends only on that element of
+    the contributions and the per-sender scales, so any chunking gives the same bits."""
+
+    contributions: Mapping[str, torch.Tensor]
+    contributors: list[str]  # kept, in sender-id order: the order of the float32 sum
+    clipped: list[str]
+    rejected: list[str]
+    scales: dict[str, torch.Tensor]  # float32 factor for each clipped contributor
+
+    def mean(self, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of the average, summed in float32 in sender-id order."""
+        acc = torch.zeros(hi - lo, dtype=torch.float32)
+        for s in self.contributors:
+            x = self.contributions[s][lo:hi].float()
+            acc += x * self.scales[s] if s in self.scales else x
+        if self.contributors:
+            acc /= len(self.contributors)
+        return acc
+
+    def reduced(self, numel: int) -> Reduced:
+        return Reduced(self.mean(0, numel), self.contributors, self.clipped, self.rejected)
+
+
 def reduce_mean(contributions: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
     """Mean of decoded contributions, summed in float32 in sender-id order (so it is reproducible).
 
     Quantized codes are never summed: each contribution is decoded first, so nothing can wrap or
     lose the scale of another member's block.
     """
-    acc = torch.zeros(numel, dtype=torch.float32)
-    for sender in sorted(contributions):
-        acc += contributions[sender].float()
-    if contributions:
-        acc /= len(contributions)
-    return acc
+    return Reduction(contributions, sorted(contributions), [], [], {}).mean(0, numel)
 
 
 def robust_mean(contributions: Mapping[str, torch.Tensor], numel: int, clip_factor: float = 4.0,
                 reject_below: float | None = -0.1) -> Reduced:
     """The owner's average: reject opposed contributions, clip the rest, average (see the module)."""
+    return robust_reduction(contributions, numel, clip_factor, reject_below).reduced(numel)
+
+
+def robust_reduction(contributions: Mapping[str, torch.Tensor], numel: int, clip_factor: float = 4.0,
+                     reject_below: float | None = -0.1) -> Reduction:
+    """Decide who is rejected and who clipped from one chunked pass over the contributions."""
     senders = sorted(contributions)
-    xs = {s: contributions[s].float() for s in senders}
+    reject = reject_below is not None and len(senders) >= 3
+    sq, dots, centers = _statistics([contributions[s] for s in senders], numel, reject)
     rejected: list[str] = []
-    if reject_below is not None and len(senders) >= 3:
-        for s in senders:
-            others = torch.stack([xs[o] for o in senders if o != s])
-            center = others.median(dim=0).values
-            if _cosine(xs[s], center) < reject_below:
+    if reject:
+        for i, s in enumerate(senders):
+            na, nb = math.sqrt(sq[i]), math.sqrt(centers[i])
+            # nothing to compare (a stalled member's zeros, an all-zero center): not opposed
+            if na > 0.0 and nb > 0.0 and dots[i] / (na * nb) < reject_below:  # type: ignore[operator]
                 rejected.append(s)
         if len(rejected) * 2 >= len(senders):
             rejected = []  # no majority agrees on a direction: keep everyone (clipping still bounds them)
     kept = [s for s in senders if s not in rejected]
     clipped: list[str] = []
+    scales: dict[str, torch.Tensor] = {}
     if clip_factor > 0 and len(kept) >= 2:
-        norms = torch.stack([xs[s].norm() for s in kept])
-        bound = clip_factor * float(norms.sort().values[(len(kept) - 1) // 2])  # the lower median
-        for s, n in zip(kept, norms.tolist(), strict=True):
+        norms = [math.sqrt(sq[senders.index(s)]) for s in kept]
+        bound = clip_factor * sorted(norms)[(len(kept) - 1) // 2]  # the lower median
+        for s, n in zip(kept, norms, strict=True):
             if n > bound:
-                xs[s] = xs[s] * torch.tensor(bound / n, dtype=torch.float32)
+                scales[s] = torch.tensor(bound / n, dtype=torch.float32)
                 clipped.append(s)
-    return Reduced(reduce_mean({s: xs[s] for s in kept}, numel), kept, clipped, rejected)
+    return Reduction(contributions, kept, clipped, rejected, scales)
 
 
-def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    na, nb = float(a.norm()), float(b.norm())
-    if na == 0.0 or nb == 0.0:
-        return 1.0  # nothing to compare (a stalled member's zeros, an all-zero center): not opposed
-    return float(torch.dot(a, b)) / (na * nb)
+def _statistics(xs: list[torch.Tensor], numel: int, centers_too: bool) -> tuple[list[float], list[float], list[float]]:
+    """Per contribution: its squared norm and, if asked, its dot product with the coordinate-wise lower
+    median of the *others* and that center's squared norm, accumulated over chunks in float64.
+
+    One sort per chunk gives every member's center: with ``x_i`` at rank ``r`` of its column, the
+    others' lower median (index ``m = (n - 2) // 2`` of the n - 1 others) is the column's value at
+    ``m + 1`` if ``r <= m``, else at ``m`` (ties give the same value either way). With three
+    contributions the center is simply the smaller of the other two.
+    """
+    n = len(xs)
+    sq, dots, csq = [0.0] * n, [0.0] * n, [0.0] * n
+    m = (n - 2) // 2
+    for lo in range(0, numel, CHUNK):
+        hi = min(numel, lo + CHUNK)
+        chunk = [x[lo:hi].float() for x in xs]
+        for i, x in enumerate(chunk):
+            sq[i] += float(torch.dot(x, x))
+        if not centers_too:
+            continue
+        if n == 3:
+            centers = [torch.minimum(chunk[1], chunk[2]), torch.minimum(chunk[0], chunk[2]),
+                       torch.minimum(chunk[0], chunk[1])]
+        else:
+            values, order = torch.stack(chunk).sort(dim=0)
+            low = order[: m + 1]
+            centers = [torch.where((low == i).any(dim=0), values[m + 1], values[m]) for i in range(n)]
+        for i, (x, c) in enumerate(zip(chunk, centers, strict=True)):
+            dots[i] += float(torch.dot(x, c))
+            csq[i] += float(torch.dot(c, c))
+    return sq, dots, csq
 
 
 def result_digest(run_id: str, step: int, epoch: int, shard: int, num_shards: int, attempt: int, base_hash: str,

@@ -59,6 +59,31 @@ def test_matches_the_numpy_reference(attack: str) -> None:
     assert set(got.clipped) == clipped and set(got.rejected) == rejected
 
 
+@pytest.mark.parametrize("n", [3, 5, 6, 7])
+@pytest.mark.parametrize("attack", ["x1000", "sign-flip", "ties"])
+def test_every_group_size_matches_the_numpy_reference_across_chunks(n: int, attack: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The center of each member (the others' lower median) comes from one sort per chunk, or the smaller
+    of the other two when three contribute; statistics add up over chunks of any size."""
+    import potluck.peer.aggregate as aggregate
+
+    monkeypatch.setattr(aggregate, "CHUNK", 100)  # 512 elements: five full chunks and a partial one
+    xs = honest(n, seed=n)
+    if attack == "x1000":
+        xs["peer1"] = xs["peer1"] * 1000
+    elif attack == "sign-flip":
+        xs["peer0"] = -xs["peer0"]
+    else:  # equal values in every column: the center must not depend on how the sort breaks ties
+        xs["peer2"] = xs["peer1"].copy()
+        xs[f"peer{n - 1}"] = xs["peer1"].copy()
+    got = run(xs, clip_factor=4.0, reject_below=-0.1)
+    want, clipped, rejected = numpy_reference(xs, 4.0, -0.1)
+    np.testing.assert_allclose(got.mean.numpy(), want, rtol=1e-5, atol=1e-8)
+    assert set(got.clipped) == clipped and set(got.rejected) == rejected
+    if attack == "sign-flip":
+        assert rejected == {"peer0"}
+
+
 def test_a_scaled_up_update_counts_like_a_large_honest_one() -> None:
     xs = honest(4)
     honest_mean = run({k: v for k, v in xs.items() if k != "peer2"}).mean

@@ -79,6 +79,10 @@ def test_int8_decode_rejects_bad_input(mutate, match) -> None:  # type: ignore[n
     enc = codec.encode(torch.randn(100))
     with pytest.raises(CodecError, match=match):
         codec.decode(mutate(enc))
+    out = torch.full((100,), 7.0)  # decoding in place: a bad message leaves the buffer as it was
+    with pytest.raises(CodecError, match=match):
+        codec.decode_into(mutate(enc), out)
+    assert bool((out == 7.0).all())
 
 
 def test_raw_decode_rejects_nan_and_size() -> None:
@@ -87,6 +91,24 @@ def test_raw_decode_rejects_nan_and_size() -> None:
         raw.decode(Encoded("raw", 2, np.array([1.0, np.nan], np.float32).tobytes()))
     with pytest.raises(CodecError, match="needs 8 bytes"):
         raw.decode(Encoded("raw", 2, b"\0" * 7))
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("where", [0, 17, 40])  # a whole block, another whole block, the partial last block
+def test_encode_refuses_nan_and_inf_anywhere(bad: float, where: int) -> None:
+    x = torch.randn(41)
+    x[where] = bad
+    with pytest.raises(CodecError, match="NaN or Inf"):
+        Int8BlockCodec(16).encode(x)
+
+
+def test_decode_into_needs_a_buffer_of_the_right_size() -> None:
+    codec = Int8BlockCodec(16)
+    enc = codec.encode(torch.randn(40))
+    with pytest.raises(CodecError, match="do not fit"):
+        codec.decode_into(enc, torch.empty(39))
+    with pytest.raises(ValueError, match="float32"):
+        codec.decode_into(enc, torch.empty(40, dtype=torch.float64))
 
 
 def test_encode_refuses_nan() -> None:
