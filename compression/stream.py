@@ -10,7 +10,9 @@ stream never changes the receiver's state.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, Future
 
 import torch
 
@@ -29,27 +31,60 @@ def chunk_elements(codec: Codec, chunk_bytes: int) -> int:
 
 def encode_chunks(name: str, x: torch.Tensor, codec: Codec, chunk_bytes: int) -> Iterator[pb.Tensor]:
     """Encode a flat vector as a sequence of chunks (at least one, even for an empty vector)."""
-    flat = x.detach().reshape(-1).to("cpu", torch.float32)
-    n = flat.numel()
-    step = chunk_elements(codec, chunk_bytes)
-    offset = 0
-    while True:
-        size = min(step, n - offset)
-        enc = codec.encode(flat[offset : offset + size])
-        yield pb.Tensor(
-            name=name,
-            dtype="float32",
-            shape=[n],
-            codec=enc.codec,
-            scales=enc.scales,
-            payload=enc.payload,
-            offset=offset,
-            numel=size,
-            bits=enc.bits,
-        )
-        offset += size
-        if offset >= n:
-            return
+    return iter(EncodedStream.of(name, x, codec, chunk_bytes))
+
+
+class EncodedStream:
+    """A flat vector's chunks, each encoded ``ahead`` chunks before it is taken (PRIME's double buffer).
+
+    With a ``pool``, chunk ``i + 1`` is quantized on a worker while chunk ``i`` is on the wire, and
+    several chunks are encoded at once on a machine with cores to spare. The vector may be given as
+    ``piece(lo, hi)``, called once per chunk on the worker, so a value computed a chunk at a time (an
+    owner's average) is summed and re-quantized chunk by chunk, never held whole in float32 twice.
+    Encoded chunks are kept: iterating again (a re-send, a backup) encodes nothing again. The chunks
+    are those of :func:`encode_chunks` for the same values, bit for bit.
+    """
+
+    def __init__(self, name: str, numel: int, piece: Callable[[int, int], torch.Tensor], codec: Codec, chunk_bytes: int,
+                 pool: Executor | None = None, ahead: int = 2) -> None:
+        self.name, self.numel, self.piece, self.codec, self.pool, self.ahead = name, numel, piece, codec, pool, ahead
+        step = chunk_elements(codec, chunk_bytes)
+        self.bounds = [(lo, min(numel, lo + step)) for lo in range(0, numel, step)] or [(0, 0)]
+        self._chunks: list[Future[pb.Tensor] | None] = [None] * len(self.bounds)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, name: str, x: torch.Tensor, codec: Codec, chunk_bytes: int, pool: Executor | None = None) -> EncodedStream:
+        flat = x.detach().reshape(-1).to("cpu", torch.float32)
+        return cls(name, flat.numel(), lambda lo, hi: flat[lo:hi], codec, chunk_bytes, pool)
+
+    def _encode(self, k: int) -> pb.Tensor:
+        lo, hi = self.bounds[k]
+        enc = self.codec.encode(self.piece(lo, hi))
+        return pb.Tensor(name=self.name, dtype="float32", shape=[self.numel], codec=enc.codec, scales=enc.scales,
+                         payload=enc.payload, offset=lo, numel=hi - lo, bits=enc.bits)
+
+    def _future(self, k: int) -> Future[pb.Tensor]:
+        with self._lock:
+            fut = self._chunks[k]
+            if fut is None:
+                if self.pool is not None:
+                    fut = self.pool.submit(self._encode, k)
+                else:
+                    fut = Future()
+                    fut.set_result(self._encode(k))
+                self._chunks[k] = fut
+            return fut
+
+    def __iter__(self) -> Iterator[pb.Tensor]:
+        for k in range(len(self.bounds)):
+            if self.pool is not None:
+                for j in range(k + 1, min(len(self.bounds), k + 1 + self.ahead)):
+                    self._future(j)
+            yield self._future(k).result()
+
+    def __len__(self) -> int:
+        return len(self.bounds)
 
 
 class Assembler:

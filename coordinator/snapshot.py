@@ -71,7 +71,8 @@ def peer_rows(views: Sequence[PeerView], tasklet_of: Mapping[str, dict[str, int]
             "eval_loss": r.eval_loss, "tokens_per_s": r.tokens_per_s, "tokens_total": r.tokens_total,
             "bytes_sent": r.bytes_sent, "bytes_received": r.bytes_received,
             "last_seen_s": round(now - view.last_seen, 2), "software": r.software, "state_hash": r.state_hash,
-            "compute_s": r.compute_s, "sync_s": r.sync_s, "clipped": flagged["clipped"].get(r.peer_id, 0),
+            "compute_s": r.compute_s, "sync_s": r.sync_s, "hidden_s": r.hidden_s,
+            "clipped": flagged["clipped"].get(r.peer_id, 0),
             "rejected": flagged["rejected"].get(r.peer_id, 0),
         })
     return rows

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
@@ -40,8 +40,8 @@ import grpc
 import torch
 
 from potluck.compression.int8 import Codec
-from potluck.compression.stream import Assembler, WireError, encode_chunks
-from potluck.peer.aggregate import reduce_mean, result_digest, robust_mean  # noqa: F401 (reduce_mean: re-export)
+from potluck.compression.stream import Assembler, EncodedStream, WireError
+from potluck.peer.aggregate import reduce_mean, result_digest, robust_reduction  # noqa: F401 (reduce_mean: re-export)
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.faults import fault
 from potluck.protos.identity import verify
@@ -64,6 +64,7 @@ CATCHING_UP = {"joining", "recovering", "waiting"}
 
 
 PING_S = 2.0
+CODEC_WORKERS = 2
 
 
 def _remote_step(err: grpc.RpcError) -> int | None:
@@ -179,6 +180,8 @@ class AllReduce:
         self.client, self.chunk_bytes, self.rpc_timeout, self._ping = client, chunk_bytes, rpc_timeout, ping
         self._cond = threading.Condition()
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="allreduce")
+        # encodes chunk i + 1 while chunk i is on the wire, and an owner's result a few chunks at a time
+        self._codec_pool = ThreadPoolExecutor(max_workers=CODEC_WORKERS, thread_name_prefix="codec")
         self._step = -1
         self._epoch = 0
         self._base_hash = ""
@@ -205,11 +208,12 @@ class AllReduce:
             self._taken_over.clear()
             self._cond.notify_all()
 
-    def set_round(self, info: RoundInfo) -> None:
-        """Learn the members of the expected step; drops anything already received from non-members."""
+    def set_round(self, info: RoundInfo) -> bool:
+        """Learn the members of the expected step; drops anything already received from non-members.
+        False (and nothing changes) if ``info`` is not of the expected step."""
         with self._cond:
             if info.step != self._step:
-                return
+                return False
             if info.epoch != self._epoch:  # decided again after a failure: what came for the old epoch is void
                 self._epoch = info.epoch
                 self._contribs.clear()
@@ -228,6 +232,7 @@ class AllReduce:
                 except Rejected as err:
                     log.warning("dropping a result received before the round was known: %s", err.reason)
                     del self._results[shard]
+            return True
 
     def pending_contributions(self) -> int:
         """Contributions held for the expected step (for tests and the status page)."""
@@ -464,7 +469,7 @@ class AllReduce:
     def _submit(self, fn: Callable, *args: object) -> Future:
         return self._pool.submit(fn, *args)
 
-    def _chunks(self, info: RoundInfo, shard: int, attempt: int, tensors: list[pb.Tensor]) -> Iterator[pb.ShardChunk]:
+    def _chunks(self, info: RoundInfo, shard: int, attempt: int, tensors: Iterable[pb.Tensor]) -> Iterator[pb.ShardChunk]:
         """A contribution's chunks."""
         hdr = pb.Header(run_id=self.run_id, sender=self.me, step=info.step, epoch=info.epoch)
         for t in tensors:
@@ -479,7 +484,7 @@ class AllReduce:
         self, kind: str, info: RoundInfo, peer: MemberAddr, shard: int, attempt: int, values: torch.Tensor,
         on_error: Callable[[MemberAddr, grpc.RpcError], None],
     ) -> bool:
-        tensors = list(encode_chunks(f"shard{shard}", values, self.codec, self.chunk_bytes))
+        tensors = EncodedStream.of(f"shard{shard}", values, self.codec, self.chunk_bytes, self._codec_pool)
         while True:
             try:
                 self.client.push_contribution(peer.address, self._chunks(info, shard, attempt, tensors), self.rpc_timeout,
@@ -527,8 +532,10 @@ class AllReduce:
             result_chunks, outcome = forwarded.chunks, forwarded.outcome
         else:
             lo, hi = bounds[shard]
-            red = robust_mean(got, hi - lo, self.clip_factor, self.reject_below)
-            result_chunks = list(encode_chunks(f"shard{shard}", red.mean, self.codec, self.chunk_bytes))
+            red = robust_reduction(got, hi - lo, self.clip_factor, self.reject_below)
+            # summed in float32 and re-quantized a chunk at a time, chunks on the codec workers
+            result_chunks = list(EncodedStream(f"shard{shard}", hi - lo, red.mean, self.codec, self.chunk_bytes,
+                                               self._codec_pool))
             digest = result_digest(self.run_id, info.step, info.epoch, shard, len(info.members), attempt,
                                    info.base_hash, red.contributors, red.clipped, red.rejected, result_chunks)
             outcome = Outcome(attempt, red.contributors, red.clipped, red.rejected, self.me, self.sign(digest))
@@ -691,3 +698,4 @@ class AllReduce:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._codec_pool.shutdown(wait=False, cancel_futures=True)

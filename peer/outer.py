@@ -33,16 +33,21 @@ class OuterResult:
     mean_norm: float
 
 
-def outer_step(rc: RunConfig, allreduce: AllReduce, info: RoundInfo, held: Snapshot, theta_local: torch.Tensor,
-               contribute: bool, inner_seconds: float, meta: dict) -> OuterResult:
-    """Average this member's pseudo-gradient with the stage's other members and take the outer step.
+def pseudo_gradient(start: torch.Tensor, theta_local: torch.Tensor) -> torch.Tensor:
+    """``start - theta_local``: how far the inner phase moved from where it started, written into
+    ``theta_local``'s buffer (the caller's fresh copy, consumed here: one model-sized vector less)."""
+    return torch.sub(start, theta_local, out=theta_local)
+
+
+def outer_step(rc: RunConfig, allreduce: AllReduce, info: RoundInfo, held: Snapshot, delta: torch.Tensor | None,
+               inner_seconds: float, meta: dict) -> OuterResult:
+    """Average this member's pseudo-gradient ``delta`` with the stage's other members and take the outer
+    step from ``held`` (None: nothing valid to contribute; the member still takes the step).
 
     Raises :class:`~potluck.peer.allreduce.IncompleteRound` when the step cannot be committed.
     """
     fault("outer.start", info.step)
     theta = held.tensors["theta"]
-    # into theta_local's own buffer (the caller's fresh copy, consumed here): one model-sized vector less
-    delta: torch.Tensor | None = torch.sub(theta, theta_local, out=theta_local) if contribute else None
     if delta is not None and not bool(torch.isfinite(delta).all()):
         log.error("local training produced NaN/Inf; contributing nothing to step %d", info.step)
         delta = None

@@ -203,8 +203,7 @@ class Tasklet:
         cell = rnd.member(self.tools.me) if rnd is not None and rnd.step == step else None
         if rnd is None or cell is None or cell.stage != self.stage:
             return False
-        self.allreduce.set_round(self.round_info(rnd, step))
-        return True
+        return self.allreduce.set_round(self.round_info(rnd, step))
 
     def replace(self, stage: int) -> Tasklet:
         """A fresh tasklet of ``stage`` (at theta_0) in place of this one."""

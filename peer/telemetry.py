@@ -45,6 +45,7 @@ class Progress:
     outer_wait_s: float = 0.0
     compute_s: float = 0.0
     sync_s: float = 0.0
+    hidden_s: float = 0.0
     last_pipe: dict[str, int] = field(default_factory=dict)  # pipeline bytes of the last outer step, by kind
 
 
@@ -94,14 +95,15 @@ class Telemetry:
         p = self.progress
         p.last_outer_s, p.outer_wait_s, p.last_outer_bytes = seconds, stats.wait_seconds, stats.bytes_sent
         p.sync_s += seconds
+        p.hidden_s += max(0.0, stats.seconds - seconds)  # the all-reduce's own time the training loop did not wait
         if pipe_total is not None:  # the pipeline counts bytes since it started: this step's are the difference
             p.last_pipe = {k: v - self._pipe_before.get(k, 0) for k, v in pipe_total.items()}
             self._pipe_before = dict(pipe_total)
         self.steps.append(report.model_copy(update={"loss": p.loss, "pipe": dict(p.last_pipe)}))
         dropped = f", dropped {', '.join(short_id(d) for d in stats.dropped)}" if stats.dropped else ""
-        log.info("outer step %d: %d members, %.2f s (waited %.2f s), sent %.2f MB, |mean delta| %.3g, loss %.4f%s",
-                 stats.step, stats.members, seconds, stats.wait_seconds, stats.bytes_sent / 1e6, mean_norm,
-                 p.loss or float("nan"), dropped)
+        log.info("outer step %d: %d members, %.2f s (all-reduce %.2f s, waited %.2f s for members), sent %.2f MB, "
+                 "|mean delta| %.3g, loss %.4f%s", stats.step, stats.members, seconds, stats.seconds, stats.wait_seconds,
+                 stats.bytes_sent / 1e6, mean_norm, p.loss or float("nan"), dropped)
 
     def evaluated(self, version: int, loss: float) -> None:
         self.progress.eval_loss, self.progress.eval_version = loss, version
@@ -133,6 +135,7 @@ class Telemetry:
             eval_loss=p.eval_loss, eval_version=p.eval_version, samples_per_s=p.samples_per_s,
             tokens_per_s=p.tokens_per_s, tokens_total=p.tokens_total, bytes_sent=traffic[0], bytes_received=traffic[1],
             last_outer_s=p.last_outer_s, last_outer_bytes=p.last_outer_bytes, compute_s=p.compute_s, sync_s=p.sync_s,
+            hidden_s=p.hidden_s,
             parameters=numel, loss_floor=loss_floor, software=__version__, started_at=self.started_at,
             seq=next_seq(), ts=time.time(), stage=stage, dht_maddrs=maddrs, replica=replica,
             recent=list(self.steps),

@@ -105,6 +105,9 @@ class DiLoCoConfig(_Section):
     outer_lr: float = Field(0.7, gt=0)
     outer_momentum: float = Field(0.9, ge=0, lt=1)
     nesterov: bool = Field(True)
+    overlap: bool = Field(
+        False, description="one-step-delayed outer step: the all-reduce of step k runs while the inner steps of "
+        "k + 1 go on, its result applied one outer step late (pipeline.stages = 1 only); false: blocking")
 
 
 class SyncConfig(_Section):
@@ -351,6 +354,9 @@ class RunConfig(_Section):
             self.__dict__["model"] = model
         if p.stages > 1 and self.model.tie_embeddings:
             raise ValueError("model.tie_embeddings needs embedding and head in one stage; set it false for stages > 1")
+        if p.stages > 1 and self.diloco.overlap:
+            raise ValueError("diloco.overlap needs pipeline.stages = 1: a pipeline starts each step only on the "
+                             "coordinator's round for it, which waits for the step before")
         return self
 
     @field_validator("run_id")

@@ -128,7 +128,10 @@ class PeerRecord(_Record):
     last_outer_s: float = Field(0.0, ge=0, description="wall time of this peer's last outer step")
     last_outer_bytes: int = Field(0, ge=0, description="bytes this peer sent in its last outer all-reduce")
     compute_s: float = Field(0.0, ge=0, description="total seconds spent in inner steps")
-    sync_s: float = Field(0.0, ge=0, description="total seconds spent in outer steps (network and waiting)")
+    sync_s: float = Field(0.0, ge=0, description="total seconds the training loop spent in outer steps (network and "
+                          "waiting)")
+    hidden_s: float = Field(0.0, ge=0, description="total seconds of outer steps that ran while inner steps trained "
+                            "(diloco.overlap)")
     parameters: int = Field(0, ge=0)
     loss_floor: float | None = Field(None, description="best achievable loss on the run's data, if known")
     stage: int = Field(0, ge=0, le=1024, description="the pipeline stage whose state `version`/`state_hash` describe")

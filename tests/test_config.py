@@ -115,3 +115,9 @@ def test_byte_data_decides_the_vocabulary_unless_the_run_file_does() -> None:
     assert cfg.model.vocab_size == 256 and cfg.model.model_fields_set == set()
     assert parse_config(tomllib.loads(dump_toml(cfg))) == cfg
     assert apply_overrides(cfg, {"data.source": "markov"}).model.vocab_size == 64
+
+
+def test_overlapped_outer_steps_need_a_single_stage() -> None:
+    assert apply_overrides(RunConfig(), {"diloco.overlap": "true"}).diloco.overlap is True
+    with pytest.raises(ConfigError, match="diloco.overlap needs pipeline.stages = 1"):
+        apply_overrides(RunConfig(), {"diloco.overlap": True, "pipeline.stages": 2})
