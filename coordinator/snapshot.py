@@ -22,6 +22,7 @@ from potluck.coordinator.status import API
 from potluck.models import entry_costs
 from potluck.protos.config import ModelConfig, RunConfig
 from potluck.protos.log import short_id
+from potluck.protos.relay import VIA
 from potluck.protos.swarm import LinkReport
 
 GONE = ("lost", "left", "finished")
@@ -71,7 +72,7 @@ def peer_rows(views: Sequence[PeerView], tasklet_of: Mapping[str, dict[str, int]
             "eval_loss": r.eval_loss, "tokens_per_s": r.tokens_per_s, "tokens_total": r.tokens_total,
             "bytes_sent": r.bytes_sent, "bytes_received": r.bytes_received,
             "last_seen_s": round(now - view.last_seen, 2), "software": r.software, "state_hash": r.state_hash,
-            "compute_s": r.compute_s, "sync_s": r.sync_s, "hidden_s": r.hidden_s,
+            "compute_s": r.compute_s, "sync_s": r.sync_s, "hidden_s": r.hidden_s, "relayed": VIA in r.address,
             "clipped": flagged["clipped"].get(r.peer_id, 0),
             "rejected": flagged["rejected"].get(r.peer_id, 0),
         })

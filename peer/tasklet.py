@@ -36,7 +36,7 @@ from potluck.protos.identity import Identity
 from potluck.protos.log import get_logger, set_context, short_id
 from potluck.protos.netem import NetEm
 from potluck.protos.records import PeerRecord, Plan, Round
-from potluck.protos.transport import PeerClient, PeerServer, Traffic
+from potluck.protos.transport import PeerClient, PeerServer, RelayedServer, Traffic
 
 log = get_logger(__name__)
 
@@ -62,7 +62,7 @@ class Toolbox:
     addresses: dict[str, str] = field(default_factory=dict)  # peer id -> gRPC address, from the rounds seen
     tls: TlsIdentity | None = None  # mutual TLS for gRPC, unless the run is --insecure
     heartbeat: Heartbeat | None = None
-    server: PeerServer | None = None
+    server: PeerServer | RelayedServer | None = None
     address: str = ""
     maddrs: list[str] = field(default_factory=list)
     threads: list[threading.Thread] = field(default_factory=list)
@@ -90,9 +90,17 @@ class Toolbox:
         """Start answering RPCs, heartbeating and probing links; returns the heartbeat (the plan's reader)."""
         service = PeerService(self.rc.run_id, ping, lambda: tasklet().allreduce, lambda: tasklet().states.server,
                               lambda: tasklet().pipeline)
-        self.server = PeerServer(service, self.traffic, host=self.cfg.host, port=self.cfg.port, netem=self.netem,
-                                 tls=self.tls, revoked=self.revoked)
-        self.address = f"{self.joined.announce_host}:{self.server.port}"
+        if self.cfg.relay:  # behind a NAT: no port, calls come down a tunnel to the coordinator
+            m = self.joined.manifest
+            relayed = RelayedServer(service, self.traffic, self.client, m.coordinator_grpc, m.coordinator, self.rc.run_id,
+                                    self.me, revoked=self.revoked)
+            self.server, self.address = relayed, relayed.address
+            log.info("accepting no connections: calls to this peer are relayed by the coordinator at %s",
+                     m.coordinator_grpc)
+        else:
+            self.server = PeerServer(service, self.traffic, host=self.cfg.host, port=self.cfg.port, netem=self.netem,
+                                     tls=self.tls, revoked=self.revoked)
+            self.address = f"{self.joined.announce_host}:{self.server.port}"
         m = self.rc.membership
         heartbeat = self.heartbeat = Heartbeat(self.joined.node, self.joined.manifest, record, m.heartbeat_s,
                                                m.heartbeat_timeout_s)

@@ -124,7 +124,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
     from potluck.protos.config import PeerConfig
 
     fields = {k: getattr(args, k) for k in ("join", "host", "port", "dht_port", "announce_host", "device", "name",
-                                             "threads", "dht_client", "startup_timeout_s", "plan_wait_s", "netem", "region",
+                                             "threads", "dht_client", "relay", "startup_timeout_s", "plan_wait_s", "netem", "region",
                                              "data_path", "identity", "token")
               if getattr(args, k) is not None}
     try:
@@ -282,6 +282,8 @@ def _add_peer(sub: Any) -> None:
     pe.add_argument("--announce-host", metavar="HOST", help="address other peers use to reach this one (default: auto-detected)")
     pe.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice)")
     pe.add_argument("--dht-client", action="store_true", default=None, help="DHT client mode (behind NAT)")
+    pe.add_argument("--relay", action="store_true", default=None,
+                    help="behind a NAT: listen on no port, take calls through the coordinator (with --dht-client)")
     pe.add_argument("--startup-timeout-s", type=float, metavar="SECONDS",
                     help="seconds allowed for the DHT daemon to start (default 60)")
     pe.add_argument("--plan-wait-s", type=float, metavar="SECONDS",

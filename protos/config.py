@@ -274,6 +274,8 @@ class PeerConfig(_Section):
     name: str = Field("", max_length=64, description="public name shown on the status page (opt-in)")
     threads: int = Field(0, ge=0, description="torch CPU threads; 0 keeps torch's default")
     dht_client: bool = Field(False, description="join the DHT as a client only (behind NAT)")
+    relay: bool = Field(False, description="accept no connections (behind a NAT): serve other peers' calls over "
+                        "one outbound tunnel to the coordinator, which relays them")
     startup_timeout_s: float = Field(60.0, gt=0, description="time allowed for the DHT daemon to start")
     join_timeout_s: float = Field(120.0, gt=0, description="time allowed to find the run manifest")
     region: str = Field("", description="this peer's region in the --netem topology file")

@@ -269,3 +269,25 @@ class PipeMessage(_message.Message):
     stage: int
     replica: int
     def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., kind: _Optional[str] = ..., inner_step: _Optional[int] = ..., micro: _Optional[int] = ..., sample_ids: _Optional[_Iterable[int]] = ..., labels: _Optional[bytes] = ..., label_shape: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ..., first: _Optional[_Union[ActPacket, _Mapping]] = ..., delta: _Optional[_Union[ActPacket, _Mapping]] = ..., loss: _Optional[float] = ..., stage: _Optional[int] = ..., replica: _Optional[int] = ...) -> None: ...
+
+class RelayFrame(_message.Message):
+    __slots__ = ("call", "method", "caller", "message", "end", "status", "details", "refusal", "header")
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    CALLER_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    call: int
+    method: str
+    caller: str
+    message: bytes
+    end: bool
+    status: int
+    details: str
+    refusal: bytes
+    header: Header
+    def __init__(self, call: _Optional[int] = ..., method: _Optional[str] = ..., caller: _Optional[str] = ..., message: _Optional[bytes] = ..., end: _Optional[bool] = ..., status: _Optional[int] = ..., details: _Optional[str] = ..., refusal: _Optional[bytes] = ..., header: _Optional[_Union[Header, _Mapping]] = ...) -> None: ...

@@ -69,6 +69,11 @@ class PeerServiceStub:
                 request_serializer=potluck_dot_protos_dot_potluck__pb2.PipeMessage.SerializeToString,
                 response_deserializer=potluck_dot_protos_dot_potluck__pb2.Ack.FromString,
                 _registered_method=True)
+        self.Relay = channel.stream_stream(
+                '/potluck.v1.PeerService/Relay',
+                request_serializer=potluck_dot_protos_dot_potluck__pb2.RelayFrame.SerializeToString,
+                response_deserializer=potluck_dot_protos_dot_potluck__pb2.RelayFrame.FromString,
+                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -122,6 +127,13 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Relay(self, request_iterator, context):
+        """NAT traversal: a peer without inbound reachability serves the calls relayed to it over this stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -159,6 +171,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.PushPipe,
                     request_deserializer=potluck_dot_protos_dot_potluck__pb2.PipeMessage.FromString,
                     response_serializer=potluck_dot_protos_dot_potluck__pb2.Ack.SerializeToString,
+            ),
+            'Relay': grpc.stream_stream_rpc_method_handler(
+                    servicer.Relay,
+                    request_deserializer=potluck_dot_protos_dot_potluck__pb2.RelayFrame.FromString,
+                    response_serializer=potluck_dot_protos_dot_potluck__pb2.RelayFrame.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -350,6 +367,33 @@ class PeerService:
             '/potluck.v1.PeerService/PushPipe',
             potluck_dot_protos_dot_potluck__pb2.PipeMessage.SerializeToString,
             potluck_dot_protos_dot_potluck__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Relay(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/potluck.v1.PeerService/Relay',
+            potluck_dot_protos_dot_potluck__pb2.RelayFrame.SerializeToString,
+            potluck_dot_protos_dot_potluck__pb2.RelayFrame.FromString,
             options,
             channel_credentials,
             insecure,

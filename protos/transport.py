@@ -21,6 +21,7 @@ future, crosses it; without one no interceptor is installed.
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
@@ -35,6 +36,15 @@ from potluck.protos.certs import TlsIdentity, peer_of
 from potluck.protos.errors import check_port_free, explain_bind_failure
 from potluck.protos.log import get_logger, short_id
 from potluck.protos.netem import NetEm
+from potluck.protos.relay import (
+    METHODS,
+    TARGET_KEY,
+    RelayClient,
+    RelayError,
+    RelayHub,
+    relayed_address,
+    split_address,
+)
 
 log = get_logger(__name__)
 
@@ -47,6 +57,9 @@ SERVER_OPTIONS = [
     ("grpc.max_connection_age_grace_ms", 600_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 1),
+    # clients ping every 20 s (CHANNEL_OPTIONS) to keep long streams alive, a relay tunnel idle for minutes among
+    # them: accept that, where gRPC's default (one ping in 5 minutes) would answer GOAWAY "too many pings"
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
 ]
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -64,6 +77,7 @@ KIND_BY_METHOD = {
     "GetStateInfo": "state",
     "FetchState": "state",
     "PushPipe": "pipeline",
+    "Relay": "relay",
 }
 
 M = TypeVar("M")
@@ -91,6 +105,7 @@ STATUS_OF: dict[int, grpc.StatusCode] = {
     pb.BAD_IDENTITY: grpc.StatusCode.UNAUTHENTICATED,
 }
 REFUSAL_KEY = "potluck-refusal-bin"
+_REPLY_TYPES = {name: m.reply for name, m in METHODS.items()}
 
 
 class Rejected(Exception):
@@ -181,6 +196,8 @@ class Handlers(Protocol):
 
     def push_pipe(self, request: pb.PipeMessage) -> pb.Ack: ...
 
+    # (Relay is the transport's own: see potluck.protos.relay)
+
 
 def _counted(messages: Iterable[M], count: Callable[[int], None]) -> Iterator[M]:
     for m in messages:
@@ -222,9 +239,9 @@ def _rpc_handlers(servicer: object) -> grpc.GenericRpcHandler:
 
 class _Servicer:
     def __init__(self, handlers: Handlers, traffic: Traffic, on_reject: Callable[[str, str, str], None],
-                 tls: bool, revoked: Callable[[str], bool], per_client: int) -> None:
+                 tls: bool, revoked: Callable[[str], bool], per_client: int, hub: RelayHub | None = None) -> None:
         self.h, self.traffic, self.on_reject = handlers, traffic, on_reject
-        self.tls, self.revoked, self.per_client = tls, revoked, per_client
+        self.tls, self.revoked, self.per_client, self.hub = tls, revoked, per_client, hub
         self._active: dict[str, int] = defaultdict(int)
         self._lock = threading.Lock()
 
@@ -260,7 +277,65 @@ class _Servicer:
             self._claims(who, m)
             yield m
 
+    def _target(self, context: grpc.ServicerContext) -> str:
+        """The peer a call is meant for when it is to be relayed (``x-potluck-to``), else ''."""
+        if self.hub is None:
+            return ""
+        return next((v for k, v in context.invocation_metadata() or () if k == TARGET_KEY), "")
+
+    def _forward(self, method: str, target: str, requests: Iterable, context: grpc.ServicerContext) -> Iterator:
+        """Relay a call to ``target``'s tunnel: the caller is authenticated and counted here as for any
+        call; the relayed peer checks the messages themselves, with the caller this relay vouches for."""
+        who = self._enter(context)
+        try:
+            deadline = time.monotonic() + (context.time_remaining() or 60.0)
+
+            def data() -> Iterator[bytes]:
+                for m in requests:
+                    if isinstance(m, _Malformed):
+                        raise Rejected(pb.BAD_MESSAGE, f"malformed message: {m.error}", who)
+                    self.traffic.add_received("relay", m.ByteSize())
+                    yield m.SerializeToString()
+
+            for reply in self.hub.forward(target, method, who, data(), deadline):  # type: ignore[union-attr]
+                self.traffic.add_sent("relay", len(reply))
+                yield reply
+        except Rejected as r:
+            self._reject(method, None, r, context)
+        except RelayError as err:
+            if err.refusal:
+                context.set_trailing_metadata(((REFUSAL_KEY, err.refusal),))
+            context.abort(err.code, err.details)
+        finally:
+            self._leave(who)
+
+    def _relayed(self, method: str, requests: Iterable, context: grpc.ServicerContext, streaming: bool) -> object:
+        reply = _REPLY_TYPES[method]
+        if streaming:
+            return (reply.FromString(data) for data in self._forward(method, self._target(context), requests, context))
+        replies = list(self._forward(method, self._target(context), requests, context))
+        if len(replies) != 1:
+            context.abort(grpc.StatusCode.INTERNAL, f"{method}: the relayed peer sent {len(replies)} replies")
+        return reply.FromString(replies[0])
+
+    def Relay(self, request_iterator, context):  # noqa: N802 (gRPC names)
+        """A peer without inbound reachability holds this stream open; calls for it are sent down it."""
+        if self.hub is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server relays no calls; relay through the coordinator")
+        who = self._enter(context)
+        try:
+            frames = _counted(request_iterator, lambda n: self.traffic.add_received("relay", n))
+            for frame in self.hub.tunnel(who if self.tls else "", frames):  # type: ignore[union-attr]
+                self.traffic.add_sent("relay", frame.ByteSize())
+                yield frame
+        except ValueError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        finally:
+            self._leave(who)
+
     def _unary(self, method: str, request: object, context: grpc.ServicerContext, fn: Callable) -> object:
+        if self._target(context):
+            return self._relayed(method, [request], context, streaming=False)
         kind = KIND_BY_METHOD[method]
         self.traffic.add_received(kind, request.ByteSize())  # type: ignore[attr-defined]
         who = ""
@@ -280,6 +355,8 @@ class _Servicer:
         return reply
 
     def _client_stream(self, method: str, it: Iterator, context: grpc.ServicerContext, fn: Callable) -> object:
+        if self._target(context):
+            return self._relayed(method, it, context, streaming=False)
         kind = KIND_BY_METHOD[method]
         who = ""
         try:
@@ -300,6 +377,9 @@ class _Servicer:
         return reply
 
     def _server_stream(self, method: str, request: object, context: grpc.ServicerContext, fn: Callable) -> Iterator:
+        if self._target(context):
+            yield from self._relayed(method, [request], context, streaming=True)  # type: ignore[misc]
+            return
         kind = KIND_BY_METHOD[method]
         self.traffic.add_received(kind, request.ByteSize())  # type: ignore[attr-defined]
         who = ""
@@ -370,6 +450,7 @@ class PeerServer:
         tls: TlsIdentity | None = None,
         revoked: Callable[[str], bool] = lambda peer_id: False,
         per_client: int = PER_CLIENT_CALLS,
+        relay: RelayHub | None = None,
     ) -> None:
         # gRPC sets SO_REUSEPORT by default: a second server on a taken port would bind silently and
         # get a share of its connections. Probe first (a clear error), and bind without it.
@@ -380,7 +461,7 @@ class PeerServer:
             interceptors=[netem.server_interceptor()] if netem else None,
             maximum_concurrent_rpcs=4 * workers,  # beyond that, callers are told RESOURCE_EXHAUSTED at once
         )
-        servicer = _Servicer(handlers, traffic, on_reject, tls is not None, revoked, per_client)
+        servicer = _Servicer(handlers, traffic, on_reject, tls is not None, revoked, per_client, relay)
         self.server.add_generic_rpc_handlers((_rpc_handlers(servicer),))
         try:
             where = f"{host}:{port}"
@@ -395,6 +476,24 @@ class PeerServer:
 
     def stop(self, grace: float = 1.0) -> None:
         self.server.stop(grace).wait(grace + 1.0)
+
+
+class RelayedServer:
+    """What a peer that accepts no connections runs instead of a :class:`PeerServer`: no port, one
+    outbound tunnel to a relay, over which it serves the same handlers (see :mod:`potluck.protos.relay`).
+    ``address`` is what it announces."""
+
+    def __init__(self, handlers: Handlers, traffic: Traffic, client: PeerClient, relay_address: str, relay_id: str,
+                 run_id: str, me: str, revoked: Callable[[str], bool] = lambda peer_id: False,
+                 on_reject: Callable[[str, str, str], None] = _log_reject) -> None:
+        servicer = _Servicer(handlers, traffic, on_reject, client.tls is not None, revoked, PER_CLIENT_CALLS)
+        self.address, self.port = relayed_address(relay_address, relay_id), 0
+        self.tunnel = RelayClient(lambda frames: client.open_relay(relay_address, relay_id, frames), servicer, _parser,
+                                  run_id, me, REFUSAL_KEY)
+        self.tunnel.start()
+
+    def stop(self, grace: float = 1.0) -> None:
+        self.tunnel.stop()
 
 
 class PeerClient:
@@ -413,63 +512,79 @@ class PeerClient:
         self._channels: dict[tuple[str, str, int], grpc.Channel] = {}
 
     def stub(self, address: str, peer: str = "") -> pb_grpc.PeerServiceStub:
+        return self._route(address, peer)[0]
+
+    def _route(self, address: str, peer: str) -> tuple[pb_grpc.PeerServiceStub, tuple[tuple[str, str], ...]]:
+        """The stub for ``address`` and the metadata a call needs: a relayed peer (its address names a
+        relay, see :mod:`potluck.protos.relay`) is reached through the relay's channel, the call tagged
+        with the peer it is meant for; TLS then checks the relay's certificate."""
+        where, via = split_address(address)
         tls = self.tls
-        if tls is not None and not peer:
+        name = via or peer
+        if tls is not None and not name:
             raise ValueError(f"a call to {address} over TLS must name the peer id it is meant for")
-        key = (address, peer if tls is not None else "", tls.generation if tls is not None else 0)
+        key = (where, name if tls is not None else "", tls.generation if tls is not None else 0)
         with self._lock:
             stub = self._stubs.get(key)
             if stub is None:
                 if tls is not None:
-                    options = [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", peer.lower())]
-                    channel = grpc.secure_channel(address, tls.channel_credentials(), options=options)
+                    options = [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", name.lower())]
+                    channel = grpc.secure_channel(where, tls.channel_credentials(), options=options)
                 else:
-                    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                    channel = grpc.insecure_channel(where, options=CHANNEL_OPTIONS)
                 if self._tag is not None:
                     channel = grpc.intercept_channel(channel, self._tag)
                 self._channels[key] = channel
                 stub = self._stubs[key] = pb_grpc.PeerServiceStub(channel)
-            return stub
+        return stub, (((TARGET_KEY, peer),) if via else ())
+
+    def open_relay(self, address: str, relay: str, frames: Iterator[pb.RelayFrame]) -> Iterator[pb.RelayFrame]:
+        """Open a relay tunnel to ``relay`` at ``address`` (see :class:`RelayedServer`)."""
+        return _counted(self.stub(address, relay).Relay(_counted(frames, lambda n: self.traffic.add_sent("relay", n))),
+                        lambda n: self.traffic.add_received("relay", n))
 
     def ping(self, address: str, request: pb.PingRequest, timeout: float, peer: str = "") -> pb.PingReply:
         self.traffic.add_sent("probe", request.ByteSize())
-        reply = self.stub(address, peer).Ping(request, timeout=timeout)
+        stub, md = self._route(address, peer)
+        reply = stub.Ping(request, timeout=timeout, metadata=md)
         self.traffic.add_received("probe", reply.ByteSize())
         return reply
 
     def push_contribution(self, address: str, chunks: Iterable[pb.ShardChunk], timeout: float, peer: str = "") -> pb.Ack:
-        return self.stub(address, peer).PushContribution(
-            _counted(chunks, lambda n: self.traffic.add_sent("outer", n)), timeout=timeout
-        )
+        stub, md = self._route(address, peer)
+        return stub.PushContribution(_counted(chunks, lambda n: self.traffic.add_sent("outer", n)), timeout=timeout,
+                                     metadata=md)
 
     def push_result(self, address: str, chunks: Iterable[pb.ShardChunk], timeout: float, peer: str = "") -> pb.Ack:
-        return self.stub(address, peer).PushResult(
-            _counted(chunks, lambda n: self.traffic.add_sent("outer", n)), timeout=timeout
-        )
+        stub, md = self._route(address, peer)
+        return stub.PushResult(_counted(chunks, lambda n: self.traffic.add_sent("outer", n)), timeout=timeout,
+                               metadata=md)
 
     def fetch_result(self, address: str, request: pb.ResultRequest, timeout: float, peer: str = "") -> Iterator[pb.ShardChunk]:
         self.traffic.add_sent("outer", request.ByteSize())
-        return _counted(
-            self.stub(address, peer).FetchResult(request, timeout=timeout), lambda n: self.traffic.add_received("outer", n)
-        )
+        stub, md = self._route(address, peer)
+        return _counted(stub.FetchResult(request, timeout=timeout, metadata=md),
+                        lambda n: self.traffic.add_received("outer", n))
 
     def get_state_info(self, address: str, request: pb.StateInfoRequest, timeout: float, peer: str = "") -> pb.StateInfo:
         self.traffic.add_sent("state", request.ByteSize())
-        info = self.stub(address, peer).GetStateInfo(request, timeout=timeout)
+        stub, md = self._route(address, peer)
+        info = stub.GetStateInfo(request, timeout=timeout, metadata=md)
         self.traffic.add_received("state", info.ByteSize())
         return info
 
     def fetch_state(self, address: str, request: pb.StateRequest, timeout: float, peer: str = "") -> Iterator[pb.StateChunk]:
         self.traffic.add_sent("state", request.ByteSize())
-        return _counted(
-            self.stub(address, peer).FetchState(request, timeout=timeout), lambda n: self.traffic.add_received("state", n)
-        )
+        stub, md = self._route(address, peer)
+        return _counted(stub.FetchState(request, timeout=timeout, metadata=md),
+                        lambda n: self.traffic.add_received("state", n))
 
     def push_pipe(self, address: str, request: pb.PipeMessage, timeout: float, nbytes: int | None = None,
                   peer: str = "") -> pb.Ack:
         """``nbytes``: ``request.ByteSize()`` if the caller has it (it serializes the whole message)."""
         self.traffic.add_sent("pipeline", request.ByteSize() if nbytes is None else nbytes)
-        ack = self.stub(address, peer).PushPipe(request, timeout=timeout)
+        stub, md = self._route(address, peer)
+        ack = stub.PushPipe(request, timeout=timeout, metadata=md)
         self.traffic.add_received("pipeline", ack.ByteSize())
         return ack
 

@@ -371,8 +371,16 @@
     { key: "bytes", label: "sent / received", cls: "num", value: (p) => sumValues(p.bytes_sent),
       text: (p) => bytes(sumValues(p.bytes_sent)) + " / " + bytes(sumValues(p.bytes_received)),
       title: (p) => "sent: " + byKind(p.bytes_sent) + "\nreceived: " + byKind(p.bytes_received) },
+    { key: "relayed", label: "reached", value: (p) => (p.relayed ? relayBytes(p) : -1),
+      text: (p) => (p.relayed ? "relayed · " + bytes(relayBytes(p)) : "direct"),
+      title: (p) => (p.relayed ? "accepts no connections (behind a NAT): its traffic crosses the coordinator's relay, " +
+        bytes(relayBytes(p)) + " so far" : "other peers connect to it directly") },
     { key: "software", label: "version", value: (p) => p.software, text: (p) => p.software || "–" },
   ];
+
+  function relayBytes(p) {
+    return (p.bytes_sent.relay || 0) + (p.bytes_received.relay || 0);
+  }
 
   function renderPeerHead() {
     const head = $("peers-head");
