@@ -38,7 +38,7 @@ class Reduced:
     rejected: list[str] = field(default_factory=list)
 
 
-CHUNK = 1 << 18  # elements per pass over the contributions: a few MB of each, so passes stay in cache
+CHUNK = 1 << 16  # elements per pass over the contributions: 256 KB of each, so a pass stays in cache
 
 
 @dataclass
@@ -151,6 +151,9 @@ def result_digest(run_id: str, step: int, epoch: int, shard: int, num_shards: in
     head = f"{run_id}|{step}|{epoch}|{shard}|{num_shards}|{attempt}|{base_hash}|{','.join(contributors)}|" \
            f"{','.join(clipped)}|{','.join(rejected)}"
     h.update(head.encode())
-    for t in tensors:
-        h.update(t.SerializeToString(deterministic=True))
+    for t in tensors:  # every field, lengths first: no serialized copy of the payload just to hash it
+        h.update(f"|{t.name}|{t.dtype}|{list(t.shape)}|{t.codec}|{t.offset}|{t.numel}|{t.bits}|{len(t.scales)}|"
+                 f"{len(t.payload)}|".encode())
+        h.update(t.scales)
+        h.update(t.payload)
     return h.digest()

@@ -1,7 +1,8 @@
 """Pipeline tasklets: one stage of the model, micro-batches in and out over gRPC.
 
 A run is a grid of S stages x R replicas. The peer at (stage s, replica r) holds layers
-``stage_bounds(...)[s]`` of the model; replica r's peers form one pipeline. Per inner step (GPipe)::
+``stage_bounds(...)[s]`` of the model; replica r's peers form one pipeline. Per inner step
+(``pipeline.schedule = "gpipe"``; ``"1f1b"`` interleaves the two halves, see :meth:`Pipeline.schedule`)::
 
     stage 0:      forward every micro-batch, send activations to s+1 as soon as each is computed;
                   then backward each micro-batch with the gradient s+1 sends back
@@ -30,6 +31,7 @@ average, so it stays in sync), and the coordinator re-forms the grid at the next
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -128,6 +130,7 @@ class Pipeline:
         self._pending: list[Future] = []
         self._closed = False
         self._ahead = (0, 0)  # the newest (epoch, step) a neighbour sent for: above ours means we fell behind
+        self.in_flight = 0  # 1f1b with pipeline.in_flight unset: extra forwards ahead, measured each inner step
 
     # ------------------------------------------------------------------ rounds
 
@@ -178,7 +181,8 @@ class Pipeline:
         batch: tuple[list[int], torch.Tensor, torch.Tensor] | None,
         device: torch.device,
     ) -> float:
-        """Forward and backward of one inner step over ``micro_batches`` (GPipe); returns the loss.
+        """Forward and backward of one inner step over ``micro_batches``, in the order of
+        :meth:`schedule`; returns the loss.
 
         Stage 0 gets ``batch = (sample ids, tokens, targets)``; the other stages receive theirs.
         Gradients accumulate in ``layers``; the caller steps the optimizer.
@@ -186,42 +190,75 @@ class Pipeline:
         r = self._current()
         m = self.cfg.micro_batches
         timeout = self.cfg.pipe_timeout_s * (3 if inner == 0 else 1)
-        outputs: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-        loss_total = 0.0
-        for k in range(m):
-            if self.first:
-                assert batch is not None
-                ids, x, y = batch
-                size = len(ids) // m
-                mids, inp = ids[k * size:(k + 1) * size], x[k * size:(k + 1) * size].to(device)
-                labels = y[k * size:(k + 1) * size]
-                inp_grad_holder = None
+        held: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        loss_total, forward_s, waited_s = 0.0, 0.0, 0.0
+        for op, k in self.schedule(m):
+            if op == "F":
+                t0 = time.monotonic()
+                if self.first:
+                    assert batch is not None
+                    ids, x, y = batch
+                    size = len(ids) // m
+                    mids, inp = ids[k * size:(k + 1) * size], x[k * size:(k + 1) * size].to(device)
+                    labels = y[k * size:(k + 1) * size]
+                    inp_grad_holder = None
+                else:
+                    mids, recv, labels = self._take(r, "forward", inner, k, timeout)
+                    t0 = time.monotonic()
+                    inp = recv.to(device).requires_grad_(True)
+                    inp_grad_holder = inp
+                out = forward_layers(layers, inp)
+                if self.last:  # the loss at once: forward and backward of each micro-batch in turn
+                    loss = lm_loss(out, labels.to(device).long()) / m
+                    loss.backward()
+                    loss_total += float(loss.detach())
+                    assert inp_grad_holder is not None and inp_grad_holder.grad is not None
+                    self._send(r, "backward", inner, k, mids, inp_grad_holder.grad, loss=float(loss.detach()))
+                else:
+                    self._send(r, "forward", inner, k, mids, out.detach(), labels=labels)
+                    held[k] = (out, inp_grad_holder)
+                forward_s += time.monotonic() - t0
             else:
-                mids, recv, labels = self._take(r, "forward", inner, k, timeout)
-                inp = recv.to(device).requires_grad_(True)
-                inp_grad_holder = inp
-            out = forward_layers(layers, inp)
-            if self.last:
-                loss = lm_loss(out, labels.to(device).long()) / m
-                loss.backward()
-                loss_total += float(loss.detach())
-                assert inp_grad_holder is not None and inp_grad_holder.grad is not None
-                self._send(r, "backward", inner, k, mids, inp_grad_holder.grad, loss=float(loss.detach()))
-            else:
-                self._send(r, "forward", inner, k, mids, out.detach(), labels=labels)
-                outputs.append((out, inp_grad_holder))
-            if inner > 0:
-                timeout = self.cfg.pipe_timeout_s
-        if not self.last:
-            for k, (out, held) in enumerate(outputs):
+                t0 = time.monotonic()
                 grad, loss_k = self._take(r, "backward", inner, k, timeout)
+                waited_s += time.monotonic() - t0
+                out, holder = held.pop(k)
                 out.backward(grad.to(device))
                 loss_total += loss_k
-                if held is not None:
-                    assert held.grad is not None
-                    self._send(r, "backward", inner, k, None, held.grad, loss=loss_k)
+                if holder is not None:
+                    assert holder.grad is not None
+                    self._send(r, "backward", inner, k, None, holder.grad, loss=loss_k)
+            if inner > 0:
+                timeout = self.cfg.pipe_timeout_s
+        if self.cfg.schedule == "1f1b" and self.cfg.in_flight is None and not self.last:
+            # cover the wait for gradients with forwards: as many more as fit in it, next time
+            per_forward = forward_s / m if forward_s > 0 else float("inf")
+            self.in_flight = min(m, math.ceil(waited_s / m / per_forward)) if waited_s > 0 else self.in_flight
         self._flush(r)
         return loss_total
+
+    def schedule(self, m: int) -> list[tuple[str, int]]:
+        """The order of this stage's forwards ("F") and backwards ("B") over ``m`` micro-batches.
+
+        GPipe runs every forward, then every backward. 1F1B runs ``S - s - 1`` forwards (the
+        micro-batches in flight to the stages after this one), plus ``in_flight`` more to cover the
+        network, then one forward and one backward in turn, then the remaining backwards: it holds
+        the activations of at most that many micro-batches, not of all ``m``. The last stage runs
+        forward and backward of each micro-batch at once either way. Gradients add up to the same
+        sums in any order (float rounding aside).
+        """
+        if self.last:
+            return [("F", k) for k in range(m)]
+        if self.cfg.schedule == "gpipe":
+            return [("F", k) for k in range(m)] + [("B", k) for k in range(m)]
+        extra = self.cfg.in_flight if self.cfg.in_flight is not None else self.in_flight
+        warm = min(m, self.stages - self.stage - 1 + extra)
+        order = [("F", k) for k in range(warm)]
+        for k in range(m):
+            if k + warm < m:
+                order.append(("F", k + warm))
+            order.append(("B", k))
+        return order
 
     @torch.no_grad()
     def evaluate(self, layers: nn.ModuleList, version: int, batches: list[tuple[list[int], torch.Tensor, torch.Tensor]] | None,

@@ -143,7 +143,13 @@ class PipelineConfig(_Section):
         "layers", description="without pipeline.layers: even entry counts, or the split minimising the largest "
         "stage's parameters or forward+backward FLOPs (counted on the meta device)"
     )
-    micro_batches: int = Field(2, ge=1, description="micro-batches per inner step (GPipe); must divide batch_size")
+    micro_batches: int = Field(2, ge=1, description="micro-batches per inner step; must divide batch_size")
+    schedule: Literal["gpipe", "1f1b"] = Field(
+        "gpipe", description="'gpipe': every forward, then every backward; '1f1b': after a warm-up of forwards, one "
+        "forward and one backward in turn, so fewer micro-batches' activations are held")
+    in_flight: int | None = Field(
+        None, ge=0, description="1f1b: forwards a stage runs ahead of its first backward beyond the S - s - 1 the "
+        "schedule needs; None: measured each inner step, enough to cover the wait for the next stage's gradients")
     compression: Literal["none", "fp16", "direct", "acsgd"] = Field(
         "acsgd", description="forward activations: fp32 ('none'), fp16, direct quantization, or AC-SGD deltas"
     )

@@ -17,7 +17,7 @@ from potluck.peer.data import Dataset, SpanSampler, in_run_order
 from potluck.peer.model import build_layers, forward_layers, lm_loss
 from potluck.peer.pipeline import Neighbour, Pipeline, PipelineStall
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.config import RunConfig, apply_overrides
+from potluck.protos.config import ConfigError, RunConfig, apply_overrides
 from potluck.protos.identity import Identity
 from potluck.protos.transport import PeerClient, PeerServer, Traffic
 
@@ -280,3 +280,43 @@ def test_the_ack_says_how_long_the_receiver_held_a_message(make_stages) -> None:
     sender.join(timeout=10)
     assert out["held"] >= 0.5, out
     assert 0 <= out["elapsed"] - out["held"] < 0.3, out
+
+
+@pytest.mark.parametrize("in_flight", [0, None])
+def test_1f1b_matches_the_unsplit_model(make_stages, in_flight: int | None) -> None:
+    cfg = config(**{"pipeline.compression": "none", "pipeline.grad_bits": None, "pipeline.stages": 3,
+                    "model.n_layers": 3, "pipeline.micro_batches": 4, "pipeline.schedule": "1f1b",
+                    "pipeline.in_flight": in_flight})
+    data = Dataset(cfg.data, cfg.model)
+    stages = make_stages(cfg)
+    piped = run_steps(stages, cfg, 8, in_run_order(cfg.data.num_samples, 0), data)
+    full, reference = train_unsplit(cfg, data, 8)
+    assert piped == pytest.approx(reference, rel=1e-4, abs=1e-5)
+    flat = torch.cat([p.detach().flatten() for s in stages for p in s.layers.parameters()])
+    ref = torch.cat([p.detach().flatten() for p in full.parameters()])
+    assert (flat - ref).abs().max() < 1e-4, float((flat - ref).abs().max())
+
+
+def test_1f1b_order_holds_fewer_micro_batches() -> None:
+    def order(stage: int, stages: int, schedule: str, in_flight: int | None = 0, m: int = 4) -> str:
+        cfg = config(**{"pipeline.stages": stages, "model.n_layers": 3, "pipeline.micro_batches": m,
+                        "pipeline.schedule": schedule, "pipeline.in_flight": in_flight})
+        pipe = Pipeline(run_id=RUN, me="x", stage=stage, stages=stages, model=cfg.model, cfg=cfg.pipeline,
+                        client=PeerClient(Traffic()), num_samples=32)
+        try:
+            return " ".join(f"{op}{k}" for op, k in pipe.schedule(m))
+        finally:
+            pipe.close()
+
+    assert order(0, 3, "gpipe") == "F0 F1 F2 F3 B0 B1 B2 B3"
+    assert order(0, 3, "1f1b") == "F0 F1 F2 B0 F3 B1 B2 B3"  # two forwards in flight to stages 1 and 2
+    assert order(1, 3, "1f1b") == "F0 F1 B0 F2 B1 F3 B2 B3"
+    assert order(2, 3, "1f1b") == "F0 F1 F2 F3"  # the last stage: forward and backward of each at once
+    assert order(0, 2, "1f1b") == "F0 F1 B0 F2 B1 F3 B2 B3"
+    assert order(0, 2, "1f1b", in_flight=1) == "F0 F1 F2 B0 F3 B1 B2 B3"  # one more to cover the network
+    assert order(0, 2, "1f1b", in_flight=9) == order(0, 2, "gpipe")  # never more than every micro-batch
+
+
+def test_a_negative_in_flight_is_refused() -> None:
+    with pytest.raises(ConfigError, match="pipeline.in_flight"):
+        config(**{"pipeline.in_flight": -1})
