@@ -15,6 +15,7 @@ message raises :class:`CodecError` and produces no tensor, so nothing downstream
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -154,22 +155,26 @@ class Int8BlockCodec:
         codes = np.frombuffer(enc.payload, dtype=np.int8)
         if codes.size and int(codes.min()) == -128:
             raise CodecError("int8 code -128 is outside the symmetric range [-127, 127]")
-        target = _target(out, n).numpy()
+        target = _target(out, n)
         full = n - n % bs
+        with warnings.catch_warnings():  # read-only views of the message: nothing here writes to them
+            warnings.simplefilter("ignore", UserWarning)
+            codes_t, scales_t = torch.from_numpy(codes), torch.from_numpy(scales)
         # int8 -> float32 is exact and each element is one float32 multiply: the bits of dequantize_rows
-        np.multiply(codes[:full].reshape(-1, bs), scales[: full // bs, None], out=target[:full].reshape(-1, bs))
-        np.multiply(codes[full:], scales[-1] if full < n else np.float32(0), out=target[full:])
+        target.copy_(codes_t)
+        target[:full].view(-1, bs).mul_(scales_t[: full // bs, None])
+        if full < n:
+            target[full:].mul_(scales_t[-1])
 
 
 def _quantize_blocks(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
     """:func:`~potluck.kernels.quant.quantize_rows` at 8 bits, written into ``codes`` and ``scales``.
 
     The same operations (absmax / 127, divide, round half to even, clamp), in fewer passes over
-    memory: one for the absmax (min and max together, no ``|x|`` temporary), one division into a
+    memory: the absmax from the rows' max and min (no ``|x|`` temporary), one division into a
     scratch row block, and the rounding, clamping and int8 conversion in place.
     """
-    lo, hi = torch.aminmax(x, dim=1)
-    torch.maximum(hi, lo.neg_(), out=scales)
+    torch.maximum(x.amax(dim=1), x.amin(dim=1).neg_(), out=scales)  # (torch.aminmax is 20x slower here)
     scales.div_(127)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)
     y = torch.div(x, safe)  # an all-zero block (scale 0) divides by 1 and stays zero

@@ -32,6 +32,7 @@ import torch
 from potluck.compression.transfer import Snapshot, Target
 from potluck.peer.allreduce import IncompleteRound, RoundInfo
 from potluck.peer.data import DataError
+from potluck.peer.diloco import all_finite
 from potluck.peer.follower import Finish, Follower, Held, Recover, Switch, Train, Wait
 from potluck.peer.joining import Joined, Stopped, join, load_identity
 from potluck.peer.outer import OuterResult, outer_step, pseudo_gradient
@@ -224,7 +225,7 @@ class Session:
         if interrupted:
             return
         delta = pseudo_gradient(start, theta_local) if contribute else None
-        if delta is not None and not bool(torch.isfinite(delta).all()):
+        if delta is not None and not all_finite(delta):
             log.error("local training produced NaN/Inf; contributing nothing to step %d", step)
             delta = None
         held = t.states.current

@@ -18,7 +18,7 @@ import torch
 
 from potluck.compression.transfer import Snapshot
 from potluck.peer.allreduce import AllReduce, AllReduceStats, RoundInfo
-from potluck.peer.diloco import nesterov_step, outer_snapshot
+from potluck.peer.diloco import all_finite, nesterov_step, outer_snapshot
 from potluck.protos.config import RunConfig
 from potluck.protos.faults import fault, tamper
 from potluck.protos.log import get_logger
@@ -48,7 +48,7 @@ def outer_step(rc: RunConfig, allreduce: AllReduce, info: RoundInfo, held: Snaps
     """
     fault("outer.start", info.step)
     theta = held.tensors["theta"]
-    if delta is not None and not bool(torch.isfinite(delta).all()):
+    if delta is not None and not all_finite(delta):
         log.error("local training produced NaN/Inf; contributing nothing to step %d", info.step)
         delta = None
     if delta is not None:

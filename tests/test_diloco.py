@@ -104,3 +104,15 @@ def test_snapshot_hash_tracks_content() -> None:
 if __name__ == "__main__":  # regenerate the fixture (only when the reference itself changes)
     FIXTURE.write_text(json.dumps(make_fixture(), indent=1) + "\n")
     print(f"wrote {FIXTURE}", file=sys.stderr)
+
+
+def test_all_finite_finds_one_nan_or_inf_anywhere() -> None:
+    from potluck.peer.diloco import all_finite
+
+    x = torch.randn(100_003)
+    assert all_finite(x)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for where in (0, 50_000, 100_002):
+            y = x.clone()
+            y[where] = bad
+            assert not all_finite(y), (bad, where)
