@@ -94,13 +94,16 @@ class Assembler:
     expects the whole vector.
     """
 
-    def __init__(self, name: str, numel: int, codec: Codec, start: int = 0, stop: int | None = None) -> None:
+    def __init__(self, name: str, numel: int, codec: Codec, start: int = 0, stop: int | None = None,
+                 out: torch.Tensor | None = None) -> None:
         self.name, self.numel, self.codec = name, numel, codec
         self.start = start
         self.stop = numel if stop is None else stop
         if not 0 <= self.start <= self.stop <= numel:
             raise ValueError(f"range [{start}, {stop}) is outside [0, {numel})")
-        self.buffer = torch.empty(self.stop - self.start, dtype=torch.float32)
+        if out is not None and (out.dtype != torch.float32 or out.shape != (self.stop - self.start,)):
+            raise ValueError(f"an output of {self.stop - self.start} float32 is needed, got {out.dtype} {tuple(out.shape)}")
+        self.buffer = out if out is not None else torch.empty(self.stop - self.start, dtype=torch.float32)
         self.filled = self.start
 
     def add(self, t: pb.Tensor) -> None:
