@@ -113,14 +113,16 @@ class Pipeline:
         self.on_transfer = on_transfer  # (peer id, bytes, seconds) of each delivered message: passive link figures
         self.traffic = PipeTraffic()
         acfg = AcsgdConfig(bits=cfg.bits, rounding=cfg.rounding, first_visit=cfg.first_visit,
-                           grad_bits=cfg.grad_bits or 8, memmap_threshold_bytes=cfg.buffer_memmap_bytes)
+                           grad_bits=cfg.grad_bits if cfg.grad_bits in (4, 8) else 8,
+                           memmap_threshold_bytes=cfg.buffer_memmap_bytes)
         self.acsgd = cfg.compression == "acsgd"
         self.sender = AcsgdSender(acfg) if self.acsgd and not self.last else None
         self.receiver = AcsgdReceiver(acfg) if self.acsgd and not self.first else None
         mode = {"none": "fp32", "fp16": "fp16", "direct": "quant", "acsgd": "fp16"}[cfg.compression]
         self.act_codec = ActCodec(mode, cfg.bits, rounding=cfg.rounding)
         self.eval_codec = ActCodec("fp32" if cfg.compression == "none" else "fp16")
-        self.grad_codec = ActCodec("quant", cfg.grad_bits, rounding=cfg.rounding) if cfg.grad_bits else ActCodec("fp32")
+        self.grad_codec = (ActCodec("quant", cfg.grad_bits, rounding=cfg.rounding) if cfg.grad_bits in (4, 8)
+                           else ActCodec("fp32"))
         self._cond = threading.Condition()
         self._round: _Round | None = None
         self._sends = {

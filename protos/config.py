@@ -154,8 +154,9 @@ class PipelineConfig(_Section):
         "acsgd", description="forward activations: fp32 ('none'), fp16, direct quantization, or AC-SGD deltas"
     )
     bits: Literal[2, 3, 4, 8] = Field(4, description="bits of quantized activations ('direct' and 'acsgd')")
-    grad_bits: Literal[4, 8] | None = Field(
-        8, description="bits of backward gradients (direct quantization); None sends fp32"
+    grad_bits: Literal[4, 8, 32] | None = Field(
+        8, description="bits of backward gradients: 4 or 8 (direct quantization), or 32 (fp32; None means the same, "
+        "but a run file has no None)"
     )
     rounding: Literal["deterministic", "stochastic"] = Field("deterministic")
     first_visit: Literal["fp16", "quant"] = Field("fp16", description="AC-SGD: how a sample's first activation travels")
@@ -343,6 +344,10 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _pipeline_fits_model(self) -> RunConfig:
+        if self.pipeline.grad_bits is None:  # fp32 written as 32, so that a run file can say it
+            pipeline = self.pipeline.model_copy()
+            pipeline.__dict__["grad_bits"] = 32
+            self.__dict__["pipeline"] = pipeline
         p, entries = self.pipeline, self.model.n_layers + 2
         if p.layers is not None:
             if len(p.layers) != p.stages:

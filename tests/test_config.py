@@ -121,3 +121,14 @@ def test_overlapped_outer_steps_need_a_single_stage() -> None:
     assert apply_overrides(RunConfig(), {"diloco.overlap": "true"}).diloco.overlap is True
     with pytest.raises(ConfigError, match="diloco.overlap needs pipeline.stages = 1"):
         apply_overrides(RunConfig(), {"diloco.overlap": True, "pipeline.stages": 2})
+
+
+def test_fp32_gradients_survive_a_run_file() -> None:
+    """TOML has no null: fp32 gradients are written as 32 (None, the Python spelling, means the same)."""
+    for value in (None, 32, "32"):
+        cfg = apply_overrides(RunConfig(), {"pipeline.grad_bits": value})
+        assert cfg.pipeline.grad_bits == 32
+        assert parse_config(tomllib.loads(dump_toml(cfg))).pipeline.grad_bits == 32
+    assert parse_config(tomllib.loads(dump_toml(RunConfig()))).pipeline.grad_bits == 8
+    with pytest.raises(ConfigError, match="pipeline.grad_bits"):
+        apply_overrides(RunConfig(), {"pipeline.grad_bits": 16})
