@@ -218,12 +218,13 @@ class Session:
                           contribute: bool) -> None:
         """Land the step in flight, start ``step``'s all-reduce on a thread, and train on from
         ``theta_global - delta`` while it runs (see the module docstring)."""
-        t0, t = time.monotonic(), self.tasklet
+        t = self.tasklet
         theta_local = t.worker.theta()
-        if self.inflight is not None and not self._land():
+        if self.inflight is not None and not self._land():  # (its wait counts as the step before's)
             return  # the step before did not commit here: this phase trained from a state the swarm does not hold
         if interrupted:
             return
+        t0 = time.monotonic()
         delta = pseudo_gradient(start, theta_local) if contribute else None
         if delta is not None and not all_finite(delta):
             log.error("local training produced NaN/Inf; contributing nothing to step %d", step)
