@@ -38,7 +38,6 @@ from potluck.protos.errors import CannotBind
 from potluck.protos.faults import fault
 from potluck.protos.identity import Identity
 from potluck.protos.log import get_logger, set_context, short_id
-from potluck.protos.relay import RelayHub
 from potluck.protos.swarm import LinkReport
 from potluck.protos.transport import PeerClient, PeerServer, Traffic
 
@@ -62,7 +61,6 @@ class Coordinator:
         self.gate = Gatekeeper(cfg, self.run_id, self.id, Path(c.journal_dir), self.state.revoked)
         self.tls = None if c.insecure else self.gate.tls  # gRPC with peers over mutual TLS unless --insecure
         self.client = PeerClient(self.traffic, tls=self.tls)
-        self.relay = RelayHub(self.run_id)  # calls to peers that accept no connections (potluck peer --relay)
         self.checkpointer = Checkpointer.for_run(cfg, self.client, self.run_id, self.id)
         self.placement = PlacementWorker(cfg, cfg.links.search_budget_s)
         self.series, self.links = Series(), dict[str, LinkReport]()
@@ -103,9 +101,8 @@ class Coordinator:
             self._save()
         self.node = bootstrap.start_node(self.identity, Path(c.journal_dir) / "identity.key", c, list(s.known_peers))
         host = bootstrap.public_host(c)
-        self.grpc = PeerServer(CoordinatorService(self.id, lambda: self.rounds.committed, self.checkpointer),
-                               self.traffic, host=c.host, port=c.grpc_port, tls=self.tls, revoked=self.gate.revoked,
-                               relay=self.relay)
+        self.grpc = bootstrap.grpc_server(CoordinatorService(self.id, lambda: self.rounds.committed, self.checkpointer),
+                                          self.traffic, c, self.tls, self.gate.revoked, self.run_id)
         self.status, self.info.fingerprint = bootstrap.status_server(c, host, lambda: self._snapshot,
                                                                      {"finish": self._admin_finish})
         self.info.join_address = bootstrap.join_address(self.node, host, self.id)

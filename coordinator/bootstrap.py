@@ -26,12 +26,15 @@ from potluck.coordinator.status import StatusServer
 from potluck.coordinator.status_tls import status_tls
 from potluck.data import DataError
 from potluck.data.corpus import ShardCorpus, locate
+from potluck.protos.certs import TlsIdentity
 from potluck.protos.config import ConfigError, CoordinatorConfig, RunConfig, known_fields_only, parse_config
 from potluck.protos.identity import Identity
 from potluck.protos.log import get_logger
 from potluck.protos.records import DataIdentity, Manifest, next_seq
+from potluck.protos.relay import RelayHub
 from potluck.protos.runcheck import check_run, file_identity, markov_identity, non_public
 from potluck.protos.swarm import JoinError, SwarmNode, guess_reachable_host, host_of_multiaddr
+from potluck.protos.transport import Handlers, PeerServer, Traffic
 
 log = get_logger(__name__)
 
@@ -209,6 +212,13 @@ def announce(run: RunInfo, manifest: Manifest, committed: int, cfg: RunConfig, r
 def admin_token(journal_dir: Path) -> str:
     """The token admin actions need: $POTLUCK_ADMIN_TOKEN, else one kept in the journal dir (0600)."""
     return kept_secret(journal_dir / "admin.token", "POTLUCK_ADMIN_TOKEN")
+
+
+def grpc_server(service: Handlers, traffic: Traffic, c: CoordinatorConfig, tls: TlsIdentity | None,
+                revoked: Callable[[str], bool], run_id: str) -> PeerServer:
+    """The coordinator's gRPC server: checkpoints for recovering peers, pings, and the relay through
+    which peers that accept no connections (``potluck peer --relay``) are reached."""
+    return PeerServer(service, traffic, host=c.host, port=c.grpc_port, tls=tls, revoked=revoked, relay=RelayHub(run_id))
 
 
 def status_server(c: CoordinatorConfig, host: str, snapshot: Callable[[], dict], actions: dict) -> tuple[StatusServer, str]:

@@ -9,11 +9,8 @@
         mean  <- all-reduce(delta) among the stage's replicas     (outer step)
         theta_global <- Nesterov(theta_global, mean); theta_local <- theta_global
 
-With ``diloco.overlap`` the outer step of ``k`` runs on a thread while the inner steps of ``k + 1``
-train (one-step-delayed DiLoCo): ``delta`` is what the phase moved from where it started, the
-local model goes on from ``theta_global - delta`` (the committed state plus its own progress, not
-yet averaged), and the result is applied when the next phase ends. Members commit the same
-``theta_global`` bits at every step either way.
+With ``diloco.overlap`` the outer step of ``k`` runs while the inner steps of ``k + 1`` train
+(:mod:`potluck.peer.outersteps`).
 
 Membership comes from the coordinator's plan (one explicit round per outer step, read through the
 DHT); the data path (all-reduce, pipeline, state transfer) is peer-to-peer gRPC, so peers keep
@@ -25,17 +22,13 @@ from __future__ import annotations
 import importlib
 import threading
 import time
-from dataclasses import asdict, dataclass
 
-import torch
-
-from potluck.compression.transfer import Snapshot, Target
-from potluck.peer.allreduce import IncompleteRound, RoundInfo
+from potluck.compression.transfer import Target
+from potluck.peer.allreduce import RoundInfo
 from potluck.peer.data import DataError
-from potluck.peer.diloco import all_finite
-from potluck.peer.follower import Finish, Follower, Held, Recover, Switch, Train, Wait
+from potluck.peer.follower import Finish, Follower, Recover, Switch, Train, Wait
 from potluck.peer.joining import Joined, Stopped, join, load_identity
-from potluck.peer.outer import OuterResult, outer_step, pseudo_gradient
+from potluck.peer.outersteps import OuterSteps
 from potluck.peer.recovery import recover
 from potluck.peer.tasklet import Tasklet, Toolbox
 from potluck.peer.telemetry import Telemetry
@@ -87,19 +80,6 @@ class Peer:
                 joined.node.shutdown()
 
 
-@dataclass
-class InFlight:
-    """An outer step whose all-reduce runs on a thread while the next inner phase trains (diloco.overlap)."""
-
-    step: int
-    info: RoundInfo
-    contributed: bool
-    thread: threading.Thread | None = None
-    blocked_s: float = 0.0  # seconds the training loop spent starting it
-    done: OuterResult | None = None
-    error: str = ""
-
-
 class Session:
     """One peer's part in one run, from admission to the end."""
 
@@ -114,14 +94,14 @@ class Session:
         self.heartbeat = tools.serve(lambda: self.tasklet, self.ping, self.record)
         self.phases = {**joined.phases, "setup": time.time() - joined.joined_at - joined.phases["manifest"]}
         self.ready_at, self.first_round_at, self.recovered_s = time.time(), 0.0, 0.0
-        self.inflight: InFlight | None = None
+        self.outer = OuterSteps(self)
         tools.announce(self.tasklet.worker.numel, self.phases)
 
     def train(self) -> None:
         while True:
-            action = self.follower.next(self.heartbeat.plan, self._held(), time.monotonic(), self._over())
-            if self.inflight is not None and not (isinstance(action, Train) and action.step == self.inflight.step + 1):
-                self._land()  # anything but training the next step waits for the step in flight, then decides again
+            action = self.follower.next(self.heartbeat.plan, self.outer.held(), time.monotonic(), self.outer.over())
+            if self.outer.pending(action):
+                self.outer.land()  # anything but training the next step waits for the step in flight, then decides again
                 continue
             match action:
                 case Finish():
@@ -142,12 +122,9 @@ class Session:
                     if phase.stalled:
                         log.warning("replica %d stalled at inner step %d: %s; contributing nothing to outer step %d",
                                     self.replica, phase.steps, phase.stalled, step)
-                    if start is not None:
-                        self._outer_overlapped(step, phase.seconds, start, phase.interrupted, not phase.stalled)
-                    elif not phase.interrupted:
-                        self._outer(step, phase.seconds, contribute=not phase.stalled)
+                    self.outer.after_phase(step, phase.seconds, start, phase.interrupted, not phase.stalled)
         if self.completed() and not self.stopping.is_set():
-            self._set_state("finished")  # serve the final state until the coordinator has seen it
+            self.set_state("finished")  # serve the final state until the coordinator has seen it
             self.heartbeat.await_confirmation(self.tasklet.states.current.version, self.stopping)
         log.info("done at version %d", self.tasklet.states.current.version)
 
@@ -157,7 +134,7 @@ class Session:
         if wait.reason != self.waiting:
             log.info("%s", wait.reason)
             self.waiting = wait.reason
-        self._set_state("waiting")
+        self.set_state("waiting")
         seq = self.heartbeat.plan.seq if self.heartbeat.plan else -1
         self.heartbeat.wait_plan(lambda p: p is not None and p.seq > seq, timeout=wait.seconds)
 
@@ -166,7 +143,7 @@ class Session:
         self.replica, self.waiting = me.replica, ""
         self.first_round_at = self.first_round_at or time.time()
         set_context(step=step)
-        self._set_state("training")
+        self.set_state("training")
         self.telemetry.begin_inner(step, self.rc.diloco.inner_steps, self.tools.device)
         t.begin(rnd, step, self.replica)
         # the coordinator's round for it (not the last plan's): now, or as soon as it arrives (_inner_step)
@@ -182,126 +159,8 @@ class Session:
             self.telemetry.first_step(self.joined.joined_at, {**self.phases, "to first round": self.first_round_at
                                       - self.ready_at, "of which state download": self.recovered_s})
 
-    def _outer(self, step: int, inner_seconds: float, contribute: bool) -> None:
-        self._set_state("syncing")
-        t0, t = time.monotonic(), self.tasklet
-        info = self._resolve(step)
-        if info is None:
-            log.warning("not a member of step %d after all; discarding its inner steps", step)
-            return self._fail(step)
-        held = t.states.current
-        delta = pseudo_gradient(held.tensors["theta"], t.worker.theta()) if contribute else None
-        try:
-            done = outer_step(self.rc, t.allreduce, info, held, delta, inner_seconds, t.worker.meta())
-        except IncompleteRound as err:
-            log.warning("%s; recovering state from the other members", err)
-            return self._fail(step)
-        t.adopt(done.snapshot)
-        self._committed(step, done, info, time.monotonic() - t0, contribute)
-
-    def _committed(self, step: int, done: OuterResult, info: RoundInfo, sync_s: float, contribute: bool) -> None:
-        """Report a committed step (``sync_s``: what it cost the training loop) and evaluate it when due."""
-        t = self.tasklet
-        self.telemetry.outer_step(done.stats, sync_s, done.mean_norm, info.epoch, t.stage, max(self.replica, 0),
-                                  done.snapshot.hash, asdict(t.pipeline.traffic) if t.pipeline is not None else None)
-        fault("outer.committed", step)
-        every = self.rc.data.eval_every
-        if every and step % every == 0 and contribute:
-            value = t.worker.evaluate(step)
-            if value is not None:
-                self.telemetry.evaluated(step, value)
-        self.heartbeat.poke()
-
-    # ------------------------------------------------------------------ the overlapped outer step
-
-    def _outer_overlapped(self, step: int, inner_seconds: float, start: torch.Tensor, interrupted: bool,
-                          contribute: bool) -> None:
-        """Land the step in flight, start ``step``'s all-reduce on a thread, and train on from
-        ``theta_global - delta`` while it runs (see the module docstring)."""
-        t = self.tasklet
-        theta_local = t.worker.theta()
-        if self.inflight is not None and not self._land():  # (its wait counts as the step before's)
-            return  # the step before did not commit here: this phase trained from a state the swarm does not hold
-        if interrupted:
-            return
-        t0 = time.monotonic()
-        delta = pseudo_gradient(start, theta_local) if contribute else None
-        if delta is not None and not all_finite(delta):
-            log.error("local training produced NaN/Inf; contributing nothing to step %d", step)
-            delta = None
-        held = t.states.current
-        theta = held.tensors["theta"]
-        # the committed theta_global plus this member's own progress, until the average of it arrives
-        t.worker.load(theta - delta if delta is not None else theta)
-        info = self._resolve(step)
-        if info is None:
-            log.warning("not a member of step %d after all; discarding its inner steps", step)
-            return self._fail(step)
-        inf = InFlight(step, info, contributed=delta is not None)
-        inf.thread = threading.Thread(target=self._run_outer, args=(inf, t, held, delta, inner_seconds, t.worker.meta()),
-                                      name=f"outer-{step}", daemon=True)
-        inf.thread.start()
-        self.inflight = inf
-        inf.blocked_s = time.monotonic() - t0
-
-    def _run_outer(self, inf: InFlight, t: Tasklet, held: Snapshot, delta: torch.Tensor | None, inner_seconds: float,
-                   meta: dict) -> None:
-        """The outer step on its own thread: commit as soon as it is done, so the swarm sees the version."""
-        try:
-            done = outer_step(self.rc, t.allreduce, inf.info, held, delta, inner_seconds, meta)
-        except IncompleteRound as err:
-            inf.error = str(err)
-            return
-        except Exception as err:  # reported by the training loop when it lands the step
-            log.exception("outer step %d failed", inf.step)
-            inf.error = f"{type(err).__name__}: {err}"
-            return
-        t.states.commit(done.snapshot)
-        t.expect_next()
-        inf.done = done
-        self.heartbeat.poke()
-
-    def _land(self) -> bool:
-        """Wait for the step in flight; on success the local model is the committed theta_global."""
-        inf, self.inflight = self.inflight, None
-        assert inf is not None and inf.thread is not None
-        self._set_state("syncing")
-        t0 = time.monotonic()
-        inf.thread.join()
-        if inf.done is None:
-            log.warning("%s; recovering state from the other members", inf.error)
-            self._fail(inf.step)
-            return False
-        self.tasklet.worker.load(inf.done.snapshot.tensors["theta"])
-        set_context(step=inf.step)
-        self._committed(inf.step, inf.done, inf.info, inf.blocked_s + time.monotonic() - t0, inf.contributed)
-        return True
-
-    def _held(self) -> Held:
-        """The state held, as the follower should see it: with a step in flight, as if it had committed
-        (so the next step trains at once); any other action then lands the step first."""
-        held = self.tasklet.states.held(self.tasklet.stage)
-        if self.inflight is None:
-            return held
-        return Held(self.inflight.step, "", held.stage, self.inflight.info.epoch, time.monotonic())
-
-    def _over(self) -> bool:
-        return self.over() or (self.inflight is not None and self.inflight.step >= self.rc.diloco.outer_steps)
-
-    def _resolve(self, step: int) -> RoundInfo | None:
-        """The round ``step`` belongs to, once the coordinator decided it (or ``plan_wait_s`` passed)."""
-        plan = self.heartbeat.wait_plan(lambda p: p is not None and any(r.step == step for r in p.rounds),
-                                        timeout=self.cfg.plan_wait_s)
-        rnd = self.follower.resolve(plan, step, self.tasklet.stage, self.tasklet.states.current.hash)
-        return self.tasklet.round_info(rnd, step) if rnd is not None else None
-
-    def _fail(self, step: int) -> None:
-        """This peer did not commit ``step``: drop the round's messages and recover before going on."""
-        self.follower.failed(step, time.monotonic())
-        self.tasklet.expect_next()
-
     def _recover(self, want: Recover) -> None:
-        self._set_state("recovering")
+        self.set_state("recovering")
         t, t0 = self.tasklet, time.monotonic()
         if want.version == 0:  # the run went back to theta_0: every peer builds it from the run's seed
             log.info("%s: starting over from theta_0", want.reason)
@@ -334,15 +193,14 @@ class Session:
 
     def close(self) -> None:
         fault("shutdown.start")
-        if self.inflight is not None and self.inflight.thread is not None:
-            self.inflight.thread.join(timeout=5.0)  # stopping is set: its all-reduce gives up at once
-        self._set_state("finished" if self.completed() else "left", poke=False)
+        self.outer.close()
+        self.set_state("finished" if self.completed() else "left", poke=False)
         self.heartbeat.stop(goodbye=self.record())
         self.tools.close(self.tasklet)
 
     # ------------------------------------------------------------------ what this peer reports
 
-    def _set_state(self, state: str, poke: bool = True) -> None:
+    def set_state(self, state: str, poke: bool = True) -> None:
         if self.telemetry.set_state(state) and poke:
             self.heartbeat.poke()
 

@@ -1,0 +1,203 @@
+"""A peer's outer steps, blocking or overlapped: after the inner phase, until the step is committed.
+
+Blocking (the DiLoCo algorithm box)::
+
+    delta <- theta_global - theta_local
+    mean  <- all-reduce(delta) among the stage's replicas
+    theta_global <- Nesterov(theta_global, mean); theta_local <- theta_global
+
+Overlapped (``diloco.overlap``, one-step-delayed DiLoCo): the outer step of ``k`` runs on a thread
+while the inner steps of ``k + 1`` train. ``delta`` is what the phase moved from where it started;
+the local model goes on from ``theta_global - delta`` (the committed state plus its own progress,
+not yet averaged), and the average is applied when the next phase ends. The step commits on its
+thread as soon as the all-reduce ends, so the swarm sees the version at once. Members commit the
+same ``theta_global`` bits at every step either way.
+
+While a step is in flight the follower sees it as committed, so the next step trains at once; any
+other action (recover, switch, wait, finish) first lands the step in flight (:meth:`OuterSteps.pending`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from potluck.compression.transfer import Snapshot
+from potluck.peer.allreduce import IncompleteRound, RoundInfo
+from potluck.peer.diloco import all_finite
+from potluck.peer.follower import Action, Held, Train
+from potluck.peer.outer import OuterResult, outer_step, pseudo_gradient
+from potluck.peer.tasklet import Tasklet
+from potluck.protos.faults import fault
+from potluck.protos.log import get_logger, set_context
+
+if TYPE_CHECKING:
+    from potluck.peer.daemon import Session
+
+log = get_logger(__name__)
+
+
+@dataclass
+class InFlight:
+    """An outer step whose all-reduce runs on a thread while the next inner phase trains."""
+
+    step: int
+    info: RoundInfo
+    contributed: bool
+    thread: threading.Thread | None = None
+    blocked_s: float = 0.0  # seconds the training loop spent starting it
+    done: OuterResult | None = None
+    error: str = ""
+
+
+class OuterSteps:
+    def __init__(self, session: Session) -> None:
+        self.s = session
+        self.inflight: InFlight | None = None
+
+    def after_phase(self, step: int, inner_seconds: float, start: torch.Tensor | None, interrupted: bool,
+                    contribute: bool) -> None:
+        """The inner phase of ``step`` ended: its outer step, overlapped if ``start`` (where it began) is given."""
+        if start is not None:
+            self._overlapped(step, inner_seconds, start, interrupted, contribute)
+        elif not interrupted:
+            self._blocking(step, inner_seconds, contribute)
+
+    # ------------------------------------------------------------------ what the follower sees
+
+    def held(self) -> Held:
+        """The state held, as the follower should see it: with a step in flight, as if it had committed."""
+        t = self.s.tasklet
+        held = t.states.held(t.stage)
+        if self.inflight is None:
+            return held
+        return Held(self.inflight.step, "", held.stage, self.inflight.info.epoch, time.monotonic())
+
+    def over(self) -> bool:
+        """The run is over, or the step in flight is its last."""
+        return self.s.over() or (self.inflight is not None and self.inflight.step >= self.s.rc.diloco.outer_steps)
+
+    def pending(self, action: Action) -> bool:
+        """A step is in flight and ``action`` is not training the next one: land it first."""
+        return self.inflight is not None and not (isinstance(action, Train) and action.step == self.inflight.step + 1)
+
+    # ------------------------------------------------------------------ blocking
+
+    def _blocking(self, step: int, inner_seconds: float, contribute: bool) -> None:
+        s = self.s
+        s.set_state("syncing")
+        t0, t = time.monotonic(), s.tasklet
+        info = self._resolve(step)
+        if info is None:
+            log.warning("not a member of step %d after all; discarding its inner steps", step)
+            return self._fail(step)
+        held = t.states.current
+        delta = pseudo_gradient(held.tensors["theta"], t.worker.theta()) if contribute else None
+        try:
+            done = outer_step(s.rc, t.allreduce, info, held, delta, inner_seconds, t.worker.meta())
+        except IncompleteRound as err:
+            log.warning("%s; recovering state from the other members", err)
+            return self._fail(step)
+        t.adopt(done.snapshot)
+        self._committed(step, done, info, time.monotonic() - t0, contribute)
+
+    def _committed(self, step: int, done: OuterResult, info: RoundInfo, sync_s: float, contribute: bool) -> None:
+        """Report a committed step (``sync_s``: what it cost the training loop) and evaluate it when due."""
+        s, t = self.s, self.s.tasklet
+        s.telemetry.outer_step(done.stats, sync_s, done.mean_norm, info.epoch, t.stage, max(s.replica, 0),
+                               done.snapshot.hash, asdict(t.pipeline.traffic) if t.pipeline is not None else None)
+        fault("outer.committed", step)
+        every = s.rc.data.eval_every
+        if every and step % every == 0 and contribute:
+            value = t.worker.evaluate(step)
+            if value is not None:
+                s.telemetry.evaluated(step, value)
+        s.heartbeat.poke()
+
+    # ------------------------------------------------------------------ overlapped
+
+    def _overlapped(self, step: int, inner_seconds: float, start: torch.Tensor, interrupted: bool,
+                    contribute: bool) -> None:
+        """Land the step in flight, start ``step``'s all-reduce on a thread, and train on from
+        ``theta_global - delta`` while it runs."""
+        t = self.s.tasklet
+        theta_local = t.worker.theta()
+        if self.inflight is not None and not self.land():  # (its wait counts as the step before's)
+            return  # the step before did not commit here: this phase trained from a state the swarm does not hold
+        if interrupted:
+            return
+        t0 = time.monotonic()
+        delta = pseudo_gradient(start, theta_local) if contribute else None
+        if delta is not None and not all_finite(delta):
+            log.error("local training produced NaN/Inf; contributing nothing to step %d", step)
+            delta = None
+        held = t.states.current
+        theta = held.tensors["theta"]
+        # the committed theta_global plus this member's own progress, until the average of it arrives
+        t.worker.load(theta - delta if delta is not None else theta)
+        info = self._resolve(step)
+        if info is None:
+            log.warning("not a member of step %d after all; discarding its inner steps", step)
+            return self._fail(step)
+        inf = InFlight(step, info, contributed=delta is not None)
+        inf.thread = threading.Thread(target=self._run, args=(inf, t, held, delta, inner_seconds, t.worker.meta()),
+                                      name=f"outer-{step}", daemon=True)
+        inf.thread.start()
+        self.inflight = inf
+        inf.blocked_s = time.monotonic() - t0
+
+    def _run(self, inf: InFlight, t: Tasklet, held: Snapshot, delta: torch.Tensor | None, inner_seconds: float,
+             meta: dict) -> None:
+        """The outer step on its own thread: commit as soon as it is done, so the swarm sees the version."""
+        try:
+            done = outer_step(self.s.rc, t.allreduce, inf.info, held, delta, inner_seconds, meta)
+        except IncompleteRound as err:
+            inf.error = str(err)
+            return
+        except Exception as err:  # reported by the training loop when it lands the step
+            log.exception("outer step %d failed", inf.step)
+            inf.error = f"{type(err).__name__}: {err}"
+            return
+        t.states.commit(done.snapshot)
+        t.expect_next()
+        inf.done = done
+        self.s.heartbeat.poke()
+
+    def land(self) -> bool:
+        """Wait for the step in flight; on success the local model is the committed theta_global."""
+        inf, self.inflight = self.inflight, None
+        assert inf is not None and inf.thread is not None
+        self.s.set_state("syncing")
+        t0 = time.monotonic()
+        inf.thread.join()
+        if inf.done is None:
+            log.warning("%s; recovering state from the other members", inf.error)
+            self._fail(inf.step)
+            return False
+        self.s.tasklet.worker.load(inf.done.snapshot.tensors["theta"])
+        set_context(step=inf.step)
+        self._committed(inf.step, inf.done, inf.info, inf.blocked_s + time.monotonic() - t0, inf.contributed)
+        return True
+
+    def close(self) -> None:
+        if self.inflight is not None and self.inflight.thread is not None:
+            self.inflight.thread.join(timeout=5.0)  # stopping is set: its all-reduce gives up at once
+
+    # ------------------------------------------------------------------ both
+
+    def _resolve(self, step: int) -> RoundInfo | None:
+        """The round ``step`` belongs to, once the coordinator decided it (or ``plan_wait_s`` passed)."""
+        s = self.s
+        plan = s.heartbeat.wait_plan(lambda p: p is not None and any(r.step == step for r in p.rounds),
+                                     timeout=s.cfg.plan_wait_s)
+        rnd = s.follower.resolve(plan, step, s.tasklet.stage, s.tasklet.states.current.hash)
+        return s.tasklet.round_info(rnd, step) if rnd is not None else None
+
+    def _fail(self, step: int) -> None:
+        """This peer did not commit ``step``: drop the round's messages and recover before going on."""
+        self.s.follower.failed(step, time.monotonic())
+        self.s.tasklet.expect_next()
