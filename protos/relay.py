@@ -42,6 +42,7 @@ log = get_logger(__name__)
 VIA = "/via/"
 TARGET_KEY = "x-potluck-to"
 WINDOW = 32  # frames queued per direction before the sender waits: backpressure, not unbounded memory
+DELIVER_S = 30.0  # a reply waits this long for its caller to read it before the call is dropped
 RECONNECT_S = (0.5, 10.0)  # a relayed peer re-opens a broken tunnel after this, doubling up to the maximum
 _END = object()
 
@@ -103,18 +104,29 @@ class _Tunnel:
         self.closed = threading.Event()
 
     def deliver(self, frame: pb.RelayFrame) -> None:
+        """Hand a reply to its call. A call whose caller stopped reading (it cancelled, or went away) is
+        dropped after ``DELIVER_S`` rather than block this tunnel's reader, and with it every other call."""
         with self.lock:
             call = self.calls.get(frame.call)
-        if call is not None:
-            call.replies.put(frame)
+        if call is None:
+            return
+        try:
+            call.replies.put(frame, timeout=DELIVER_S)
+        except queue.Full:
+            log.info("dropping relayed call %d to %s: its caller stopped reading", frame.call, short_id(self.peer_id))
+            with self.lock:
+                self.calls.pop(frame.call, None)
 
     def close(self) -> None:
         self.closed.set()
         with self.lock:
             calls = list(self.calls.values())
         for call in calls:  # every call still waiting learns the peer is gone
-            call.replies.put(pb.RelayFrame(end=True, status=grpc.StatusCode.UNAVAILABLE.value[0],
-                                           details="the relayed peer's tunnel closed"))
+            try:
+                call.replies.put_nowait(pb.RelayFrame(end=True, status=grpc.StatusCode.UNAVAILABLE.value[0],
+                                                      details="the relayed peer's tunnel closed"))
+            except queue.Full:  # its caller stopped reading: nobody waits for this
+                pass
         try:
             self.outbox.put_nowait(_END)
         except queue.Full:
