@@ -72,9 +72,9 @@ def _member(idx: int, args: argparse.Namespace, ca_path: str, conn, barrier) -> 
         conn.send((identity.peer_id, f"127.0.0.1:{server.port}"))
         members = tuple(MemberAddr(p, a) for p, a in sorted(conn.recv()))
         for rnd in range(args.rounds + 1):
-            delta = _inputs(args.seed, idx, rnd, args.numel)
             step[0] = rnd + 1
-            ar.expect(rnd + 1, "base")
+            ar.expect(rnd + 1, "base")  # as a peer does when its previous step lands, before training
+            delta = _inputs(args.seed, idx, rnd, args.numel)  # stands in for the inner phase
             barrier.wait()
             t0 = time.perf_counter()
             mean, stats = ar.run(RoundInfo(rnd + 1, members, identity.peer_id, "base"), delta, wait_s=600)
