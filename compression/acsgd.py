@@ -46,6 +46,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from potluck.compression.actcodec import ActCodec, CodecError, Packet
+from potluck.kernels.device import uses_triton
 
 STATE_VERSION = 1
 _NP_DTYPES = {"float32": np.float32, "float16": np.float16}
@@ -403,7 +404,8 @@ class AcsgdSender(_BoundarySide):
         if acts.dim() < 2:
             raise CodecError(f"activations must be [B, ...], got shape {list(acts.shape)}")
         ids = _id_list(sample_ids, acts.shape[0])
-        acts = acts.detach().to("cpu", torch.float32)
+        # activations the codec kernels can take stay on their device (only packets and buffers come to the host)
+        acts = acts.detach().to(acts.device if uses_triton(acts, "channels") else "cpu", torch.float32)
         shape = self.buffer.sample_shape
         if shape is not None and tuple(acts.shape[1:]) != shape:
             raise CodecError(f"activations of shape {list(acts.shape[1:])}, the buffer holds {list(shape)}")
@@ -417,9 +419,8 @@ class AcsgdSender(_BoundarySide):
             updates.append(([ids[k] for k in first], value, [1] * len(first)))
         if again:
             again_ids = [ids[k] for k in again]
-            m = self.buffer.get(again_ids)
-            delta_packet, d = self.delta_codec.encode_with_reconstruction(acts[again] - m)
-            updates.append((again_ids, m + d, [versions[k] + 1 for k in again]))
+            delta_packet, m = self.delta_codec.encode_delta(acts[again], self.buffer.get(again_ids))
+            updates.append((again_ids, m, [versions[k] + 1 for k in again]))
         for u_ids, values, u_versions in updates:  # only now that every packet is built
             self.buffer.put(u_ids, values, u_versions)
         return AcsgdMessage(tuple(versions), first_packet, delta_packet)

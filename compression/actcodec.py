@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from potluck.compression.int8 import MAX_ABS, CodecError
+from potluck.kernels import device as kdevice
 from potluck.kernels.quant import (
     SUPPORTED_BITS,
     dequantize_channels,
@@ -198,12 +199,45 @@ def _encode(
     scales = None
     if mode == "quant_fp16_scales":
         scales = _fp16_scales_up(x2d, bits)
-    codes, scales = quantize_channels(x2d, bits, scales=scales, stochastic=stochastic, generator=generator)
-    scales = scales.cpu()
-    recon = dequantize_channels(codes.cpu(), scales).view(shape) if want_recon else None
+    on_device = _quantize_on_device(x2d, bits, scales, stochastic, generator, want_recon)
+    if on_device is not None:
+        packed, scales, recon = on_device
+    else:
+        codes, scales = quantize_channels(x2d, bits, scales=scales, stochastic=stochastic, generator=generator)
+        scales = scales.cpu()
+        recon = dequantize_channels(codes.cpu(), scales) if want_recon else None
+        packed = pack_bits(codes, bits).cpu()
+    return _packet(mode, bits, shape, dtype, scales, packed), None if recon is None else recon.view(shape)
+
+
+def _packet(mode: str, bits: int, shape: tuple[int, ...], dtype: str, scales: torch.Tensor,
+            packed: torch.Tensor) -> Packet:
     wire_scales = scales.numpy().astype(np.float16 if mode == "quant_fp16_scales" else np.float32)
-    payload = pack_bits(codes, bits).cpu().numpy().tobytes()
-    return Packet(mode, bits, shape, dtype, wire_scales.tobytes(), payload), recon
+    return Packet(mode, bits, shape, dtype, wire_scales.tobytes(), packed.numpy().tobytes())
+
+
+def _quantize_on_device(
+    x2d: torch.Tensor, bits: int, scales: torch.Tensor | None, stochastic: bool, generator: torch.Generator | None,
+    want_out: bool, m: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """The Triton kernel's packed codes, float32 scales and reconstruction (``m`` + it, given ``m``), all on
+    the host; ``None`` where the torch reference must run. Stochastic noise comes from ``generator`` as the
+    reference draws it (one ``torch.rand`` of the codes' shape), so the bits and the generator's state match."""
+    if not kdevice.uses_triton(x2d, "channels"):
+        return None
+    noise, state = None, None
+    if stochastic:
+        state = generator.get_state() if generator is not None else None
+        noise = torch.rand(x2d.shape, generator=generator,
+                           device=generator.device if generator is not None else x2d.device)
+    out = kdevice.channels_quantize_pack(x2d, bits, m=m, scales=scales, noise=noise, want_out=want_out)
+    if out is None:
+        if state is not None and generator is not None:
+            generator.set_state(state)  # the torch path draws the same numbers again
+        return None
+    copies = [kdevice.start_host_copy(t) for t in out if t is not None]
+    host = [c.wait() for c in copies]
+    return host[0], host[1], host[2] if want_out else None
 
 
 def _rows(shape: tuple[int, ...]) -> int:
@@ -215,7 +249,7 @@ def _fp16_scales_up(x2d: torch.Tensor, bits: int) -> torch.Tensor:
     """Per-channel scales rounded up to float16, so ``|x| / s <= qmax`` still holds."""
     if x2d.shape[0] == 0:
         return torch.zeros(x2d.shape[1])
-    exact = (x2d.abs().amax(dim=0) / qmax_for(bits)).cpu().numpy()
+    exact = (x2d.abs().amax(dim=0).cpu() / qmax_for(bits)).numpy()  # divided on CPU: CUDA would multiply by 1/qmax
     half = exact.astype(np.float16)
     low = half.astype(np.float32) < exact
     half[low] = np.nextafter(half[low], np.float16(np.inf))
@@ -284,6 +318,28 @@ class ActCodec:
         packet, recon = _encode(x, self.mode, self.bits, self.rounding == "stochastic", self.generator)
         assert recon is not None
         return packet, recon
+
+    def encode_delta(self, a: torch.Tensor, m: torch.Tensor) -> tuple[Packet, torch.Tensor]:
+        """AC-SGD's sender step: the packet of ``a - m`` and ``m + decode(packet)`` (float32, on CPU).
+
+        ``m`` is a float32 CPU buffer of ``a``'s shape. On a CUDA ``a`` (mode ``quant``) one fused Triton
+        kernel computes the difference, codes and new buffer without materialising ``a - m``; the bits
+        are those of the torch path, ``encode_with_reconstruction(a - m)`` then ``m + recon``.
+        """
+        if self.mode == "quant" and a.dim() >= 1 and a.shape == m.shape and kdevice.uses_triton(a, "channels"):
+            shape = tuple(a.shape)
+            rows = _rows(shape)
+            fused = _quantize_on_device(a.detach().reshape(rows, shape[-1]), self.bits, None,
+                                        self.rounding == "stochastic", self.generator, True,
+                                        m=m.to(a.device).reshape(rows, shape[-1]))
+            if fused is not None:
+                packed, scales, new_m = fused
+                if not bool(torch.isfinite(scales).all()):  # a channel of a - m held a NaN or Inf
+                    raise CodecError("refusing to encode NaN or Inf")
+                assert new_m is not None
+                return _packet(self.mode, self.bits, shape, _DTYPE_NAMES[torch.float32], scales, packed), new_m.view(shape)
+        packet, recon = self.encode_with_reconstruction(a - m.to(a.device))
+        return packet, m + recon
 
     def decode(self, packet: Packet) -> torch.Tensor:
         self.check(packet)

@@ -22,6 +22,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from potluck.kernels import device as kdevice
+
 MAX_ABS = 1e6  # no decoded value may be larger: parameters, deltas and activations live far below
 
 
@@ -111,7 +113,19 @@ class Int8BlockCodec:
         return -(-numel // self.block_size)
 
     def encode(self, x: torch.Tensor) -> Encoded:
-        x = _flat_float(x)
+        """Codes and scales of a flat vector; a CUDA vector is quantized where it lies (Triton, same bits)."""
+        on_device = kdevice.int8_quantize(x.detach(), self.block_size) if x.dim() == 1 else None
+        if on_device is not None:
+            copies = [kdevice.start_host_copy(t) for t in on_device]
+            codes, scales = (c.wait() for c in copies)
+        else:
+            codes, scales = self._quantize(_flat_float(x))
+        if not bool(torch.isfinite(scales).all()):  # a NaN or Inf anywhere makes its block's absmax one
+            raise CodecError("refusing to encode NaN or Inf")
+        return Encoded(self.name, codes.numel(), codes.numpy().tobytes(), scales.numpy().tobytes(), bits=8)
+
+    def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch reference (and CPU path) of :meth:`encode`: codes and scales of a flat float32 CPU vector."""
         n, bs = x.numel(), self.block_size
         full = n - n % bs
         codes = torch.empty(n, dtype=torch.int8)
@@ -124,11 +138,15 @@ class Int8BlockCodec:
             tail_codes = torch.empty(1, bs, dtype=torch.int8)
             _quantize_blocks(tail, tail_codes, scales[-1:])
             codes[full:] = tail_codes[0, : n - full]
-        if not bool(torch.isfinite(scales).all()):  # a NaN or Inf anywhere makes its block's absmax one
-            raise CodecError("refusing to encode NaN or Inf")
-        return Encoded(self.name, n, codes.numpy().tobytes(), scales.numpy().tobytes(), bits=8)
+        return codes, scales
 
-    def decode(self, enc: Encoded) -> torch.Tensor:
+    def decode(self, enc: Encoded, device: torch.device | str | None = None) -> torch.Tensor:
+        """The float32 vector ``enc`` holds, on CPU or on ``device`` (a CUDA device decodes there, same bits)."""
+        if device is not None and torch.device(device).type != "cpu":
+            codes, scales = self._checked(enc)
+            codes_t = torch.from_numpy(codes.copy()).to(device)
+            out = kdevice.int8_dequantize(codes_t, torch.from_numpy(scales.copy()).to(device), self.block_size)
+            return out if out is not None else self.decode(enc).to(device)
         out = torch.empty(max(enc.numel, 0), dtype=torch.float32)
         self.decode_into(enc, out)
         return out
@@ -136,6 +154,21 @@ class Int8BlockCodec:
     def decode_into(self, enc: Encoded, out: torch.Tensor) -> None:
         """Decode into ``out`` (a float32 CPU tensor of ``enc.numel`` elements), reading the codes where
         they lie in the message: no copy of them, no float32 temporary. On error ``out`` is untouched."""
+        codes, scales = self._checked(enc)
+        n, bs = enc.numel, self.block_size
+        target = _target(out, n)
+        full = n - n % bs
+        with warnings.catch_warnings():  # read-only views of the message: nothing here writes to them
+            warnings.simplefilter("ignore", UserWarning)
+            codes_t, scales_t = torch.from_numpy(codes), torch.from_numpy(scales)
+        # int8 -> float32 is exact and each element is one float32 multiply: the bits of dequantize_rows
+        target.copy_(codes_t)
+        target[:full].view(-1, bs).mul_(scales_t[: full // bs, None])
+        if full < n:
+            target[full:].mul_(scales_t[-1])
+
+    def _checked(self, enc: Encoded) -> tuple[np.ndarray, np.ndarray]:
+        """The codes and scales of ``enc`` as read-only views of the message, once every check passed."""
         if enc.codec != self.name:
             raise CodecError(f"expected codec {self.name!r}, got {enc.codec!r}")
         n, bs = enc.numel, self.block_size
@@ -155,16 +188,7 @@ class Int8BlockCodec:
         codes = np.frombuffer(enc.payload, dtype=np.int8)
         if codes.size and int(codes.min()) == -128:
             raise CodecError("int8 code -128 is outside the symmetric range [-127, 127]")
-        target = _target(out, n)
-        full = n - n % bs
-        with warnings.catch_warnings():  # read-only views of the message: nothing here writes to them
-            warnings.simplefilter("ignore", UserWarning)
-            codes_t, scales_t = torch.from_numpy(codes), torch.from_numpy(scales)
-        # int8 -> float32 is exact and each element is one float32 multiply: the bits of dequantize_rows
-        target.copy_(codes_t)
-        target[:full].view(-1, bs).mul_(scales_t[: full // bs, None])
-        if full < n:
-            target[full:].mul_(scales_t[-1])
+        return codes, scales
 
 
 def _quantize_blocks(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
@@ -175,7 +199,7 @@ def _quantize_blocks(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor)
     scratch row block, and the rounding, clamping and int8 conversion in place.
     """
     torch.maximum(x.amax(dim=1), x.amin(dim=1).neg_(), out=scales)  # (torch.aminmax is 20x slower here)
-    scales.div_(127)
+    scales.div_(127).abs_()  # abs: a block of negative zeros gets the scale +0.0, not -0.0, like max |x|
     safe = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)
     y = torch.div(x, safe)  # an all-zero block (scale 0) divides by 1 and stays zero
     codes.copy_(y.round_().clamp_(-127, 127))
