@@ -43,7 +43,10 @@ step is bound by latency and CPU, not by bandwidth).
 The potluck configuration runs twice, with ``pipeline.schedule = "gpipe"`` and ``"1f1b"`` (its
 warm-up sized from the measured wait for gradients, ``pipeline.in_flight`` unset). On this project's
 shared 2-core machines the peers' CPU, not only the network, sets the inner step time, and other
-runs on the box change it by 2x: compare the figures of one line, not lines of different runs.
+runs on the box change it by 2x: compare the figures of one line, not lines of different runs. Each
+peer runs ``--peer-threads`` torch threads (default 1, in both configurations: four peers with
+torch's default of one thread per core would oversubscribe the box; a volunteer's peer has its
+machine to itself).
 
 Target (issue): potluck's tokens/s >= 4x the baseline's (the AC-SGD paper reports 4.3x / 4.9x end to
 end over slow networks).
@@ -112,7 +115,7 @@ def run_swarm(args: argparse.Namespace, workdir: Path, settings: dict[str, Any],
         swarm.start_coordinator(cfg)
         t0 = time.monotonic()
         for _ in range(PEERS):
-            swarm.start_peer("--netem", str(topology), "--region", "wan")
+            swarm.start_peer("--netem", str(topology), "--region", "wan", "--threads", str(args.peer_threads))
         state = swarm.wait_state(done, args.timeout, "the run to finish")
         end = time.monotonic()
     finally:
@@ -156,6 +159,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--micro-batches", type=int, default=2)
     parser.add_argument("--num-samples", type=int, default=1 << 16, help="training samples (smaller: they repeat)")
+    parser.add_argument("--peer-threads", type=int, default=1,
+                        help="torch threads per peer (4 peers share this box: more only oversubscribes its cores)")
     parser.add_argument("--mbps", type=float, default=100.0)
     parser.add_argument("--delay-ms", type=float, default=50.0)
     parser.add_argument("--order", choices=["baseline-first", "potluck-first"], default="baseline-first")
@@ -180,7 +185,7 @@ def main() -> None:
     print(json.dumps({
         "benchmark": "wan_throughput",
         "peers": PEERS, "stages": STAGES, "replicas": PEERS // STAGES,
-        "micro_batches": args.micro_batches, "batch": args.batch, "seq_len": 64, "d_model": 240, "n_layers": 3,
+        "micro_batches": args.micro_batches, "batch": args.batch, "peer_threads": args.peer_threads, "seq_len": 64, "d_model": 240, "n_layers": 3,
         "link_mbps": args.mbps, "link_delay_ms_one_way": args.delay_ms,
         "tokens_per_s_potluck": p["tokens_per_s"], "tokens_per_s_baseline": b["tokens_per_s"],
         "speedup": round(p["tokens_per_s"] / b["tokens_per_s"], 2), "target_speedup": 4.0,

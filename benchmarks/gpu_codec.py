@@ -1,0 +1,113 @@
+"""Triton codec throughput on a GPU against the device's own copy bandwidth (and the torch reference).
+
+On a CUDA device: a float32 vector of ``--numel`` values goes through each codec kernel of
+:mod:`potluck.kernels.device` (int8 block quantize and dequantize, the owner's fused 3-member mean and
+re-quantization, AC-SGD's fused 4-bit delta with per-channel scales), timed with CUDA events
+(median of ``--reps`` after warm-up), next to a device-to-device copy of the same float32 vector
+and the same codec in plain torch on the same device. Figures are GB/s of float32 input; the
+target (issue 17) is each kernel >= 50 % of the copy's. The kernels' codes are checked equal to the
+torch reference's before anything is timed.
+
+Without a CUDA device it prints one line saying so ("measured": false): the CPU figures are
+``codec_throughput.py``'s, and the kernels' bits are checked in Triton's interpreter by
+``tests/test_triton_kernels.py``.
+
+    python benchmarks/gpu_codec.py [--numel 67108864] [--reps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from collections.abc import Callable
+
+import torch
+
+
+def cuda_time(fn: Callable[[], object], reps: int) -> float:
+    """Median seconds of ``fn`` on the current stream, after 3 warm-up calls."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--numel", type=int, default=1 << 26)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--block", type=int, default=2048)
+    ap.add_argument("--channels", type=int, default=1024, help="AC-SGD: activation width (rows = numel / channels)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print(json.dumps({"benchmark": "gpu_codec", "measured": False, "reason": "no CUDA device on this machine"}))
+        return
+    os.environ.setdefault("POTLUCK_TRITON", "force")  # errors surface instead of a silent torch fallback
+    from potluck.compression.int8 import _quantize_blocks
+    from potluck.kernels import device as kd
+    from potluck.kernels.quant import quantize_channels
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(args.numel, device=dev, generator=gen)
+    gb = args.numel * 4 / 1e9
+    copy_dst = torch.empty_like(x)
+    copy_s = cuda_time(lambda: copy_dst.copy_(x), args.reps)
+
+    # the torch reference on the same device: the CPU path's operations
+    n_full = args.numel - args.numel % args.block
+
+    def torch_quantize() -> tuple[torch.Tensor, torch.Tensor]:
+        codes = torch.empty(n_full, dtype=torch.int8, device=dev)
+        scales = torch.empty(n_full // args.block, device=dev)
+        _quantize_blocks(x[:n_full].view(-1, args.block), codes.view(-1, args.block), scales)
+        return codes, scales
+
+    codes, scales = kd.int8_quantize(x, args.block)
+    ref_codes, ref_scales = torch_quantize()
+    if not (torch.equal(codes[:n_full], ref_codes) and torch.equal(scales[: n_full // args.block], ref_scales)):
+        raise SystemExit("Triton int8 codes differ from the torch reference's on this device")
+    members = [kd.int8_quantize(torch.randn(args.numel, device=dev, generator=gen), args.block) for _ in range(3)]
+    all_codes = torch.stack([c for c, _ in members])
+    all_scales = torch.stack([s for _, s in members])
+    rows = args.numel // args.channels
+    act = x[: rows * args.channels].view(rows, args.channels)
+    buf = torch.zeros_like(act)
+
+    kernels = {
+        "int8_quantize": (lambda: kd.int8_quantize(x, args.block), torch_quantize),
+        "int8_dequantize": (lambda: kd.int8_dequantize(codes, scales, args.block),
+                            lambda: ref_codes.view(-1, args.block).float().mul(ref_scales[:, None])),
+        "owner_mean_requantize_3": (lambda: kd.int8_mean_requantize(all_codes, all_scales, args.block), None),
+        "acsgd_delta_4bit": (lambda: kd.channels_quantize_pack(act, 4, m=buf),
+                             lambda: quantize_channels(act - buf, 4)),
+    }
+    out: dict[str, dict] = {}
+    for name, (kernel, torch_ref) in kernels.items():
+        k_s = cuda_time(kernel, args.reps)
+        scale = 3 if name.startswith("owner") else 1  # GB of float32 the members' contributions stand for
+        row = {"triton_gb_s": round(scale * gb / k_s, 1), "vs_copy": round(scale * copy_s / k_s, 3)}
+        if torch_ref is not None:
+            t_s = cuda_time(torch_ref, args.reps)
+            row["torch_gb_s"] = round(gb / t_s, 1)
+            row["vs_torch"] = round(t_s / k_s, 2)
+        out[name] = row
+    print(json.dumps({
+        "benchmark": "gpu_codec", "measured": True, "device": torch.cuda.get_device_name(dev), "numel": args.numel,
+        "copy_gb_s": round(gb / copy_s, 1), "kernels": out,
+        "target": "every kernel >= 0.5x the device-to-device copy", "met": all(r["vs_copy"] >= 0.5 for r in out.values()),
+    }))
+
+
+if __name__ == "__main__":
+    main()
