@@ -3,10 +3,14 @@ interface (:mod:`potluck.models`) that peers, tests and benchmarks use."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from potluck.models import build_stage, entries, forward_layers, lm_loss
+from potluck.models import build_stage, entries, lm_loss
+from potluck.models import forward_layers as _forward
 from potluck.protos.config import ModelConfig
 
 __all__ = ["Model", "TinyGPT", "load_named", "build_layers", "forward_layers", "lm_loss", "num_layers"]
@@ -15,6 +19,24 @@ __all__ = ["Model", "TinyGPT", "load_named", "build_layers", "forward_layers", "
 def num_layers(cfg: ModelConfig) -> int:
     """Entries of the layer list: embedding, the blocks, the head."""
     return entries(cfg)
+
+
+def forward_layers(layers: Iterable[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor,
+                   checkpoint_activations: bool = False) -> torch.Tensor:
+    """Run ``x`` through ``layers`` in order (:func:`potluck.models.forward_layers`).
+
+    With ``checkpoint_activations``, each layer fed a float tensor (every block and the head; the
+    embedding's token ids have nothing worth dropping) keeps only its input for the backward pass and
+    runs its forward again there (``torch.utils.checkpoint``, non-reentrant, so it composes with
+    autocast and with parameters that need gradients while the input does not). The recomputation is
+    the same arithmetic on the same inputs, so the gradients are those of a plain run. Under
+    ``torch.no_grad`` (evaluation) there is nothing to keep, and nothing is recomputed.
+    """
+    if not (checkpoint_activations and torch.is_grad_enabled()):
+        return _forward(layers, x)  # type: ignore[arg-type]
+    for layer in layers:
+        x = checkpoint(layer, x, use_reentrant=False) if x.is_floating_point() else layer(x)
+    return x
 
 
 def build_layers(cfg: ModelConfig, seed: int, start: int = 0, stop: int | None = None) -> nn.ModuleList:

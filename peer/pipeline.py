@@ -182,13 +182,18 @@ class Pipeline:
         inner: int,
         batch: tuple[list[int], torch.Tensor, torch.Tensor] | None,
         device: torch.device,
+        forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> float:
         """Forward and backward of one inner step over ``micro_batches``, in the order of
         :meth:`schedule`; returns the loss.
 
         Stage 0 gets ``batch = (sample ids, tokens, targets)``; the other stages receive theirs.
-        Gradients accumulate in ``layers``; the caller steps the optimizer.
+        Gradients accumulate in ``layers``; the caller steps the optimizer. ``forward`` runs the
+        layers (a :class:`potluck.peer.runner.StageRunner`: autocast, checkpointing, compiled layers);
+        by default plainly in fp32. Whatever it computes in, activations and gradients go on the wire
+        as fp32 tensors, so neighbours never need to agree on a precision.
         """
+        run = forward if forward is not None else lambda x: forward_layers(layers, x)
         r = self._current()
         m = self.cfg.micro_batches
         timeout = self.cfg.pipe_timeout_s * (3 if inner == 0 else 1)
@@ -209,7 +214,7 @@ class Pipeline:
                     t0 = time.monotonic()
                     inp = recv.to(device).requires_grad_(True)
                     inp_grad_holder = inp
-                out = forward_layers(layers, inp)
+                out = run(inp)
                 if self.last:  # the loss at once: forward and backward of each micro-batch in turn
                     loss = lm_loss(out, labels.to(device).long()) / m
                     loss.backward()
@@ -225,7 +230,7 @@ class Pipeline:
                 grad, loss_k = self._take(r, "backward", inner, k, timeout)
                 waited_s += time.monotonic() - t0
                 out, holder = held.pop(k)
-                out.backward(grad.to(device))
+                out.backward(grad.to(device, out.dtype))
                 loss_total += loss_k
                 if holder is not None:
                     assert holder.grad is not None
@@ -264,8 +269,10 @@ class Pipeline:
 
     @torch.no_grad()
     def evaluate(self, layers: nn.ModuleList, version: int, batches: list[tuple[list[int], torch.Tensor, torch.Tensor]] | None,
-                 n_batches: int, device: torch.device) -> float | None:
+                 n_batches: int, device: torch.device,
+                 forward: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float | None:
         """Eval loss of version ``version`` through the whole pipeline; the last stage returns it."""
+        run = forward if forward is not None else lambda x: forward_layers(layers, x)
         r = self._current()
         total, n = 0.0, 0
         for k in range(n_batches):
@@ -276,7 +283,7 @@ class Pipeline:
             else:
                 ids, inp, labels = self._take(r, "eval", version, k, self.cfg.pipe_timeout_s * 2)
                 inp = inp.to(device)
-            out = forward_layers(layers, inp)
+            out = run(inp)
             if self.last:
                 total += float(lm_loss(out, labels.to(device).long())) * len(ids)
                 n += len(ids)

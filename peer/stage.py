@@ -18,8 +18,9 @@ from torch import nn
 
 from potluck.peer.data import Dataset, SpanSampler
 from potluck.peer.diloco import flatten_params, load_flat
-from potluck.peer.model import build_layers, forward_layers, lm_loss
+from potluck.peer.model import build_layers, lm_loss
 from potluck.peer.pipeline import PipelineStall
+from potluck.peer.runner import StageRunner
 from potluck.protos.config import RunConfig
 from potluck.protos.faults import fault
 from potluck.protos.log import get_logger
@@ -32,10 +33,25 @@ Batch = tuple[list[int], torch.Tensor, torch.Tensor]  # sample ids, tokens, next
 class PipelineLink(Protocol):
     """How a stage reaches its neighbours (see :class:`potluck.peer.pipeline.Pipeline`)."""
 
-    def train_step(self, layers: nn.ModuleList, inner: int, batch: Batch | None, device: torch.device) -> float: ...
+    def train_step(self, layers: nn.ModuleList, inner: int, batch: Batch | None, device: torch.device,
+                   forward: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float: ...
 
     def evaluate(self, layers: nn.ModuleList, version: int, batches: list[Batch] | None, n_batches: int,
-                 device: torch.device) -> float | None: ...
+                 device: torch.device, forward: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float | None: ...
+
+
+class Devices(Protocol):
+    """The devices of a multi-device peer, as its stage workers see them (:mod:`potluck.peer.multidevice`):
+    each inner step every device trains on its slice of the batch and they average their gradients, so
+    all keep the same parameters; a load outside the inner loop reaches them all."""
+
+    def begin(self, step: int) -> None: ...
+
+    def split(self, batch: Batch | None) -> Batch: ...
+
+    def average(self, params: list[nn.Parameter], loss: float) -> float: ...
+
+    def load(self, params: list[nn.Parameter], theta: torch.Tensor, steps_done: int) -> None: ...
 
 
 @dataclass
@@ -56,15 +72,19 @@ class StageWorker:
         self.layers = build_layers(rc.model, rc.train.seed, *bounds).to(device)
         self.params = list(self.layers.parameters())
         self.numel = sum(p.numel() for p in self.params)
+        self.runner = StageRunner(self.layers, rc.train, device, rc.pipeline.stages)  # precision, checkpointing, compile
         self.optimizer: torch.optim.Optimizer | None = None  # built on the first inner step (it imports torch._dynamo)
         self.sampler: SpanSampler | None = None
         self.steps_done = 0  # inner steps over the whole run (the lr warm-up counts them)
+        self.devices: Devices | None = None  # the other devices of a multi-device peer (torchrun)
 
     def theta(self) -> torch.Tensor:
         """theta_local as one flat float32 CPU vector."""
         return flatten_params(self.params)
 
     def load(self, theta: torch.Tensor, steps_done: int | None = None) -> None:
+        if self.devices is not None:  # a multi-device peer's other devices load the same
+            self.devices.load(self.params, theta, self.steps_done if steps_done is None else steps_done)
         load_flat(self.params, theta)
         if steps_done is not None:
             self.steps_done = steps_done
@@ -85,6 +105,8 @@ class StageWorker:
         if self.first:
             self.sampler = SpanSampler(spans, self.data.num_samples, rc.data.seed,
                                        rc.diloco.inner_steps * rc.train.batch_size)
+        if self.devices is not None:
+            self.devices.begin(step)
         if stopping.is_set():  # building the optimizer may wait seconds for torch._dynamo's import
             return InnerPhase(0, 0.0, interrupted=True)
         if self.optimizer is None:
@@ -106,9 +128,12 @@ class StageWorker:
                 loss = self._forward_backward(i)
             except PipelineStall as err:
                 return InnerPhase(i, time.monotonic() - t0, stalled=str(err))
+            if self.devices is not None:  # the whole batch's gradients (and loss), on every device
+                loss = self.devices.average(self.params, loss)
             if rc.train.grad_clip > 0:
+                self.runner.precision.unscale(self.optimizer)  # fp16: clip the true gradients, not the scaled ones
                 torch.nn.utils.clip_grad_norm_(self.params, rc.train.grad_clip)
-            self.optimizer.step()
+            self.runner.precision.step(self.optimizer)  # fp16: skipped if they overflowed
             self.steps_done += 1
             on_step(i, loss, time.monotonic() - t_step)
         self.optimizer.zero_grad(set_to_none=True)  # the outer step needs the memory more than the next step
@@ -120,13 +145,20 @@ class StageWorker:
             assert self.sampler is not None
             ids = self.sampler.next_ids(self.rc.train.batch_size)
             batch = (ids, *self.data.batch(ids))
+        if self.devices is not None:  # this device's rows of the batch
+            batch = self.devices.split(batch)
         if self.link is not None:
-            return self.link.train_step(self.layers, i, batch, self.device)
+            return self.link.train_step(self.layers, i, batch, self.device, forward=self.runner)
         assert batch is not None
         _, x, y = batch
-        loss = lm_loss(forward_layers(self.layers, x.to(self.device)), y.to(self.device))
-        loss.backward()
-        return float(loss.detach())
+        # train.grad_accum micro-batches, each loss weighted by its share of the rows: the summed
+        # gradients are those of the whole batch's mean loss (a device's slice need not divide evenly)
+        k, total = min(self.rc.train.grad_accum, len(x)), 0.0
+        for xs, ys in zip(x.tensor_split(k), y.tensor_split(k), strict=True):
+            loss = lm_loss(self.runner(xs.to(self.device)), ys.to(self.device)) * (len(xs) / len(x))
+            self.runner.precision.backward(loss)
+            total += float(loss.detach())
+        return total
 
     def _lr(self) -> float:
         t = self.rc.train
@@ -144,14 +176,14 @@ class StageWorker:
             if self.link is not None:
                 batches = [(list(c), *self.data.batch(c)) for c in chunks] if self.first else None
                 try:
-                    return self.link.evaluate(self.layers, version, batches, len(chunks), self.device)
+                    return self.link.evaluate(self.layers, version, batches, len(chunks), self.device, forward=self.runner)
                 except PipelineStall as err:
                     log.warning("evaluation of v%d skipped: %s", version, err)
                     return None
             total, n = 0.0, 0
             for c in chunks:
                 x, y = self.data.batch(c)
-                total += float(lm_loss(forward_layers(self.layers, x.to(self.device)), y.to(self.device))) * len(x)
+                total += float(lm_loss(self.runner(x.to(self.device)), y.to(self.device))) * len(x)
                 n += len(x)
             return total / max(n, 1)
         finally:

@@ -95,6 +95,27 @@ class TrainConfig(_Section):
     warmup_steps: int = Field(20, ge=0, description="linear warm-up of the inner lr, in inner steps")
     grad_clip: float = Field(1.0, ge=0, description="max grad norm; 0 disables clipping")
     seed: int = Field(0, description="model init seed: every peer starts from the same theta_0")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="math of the forward and backward passes, under autocast: parameters, AdamW's moments "
+        "and the outer state stay fp32 whatever this says. 'auto': bf16 on a GPU that has it, fp16 with loss "
+        "scaling on one that does not (fp32 there when pipeline.stages > 1), fp32 on a CPU; 'bf16' and 'fp16' "
+        "also run on a CPU when asked for (fp16 needs pipeline.stages = 1)")
+    checkpoint_activations: bool = Field(
+        False, description="keep only each layer's input through the forward pass and recompute the rest in the "
+        "backward: activation memory of one layer instead of all, for about a third more compute")
+    grad_accum: int = Field(
+        1, ge=1, description="pipeline.stages = 1: split each batch into this many micro-batches, run one at a time, "
+        "their gradients summed (the same step as the whole batch, in less memory); must divide batch_size. A "
+        "pipeline splits its batch by pipeline.micro_batches instead")
+    compile: bool = Field(
+        False, description="torch.compile each layer (compiled on the first step; if compilation fails the peer "
+        "says so once and runs eager)")
+
+    @model_validator(mode="after")
+    def _micro_batches_divide_the_batch(self) -> TrainConfig:
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"batch_size {self.batch_size} is not a multiple of grad_accum {self.grad_accum}")
+        return self
 
 
 class DiLoCoConfig(_Section):
@@ -367,6 +388,12 @@ class RunConfig(_Section):
             self.__dict__["model"] = model
         if p.stages > 1 and self.model.tie_embeddings:
             raise ValueError("model.tie_embeddings needs embedding and head in one stage; set it false for stages > 1")
+        if p.stages > 1 and self.train.grad_accum > 1:
+            raise ValueError(f"train.grad_accum = {self.train.grad_accum} splits the batch of a single-stage run; a "
+                             "pipeline splits it into pipeline.micro_batches already: set that instead")
+        if p.stages > 1 and self.train.precision == "fp16":
+            raise ValueError("train.precision = 'fp16' needs pipeline.stages = 1 (every stage would have to share "
+                             "one loss scale); use 'bf16' or 'auto'")
         if p.stages > 1 and self.diloco.overlap:
             raise ValueError("diloco.overlap needs pipeline.stages = 1: a pipeline starts each step only on the "
                              "coordinator's round for it, which waits for the step before")
