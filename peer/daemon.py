@@ -28,6 +28,7 @@ from potluck.peer.allreduce import RoundInfo
 from potluck.peer.data import DataError
 from potluck.peer.follower import Finish, Follower, Recover, Switch, Train, Wait
 from potluck.peer.joining import Joined, Stopped, join, load_identity
+from potluck.peer.multidevice import Leader
 from potluck.peer.outersteps import OuterSteps
 from potluck.peer.recovery import recover
 from potluck.peer.tasklet import Tasklet, Toolbox
@@ -47,8 +48,8 @@ log = get_logger(__name__)
 class Peer:
     """A volunteer's daemon: ``run()`` joins, trains until the run ends or ``stopping`` is set, leaves."""
 
-    def __init__(self, cfg: PeerConfig, progress: str = "auto") -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: PeerConfig, progress: str = "auto", devices: Leader | None = None) -> None:
+        self.cfg, self.devices = cfg, devices  # devices: rank 0 of a torchrun peer speaks for all its processes
         self.identity = load_identity(cfg)
         self.id = self.identity.peer_id
         self.stopping = threading.Event()
@@ -63,7 +64,8 @@ class Peer:
         joined: Joined | None = None
         try:
             joined = join(self.cfg, self.identity, self.stopping)
-            session = Session(self.cfg, joined, Toolbox.build(self.cfg, joined, self.identity, self.stopping), self.telemetry)
+            session = Session(self.cfg, joined, Toolbox.build(self.cfg, joined, self.identity, self.stopping, self.devices),
+                              self.telemetry)
             session.train()
             return 0
         except Stopped:
@@ -214,4 +216,5 @@ class Session:
             address=tools.address, version=snap.version, state_hash=snap.hash, epoch=t.states.epoch,
             prev=t.states.prev_of(), stage=t.stage, replica=self.replica, device=tools.device, numel=t.worker.numel,
             loss_floor=tools.data.loss_floor, maddrs=tools.maddrs, traffic=tools.traffic.snapshot(),
-            extras={"buffers": t.pipeline.footprint()} if t.pipeline is not None else {})
+            extras={**({"buffers": t.pipeline.footprint()} if t.pipeline is not None else {}),
+                    **({"devices": tools.devices.world} if tools.devices is not None else {})})

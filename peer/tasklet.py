@@ -25,6 +25,7 @@ from potluck.peer.diloco import outer_snapshot
 from potluck.peer.heartbeat import Heartbeat
 from potluck.peer.joining import Joined, pick_device
 from potluck.peer.links import LinkConfig, LinkProber
+from potluck.peer.multidevice import Leader
 from potluck.peer.pipeline import Neighbour, Pipeline
 from potluck.peer.service import PeerService
 from potluck.peer.stage import StageWorker
@@ -66,12 +67,16 @@ class Toolbox:
     address: str = ""
     maddrs: list[str] = field(default_factory=list)
     threads: list[threading.Thread] = field(default_factory=list)
+    devices: Leader | None = None  # this peer's other processes, when torchrun started several (rank 0 speaks for them)
 
     @classmethod
-    def build(cls, cfg: PeerConfig, joined: Joined, identity: Identity, stopping: threading.Event) -> Toolbox:
+    def build(cls, cfg: PeerConfig, joined: Joined, identity: Identity, stopping: threading.Event,
+              devices: Leader | None = None) -> Toolbox:
         rc = joined.config
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        if devices is not None:
+            devices.setup(rc)  # refuses a run the group cannot train (pipelines; a batch that does not split)
         netem = NetEm.from_file(cfg.netem, region=cfg.region, peer=cfg.name) if cfg.netem else None
         traffic = Traffic()
         tls = joined.tls if joined.manifest.security == "mtls" else None
@@ -81,9 +86,10 @@ class Toolbox:
         links = LinkProber(client, me, rc.run_id, LinkConfig(
             period_s=lc.probe_period_s, max_probes_per_period=lc.probes_per_period, probe_bytes=lc.probe_bytes,
             budget_bytes_per_min=lc.budget_bytes_per_min))
-        return cls(cfg, rc, me, identity.sign, stopping, joined, pick_device(cfg.device), Dataset(rc.data, rc.model),
+        device = devices.device if devices is not None else pick_device(cfg.device)
+        return cls(cfg, rc, me, identity.sign, stopping, joined, device, Dataset(rc.data, rc.model),
                    stage_bounds(rc.model, rc.pipeline), netem, traffic, client, make_codec(rc.sync.codec, rc.sync.block_size),
-                   links, tls=tls, maddrs=joined.node.maddrs[:4])
+                   links, tls=tls, maddrs=joined.node.maddrs[:4], devices=devices)
 
     def serve(self, tasklet: Callable[[], Tasklet], ping: Callable[[pb.PingRequest], pb.PingReply],
               record: Callable[[], PeerRecord]) -> Heartbeat:
@@ -130,10 +136,15 @@ class Toolbox:
 
     def announce(self, numel: int, phases: dict[str, float]) -> None:
         rc = self.rc
-        log.info("joined run %s as %s: gRPC %s, device %s, model %.2fM parameters%s, H=%d (%s)",
-                 rc.run_id, short_id(self.me), self.address, self.device, numel / 1e6,
+        log.info("joined run %s as %s: gRPC %s, device %s%s, model %.2fM parameters%s, H=%d (%s)",
+                 rc.run_id, short_id(self.me), self.address, self.device,
+                 self._more_devices(), numel / 1e6,
                  f" in stage 0 of {rc.pipeline.stages}" if rc.pipeline.stages > 1 else "", rc.diloco.inner_steps,
                  ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
+
+    def _more_devices(self) -> str:
+        n = self.devices.world - 1 if self.devices is not None else 0
+        return f" and {n} more process{'es' if n > 1 else ''} (torchrun: one peer)" if n else ""
 
     def _measure_links(self) -> None:
         """Probe a few peers per period (bounded bytes) and publish the signed link report."""
@@ -185,6 +196,8 @@ class Tasklet:
                                 cfg=rc.pipeline, client=tools.client, num_samples=tools.data.num_samples,
                                 stopping=tools.stopping, on_transfer=tools.links.observe)
         worker = StageWorker(rc, stage, tools.bounds[stage], tools.device, tools.data, pipeline)
+        if tools.devices is not None:
+            tools.devices.attach(worker)  # the other processes build the same worker and hold its theta
         allreduce = AllReduce(run_id=rc.run_id, me=tools.me, numel=worker.numel, codec=tools.codec, client=tools.client,
                               chunk_bytes=rc.sync.chunk_bytes, rpc_timeout=rc.sync.rpc_timeout_s,
                               ping=tools.ping_member, stopping=tools.stopping, sign=tools.sign,

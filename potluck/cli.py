@@ -15,11 +15,12 @@ mistake, caught by argparse or by a command, is one line on stderr and exit stat
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any, NoReturn
 
 from potluck import __version__
-from potluck.protos.stopping import die_with_launcher
+from potluck.protos.stopping import DIE_WITH_ENV, die_with_launcher
 
 DESCRIPTION = "Train one transformer on GPUs that volunteers lend over the internet."
 
@@ -138,16 +139,30 @@ def cmd_peer(args: argparse.Namespace) -> int:
         parse_join_address(cfg.join)
     except JoinError as err:
         raise UsageError(str(err)) from None
+    from potluck.peer import multidevice
+    from potluck.protos.config import ConfigError
+
+    try:  # under torchrun, one process per device: they form their group here (rank 0 is the peer)
+        group = multidevice.start(cfg.device)
+    except ConfigError as err:
+        raise UsageError(str(err)) from None
+    if group is not None and not group.leads:
+        return multidevice.Helper(group, cfg.threads).run()
     from potluck.peer.daemon import Peer
     from potluck.protos.identity import IdentityError
     from potluck.protos.stopping import install_stop_handlers
 
+    leader = multidevice.Leader(group) if group is not None else None
     try:
-        peer = Peer(cfg, progress=args.progress)
-    except IdentityError as err:
-        raise UsageError(str(err)) from None
-    install_stop_handlers(peer.stopping)
-    return peer.run()
+        try:
+            peer = Peer(cfg, progress=args.progress, devices=leader)
+        except IdentityError as err:
+            raise UsageError(str(err)) from None
+        install_stop_handlers(peer.stopping)
+        return peer.run()
+    finally:
+        if leader is not None:
+            leader.close("the peer stopped")
 
 
 def _flag_error(error: Any) -> str:
@@ -266,7 +281,9 @@ def _add_peer(sub: Any) -> None:
         "  potluck peer --join /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...\n"
         "  potluck peer --join ADDRESS --device cuda:1 --name alice\n"
         "  potluck peer --join ADDRESS --dht-client   behind a NAT (no incoming)\n"
-        "  potluck peer --join ADDRESS --data-path ~/corpus.txt   the run's text file",
+        "  potluck peer --join ADDRESS --data-path ~/corpus.txt   the run's text file\n"
+        "  torchrun --nproc-per-node 4 -m potluck peer --join ADDRESS\n"
+        "                        one peer of 4 GPUs (a batch split 4 ways; stages = 1)",
     )
     pe.add_argument("--join", required=True, metavar="ADDRESS",
                     help="the join address the coordinator printed (/ip4/HOST/tcp/PORT/p2p/12D3KooW...)")
@@ -320,6 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if os.environ.get("TORCHELASTIC_RUN_ID"):  # a torchrun worker: its launcher is its parent, torchrun's agent
+        os.environ[DIE_WITH_ENV] = str(os.getppid())
     die_with_launcher()
     args = build_parser().parse_args(argv)
     try:

@@ -1,0 +1,417 @@
+"""A peer of several devices: ``torchrun --nproc-per-node N -m potluck peer --join ADDRESS``.
+
+The N processes (one per GPU, or N CPU processes) are *one* peer of the swarm. Rank 0, the
+**leader**, is the peer the others see: it joins the DHT, serves gRPC, takes part in the outer
+all-reduce and reports. Ranks 1..N-1, the **helpers**, only compute: each holds a replica of the
+leader's stage worker and does what the leader's commands say, sent over a gloo group::
+
+    Setup(run config)          once, when the leader has joined the run
+    Build(stage, bounds)       a fresh stage worker at theta_0 (the start, starting over)
+    Load(steps_done) + theta   the leader's parameters changed outside the inner loop: an outer step,
+                               a recovered snapshot; theta follows on the device group
+    Phase(step)                an inner phase begins: one Rows per inner step follows
+    Rows(batch)                the leader's batch of the step; every rank trains on its slice of it
+    Stop(reason)               the leader is done
+
+Every rank runs the same :class:`~potluck.peer.stage.StageWorker` code for an inner step: forward and
+backward on its ``batch_size / N`` rows, then the mean of the gradients (and of the loss, for the
+report) over the device group, then the same AdamW step. Identical parameters and identical averaged
+gradients give identical parameters, so the ranks stay in lockstep without moving parameters during
+a phase; each Load re-broadcasts theta from the leader all the same. The whole group trains the batch
+one device would, so the peer's throughput in its record (batch per step time) is the group's.
+
+A helper's phase ends after H steps, like the leader's; if the leader stops earlier, the next
+command it sends (Load, Phase or Stop) ends the helper's phase where it stands.
+
+Ending: the leader sends Stop whatever ends its peer (the run is over, a signal, an error). A helper
+ignores SIGINT and SIGTERM (torchrun forwards them to every rank): it ends with its leader, so a
+collective never loses a member while the leader shuts down in order. Should the leader die
+instead, its sockets close and a helper waiting on it fails at once (gloo: "connection closed by
+peer"); torchrun then ends the group. Collectives in lockstep (gradients, theta) time out after
+``LOCKSTEP_TIMEOUT``; a helper's wait for the next command has no useful bound, since the leader
+may wait for a round for hours.
+
+Multi-device peers train ``pipeline.stages = 1`` runs only: a pipeline run is refused at startup.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import importlib
+import os
+import signal
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from potluck.peer.data import Dataset
+from potluck.peer.diloco import flatten_params, load_flat
+from potluck.peer.stage import Batch, StageWorker
+from potluck.protos.config import ConfigError, RunConfig
+from potluck.protos.log import get_logger, set_context
+
+log = get_logger(__name__)
+
+LOCKSTEP_TIMEOUT = datetime.timedelta(minutes=10)  # rendezvous, gradients, theta: every rank is there at once
+COMMAND_TIMEOUT = datetime.timedelta(days=7)  # a helper waiting for its leader (liveness comes from the sockets)
+BUCKET = 1 << 24  # gradient elements per all-reduce
+HASHES_ENV = "POTLUCK_DEVICE_HASHES"  # tests: a folder where each rank writes its parameters' hash at each load
+
+
+@dataclass(frozen=True)
+class Launch:
+    """This process's place in a torchrun launch (its environment)."""
+
+    rank: int
+    world: int
+    local_rank: int
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> Launch | None:
+        """None when this is a single process (``WORLD_SIZE`` unset or 1): nothing changes then."""
+        try:
+            world = int(env.get("WORLD_SIZE") or 1)
+            if world <= 1:
+                return None
+            rank = int(env["RANK"])
+            return cls(rank, world, int(env.get("LOCAL_RANK", rank)))
+        except (KeyError, ValueError) as err:
+            raise ConfigError(f"WORLD_SIZE is set but RANK/LOCAL_RANK are not usable ({err!r}): start a "
+                              "multi-device peer with torchrun --nproc-per-node N -m potluck peer ...") from None
+
+
+def device_for(choice: str, local_rank: int) -> torch.device:
+    """A rank's device: ``cuda:LOCAL_RANK`` on a GPU box, the CPU otherwise (or when asked for)."""
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if choice not in ("auto", "cuda"):
+        raise ConfigError(f"--device {choice!r}: each process of a torchrun peer takes cuda:LOCAL_RANK; "
+                          "say --device cuda (or cpu), and CUDA_VISIBLE_DEVICES to choose the GPUs")
+    if not torch.cuda.is_available():
+        raise ConfigError("--device cuda requested but torch sees no CUDA device")
+    if local_rank >= torch.cuda.device_count():
+        raise ConfigError(f"local rank {local_rank} has no GPU: torch sees {torch.cuda.device_count()}; "
+                          "start at most that many processes per node")
+    return torch.device("cuda", local_rank)
+
+
+# ---------------------------------------------------------------------- the leader's commands
+
+
+@dataclass(frozen=True)
+class Setup:
+    rc: RunConfig
+
+
+@dataclass(frozen=True)
+class Build:
+    stage: int
+    bounds: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Load:
+    steps_done: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class Phase:
+    step: int
+
+
+@dataclass(frozen=True)
+class Rows:
+    batch: Batch
+
+
+@dataclass(frozen=True)
+class Stop:
+    reason: str
+
+
+Command = Setup | Build | Load | Phase | Rows | Stop
+
+
+class PhaseEnded(Exception):
+    """The leader sent something other than the next batch: its inner phase ended early."""
+
+    def __init__(self, command: Command) -> None:
+        super().__init__(type(command).__name__)
+        self.command = command
+
+
+# ---------------------------------------------------------------------- the group
+
+
+class DeviceGroup:
+    """The process groups of a multi-device peer: the default one (nccl on CUDA, gloo on a CPU) for
+    gradients and parameters, and a gloo one for the leader's commands."""
+
+    def __init__(self, launch: Launch, device: torch.device) -> None:
+        self.rank, self.world, self.device = launch.rank, launch.world, device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        try:
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=LOCKSTEP_TIMEOUT)
+            self.commands: dist.ProcessGroup | None = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
+        except (ValueError, RuntimeError) as err:  # no MASTER_ADDR, a rank that never came, ...
+            raise ConfigError(f"cannot form this peer's process group of {self.world}: {err}") from None
+        self.trace = Trace.from_env(self.rank)
+
+    @property
+    def leads(self) -> bool:
+        return self.rank == 0
+
+    def send(self, command: Command) -> None:
+        dist.broadcast_object_list([command], src=0, group=self.commands)
+
+    def receive(self) -> Command:
+        box: list[Command | None] = [None]
+        dist.broadcast_object_list(box, src=0, group=self.commands)
+        assert box[0] is not None
+        return box[0]
+
+    def theta(self, theta: torch.Tensor | None, numel: int) -> torch.Tensor:
+        """The leader's ``theta`` (it passes it; the others pass None), on this rank's device."""
+        buf = (theta.to(self.device, torch.float32) if theta is not None
+               else torch.empty(numel, dtype=torch.float32, device=self.device))
+        dist.broadcast(buf, src=0)
+        return buf
+
+    def rows(self, batch: Batch) -> Batch:
+        """This rank's slice of the batch: ``batch_size / N`` consecutive rows."""
+        ids, x, y = batch
+        n = len(x) // self.world
+        part = slice(self.rank * n, (self.rank + 1) * n)
+        return ids[part], x[part], y[part]
+
+    def average(self, params: list[nn.Parameter], loss: float) -> float:
+        """Replace every gradient by its mean over the ranks (the same bits on all of them: each chunk
+        is summed once and the sum passed on); returns the mean loss."""
+        grads = [p.grad for p in params if p.grad is not None]
+        for dtype in dict.fromkeys(g.dtype for g in grads):
+            bucket: list[torch.Tensor] = []
+            for g in (g for g in grads if g.dtype == dtype):
+                bucket.append(g)
+                if sum(b.numel() for b in bucket) >= BUCKET:
+                    self._mean(bucket)
+                    bucket = []
+            if bucket:
+                self._mean(bucket)
+        total = torch.tensor([loss], dtype=torch.float64, device=self.device)
+        dist.all_reduce(total)
+        return float(total) / self.world
+
+    def _mean(self, tensors: list[torch.Tensor]) -> None:
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        dist.all_reduce(flat)
+        flat.div_(self.world)
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+    def close(self) -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception as err:  # a member already gone: nothing left to tear down in order
+            log.debug("destroying the process group: %s", err)
+        # the last reference to the command group: its threads are joined now. Left to the interpreter's
+        # teardown, one of them may release its last work then, need the GIL, and abort the process
+        self.commands = None
+
+
+class Trace:
+    """Tests: each rank appends ``<event> <inner steps> <sha256 of its parameters>`` to
+    ``$POTLUCK_DEVICE_HASHES/rank-<r>.txt`` around every load, so a test compares the ranks."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+
+    @classmethod
+    def from_env(cls, rank: int) -> Trace:
+        folder = os.environ.get(HASHES_ENV)
+        if not folder:
+            return cls(None)
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        return cls(Path(folder) / f"rank-{rank}.txt")
+
+    def __call__(self, event: str, steps_done: int, held: list[nn.Parameter] | torch.Tensor) -> None:
+        """``held``: the parameters, or theta as one flat vector."""
+        if self.path is None:
+            return
+        theta = held.detach().to("cpu", torch.float32) if isinstance(held, torch.Tensor) else flatten_params(held)
+        digest = hashlib.sha256(theta.contiguous().numpy().tobytes()).hexdigest()
+        with self.path.open("a") as f:
+            f.write(f"{event} {steps_done} {digest}\n")
+
+
+# ---------------------------------------------------------------------- rank 0
+
+
+class Leader:
+    """Rank 0's side: it tells the helpers what to do, and its stage worker calls the hooks of
+    :class:`~potluck.peer.stage.Devices` (``worker.devices``)."""
+
+    def __init__(self, group: DeviceGroup) -> None:
+        self.group = group
+        self.stopped = False
+
+    @property
+    def device(self) -> torch.device:
+        return self.group.device
+
+    @property
+    def world(self) -> int:
+        return self.group.world
+
+    def setup(self, rc: RunConfig) -> None:
+        """Refuse a run this group cannot train (with a reason), else hand the helpers its config."""
+        n, k, b = self.group.world, rc.train.grad_accum, rc.train.batch_size
+        if rc.pipeline.stages > 1:
+            raise ConfigError(f"this peer is {n} processes (torchrun), which train runs of pipeline.stages = 1 only; "
+                              f"this run has {rc.pipeline.stages} stages: start one peer per GPU instead "
+                              "(potluck peer --device cuda:N)")
+        if b % (n * k):
+            raise ConfigError(f"train.batch_size = {b} does not split over this peer's {n} processes"
+                              + (f" x train.grad_accum = {k} micro-batches" if k > 1 else "")
+                              + f": it must be a multiple of {n * k}; start a number of processes that divides it")
+        self.group.send(Setup(rc))
+        log.info("a peer of %d processes on %s: each trains %d of the %d rows of every batch", n,
+                 self.device.type, b // n, b)
+
+    def attach(self, worker: StageWorker) -> None:
+        """``worker`` (a fresh one, at theta_0) is the leader's now: the helpers build theirs and load its theta."""
+        self.group.send(Build(worker.stage, worker.bounds))
+        worker.devices = self
+        worker.load(worker.theta(), worker.steps_done)
+
+    # the stage worker's hooks
+
+    def begin(self, step: int) -> None:
+        self.group.send(Phase(step))
+
+    def split(self, batch: Batch | None) -> Batch:
+        assert batch is not None, "the leader reads the batches"
+        self.group.send(Rows(batch))
+        return self.group.rows(batch)
+
+    def average(self, params: list[nn.Parameter], loss: float) -> float:
+        return self.group.average(params, loss)
+
+    def load(self, params: list[nn.Parameter], theta: torch.Tensor, steps_done: int) -> None:
+        self.group.trace("before", steps_done, params)
+        self.group.send(Load(steps_done, theta.numel()))
+        self.group.theta(theta, theta.numel())
+        self.group.trace("after", steps_done, theta)
+
+    def close(self, reason: str) -> None:
+        """The peer is done: the helpers may go (they are gone already if the group broke)."""
+        if self.stopped:
+            return
+        self.stopped = True
+        try:
+            self.group.send(Stop(reason))
+        except Exception as err:  # a helper died: torchrun ends the group anyway
+            log.warning("could not tell this peer's other processes to stop: %s", err)
+        self.group.close()
+
+
+# ---------------------------------------------------------------------- ranks 1..N-1
+
+
+class Helper:
+    """A rank other than 0: a replica of the leader's stage worker that follows its commands."""
+
+    def __init__(self, group: DeviceGroup, threads: int = 0) -> None:
+        self.group = group
+        self.threads = threads
+        self.rc: RunConfig | None = None
+        self.worker: StageWorker | None = None
+        self.never = threading.Event()  # a helper's phase ends when the leader's does, never on its own
+
+    def run(self) -> int:
+        """Follow the leader until it says Stop; returns the process exit code."""
+        set_context(role=f"rank{self.group.rank}")
+        for sig in (signal.SIGINT, signal.SIGTERM):  # it ends with its leader (see the module's docstring)
+            signal.signal(sig, signal.SIG_IGN)
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        threading.Thread(target=importlib.import_module, args=("torch._dynamo",), name="warm-up", daemon=True).start()
+        log.info("rank %d of %d on %s: waiting for the leader (rank 0) to join the run", self.group.rank,
+                 self.group.world, self.group.device)
+        try:
+            command = self.group.receive()
+            while not isinstance(command, Stop):
+                try:
+                    self._do(command)
+                except PhaseEnded as ended:
+                    command = ended.command
+                    continue
+                command = self.group.receive()
+        except RuntimeError as err:  # the leader died: gloo says its connection closed (torchrun ends the group)
+            log.error("rank %d: lost the leader (rank 0): %s", self.group.rank, (str(err).splitlines() or [""])[0])
+            return 1
+        finally:
+            self.group.close()
+        log.info("rank %d: the leader stopped (%s)", self.group.rank, command.reason)
+        return 0
+
+    def _do(self, command: Command) -> None:
+        match command:
+            case Setup(rc=rc):
+                self.rc = rc
+            case Build(stage=stage, bounds=bounds):
+                assert self.rc is not None, "Build before Setup"
+                # the leader reads the data: a helper's worker is never its stage's first reader
+                worker = StageWorker(self.rc, stage, bounds, self.group.device, cast(Dataset, None), None)
+                worker.first, worker.devices = False, self
+                self.worker = worker
+            case Load(steps_done=steps_done, numel=numel):
+                w = self._worker()
+                self.group.trace("before", steps_done, w.params)
+                load_flat(w.params, self.group.theta(None, numel))
+                w.steps_done = steps_done
+                self.group.trace("after", steps_done, w.params)
+            case Phase(step=step):
+                self._worker().inner_phase([], self.never, lambda i, loss, seconds: None, step)
+            case _:
+                raise RuntimeError(f"rank {self.group.rank}: unexpected {type(command).__name__} from the leader")
+
+    def _worker(self) -> StageWorker:
+        if self.worker is None:
+            raise RuntimeError(f"rank {self.group.rank}: the leader sent a command before Build")
+        return self.worker
+
+    # the stage worker's hooks
+
+    def begin(self, step: int) -> None:
+        """(The Phase command began it.)"""
+
+    def split(self, batch: Batch | None) -> Batch:
+        command = self.group.receive()
+        if not isinstance(command, Rows):
+            raise PhaseEnded(command)
+        return self.group.rows(command.batch)
+
+    def average(self, params: list[nn.Parameter], loss: float) -> float:
+        return self.group.average(params, loss)
+
+    def load(self, params: list[nn.Parameter], theta: torch.Tensor, steps_done: int) -> None:
+        """(A helper loads only what the leader broadcasts, in :meth:`_do`.)"""
+
+
+def start(device: str, env: Mapping[str, str] = os.environ) -> DeviceGroup | None:
+    """This process's device group under torchrun (it waits for every rank), or None for a lone process."""
+    launch = Launch.from_env(env)
+    if launch is None:
+        return None
+    return DeviceGroup(launch, device_for(device, launch.local_rank))
