@@ -143,17 +143,27 @@ def _statistics(xs: list[torch.Tensor], numel: int, centers_too: bool) -> tuple[
     return sq, dots, csq
 
 
+def tensor_digest(t: pb.Tensor) -> bytes:
+    """One chunk of a result, every field, lengths first (no serialized copy of the payload just to hash
+    it). Chunks are hashed where they are made, on the codec workers, or as they arrive, while the next
+    one is on the wire: a signed result is one short hash over these, not one long pass at the end."""
+    h = hashlib.blake2b(digest_size=32, person=b"potluck-chunk")
+    h.update(f"|{t.name}|{t.dtype}|{list(t.shape)}|{t.codec}|{t.offset}|{t.numel}|{t.bits}|{len(t.scales)}|"
+             f"{len(t.payload)}|".encode())
+    h.update(t.scales)
+    h.update(t.payload)
+    return h.digest()
+
+
 def result_digest(run_id: str, step: int, epoch: int, shard: int, num_shards: int, attempt: int, base_hash: str,
                   contributors: Iterable[str], clipped: Iterable[str], rejected: Iterable[str],
-                  tensors: Iterable[pb.Tensor]) -> bytes:
-    """What the reducer of a shard signs: everything a member applies from its result."""
+                  chunks: Iterable[pb.Tensor | bytes]) -> bytes:
+    """What the reducer of a shard signs: everything a member applies from its result (its chunks, or
+    their :func:`tensor_digest` already taken)."""
     h = hashlib.blake2b(digest_size=32, person=b"potluck-result")
     head = f"{run_id}|{step}|{epoch}|{shard}|{num_shards}|{attempt}|{base_hash}|{','.join(contributors)}|" \
            f"{','.join(clipped)}|{','.join(rejected)}"
     h.update(head.encode())
-    for t in tensors:  # every field, lengths first: no serialized copy of the payload just to hash it
-        h.update(f"|{t.name}|{t.dtype}|{list(t.shape)}|{t.codec}|{t.offset}|{t.numel}|{t.bits}|{len(t.scales)}|"
-                 f"{len(t.payload)}|".encode())
-        h.update(t.scales)
-        h.update(t.payload)
+    for c in chunks:
+        h.update(c if isinstance(c, bytes) else tensor_digest(c))
     return h.digest()

@@ -41,7 +41,7 @@ import torch
 
 from potluck.compression.int8 import Codec
 from potluck.compression.stream import Assembler, EncodedStream, WireError
-from potluck.peer.aggregate import reduce_mean, result_digest, robust_reduction  # noqa: F401 (reduce_mean: re-export)
+from potluck.peer.aggregate import reduce_mean, result_digest, robust_reduction, tensor_digest  # noqa: F401 (reduce_mean: re-export)
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.faults import fault
 from potluck.protos.identity import verify
@@ -136,6 +136,7 @@ class _Result:
     values: torch.Tensor
     chunks: list[pb.Tensor]
     outcome: Outcome
+    digests: list[bytes] = field(default_factory=list)  # each chunk's tensor_digest (received results)
 
 
 @dataclass
@@ -263,7 +264,7 @@ class AllReduce:
                     del by_sender[sender]
             for shard, res in list(self._results.items()):
                 try:
-                    self._check_signed(shard, len(info.members), res.chunks, res.outcome, info)
+                    self._check_signed(shard, len(info.members), res.digests, res.outcome, info)
                 except Rejected as err:
                     log.warning("dropping a result received before the round was known: %s", err.reason)
                     del self._results[shard]
@@ -302,9 +303,11 @@ class AllReduce:
         if not 0 <= chunk.shard < chunk.num_shards:
             raise Rejected(pb.BAD_MESSAGE, f"shard {chunk.shard} outside [0, {chunk.num_shards})")
 
-    def _receive(self, chunks: Iterator[pb.ShardChunk]) -> tuple[pb.ShardChunk, torch.Tensor, list[pb.Tensor], pb.ShardChunk]:
+    def _receive(self, chunks: Iterator[pb.ShardChunk], digests: list[bytes] | None = None,
+                 ) -> tuple[pb.ShardChunk, torch.Tensor, list[pb.Tensor], pb.ShardChunk]:
         """Validate and decode a whole stream; nothing is stored until it all checks out. Returns the
-        first chunk (its header), the values, the raw tensors and the last chunk (its signature)."""
+        first chunk (its header), the values, the raw tensors and the last chunk (its signature); each
+        chunk's digest goes to ``digests`` (a result's, for its signature) as it arrives."""
         first: pb.ShardChunk | None = None
         last: pb.ShardChunk | None = None
         assembler: Assembler | None = None
@@ -329,6 +332,8 @@ class AllReduce:
                 assert assembler is not None
                 assembler.add(chunk.tensor)
                 kept.append(chunk.tensor)
+                if digests is not None:
+                    digests.append(tensor_digest(chunk.tensor))
                 last = chunk
             if first is None or assembler is None or last is None:
                 raise Rejected(pb.BAD_MESSAGE, "empty stream")
@@ -358,24 +363,25 @@ class AllReduce:
         return pb.Ack(received_bytes=sum(t.ByteSize() for t in kept))
 
     def on_result(self, chunks: Iterator[pb.ShardChunk]) -> pb.Ack:
-        first, values, kept, last = self._receive(chunks)
+        digests: list[bytes] = []
+        first, values, kept, last = self._receive(chunks, digests)
         outcome = Outcome(first.attempt, list(first.contributors), list(first.clipped), list(first.rejected),
                           last.signer, last.signature)
         with self._cond:
             self._check_header(first)
             shard = first.shard
             if self._round is not None:
-                self._check_signed(shard, len(self._round.members), kept, outcome, self._round)
+                self._check_signed(shard, len(self._round.members), digests, outcome, self._round)
             if first.attempt == 0 and shard in self._taken_over:
                 raise Rejected(pb.TAKEN_OVER, f"shard {shard} of step {self._step} was taken over")
             if shard not in self._results:
-                self._results[shard] = _Result(values, kept, outcome)
+                self._results[shard] = _Result(values, kept, outcome, digests)
                 self._cond.notify_all()
             elif not torch.equal(self._results[shard].values, values):
                 log.warning("ignoring a second, different result for shard %d of step %d", shard, self._step)
         return pb.Ack(received_bytes=sum(t.ByteSize() for t in kept))
 
-    def _check_signed(self, shard: int, num_shards: int, tensors: list[pb.Tensor], outcome: Outcome,
+    def _check_signed(self, shard: int, num_shards: int, digests: list[bytes], outcome: Outcome,
                       rnd: RoundInfo) -> None:
         """A result must be signed by its shard's owner (attempt 0, also when a backup forwards it) or, after
         a take-over (attempt > 0), by another member: whoever delivers it, nobody can forge one."""
@@ -385,7 +391,7 @@ class AllReduce:
             raise Rejected(pb.BAD_IDENTITY, f"result of shard {shard} (attempt {outcome.attempt}) signed by "
                            f"{short_id(signer) or 'nobody'}, not by {'its owner' if outcome.attempt == 0 else 'a taker'}")
         digest = result_digest(self.run_id, self._step, self._epoch, shard, num_shards, outcome.attempt,
-                               self._base_hash, outcome.contributors, outcome.clipped, outcome.rejected, tensors)
+                               self._base_hash, outcome.contributors, outcome.clipped, outcome.rejected, digests)
         if not verify(signer, digest, outcome.signature):
             raise Rejected(pb.BAD_IDENTITY, f"bad signature on the result of shard {shard} from {short_id(signer)}")
 
@@ -570,11 +576,15 @@ class AllReduce:
         else:
             lo, hi = bounds[shard]
             red = robust_reduction(got, hi - lo, self.clip_factor, self.reject_below)
-            # summed in float32 and re-quantized a chunk at a time, chunks on the codec workers
-            result_chunks = list(EncodedStream(f"shard{shard}", hi - lo, red.mean, self.codec, self.chunk_bytes,
-                                               self._codec_pool))
+            # summed in float32 and re-quantized a chunk at a time, chunks on the codec workers, each
+            # hashed there as soon as it is made
+            result_chunks, hashing = [], []
+            for t in EncodedStream(f"shard{shard}", hi - lo, red.mean, self.codec, self.chunk_bytes, self._codec_pool):
+                result_chunks.append(t)
+                hashing.append(self._codec_pool.submit(tensor_digest, t))
             digest = result_digest(self.run_id, info.step, info.epoch, shard, len(info.members), attempt,
-                                   info.base_hash, red.contributors, red.clipped, red.rejected, result_chunks)
+                                   info.base_hash, red.contributors, red.clipped, red.rejected,
+                                   [f.result() for f in hashing])
             outcome = Outcome(attempt, red.contributors, red.clipped, red.rejected, self.me, self.sign(digest))
             missing = sorted(set(info.ids) - set(got))
             if len(got) < len(expected):
