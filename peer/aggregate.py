@@ -157,13 +157,13 @@ def tensor_digest(t: pb.Tensor) -> bytes:
 
 def result_digest(run_id: str, step: int, epoch: int, shard: int, num_shards: int, attempt: int, base_hash: str,
                   contributors: Iterable[str], clipped: Iterable[str], rejected: Iterable[str],
-                  chunks: Iterable[pb.Tensor | bytes]) -> bytes:
-    """What the reducer of a shard signs: everything a member applies from its result (its chunks, or
-    their :func:`tensor_digest` already taken)."""
+                  digests: Iterable[bytes]) -> bytes:
+    """What the reducer of a shard signs: everything a member applies from its result (the
+    :func:`tensor_digest` of each of its chunks, in order)."""
     h = hashlib.blake2b(digest_size=32, person=b"potluck-result")
     head = f"{run_id}|{step}|{epoch}|{shard}|{num_shards}|{attempt}|{base_hash}|{','.join(contributors)}|" \
            f"{','.join(clipped)}|{','.join(rejected)}"
     h.update(head.encode())
-    for c in chunks:
-        h.update(c if isinstance(c, bytes) else tensor_digest(c))
+    for d in digests:
+        h.update(d)
     return h.digest()

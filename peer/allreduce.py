@@ -34,7 +34,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -42,6 +41,16 @@ import torch
 from potluck.compression.int8 import Codec
 from potluck.compression.stream import Assembler, EncodedStream, WireError
 from potluck.peer.aggregate import reduce_mean, result_digest, robust_reduction, tensor_digest  # noqa: F401 (reduce_mean: re-export)
+from potluck.peer.shards import (
+    AllReduceStats,
+    Buffers,
+    IncompleteRound,
+    MemberAddr,
+    Outcome,
+    RoundInfo,
+    ShardResult,
+    shard_bounds,
+)
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.faults import fault
 from potluck.protos.identity import verify
@@ -71,114 +80,6 @@ def _remote_step(err: grpc.RpcError) -> int | None:
     """The step a member is at when it refused our message as WRONG_STEP, or None for other errors."""
     info = refusal_of(err)
     return int(info.at_step) if info is not None and info.code == pb.WRONG_STEP else None
-
-
-class IncompleteRound(RuntimeError):
-    """The step ended without every shard's result: this member must not apply it."""
-
-
-@dataclass(frozen=True)
-class MemberAddr:
-    peer_id: str
-    address: str
-
-
-@dataclass(frozen=True)
-class RoundInfo:
-    """One outer step as this member sees it."""
-
-    step: int
-    members: tuple[MemberAddr, ...]
-    me: str
-    base_hash: str  # hash of the state every member computes its delta from
-    epoch: int = 0  # the coordinator's epoch of the round (a failed round's stragglers are refused)
-    replicas: tuple[int, ...] = ()  # each member's replica in the round (default: its position)
-
-    def replica_of(self, peer_id: str) -> int:
-        k = self.ids.index(peer_id)
-        return self.replicas[k] if k < len(self.replicas) else k
-
-    @property
-    def ids(self) -> list[str]:
-        return [m.peer_id for m in self.members]
-
-    @property
-    def index(self) -> int:
-        return self.ids.index(self.me)
-
-
-def shard_bounds(numel: int, parts: int, align: int) -> list[tuple[int, int]]:
-    """Contiguous ``[start, end)`` shards covering ``numel``, near-equal in whole blocks of ``align``."""
-    blocks = -(-numel // align)
-    per, extra = divmod(blocks, parts)
-    bounds, start = [], 0
-    for j in range(parts):
-        end = min(numel, start + (per + (1 if j < extra else 0)) * align)
-        bounds.append((start, end))
-        start = end
-    return bounds
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """How a shard was reduced: what every member applies from it, and who vouches for it."""
-
-    attempt: int
-    contributors: list[str]
-    clipped: list[str] = field(default_factory=list)
-    rejected: list[str] = field(default_factory=list)
-    signer: str = ""
-    signature: bytes = b""
-
-
-@dataclass
-class _Result:
-    values: torch.Tensor
-    chunks: list[pb.Tensor]
-    outcome: Outcome
-    digests: list[bytes] = field(default_factory=list)  # each chunk's tensor_digest (received results)
-
-
-@dataclass
-class AllReduceStats:
-    step: int = 0
-    seconds: float = 0.0
-    wait_seconds: float = 0.0
-    bytes_sent: int = 0
-    members: int = 0
-    dropped: list[str] = field(default_factory=list)
-    taken_over: list[int] = field(default_factory=list)
-    contributors: dict[int, int] = field(default_factory=dict)
-    partial: list[str] = field(default_factory=list)  # contributors counted in some shards but not all
-    clipped: list[str] = field(default_factory=list)  # contributors some owner scaled down
-    rejected: list[str] = field(default_factory=list)  # contributors some owner left out
-    included: list[int] = field(default_factory=list)  # replicas whose contributions the result holds (any shard)
-
-
-class Buffers:
-    """Shard-sized float32 buffers kept from one step for the next. A fresh vector is paid for in page
-    faults the first time it is written (about 70 ms for 80 MB on this project's machines), every
-    step, by every member: contributions and results are decoded into these instead."""
-
-    KEEP = 16
-
-    def __init__(self) -> None:
-        self._free: dict[int, list[torch.Tensor]] = {}
-        self._lock = threading.Lock()
-
-    def take(self, numel: int) -> torch.Tensor:
-        with self._lock:
-            free = self._free.get(numel)
-            if free:
-                return free.pop()
-        return torch.empty(numel, dtype=torch.float32)
-
-    def give(self, tensors: list[torch.Tensor]) -> None:
-        with self._lock:
-            for t in tensors:
-                free = self._free.setdefault(t.numel(), [])
-                if len(free) < self.KEEP and t.is_contiguous() and t.storage_offset() == 0:
-                    free.append(t)
 
 
 class AllReduce:
@@ -217,7 +118,7 @@ class AllReduce:
         self._round: RoundInfo | None = None
         self._contribs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._closed: set[tuple[int, int]] = set()
-        self._results: dict[int, _Result] = {}
+        self._results: dict[int, ShardResult] = {}
         self._taken_over: set[int] = set()
         self._pending: list[Future] = []
         self._ahead: list[str] = []  # members already past the running step (it went on without us)
@@ -375,7 +276,7 @@ class AllReduce:
             if first.attempt == 0 and shard in self._taken_over:
                 raise Rejected(pb.TAKEN_OVER, f"shard {shard} of step {self._step} was taken over")
             if shard not in self._results:
-                self._results[shard] = _Result(values, kept, outcome, digests)
+                self._results[shard] = ShardResult(values, kept, outcome, digests)
                 self._cond.notify_all()
             elif not torch.equal(self._results[shard].values, values):
                 log.warning("ignoring a second, different result for shard %d of step %d", shard, self._step)
@@ -663,7 +564,7 @@ class AllReduce:
             asm.add(t)
         with self._cond:
             if shard not in self._results:
-                self._results[shard] = _Result(asm.result(), chunks, outcome)
+                self._results[shard] = ShardResult(asm.result(), chunks, outcome)
             self._cond.notify_all()
 
     def _push_result(self, info: RoundInfo, peer: MemberAddr, shard: int, chunks: list[pb.Tensor], outcome: Outcome) -> None:

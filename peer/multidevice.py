@@ -199,11 +199,13 @@ class DeviceGroup:
         grads = [p.grad for p in params if p.grad is not None]
         for dtype in dict.fromkeys(g.dtype for g in grads):
             bucket: list[torch.Tensor] = []
+            size = 0
             for g in (g for g in grads if g.dtype == dtype):
                 bucket.append(g)
-                if sum(b.numel() for b in bucket) >= BUCKET:
+                size += g.numel()
+                if size >= BUCKET:
                     self._mean(bucket)
-                    bucket = []
+                    bucket, size = [], 0
             if bucket:
                 self._mean(bucket)
         total = torch.tensor([loss], dtype=torch.float64, device=self.device)

@@ -14,7 +14,7 @@ import torch
 
 from potluck.compression.int8 import Int8BlockCodec
 from potluck.compression.stream import encode_chunks
-from potluck.peer.aggregate import result_digest
+from potluck.peer.aggregate import result_digest, tensor_digest
 from potluck.peer.allreduce import AllReduce, IncompleteRound, MemberAddr, Outcome, RoundInfo, shard_bounds
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.identity import Identity
@@ -360,7 +360,7 @@ def forged_result(target: Member, author: Member, shard: int, attempt: int = 0, 
     lo, hi = shard_bounds(NUMEL, 3, BLOCK)[shard]
     tensors = list(encode_chunks(f"shard{shard}", torch.full((hi - lo,), 0.5), Int8BlockCodec(BLOCK), 4096))
     contributors = sorted(m.id for m in [target, author])
-    digest = result_digest(RUN, 1, 0, shard, 3, attempt, BASE, contributors, [], [], tensors)
+    digest = result_digest(RUN, 1, 0, shard, 3, attempt, BASE, contributors, [], [], map(tensor_digest, tensors))
     if tamper:
         tensors[0].payload = bytes(len(tensors[0].payload))
     outcome = Outcome(attempt, contributors, [], [], signer or author.id, author.identity.sign(digest))
