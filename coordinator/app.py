@@ -38,7 +38,7 @@ from potluck.protos.errors import CannotBind
 from potluck.protos.faults import fault
 from potluck.protos.identity import Identity
 from potluck.protos.log import get_logger, set_context, short_id
-from potluck.protos.swarm import LinkReport
+from potluck.protos.swarm import DHTTimeout, LinkReport
 from potluck.protos.transport import PeerClient, PeerServer, Traffic
 
 log = get_logger(__name__)
@@ -79,7 +79,10 @@ class Coordinator:
             self.start()
             while not self.stopping.is_set():
                 t0 = time.monotonic()
-                self.tick()
+                try:
+                    self.tick()
+                except DHTTimeout as err:  # a wedged or swamped DHT process: the next tick tries again
+                    log.warning("%s", err)
                 if self.exit_when_finished and self.state.finished and self._drained():
                     log.info("run finished; exiting")
                     break
@@ -121,11 +124,10 @@ class Coordinator:
             self._save()  # the history's latest figures, on a clean shutdown
         except OSError as err:
             log.warning("could not save the journal on shutdown: %s", err)
-        for stop in (self.status and self.status.stop, self.grpc and self.grpc.stop, self.checkpointer.stop,
-                     self.placement.stop, self.client.close, self.node and self.node.shutdown):
+        for stop in filter(None, (self.status and self.status.stop, self.grpc and self.grpc.stop, self.checkpointer.stop,
+                                  self.placement.stop, self.client.close, self.node and self.node.shutdown)):
             try:
-                if stop:
-                    stop()
+                stop()
             except Exception as err:
                 log.debug("stopping: %s", err)
 
@@ -199,8 +201,7 @@ class Coordinator:
                 or not self.rounds.ready_to_decide(len(live), self.cfg.membership.min_peers, now, self.table.reports())):
             return
         records = reachable(self.client, self.run_id, self.id, [v.record for v in live])
-        prev = self.rounds.rounds.get(self.rounds.committed)
-        before = {m.peer_id: (m.stage, m.replica) for m in prev.members} if prev else {}
+        before = {m.peer_id: (m.stage, m.replica) for m in getattr(self.rounds.rounds.get(self.rounds.committed), "members", [])}
         placed = grid_for(self.cfg, records, stages, before, self.links, self.placement)
         if placed is None:
             return  # not one whole pipeline yet, or the search still runs off this loop
@@ -228,10 +229,9 @@ class Coordinator:
         except Exception as err:  # the DHT child is restarting, say: try again next tick
             log.warning("could not read the DHT: %s", err)
             return {}
-        for reason in refused:
-            if reason not in self._warned:
-                self._warned.add(reason)
-                self._event("rejected", "", reason)
+        for reason in dict.fromkeys(r for r in refused if r not in self._warned):  # (new ones, in order)
+            self._warned.add(reason)
+            self._event("rejected", "", reason)
         return records
 
     def _event(self, kind: str, peer: str, message: str) -> None:

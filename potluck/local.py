@@ -115,7 +115,10 @@ class LocalSwarm:
         path = self.logs / f"{name}.log"
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else "(no log)"
 
-    def dump_logs(self, lines: int = 80) -> None:
+    def dump_logs(self, lines: int = 120) -> None:
+        """Stop the swarm, then print each log's tail: a process still wedged past its grace period
+        writes where each of its threads was into its log first (a failed test's best clue)."""
+        self.stop()
         for path in sorted(self.logs.glob("*.log")):
             print(f"===== {path.name} =====\n{self.tail(path.stem, lines)}")
 

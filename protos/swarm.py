@@ -52,6 +52,10 @@ from potluck.protos.dhtguard import MAX_TTL_S, RunRecords, run_key
 
 log = get_logger(__name__)
 
+# How long one DHT call may take before the caller is told so and goes on: hivemind's own RPCs time out
+# after a few seconds each, so only a wedged DHT process or p2pd gets near this.
+DHT_CALL_TIMEOUT_S = 15.0
+
 
 class LinkStat(_Record):
     """What a peer measured of its link to one other peer (``None``: not measured yet)."""
@@ -148,6 +152,10 @@ class _DHTProcess(DHT):
         super().run()
 
 
+class DHTTimeout(TimeoutError):
+    """A DHT call did not answer in time; the caller tries again later."""
+
+
 class SwarmNode:
     """One DHT node; ``initial_peers`` empty means this node bootstraps a new swarm.
 
@@ -171,6 +179,7 @@ class SwarmNode:
         # p2pd binds with SO_REUSEPORT, so it would share a taken port silently; refuse it here instead
         check_port_free("DHT port", host, port, "--dht-port")
         self.identity, self.coordinator = identity, coordinator
+        self.call_timeout_s = DHT_CALL_TIMEOUT_S
         self._pipe_lock = threading.Lock()
         tmpdir = None
         if identity_path is None:
@@ -225,12 +234,20 @@ class SwarmNode:
         with self._pipe_lock:  # hivemind's DHT pipe is not safe for concurrent senders
             future = self.dht.store(run_key(self.coordinator, kind), value, expiration_time=get_dht_time() + ttl,
                                     subkey=subkey, return_future=True)
-        return bool(future.result())
+        return bool(self._wait(future, f"storing the {kind} record"))
 
     def _dht_get(self, kind: str, latest: bool = True) -> Any:
         with self._pipe_lock:
             future = self.dht.get(run_key(self.coordinator, kind), latest=latest, return_future=True)
-        return future.result()
+        return self._wait(future, f"reading the {kind} records")
+
+    def _wait(self, future: Any, what: str) -> Any:
+        """A DHT call's answer; DHTTimeout past ``call_timeout_s`` (a wedged DHT process must not take
+        the heartbeat, the coordinator's loop or a shutdown's goodbye with it)."""
+        try:
+            return future.result(timeout=self.call_timeout_s)
+        except TimeoutError as err:  # (concurrent.futures' TimeoutError is this one since Python 3.11)
+            raise DHTTimeout(f"{what}: no answer from the DHT process within {self.call_timeout_s:.0f} s") from err
 
     # -- the coordinator's records (it signs them; everyone reads them)
 

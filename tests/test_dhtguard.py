@@ -4,6 +4,8 @@ too big, or stored to live too long: with two real hivemind nodes, as an attacke
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 
 import pytest
@@ -14,7 +16,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from potluck.protos.dhtguard import MAX_RECORD_BYTES, RunRecords, run_key
 from potluck.protos.identity import Identity
 from potluck.protos.records import ENVELOPE_VERSION, Manifest, PeerRecord, seal
-from potluck.protos.swarm import SwarmNode
+from potluck.protos.swarm import DHTTimeout, SwarmNode
 
 COORD, PEER, MALLORY = Identity.generate(), Identity.generate(), Identity.generate()
 
@@ -88,3 +90,27 @@ def test_real_nodes_keep_the_victims_heartbeat_and_drop_the_forgeries() -> None:
     finally:
         b.shutdown()
         a.shutdown()
+
+
+def test_a_frozen_dht_process_is_a_clear_timeout_not_a_hang() -> None:
+    """A DHT process that stops answering (SIGSTOP: a wedged p2pd or a swapped-out child) must not take
+    the caller with it: every call says so within ``call_timeout_s``, and works again once it answers."""
+    node = SwarmNode(COORD, coordinator=COORD.peer_id, host="127.0.0.1")
+    node.call_timeout_s = 1.0
+    manifest = Manifest(run_id="r", coordinator=COORD.peer_id, config={}, seq=1)
+    try:
+        assert node.publish_manifest(manifest, ttl=60)
+        os.kill(node.dht.pid, signal.SIGSTOP)
+        try:
+            for call in (lambda: node.get_manifest(), lambda: node.publish_manifest(manifest, ttl=60), node.get_peers):
+                t0 = time.monotonic()
+                with pytest.raises(DHTTimeout, match="no answer from the DHT process within 1 s"):
+                    call()
+                assert time.monotonic() - t0 < 3.0
+        finally:
+            os.kill(node.dht.pid, signal.SIGCONT)
+        node.call_timeout_s = 15.0
+        found = node.get_manifest()  # (the answers to the calls that timed out are dropped, not mixed in)
+        assert found is not None and found.run_id == "r"
+    finally:
+        node.shutdown()
