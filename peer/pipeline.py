@@ -9,9 +9,11 @@ A run is a grid of S stages x R replicas. The peer at (stage s, replica r) holds
     middle:       receive, forward, send on; then receive the gradient, backward, send it back
     last stage:   receive, forward, loss, backward at once, send the input gradient back
 
-Sends run on a background thread per direction, so a stage computes the next micro-batch while the
-previous one is on the wire and waits for the network only when it has nothing else to do. Sample
-ids and next-token labels travel with the activations.
+Sends run off the compute thread, so a stage computes the next micro-batch while the previous one
+is on the wire and waits for the network only when it has nothing else to do. Each direction encodes
+on one thread, in order; the encoded messages are pushed by a small pool (``SENDS_IN_FLIGHT``), so a
+micro-batch does not wait for the one before it to be acknowledged: a step pays the link's round trip
+once, not once per micro-batch. Sample ids and next-token labels travel with the activations.
 
 Activations are compressed per ``pipeline.compression``: ``none`` (fp32), ``fp16``, ``direct``
 (quantized at ``bits``), or ``acsgd`` (:mod:`potluck.compression.acsgd`: first visits in fp16, then
@@ -37,6 +39,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import numpy as np
@@ -53,6 +56,7 @@ from potluck.protos.transport import PeerClient, Rejected, refused, rpc_reason
 
 log = get_logger(__name__)
 
+SENDS_IN_FLIGHT = 8  # micro-batch pushes on the wire at once (both directions): enough to cover a round trip
 
 
 class PipelineStall(RuntimeError):
@@ -125,10 +129,15 @@ class Pipeline:
                            else ActCodec("fp32"))
         self._cond = threading.Condition()
         self._round: _Round | None = None
-        self._sends = {
+        # each direction encodes on one thread, in order; the pushes overlap (a micro-batch does not wait
+        # for the one before it to be acknowledged: one round trip per step, not one per micro-batch)
+        self._encoders = {
             "forward": ThreadPoolExecutor(1, thread_name_prefix="pipe-fwd"),
             "backward": ThreadPoolExecutor(1, thread_name_prefix="pipe-bwd"),
         }
+        self._pushers = ThreadPoolExecutor(SENDS_IN_FLIGHT, thread_name_prefix="pipe-push")
+        self._sender_lock = threading.Lock()  # the AC-SGD sender: encoded in order, re-encoded by a push on a miss
+        self._receiver_lock = threading.Lock()  # the AC-SGD receiver: messages may now arrive together
         self._pending: list[Future] = []
         self._closed = False
         self._ahead = (0, 0)  # the newest (epoch, step) a neighbour sent for: above ours means we fell behind
@@ -159,7 +168,7 @@ class Pipeline:
         with self._cond:
             self._closed = True  # a handler waiting on this (replaced) pipeline lets the sender retry
             self._cond.notify_all()
-        for ex in self._sends.values():
+        for ex in (*self._encoders.values(), self._pushers):
             ex.shutdown(wait=False, cancel_futures=True)
         for side in (self.sender, self.receiver):
             if side is not None:
@@ -300,22 +309,31 @@ class Pipeline:
         if to is None:
             raise PipelineStall(f"stage {self.stage} has no {'next' if kind != 'backward' else 'previous'} stage")
         tensor = tensor.detach().to("cpu", torch.float32)
-        fut = self._sends["backward" if kind == "backward" else "forward"].submit(
-            self._deliver, r, to, kind, inner, micro, ids, tensor, labels, loss)
-        self._pending.append(fut)
+        args = (r, to, kind, inner, micro, ids, tensor, labels, loss)
+        self._pending.append(self._encoders["backward" if kind == "backward" else "forward"].submit(self._dispatch, *args))
 
-    def _deliver(self, r: _Round, to: Neighbour, kind: str, inner: int, micro: int, ids: list[int] | None,
-                 tensor: torch.Tensor, labels: torch.Tensor | None, loss: float) -> None:
-        """Send one micro-batch; a receiver not yet in this round is retried until the deadline."""
+    def _dispatch(self, *args: Any) -> Future | None:
+        """Encode one micro-batch (on its direction's encoder thread, so in order) and put it on the wire."""
+        msg = self._encode_or_fail(*args)
+        return None if msg is None else self._pushers.submit(self._deliver, msg, *args)
+
+    def _encode_or_fail(self, r: _Round, to: Neighbour, kind: str, inner: int, micro: int, ids: list[int] | None,
+                        tensor: torch.Tensor, labels: torch.Tensor | None, loss: float) -> pb.PipeMessage | None:
+        try:  # encoding advances the AC-SGD buffer: only once per (re)send decision
+            with self._sender_lock:
+                return self._encode(r, kind, inner, micro, ids, tensor, labels, loss)
+        except Exception as err:  # an encoding bug must surface as a stall, not a silent hang
+            self._error(r, f"{kind} micro-batch {micro}: {err}")
+            return None
+
+    def _deliver(self, msg: pb.PipeMessage | None, r: _Round, to: Neighbour, kind: str, inner: int, micro: int,
+                 ids: list[int] | None, tensor: torch.Tensor, labels: torch.Tensor | None, loss: float) -> None:
+        """Push one encoded micro-batch; a receiver not yet in this round is retried until the deadline."""
         deadline = time.monotonic() + self.cfg.pipe_timeout_s * 3
-        msg, resent = None, False
+        resent = False
         while not r.error:
-            if msg is None:  # encoding advances the AC-SGD buffer: only once per (re)send decision
-                try:
-                    msg = self._encode(r, kind, inner, micro, ids, tensor, labels, loss)
-                except Exception as err:  # an encoding bug must surface as a stall, not a silent hang
-                    self._error(r, f"{kind} micro-batch {micro}: {err}")
-                    return
+            if msg is None and (msg := self._encode_or_fail(r, to, kind, inner, micro, ids, tensor, labels, loss)) is None:
+                return
             try:
                 nbytes = msg.ByteSize()
                 t0 = time.perf_counter()
@@ -329,7 +347,8 @@ class Pipeline:
                 if refused(err, pb.BUFFER_MISS) and not resent and self.sender is not None and ids is not None:
                     log.info("%s has no AC-SGD buffer for some samples (%s); resending them as first visits",
                              short_id(to.peer_id), reason)
-                    self.sender.forget(ids)
+                    with self._sender_lock:
+                        self.sender.forget(ids)
                     msg, resent = None, True
                     continue
                 if refused(err, pb.NOT_YET) and time.monotonic() < deadline and not self.stopping.wait(0.1):
@@ -373,7 +392,9 @@ class Pipeline:
         """Wait for this step's sends (so a failure is seen now, not a step later)."""
         pending, self._pending = self._pending, []
         for fut in pending:
-            fut.result()
+            pushed = fut.result()
+            if pushed is not None:
+                pushed.result()
         if r.error:
             raise PipelineStall(r.error)
 
@@ -493,7 +514,8 @@ class Pipeline:
         if msg.kind == "forward" and self.receiver is not None:
             am = AcsgdMessage(tuple(msg.versions), _from_pb(msg.first) if msg.HasField("first") else None,
                               _from_pb(msg.delta) if msg.HasField("delta") else None)
-            acts = self.receiver.decode(ids, am)
+            with self._receiver_lock:
+                acts = self.receiver.decode(ids, am)
         else:
             if msg.versions or msg.HasField("delta"):
                 raise CodecError("AC-SGD fields in a message to a stage that does not use AC-SGD")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -19,6 +20,7 @@ from potluck.peer.pipeline import Neighbour, Pipeline, PipelineStall
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config import ConfigError, RunConfig, apply_overrides
 from potluck.protos.identity import Identity
+from potluck.protos.netem import NetEm, Topology
 from potluck.protos.transport import PeerClient, PeerServer, Traffic
 
 RUN = "pipe-test"
@@ -36,7 +38,7 @@ def config(**over: object) -> RunConfig:
 class Stage:
     """One stage host: layers, optimizer, a Pipeline, and a real gRPC server for its messages."""
 
-    def __init__(self, cfg: RunConfig, stage: int) -> None:
+    def __init__(self, cfg: RunConfig, stage: int, netem: NetEm | None = None) -> None:
         self.cfg, self.stage = cfg, stage
         self.id = Identity.generate().peer_id
         start, stop = stage_bounds(cfg.model, cfg.pipeline)[stage]
@@ -44,10 +46,10 @@ class Stage:
         self.opt = torch.optim.AdamW(self.layers.parameters(), lr=cfg.train.lr,
                                      betas=(cfg.train.beta1, cfg.train.beta2), weight_decay=0.0)
         self.traffic = Traffic()
-        self.client = PeerClient(self.traffic)
+        self.client = PeerClient(self.traffic, netem=netem)
         self.rejected: list[str] = []
         self.pipe = self._new_pipeline()
-        self.server = PeerServer(self, self.traffic, host="127.0.0.1", port=0,
+        self.server = PeerServer(self, self.traffic, host="127.0.0.1", port=0, netem=netem,
                                  on_reject=lambda m, s, r: self.rejected.append(r))
         self.address = f"127.0.0.1:{self.server.port}"
 
@@ -75,8 +77,8 @@ class Stage:
 def make_stages():
     made: list[Stage] = []
 
-    def make(cfg: RunConfig) -> list[Stage]:
-        stages = [Stage(cfg, s) for s in range(cfg.pipeline.stages)]
+    def make(cfg: RunConfig, netem: Callable[[], NetEm] | None = None) -> list[Stage]:
+        stages = [Stage(cfg, s, netem() if netem else None) for s in range(cfg.pipeline.stages)]
         made.extend(stages)
         link(stages, step=1)
         return stages
@@ -320,3 +322,20 @@ def test_1f1b_order_holds_fewer_micro_batches() -> None:
 def test_a_negative_in_flight_is_refused() -> None:
     with pytest.raises(ConfigError, match="pipeline.in_flight"):
         config(**{"pipeline.in_flight": -1})
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_step_pays_the_round_trip_once_not_once_per_micro_batch(make_stages, schedule: str) -> None:
+    """Over an emulated 200 ms link, 4 micro-batches: their pushes overlap on the wire, so an inner step
+    costs about one crossing each way (0.4 s), not one acknowledged round trip per micro-batch and
+    direction (4 x 0.4 s x 2 = 3.2 s, as when each push waited for the one before it)."""
+    delay_s = 0.2
+    topology = Topology.from_dict({"regions": ["wan"], "delay_ms": [[delay_s * 1000]], "bandwidth_mbps": [[1000]]})
+    cfg = config(**{"pipeline.micro_batches": 4, "pipeline.schedule": schedule, "pipeline.in_flight": 0})
+    stages = make_stages(cfg, lambda: NetEm(topology, "wan"))
+    data, sampler = Dataset(cfg.data, cfg.model), in_run_order(cfg.data.num_samples, 0)
+    run_steps(stages, cfg, 1, sampler, data)  # (connections, first visits)
+    t0 = time.monotonic()
+    run_steps(stages, cfg, 2, sampler, data)
+    per_step = (time.monotonic() - t0) / 2
+    assert 2 * delay_s <= per_step < 5 * delay_s, f"{per_step:.2f} s per inner step over a {delay_s:.1f} s link"
