@@ -78,8 +78,10 @@ class Heartbeat(threading.Thread):
         self._poke.set()
         self.join(timeout=10)
         if goodbye is not None:
-            try:  # a short-lived "left" record lets the coordinator evict us at once
-                self.node.publish_peer(goodbye, ttl=max(5.0, 2 * self.heartbeat_s))
+            try:  # a "left" record lets the coordinator evict us at once; it carries the last step reports too
+                # (as long-lived as a heartbeat: with a shorter life it would lose to the last heartbeat's expiry)
+                if not self.node.publish_peer(goodbye, ttl=self.ttl_s, last=True):
+                    log.warning("goodbye record not stored in the DHT")
             except Exception as err:
                 log.debug("goodbye record not stored: %s", err)
         with self._cond:

@@ -106,6 +106,7 @@ class Telemetry:
                  stats.bytes_sent / 1e6, mean_norm, p.loss or float("nan"), dropped)
 
     def evaluated(self, version: int, loss: float) -> None:
+        log.info("eval loss of v%d: %.4f", version, loss)
         self.progress.eval_loss, self.progress.eval_version = loss, version
         for i, report in enumerate(self.steps):
             if report.step == version:

@@ -13,6 +13,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
+from potluck.peer.heartbeat import Heartbeat
 from potluck.protos.dhtguard import MAX_RECORD_BYTES, RunRecords, run_key
 from potluck.protos.identity import Identity
 from potluck.protos.records import ENVELOPE_VERSION, Manifest, PeerRecord, seal
@@ -114,3 +115,27 @@ def test_a_frozen_dht_process_is_a_clear_timeout_not_a_hang() -> None:
         assert found is not None and found.run_id == "r"
     finally:
         node.shutdown()
+
+
+def test_a_goodbye_right_after_a_heartbeat_reaches_the_coordinator() -> None:
+    """A stored record wins by its expiry: a goodbye that asked for a shorter life than the heartbeat just
+    before it was refused, so the coordinator saw the peer as lost 8 s later, without the last step reports
+    the goodbye carries (a run's final eval loss went missing this way)."""
+    a = SwarmNode(COORD, coordinator=COORD.peer_id, host="127.0.0.1")
+    b = SwarmNode(PEER, coordinator=COORD.peer_id, initial_peers=a.maddrs, host="127.0.0.1")
+    manifest = Manifest(run_id="r", coordinator=COORD.peer_id, config={}, seq=1)
+    training = PeerRecord(peer_id=PEER.peer_id, address="127.0.0.1:1", state="training", seq=time.time_ns())
+    beat = Heartbeat(b, manifest, lambda: training, heartbeat_s=2.0, ttl_s=8.0)
+    try:
+        beat.start()
+        deadline = time.monotonic() + 20
+        while PEER.peer_id not in a.get_peers()[0]:
+            assert time.monotonic() < deadline, "the heartbeat never reached the coordinator's node"
+            time.sleep(0.1)
+        beat.poke()  # one more heartbeat, then the goodbye at once
+        beat.stop(goodbye=training.model_copy(update={"state": "finished", "seq": time.time_ns()}))
+        records, refused = a.get_peers()
+        assert not refused and records[PEER.peer_id].state == "finished"
+    finally:
+        b.shutdown()
+        a.shutdown()
