@@ -56,7 +56,7 @@ from potluck.protos.transport import PeerClient, Rejected, refused, rpc_reason
 
 log = get_logger(__name__)
 
-SENDS_IN_FLIGHT = 8  # micro-batch pushes on the wire at once (both directions): enough to cover a round trip
+SENDS_IN_FLIGHT = 8  # micro-batch pushes on the wire at once, per direction: enough to cover a round trip
 
 
 class PipelineStall(RuntimeError):
@@ -131,11 +131,9 @@ class Pipeline:
         self._round: _Round | None = None
         # each direction encodes on one thread, in order; the pushes overlap (a micro-batch does not wait
         # for the one before it to be acknowledged: one round trip per step, not one per micro-batch)
-        self._encoders = {
-            "forward": ThreadPoolExecutor(1, thread_name_prefix="pipe-fwd"),
-            "backward": ThreadPoolExecutor(1, thread_name_prefix="pipe-bwd"),
-        }
-        self._pushers = ThreadPoolExecutor(SENDS_IN_FLIGHT, thread_name_prefix="pipe-push")
+        self._encoders = {d: ThreadPoolExecutor(1, thread_name_prefix=f"pipe-{d[:3]}") for d in ("forward", "backward")}
+        self._pushers = {d: ThreadPoolExecutor(SENDS_IN_FLIGHT, thread_name_prefix=f"pipe-{d[:3]}-push")
+                         for d in ("forward", "backward")}
         self._sender_lock = threading.Lock()  # the AC-SGD sender: encoded in order, re-encoded by a push on a miss
         self._receiver_lock = threading.Lock()  # the AC-SGD receiver: messages may now arrive together
         self._pending: list[Future] = []
@@ -168,7 +166,7 @@ class Pipeline:
         with self._cond:
             self._closed = True  # a handler waiting on this (replaced) pipeline lets the sender retry
             self._cond.notify_all()
-        for ex in (*self._encoders.values(), self._pushers):
+        for ex in (*self._encoders.values(), *self._pushers.values()):
             ex.shutdown(wait=False, cancel_futures=True)
         for side in (self.sender, self.receiver):
             if side is not None:
@@ -310,12 +308,12 @@ class Pipeline:
             raise PipelineStall(f"stage {self.stage} has no {'next' if kind != 'backward' else 'previous'} stage")
         tensor = tensor.detach().to("cpu", torch.float32)
         args = (r, to, kind, inner, micro, ids, tensor, labels, loss)
-        self._pending.append(self._encoders["backward" if kind == "backward" else "forward"].submit(self._dispatch, *args))
+        self._pending.append(self._encoders[_direction(kind)].submit(self._dispatch, *args))
 
     def _dispatch(self, *args: Any) -> Future | None:
         """Encode one micro-batch (on its direction's encoder thread, so in order) and put it on the wire."""
         msg = self._encode_or_fail(*args)
-        return None if msg is None else self._pushers.submit(self._deliver, msg, *args)
+        return None if msg is None else self._pushers[_direction(args[2])].submit(self._deliver, msg, *args)
 
     def _encode_or_fail(self, r: _Round, to: Neighbour, kind: str, inner: int, micro: int, ids: list[int] | None,
                         tensor: torch.Tensor, labels: torch.Tensor | None, loss: float) -> pb.PipeMessage | None:
@@ -528,6 +526,10 @@ class Pipeline:
         want = (batch, self.model_cfg.seq_len, d)
         if tuple(t.shape) != want:
             raise CodecError(f"tensor of shape {list(t.shape)}, expected {list(want)}")
+
+
+def _direction(kind: str) -> str:
+    return "backward" if kind == "backward" else "forward"
 
 
 def _to_pb(p: Packet) -> pb.ActPacket:
