@@ -136,6 +136,7 @@ class Gatekeeper:
                                    a.max_per_minute, revoked=set(revoked))
         self.evict_after = a.evict_after
         self._flagged: dict[str, dict[int, bool]] = {}  # peer -> step -> clipped or rejected by some owner
+        self._unsent: list[Certificate] = []  # answers reviewed but not stored yet
 
     def tick(self, node: SwarmNode, records: dict[str, PeerRecord],
              round_at: Callable[[int], Round | None]) -> tuple[dict[str, PeerRecord], list[tuple[str, str]]]:
@@ -143,8 +144,10 @@ class Gatekeeper:
         admissions refused, evictions, heartbeats of strangers ignored."""
         requests, refused = node.get_admissions()
         certs, events = self.admission.review(requests)
-        for cert in certs:
-            node.publish_certificate(cert, ttl=CERT_TTL_S)
+        self._unsent += certs  # reviewed answers are not reviewed again: each is stored, whatever it takes
+        while self._unsent:  # (a DHTTimeout leaves the rest for the next tick)
+            node.publish_certificate(self._unsent[0], ttl=CERT_TTL_S)
+            self._unsent.pop(0)
         out = [("", e) for e in events + refused] + self._evictions(records, round_at)
         kept = {pid: r for pid, r in records.items() if self.admission.is_admitted(pid)}
         strangers = sorted(set(records) - set(kept) - self.admission.revoked)

@@ -15,7 +15,7 @@ import time
 from potluck.protos.certs import CertError, TlsIdentity
 from potluck.protos.log import get_logger
 from potluck.protos.records import AdmissionRequest, Manifest, RecordError, next_seq
-from potluck.protos.swarm import JoinError, SwarmNode
+from potluck.protos.swarm import DHTTimeout, JoinError, SwarmNode
 
 log = get_logger(__name__)
 
@@ -37,10 +37,14 @@ def admit(node: SwarmNode, manifest: Manifest, peer_id: str, tls: TlsIdentity, p
     deadline = time.monotonic() + timeout_s
     asked_at, seqs = 0.0, set()
     while time.monotonic() < deadline and not stopping.is_set():
-        if time.monotonic() - asked_at > 5.0:
-            seqs.add(request(node, manifest, peer_id, tls, proof))
-            asked_at = time.monotonic()
-        adopted, refusal = take(node, manifest, peer_id, tls, seqs)
+        try:
+            if time.monotonic() - asked_at > 5.0:
+                seqs.add(request(node, manifest, peer_id, tls, proof))
+                asked_at = time.monotonic()
+            adopted, refusal = take(node, manifest, peer_id, tls, seqs)
+        except DHTTimeout as err:  # the DHT process is slow to answer: ask again until the deadline
+            log.warning("%s; asking again", err)
+            adopted, refusal = False, ""
         if adopted:
             return
         if refusal:  # the coordinator refused one of our requests: a policy, not a delay

@@ -80,7 +80,7 @@ class Heartbeat(threading.Thread):
         if goodbye is not None:
             try:  # a "left" record lets the coordinator evict us at once; it carries the last step reports too
                 # (as long-lived as a heartbeat: with a shorter life it would lose to the last heartbeat's expiry)
-                if not self.node.publish_peer(goodbye, ttl=self.ttl_s, last=True):
+                if not self.node.publish_peer(goodbye, ttl=self.ttl_s):
                     log.warning("goodbye record not stored in the DHT")
             except Exception as err:
                 log.debug("goodbye record not stored: %s", err)

@@ -37,6 +37,7 @@ from potluck.protos.log import get_logger, short_id
 from potluck.protos.records import DataIdentity, Manifest, RecordError
 from potluck.protos.runcheck import file_identity, markov_identity, non_public
 from potluck.protos.swarm import (
+    DHTTimeout,
     JoinError,
     SwarmNode,
     guess_reachable_host,
@@ -118,7 +119,7 @@ def await_manifest(node: SwarmNode, coordinator: str, timeout_s: float, stopping
             m = node.get_manifest()
             if m is not None:
                 return m
-        except RecordError as err:
+        except (RecordError, DHTTimeout) as err:
             last_err = str(err)
         stopping.wait(0.2)
     if stopping.is_set():

@@ -238,5 +238,47 @@ class LinkProber:
         return link
 
 
+@dataclass
+class _Burst:
+    in_flight: int = 0
+    nbytes: int = 0
+    started: float = 0.0
+    held_s: float = 0.0
+
+
+class Bursts:
+    """Passive link figures from transfers that overlap.
+
+    Concurrent transfers to one peer share its link, so each one's own time would read the bandwidth
+    k times too low. A *burst* lasts from the first transfer's start until none is in flight; it is
+    observed once, as all its bytes over its span, less the longest time a receiver held a message
+    before handling it (its wait for a round is not network time). A lone transfer is a burst of one.
+    """
+
+    def __init__(self, observe: Callable[[str, int, float], None], clock: Callable[[], float] = time.perf_counter) -> None:
+        self._observe, self._clock = observe, clock
+        self._lock = threading.Lock()
+        self._bursts: dict[str, _Burst] = {}
+
+    def start(self, peer_id: str) -> None:
+        with self._lock:
+            b = self._bursts.setdefault(peer_id, _Burst())
+            if b.in_flight == 0:
+                b.nbytes, b.started, b.held_s = 0, self._clock(), 0.0
+            b.in_flight += 1
+
+    def end(self, peer_id: str, nbytes: int = 0, held_s: float = 0.0) -> None:
+        """A transfer ended: delivered ``nbytes`` (0 if it failed), held ``held_s`` by the receiver."""
+        with self._lock:
+            b = self._bursts[peer_id]
+            b.in_flight -= 1
+            b.nbytes += nbytes
+            b.held_s = max(b.held_s, held_s)
+            if b.in_flight > 0 or b.nbytes == 0:
+                return
+            nbytes, seconds = b.nbytes, self._clock() - b.started - b.held_s
+        self._observe(peer_id, nbytes, seconds)
+
+
 def _stat(link: _Link) -> LinkStat:
     return LinkStat(rtt_ms=link.rtt_ms, bandwidth_mbps=link.bandwidth_mbps, samples=link.samples, ts=link.ts)

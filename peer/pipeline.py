@@ -48,6 +48,7 @@ from torch import nn
 
 from potluck.compression.acsgd import AcsgdConfig, AcsgdMessage, AcsgdReceiver, AcsgdSender, BufferMissError
 from potluck.compression.actcodec import ActCodec, CodecError, Packet
+from potluck.peer.links import Bursts
 from potluck.peer.model import forward_layers, lm_loss
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config import ModelConfig, PipelineConfig
@@ -56,7 +57,9 @@ from potluck.protos.transport import PeerClient, Rejected, refused, rpc_reason
 
 log = get_logger(__name__)
 
-SENDS_IN_FLIGHT = 8  # micro-batch pushes on the wire at once, per direction: enough to cover a round trip
+# micro-batch pushes on the wire at once, per direction: enough to cover a round trip, and both directions
+# together under a server's per-caller limit (PER_CLIENT_CALLS) when both neighbours sit behind one relay
+SENDS_IN_FLIGHT = 4
 
 
 class PipelineStall(RuntimeError):
@@ -114,7 +117,8 @@ class Pipeline:
         self.model_cfg, self.cfg, self.client, self.num_samples = model, cfg, client, num_samples
         self.first, self.last = stage == 0, stage == stages - 1
         self.stopping = stopping or threading.Event()
-        self.on_transfer = on_transfer  # (peer id, bytes, seconds) of each delivered message: passive link figures
+        # (peer id, bytes, seconds) of delivered messages: passive link figures, a burst of overlapping pushes at a time
+        self._bursts = Bursts(on_transfer) if on_transfer is not None else None
         self.traffic = PipeTraffic()
         acfg = AcsgdConfig(bits=cfg.bits, rounding=cfg.rounding, first_visit=cfg.first_visit,
                            grad_bits=cfg.grad_bits if cfg.grad_bits in (4, 8) else 8,
@@ -137,6 +141,7 @@ class Pipeline:
         self._sender_lock = threading.Lock()  # the AC-SGD sender: encoded in order, re-encoded by a push on a miss
         self._receiver_lock = threading.Lock()  # the AC-SGD receiver: messages may now arrive together
         self._pending: list[Future] = []
+        self._on_wire: list[tuple[set[int], Future]] = []  # forward pushes and their samples (the forward encoder's)
         self._closed = False
         self._ahead = (0, 0)  # the newest (epoch, step) a neighbour sent for: above ours means we fell behind
         self.in_flight = 0  # 1f1b with pipeline.in_flight unset: extra forwards ahead, measured each inner step
@@ -152,9 +157,11 @@ class Pipeline:
                 old.error = f"round {old.step} is over"  # its queued sends are dropped, not delivered late
             self._pending = []
             if self.sender is not None and (old is None or old.next != nxt):
-                self.sender.reset()
+                with self._sender_lock:
+                    self.sender.reset()
             if self.receiver is not None and (old is None or old.prev != prev):
-                self.receiver.buffer.forget(None)
+                with self._receiver_lock:
+                    self.receiver.buffer.forget(None)
             keep = {k: v for k, v in old.mail.items() if k[0] == "eval"} if old else {}
             self._round = _Round(step, epoch, replica, prev, nxt)
             self._round.mail.update({k: v for k, v in keep.items() if k[1] >= step})
@@ -168,9 +175,10 @@ class Pipeline:
             self._cond.notify_all()
         for ex in (*self._encoders.values(), *self._pushers.values()):
             ex.shutdown(wait=False, cancel_futures=True)
-        for side in (self.sender, self.receiver):
+        for side, lock in ((self.sender, self._sender_lock), (self.receiver, self._receiver_lock)):
             if side is not None:
-                side.buffer.close()
+                with lock:
+                    side.buffer.close()
 
     def footprint(self) -> dict[str, int]:
         """Bytes the AC-SGD buffers of this stage hold in memory and on disk."""
@@ -311,9 +319,26 @@ class Pipeline:
         self._pending.append(self._encoders[_direction(kind)].submit(self._dispatch, *args))
 
     def _dispatch(self, *args: Any) -> Future | None:
-        """Encode one micro-batch (on its direction's encoder thread, so in order) and put it on the wire."""
+        """Encode one micro-batch (on its direction's encoder thread, so in order) and put it on the wire.
+
+        A forward message whose samples are still on the wire in an earlier one (a batch that wraps
+        round the data holds a sample twice) waits for it: AC-SGD buffers must see them in order."""
+        r, kind, ids = args[0], args[2], args[5]
+        tracked = kind == "forward" and self.sender is not None and bool(ids)
+        if tracked:
+            self._on_wire = [(s, f) for s, f in self._on_wire if not f.done()]
+            for samples, fut in self._on_wire:
+                if not samples.isdisjoint(ids):
+                    fut.result()  # (before encoding: a resend of that one may reset these samples' buffers)
+        if r.error:  # the round is over: its queued messages must not advance the AC-SGD buffers
+            return None
         msg = self._encode_or_fail(*args)
-        return None if msg is None else self._pushers[_direction(args[2])].submit(self._deliver, msg, *args)
+        if msg is None:
+            return None
+        push = self._pushers[_direction(kind)].submit(self._deliver, msg, *args)
+        if tracked:
+            self._on_wire.append((set(ids), push))
+        return push
 
     def _encode_or_fail(self, r: _Round, to: Neighbour, kind: str, inner: int, micro: int, ids: list[int] | None,
                         tensor: torch.Tensor, labels: torch.Tensor | None, loss: float) -> pb.PipeMessage | None:
@@ -333,12 +358,7 @@ class Pipeline:
             if msg is None and (msg := self._encode_or_fail(r, to, kind, inner, micro, ids, tensor, labels, loss)) is None:
                 return
             try:
-                nbytes = msg.ByteSize()
-                t0 = time.perf_counter()
-                ack = self.client.push_pipe(to.address, msg, timeout=self.cfg.pipe_timeout_s * 2, nbytes=nbytes,
-                                            peer=to.peer_id)
-                if self.on_transfer is not None:  # network time only: not the receiver's wait for its round
-                    self.on_transfer(to.peer_id, nbytes, time.perf_counter() - t0 - max(0.0, ack.handler_s))
+                self._push(to, msg)
                 return
             except grpc.RpcError as err:
                 reason = rpc_reason(err)
@@ -353,6 +373,19 @@ class Pipeline:
                     continue  # the neighbour is still finishing its previous outer step or recovering
                 self._error(r, f"{kind} micro-batch {micro} of inner step {inner} to {short_id(to.peer_id)} failed: {reason}")
                 return
+
+    def _push(self, to: Neighbour, msg: pb.PipeMessage) -> pb.Ack:
+        nbytes, bursts, ack = msg.ByteSize(), self._bursts, None
+        if bursts is not None:
+            bursts.start(to.peer_id)
+        try:
+            ack = self.client.push_pipe(to.address, msg, timeout=self.cfg.pipe_timeout_s * 2, nbytes=nbytes,
+                                        peer=to.peer_id)
+            return ack
+        finally:
+            if bursts is not None:  # network time only: not the receiver's wait for its round
+                held = max(0.0, ack.handler_s) if ack is not None else 0.0
+                bursts.end(to.peer_id, nbytes if ack is not None else 0, held)
 
     def _encode(self, r: _Round, kind: str, inner: int, micro: int, ids: list[int] | None, tensor: torch.Tensor,
                 labels: torch.Tensor | None, loss: float) -> pb.PipeMessage:

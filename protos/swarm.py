@@ -227,15 +227,13 @@ class SwarmNode:
     def maddrs(self) -> list[str]:
         return [str(m) for m in self.dht.get_visible_maddrs()]
 
-    def _store(self, kind: str, record: Any, ttl: float, subkey: str | None = None, everywhere: bool = False) -> bool:
-        """Store a signed record; by default True once any node (this one first) took it, while it goes on to
-        the others in the background; ``everywhere`` waits for every replica (before the node shuts down)."""
+    def _store(self, kind: str, record: Any, ttl: float, subkey: str | None = None) -> bool:
         if not 0 < ttl <= MAX_TTL_S:  # every node's validator would refuse it: say so here, not with a silent False
             raise ValueError(f"a {kind} record asks to live {ttl:.0f} s; records live (0, {MAX_TTL_S:.0f}] s")
         value = seal(self.identity, record, ttl)
         with self._pipe_lock:  # hivemind's DHT pipe is not safe for concurrent senders
             future = self.dht.store(run_key(self.coordinator, kind), value, expiration_time=get_dht_time() + ttl,
-                                    subkey=subkey, return_future=True, await_all_replicas=everywhere)
+                                    subkey=subkey, return_future=True)
         return bool(self._wait(future, f"storing the {kind} record"))
 
     def _dht_get(self, kind: str, latest: bool = True) -> Any:
@@ -283,11 +281,11 @@ class SwarmNode:
 
     # -- each peer's records (it signs them under its own id)
 
-    def publish_peer(self, record: PeerRecord, ttl: float, last: bool = False) -> bool:
+    def publish_peer(self, record: PeerRecord, ttl: float) -> bool:
         """Store this peer's heartbeat; it expires after ``ttl`` seconds unless refreshed. A stored record
-        wins by its expiry, so a later one must not ask for a shorter ``ttl`` (it would be refused). The
-        ``last`` one (a goodbye) returns once every replica answered: the node is about to shut down."""
-        return self._store("peers", self._own(record), ttl, subkey=record.peer_id, everywhere=last)
+        wins by its expiry, so a later one must not ask for a shorter ``ttl`` (every node would refuse it).
+        Returns once every replica answered (hivemind's default), so a goodbye is out before shutdown."""
+        return self._store("peers", self._own(record), ttl, subkey=record.peer_id)
 
     def get_peers(self) -> tuple[dict[str, PeerRecord], list[str]]:
         """Valid peer records by id, and the reasons any others were refused."""

@@ -16,6 +16,7 @@ from potluck.protos.certs import CertError, CertificateAuthority, TlsIdentity, c
 from potluck.protos.config import RunConfig, apply_overrides
 from potluck.protos.identity import Identity
 from potluck.protos.records import AdmissionRequest, Member, PeerRecord, Round, StepReport
+from potluck.protos.swarm import DHTTimeout
 
 RUN, T0 = "adm", 1_000_000.0
 
@@ -143,6 +144,35 @@ def test_eviction_needs_most_of_a_stage_so_one_liar_cannot_evict_honest_peers(tm
     kept, _ = gate.tick(node, records, rounds.get)  # type: ignore[arg-type]
     assert ids["poisoner"] not in kept  # its heartbeats no longer count, and it gets no certificate
     assert any(c.peer_id == ids["poisoner"] and c.refused for c in node.published)
+
+
+class _SlowNode(_Node):
+    """A DHT that times out on the first ``stalls`` certificate stores."""
+
+    def __init__(self, requests: dict[str, AdmissionRequest], stalls: int) -> None:
+        super().__init__(requests)
+        self.stalls = stalls
+
+    def publish_certificate(self, cert: object, ttl: float) -> None:
+        if self.stalls:
+            self.stalls -= 1
+            raise DHTTimeout("storing the certs record: no answer from the DHT process within 15 s")
+        super().publish_certificate(cert, ttl)
+
+
+def test_a_certificate_the_dht_did_not_take_is_stored_on_a_later_tick(tmp_path: Path) -> None:
+    """An admission is decided once; if storing its certificate times out, the next tick stores it
+    (it used to be lost until the certificate's half-life, leaving the peer waiting)."""
+    gate = Gatekeeper(RunConfig(), RUN, Identity.generate().peer_id, tmp_path, [])
+    asks = [asking() for _ in range(2)]
+    node = _SlowNode({pid: req for pid, _, req in asks}, stalls=1)
+    with pytest.raises(DHTTimeout):
+        gate.tick(node, {}, lambda s: None)
+    assert node.published == []
+    gate.tick(node, {}, lambda s: None)
+    assert sorted(c.peer_id for c in node.published) == sorted(pid for pid, _, _ in asks)  # type: ignore[attr-defined]
+    gate.tick(node, {}, lambda s: None)
+    assert len(node.published) == 2  # answered once each
 
 
 def test_heartbeats_of_peers_never_admitted_are_ignored(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -14,6 +15,7 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from potluck.peer.heartbeat import Heartbeat
+from potluck.peer.joining import await_manifest
 from potluck.protos.dhtguard import MAX_RECORD_BYTES, RunRecords, run_key
 from potluck.protos.identity import Identity
 from potluck.protos.records import ENVELOPE_VERSION, Manifest, PeerRecord, seal
@@ -139,3 +141,21 @@ def test_a_goodbye_right_after_a_heartbeat_reaches_the_coordinator() -> None:
     finally:
         b.shutdown()
         a.shutdown()
+
+
+def test_joining_rides_out_a_dht_timeout() -> None:
+    """A DHT call that times out while a peer joins is asked again until the join's own deadline, not a crash."""
+    manifest = Manifest(run_id="r", coordinator=COORD.peer_id, config={}, seq=1)
+
+    class Slow:
+        calls = 0
+
+        def get_manifest(self) -> Manifest:
+            self.calls += 1
+            if self.calls == 1:
+                raise DHTTimeout("reading the manifest records: no answer from the DHT process within 15 s")
+            return manifest
+
+    node = Slow()
+    assert await_manifest(node, COORD.peer_id, 10.0, threading.Event()) is manifest  # type: ignore[arg-type]
+    assert node.calls == 2

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from potluck.peer.links import LinkConfig, LinkProber, LinkReport, LinkStat
+from potluck.peer.links import Bursts, LinkConfig, LinkProber, LinkReport, LinkStat
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.dhtguard import run_key
 from potluck.protos.identity import Identity
@@ -271,3 +271,28 @@ def _expire(ttl: float) -> float:
     from hivemind.utils import get_dht_time
 
     return get_dht_time() + ttl
+
+
+def test_overlapping_transfers_are_observed_as_one_burst() -> None:
+    """Pushes that share a link each take longer than the link needs: a burst reports all its bytes over
+    its span (less the longest receiver hold), once; a lone transfer is a burst of one; a failed one alone
+    reports nothing."""
+    now = [0.0]
+    seen: list[tuple[str, int, float]] = []
+    bursts = Bursts(lambda peer, n, s: seen.append((peer, n, s)), clock=lambda: now[0])
+    bursts.start("a")
+    now[0] = 0.1
+    bursts.start("a")
+    bursts.start("b")
+    now[0] = 1.0
+    bursts.end("a", 1_000_000)
+    bursts.end("b", 0)  # failed: nothing delivered, nothing observed
+    assert seen == []
+    now[0] = 2.0
+    bursts.end("a", 1_000_000, held_s=0.2)
+    assert seen == [("a", 2_000_000, pytest.approx(1.8))]
+    now[0] = 3.0
+    bursts.start("a")
+    now[0] = 3.5
+    bursts.end("a", 500_000)
+    assert seen[1:] == [("a", 500_000, pytest.approx(0.5))]
