@@ -97,8 +97,10 @@ def test_a_crash_then_a_resume_with_another_stage_count(swarm, before: int, afte
               "coordinator.checkpoint_every": 2, "diloco.inner_steps": 8, "diloco.outer_steps": 8,
               "links.placement": "sticky"}
     swarm.start_coordinator({**common, "pipeline.stages": before, "membership.min_peers": 2 * before})
+    # every peer dies in step 5: half way through its inner steps or, if a neighbour's death stalled its
+    # pipeline before that, as it enters the outer step
     for _ in range(2 * before):
-        swarm.start_peer(env=kill_at("inner.mid", 5))
+        swarm.start_peer(env={"POTLUCK_FAULTS": "inner.mid@5:kill,outer.start@5:kill"})
     wait_dead(swarm, swarm.peers, "every peer to die in step 5")
     os.killpg(swarm.coordinator.pid, signal.SIGKILL)
     swarm.coordinator.wait(timeout=30)

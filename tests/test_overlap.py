@@ -16,9 +16,9 @@ def test_overlapped_outer_steps_stay_identical_and_train(swarm) -> None:  # type
                              "diloco.overlap": True})
     for _ in range(3):
         swarm.start_peer()
-    state = swarm.wait_state(
+    state = swarm.wait_state(  # (and every peer to say goodbye: it does once the coordinator confirmed the end)
         lambda s: s["run"]["finished"] and s["history"] and s["history"][-1]["eval_loss"] is not None
-        and len(s["history"][-1]["state_hashes"]) == 3,
+        and len(s["history"][-1]["state_hashes"]) == 3 and sum(p["state"] == "finished" for p in s["peers"]) == 3,
         240, "the overlapped run to finish",
     )
     hist = state["history"]
