@@ -39,7 +39,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 import grpc
 import numpy as np
@@ -94,6 +93,25 @@ class _Round:
     next: Neighbour | None
     mail: dict[tuple[str, int, int], tuple] = field(default_factory=dict)
     error: str = ""
+
+
+@dataclass(frozen=True)
+class _Outgoing:
+    """One micro-batch on its way out: what to encode, and where to."""
+
+    r: _Round
+    to: Neighbour
+    kind: str  # forward | backward | eval
+    inner: int
+    micro: int
+    ids: list[int] | None
+    tensor: torch.Tensor  # fp32, on the CPU
+    labels: torch.Tensor | None
+    loss: float
+
+    @property
+    def direction(self) -> str:
+        return "backward" if self.kind == "backward" else "forward"
 
 
 class Pipeline:
@@ -314,64 +332,61 @@ class Pipeline:
         to = r.next if kind in ("forward", "eval") else r.prev
         if to is None:
             raise PipelineStall(f"stage {self.stage} has no {'next' if kind != 'backward' else 'previous'} stage")
-        tensor = tensor.detach().to("cpu", torch.float32)
-        args = (r, to, kind, inner, micro, ids, tensor, labels, loss)
-        self._pending.append(self._encoders[_direction(kind)].submit(self._dispatch, *args))
+        out = _Outgoing(r, to, kind, inner, micro, ids, tensor.detach().to("cpu", torch.float32), labels, loss)
+        self._pending.append(self._encoders[out.direction].submit(self._dispatch, out))
 
-    def _dispatch(self, *args: Any) -> Future | None:
+    def _dispatch(self, out: _Outgoing) -> Future | None:
         """Encode one micro-batch (on its direction's encoder thread, so in order) and put it on the wire.
 
         A forward message whose samples are still on the wire in an earlier one (a batch that wraps
         round the data holds a sample twice) waits for it: AC-SGD buffers must see them in order."""
-        r, kind, ids = args[0], args[2], args[5]
-        tracked = kind == "forward" and self.sender is not None and bool(ids)
+        tracked = out.kind == "forward" and self.sender is not None and bool(out.ids)
         if tracked:
             self._on_wire = [(s, f) for s, f in self._on_wire if not f.done()]
             for samples, fut in self._on_wire:
-                if not samples.isdisjoint(ids):
+                if not samples.isdisjoint(out.ids or ()):
                     fut.result()  # (before encoding: a resend of that one may reset these samples' buffers)
-        if r.error:  # the round is over: its queued messages must not advance the AC-SGD buffers
+        if out.r.error:  # the round is over: its queued messages must not advance the AC-SGD buffers
             return None
-        msg = self._encode_or_fail(*args)
+        msg = self._encode_or_fail(out)
         if msg is None:
             return None
-        push = self._pushers[_direction(kind)].submit(self._deliver, msg, *args)
+        push = self._pushers[out.direction].submit(self._deliver, msg, out)
         if tracked:
-            self._on_wire.append((set(ids), push))
+            self._on_wire.append((set(out.ids or ()), push))
         return push
 
-    def _encode_or_fail(self, r: _Round, to: Neighbour, kind: str, inner: int, micro: int, ids: list[int] | None,
-                        tensor: torch.Tensor, labels: torch.Tensor | None, loss: float) -> pb.PipeMessage | None:
+    def _encode_or_fail(self, out: _Outgoing) -> pb.PipeMessage | None:
         try:  # encoding advances the AC-SGD buffer: only once per (re)send decision
             with self._sender_lock:
-                return self._encode(r, kind, inner, micro, ids, tensor, labels, loss)
+                return self._encode(out)
         except Exception as err:  # an encoding bug must surface as a stall, not a silent hang
-            self._error(r, f"{kind} micro-batch {micro}: {err}")
+            self._error(out.r, f"{out.kind} micro-batch {out.micro}: {err}")
             return None
 
-    def _deliver(self, msg: pb.PipeMessage | None, r: _Round, to: Neighbour, kind: str, inner: int, micro: int,
-                 ids: list[int] | None, tensor: torch.Tensor, labels: torch.Tensor | None, loss: float) -> None:
+    def _deliver(self, msg: pb.PipeMessage | None, out: _Outgoing) -> None:
         """Push one encoded micro-batch; a receiver not yet in this round is retried until the deadline."""
         deadline = time.monotonic() + self.cfg.pipe_timeout_s * 3
         resent = False
-        while not r.error:
-            if msg is None and (msg := self._encode_or_fail(r, to, kind, inner, micro, ids, tensor, labels, loss)) is None:
+        while not out.r.error:
+            if msg is None and (msg := self._encode_or_fail(out)) is None:
                 return
             try:
-                self._push(to, msg)
+                self._push(out.to, msg)
                 return
             except grpc.RpcError as err:
                 reason = rpc_reason(err)
-                if refused(err, pb.BUFFER_MISS) and not resent and self.sender is not None and ids is not None:
+                if refused(err, pb.BUFFER_MISS) and not resent and self.sender is not None and out.ids is not None:
                     log.info("%s has no AC-SGD buffer for some samples (%s); resending them as first visits",
-                             short_id(to.peer_id), reason)
+                             short_id(out.to.peer_id), reason)
                     with self._sender_lock:
-                        self.sender.forget(ids)
+                        self.sender.forget(out.ids)
                     msg, resent = None, True
                     continue
                 if refused(err, pb.NOT_YET) and time.monotonic() < deadline and not self.stopping.wait(0.1):
                     continue  # the neighbour is still finishing its previous outer step or recovering
-                self._error(r, f"{kind} micro-batch {micro} of inner step {inner} to {short_id(to.peer_id)} failed: {reason}")
+                self._error(out.r, f"{out.kind} micro-batch {out.micro} of inner step {out.inner} to "
+                                   f"{short_id(out.to.peer_id)} failed: {reason}")
                 return
 
     def _push(self, to: Neighbour, msg: pb.PipeMessage) -> pb.Ack:
@@ -387,11 +402,11 @@ class Pipeline:
                 held = max(0.0, ack.handler_s) if ack is not None else 0.0
                 bursts.end(to.peer_id, nbytes if ack is not None else 0, held)
 
-    def _encode(self, r: _Round, kind: str, inner: int, micro: int, ids: list[int] | None, tensor: torch.Tensor,
-                labels: torch.Tensor | None, loss: float) -> pb.PipeMessage:
+    def _encode(self, out: _Outgoing) -> pb.PipeMessage:
+        r, kind, ids, tensor, labels = out.r, out.kind, out.ids, out.tensor, out.labels
         msg = pb.PipeMessage(
-            header=pb.Header(run_id=self.run_id, sender=self.me, step=r.step, epoch=r.epoch), kind=kind, inner_step=inner,
-            micro=micro, sample_ids=ids or [], loss=loss, stage=self.stage, replica=r.replica,
+            header=pb.Header(run_id=self.run_id, sender=self.me, step=r.step, epoch=r.epoch), kind=kind,
+            inner_step=out.inner, micro=out.micro, sample_ids=ids or [], loss=out.loss, stage=self.stage, replica=r.replica,
         )
         if labels is not None:
             lab = labels.to(torch.int32).contiguous()
@@ -559,10 +574,6 @@ class Pipeline:
         want = (batch, self.model_cfg.seq_len, d)
         if tuple(t.shape) != want:
             raise CodecError(f"tensor of shape {list(t.shape)}, expected {list(want)}")
-
-
-def _direction(kind: str) -> str:
-    return "backward" if kind == "backward" else "forward"
 
 
 def _to_pb(p: Packet) -> pb.ActPacket:
