@@ -266,9 +266,9 @@ class Loopback:
 
 def recording(encode: Callable[..., pb.PipeMessage], sent: list[torch.dtype]) -> Callable[..., pb.PipeMessage]:
     """``Pipeline._encode``, noting the dtype of each tensor it is handed for the wire."""
-    def wrapped(r, kind, inner, micro, ids, tensor, *rest):  # type: ignore[no-untyped-def]
-        sent.append(tensor.dtype)
-        return encode(r, kind, inner, micro, ids, tensor, *rest)
+    def wrapped(out):  # type: ignore[no-untyped-def]
+        sent.append(out.tensor.dtype)
+        return encode(out)
     return wrapped
 
 
