@@ -27,6 +27,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -61,8 +62,8 @@ class Stage:
         self.server = PeerServer(self, Traffic(), host="127.0.0.1", port=0)
         self.address = f"127.0.0.1:{self.server.port}"
 
-    def push_pipe(self, request: pb.PipeMessage) -> pb.Ack:
-        return self.pipe.on_message(request)
+    def push_pipe(self, chunks: Iterator[pb.PipeChunk]) -> pb.Ack:
+        return self.pipe.on_message(chunks)
 
     def close(self) -> None:
         self.server.stop(0.1)

@@ -453,41 +453,47 @@ class AcsgdReceiver(_BoundarySide):
                 f"version {versions[k]} (lost message?)",
                 stale,
             )
-        first_values = self._part(message.first, len(first), "first-visit", self.first_codec)
-        delta = self._part(message.delta, len(again), "delta", self.delta_codec)
-        parts = [t for t in (first_values, delta) if t is not None]
-        sample_shape = tuple(parts[0].shape[1:])
-        if any(tuple(t.shape[1:]) != sample_shape for t in parts) or (
+        self._part(message.first, len(first), "first-visit")
+        self._part(message.delta, len(again), "delta")
+        shapes = [tuple(p.shape[1:]) for p in (message.first, message.delta) if p is not None]
+        sample_shape = shapes[0]
+        if any(s != sample_shape for s in shapes) or (
             self.buffer.sample_shape is not None and sample_shape != self.buffer.sample_shape
         ):
             raise CodecError(
-                f"message samples of shape {[list(t.shape[1:]) for t in parts]} do not match the buffer's "
+                f"message samples of shape {[list(s) for s in shapes]} do not match the buffer's "
                 f"{list(self.buffer.sample_shape or sample_shape)}"
             )
-        out = torch.empty((len(ids), *sample_shape))
+        first_values = self.first_codec.decode_float(message.first) if message.first is not None else None
         again_ids = [ids[k] for k in again]
         updated = None
-        if delta is not None:
-            updated = self.buffer.get(again_ids) + delta
+        if message.delta is not None:  # m[id] + deQ(delta), a block of rows at a time, into a copy of the entries
+            updated = self.delta_codec.add_decoded(message.delta, self.buffer.get(again_ids))
         if first_values is not None:
             self.buffer.put([ids[k] for k in first], first_values, [1] * len(first))
-            out[first] = self.buffer.storage_round(first_values)
         if updated is not None:
             self.buffer.put(again_ids, updated, [versions[k] + 1 for k in again])
-            out[again] = self.buffer.storage_round(updated)
+        # a micro-batch of only first visits, or only revisits, is handed on as decoded: no second copy of it
+        if updated is None and first_values is not None:
+            return self.buffer.storage_round(first_values)
+        if first_values is None and updated is not None:
+            return self.buffer.storage_round(updated)
+        assert first_values is not None and updated is not None
+        out = torch.empty((len(ids), *sample_shape))
+        out[first] = self.buffer.storage_round(first_values)
+        out[again] = self.buffer.storage_round(updated)
         return out
 
     @staticmethod
-    def _part(packet: Packet | None, count: int, what: str, codec: ActCodec) -> torch.Tensor | None:
+    def _part(packet: Packet | None, count: int, what: str) -> None:
         if count == 0:
             if packet is not None:
                 raise CodecError(f"message carries a {what} packet but no sample is a {what}")
-            return None
+            return
         if packet is None:
             raise CodecError(f"{count} samples are {what}s but the message has no {what} packet")
         if len(packet.shape) < 2 or packet.shape[0] != count:
             raise CodecError(f"{what} packet of shape {list(packet.shape)} for {count} samples")
-        return codec.decode_float(packet)
 
 
 def make_grad_codec(config: AcsgdConfig | None = None, generator: torch.Generator | None = None) -> ActCodec:

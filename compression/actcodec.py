@@ -47,7 +47,7 @@ from potluck.kernels.quant import (
     unpack_bits,
 )
 
-__all__ = ["MODES", "ActCodec", "CodecError", "Packet", "decode", "encode"]
+__all__ = ["MODES", "ActCodec", "CodecError", "Packet", "decode", "encode", "wire_sizes"]
 
 Mode = Literal["quant", "quant_fp16_scales", "fp16", "fp32"]
 MODES: tuple[str, ...] = ("quant", "quant_fp16_scales", "fp16", "fp32")
@@ -129,34 +129,33 @@ def _scale_nbytes(mode: str) -> int:
     return 2 if mode == "quant_fp16_scales" else 4
 
 
+def wire_sizes(mode: str, bits: int, shape: tuple[int, ...]) -> tuple[int, int]:
+    """``(scale bytes, payload bytes)`` of a packet of ``shape`` in ``mode`` at ``bits``: what a receiver expects
+    before it reads a byte of the packet (CodecError for a mode or shape no packet can have)."""
+    _check_mode(mode, bits)
+    if len(shape) == 0 or any(s < 0 for s in shape):
+        raise CodecError(f"shape must have at least one non-negative dimension, got {list(shape)}")
+    n = math.prod(shape)
+    if mode in QUANT_MODES:
+        return shape[-1] * _scale_nbytes(mode), packed_nbytes(n, bits)
+    return 0, n * (2 if mode == "fp16" else 4)
+
+
 def validate(packet: Packet) -> None:
     """Raise :class:`CodecError` unless ``packet`` is self-consistent (sizes, names, finite scales)."""
-    _check_mode(packet.mode, packet.bits)
+    want_scales, want = wire_sizes(packet.mode, packet.bits, packet.shape)
     if packet.dtype not in DTYPES:
         raise CodecError(f"unsupported dtype {packet.dtype!r} (supported: {', '.join(DTYPES)})")
-    if len(packet.shape) == 0 or any(s < 0 for s in packet.shape):
-        raise CodecError(f"shape must have at least one non-negative dimension, got {list(packet.shape)}")
-    n = packet.numel
-    if packet.mode in QUANT_MODES:
-        want = packed_nbytes(n, packet.bits)
-        if len(packet.payload) != want:
-            raise CodecError(
-                f"payload of shape {list(packet.shape)} at {packet.bits} bits needs {want} bytes, "
-                f"got {len(packet.payload)}"
-            )
-        channels = packet.shape[-1]
-        want_scales = channels * _scale_nbytes(packet.mode)
-        if len(packet.scales) != want_scales:
-            raise CodecError(
-                f"{channels} channels need {channels} scales ({want_scales} bytes), got {len(packet.scales)} bytes"
-            )
-    else:
-        want = n * (2 if packet.mode == "fp16" else 4)
-        if len(packet.payload) != want:
-            raise CodecError(f"{packet.mode} payload of shape {list(packet.shape)} needs {want} bytes, "
-                             f"got {len(packet.payload)}")
-        if packet.scales:
+    if len(packet.payload) != want:
+        what = f"at {packet.bits} bits" if packet.mode in QUANT_MODES else f"in {packet.mode}"
+        raise CodecError(f"payload of shape {list(packet.shape)} {what} needs {want} bytes, got {len(packet.payload)}")
+    if len(packet.scales) != want_scales:
+        if not want_scales:
             raise CodecError(f"mode {packet.mode!r} carries no scales, got {len(packet.scales)} bytes")
+        channels = packet.shape[-1]
+        raise CodecError(
+            f"{channels} channels need {channels} scales ({want_scales} bytes), got {len(packet.scales)} bytes"
+        )
 
 
 def encode(
@@ -265,25 +264,47 @@ def _decode_valid(packet: Packet) -> torch.Tensor:
     if packet.mode in _RAW_NP:
         arr = np.frombuffer(packet.payload, dtype=_RAW_NP[packet.mode])
         out = torch.from_numpy(arr.astype(np.float32)).view(shape)
-        if not bool(torch.isfinite(out).all()):
-            raise CodecError(f"{packet.mode} payload holds NaN or Inf")
-        if out.numel() and float(out.abs().max()) > MAX_ABS:
-            raise CodecError(f"{packet.mode} payload holds values beyond +-{MAX_ABS:g}")
+        if out.numel():  # min and max carry NaN and Inf: checked without a temporary of the tensor's size
+            lo, hi = torch.aminmax(out)
+            if not (math.isfinite(lo) and math.isfinite(hi)):
+                raise CodecError(f"{packet.mode} payload holds NaN or Inf")
+            if max(-float(lo), float(hi)) > MAX_ABS:
+                raise CodecError(f"{packet.mode} payload holds values beyond +-{MAX_ABS:g}")
         return out
+    return _dequantize_rows(packet, _scales(packet), 0, _rows(shape)).view(shape)
+
+
+def _scales(packet: Packet) -> torch.Tensor:
+    """A quantized packet's scales as float32, checked: finite, non-negative, decoding within bounds."""
     scale_np = np.float16 if packet.mode == "quant_fp16_scales" else np.float32
     scales = torch.from_numpy(np.frombuffer(packet.scales, dtype=scale_np).astype(np.float32))
     if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
         raise CodecError("scales must be finite and non-negative")
     if scales.numel() and float(scales.max()) * qmax_for(packet.bits) > MAX_ABS:
         raise CodecError(f"scales decode to values beyond +-{MAX_ABS:g}")
-    packed = torch.from_numpy(np.frombuffer(packet.payload, dtype=np.uint8).copy())
+    return scales
+
+
+def _dequantize_rows(packet: Packet, scales: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Rows ``[start, stop)`` of a valid quantized packet, decoded to float32 ``[stop - start, channels]``."""
+    channels, bits = packet.shape[-1], packet.bits
+    lo, hi = start * channels, stop * channels
+    if (lo * bits) % 8:
+        raise ValueError(f"rows from {start} do not start on a whole byte of {bits}-bit codes")
+    data = np.frombuffer(packet.payload, dtype=np.uint8)[lo * bits // 8 : packed_nbytes(hi, bits)]
+    packed = torch.from_numpy(data if data.flags.writeable else data.copy())
     try:
-        codes = unpack_bits(packed, packet.bits, packet.numel)
+        codes = unpack_bits(packed, bits, hi - lo)
     except ValueError as e:
         raise CodecError(str(e)) from e
-    if packet.bits == 8 and bool((codes == -128).any()):
+    if bits == 8 and codes.numel() and int(codes.min()) == -128:
         raise CodecError("8-bit code -128 is outside the symmetric range [-127, 127]")
-    return dequantize_channels(codes.view(_rows(shape), shape[-1]), scales).view(shape)
+    return dequantize_channels(codes.view(stop - start, channels), scales)
+
+
+# rows decoded at a time by ActCodec.add_decoded: a multiple of 8 (whole bytes of 3-bit codes); at d_model 2048,
+# 2 MiB of float32 a block
+_ADD_ROWS = 256
 
 
 class ActCodec:
@@ -349,6 +370,27 @@ class ActCodec:
         """Like :meth:`decode` but always float32 (bit-identical to ``encode_with_reconstruction``)."""
         self.check(packet)
         return _decode_valid(packet)
+
+    def add_decoded(self, packet: Packet, out: torch.Tensor) -> torch.Tensor:
+        """``out += decode_float(packet)`` in place, a block of rows at a time: the same floats (each element is
+        one multiply, then one add), without a float32 copy of the whole packet. ``out`` is float32 of the
+        packet's shape; returns it. A bad packet raises CodecError, found before ``out`` is touched where the
+        header, scales or 8-bit codes are wrong, else as the block holding a bad code is decoded: hand it a tensor
+        you can throw away (AC-SGD's receiver adds to a copy of its buffer entries, stored only on success)."""
+        self.check(packet)
+        if tuple(out.shape) != packet.shape or out.dtype != torch.float32:
+            raise CodecError(f"cannot add a packet of shape {list(packet.shape)} to {out.dtype} {list(out.shape)}")
+        if packet.mode not in QUANT_MODES:
+            out += _decode_valid(packet)
+            return out
+        scales = _scales(packet)
+        rows, flat = _rows(packet.shape), out.view(-1, packet.shape[-1])
+        if packet.bits == 8 and packet.numel and int(np.frombuffer(packet.payload, np.int8).min()) == -128:
+            raise CodecError("8-bit code -128 is outside the symmetric range [-127, 127]")
+        for start in range(0, rows, _ADD_ROWS):
+            stop = min(rows, start + _ADD_ROWS)
+            flat[start:stop] += _dequantize_rows(packet, scales, start, stop)
+        return out
 
     def check(self, packet: Packet) -> None:
         """Raise :class:`CodecError` unless ``packet`` is valid and of this codec's mode and width."""

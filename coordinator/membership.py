@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from potluck.coordinator.rounds import Report
 from potluck.protos.records import PeerRecord
 
-GONE_STATES = {"left", "finished"}
+GONE_STATES = {"left", "finished", "failed"}
 WORK_KINDS = ("outer", "state", "pipeline")  # bytes that show a peer is working (probes do not)
 
 
@@ -67,7 +67,7 @@ class PeerTable:
                     events.append(("back", pid))
             if rec.state in GONE_STATES and not view.left:
                 view.left = True
-                events.append(("left", pid))
+                events.append(("failed" if rec.state == "failed" else "left", pid))
         for pid, view in self.peers.items():
             if not view.lost and now - view.last_seen > self.timeout:
                 view.lost = True  # (one that said goodbye is not reported lost, but no longer counts as there)
@@ -85,4 +85,5 @@ class PeerTable:
 def describe(kind: str, rec: PeerRecord, timeout_s: float) -> str:
     """The event-log line for a membership change."""
     return {"joined": f"joined from {rec.address} ({rec.device_name or rec.device})", "left": "left the run",
+            "failed": f"stopped on an error: {rec.error or 'no reason given'}",
             "back": "is back", "lost": f"lost: no heartbeat for {timeout_s:.0f} s"}[kind]

@@ -75,6 +75,7 @@ def peer_rows(views: Sequence[PeerView], tasklet_of: Mapping[str, dict[str, int]
             "compute_s": r.compute_s, "sync_s": r.sync_s, "hidden_s": r.hidden_s, "relayed": VIA in r.address,
             "clipped": flagged["clipped"].get(r.peer_id, 0),
             "rejected": flagged["rejected"].get(r.peer_id, 0),
+            "error": r.error if r.state == "failed" else "",
         })
     return rows
 
@@ -131,7 +132,7 @@ def build(run: RunInfo, cfg: RunConfig, views: Sequence[PeerView], rounds: Round
             "compute_utilization": compute / (compute + sync) if compute + sync > 0 else None,
             "last_outer_at": history[-1]["t"] if history else None,
             "last_allreduce_s": history[-1]["outer_s"] if history else None,
-            "waiting_reason": waiting_reason(cfg, rounds, live, run.finished),
+            "waiting_reason": waiting_reason(cfg, rounds, live, run.finished, peers),
         },
         "grid": {
             "stages": stages, "replicas": replicas,
@@ -169,11 +170,24 @@ def links_state(reports: Mapping[str, LinkReport], live: list[dict[str, Any]]) -
             "bandwidth_mbps": [[None if a == b else cell(a, b, "bandwidth_mbps") for b in ids] for a in ids]}
 
 
-def waiting_reason(cfg: RunConfig, rounds: Rounds, live: list[dict[str, Any]], finished: bool) -> str:
-    """What the run waits for, in one line ('' when it is simply training)."""
-    need = max(cfg.membership.min_peers, cfg.pipeline.stages)
+def waiting_reason(cfg: RunConfig, rounds: Rounds, live: list[dict[str, Any]], finished: bool,
+                   peers: Sequence[dict[str, Any]] = ()) -> str:
+    """What the run waits for, in one line ('' when it is simply training); a peer that stopped on an error it
+    cannot heal comes first, while the run waits (it is the likeliest reason)."""
     if finished:
         return ""
+    why = _waiting(cfg, rounds, live)
+    failed = [p for p in peers if p["state"] == "failed"]
+    current = rounds.pending()
+    stuck = current is not None and any(m.peer_id == p["id"] for p in failed for m in current.members)
+    if failed and (why or stuck):
+        p = failed[-1]
+        return f"peer {p['short_id']} stopped on an error: {p['error']}" + (f"; {why}" if why else "")
+    return why
+
+
+def _waiting(cfg: RunConfig, rounds: Rounds, live: list[dict[str, Any]]) -> str:
+    need = max(cfg.membership.min_peers, cfg.pipeline.stages)
     current = rounds.pending()
     if current is None:
         if len(live) < need and (not rounds.rounds or rounds.outcomes and rounds.outcomes[-1].step > rounds.committed):

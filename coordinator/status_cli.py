@@ -18,8 +18,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 GRID_CHARS = {"training": "T", "syncing": "S", "recovering": "R", "joining": "J", "waiting": "W",
-              "finished": "F", "left": "L", "lost": "X", "empty": "."}
-_ORDER = {"lost": 0, "recovering": 1, "joining": 1, "waiting": 1, "syncing": 1, "training": 1, "finished": 2, "left": 2}
+              "finished": "F", "left": "L", "failed": "E", "lost": "X", "empty": "."}
+_ORDER = {"failed": 0, "lost": 0, "recovering": 1, "joining": 1, "waiting": 1, "syncing": 1, "training": 1, "finished": 2, "left": 2}
 _RED, _YELLOW, _DIM, _RESET = "\x1b[31m", "\x1b[33m", "\x1b[2m", "\x1b[0m"
 
 
@@ -230,7 +230,7 @@ def summary(state: dict[str, Any], peers: int = 20, colour: bool = False) -> str
     def paint(text: str, code: str) -> str:
         return f"{code}{text}{_RESET}" if colour and code else text
 
-    live = [p for p in table if p["state"] not in ("lost", "left", "finished")]
+    live = [p for p in table if p["state"] not in ("lost", "left", "finished", "failed")]
     lost = sum(1 for p in table if p["state"] == "lost")
     badge = "  " + paint("FINISHED", "\x1b[35;1m") if run.get("finished") else ""
     lines = [
@@ -309,5 +309,5 @@ def _peer_lines(table: list[dict[str, Any]], limit: int, timeout: float, paint: 
     for p, r in zip(shown, rows, strict=True):
         line = "  " + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True))
         stale = (p.get("last_seen_s") or 0) > timeout
-        out.append(paint(line.rstrip(), _RED if p["state"] == "lost" or stale else _DIM if p["state"] in ("left", "finished") else ""))
+        out.append(paint(line.rstrip(), _RED if p["state"] in ("lost", "failed") or stale else _DIM if p["state"] in ("left", "finished") else ""))
     return out

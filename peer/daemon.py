@@ -30,6 +30,7 @@ from potluck.peer.follower import Finish, Follower, Recover, Switch, Train, Wait
 from potluck.peer.joining import Joined, Stopped, join, load_identity
 from potluck.peer.multidevice import Leader
 from potluck.peer.outersteps import OuterSteps
+from potluck.peer.pipeline import PipelineBroken
 from potluck.peer.recovery import recover
 from potluck.peer.tasklet import Tasklet, Toolbox
 from potluck.peer.telemetry import Telemetry
@@ -57,7 +58,8 @@ class Peer:
         set_context(role="peer", peer_id=self.id)
 
     def run(self) -> int:
-        """Returns a process exit code: 0 when the run ended or we were asked to stop, 2 on bad input."""
+        """Returns a process exit code: 0 when the run ended or we were asked to stop, 2 on bad input, 3 on a
+        failure that cannot heal (its reason is the goodbye record's ``error``: the coordinator's page shows it)."""
         # torch's optimizers import torch._dynamo on first use (seconds of CPU): do it while we wait on the network
         threading.Thread(target=importlib.import_module, args=("torch._dynamo",), name="warm-up", daemon=True).start()
         session: Session | None = None
@@ -74,6 +76,10 @@ class Peer:
         except (JoinError, ConfigError, TopologyError, DataError, CannotBind) as err:
             log.error("%s", err)
             return 2
+        except PipelineBroken as err:
+            log.error("this peer cannot go on: %s", err)
+            self.telemetry.error = str(err)
+            return 3
         finally:
             self.stopping.set()
             if session is not None:
@@ -196,7 +202,7 @@ class Session:
     def close(self) -> None:
         fault("shutdown.start")
         self.outer.close()
-        self.set_state("finished" if self.completed() else "left", poke=False)
+        self.set_state("failed" if self.telemetry.error else "finished" if self.completed() else "left", poke=False)
         self.heartbeat.stop(goodbye=self.record())
         self.tools.close(self.tasklet)
 

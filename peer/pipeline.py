@@ -25,18 +25,28 @@ receiver lacking that version (a new peer after a handover, a lost message) reje
 and the sender forgets those samples and resends them as first visits. When a boundary's
 neighbour changes between rounds, both sides drop their buffers for it.
 
+**Any size.** A message travels as a head and a body in pieces of bounded size
+(:mod:`potluck.peer.pipewire`), so a micro-batch of any model crosses, and the receiver decodes it
+only once all of it has arrived.
+
 **No hang.** A stage waits at most ``pipe_timeout_s`` for a neighbour (longer on the first
 micro-batch of a round, when the neighbour may still be syncing); then it raises
 :class:`PipelineStall`, the peer contributes nothing to this outer step (it still receives the
 average, so it stays in sync), and the coordinator re-forms the grid at the next boundary.
+
+**No retry loop.** A send that can never succeed (the receiver refuses the message for good, or it
+cannot be put on the wire) raises :class:`PipelineBroken`: the peer tells its neighbours at once
+(an ``abort`` message, so they stop waiting for it) and stops with that reason, which reaches the
+coordinator's page, the log and the exit code.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -46,13 +56,16 @@ import torch
 from torch import nn
 
 from potluck.compression.acsgd import AcsgdConfig, AcsgdMessage, AcsgdReceiver, AcsgdSender, BufferMissError
-from potluck.compression.actcodec import ActCodec, CodecError, Packet
+from potluck.compression.actcodec import ActCodec, CodecError, Packet, wire_sizes
+from potluck.peer import pipewire
 from potluck.peer.links import Bursts
 from potluck.peer.model import forward_layers, lm_loss
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config import ModelConfig, PipelineConfig
+from potluck.protos.faults import injected
+from potluck.protos.limits import EVAL_BATCH, MAX_MESSAGE_BYTES
 from potluck.protos.log import get_logger, short_id
-from potluck.protos.transport import PeerClient, Rejected, refused, rpc_reason
+from potluck.protos.transport import PeerClient, Rejected, refusal_of, refused, rpc_reason
 
 log = get_logger(__name__)
 
@@ -63,6 +76,15 @@ SENDS_IN_FLIGHT = 4
 
 class PipelineStall(RuntimeError):
     """A neighbour did not deliver (or accept) a micro-batch in time; this replica cannot go on."""
+
+
+class PipelineBroken(PipelineStall):
+    """A send that can never succeed: not a stall to wait out, but an error this peer stops on."""
+
+
+# refusals that say the message itself is wrong for the receiver, so sending it again cannot help
+_FOR_GOOD = (pb.BAD_MESSAGE, pb.UNSUPPORTED, pb.UNKNOWN_RUN)
+_FOR_GOOD_STATUS = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL)
 
 
 @dataclass(frozen=True)
@@ -93,6 +115,7 @@ class _Round:
     next: Neighbour | None
     mail: dict[tuple[str, int, int], tuple] = field(default_factory=dict)
     error: str = ""
+    broken: bool = False  # error is this peer's own send that can never succeed (PipelineBroken)
 
 
 @dataclass(frozen=True)
@@ -105,7 +128,7 @@ class _Outgoing:
     inner: int
     micro: int
     ids: list[int] | None
-    tensor: torch.Tensor  # fp32, on the CPU
+    tensor: torch.Tensor  # where the stage computed it (its device and dtype): encoded there, off the compute thread
     labels: torch.Tensor | None
     loss: float
 
@@ -130,9 +153,11 @@ class Pipeline:
         num_samples: int,
         stopping: threading.Event | None = None,
         on_transfer: Callable[[str, int, float], None] | None = None,
+        max_samples: int = EVAL_BATCH,
     ) -> None:
         self.run_id, self.me, self.stage, self.stages = run_id, me, stage, stages
         self.model_cfg, self.cfg, self.client, self.num_samples = model, cfg, client, num_samples
+        self.max_samples = max_samples  # the most samples one message may carry (a micro-batch, an eval batch)
         self.first, self.last = stage == 0, stage == stages - 1
         self.stopping = stopping or threading.Event()
         # (peer id, bytes, seconds) of delivered messages: passive link figures, a burst of overlapping pushes at a time
@@ -332,7 +357,9 @@ class Pipeline:
         to = r.next if kind in ("forward", "eval") else r.prev
         if to is None:
             raise PipelineStall(f"stage {self.stage} has no {'next' if kind != 'backward' else 'previous'} stage")
-        out = _Outgoing(r, to, kind, inner, micro, ids, tensor.detach().to("cpu", torch.float32), labels, loss)
+        # the tensor stays where it was computed: the encoder thread moves (or, on a GPU, encodes) it, so the
+        # compute thread never waits for a device-to-host copy
+        out = _Outgoing(r, to, kind, inner, micro, ids, tensor.detach(), labels, loss)
         self._pending.append(self._encoders[out.direction].submit(self._dispatch, out))
 
     def _dispatch(self, out: _Outgoing) -> Future | None:
@@ -356,23 +383,34 @@ class Pipeline:
             self._on_wire.append((set(out.ids or ()), push))
         return push
 
-    def _encode_or_fail(self, out: _Outgoing) -> pb.PipeMessage | None:
+    def _encode_or_fail(self, out: _Outgoing) -> pipewire.Outbound | None:
         try:  # encoding advances the AC-SGD buffer: only once per (re)send decision
             with self._sender_lock:
                 return self._encode(out)
-        except Exception as err:  # an encoding bug must surface as a stall, not a silent hang
+        except CodecError as err:  # NaN/Inf in what this stage computed: the step is lost, the peer is not
             self._error(out.r, f"{out.kind} micro-batch {out.micro}: {err}")
             return None
+        except Exception as err:  # an encoding bug: it will fail the same way next time
+            log.exception("encoding %s micro-batch %d failed", out.kind, out.micro)
+            self._broken(out.r, f"encoding {out.kind} micro-batch {out.micro} failed: {err}")
+            return None
 
-    def _deliver(self, msg: pb.PipeMessage | None, out: _Outgoing) -> None:
-        """Push one encoded micro-batch; a receiver not yet in this round is retried until the deadline."""
+    def _deliver(self, msg: pipewire.Outbound | None, out: _Outgoing) -> None:
+        """Push one encoded micro-batch; a receiver not yet in this round is retried until the deadline, a
+        refusal for good ends the round as broken (:class:`PipelineBroken`) at once."""
         deadline = time.monotonic() + self.cfg.pipe_timeout_s * 3
         resent = False
         while not out.r.error:
             if msg is None and (msg := self._encode_or_fail(out)) is None:
                 return
+            if msg.head.ByteSize() > MAX_MESSAGE_BYTES - 1024:
+                self._broken(out.r, f"the head of {out.kind} micro-batch {out.micro} is {msg.head.ByteSize()} bytes, "
+                                    f"over the {MAX_MESSAGE_BYTES} a gRPC message may hold: lower train.batch_size or "
+                                    "raise pipeline.micro_batches")
+                return
+            oversize = injected("pipe.send", out.r.step, "oversize")
             try:
-                self._push(out.to, msg)
+                self._push(out.to, msg, oversize)
                 return
             except grpc.RpcError as err:
                 reason = rpc_reason(err)
@@ -385,25 +423,34 @@ class Pipeline:
                     continue
                 if refused(err, pb.NOT_YET) and time.monotonic() < deadline and not self.stopping.wait(0.1):
                     continue  # the neighbour is still finishing its previous outer step or recovering
-                self._error(out.r, f"{out.kind} micro-batch {out.micro} of inner step {out.inner} to "
-                                   f"{short_id(out.to.peer_id)} failed: {reason}")
+                what = (f"{out.kind} micro-batch {out.micro} of inner step {out.inner} to {short_id(out.to.peer_id)} "
+                        f"failed: {reason}")
+                if _for_good(err, oversize):
+                    self._broken(out.r, what)
+                else:
+                    self._error(out.r, what)
                 return
 
-    def _push(self, to: Neighbour, msg: pb.PipeMessage) -> pb.Ack:
-        nbytes, bursts, ack = msg.ByteSize(), self._bursts, None
+    def _push(self, to: Neighbour, msg: pipewire.Outbound, oversize: bool = False) -> pb.Ack:
+        """One message, as its head and body pieces; ``oversize`` (a fault, for tests) adds a piece over the cap
+        every gRPC message is held to, as a message sent whole used to be."""
+        nbytes, bursts, ack = msg.nbytes, self._bursts, None
+        chunks = msg.chunks()
+        if oversize:
+            chunks = itertools.chain(chunks, [pb.PipeChunk(data=bytes(MAX_MESSAGE_BYTES + 1))])
         if bursts is not None:
             bursts.start(to.peer_id)
         try:
-            ack = self.client.push_pipe(to.address, msg, timeout=self.cfg.pipe_timeout_s * 2, nbytes=nbytes,
-                                        peer=to.peer_id)
+            ack = self.client.push_pipe(to.address, chunks, timeout=self.cfg.pipe_timeout_s * 2, peer=to.peer_id)
             return ack
         finally:
             if bursts is not None:  # network time only: not the receiver's wait for its round
                 held = max(0.0, ack.handler_s) if ack is not None else 0.0
                 bursts.end(to.peer_id, nbytes if ack is not None else 0, held)
 
-    def _encode(self, out: _Outgoing) -> pb.PipeMessage:
-        r, kind, ids, tensor, labels = out.r, out.kind, out.ids, out.tensor, out.labels
+    def _encode(self, out: _Outgoing) -> pipewire.Outbound:
+        r, kind, ids, labels = out.r, out.kind, out.ids, out.labels
+        tensor = out.tensor.float()  # fp32 on the wire whatever the stage computed in (a no-op for fp32)
         msg = pb.PipeMessage(
             header=pb.Header(run_id=self.run_id, sender=self.me, step=r.step, epoch=r.epoch), kind=kind,
             inner_step=out.inner, micro=out.micro, sample_ids=ids or [], loss=out.loss, stage=self.stage, replica=r.replica,
@@ -432,7 +479,7 @@ class Pipeline:
         elif kind == "backward":
             self.traffic.gradients += nbytes
             self.traffic.gradients_fp32 += fp32_bytes
-        return msg
+        return pipewire.outbound(msg)
 
     def _flush(self, r: _Round) -> None:
         """Wait for this step's sends (so a failure is seen now, not a step later)."""
@@ -441,14 +488,35 @@ class Pipeline:
             pushed = fut.result()
             if pushed is not None:
                 pushed.result()
-        if r.error:
-            raise PipelineStall(r.error)
+        _raise_for(r)
 
     def _error(self, r: _Round, reason: str) -> None:
         with self._cond:
             if not r.error:
                 r.error = reason
             self._cond.notify_all()
+
+    def _broken(self, r: _Round, reason: str) -> None:
+        """This peer's send can never succeed: end the round as broken, and tell both neighbours at once, so
+        they stop waiting for micro-batches that are not coming."""
+        with self._cond:
+            if r.broken:
+                return
+            r.error, r.broken = reason, True
+            self._cond.notify_all()
+        log.error("pipeline of step %d broken: %s", r.step, reason)
+        for to in (r.prev, r.next):
+            if to is not None:
+                threading.Thread(target=self._send_abort, args=(r, to, reason), name="pipe-abort", daemon=True).start()
+
+    def _send_abort(self, r: _Round, to: Neighbour, reason: str) -> None:
+        head = pb.PipeMessage(header=pb.Header(run_id=self.run_id, sender=self.me, step=r.step, epoch=r.epoch),
+                              kind="abort", stage=self.stage, replica=r.replica, abort=reason[:500])
+        try:
+            self.client.push_pipe(to.address, pipewire.Outbound(head, (b"",) * len(pipewire.BODY)).chunks(),
+                                  timeout=min(10.0, self.cfg.pipe_timeout_s), peer=to.peer_id)
+        except grpc.RpcError as err:  # the neighbour learns it from its own deadline instead
+            log.warning("could not tell %s that this pipeline is broken: %s", short_id(to.peer_id), rpc_reason(err))
 
     # ------------------------------------------------------------------ receiving
 
@@ -463,8 +531,7 @@ class Pipeline:
         deadline = time.monotonic() + timeout
         with self._cond:
             while key not in r.mail:
-                if r.error:
-                    raise PipelineStall(r.error)
+                _raise_for(r)
                 if self.stopping.is_set():
                     raise PipelineStall("stopping")
                 if self._round is not r:
@@ -482,32 +549,81 @@ class Pipeline:
                 self._cond.wait(min(left, 0.5))
             return r.mail.pop(key)
 
-    def on_message(self, msg: pb.PipeMessage) -> pb.Ack:
-        """gRPC handler: validate, decode (updating AC-SGD buffers only if all is valid), queue."""
+    def on_message(self, chunks: Iterator[pb.PipeChunk]) -> pb.Ack:
+        """gRPC handler: check the head, read the body, decode (updating AC-SGD buffers only if all of it is
+        valid), queue. ``handler_s`` in the reply is what this side held the call for (its wait for the round,
+        decoding), not the body's time on the wire."""
+        held: dict[str, object] = {}
+
+        def check(head: pb.PipeMessage, sizes: list[int]) -> None:
+            t0 = time.perf_counter()
+            held["round"] = self._admit(head)
+            if head.kind != "abort":
+                self._check_sizes(head, sizes)
+            held["waited"] = time.perf_counter() - t0
+
+        msg = pipewire.receive(chunks, check)
         t0 = time.perf_counter()
-        h = msg.header
-        if h.run_id != self.run_id:
-            raise Rejected(pb.UNKNOWN_RUN, f"unknown run id {h.run_id!r}", h.sender)
-        if msg.kind not in ("forward", "backward", "eval"):
-            raise Rejected(pb.BAD_MESSAGE, f"unknown pipe message kind {msg.kind!r}", h.sender)
-        r = self._await_round(h.step, h.epoch, msg.kind)
-        want = r.prev if msg.kind != "backward" else r.next
-        if want is None or h.sender != want.peer_id:
-            raise Rejected(pb.NOT_A_MEMBER,
-                           f"{msg.kind} message from {short_id(h.sender)}, which is not this tasklet's "
-                           f"{'previous' if msg.kind != 'backward' else 'next'} stage in step {h.step}", h.sender)
-        if msg.micro < 0 or msg.inner_step < 0:
-            raise Rejected(pb.BAD_MESSAGE, "negative micro-batch or inner step", h.sender)
+        h, r = msg.head.header, held["round"]
+        assert isinstance(r, _Round)
+        if msg.head.kind == "abort":
+            log.warning("%s (stage %d) cannot go on with step %d: %s", short_id(h.sender), msg.head.stage, h.step,
+                        msg.head.abort[:500])
+            self._error(r, f"{short_id(h.sender)} (stage {msg.head.stage}) cannot go on: {msg.head.abort[:500]}")
+            return pb.Ack(received_bytes=msg.nbytes)
         try:
             item = self._decode(msg)
         except BufferMissError as err:
             raise Rejected(pb.BUFFER_MISS, str(err), h.sender) from None
         except CodecError as err:
-            raise Rejected(pb.BAD_MESSAGE, f"bad {msg.kind} message: {err}", h.sender) from None
+            raise Rejected(pb.BAD_MESSAGE, f"bad {msg.head.kind} message: {err}", h.sender) from None
         with self._cond:
-            r.mail[(msg.kind, msg.inner_step, msg.micro)] = item
+            r.mail[(msg.head.kind, msg.head.inner_step, msg.head.micro)] = item
             self._cond.notify_all()
-        return pb.Ack(received_bytes=msg.ByteSize(), handler_s=time.perf_counter() - t0)
+        return pb.Ack(received_bytes=msg.nbytes, handler_s=float(held["waited"]) + time.perf_counter() - t0)  # type: ignore[arg-type]
+
+    def _admit(self, head: pb.PipeMessage) -> _Round:
+        """The round a message's head belongs to, if it is this tasklet's neighbour's to send; else refused."""
+        h = head.header
+        if h.run_id != self.run_id:
+            raise Rejected(pb.UNKNOWN_RUN, f"unknown run id {h.run_id!r}", h.sender)
+        if head.kind not in ("forward", "backward", "eval", "abort"):
+            raise Rejected(pb.BAD_MESSAGE, f"unknown pipe message kind {head.kind!r}", h.sender)
+        r = self._await_round(h.step, h.epoch, head.kind)
+        neighbours = {"backward": [r.next], "abort": [r.prev, r.next]}.get(head.kind, [r.prev])
+        if not any(n is not None and n.peer_id == h.sender for n in neighbours):
+            raise Rejected(pb.NOT_A_MEMBER,
+                           f"{head.kind} message from {short_id(h.sender)}, which is not this tasklet's "
+                           f"{'next' if head.kind == 'backward' else 'previous'} stage in step {h.step}", h.sender)
+        if head.micro < 0 or head.inner_step < 0:
+            raise Rejected(pb.BAD_MESSAGE, "negative micro-batch or inner step", h.sender)
+        return r
+
+    def _check_sizes(self, head: pb.PipeMessage, sizes: list[int]) -> None:
+        """Refuse a head whose shapes are not this run's, or whose body sizes are not what those shapes need,
+        before its body is read: what a receiver allocates is bounded by the run's own shapes."""
+        m, sender = self.model_cfg, head.header.sender
+        n = len(head.sample_ids)
+        if n > self.max_samples:
+            raise Rejected(pb.BAD_MESSAGE, f"{n} samples in one message; this run sends at most {self.max_samples}",
+                           sender)
+        want = [4 * n * m.seq_len if head.kind != "backward" else 0]
+        for name in ("first", "delta"):
+            if not head.HasField(name):
+                want += [0, 0]
+                continue
+            p = getattr(head, name)
+            shape = tuple(p.shape)
+            if len(shape) != 3 or shape[1:] != (m.seq_len, m.d_model) or not 0 <= shape[0] <= self.max_samples:
+                raise Rejected(pb.BAD_MESSAGE, f"{head.kind} {name} packet of shape {list(shape)}; this run sends "
+                               f"[B <= {self.max_samples}, {m.seq_len}, {m.d_model}]", sender)
+            try:
+                want += list(wire_sizes(p.mode, p.bits, shape))
+            except CodecError as err:
+                raise Rejected(pb.BAD_MESSAGE, f"bad {head.kind} {name} packet: {err}", sender) from None
+        if sizes != want:
+            raise Rejected(pb.BAD_MESSAGE, f"a {head.kind} head declares body sizes {sizes}; its shapes need {want} "
+                           f"({', '.join(pipewire.BODY)})", sender)
 
     def _await_round(self, step: int, epoch: int, kind: str) -> _Round:
         """The round a message belongs to; a message for a later round waits (bounded) for it to begin.
@@ -533,40 +649,38 @@ class Pipeline:
                                    f"(at step {r.step if r else 'none'})", at_step=r.step if r else 0)
                 self._cond.wait(min(left, 0.5))
 
-    def _decode(self, msg: pb.PipeMessage) -> tuple:
-        m, d = self.model_cfg, self.model_cfg.d_model
-        if msg.kind == "backward":
-            grad = self.grad_codec.decode_float(_from_pb(msg.first))
-            if not np.isfinite(msg.loss):
+    def _decode(self, msg: pipewire.Inbound) -> tuple:
+        m, d, head = self.model_cfg, self.model_cfg.d_model, msg.head
+        if head.kind == "backward":
+            if msg.first is None:
+                raise CodecError("a backward message needs its gradient")
+            grad = self.grad_codec.decode_float(msg.first)
+            if not np.isfinite(head.loss):
                 raise CodecError("loss is NaN or Inf")
             self._check_shape(grad, len(grad), d)
-            return grad, float(msg.loss)
-        ids = list(msg.sample_ids)
+            return grad, float(head.loss)
+        ids = list(head.sample_ids)
         if not ids:
             raise CodecError("a forward message needs its sample ids")
-        if msg.kind == "forward" and (min(ids) < 0 or max(ids) >= self.num_samples):
+        if head.kind == "forward" and (min(ids) < 0 or max(ids) >= self.num_samples):
             raise CodecError(f"unknown sample id {max(ids) if max(ids) >= self.num_samples else min(ids)} "
                              f"(the run has ids 0..{self.num_samples - 1})")
-        if list(msg.label_shape) != [len(ids), m.seq_len] or len(msg.labels) != 4 * len(ids) * m.seq_len:
-            raise CodecError(f"labels of shape {list(msg.label_shape)} ({len(msg.labels)} bytes) for "
+        if list(head.label_shape) != [len(ids), m.seq_len] or len(msg.labels) != 4 * len(ids) * m.seq_len:
+            raise CodecError(f"labels of shape {list(head.label_shape)} ({len(msg.labels)} bytes) for "
                              f"{len(ids)} samples of {m.seq_len} tokens")
         labels = torch.from_numpy(np.frombuffer(msg.labels, dtype=np.int32).copy()).view(len(ids), m.seq_len)
         if bool((labels < 0).any()) or bool((labels >= m.vocab_size).any()):
             raise CodecError(f"labels outside the vocabulary [0, {m.vocab_size})")
-        expected = (len(ids), m.seq_len, d)
-        for part in (msg.first, msg.delta):
-            if part.shape and (len(part.shape) != 3 or tuple(part.shape[1:]) != expected[1:]):
-                raise CodecError(f"activation of shape {list(part.shape)}, expected [B, {m.seq_len}, {d}]")
-        if msg.kind == "forward" and self.receiver is not None:
-            am = AcsgdMessage(tuple(msg.versions), _from_pb(msg.first) if msg.HasField("first") else None,
-                              _from_pb(msg.delta) if msg.HasField("delta") else None)
+        if head.kind == "forward" and self.receiver is not None:
             with self._receiver_lock:
-                acts = self.receiver.decode(ids, am)
+                acts = self.receiver.decode(ids, AcsgdMessage(tuple(head.versions), msg.first, msg.delta))
         else:
-            if msg.versions or msg.HasField("delta"):
+            if head.versions or msg.delta is not None:
                 raise CodecError("AC-SGD fields in a message to a stage that does not use AC-SGD")
-            codec = self.act_codec if msg.kind == "forward" else self.eval_codec
-            acts = codec.decode_float(_from_pb(msg.first))
+            if msg.first is None:
+                raise CodecError(f"a {head.kind} message needs its activations")
+            codec = self.act_codec if head.kind == "forward" else self.eval_codec
+            acts = codec.decode_float(msg.first)
         self._check_shape(acts, len(ids), d)
         return ids, acts, labels
 
@@ -576,11 +690,20 @@ class Pipeline:
             raise CodecError(f"tensor of shape {list(t.shape)}, expected {list(want)}")
 
 
+def _raise_for(r: _Round) -> None:
+    if r.error:
+        raise (PipelineBroken if r.broken else PipelineStall)(r.error)
+
+
+def _for_good(err: grpc.RpcError, oversize: bool) -> bool:
+    """Whether a failed send can never succeed: the receiver refused the message itself, or gRPC refused a
+    piece over its size cap (RESOURCE_EXHAUSTED is otherwise a server's passing overload)."""
+    info = refusal_of(err)
+    if info is not None:
+        return info.code in _FOR_GOOD
+    code = err.code()  # type: ignore[attr-defined]
+    return code in _FOR_GOOD_STATUS or (code == grpc.StatusCode.RESOURCE_EXHAUSTED and oversize)
+
+
 def _to_pb(p: Packet) -> pb.ActPacket:
     return pb.ActPacket(mode=p.mode, bits=p.bits, shape=list(p.shape), dtype=p.dtype, scales=p.scales, payload=p.payload)
-
-
-def _from_pb(p: pb.ActPacket) -> Packet:
-    return Packet.from_dict({"mode": p.mode, "bits": p.bits, "shape": list(p.shape), "dtype": p.dtype,
-                             "scales": p.scales, "payload": p.payload})
-

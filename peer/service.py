@@ -51,9 +51,8 @@ class PeerService:
         self._check(request.header)
         return self._states().fetch_state(request)
 
-    def push_pipe(self, request: pb.PipeMessage) -> pb.Ack:
-        self._check(request.header)
-        pipeline = self._pipeline()
+    def push_pipe(self, chunks: Iterator[pb.PipeChunk]) -> pb.Ack:
+        pipeline = self._pipeline()  # (it checks the run id and the sender from the message's head)
         if pipeline is None:
-            raise Rejected(pb.UNSUPPORTED, "this peer runs no pipeline stage", request.header.sender[:64])
-        return pipeline.on_message(request)
+            raise Rejected(pb.UNSUPPORTED, "this peer runs no pipeline stage")
+        return pipeline.on_message(chunks)

@@ -19,10 +19,11 @@ from torch import nn
 from potluck.peer.data import Dataset, SpanSampler
 from potluck.peer.diloco import flatten_params, load_flat
 from potluck.peer.model import build_layers, lm_loss
-from potluck.peer.pipeline import PipelineStall
+from potluck.peer.pipeline import PipelineBroken, PipelineStall
 from potluck.peer.runner import StageRunner
 from potluck.protos.config import RunConfig
 from potluck.protos.faults import fault
+from potluck.protos.limits import EVAL_BATCH
 from potluck.protos.log import get_logger
 
 log = get_logger(__name__)
@@ -126,6 +127,8 @@ class StageWorker:
             self.optimizer.zero_grad(set_to_none=True)
             try:
                 loss = self._forward_backward(i)
+            except PipelineBroken:
+                raise  # not a stall to wait out: the peer stops on it (Peer.run)
             except PipelineStall as err:
                 return InnerPhase(i, time.monotonic() - t0, stalled=str(err))
             if self.devices is not None:  # the whole batch's gradients (and loss), on every device
@@ -172,11 +175,13 @@ class StageWorker:
         self.layers.eval()
         try:
             ids = self.data.eval_ids()
-            chunks = [ids[k : k + 64] for k in range(0, len(ids), 64)]
+            chunks = [ids[k : k + EVAL_BATCH] for k in range(0, len(ids), EVAL_BATCH)]
             if self.link is not None:
                 batches = [(list(c), *self.data.batch(c)) for c in chunks] if self.first else None
                 try:
                     return self.link.evaluate(self.layers, version, batches, len(chunks), self.device, forward=self.runner)
+                except PipelineBroken:
+                    raise
                 except PipelineStall as err:
                     log.warning("evaluation of v%d skipped: %s", version, err)
                     return None

@@ -34,6 +34,7 @@ from potluck.protos import potluck_pb2 as pb
 from potluck.protos.certs import TlsIdentity
 from potluck.protos.config import PeerConfig, RunConfig
 from potluck.protos.identity import Identity
+from potluck.protos.limits import pipe_max_samples
 from potluck.protos.log import get_logger, set_context, short_id
 from potluck.protos.netem import NetEm
 from potluck.protos.records import PeerRecord, Plan, Round
@@ -194,7 +195,9 @@ class Tasklet:
         if rc.pipeline.stages > 1:
             pipeline = Pipeline(run_id=rc.run_id, me=tools.me, stage=stage, stages=rc.pipeline.stages, model=rc.model,
                                 cfg=rc.pipeline, client=tools.client, num_samples=tools.data.num_samples,
-                                stopping=tools.stopping, on_transfer=tools.links.observe)
+                                stopping=tools.stopping, on_transfer=tools.links.observe,
+                                max_samples=pipe_max_samples(rc.train.batch_size, rc.pipeline.micro_batches,
+                                                             rc.data.eval_samples))
         worker = StageWorker(rc, stage, tools.bounds[stage], tools.device, tools.data, pipeline)
         if tools.devices is not None:
             tools.devices.attach(worker)  # the other processes build the same worker and hold its theta

@@ -58,6 +58,7 @@ class Telemetry:
         self.steps: deque[StepReport] = deque(maxlen=KEEP_STEPS)
         self.first_step_logged = False
         self._pipe_before: dict[str, int] = {}  # the pipeline's byte counters at the last outer step
+        self.error = ""  # why this peer stopped, when it stops on an error it cannot heal (state "failed")
 
     def set_state(self, state: str) -> bool:
         """Change the reported state; True if it changed (the caller heartbeats at once)."""
@@ -142,6 +143,7 @@ class Telemetry:
             recent=list(self.steps),
             extras={"outer_wait_s": p.outer_wait_s, "step_time_s": p.step_time_s,
                     **({"pipe": p.last_pipe} if p.last_pipe else {}), **extras},
+            error=self.error[:500],
         )
 
     def first_step(self, joined_at: float, phases: dict[str, float]) -> None:

@@ -40,7 +40,9 @@ def demo_config(args: argparse.Namespace, workdir: Path) -> RunConfig:
     if args.config:
         overrides = {k: v for k, v in overrides.items() if k in ("coordinator.host",)}
     if args.stages > 1:
-        overrides.update({"pipeline.stages": args.stages, "data.num_samples": 1024, "model.n_layers": max(2, args.stages)})
+        overrides["pipeline.stages"] = args.stages
+        if not args.config:  # the demo's own tiny model grows a layer per stage; a model --config names is the user's
+            overrides.update({"data.num_samples": 1024, "model.n_layers": max(2, args.stages)})
     overrides["membership.min_peers"] = args.peers
     overrides["coordinator.journal_dir"] = str(workdir / "journal")
     if args.outer_steps is not None:
@@ -96,7 +98,7 @@ def run_demo(args: argparse.Namespace) -> int:
     progress = Progress(cfg.diloco.outer_steps)
     print(
         f"potluck demo: {args.peers} peers x {cfg.diloco.outer_steps} outer steps x {cfg.diloco.inner_steps} inner steps "
-        f"(d_model {cfg.model.d_model}, {cfg.model.n_layers} layers, {cfg.sync.codec} all-reduce) on this CPU\n"
+        f"({model_line(cfg)}, {cfg.sync.codec} all-reduce) on {peer_device()}\n"
         + (f"  grid: {cfg.pipeline.stages} stages x {args.peers // cfg.pipeline.stages} replicas, activations "
            f"{cfg.pipeline.compression} {cfg.pipeline.bits}-bit, gradients {cfg.pipeline.grad_bits or 32}-bit\n"
            if cfg.pipeline.stages > 1 else "")
@@ -115,7 +117,7 @@ def run_demo(args: argparse.Namespace) -> int:
         for i in range(args.peers):
             swarm.start_peer(name=f"demo-{i}")
         assert swarm.coordinator is not None
-        final = follow(ready["status_url"], cfg, progress, swarm.coordinator, swarm.peers)
+        final = follow(ready["status_url"], cfg, progress, swarm.coordinator, swarm.peers, swarm.logs)
         if final is None:
             return 1
         start = math.log(cfg.model.vocab_size)
@@ -138,7 +140,7 @@ def run_demo(args: argparse.Namespace) -> int:
         return 1
     finally:
         swarm.stop()
-        for line in leftover_lines(workdir, made):
+        for line in leftover_lines(workdir, made, cfg.model.family):
             progress.line(line)
 
 
@@ -150,24 +152,46 @@ def revisits_per_sample(cfg: RunConfig, peers: int) -> float:
     return draws / cfg.data.num_samples
 
 
-def leftover_lines(workdir: Path, made: bool) -> list[str]:
-    """What the demo leaves on disk, how to export the model from it, and how to remove it."""
+def model_line(cfg: RunConfig) -> str:
+    m = cfg.model
+    size = f"d_model {m.d_model}, {m.n_layers} layers" if m.family != "hf" else f"{m.hf_model}"
+    return f"{m.family} model, {size}" if m.family != "tiny" else size
+
+
+def peer_device() -> str:
+    """Where the demo's peers train: each picks CUDA when this machine has it (``--device auto``)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return f"CUDA ({torch.cuda.get_device_name(0)})"
+    return "this CPU"
+
+
+def leftover_lines(workdir: Path, made: bool, family: str = "tiny") -> list[str]:
+    """What the demo leaves on disk, how to export the model from it (a Hugging Face folder for the families
+    transformers loads, one torch file for the built-in one), and how to remove it."""
     kind = "temporary work folder" if made else "work folder"
     lines = [f"kept the {kind} {workdir} (run file, journal, checkpoints, logs)"]
     if any((workdir / "journal" / "checkpoints").glob("ckpt-*.json")):
-        lines.append(f"  export the model: potluck export --journal-dir {shlex.quote(str(workdir / 'journal'))} --out model.pt")
+        out = "model.pt" if family == "tiny" else "model-hf"
+        lines.append(f"  export the model: potluck export --journal-dir {shlex.quote(str(workdir / 'journal'))} --out {out}")
     if made:  # never suggest removing a folder the user named: it may hold other things
         lines.append(f"  remove it: rm -r {shlex.quote(str(workdir))}")
     return lines
 
 
-def follow(url: str, cfg: RunConfig, progress: Progress, coord: Any, peers: list[Any]) -> float | None:
-    """Print each outer step as it completes; returns the final eval loss, None on failure."""
+def follow(url: str, cfg: RunConfig, progress: Progress, coord: Any, peers: list[Any],
+           logs: Path | None = None) -> float | None:
+    """Print each outer step as it completes; returns the final eval loss, None on failure. A peer that exits
+    with an error ends the demo with its reason (its own peers are all the demo has)."""
     printed: set[int] = set()
     final_eval: float | None = None
     while True:
         if coord.poll() is not None:
             raise RuntimeError(f"the coordinator exited with code {coord.returncode}")
+        failed = [k for k, p in enumerate(peers) if p.poll() not in (None, 0)]
+        if failed and final_eval is None:
+            raise RuntimeError(why_failed(url, failed[0], peers[failed[0]].returncode, logs))
         if all(p.poll() is not None for p in peers) and final_eval is None:
             raise RuntimeError("every peer exited before the run finished")
         state = get_state(url)
@@ -192,6 +216,24 @@ def follow(url: str, cfg: RunConfig, progress: Progress, coord: Any, peers: list
         if run["finished"] and final_eval is not None:
             return final_eval
         time.sleep(0.5)
+
+
+def why_failed(url: str, index: int, code: int, logs: Path | None, wait_s: float = 5.0) -> str:
+    """One line saying why peer ``index`` exited with ``code``: the reason its goodbye gave the coordinator (the
+    page shows the same), else the last error line of its log."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        state = get_state(url) or {}
+        rows = [p for p in state.get("peers", []) if p.get("state") == "failed" and p.get("error")]
+        if rows:
+            return f"peer {rows[-1]['short_id']} stopped: {rows[-1]['error']}"
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
+    log = logs / f"peer-{index}.log" if logs is not None else None
+    lines = log.read_text(errors="replace").splitlines() if log is not None and log.exists() else []
+    errors = [line for line in lines if " ERROR " in line]
+    return f"peer-{index} exited with code {code}" + (f": {errors[-1].split(' ERROR ', 1)[1].strip()}" if errors else "")
 
 
 def pipeline_lines(h: dict[str, Any]) -> list[str]:

@@ -16,7 +16,10 @@ process and, if it leads its process group, the whole group: its DHT child and p
 losing power), ``stop`` (SIGSTOP likewise: a frozen machine, until someone sends SIGCONT), ``exit``
 (exit at once, status 3), ``hang`` (block this thread forever), ``sleep=SECONDS``, ``spin=SECONDS``
 (keep this thread busy in Python bytecode, holding the GIL as a CPU-bound search does). Every entry fires
-once. The points are listed in ``POINTS``; code calls :func:`fault` at each of them.
+once. The points are listed in ``POINTS``; code calls :func:`fault` at each of them. A few points take an
+action that changes what the code there does instead (:data:`BEHAVIOURS`, read with :func:`injected`):
+``pipe.send@N:oversize`` sends one pipeline message of step N with a piece over gRPC's size cap, a send that
+can never succeed.
 
 Without the variable this module does nothing but one dictionary lookup per call.
 """
@@ -46,8 +49,11 @@ POINTS = {
     "outer.delta": "a peer's pseudo-gradient before it is sent (tamper actions only)",
     "placement.search": "the coordinator's placement worker starts a search (on its own thread)",
     "shutdown.start": "a peer or the coordinator begins its orderly shutdown (on the main thread)",
+    "pipe.send": "a stage sends a pipeline message of an outer step (the oversize action only)",
 }
 TAMPER = ("flip", "nan")
+# actions that change what the code at a point does, once, instead of acting on the process (see injected)
+BEHAVIOURS = {"pipe.send": ("oversize",)}
 
 
 class FaultSpecError(ValueError):
@@ -68,7 +74,11 @@ def parse(spec: str) -> list[Fault]:
         if point not in POINTS:
             raise FaultSpecError(f"{ENV}: unknown point {point!r} (known: {', '.join(sorted(POINTS))})")
         tampers = action in TAMPER or action.startswith("scale=")
-        if not (tampers or action in ("kill", "stop", "exit", "hang") or action.startswith(("sleep=", "spin="))):
+        if point in BEHAVIOURS or action in {a for acts in BEHAVIOURS.values() for a in acts}:
+            if action not in BEHAVIOURS.get(point, ()):
+                raise FaultSpecError(f"{ENV}: {point!r} takes {' or '.join(BEHAVIOURS.get(point, ('no',)))}, "
+                                     f"not {action!r}")
+        elif not (tampers or action in ("kill", "stop", "exit", "hang") or action.startswith(("sleep=", "spin="))):
             raise FaultSpecError(f"{ENV}: unknown action {action!r}")
         if tampers != (point == "outer.delta"):  # a tamper changes a tensor; only outer.delta has one
             raise FaultSpecError(f"{ENV}: {action!r} cannot act at {point!r} (outer.delta takes flip, nan or scale=X;"
@@ -120,6 +130,19 @@ def fault(point: str, step: int | None = None) -> None:
             sum(i * i for i in range(1000))
     else:
         time.sleep(float(action.split("=", 1)[1]))
+
+
+def injected(point: str, step: int | None, action: str) -> bool:
+    """Whether a pending fault asks the code at ``point`` to do ``action`` now (each entry once)."""
+    if not _pending:
+        return False
+    with _lock:
+        hit = next((f for f in _pending if f[3] == action and _matches(f, point, step)), None)
+        if hit is None:
+            return False
+        _pending.remove(hit)
+    log.warning("fault injected at %s (step %s): %s", point, step, action)
+    return True
 
 
 def tamper(point: str, step: int, x: Any) -> Any:

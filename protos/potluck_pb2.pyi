@@ -241,7 +241,7 @@ class ActPacket(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., bits: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., scales: _Optional[bytes] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class PipeMessage(_message.Message):
-    __slots__ = ("header", "kind", "inner_step", "micro", "sample_ids", "labels", "label_shape", "versions", "first", "delta", "loss", "stage", "replica")
+    __slots__ = ("header", "kind", "inner_step", "micro", "sample_ids", "labels", "label_shape", "versions", "first", "delta", "loss", "stage", "replica", "abort")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     INNER_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +255,7 @@ class PipeMessage(_message.Message):
     LOSS_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
     header: Header
     kind: str
     inner_step: int
@@ -268,7 +269,18 @@ class PipeMessage(_message.Message):
     loss: float
     stage: int
     replica: int
-    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., kind: _Optional[str] = ..., inner_step: _Optional[int] = ..., micro: _Optional[int] = ..., sample_ids: _Optional[_Iterable[int]] = ..., labels: _Optional[bytes] = ..., label_shape: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ..., first: _Optional[_Union[ActPacket, _Mapping]] = ..., delta: _Optional[_Union[ActPacket, _Mapping]] = ..., loss: _Optional[float] = ..., stage: _Optional[int] = ..., replica: _Optional[int] = ...) -> None: ...
+    abort: str
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., kind: _Optional[str] = ..., inner_step: _Optional[int] = ..., micro: _Optional[int] = ..., sample_ids: _Optional[_Iterable[int]] = ..., labels: _Optional[bytes] = ..., label_shape: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ..., first: _Optional[_Union[ActPacket, _Mapping]] = ..., delta: _Optional[_Union[ActPacket, _Mapping]] = ..., loss: _Optional[float] = ..., stage: _Optional[int] = ..., replica: _Optional[int] = ..., abort: _Optional[str] = ...) -> None: ...
+
+class PipeChunk(_message.Message):
+    __slots__ = ("head", "body_bytes", "data")
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    BODY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    head: PipeMessage
+    body_bytes: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, head: _Optional[_Union[PipeMessage, _Mapping]] = ..., body_bytes: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class RelayFrame(_message.Message):
     __slots__ = ("call", "method", "caller", "message", "end", "status", "details", "refusal", "header")

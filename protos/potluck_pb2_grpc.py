@@ -64,9 +64,9 @@ class PeerServiceStub:
                 request_serializer=potluck_dot_protos_dot_potluck__pb2.StateRequest.SerializeToString,
                 response_deserializer=potluck_dot_protos_dot_potluck__pb2.StateChunk.FromString,
                 _registered_method=True)
-        self.PushPipe = channel.unary_unary(
+        self.PushPipe = channel.stream_unary(
                 '/potluck.v1.PeerService/PushPipe',
-                request_serializer=potluck_dot_protos_dot_potluck__pb2.PipeMessage.SerializeToString,
+                request_serializer=potluck_dot_protos_dot_potluck__pb2.PipeChunk.SerializeToString,
                 response_deserializer=potluck_dot_protos_dot_potluck__pb2.Ack.FromString,
                 _registered_method=True)
         self.Relay = channel.stream_stream(
@@ -120,8 +120,8 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def PushPipe(self, request, context):
-        """Pipeline: one micro-batch of activations or gradients for the receiver's stage.
+    def PushPipe(self, request_iterator, context):
+        """Pipeline: one micro-batch of activations or gradients for the receiver's stage, in pieces.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -167,9 +167,9 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     request_deserializer=potluck_dot_protos_dot_potluck__pb2.StateRequest.FromString,
                     response_serializer=potluck_dot_protos_dot_potluck__pb2.StateChunk.SerializeToString,
             ),
-            'PushPipe': grpc.unary_unary_rpc_method_handler(
+            'PushPipe': grpc.stream_unary_rpc_method_handler(
                     servicer.PushPipe,
-                    request_deserializer=potluck_dot_protos_dot_potluck__pb2.PipeMessage.FromString,
+                    request_deserializer=potluck_dot_protos_dot_potluck__pb2.PipeChunk.FromString,
                     response_serializer=potluck_dot_protos_dot_potluck__pb2.Ack.SerializeToString,
             ),
             'Relay': grpc.stream_stream_rpc_method_handler(
@@ -351,7 +351,7 @@ class PeerService:
             _registered_method=True)
 
     @staticmethod
-    def PushPipe(request,
+    def PushPipe(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -361,11 +361,11 @@ class PeerService:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_unary(
+            request_iterator,
             target,
             '/potluck.v1.PeerService/PushPipe',
-            potluck_dot_protos_dot_potluck__pb2.PipeMessage.SerializeToString,
+            potluck_dot_protos_dot_potluck__pb2.PipeChunk.SerializeToString,
             potluck_dot_protos_dot_potluck__pb2.Ack.FromString,
             options,
             channel_credentials,

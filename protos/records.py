@@ -35,7 +35,7 @@ ENVELOPE_VERSION = 2
 MAX_CLOCK_SKEW_S = 300.0
 NAME_LEN, ADDRESS_LEN, HASH_LEN, ID_LEN, TEXT_LEN = 64, 256, 128, 64, 512
 
-PeerState = Literal["joining", "recovering", "training", "syncing", "waiting", "left", "lost", "finished"]
+PeerState = Literal["joining", "recovering", "training", "syncing", "waiting", "left", "lost", "finished", "failed"]
 
 
 class RecordError(ValueError):
@@ -148,6 +148,7 @@ class PeerRecord(_Record):
     seq: int = 0
     ts: float = 0.0
     extras: dict[str, Any] = Field(default_factory=dict, max_length=16)
+    error: str = Field("", max_length=TEXT_LEN, description="state failed: why the peer stopped, in one line")
 
     @field_validator("dht_maddrs")
     @classmethod

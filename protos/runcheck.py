@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from potluck.protos.config import ConfigError, DataConfig, ModelConfig, RunConfig
+from potluck.protos.limits import MAX_MESSAGE_BYTES, pipe_head_bound, pipe_max_samples
 from potluck.protos.records import DataIdentity
 
 MARKOV_GENERATOR = 1  # bump whenever MarkovSource draws other samples from the same parameters
@@ -43,6 +44,7 @@ def check_run(cfg: RunConfig) -> RunCheck:
 
     A relative ``data.path`` is read from the working directory, as the coordinator does.
     """
+    check_wire(cfg)
     if cfg.data.source == "markov":
         return RunCheck(markov_identity(cfg.data, cfg.model))
     if cfg.data.source in ("shards", "hf"):  # fetched or prepared, then checked, by potluck.data.corpus
@@ -71,6 +73,19 @@ def check_run(cfg: RunConfig) -> RunCheck:
             f"{windows} training windows, sha256 {data.sha256}); a peer reads data.path relative to its own "
             "working directory, or the file it names with 'potluck peer --data-path FILE'")
     return RunCheck(data, [note])
+
+
+def check_wire(cfg: RunConfig) -> None:
+    """Refuse a run whose messages could not cross the wire. A pipeline message's body travels in bounded pieces
+    whatever the model's size; its head holds the sample ids and versions of a whole micro-batch (or eval batch),
+    so that is the one part a run's shapes can push past what one gRPC message may carry."""
+    if cfg.pipeline.stages < 2:
+        return
+    samples = pipe_max_samples(cfg.train.batch_size, cfg.pipeline.micro_batches, cfg.data.eval_samples)
+    if pipe_head_bound(samples) > MAX_MESSAGE_BYTES:
+        raise ConfigError(f"a pipeline message of this run carries up to {samples} samples, whose ids alone may take "
+                          f"{pipe_head_bound(samples)} bytes, over the {MAX_MESSAGE_BYTES} a message may hold: raise "
+                          "pipeline.micro_batches or lower train.batch_size")
 
 
 def min_corpus_bytes(seq_len: int, eval_samples: int) -> int:

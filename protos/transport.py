@@ -34,6 +34,7 @@ from potluck.protos import potluck_pb2 as pb
 from potluck.protos import potluck_pb2_grpc as pb_grpc
 from potluck.protos.certs import TlsIdentity, peer_of
 from potluck.protos.errors import check_port_free, explain_bind_failure
+from potluck.protos.limits import MAX_MESSAGE_BYTES
 from potluck.protos.log import get_logger, short_id
 from potluck.protos.netem import NetEm
 from potluck.protos.relay import (
@@ -48,9 +49,6 @@ from potluck.protos.relay import (
 
 log = get_logger(__name__)
 
-# One chunk carries at most SyncConfig.chunk_bytes (<= 4 MiB) of payload plus scales and header;
-# 8 MiB bounds any single message we accept or send, whatever a misbehaving sender claims.
-MAX_MESSAGE_BYTES = 8 << 20
 PER_CLIENT_CALLS = 12
 SERVER_OPTIONS = [
     ("grpc.max_connection_age_ms", 3_600_000),  # long-lived idle streams end, whatever a client does
@@ -194,7 +192,7 @@ class Handlers(Protocol):
 
     def fetch_state(self, request: pb.StateRequest) -> Iterator[pb.StateChunk]: ...
 
-    def push_pipe(self, request: pb.PipeMessage) -> pb.Ack: ...
+    def push_pipe(self, chunks: Iterator[pb.PipeChunk]) -> pb.Ack: ...
 
     # (Relay is the transport's own: see potluck.protos.relay)
 
@@ -268,6 +266,10 @@ class _Servicer:
         """A message must parse, and with TLS its sender must be the certificate's peer id."""
         if isinstance(message, _Malformed):
             raise Rejected(pb.BAD_MESSAGE, f"malformed message: {message.error}", who)
+        if isinstance(message, pb.PipeChunk):  # the head names the sender; the body's pieces name no one
+            if not message.HasField("head"):
+                return
+            message = message.head
         sender = getattr(getattr(message, "header", None), "sender", "")
         if self.tls and sender != who:
             raise Rejected(pb.BAD_IDENTITY, f"the header says {sender[:64]!r}, the certificate {short_id(who)}", who)
@@ -423,8 +425,8 @@ class _Servicer:
     def FetchState(self, request, context):  # noqa: N802
         return self._server_stream("FetchState", request, context, self.h.fetch_state)
 
-    def PushPipe(self, request, context):  # noqa: N802
-        return self._unary("PushPipe", request, context, self.h.push_pipe)
+    def PushPipe(self, request_iterator, context):  # noqa: N802
+        return self._client_stream("PushPipe", request_iterator, context, self.h.push_pipe)
 
 
 def _log_reject(method: str, sender: str, reason: str) -> None:
@@ -579,12 +581,12 @@ class PeerClient:
         return _counted(stub.FetchState(request, timeout=timeout, metadata=md),
                         lambda n: self.traffic.add_received("state", n))
 
-    def push_pipe(self, address: str, request: pb.PipeMessage, timeout: float, nbytes: int | None = None,
-                  peer: str = "") -> pb.Ack:
-        """``nbytes``: ``request.ByteSize()`` if the caller has it (it serializes the whole message)."""
-        self.traffic.add_sent("pipeline", request.ByteSize() if nbytes is None else nbytes)
+    def push_pipe(self, address: str, chunks: Iterable[pb.PipeChunk], timeout: float, peer: str = "") -> pb.Ack:
+        """One pipeline message as a stream of pieces (see :mod:`potluck.peer.pipewire`); gRPC's flow control
+        paces ``chunks``, so a slow receiver holds the sender to the pieces in flight."""
         stub, md = self._route(address, peer)
-        ack = stub.PushPipe(request, timeout=timeout, metadata=md)
+        ack = stub.PushPipe(_counted(chunks, lambda n: self.traffic.add_sent("pipeline", n)), timeout=timeout,
+                            metadata=md)
         self.traffic.add_received("pipeline", ack.ByteSize())
         return ack
 

@@ -92,7 +92,7 @@ def make_state(
             "bytes_sent": sent,
             "bytes_received": {k: int(v * rng.uniform(0.9, 1.1)) for k, v in sent.items()},
             "last_seen_s": seen, "software": "potluck 0.1.0", "state_hash": f"{rng.getrandbits(64):016x}",
-            "compute_s": round(rng.uniform(100, 1000), 2), "sync_s": round(rng.uniform(5, 60), 2), "hidden_s": 0.0, "relayed": False,
+            "compute_s": round(rng.uniform(100, 1000), 2), "sync_s": round(rng.uniform(5, 60), 2), "hidden_s": 0.0, "relayed": False, "error": "",
         })
         if place is not None:
             cells.append({"stage": place[0], "replica": place[1], "peer": pid, "state": state})

@@ -24,6 +24,7 @@ from potluck.compression.transfer import SnapshotServer
 from potluck.peer.allreduce import AllReduce, MemberAddr, RoundInfo, shard_bounds
 from potluck.peer.diloco import outer_snapshot
 from potluck.peer.pipeline import Neighbour, Pipeline
+from potluck.peer.pipewire import outbound
 from potluck.peer.service import PeerService
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config import RunConfig, apply_overrides
@@ -181,10 +182,13 @@ def test_fetch_state(peer: FuzzedPeer, request: pb.StateRequest) -> None:
 
 
 @CASES
-@given(pipes, st.integers(0, 2**32))
-def test_push_pipe(peer: FuzzedPeer, message: pb.PipeMessage, seed: int) -> None:
-    call(peer, "PushPipe", message)
-    call(peer, "PushPipe", mutated(message, seed))
+@given(pipes, st.lists(st.integers(-2, 1 << 40), max_size=6), st.integers(0, 2**32))
+def test_push_pipe(peer: FuzzedPeer, message: pb.PipeMessage, sizes: list[int], seed: int) -> None:
+    """A message's pieces as sent, its pieces mutated, and its head declaring any body sizes (up to a TB)."""
+    chunks = list(outbound(message).chunks(64))
+    call(peer, "PushPipe", chunks, stream=True)
+    call(peer, "PushPipe", [mutated(c, seed + k) for k, c in enumerate(chunks[:4])], stream=True)
+    call(peer, "PushPipe", [pb.PipeChunk(head=chunks[0].head, body_bytes=sizes), *chunks[1:]], stream=True)
 
 
 def test_the_valid_contribution_the_mutations_start_from_is_accepted() -> None:

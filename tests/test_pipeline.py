@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
@@ -17,6 +17,7 @@ from potluck.models import stage_bounds
 from potluck.peer.data import Dataset, SpanSampler, in_run_order
 from potluck.peer.model import build_layers, forward_layers, lm_loss
 from potluck.peer.pipeline import Neighbour, Pipeline, PipelineStall
+from potluck.peer.pipewire import outbound
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config import ConfigError, RunConfig, apply_overrides
 from potluck.protos.identity import Identity
@@ -58,8 +59,8 @@ class Stage:
                         model=self.cfg.model, cfg=self.cfg.pipeline, client=self.client,
                         num_samples=self.cfg.data.num_samples)
 
-    def push_pipe(self, request: pb.PipeMessage) -> pb.Ack:
-        return self.pipe.on_message(request)
+    def push_pipe(self, chunks: Iterator[pb.PipeChunk]) -> pb.Ack:
+        return self.pipe.on_message(chunks)
 
     def step(self, inner: int, batch: tuple | None) -> float:
         self.opt.zero_grad(set_to_none=True)
@@ -257,7 +258,7 @@ def test_bad_activation_messages_are_rejected_and_change_no_buffer(make_stages, 
     }[case]
     msg = _forward_message(stages[0], step=kwargs.pop("step", 2), **kwargs)
     with pytest.raises(grpc.RpcError) as err:
-        stages[0].client.push_pipe(stages[1].address, msg, timeout=10)
+        stages[0].client.push_pipe(stages[1].address, outbound(msg).chunks(), timeout=10)
     assert match in err.value.details()
     assert receiver.buffer.digest() == before
     assert not stages[1].pipe._round.mail  # nothing queued for training
@@ -272,7 +273,7 @@ def test_the_ack_says_how_long_the_receiver_held_a_message(make_stages) -> None:
 
     def send() -> None:
         t0 = time.perf_counter()
-        ack = s0.client.push_pipe(s1.address, msg, timeout=10)
+        ack = s0.client.push_pipe(s1.address, outbound(msg).chunks(), timeout=10)
         out["elapsed"], out["held"] = time.perf_counter() - t0, ack.handler_s
 
     sender = threading.Thread(target=send)

@@ -7,7 +7,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import pytest
 import torch
@@ -18,6 +18,7 @@ from potluck.peer.data import Dataset
 from potluck.peer.diloco import nesterov_step
 from potluck.peer.outer import pseudo_gradient
 from potluck.peer.pipeline import Neighbour, Pipeline
+from potluck.peer.pipewire import Outbound
 from potluck.peer.runner import StageRunner, resolve_precision
 from potluck.peer.stage import StageWorker
 from potluck.protos import potluck_pb2 as pb
@@ -260,26 +261,27 @@ class Loopback:
     def __init__(self) -> None:
         self.pipes: dict[str, Pipeline] = {}
 
-    def push_pipe(self, address: str, msg: pb.PipeMessage, timeout: float, nbytes: int, peer: str) -> pb.Ack:
-        return self.pipes[address].on_message(msg)
+    def push_pipe(self, address: str, chunks: Iterable[pb.PipeChunk], timeout: float, peer: str) -> pb.Ack:
+        return self.pipes[address].on_message(iter(chunks))
 
 
-def recording(encode: Callable[..., pb.PipeMessage], sent: list[torch.dtype]) -> Callable[..., pb.PipeMessage]:
-    """``Pipeline._encode``, noting the dtype of each tensor it is handed for the wire."""
+def recording(encode: Callable[..., Outbound], sent: list[str]) -> Callable[..., Outbound]:
+    """``Pipeline._encode``, noting the dtype each message's tensor crosses the wire in."""
     def wrapped(out):  # type: ignore[no-untyped-def]
-        sent.append(out.tensor.dtype)
-        return encode(out)
+        msg = encode(out)
+        sent.append(msg.head.first.dtype)
+        return msg
     return wrapped
 
 
-def pipeline_losses(precision: str, steps: int = 4) -> tuple[list[float], list[torch.dtype]]:
+def pipeline_losses(precision: str, steps: int = 4) -> tuple[list[float], list[str]]:
     cfg = config(**{"pipeline.stages": 2, "pipeline.micro_batches": 2, "pipeline.compression": "none",
                     "pipeline.grad_bits": 32, "pipeline.pipe_timeout_s": 10.0, "train.precision": precision,
                     "train.checkpoint_activations": True, "diloco.inner_steps": steps})
     data, net = Dataset(cfg.data, cfg.model), Loopback()
     workers: list[StageWorker] = []
     pipes: list[Pipeline] = []
-    sent: list[torch.dtype] = []
+    sent: list[str] = []
     for s, bounds in enumerate(stage_bounds(cfg.model, cfg.pipeline)):
         pipe = Pipeline(run_id=cfg.run_id, me=f"peer{s}", stage=s, stages=2, model=cfg.model, cfg=cfg.pipeline,
                         client=net, num_samples=cfg.data.num_samples)  # type: ignore[arg-type]
@@ -315,7 +317,7 @@ def test_a_bf16_pipeline_sends_fp32_and_trains_like_fp32() -> None:
     fp32, _ = pipeline_losses("fp32")
     bf16, sent = pipeline_losses("bf16")
     assert len(bf16) == len(fp32) == 4
-    assert set(sent) == {torch.float32}  # activations and gradients cross in the wire format they always had
+    assert set(sent) == {"float32"}  # activations and gradients cross in the wire format they always had
     assert bf16 == pytest.approx(fp32, rel=0.02)
 
 

@@ -12,8 +12,8 @@
   const FETCH_TIMEOUT_MS = 5000;
   const STREAM_SILENCE_MS = 15000; // the server pings every 5 s; longer silence means a broken stream
   const STALE_S = 15;            // the coordinator rebuilds its snapshot every tick; this long unchanged is suspicious
-  const STATES = ["training", "syncing", "recovering", "joining", "waiting", "finished", "left", "lost"];
-  const GONE = new Set(["lost", "left", "finished"]);
+  const STATES = ["training", "syncing", "recovering", "joining", "waiting", "finished", "left", "failed", "lost"];
+  const GONE = new Set(["lost", "left", "finished", "failed"]);
 
   const $ = (id) => document.getElementById(id);
   const page = {
