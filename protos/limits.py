@@ -8,13 +8,34 @@ pipeline message's head: its sample ids and versions) is checked when the run is
 
 from __future__ import annotations
 
+import os
+
+# Test knobs, never needed to run: POTLUCK_MAX_MESSAGE_BYTES and POTLUCK_PIPE_CHUNK_BYTES change the two sizes
+# below in one process, so that a test can compare a run whose pipeline messages cross in many pieces with the
+# same run sending every message's body whole (tests/test_pipeline_size.py).
+MAX_ENV, CHUNK_ENV = "POTLUCK_MAX_MESSAGE_BYTES", "POTLUCK_PIPE_CHUNK_BYTES"
+
+
+def _env_bytes(name: str, default: int, low: int, high: int) -> int:
+    raw = os.environ.get(name, "")
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of bytes") from None
+    if not low <= value <= high:
+        raise ValueError(f"{name}={value} is outside [{low}, {high}]")
+    return value
+
+
 # 8 MiB bounds any single gRPC message we accept or send, whatever a misbehaving sender claims. An
 # all-reduce chunk carries at most SyncConfig.chunk_bytes (<= 4 MiB) of payload, a piece of a pipeline
 # message at most PIPE_CHUNK_BYTES; state transfer streams chunks too.
-MAX_MESSAGE_BYTES = 8 << 20
+MAX_MESSAGE_BYTES = _env_bytes(MAX_ENV, 8 << 20, 8 << 20, 1 << 30)
 
 # a pipeline message's body (labels, scales, payloads) travels in pieces of at most this many bytes
-PIPE_CHUNK_BYTES = 1 << 20
+PIPE_CHUNK_BYTES = _env_bytes(CHUNK_ENV, 1 << 20, 4 << 10, MAX_MESSAGE_BYTES - (64 << 10))
 # a pipeline evaluation sends the held-out samples in batches of at most this many
 EVAL_BATCH = 64
 # a head's fixed part (header, kind, steps, packet shapes and modes) is a few hundred bytes: this is generous

@@ -40,7 +40,7 @@ class ModelConfig(_Section):
         64, ge=2, le=1 << 20, description="tokens; byte-level data (data.source='bytes') needs 256 and sets it when unset"
     )
     d_model: int = Field(64, ge=8, description="residual width")
-    n_layers: int = Field(2, ge=1, description="transformer blocks")
+    n_layers: int = Field(2, ge=0, description="transformer blocks (0: an embedding and a head, a bigram model)")
     n_heads: int = Field(4, ge=1, description="attention heads; must divide d_model")
     n_kv_heads: int = Field(0, ge=0, description="llama: key/value heads (grouped-query attention); 0 means n_heads")
     d_ff: int = Field(0, ge=0, description="MLP hidden width; 0 means 4 * d_model (tiny) or 8/3 * d_model (llama)")

@@ -91,3 +91,41 @@ def test_ctrl_c_stops_every_process(tmp_path) -> None:  # type: ignore[no-untype
         for p in tree:
             if alive(p):
                 os.kill(p, signal.SIGKILL)
+
+
+def test_demo_stages_never_rewrite_a_model_that_config_names(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`--stages` grows the demo's own model a layer per stage; a model `--config` names is trained as written."""
+    import argparse
+
+    from potluck.demo import demo_config, leftover_lines
+
+    run = tmp_path / "run.toml"
+    run.write_text('[model]\npreset = "llama-20m"\nseq_len = 64\n')
+    args = argparse.Namespace(config=str(run), stages=4, peers=8, outer_steps=None, inner_steps=None, set=[])
+    cfg = demo_config(args, tmp_path)
+    assert (cfg.model.family, cfg.model.n_layers, cfg.pipeline.stages) == ("llama", 12, 4)
+    args = argparse.Namespace(config=None, stages=4, peers=8, outer_steps=None, inner_steps=None, set=[])
+    assert demo_config(args, tmp_path).model.n_layers == 4  # the demo's own tiny model: one layer per stage
+    (tmp_path / "journal" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "journal" / "checkpoints" / "ckpt-1.json").write_text("{}")
+    assert "--out model-hf" in "\n".join(leftover_lines(tmp_path, False, "llama"))
+    assert "--out model.pt" in "\n".join(leftover_lines(tmp_path, False, "tiny"))
+
+
+def test_a_send_that_can_never_succeed_ends_the_demo_with_one_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Stage 0's first message of step 1 goes out with a piece over gRPC's cap (a fault: as every real-size
+    message did before messages were cut): the demo says why in one line and exits 1, instead of retrying."""
+    env = {**os.environ, "POTLUCK_FAULTS": "pipe.send@1:oversize"}
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "potluck", "demo", "--stages", "2", "--replicas", "1", "--outer-steps", "2",
+         "--inner-steps", "2", "--set", "pipeline.pipe_timeout_s=10", "--workdir", str(tmp_path)],
+        capture_output=True, text=True, timeout=240, env=env,
+    )
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    failed = [line for line in proc.stdout.splitlines() if line.startswith("potluck demo failed:")]
+    assert len(failed) == 1, proc.stdout
+    assert "stopped" in failed[0] and "RESOURCE_EXHAUSTED" in failed[0], failed[0]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert elapsed < 120, elapsed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections import defaultdict
 
 import pytest
@@ -54,3 +55,23 @@ def test_two_stages_by_two_replicas_train_with_identical_replicas(swarm) -> None
     for proc in swarm.peers:
         proc.wait(timeout=60)
         assert proc.returncode == 0
+
+
+def test_a_send_that_can_never_succeed_reaches_the_page_within_two_deadlines(swarm) -> None:  # type: ignore[no-untyped-def]
+    """One peer's first pipeline message goes out with a piece over gRPC's cap (a fault): no retry loop. The
+    peer stops with exit code 3, and the page's events and waiting reason say why, within two deadlines."""
+    timeout = 10.0
+    swarm.start_coordinator({**GRID, "membership.min_peers": 2, "pipeline.pipe_timeout_s": timeout})
+    broken = swarm.start_peer(env={**os.environ, "POTLUCK_FAULTS": "pipe.send@1:oversize"})
+    swarm.start_peer()
+    state = swarm.wait_state(lambda s: any(e["kind"] == "failed" and e["peer"] for e in s["events"])
+                             and "stopped on an error" in (s["run"]["waiting_reason"] or ""),
+                             120, "the failed peer on the page")
+    event = next(e for e in state["events"] if e["kind"] == "failed" and e["peer"])
+    assert "RESOURCE_EXHAUSTED" in event["message"], event
+    assert "RESOURCE_EXHAUSTED" in state["run"]["waiting_reason"]
+    row = next(p for p in state["peers"] if p["id"] == event["peer"])
+    assert row["state"] == "failed" and "RESOURCE_EXHAUSTED" in row["error"]
+    decided = next(e["t"] for e in state["events"] if e["kind"] == "round")  # round 1, the first decided
+    assert event["t"] - decided < 2 * timeout, (event, decided)
+    assert broken.wait(timeout=30) == 3

@@ -228,7 +228,7 @@ def test_a_send_that_can_never_succeed_breaks_the_round_and_tells_the_neighbour_
     def wait() -> None:
         try:
             b.pipe._take(b.pipe._round, "forward", 0, 0, timeout=30)  # type: ignore[arg-type]
-        except BaseException as err:  # noqa: BLE001 (the test reads it)
+        except BaseException as err:
             got["err"] = err
 
     t = threading.Thread(target=wait)

@@ -121,7 +121,7 @@ def init_entry(spec: ModelSpec, entry: nn.Module, seed: int, i: int) -> None:
     import torch
 
     gen = torch.Generator().manual_seed(entry_seed(seed, i))
-    residual_std = spec.init_std / math.sqrt(2 * spec.n_layers)
+    residual_std = spec.init_std / math.sqrt(2 * max(1, spec.n_layers))
     with torch.no_grad():
         for name, p in entry.named_parameters():
             if name.endswith("bias"):
