@@ -277,7 +277,8 @@ class Leader:
 
     def setup(self, rc: RunConfig) -> None:
         """Refuse a run this group cannot train (with a reason), else hand the helpers its config."""
-        n, k, b = self.group.world, rc.train.grad_accum, rc.train.batch_size
+        n, b = self.group.world, rc.train.batch_size
+        k = rc.train.grad_accum if isinstance(rc.train.grad_accum, int) else 1  # auto: divisors of each rank's rows
         if rc.pipeline.stages > 1:
             raise ConfigError(f"this peer is {n} processes (torchrun), which train runs of pipeline.stages = 1 only; "
                               f"this run has {rc.pipeline.stages} stages: start one peer per GPU instead "

@@ -130,7 +130,7 @@ class _Outgoing:
     ids: list[int] | None
     tensor: torch.Tensor  # where the stage computed it (its device and dtype): encoded there, off the compute thread
     labels: torch.Tensor | None
-    loss: float
+    loss: float | torch.Tensor  # the last stage's, still on its device: read by the encoder, not the compute thread
 
     @property
     def direction(self) -> str:
@@ -154,10 +154,15 @@ class Pipeline:
         stopping: threading.Event | None = None,
         on_transfer: Callable[[str, int, float], None] | None = None,
         max_samples: int = EVAL_BATCH,
+        device: torch.device | None = None,
     ) -> None:
         self.run_id, self.me, self.stage, self.stages = run_id, me, stage, stages
         self.model_cfg, self.cfg, self.client, self.num_samples = model, cfg, client, num_samples
         self.max_samples = max_samples  # the most samples one message may carry (a micro-batch, an eval batch)
+        # on a GPU, what arrives is copied to the device on a stream of its own by the thread that received it:
+        # the compute thread neither copies nor waits for the device to drain before a copy (it waits on an event)
+        self.device = device
+        self._h2d = torch.cuda.Stream(device) if device is not None and device.type == "cuda" else None
         self.first, self.last = stage == 0, stage == stages - 1
         self.stopping = stopping or threading.Event()
         # (peer id, bytes, seconds) of delivered messages: passive link figures, a burst of overlapping pushes at a time
@@ -256,7 +261,8 @@ class Pipeline:
         m = self.cfg.micro_batches
         timeout = self.cfg.pipe_timeout_s * (3 if inner == 0 else 1)
         held: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        loss_total, forward_s, waited_s = 0.0, 0.0, 0.0
+        loss_total: float | torch.Tensor = 0.0  # the last stage's stays on the device until the step ends
+        forward_s, waited_s = 0.0, 0.0
         for op, k in self.schedule(m):
             if op == "F":
                 t0 = time.monotonic()
@@ -270,15 +276,15 @@ class Pipeline:
                 else:
                     mids, recv, labels = self._take(r, "forward", inner, k, timeout)
                     t0 = time.monotonic()
-                    inp = recv.to(device).requires_grad_(True)
+                    inp = _arrived(recv).to(device).requires_grad_(True)
                     inp_grad_holder = inp
                 out = run(inp)
                 if self.last:  # the loss at once: forward and backward of each micro-batch in turn
                     loss = lm_loss(out, labels.to(device).long()) / m
                     loss.backward()
-                    loss_total += float(loss.detach())
+                    loss_total = loss_total + loss.detach()
                     assert inp_grad_holder is not None and inp_grad_holder.grad is not None
-                    self._send(r, "backward", inner, k, mids, inp_grad_holder.grad, loss=float(loss.detach()))
+                    self._send(r, "backward", inner, k, mids, inp_grad_holder.grad, loss=loss.detach())
                 else:
                     self._send(r, "forward", inner, k, mids, out.detach(), labels=labels)
                     held[k] = (out, inp_grad_holder)
@@ -288,7 +294,7 @@ class Pipeline:
                 grad, loss_k = self._take(r, "backward", inner, k, timeout)
                 waited_s += time.monotonic() - t0
                 out, holder = held.pop(k)
-                out.backward(grad.to(device, out.dtype))
+                out.backward(_arrived(grad).to(device, out.dtype))
                 loss_total += loss_k
                 if holder is not None:
                     assert holder.grad is not None
@@ -300,7 +306,7 @@ class Pipeline:
             per_forward = forward_s / m if forward_s > 0 else float("inf")
             self.in_flight = min(m, math.ceil(waited_s / m / per_forward)) if waited_s > 0 else self.in_flight
         self._flush(r)
-        return loss_total
+        return float(loss_total)
 
     def schedule(self, m: int) -> list[tuple[str, int]]:
         """The order of this stage's forwards ("F") and backwards ("B") over ``m`` micro-batches.
@@ -340,7 +346,7 @@ class Pipeline:
                 inp, labels = x.to(device), y
             else:
                 ids, inp, labels = self._take(r, "eval", version, k, self.cfg.pipe_timeout_s * 2)
-                inp = inp.to(device)
+                inp = _arrived(inp).to(device)
             out = run(inp)
             if self.last:
                 total += float(lm_loss(out, labels.to(device).long())) * len(ids)
@@ -353,7 +359,7 @@ class Pipeline:
     # ------------------------------------------------------------------ sending
 
     def _send(self, r: _Round, kind: str, inner: int, micro: int, ids: list[int] | None, tensor: torch.Tensor,
-              labels: torch.Tensor | None = None, loss: float = 0.0) -> None:
+              labels: torch.Tensor | None = None, loss: float | torch.Tensor = 0.0) -> None:
         to = r.next if kind in ("forward", "eval") else r.prev
         if to is None:
             raise PipelineStall(f"stage {self.stage} has no {'next' if kind != 'backward' else 'previous'} stage")
@@ -453,7 +459,8 @@ class Pipeline:
         tensor = out.tensor.float()  # fp32 on the wire whatever the stage computed in (a no-op for fp32)
         msg = pb.PipeMessage(
             header=pb.Header(run_id=self.run_id, sender=self.me, step=r.step, epoch=r.epoch), kind=kind,
-            inner_step=out.inner, micro=out.micro, sample_ids=ids or [], loss=out.loss, stage=self.stage, replica=r.replica,
+            inner_step=out.inner, micro=out.micro, sample_ids=ids or [], loss=float(out.loss), stage=self.stage,
+            replica=r.replica,
         )
         if labels is not None:
             lab = labels.to(torch.int32).contiguous()
@@ -572,7 +579,7 @@ class Pipeline:
             self._error(r, f"{short_id(h.sender)} (stage {msg.head.stage}) cannot go on: {msg.head.abort[:500]}")
             return pb.Ack(received_bytes=msg.nbytes)
         try:
-            item = self._decode(msg)
+            item = self._land(self._decode(msg))
         except BufferMissError as err:
             raise Rejected(pb.BUFFER_MISS, str(err), h.sender) from None
         except CodecError as err:
@@ -684,10 +691,40 @@ class Pipeline:
         self._check_shape(acts, len(ids), d)
         return ids, acts, labels
 
+    def _land(self, item: tuple) -> tuple:
+        """A decoded item with its tensor on its way to this stage's GPU (unchanged on a CPU)."""
+        if self._h2d is None:
+            return item
+        k = 0 if len(item) == 2 else 1  # (gradient, loss) or (ids, activations, labels)
+        host = item[k].pin_memory()
+        with torch.cuda.stream(self._h2d):
+            tensor = host.to(self.device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._h2d)
+        return (*item[:k], _Landing(tensor, event), *item[k + 1:])
+
     def _check_shape(self, t: torch.Tensor, batch: int, d: int) -> None:
         want = (batch, self.model_cfg.seq_len, d)
         if tuple(t.shape) != want:
             raise CodecError(f"tensor of shape {list(t.shape)}, expected {list(want)}")
+
+
+@dataclass(frozen=True)
+class _Landing:
+    """A received tensor being copied to the GPU on the receiving thread's stream; ``event`` marks its end."""
+
+    tensor: torch.Tensor
+    event: torch.cuda.Event
+
+
+def _arrived(t: torch.Tensor | _Landing) -> torch.Tensor:
+    """The tensor, usable on the current stream: it waits (on the device, not here) for the copy to land."""
+    if not isinstance(t, _Landing):
+        return t
+    stream = torch.cuda.current_stream(t.tensor.device)
+    stream.wait_event(t.event)
+    t.tensor.record_stream(stream)  # its memory is not handed out again before this stream is done with it
+    return t.tensor
 
 
 def _raise_for(r: _Round) -> None:

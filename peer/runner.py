@@ -37,6 +37,12 @@ log = get_logger(__name__)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def wants_compile(requested: bool | str, device: torch.device) -> bool:
+    """``train.compile`` on this device: 'auto' compiles on a GPU (fewer, fused kernels and launches: most of a
+    small model's step there), not on a CPU (compiling costs more than it saves)."""
+    return device.type == "cuda" if requested == "auto" else bool(requested)
+
+
 def resolve_precision(requested: str, device: torch.device, stages: int = 1) -> str:
     """``train.precision`` on this device: 'fp32', 'bf16' or 'fp16' ('auto' decided here, per peer)."""
     if requested != "auto":
@@ -92,12 +98,13 @@ class StageRunner:
     """
 
     def __init__(self, layers: nn.ModuleList, train: TrainConfig, device: torch.device, stages: int = 1,
-                 compile_backend: str = "inductor") -> None:
+                 compile_backend: str = "inductor", compile_scope: str = "layer") -> None:
         self.layers = layers
         self.precision = Precision.build(train.precision, device, stages)
         self.checkpoint = train.checkpoint_activations
         self.compile_backend = compile_backend
-        self._want_compile = train.compile
+        self.compile_scope = compile_scope  # 'layer': each layer its own graph; 'stage': the stage's layers as one
+        self._want_compile = wants_compile(train.compile, device)
         self._compiled: list[Callable[[torch.Tensor], torch.Tensor]] | None = None
 
     @property
@@ -110,6 +117,8 @@ class StageRunner:
                 self._compiled = self._compile(x)
             if self._compiled is not None:
                 try:
+                    if self.compile_scope == "stage":  # (its graph checkpoints each layer itself)
+                        return self._compiled[0](x)
                     return forward_layers(self._compiled, x, self.checkpoint)
                 except torch.OutOfMemoryError:
                     raise  # not the compiler's fault: eager would not fit either
@@ -121,18 +130,24 @@ class StageRunner:
         """Each layer compiled, and tried forward and backward on a copy of ``x`` (the backward graph is
         compiled on its first use: a failure there must not happen in the middle of a training step)."""
         try:
-            compiled = [torch.compile(layer, backend=self.compile_backend) for layer in self.layers]
+            if self.compile_scope == "stage":  # one graph: fusions across layers, one guard check a forward
+                whole = torch.compile(lambda t: forward_layers(self.layers, t, self.checkpoint), backend=self.compile_backend)
+                compiled = [whole]
+            else:
+                compiled = [torch.compile(layer, backend=self.compile_backend) for layer in self.layers]
             probe = x.detach().clone().requires_grad_(x.is_floating_point())
             params = [p for p in self.layers.parameters() if p.requires_grad]
             with torch.enable_grad():
-                out = forward_layers(compiled, probe, self.checkpoint)
+                out = compiled[0](probe) if self.compile_scope == "stage" else forward_layers(compiled, probe,
+                                                                                               self.checkpoint)
                 torch.autograd.grad(out.float().sum(), params, allow_unused=True)  # leaves every .grad alone
         except torch.OutOfMemoryError:
             raise
         except Exception as err:
             self._give_up(err)
             return None
-        log.info("compiled %d layers (torch.compile, backend %s)", len(compiled), self.compile_backend)
+        log.info("compiled %s (torch.compile, backend %s)", "the stage" if self.compile_scope == "stage" else
+                 f"{len(compiled)} layers", self.compile_backend)
         return compiled
 
     def _give_up(self, err: BaseException) -> None:

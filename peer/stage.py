@@ -78,6 +78,9 @@ class StageWorker:
         self.sampler: SpanSampler | None = None
         self.steps_done = 0  # inner steps over the whole run (the lr warm-up counts them)
         self.devices: Devices | None = None  # the other devices of a multi-device peer (torchrun)
+        # micro-batches a batch is split into (single stage): train.grad_accum, or with 'auto' 1 until a batch
+        # does not fit the device's memory, then doubled until one does
+        self.accum = rc.train.grad_accum if isinstance(rc.train.grad_accum, int) else 1
 
     def theta(self) -> torch.Tensor:
         """theta_local as one flat float32 CPU vector."""
@@ -110,9 +113,6 @@ class StageWorker:
             self.devices.begin(step)
         if stopping.is_set():  # building the optimizer may wait seconds for torch._dynamo's import
             return InnerPhase(0, 0.0, interrupted=True)
-        if self.optimizer is None:
-            t = rc.train
-            self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
         self.layers.train()
         t0, h = time.monotonic(), rc.diloco.inner_steps
         fault("inner.start", step)
@@ -122,46 +122,83 @@ class StageWorker:
             if i == h // 2:
                 fault("inner.mid", step)
             t_step = time.monotonic()
-            for group in self.optimizer.param_groups:
-                group["lr"] = self._lr()
-            self.optimizer.zero_grad(set_to_none=True)
             try:
-                loss = self._forward_backward(i)
+                loss = self.train_step(self._next_batch(), i)
             except PipelineBroken:
                 raise  # not a stall to wait out: the peer stops on it (Peer.run)
             except PipelineStall as err:
                 return InnerPhase(i, time.monotonic() - t0, stalled=str(err))
-            if self.devices is not None:  # the whole batch's gradients (and loss), on every device
-                loss = self.devices.average(self.params, loss)
-            if rc.train.grad_clip > 0:
-                self.runner.precision.unscale(self.optimizer)  # fp16: clip the true gradients, not the scaled ones
-                torch.nn.utils.clip_grad_norm_(self.params, rc.train.grad_clip)
-            self.runner.precision.step(self.optimizer)  # fp16: skipped if they overflowed
-            self.steps_done += 1
             on_step(i, loss, time.monotonic() - t_step)
+        assert self.optimizer is not None
         self.optimizer.zero_grad(set_to_none=True)  # the outer step needs the memory more than the next step
         return InnerPhase(h, time.monotonic() - t0)
 
-    def _forward_backward(self, i: int) -> float:
-        batch = None
-        if self.first:
-            assert self.sampler is not None
-            ids = self.sampler.next_ids(self.rc.train.batch_size)
-            batch = (ids, *self.data.batch(ids))
+    def train_step(self, batch: Batch | None, i: int = 0) -> float:
+        """One inner AdamW step on ``batch`` (stage 0's; other stages of a pipeline receive theirs): forward and
+        backward (in micro-batches, or through the pipeline), gradient clipping, the update. Returns the loss,
+        read off the device once a step (never once a micro-batch: each read waits for the device to drain)."""
+        if self.optimizer is None:
+            self.optimizer = self._make_optimizer()
+        for group in self.optimizer.param_groups:
+            group["lr"] = self._lr()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self._forward_backward(batch, i)
+        if self.devices is not None:  # the whole batch's gradients (and loss), on every device
+            loss = self.devices.average(self.params, loss)
+        if self.rc.train.grad_clip > 0:
+            self.runner.precision.unscale(self.optimizer)  # fp16: clip the true gradients, not the scaled ones
+            torch.nn.utils.clip_grad_norm_(self.params, self.rc.train.grad_clip)
+        self.runner.precision.step(self.optimizer)  # fp16: skipped if they overflowed
+        self.steps_done += 1
+        return loss
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW; on a GPU its fused kernel (one launch a step for every parameter, instead of a few per tensor)."""
+        t = self.rc.train
+        fused = self.device.type == "cuda" and all(p.is_cuda and p.is_floating_point() for p in self.params)
+        return torch.optim.AdamW(self.params, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
+                                 **({"fused": True} if fused else {}))
+
+    def _next_batch(self) -> Batch | None:
+        if not self.first:
+            return None
+        assert self.sampler is not None
+        ids = self.sampler.next_ids(self.rc.train.batch_size)
+        return (ids, *self.data.batch(ids))
+
+    def _forward_backward(self, batch: Batch | None, i: int) -> float:
         if self.devices is not None:  # this device's rows of the batch
             batch = self.devices.split(batch)
         if self.link is not None:
             return self.link.train_step(self.layers, i, batch, self.device, forward=self.runner)
         assert batch is not None
         _, x, y = batch
-        # train.grad_accum micro-batches, each loss weighted by its share of the rows: the summed
-        # gradients are those of the whole batch's mean loss (a device's slice need not divide evenly)
-        k, total = min(self.rc.train.grad_accum, len(x)), 0.0
+        while True:
+            k = min(self.accum, len(x))
+            try:
+                return self._accumulate(x, y, k)
+            except torch.OutOfMemoryError:
+                if self.rc.train.grad_accum != "auto" or k >= len(x):
+                    raise
+                assert self.optimizer is not None
+                self.optimizer.zero_grad(set_to_none=True)
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                self.accum = min(len(x), 2 * k)
+                log.info("a micro-batch of %d samples does not fit %s's memory: trying %d micro-batches of about "
+                         "%d (train.grad_accum = 'auto')", -(-len(x) // k), self.device, self.accum,
+                         -(-len(x) // self.accum))
+
+    def _accumulate(self, x: torch.Tensor, y: torch.Tensor, k: int) -> float:
+        """Forward and backward of ``k`` micro-batches, each loss weighted by its share of the rows: the summed
+        gradients are those of the whole batch's mean loss (a device's slice need not divide evenly)."""
+        total: torch.Tensor | float = 0.0
         for xs, ys in zip(x.tensor_split(k), y.tensor_split(k), strict=True):
-            loss = lm_loss(self.runner(xs.to(self.device)), ys.to(self.device)) * (len(xs) / len(x))
+            loss = lm_loss(self.runner(xs.to(self.device, non_blocking=True)), ys.to(self.device, non_blocking=True))
+            loss = loss * (len(xs) / len(x))
             self.runner.precision.backward(loss)
-            total += float(loss.detach())
-        return total
+            total = total + loss.detach()
+        return float(total)
 
     def _lr(self) -> float:
         t = self.rc.train

@@ -197,7 +197,7 @@ class Tasklet:
                                 cfg=rc.pipeline, client=tools.client, num_samples=tools.data.num_samples,
                                 stopping=tools.stopping, on_transfer=tools.links.observe,
                                 max_samples=pipe_max_samples(rc.train.batch_size, rc.pipeline.micro_batches,
-                                                             rc.data.eval_samples))
+                                                             rc.data.eval_samples), device=tools.device)
         worker = StageWorker(rc, stage, tools.bounds[stage], tools.device, tools.data, pipeline)
         if tools.devices is not None:
             tools.devices.attach(worker)  # the other processes build the same worker and hold its theta

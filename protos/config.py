@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
@@ -103,17 +103,18 @@ class TrainConfig(_Section):
     checkpoint_activations: bool = Field(
         False, description="keep only each layer's input through the forward pass and recompute the rest in the "
         "backward: activation memory of one layer instead of all, for about a third more compute")
-    grad_accum: int = Field(
-        1, ge=1, description="pipeline.stages = 1: split each batch into this many micro-batches, run one at a time, "
-        "their gradients summed (the same step as the whole batch, in less memory); must divide batch_size. A "
-        "pipeline splits its batch by pipeline.micro_batches instead")
-    compile: bool = Field(
-        False, description="torch.compile each layer (compiled on the first step; if compilation fails the peer "
-        "says so once and runs eager)")
+    grad_accum: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto", description="pipeline.stages = 1: split each batch into this many micro-batches, run one at a time, "
+        "their gradients summed (the same step as the whole batch, in less memory); must divide batch_size. 'auto': "
+        "each peer picks the fewest that fit its device's memory (a GPU tries the whole batch first and splits on "
+        "running out of memory; a CPU runs it whole). A pipeline splits its batch by pipeline.micro_batches instead")
+    compile: bool | Literal["auto"] = Field(
+        "auto", description="torch.compile each layer (compiled on the first step; if compilation fails the peer "
+        "says so once and runs eager). 'auto': on a GPU, not on a CPU (where compiling costs more than it saves)")
 
     @model_validator(mode="after")
     def _micro_batches_divide_the_batch(self) -> TrainConfig:
-        if self.batch_size % self.grad_accum:
+        if isinstance(self.grad_accum, int) and self.batch_size % self.grad_accum:
             raise ValueError(f"batch_size {self.batch_size} is not a multiple of grad_accum {self.grad_accum}")
         return self
 
@@ -388,7 +389,7 @@ class RunConfig(_Section):
             self.__dict__["model"] = model
         if p.stages > 1 and self.model.tie_embeddings:
             raise ValueError("model.tie_embeddings needs embedding and head in one stage; set it false for stages > 1")
-        if p.stages > 1 and self.train.grad_accum > 1:
+        if p.stages > 1 and isinstance(self.train.grad_accum, int) and self.train.grad_accum > 1:
             raise ValueError(f"train.grad_accum = {self.train.grad_accum} splits the batch of a single-stage run; a "
                              "pipeline splits it into pipeline.micro_batches already: set that instead")
         if p.stages > 1 and self.train.precision == "fp16":

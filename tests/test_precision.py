@@ -211,6 +211,39 @@ def test_gradient_accumulation_gives_the_whole_batch_gradients() -> None:
     assert losses[4] == pytest.approx(losses[1], rel=1e-6)
 
 
+def test_auto_accumulation_splits_a_batch_that_does_not_fit_and_keeps_the_gradients() -> None:
+    """train.grad_accum = 'auto' (the default): the whole batch first; a micro-batch that runs out of device
+    memory (here: a runner that refuses more than 2 samples, as a small GPU would) is split, the step redone,
+    and the gradients and losses are the whole batch's."""
+    seen, losses, accum = {}, {}, {}
+    for name, k in (("whole", 1), ("auto", "auto")):
+        w = worker(config(**{"train.grad_accum": k, "train.grad_clip": 0.0, "diloco.inner_steps": 2}))
+        if name == "auto":
+            run = w.runner.__class__.__call__
+
+            def small_device(self, x, run=run):  # type: ignore[no-untyped-def]
+                if len(x) > 2:
+                    raise torch.OutOfMemoryError("CUDA out of memory (a test's small device)")
+                return run(self, x)
+
+            w.runner.__class__ = type("SmallDevice", (w.runner.__class__,), {"__call__": small_device})
+        with grads_at_each_step(w.params) as grads:
+            losses[name] = train(w)
+        seen[name], accum[name] = grads, w.accum
+    assert accum == {"whole": 1, "auto": 8}  # 16 samples: 1 -> 2 -> 4 -> 8 micro-batches, the first that fits
+    for whole, auto in zip(seen["whole"], seen["auto"], strict=True):
+        for a, b in zip(whole, auto, strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+    assert losses["auto"] == pytest.approx(losses["whole"], rel=1e-6)
+
+
+def test_auto_compile_is_on_for_a_gpu_only() -> None:
+    from potluck.peer.runner import wants_compile
+
+    assert wants_compile("auto", torch.device("cuda")) and not wants_compile("auto", torch.device("cpu"))
+    assert wants_compile(True, torch.device("cpu")) and not wants_compile(False, torch.device("cuda"))
+
+
 # ---------------------------------------------------------------------------------------------- compile
 
 

@@ -158,7 +158,9 @@ def test_owner_mean_with_clipping_factors_is_the_robust_mean(block: int) -> None
 
 # -- per-channel codes, packing and AC-SGD -------------------------------------------------------------
 
-SHAPES = [(1, 1), (7, 3), (5, 401), (0, 4), (3, 0), (2, 2049)]
+# odd widths take the flat kernel; widths of whole packing words the 2-D tiles, some with several bands of rows
+# in the column reduction (300 x 64: 5 bands) and a partial last tile (136 columns in tiles of 128)
+SHAPES = [(1, 1), (7, 3), (5, 401), (0, 4), (3, 0), (2, 2049), (300, 64), (37, 24), (129, 136), (2, 1032)]
 
 
 def reference(x: torch.Tensor, bits: int, m: torch.Tensor | None = None,
