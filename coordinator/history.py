@@ -26,7 +26,7 @@ KINDS = ("activations", "gradients", "outer")
 def new_entry(step: int, rnd: Round | None, now: float | None = None) -> dict[str, Any]:
     return {
         "step": step, "t": time.time() if now is None else now, "epoch": rnd.epoch if rnd else 0,
-        "members": len(rnd.members) if rnd else 0, "loss": None, "eval_loss": None, "outer_s": None,
+        "members": len(rnd.members) if rnd else 0, "loss": None, "eval_loss": None, "outer_s": None, "allreduce_s": None,
         "state_hashes": {}, "stages": {}, "tasklets": {}, "dropped": [], "clipped": [], "rejected": [],
         "contributors": None,
         "bytes": dict.fromkeys(KINDS, 0), "bytes_fp32": dict.fromkeys(KINDS, 0), "_peers": {},
@@ -74,6 +74,7 @@ def _aggregate(entry: dict[str, Any]) -> None:
     entry["loss"] = sum(losses) / len(losses) if losses else None
     entry["eval_loss"] = next((r.eval_loss for r in reports.values() if r.eval_loss is not None), None)
     entry["outer_s"] = max((r.outer_s for r in reports.values()), default=None)
+    entry["allreduce_s"] = max((r.allreduce_s for r in reports.values()), default=None)
     entry["dropped"] = sorted({d for r in reports.values() for d in r.dropped})
     entry["clipped"] = sorted({d for r in reports.values() for d in r.clipped})
     entry["rejected"] = sorted({d for r in reports.values() for d in r.rejected})

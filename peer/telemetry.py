@@ -90,7 +90,7 @@ class Telemetry:
                    state_hash: str, pipe_total: dict[str, int] | None) -> None:
         """A committed outer step: its figures, logged and kept for the next heartbeats."""
         report = StepReport(step=stats.step, epoch=epoch, stage=stage, replica=replica, state_hash=state_hash,
-                            outer_s=seconds, outer_bytes=stats.bytes_sent, members=stats.members,
+                            outer_s=seconds, allreduce_s=stats.seconds, outer_bytes=stats.bytes_sent, members=stats.members,
                             contributors=min(stats.contributors.values(), default=0), dropped=stats.dropped,
                             clipped=stats.clipped, rejected=stats.rejected, included=stats.included, t=time.time())
         p = self.progress

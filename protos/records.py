@@ -92,6 +92,8 @@ class StepReport(_Record):
     loss: float | None = Field(None, description="the member's smoothed inner loss at the end of the step")
     eval_loss: float | None = Field(None, description="eval loss of theta_global at this version, once measured")
     outer_s: float = Field(0.0, ge=0, description="wall time of the outer step")
+    allreduce_s: float = Field(0.0, ge=0, description="the all-reduce's own time in it (the rest is this peer's: "
+                               "copies, the update, the snapshot)")
     outer_bytes: int = Field(0, ge=0, description="bytes this member sent in the all-reduce")
     members: int = Field(0, ge=0, description="members of this stage's all-reduce")
     contributors: int = Field(0, ge=0, description="fewest contributions any shard was averaged over")
