@@ -72,6 +72,10 @@ log = get_logger(__name__)
 # micro-batch pushes on the wire at once, per direction: enough to cover a round trip, and both directions
 # together under a server's per-caller limit (PER_CLIENT_CALLS) when both neighbours sit behind one relay
 SENDS_IN_FLIGHT = 4
+# messages a direction holds encoded and not yet delivered: those on the wire and one ready for the next free
+# push. A slow receiver (gRPC's flow control paces each stream) holds the encoder here, so what the sender
+# keeps in memory beyond its activations is bounded by this many messages, whatever the micro-batch count
+ENCODED_AHEAD = SENDS_IN_FLIGHT + 1
 
 
 class PipelineStall(RuntimeError):
@@ -186,6 +190,9 @@ class Pipeline:
         self._encoders = {d: ThreadPoolExecutor(1, thread_name_prefix=f"pipe-{d[:3]}") for d in ("forward", "backward")}
         self._pushers = {d: ThreadPoolExecutor(SENDS_IN_FLIGHT, thread_name_prefix=f"pipe-{d[:3]}-push")
                          for d in ("forward", "backward")}
+        self._encoded = {d: threading.BoundedSemaphore(ENCODED_AHEAD) for d in ("forward", "backward")}
+        self.encoded_peak = 0  # the most messages held encoded at once (both directions)
+        self._encoded_now = 0
         self._sender_lock = threading.Lock()  # the AC-SGD sender: encoded in order, re-encoded by a push on a miss
         self._receiver_lock = threading.Lock()  # the AC-SGD receiver: messages may now arrive together
         self._pending: list[Future] = []
@@ -379,15 +386,28 @@ class Pipeline:
             for samples, fut in self._on_wire:
                 if not samples.isdisjoint(out.ids or ()):
                     fut.result()  # (before encoding: a resend of that one may reset these samples' buffers)
+        slots = self._encoded[out.direction]
+        while not slots.acquire(timeout=0.1):  # the receiver is slow: wait for a message to be delivered
+            if out.r.error or self._closed:
+                return None
         if out.r.error:  # the round is over: its queued messages must not advance the AC-SGD buffers
+            slots.release()
             return None
         msg = self._encode_or_fail(out)
         if msg is None:
+            slots.release()
             return None
+        self._held(+1)
         push = self._pushers[out.direction].submit(self._deliver, msg, out)
+        push.add_done_callback(lambda _: (self._held(-1), slots.release()))
         if tracked:
             self._on_wire.append((set(out.ids or ()), push))
         return push
+
+    def _held(self, change: int) -> None:
+        with self._cond:
+            self._encoded_now += change
+            self.encoded_peak = max(self.encoded_peak, self._encoded_now)
 
     def _encode_or_fail(self, out: _Outgoing) -> pipewire.Outbound | None:
         try:  # encoding advances the AC-SGD buffer: only once per (re)send decision

@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -247,3 +248,31 @@ def test_the_run_check_refuses_a_head_that_could_not_cross() -> None:
 if __name__ == "__main__" and sys.argv[1:] == ["measure"]:
     torch.set_num_threads(1)
     print(json.dumps(measure(config(**BIG))))
+
+
+def test_a_slow_receiver_holds_the_sender_to_a_few_encoded_messages(hosts: list[Host]) -> None:
+    """16 micro-batches for a receiver that takes none for now: the sender encodes ENCODED_AHEAD of them (those
+    on the wire and one ready) and waits, instead of holding all 16 encoded; all 16 arrive once it takes them."""
+    from potluck.peer.pipeline import ENCODED_AHEAD
+
+    cfg = config(**{"train.batch_size": 32, "pipeline.micro_batches": 16, "pipeline.pipe_timeout_s": 30.0})
+    a, b = pair(cfg)
+    hosts += [a, b]
+    gate = threading.Event()
+    take = b.push_pipe
+    b.push_pipe = lambda chunks: (gate.wait(30), take(chunks))[1]  # type: ignore[method-assign]
+    r = a.pipe._round
+    assert r is not None
+    for k in range(16):
+        a.pipe._send(r, "forward", 0, k, [2 * k, 2 * k + 1], torch.randn(2, 16, 32),
+                     labels=torch.zeros(2, 16, dtype=torch.long))
+    deadline = time.monotonic() + 20
+    while a.pipe.encoded_peak < ENCODED_AHEAD and time.monotonic() < deadline:
+        time.sleep(0.02)  # polling a condition, with a deadline
+    assert a.pipe.encoded_peak == ENCODED_AHEAD
+    assert a.pipe._encoders["forward"]._work_queue.qsize() > 0  # the rest wait unencoded
+    gate.set()
+    a.pipe._flush(r)
+    assert a.pipe.encoded_peak == ENCODED_AHEAD
+    assert len(b.pipe._round.mail) == 16  # type: ignore[union-attr]
+    assert a.pipe.sender.buffer.digest() == b.pipe.receiver.buffer.digest()  # type: ignore[union-attr]
