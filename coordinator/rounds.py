@@ -278,9 +278,18 @@ class Rounds:
             return f"not committed within {deadline:.0f} s ({self.factor:g}x the measured step time, at least the floor)"
         return ""
 
+    def retract(self, step: int, reason: str, reports: Sequence[Report], checkpoint: Checkpoint | None,
+                now: float) -> list[Event]:
+        """Step ``step`` committed a proven lie (verified reduction): the run goes back to a version before it,
+        whatever came after, and the round running now (if any) fails with it."""
+        rnd = self.pending() or self.rounds.get(step) or self.round_at(step)
+        if rnd is None or step > self.committed:
+            return []
+        return self._fail(rnd, reason, reports, checkpoint, now, ceiling=step - 1)
+
     def _fail(self, rnd: Round, reason: str, reports: Sequence[Report], checkpoint: Checkpoint | None,
-              now: float) -> list[Event]:
-        target, source = self.rollback_target(reports, checkpoint)
+              now: float, ceiling: int | None = None) -> list[Event]:
+        target, source = self.rollback_target(reports, checkpoint, ceiling)
         events: list[Event] = [Failed(rnd, reason)]
         before = self.committed
         for step in [s for s in self.rounds if s > target]:
@@ -303,9 +312,11 @@ class Rounds:
             events.append(RolledBack(before, target, source, self.epoch))
         return events
 
-    def rollback_target(self, reports: Sequence[Report], checkpoint: Checkpoint | None) -> tuple[int, str]:
-        """The newest version at or below the committed one that every stage can be had at, and from where."""
-        for v in range(self.committed, 0, -1):
+    def rollback_target(self, reports: Sequence[Report], checkpoint: Checkpoint | None,
+                        ceiling: int | None = None) -> tuple[int, str]:
+        """The newest version at or below the committed one (and ``ceiling``) that every stage can be had at,
+        and from where."""
+        for v in range(self.committed if ceiling is None else min(ceiling, self.committed), 0, -1):
             if checkpoint is not None and checkpoint.version == v:
                 return v, "checkpoint"
             if all(self._held(stage, v, reports) for stage in range(self.stages)):

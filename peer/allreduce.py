@@ -38,9 +38,9 @@ from concurrent.futures import wait as futures_wait
 import grpc
 import torch
 
+from potluck.compression.aggregate import reduce_mean, result_digest, robust_reduction, tensor_digest  # noqa: F401 (reduce_mean: re-export)
 from potluck.compression.int8 import Codec
 from potluck.compression.stream import Assembler, EncodedStream, WireError
-from potluck.peer.aggregate import reduce_mean, result_digest, robust_reduction, tensor_digest  # noqa: F401 (reduce_mean: re-export)
 from potluck.peer.shards import (
     AllReduceStats,
     Buffers,

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from potluck.compression.aggregate import result_digest, tensor_digest
 from potluck.compression.int8 import Int8BlockCodec
 from potluck.compression.stream import encode_chunks
-from potluck.peer.aggregate import result_digest, tensor_digest
 from potluck.peer.allreduce import AllReduce, IncompleteRound, MemberAddr, Outcome, RoundInfo, shard_bounds
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.identity import Identity
