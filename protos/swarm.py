@@ -132,13 +132,24 @@ def _ignore_sigterm(signum: int, frame: object) -> None:
     """The DHT process's SIGTERM: ignored (caught, so ``p2pd`` still gets the default action after exec)."""
 
 
+def _leave_foreground_group() -> None:
+    """In ``p2pd``, between fork and exec: a process group of its own, out of the terminal's reach."""
+    try:
+        os.setpgid(0, 0)
+    except OSError:
+        pass
+
+
 class _DHTProcess(DHT):
     """hivemind's DHT process, tied to the process that starts it.
 
     It dies with its parent (SIGKILL on parent death), and so does its ``p2pd``. SIGINT (hivemind)
     and SIGTERM (here) leave it alone: a Ctrl+C or a SIGTERM to the whole process group reaches
     the parent too, which still needs the DHT to say goodbye and then stops it
-    (:meth:`SwarmNode.shutdown`).
+    (:meth:`SwarmNode.shutdown`). ``p2pd`` cannot ignore SIGINT (Go installs its own handler), so it
+    runs in a process group of its own: a Ctrl+C in the terminal used to close it under the DHT
+    process, which logged p2pd's "use of closed network connection" error, lost the goodbye, and hung
+    in its shutdown until it was killed.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -148,6 +159,7 @@ class _DHTProcess(DHT):
     def run(self) -> None:
         die_with_parent(signal.SIGKILL, self.owner_pid)
         children_die_with_parent(signal.SIGKILL)  # p2pd, started by uvloop's fork + exec
+        os.register_at_fork(after_in_child=_leave_foreground_group)  # (the DHT process forks p2pd only)
         signal.signal(signal.SIGTERM, _ignore_sigterm)
         super().run()
 
