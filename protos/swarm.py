@@ -45,7 +45,7 @@ os.environ.setdefault("GOLOG_LOG_LEVEL", "error")
 # between processes needs it.
 os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
 
-from hivemind.dht import DHT
+from hivemind.dht import DHT, DHTID
 from hivemind.utils import get_dht_time
 
 from potluck.protos.dhtguard import MAX_TTL_S, RunRecords, run_key
@@ -212,6 +212,11 @@ class SwarmNode:
             startup_timeout=startup_timeout,
             client_mode=client_mode,
             record_validators=[RunRecords(coordinator)],  # this run's signed records only, everywhere
+            # one identity, one DHT node id (hivemind draws a random one per process): a restarted peer is the same
+            # node, not a second one beside a ghost of itself, and a node that pings a copy of a running peer
+            # back (another machine, the same key) hears the id it expects and lets it on to admission, which
+            # tells it to use its own key (a random id failed that ping as "can't access this node ... firewall")
+            node_id=DHTID.generate(source=identity.peer_id),
         )
         # multiprocessing's own exit hook would join the DHT process forever (it ignores SIGTERM);
         # ours is registered later, so it runs first
