@@ -2,8 +2,10 @@
 
 A peer is *live* while its record is fresher than ``heartbeat_timeout_s`` (by our monotonic clock,
 when a record with a higher ``seq`` last arrived) and it has not said goodbye (state ``left`` or
-``finished``). :meth:`PeerTable.update` folds fresh records in and returns what changed (joined,
-left, lost, back) for the event log. What the peers *do* -- the rounds they run -- is
+``finished``) since its last heartbeat: a volunteer restarts a peer with the same key (its
+``~/.potluck/peer.key``), and the restarted process is the same peer, back.
+:meth:`PeerTable.update` folds fresh records in and returns what changed (joined, left, lost, back)
+for the event log. What the peers *do* -- the rounds they run -- is
 :mod:`potluck.coordinator.rounds`' business; this table only knows who is there.
 """
 
@@ -52,7 +54,11 @@ class PeerTable:
         self.peers: dict[str, PeerView] = {}
 
     def update(self, records: dict[str, PeerRecord], now: float | None = None) -> list[tuple[str, str]]:
-        """Merge fresh records; returns events ``(kind, peer_id)``: joined, left, lost, back."""
+        """Merge fresh records; returns events ``(kind, peer_id)``: joined, left, lost, back.
+
+        Only a record newer than the one held (a higher ``seq``) changes anything: a DHT replica still
+        holding an old goodbye cannot send away a peer that came back. A peer that said goodbye and
+        heartbeats again (restarted with its key) is back, like one that was lost."""
         now = time.monotonic() if now is None else now
         events: list[tuple[str, str]] = []
         for pid, rec in records.items():
@@ -62,9 +68,11 @@ class PeerTable:
                 events.append(("joined", pid))
             elif rec.seq > view.record.seq:
                 view.record, view.last_seen = rec, now
-                if view.lost and rec.state not in GONE_STATES:
-                    view.lost = False
+                if (view.lost or view.left) and rec.state not in GONE_STATES:
+                    view.lost = view.left = False
                     events.append(("back", pid))
+            else:
+                continue
             if rec.state in GONE_STATES and not view.left:
                 view.left = True
                 events.append(("left", pid))
