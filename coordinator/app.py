@@ -30,7 +30,7 @@ from potluck.coordinator.membership import PeerTable, describe
 from potluck.coordinator.placement import PlacementWorker, grid_for, members
 from potluck.coordinator.publisher import Publisher
 from potluck.coordinator.rounds import Committed, Failed, RolledBack, Rounds, describe_round
-from potluck.coordinator.service import CoordinatorService, reachable
+from potluck.coordinator.service import CoordinatorService, answers, reachable
 from potluck.coordinator.snapshot import RunInfo, Series, build
 from potluck.coordinator.status import StatusServer
 from potluck.protos.config import ConfigError, RunConfig
@@ -137,7 +137,8 @@ class Coordinator:
         now = time.monotonic()
         if now - self._links_read_at > 5.0:  # for placement and the status page's heatmap
             self._links_read_at, self.links = now, self._read(self.node.get_links) or self.links
-        records, events = self.gate.tick(self.node, self._read(self.node.get_peers) or {}, self.rounds.round_at)
+        records, events = self.gate.tick(self.node, self._read(self.node.get_peers) or {}, self.rounds.round_at,
+                                         lambda rec: answers(self.client, self.run_id, self.id, rec))
         for pid, message in events:
             self._event("evicted" if "evicted" in message else "rejected", pid, message)
         self.publisher.revoked_changed()
