@@ -33,6 +33,7 @@ from potluck.coordinator.rounds import Committed, Failed, RolledBack, Rounds, de
 from potluck.coordinator.service import CoordinatorService, answers, reachable
 from potluck.coordinator.snapshot import RunInfo, Series, build
 from potluck.coordinator.status import StatusServer
+from potluck.models import sizecheck
 from potluck.protos.config import ConfigError, RunConfig
 from potluck.protos.errors import CannotBind
 from potluck.protos.faults import fault
@@ -48,13 +49,15 @@ class Coordinator:
     def __init__(self, cfg: RunConfig, *, exit_when_finished: bool = False, ready_file: str | None = None) -> None:
         c = cfg.coordinator
         self.cfg, self.exit_when_finished, self.ready_file = cfg, exit_when_finished, ready_file
+        set_context(role="coordinator")  # (its id once its identity is loaded, below)
         self.stopping = threading.Event()
         self._admin: queue.SimpleQueue[str] = queue.SimpleQueue()  # admin requests from the status server
         self.events: deque[dict[str, Any]] = deque(maxlen=500)
         self.traffic = Traffic()
+        self.journal, self.state = bootstrap.open_journal(cfg)  # checks the run first: a refused one writes nothing
         self.identity = Identity.load_or_create(Path(c.journal_dir) / "identity.key")
         self.id = self.identity.peer_id
-        self.journal, self.state = bootstrap.open_journal(cfg)
+        self.size = sizecheck.estimate(cfg)  # what one peer needs: checked against each joiner's device
         self.run_id = self.state.run_id
         self.table = PeerTable(cfg.membership.heartbeat_timeout_s)
         self.rounds = Rounds.for_run(cfg)
@@ -145,6 +148,9 @@ class Coordinator:
         for kind, pid in self.table.update(records, now):
             rec = self.table.peers[pid].record
             self._event(kind, pid, describe(kind, rec, self.cfg.membership.heartbeat_timeout_s))
+            small = sizecheck.peer_note(self.size, rec.device_name or rec.device, rec.memory_gb) if kind == "joined" else ""
+            if small:
+                self._event("memory", pid, small, warn=True)
         for ev in self.rounds.observe(self.table.reports(), now, self.checkpointer.checkpoint()):
             self._on(ev)
         self._checkpoints_done()
@@ -235,10 +241,10 @@ class Coordinator:
             self._event("rejected", "", reason)
         return records
 
-    def _event(self, kind: str, peer: str, message: str) -> None:
+    def _event(self, kind: str, peer: str, message: str, warn: bool = False) -> None:
         self.events.append({"t": time.time(), "kind": kind, "peer": peer, "message": message})
         if kind != "round":
-            log.info("%s%s", f"{short_id(peer)} " if peer else "", message)
+            (log.warning if warn else log.info)("%s%s", f"{short_id(peer)} " if peer else "", message)
 
     def _admin_finish(self, body: dict) -> dict:
         """Admin action (on a status server thread): the loop ends the run at the committed step."""
