@@ -17,13 +17,13 @@ import torch
 
 from potluck.compression.int8 import Codec, make_codec
 from potluck.compression.transfer import Snapshot
-from potluck.models import stage_bounds
+from potluck.models import sizecheck, stage_bounds
 from potluck.peer import admission
 from potluck.peer.allreduce import AllReduce, MemberAddr, RoundInfo
 from potluck.peer.data import Dataset
 from potluck.peer.diloco import outer_snapshot
 from potluck.peer.heartbeat import Heartbeat
-from potluck.peer.joining import Joined, pick_device
+from potluck.peer.joining import Joined, device_memory, pick_device
 from potluck.peer.links import LinkConfig, LinkProber
 from potluck.peer.multidevice import Leader
 from potluck.peer.pipeline import Neighbour, Pipeline
@@ -87,6 +87,8 @@ class Toolbox:
             period_s=lc.probe_period_s, max_probes_per_period=lc.probes_per_period, probe_bytes=lc.probe_bytes,
             budget_bytes_per_min=lc.budget_bytes_per_min))
         device = devices.device if devices is not None else pick_device(cfg.device)
+        if devices is None:  # (a torchrun peer splits its batch over its devices: the estimate is per whole batch)
+            sizecheck.fits(rc, device.type, device_memory(device))  # one line, not the allocator's traceback
         return cls(cfg, rc, me, identity.sign, stopping, joined, device, Dataset(rc.data, rc.model),
                    stage_bounds(rc.model, rc.pipeline), netem, traffic, client, make_codec(rc.sync.codec, rc.sync.block_size),
                    links, tls=tls, maddrs=joined.node.maddrs[:4], devices=devices)

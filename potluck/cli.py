@@ -101,13 +101,19 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     if args.insecure:
         extra["coordinator.insecure"] = True
     cfg = _run_config(args, extra)
-    from potluck.coordinator.app import Coordinator
     from potluck.coordinator.journal import JournalError
+    from potluck.coordinator.preflight import preflight
     from potluck.protos.config import ConfigError
+
+    try:  # what refuses a run (no corpus, too big, another run's journal): before torch, hivemind or any write
+        preflight(cfg)
+    except (ConfigError, JournalError) as err:
+        raise UsageError(str(err)) from None
+    from potluck.coordinator.app import Coordinator
     from potluck.protos.identity import IdentityError
     from potluck.protos.stopping import install_stop_handlers
 
-    try:  # opening the run (journal, keys, corpus check) refuses what cannot work, in one line
+    try:  # opening the run (journal, keys, data) refuses what cannot work, in one line
         coordinator = Coordinator(cfg, exit_when_finished=args.exit_when_finished, ready_file=args.ready_file)
     except (ConfigError, JournalError, IdentityError, OSError) as err:
         raise UsageError(str(err)) from None
@@ -132,13 +138,22 @@ def cmd_peer(args: argparse.Namespace) -> int:
         cfg = PeerConfig(**fields)
     except ValidationError as err:
         raise UsageError("; ".join(_flag_error(e) for e in err.errors())) from None
-    # checked before the peer starts its DHT node, so a mistyped address fails here, in one line
-    from potluck.protos.swarm import JoinError, parse_join_address
+    # checked before torch and hivemind load and before the DHT node starts: a mistake is one line, at once
+    from potluck.protos.identity import IdentityError
+    from potluck.protos.join import JoinError, parse_join_address
 
     try:
         parse_join_address(cfg.join)
     except JoinError as err:
         raise UsageError(str(err)) from None
+    identity = None
+    if (os.environ.get("WORLD_SIZE") or "1") == "1" or os.environ.get("RANK") == "0":  # (under torchrun, rank 0 is the peer)
+        from potluck.peer.keyfile import load_identity
+
+        try:
+            identity = load_identity(cfg.identity)
+        except IdentityError as err:
+            raise UsageError(str(err)) from None
     from potluck.peer import multidevice
     from potluck.protos.config import ConfigError
 
@@ -149,15 +164,11 @@ def cmd_peer(args: argparse.Namespace) -> int:
     if group is not None and not group.leads:
         return multidevice.Helper(group, cfg.threads).run()
     from potluck.peer.daemon import Peer
-    from potluck.protos.identity import IdentityError
     from potluck.protos.stopping import install_stop_handlers
 
     leader = multidevice.Leader(group) if group is not None else None
     try:
-        try:
-            peer = Peer(cfg, progress=args.progress, devices=leader)
-        except IdentityError as err:
-            raise UsageError(str(err)) from None
+        peer = Peer(cfg, progress=args.progress, devices=leader, identity=identity)
         install_stop_handlers(peer.stopping)
         return peer.run()
     finally:

@@ -23,7 +23,8 @@ from typing import Any, TypeVar
 from pydantic import Field
 
 from potluck.protos.errors import check_port_free
-from potluck.protos.identity import Identity, IdentityError, public_key_from_peer_id
+from potluck.protos.identity import Identity
+from potluck.protos.join import JoinError, parse_join_address  # noqa: F401 - re-exported
 from potluck.protos.log import get_logger
 from potluck.protos.records import (
     AdmissionRequest,
@@ -80,27 +81,6 @@ class LinkReport(_Record):
 
 
 _S = TypeVar("_S", bound=_Record)
-
-
-class JoinError(RuntimeError):
-    """Could not start a DHT node or reach the swarm; the message says what to check."""
-
-
-def parse_join_address(address: str) -> tuple[str, str]:
-    """Split ``/ip4/HOST/tcp/PORT/p2p/ID`` into (multiaddr, coordinator id); checks the id's key."""
-    address = address.strip()
-    parts = address.split("/")
-    if "p2p" not in parts or parts.index("p2p") + 1 >= len(parts):
-        raise JoinError(
-            f"join address {address!r} has no /p2p/<coordinator id> part; copy the whole address "
-            "the coordinator printed (it looks like /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...)"
-        )
-    coordinator = parts[parts.index("p2p") + 1]
-    try:
-        public_key_from_peer_id(coordinator)
-    except IdentityError as err:
-        raise JoinError(f"join address {address!r}: {err}") from None
-    return address, coordinator
 
 
 def guess_reachable_host(target_host: str | None = None) -> str:

@@ -1,5 +1,6 @@
 """What a new user gets wrong, answered in one line: ports in use, an export over an existing file,
-and what ``potluck demo`` leaves behind and what its numbers mean."""
+mistakes answered before anything heavy loads, and what ``potluck demo`` leaves behind and what its
+numbers mean."""
 
 from __future__ import annotations
 
@@ -154,6 +155,61 @@ def test_peer_refuses_a_grpc_port_in_use(procs: ProcessGroup, tmp_path: Path, he
     out = (swarm.logs / "peer-0.log").read_text()
     assert rc == 2 and "Traceback" not in out, f"exit code {rc}:\n{out}"
     assert f"gRPC port {held_port} on 127.0.0.1 is in use by another program; choose another with --grpc-port" in out
+
+
+# ---------------------------------------------------------------------- answered at once
+
+PROBE = """
+import sys
+from potluck.cli import main
+rc = main(sys.argv[1:])
+heavy = sorted(m for m in ("torch", "hivemind", "grpc") if m in sys.modules)
+print(rc, ",".join(heavy) or "-")
+"""
+
+
+def mistake(tmp_path: Path, name: str) -> list[str]:
+    """One of issue 27's usage mistakes (8-9 s each, after torch, hivemind and a DHT node), set up in tmp_path."""
+    from potluck.coordinator.journal import Journal, JournalState
+    from potluck.protos.config import RunConfig, apply_overrides, dump_toml
+
+    run = tmp_path / "run.toml"
+    run.write_text(dump_toml(RunConfig(run_id="first-run")))
+    other = apply_overrides(RunConfig(), {"run_id": "first-run", "model.d_model": 32})
+    Journal(tmp_path / "potluck-run").save(JournalState(run_id="first-run", config=other.manifest_sections(),
+                                                        created_at=1.0, committed=3))
+    join = f"/ip4/127.0.0.1/tcp/9/p2p/{Identity.generate().peer_id}"
+    return {"join": ["peer", "--join", "127.0.0.1:44497"],
+            "journal": ["coordinator", "--config", str(run)],
+            "identity": ["peer", "--join", join, "--identity", str(tmp_path / "held.key")],
+            "size": ["coordinator", "--config", str(run), "--set", "model.d_model=1000000", "--journal-dir", "new"],
+            "seq": ["coordinator", "--config", str(run), "--set", "model.seq_len=10000000", "--journal-dir", "new"]}[name]
+
+
+@pytest.mark.parametrize("name, says", [
+    ("join", "join address '127.0.0.1:44497' has no /p2p/<coordinator id> part"),
+    ("journal", "potluck-run holds run 'first-run' (at outer step 3), written with a different config (sections "
+                "differ: model): resume it with the same values there (only diloco, links, membership, pipeline may "
+                "change), start a new run with another --journal-dir, or remove potluck-run to start this one over"),
+    ("identity", "held.key is in use by another peer on this machine; give this one its own with --identity FILE"),
+    ("size", "model.d_model = 1000000: this run needs about 768.3 TB a peer: 24.0T parameters at 32 bytes each"),
+    ("seq", "model.seq_len = 10000000: this run needs about"),
+])
+def test_usage_mistakes_are_answered_before_torch_hivemind_or_any_write(tmp_path: Path, name: str, says: str) -> None:
+    """Checked before the heavy imports (what took 8-9 s), in one line, exit status 2; nothing written
+    (``benchmarks/cli_help.py`` times them: < 1 s each)."""
+    import fcntl
+
+    argv = mistake(tmp_path, name)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with open(tmp_path / "held.key.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another peer on this machine holds held.key
+        done = subprocess.run([sys.executable, "-c", PROBE, *argv], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=120)
+    assert done.stdout == "2 -\n", (done.stdout, done.stderr)  # status 2, and none of torch, hivemind, gRPC loaded
+    assert len(done.stderr.splitlines()) == 1 and says in done.stderr, done.stderr
+    after = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.name != "held.key.lock")
+    assert after == before, (before, after)
 
 
 # ---------------------------------------------------------------------- export
