@@ -32,6 +32,7 @@ from potluck.protos.config import ConfigError, CoordinatorConfig, RunConfig
 from potluck.protos.identity import Identity
 from potluck.protos.log import get_logger
 from potluck.protos.records import DataIdentity, Manifest, next_seq
+from potluck.protos.refusals import log_refusal
 from potluck.protos.relay import RelayHub
 from potluck.protos.runcheck import file_identity, markov_identity, non_public
 from potluck.protos.swarm import JoinError, SwarmNode, guess_reachable_host, host_of_multiaddr
@@ -199,7 +200,8 @@ def grpc_server(service: Handlers, traffic: Traffic, c: CoordinatorConfig, tls: 
                 revoked: Callable[[str], bool], run_id: str) -> PeerServer:
     """The coordinator's gRPC server: checkpoints for recovering peers, pings, and the relay through
     which peers that accept no connections (``potluck peer --relay``) are reached."""
-    return PeerServer(service, traffic, host=c.host, port=c.grpc_port, tls=tls, revoked=revoked, relay=RelayHub(run_id))
+    return PeerServer(service, traffic, host=c.host, port=c.grpc_port, tls=tls, revoked=revoked, relay=RelayHub(run_id),
+                      on_reject=log_refusal)
 
 
 def status_server(c: CoordinatorConfig, host: str, snapshot: Callable[[], dict], actions: dict) -> tuple[StatusServer, str]:

@@ -37,6 +37,7 @@ from potluck.protos.identity import Identity
 from potluck.protos.log import get_logger, set_context, short_id
 from potluck.protos.netem import NetEm
 from potluck.protos.records import PeerRecord, Plan, Round
+from potluck.protos.refusals import log_refusal
 from potluck.protos.transport import PeerClient, PeerServer, RelayedServer, Traffic
 
 log = get_logger(__name__)
@@ -101,13 +102,13 @@ class Toolbox:
         if self.cfg.relay:  # behind a NAT: no port, calls come down a tunnel to the coordinator
             m = self.joined.manifest
             relayed = RelayedServer(service, self.traffic, self.client, m.coordinator_grpc, m.coordinator, self.rc.run_id,
-                                    self.me, revoked=self.revoked)
+                                    self.me, revoked=self.revoked, on_reject=log_refusal)
             self.server, self.address = relayed, relayed.address
             log.info("accepting no connections: calls to this peer are relayed by the coordinator at %s",
                      m.coordinator_grpc)
         else:
             self.server = PeerServer(service, self.traffic, host=self.cfg.host, port=self.cfg.port, netem=self.netem,
-                                     tls=self.tls, revoked=self.revoked)
+                                     tls=self.tls, revoked=self.revoked, on_reject=log_refusal)
             self.address = f"{self.joined.announce_host}:{self.server.port}"
         m = self.rc.membership
         heartbeat = self.heartbeat = Heartbeat(self.joined.node, self.joined.manifest, record, m.heartbeat_s,
