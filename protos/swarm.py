@@ -281,8 +281,16 @@ class SwarmNode:
     def publish_peer(self, record: PeerRecord, ttl: float) -> bool:
         """Store this peer's heartbeat; it expires after ``ttl`` seconds unless refreshed. A stored record
         wins by its expiry, so a later one must not ask for a shorter ``ttl`` (every node would refuse it).
-        Returns once every replica answered (hivemind's default), so a goodbye is out before shutdown."""
-        return self._store("peers", self._own(record), ttl, subkey=record.peer_id)
+        Returns once every replica answered (hivemind's default), so a goodbye is out before shutdown.
+
+        hivemind reports the answer of the replica that answered *last*, and a replica that another node's
+        read had already copied this very record to answers "not stored" (it holds one as new): a record
+        stored everywhere read as refused ("heartbeat not stored in the DHT" in clean runs). So a refusal
+        is checked by reading the record back: True if the DHT holds this one or a newer one."""
+        if self._store("peers", self._own(record), ttl, subkey=record.peer_id):
+            return True
+        held = self.get_peers()[0].get(record.peer_id)
+        return held is not None and held.seq >= record.seq
 
     def get_peers(self) -> tuple[dict[str, PeerRecord], list[str]]:
         """Valid peer records by id, and the reasons any others were refused."""
