@@ -116,6 +116,7 @@ class Coordinator:
         manifest = bootstrap.manifest(self.cfg, s, self.info, f"{host}:{self.grpc.port}", self.checkpointer.served,
                                       self.gate.ca.cert_pem.decode())
         self.publisher, self.info.samples = Publisher(self.node, manifest, self.gate.admission.revoked), manifest.data.samples
+        self.info.checkpoint_version = manifest.checkpoint_version
         self.publisher.publish(self.rounds.rounds.values())
         self._event("started", "", f"coordinator {__version__} serving run {self.run_id} at step {self.rounds.committed}")
         bootstrap.announce(self.info, self.publisher.manifest, self.rounds.committed, self.cfg, self.ready_file)
@@ -187,6 +188,7 @@ class Coordinator:
                 self.rounds.adopt_checkpoint(done.checkpoint)
                 self.state.checkpoints = [p.name for p in self.checkpointer.store.manifests()]
                 self.publisher.update(checkpoint_version=done.version)
+                self.info.checkpoint_version = done.version
                 self._event("checkpoint", "", f"v{done.version} written to {done.path.name}")
             else:
                 log.warning("checkpoint of v%d not written: %s", done.version, done.reason)
