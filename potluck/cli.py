@@ -26,10 +26,10 @@ DESCRIPTION = "Train one transformer on GPUs that volunteers lend over the inter
 
 QUICKSTART = """\
 quick start:
-  potluck demo                                 a whole swarm on this machine
-  potluck coordinator --config run.toml        host a run: prints its address
-  potluck peer --join /ip4/.../p2p/12D3KooW... lend this machine to that run
-  potluck status 127.0.0.1:8080                watch it from a terminal
+  potluck demo                                    a whole swarm on this machine
+  potluck coordinator --config examples/run.toml  host a run: prints its address
+  potluck peer --join /ip4/.../p2p/12D3KooW...    lend this machine to that run
+  potluck status 127.0.0.1:8080                   watch it from a terminal
 
 'potluck COMMAND --help' describes a command and its flags, with examples."""
 
@@ -347,10 +347,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def set_without_equals(argv: list[str]) -> str:
+    """``--set FIELD VALUE`` (a space where the ``=`` goes): the spelling that works, or ''."""
+    for i, word in enumerate(argv[:-1]):
+        if word == "--set" and "=" not in argv[i + 1]:
+            value = argv[i + 2] if i + 2 < len(argv) and not argv[i + 2].startswith("-") else "VALUE"
+            return f"--set takes SECTION.FIELD=VALUE as one word: --set {argv[i + 1]}={value}"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TORCHELASTIC_RUN_ID"):  # a torchrun worker: its launcher is its parent, torchrun's agent
         os.environ[DIE_WITH_ENV] = str(os.getppid())
     die_with_launcher()
+    words = sys.argv[1:] if argv is None else argv
+    hint = set_without_equals(words)
+    if hint:  # (argparse would say "unrecognized arguments: 10", or the value would be read as the field)
+        command = next((w for w in words if not w.startswith("-")), "")
+        print(f"potluck {command}: error: {hint}".replace("potluck : ", "potluck: "), file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args) or 0)

@@ -90,7 +90,7 @@ EXAMPLES = """\
 examples:
   potluck export --journal-dir potluck-run --out model.pt
   potluck export --journal-dir potluck-run --step 8 --out step8.safetensors
-  potluck export --journal-dir potluck-run --out model-hf   a Hugging Face folder
+  potluck export --journal-dir llama-run --out model-hf   a Hugging Face folder
   potluck export --journal-dir potluck-run --out model.pt --force
 
 then, in Python (a .pt file; for a .safetensors file and a folder the command
