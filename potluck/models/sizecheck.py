@@ -37,7 +37,7 @@ EVAL_BATCH = 64  # samples a peer evaluates at once (peer/stage.py)
 GiB = 1 << 30
 REFUSE_BYTES = 2 * 10**12  # more than any machine a volunteer lends one process (8 x H200 hold 1.1 TB together)
 WARN_BYTES = 24 * GiB  # more than a volunteer's GPU (an RTX 4090's 24 GB) holds
-# fields a run's size comes from, and where their defaults live (the one to lower is named in a refusal)
+# the fields a run's size comes from: a refusal or warning names the one whose default would shrink it most
 SIZE_FIELDS = ("model.d_model", "model.n_layers", "model.d_ff", "model.vocab_size", "model.seq_len",
                "train.batch_size")
 
@@ -69,7 +69,7 @@ def count(n: float) -> str:
     for unit, size in (("T", 1e12), ("B", 1e9)):
         if n >= size:
             return f"{n / size:,.1f}{unit}"
-    return f"{n / 1e6:.1f}M" if n >= 1e7 or n < 1e5 else f"{n / 1e6:.2f}M"
+    return f"{n / 1e6:.1f}M" if n >= 1e7 else f"{n / 1e6:.2f}M"
 
 
 def human(n: float) -> str:
