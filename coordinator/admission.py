@@ -179,9 +179,9 @@ class Gatekeeper:
                 continue
             key = (pid, req.seq)
             if key not in self._in_use_seen:
-                rec = records.get(pid)
+                rec = records.get(pid)  # the running process's record, if it still heartbeats and said no goodbye
                 live = rec is not None and rec.state not in ("left", "finished") and rec.started_at < req.ts
-                self._in_use_seen[key] = in_use_message(pid, rec) if live and answers(rec) else ""  # type: ignore[arg-type]
+                self._in_use_seen[key] = in_use_message(pid, rec) if rec is not None and live and answers(rec) else ""
             if self._in_use_seen[key]:
                 out[pid] = self._in_use_seen[key]
         self._in_use_seen = {k: v for k, v in self._in_use_seen.items() if k[0] in requests}
