@@ -33,11 +33,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from potluck.coordinator.journal import kept_secret
+from potluck.coordinator.service import answers
 from potluck.protos.certs import CertError, CertificateAuthority, TlsIdentity, fingerprint, token_proof
 from potluck.protos.config import RunConfig
 from potluck.protos.log import get_logger, short_id
 from potluck.protos.records import AdmissionRequest, Certificate, PeerRecord, Round
 from potluck.protos.swarm import SwarmNode
+from potluck.protos.transport import PeerClient
 
 log = get_logger(__name__)
 
@@ -142,6 +144,7 @@ class Gatekeeper:
 
     def __init__(self, cfg: RunConfig, run_id: str, me: str, journal_dir: Path, revoked: list[str]) -> None:
         a = cfg.admission
+        self.run_id, self.me = run_id, me
         self.ca = CertificateAuthority.load_or_create(journal_dir / "ca.key", me)
         self.tls = TlsIdentity.generate()  # the coordinator's own, for its server and its calls to peers
         self.tls.adopt(self.ca.issue(me, self.tls.public_pem, 30 * 86400.0), self.ca.cert_pem, me)
@@ -154,12 +157,13 @@ class Gatekeeper:
         self._in_use_seen: dict[tuple[str, int], str] = {}  # (peer, request seq) -> why refused ('' if not)
 
     def tick(self, node: SwarmNode, records: dict[str, PeerRecord], round_at: Callable[[int], Round | None],
-             answers: Callable[[PeerRecord], bool] = lambda rec: False) -> tuple[dict[str, PeerRecord], list[tuple[str, str]]]:
+             client: PeerClient | None = None) -> tuple[dict[str, PeerRecord], list[tuple[str, str]]]:
         """Answer admission requests; the records of admitted peers, and events as (peer, message):
-        admissions refused, evictions, heartbeats of strangers ignored. ``answers(record)``: does the
-        process that published ``record`` still answer at its address (a ping)?"""
+        admissions refused, evictions, heartbeats of strangers ignored. ``client`` pings a running process
+        of an identity a new process asks for (without one, nobody is taken for running)."""
         requests, refused = node.get_admissions()
-        certs, events = self.admission.review(requests, in_use=self._in_use(requests, records, answers))
+        still_there = (lambda rec: answers(client, self.run_id, self.me, rec)) if client is not None else (lambda rec: False)
+        certs, events = self.admission.review(requests, in_use=self._in_use(requests, records, still_there))
         self._unsent += certs  # reviewed answers are not reviewed again: each is stored, whatever it takes
         while self._unsent:  # (a DHTTimeout leaves the rest for the next tick)
             node.publish_certificate(self._unsent[0], ttl=CERT_TTL_S)

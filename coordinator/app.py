@@ -26,14 +26,13 @@ from potluck.coordinator import bootstrap, history
 from potluck.coordinator.admission import Gatekeeper
 from potluck.coordinator.checkpointer import Checkpointer, Job, Written
 from potluck.coordinator.journal import JournalError
-from potluck.coordinator.membership import PeerTable, describe
+from potluck.coordinator.membership import PeerTable, announce
 from potluck.coordinator.placement import PlacementWorker, grid_for, members
 from potluck.coordinator.publisher import Publisher
 from potluck.coordinator.rounds import Committed, Failed, RolledBack, Rounds, describe_round
-from potluck.coordinator.service import CoordinatorService, answers, reachable
+from potluck.coordinator.service import CoordinatorService, reachable
 from potluck.coordinator.snapshot import RunInfo, Series, build
 from potluck.coordinator.status import StatusServer
-from potluck.models import sizecheck
 from potluck.protos.config import ConfigError, RunConfig
 from potluck.protos.errors import CannotBind
 from potluck.protos.faults import fault
@@ -57,7 +56,6 @@ class Coordinator:
         self.journal, self.state = bootstrap.open_journal(cfg)  # checks the run first: a refused one writes nothing
         self.identity = Identity.load_or_create(Path(c.journal_dir) / "identity.key")
         self.id = self.identity.peer_id
-        self.size = sizecheck.estimate(cfg)  # what one peer needs: checked against each joiner's device
         self.run_id = self.state.run_id
         self.table = PeerTable(cfg.membership.heartbeat_timeout_s)
         self.rounds = Rounds.for_run(cfg)
@@ -116,7 +114,6 @@ class Coordinator:
         manifest = bootstrap.manifest(self.cfg, s, self.info, f"{host}:{self.grpc.port}", self.checkpointer.served,
                                       self.gate.ca.cert_pem.decode())
         self.publisher, self.info.samples = Publisher(self.node, manifest, self.gate.admission.revoked), manifest.data.samples
-        self.info.checkpoint_version = manifest.checkpoint_version
         self.publisher.publish(self.rounds.rounds.values())
         self._event("started", "", f"coordinator {__version__} serving run {self.run_id} at step {self.rounds.committed}")
         bootstrap.announce(self.info, self.publisher.manifest, self.rounds.committed, self.cfg, self.ready_file)
@@ -141,17 +138,12 @@ class Coordinator:
         now = time.monotonic()
         if now - self._links_read_at > 5.0:  # for placement and the status page's heatmap
             self._links_read_at, self.links = now, self._read(self.node.get_links) or self.links
-        records, events = self.gate.tick(self.node, self._read(self.node.get_peers) or {}, self.rounds.round_at,
-                                         lambda rec: answers(self.client, self.run_id, self.id, rec))
+        records, events = self.gate.tick(self.node, self._read(self.node.get_peers) or {}, self.rounds.round_at, self.client)
         for pid, message in events:
             self._event("evicted" if "evicted" in message else "rejected", pid, message)
         self.publisher.revoked_changed()
-        for kind, pid in self.table.update(records, now):
-            rec = self.table.peers[pid].record
-            self._event(kind, pid, describe(kind, rec, self.cfg.membership.heartbeat_timeout_s))
-            small = sizecheck.peer_note(self.size, rec.device_name or rec.device, rec.memory_gb) if kind == "joined" else ""
-            if small:
-                self._event("memory", pid, small, warn=True)
+        for kind, pid, message, warn in announce(self.table.update(records, now), self.table, self.cfg):
+            self._event(kind, pid, message, warn)
         for ev in self.rounds.observe(self.table.reports(), now, self.checkpointer.checkpoint()):
             self._on(ev)
         self._checkpoints_done()
@@ -162,7 +154,7 @@ class Coordinator:
         if added or self._dirty:
             self._save()
         self.publisher.publish(self.rounds.rounds.values())
-        self.info.finished = self.state.finished
+        self.info.finished, self.info.checkpoint_version = self.state.finished, self.publisher.manifest.checkpoint_version
         self._snapshot = build(self.info, self.cfg, list(self.table.peers.values()), self.rounds, self.state.history,
                                self.state.rolled_back, self.events, self.series, self.links)
 
@@ -188,7 +180,6 @@ class Coordinator:
                 self.rounds.adopt_checkpoint(done.checkpoint)
                 self.state.checkpoints = [p.name for p in self.checkpointer.store.manifests()]
                 self.publisher.update(checkpoint_version=done.version)
-                self.info.checkpoint_version = done.version
                 self._event("checkpoint", "", f"v{done.version} written to {done.path.name}")
             else:
                 log.warning("checkpoint of v%d not written: %s", done.version, done.reason)

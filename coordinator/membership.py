@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 
 from potluck.coordinator.rounds import Report
+from potluck.models import sizecheck
+from potluck.protos.config import RunConfig
 from potluck.protos.records import PeerRecord
 
 GONE_STATES = {"left", "finished"}
@@ -94,3 +96,17 @@ def describe(kind: str, rec: PeerRecord, timeout_s: float) -> str:
     """The event-log line for a membership change."""
     return {"joined": f"joined from {rec.address} ({rec.device_name or rec.device})", "left": "left the run",
             "back": "is back", "lost": f"lost: no heartbeat for {timeout_s:.0f} s"}[kind]
+
+
+def announce(events: list[tuple[str, str]], table: PeerTable, cfg: RunConfig) -> list[tuple[str, str, str, bool]]:
+    """The event-log entries ``(kind, peer, message, warn)`` for membership changes: each change, and a
+    ``memory`` warning for a joiner whose device holds less than the run needs a peer."""
+    out = []
+    for kind, pid in events:
+        rec = table.peers[pid].record
+        out.append((kind, pid, describe(kind, rec, cfg.membership.heartbeat_timeout_s), False))
+        small = sizecheck.peer_note(sizecheck.estimate(cfg), rec.device_name or rec.device, rec.memory_gb) \
+            if kind == "joined" and rec.memory_gb else ""
+        if small:
+            out.append(("memory", pid, small, True))
+    return out
