@@ -9,6 +9,12 @@ each admitted peer with a certificate for that TLS key (:mod:`potluck.protos.cer
 heartbeating; an evicted peer gets none, and its id goes on the plan's revocation list, so every
 peer refuses its calls at once.
 
+One identity is one peer. A request naming a new TLS key for an admitted peer id is a new process of
+that identity: a restart (the old process said goodbye, or died: its address no longer answers)
+is admitted; while the old process still answers at the address of its live record, the key is live
+in two places (a copied ``~/.potluck``), and the newcomer is refused, in one line telling it to use
+a key of its own. The running peer is not touched: the newcomer never heartbeats under its id.
+
 Policy (``admission`` section of the run file):
 
 * ``open`` (the default, volunteer runs): any key is admitted, at most ``max_per_minute`` new
@@ -27,11 +33,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from potluck.coordinator.journal import kept_secret
+from potluck.coordinator.service import answers
 from potluck.protos.certs import CertError, CertificateAuthority, TlsIdentity, fingerprint, token_proof
 from potluck.protos.config import RunConfig
 from potluck.protos.log import get_logger, short_id
 from potluck.protos.records import AdmissionRequest, Certificate, PeerRecord, Round
 from potluck.protos.swarm import SwarmNode
+from potluck.protos.transport import PeerClient
 
 log = get_logger(__name__)
 
@@ -57,16 +65,19 @@ class Admission:
     _recent: deque = field(default_factory=deque)  # wall times of recent new admissions
     _answered: dict[str, int] = field(default_factory=dict)  # peer -> seq of the request last refused
 
-    def review(self, requests: dict[str, AdmissionRequest], now: float | None = None) -> tuple[list[Certificate], list[str]]:
+    def review(self, requests: dict[str, AdmissionRequest], now: float | None = None,
+               in_use: dict[str, str] | None = None) -> tuple[list[Certificate], list[str]]:
         """Certificate records to publish (new admissions, renewals, and refusals that tell the peer
-        why), and refusals worth an event. Only requests not answered yet get an answer."""
+        why), and refusals worth an event. Only requests not answered yet get an answer. ``in_use``:
+        peers whose identity another live process holds, and what to tell them."""
         now = time.time() if now is None else now
+        in_use = in_use or {}
         out: list[Certificate] = []
         refused: list[str] = []
         while self._recent and now - self._recent[0] > 60.0:
             self._recent.popleft()
         for pid, req in sorted(requests.items(), key=lambda kv: kv[1].ts):
-            reason = self._refusal(pid, req)
+            reason = in_use.get(pid) or self._refusal(pid, req)
             if reason:
                 if self._answered.get(pid) != req.seq:
                     self._answered[pid] = req.seq
@@ -107,6 +118,11 @@ class Admission:
             return ""
         return "this run is private: it needs the join token (potluck peer --token) or an allowlisted key"
 
+    def new_process(self, pid: str, req: AdmissionRequest) -> bool:
+        """Does ``req`` come from another process than the one admitted as ``pid`` (a new TLS key)?"""
+        have = self.admitted.get(pid)
+        return have is not None and have.tls_fingerprint != fingerprint(req.tls_key.encode())
+
     def is_admitted(self, peer_id: str, now: float | None = None) -> bool:
         now = time.time() if now is None else now
         a = self.admitted.get(peer_id)
@@ -128,6 +144,7 @@ class Gatekeeper:
 
     def __init__(self, cfg: RunConfig, run_id: str, me: str, journal_dir: Path, revoked: list[str]) -> None:
         a = cfg.admission
+        self.run_id, self.me = run_id, me
         self.ca = CertificateAuthority.load_or_create(journal_dir / "ca.key", me)
         self.tls = TlsIdentity.generate()  # the coordinator's own, for its server and its calls to peers
         self.tls.adopt(self.ca.issue(me, self.tls.public_pem, 30 * 86400.0), self.ca.cert_pem, me)
@@ -137,13 +154,16 @@ class Gatekeeper:
         self.evict_after = a.evict_after
         self._flagged: dict[str, dict[int, bool]] = {}  # peer -> step -> clipped or rejected by some owner
         self._unsent: list[Certificate] = []  # answers reviewed but not stored yet
+        self._in_use_seen: dict[tuple[str, int], str] = {}  # (peer, request seq) -> why refused ('' if not)
 
-    def tick(self, node: SwarmNode, records: dict[str, PeerRecord],
-             round_at: Callable[[int], Round | None]) -> tuple[dict[str, PeerRecord], list[tuple[str, str]]]:
+    def tick(self, node: SwarmNode, records: dict[str, PeerRecord], round_at: Callable[[int], Round | None],
+             client: PeerClient | None = None) -> tuple[dict[str, PeerRecord], list[tuple[str, str]]]:
         """Answer admission requests; the records of admitted peers, and events as (peer, message):
-        admissions refused, evictions, heartbeats of strangers ignored."""
+        admissions refused, evictions, heartbeats of strangers ignored. ``client`` pings a running process
+        of an identity a new process asks for (without one, nobody is taken for running)."""
         requests, refused = node.get_admissions()
-        certs, events = self.admission.review(requests)
+        still_there = (lambda rec: answers(client, self.run_id, self.me, rec)) if client is not None else (lambda rec: False)
+        certs, events = self.admission.review(requests, in_use=self._in_use(requests, records, still_there))
         self._unsent += certs  # reviewed answers are not reviewed again: each is stored, whatever it takes
         while self._unsent:  # (a DHTTimeout leaves the rest for the next tick)
             node.publish_certificate(self._unsent[0], ttl=CERT_TTL_S)
@@ -152,6 +172,24 @@ class Gatekeeper:
         kept = {pid: r for pid, r in records.items() if self.admission.is_admitted(pid)}
         strangers = sorted(set(records) - set(kept) - self.admission.revoked)
         return kept, out + [(p, "heartbeat ignored: not admitted") for p in strangers[:3]]
+
+    def _in_use(self, requests: dict[str, AdmissionRequest], records: dict[str, PeerRecord],
+                answers: Callable[[PeerRecord], bool]) -> dict[str, str]:
+        """Requests from a second live process of an admitted identity, and what to tell it (each request
+        is looked at once: a restart is admitted, a copy refused)."""
+        out: dict[str, str] = {}
+        for pid, req in requests.items():
+            if not self.admission.new_process(pid, req):
+                continue
+            key = (pid, req.seq)
+            if key not in self._in_use_seen:
+                rec = records.get(pid)  # the running process's record, if it still heartbeats and said no goodbye
+                live = rec is not None and rec.state not in ("left", "finished") and rec.started_at < req.ts
+                self._in_use_seen[key] = in_use_message(pid, rec) if rec is not None and live and answers(rec) else ""
+            if self._in_use_seen[key]:
+                out[pid] = self._in_use_seen[key]
+        self._in_use_seen = {k: v for k, v in self._in_use_seen.items() if k[0] in requests}
+        return out
 
     def _evictions(self, records: dict[str, PeerRecord], round_at: Callable[[int], Round | None]) -> list[tuple[str, str]]:
         """Owners sign whom they clipped or rejected, and every member of a stage applies the same results, so
@@ -183,6 +221,13 @@ class Gatekeeper:
 
     def revoked(self, peer_id: str) -> bool:
         return peer_id in self.admission.revoked
+
+
+def in_use_message(pid: str, running: PeerRecord) -> str:
+    """What a second process of one identity is told (one line, naming the fix)."""
+    since = time.strftime("%H:%M:%S", time.localtime(running.started_at)) if running.started_at else "earlier"
+    return (f"peer {short_id(pid)} is already running with this identity, at {running.address} (since {since}); one "
+            "identity is one peer: give this one its own key with --identity FILE (a missing FILE is created)")
 
 
 def join_token(journal_dir: Path) -> str:

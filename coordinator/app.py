@@ -26,7 +26,7 @@ from potluck.coordinator import bootstrap, history
 from potluck.coordinator.admission import Gatekeeper
 from potluck.coordinator.checkpointer import Checkpointer, Job, Written
 from potluck.coordinator.journal import JournalError
-from potluck.coordinator.membership import PeerTable, describe
+from potluck.coordinator.membership import PeerTable, announce
 from potluck.coordinator.placement import PlacementWorker, grid_for, members
 from potluck.coordinator.publisher import Publisher
 from potluck.coordinator.rounds import Committed, Failed, RolledBack, Rounds, describe_round
@@ -48,13 +48,14 @@ class Coordinator:
     def __init__(self, cfg: RunConfig, *, exit_when_finished: bool = False, ready_file: str | None = None) -> None:
         c = cfg.coordinator
         self.cfg, self.exit_when_finished, self.ready_file = cfg, exit_when_finished, ready_file
+        set_context(role="coordinator")  # (its id once its identity is loaded, below)
         self.stopping = threading.Event()
         self._admin: queue.SimpleQueue[str] = queue.SimpleQueue()  # admin requests from the status server
         self.events: deque[dict[str, Any]] = deque(maxlen=500)
         self.traffic = Traffic()
+        self.journal, self.state = bootstrap.open_journal(cfg)  # checks the run first: a refused one writes nothing
         self.identity = Identity.load_or_create(Path(c.journal_dir) / "identity.key")
         self.id = self.identity.peer_id
-        self.journal, self.state = bootstrap.open_journal(cfg)
         self.run_id = self.state.run_id
         self.table = PeerTable(cfg.membership.heartbeat_timeout_s)
         self.rounds = Rounds.for_run(cfg)
@@ -137,13 +138,12 @@ class Coordinator:
         now = time.monotonic()
         if now - self._links_read_at > 5.0:  # for placement and the status page's heatmap
             self._links_read_at, self.links = now, self._read(self.node.get_links) or self.links
-        records, events = self.gate.tick(self.node, self._read(self.node.get_peers) or {}, self.rounds.round_at)
+        records, events = self.gate.tick(self.node, self._read(self.node.get_peers) or {}, self.rounds.round_at, self.client)
         for pid, message in events:
             self._event("evicted" if "evicted" in message else "rejected", pid, message)
         self.publisher.revoked_changed()
-        for kind, pid in self.table.update(records, now):
-            rec = self.table.peers[pid].record
-            self._event(kind, pid, describe(kind, rec, self.cfg.membership.heartbeat_timeout_s))
+        for kind, pid, message, warn in announce(self.table.update(records, now), self.table, self.cfg):
+            self._event(kind, pid, message, warn)
         for ev in self.rounds.observe(self.table.reports(), now, self.checkpointer.checkpoint()):
             self._on(ev)
         self._checkpoints_done()
@@ -154,7 +154,7 @@ class Coordinator:
         if added or self._dirty:
             self._save()
         self.publisher.publish(self.rounds.rounds.values())
-        self.info.finished = self.state.finished
+        self.info.finished, self.info.checkpoint_version = self.state.finished, self.publisher.manifest.checkpoint_version
         self._snapshot = build(self.info, self.cfg, list(self.table.peers.values()), self.rounds, self.state.history,
                                self.state.rolled_back, self.events, self.series, self.links)
 
@@ -234,10 +234,10 @@ class Coordinator:
             self._event("rejected", "", reason)
         return records
 
-    def _event(self, kind: str, peer: str, message: str) -> None:
+    def _event(self, kind: str, peer: str, message: str, warn: bool = False) -> None:
         self.events.append({"t": time.time(), "kind": kind, "peer": peer, "message": message})
         if kind != "round":
-            log.info("%s%s", f"{short_id(peer)} " if peer else "", message)
+            (log.warning if warn else log.info)("%s%s", f"{short_id(peer)} " if peer else "", message)
 
     def _admin_finish(self, body: dict) -> dict:
         """Admin action (on a status server thread): the loop ends the run at the committed step."""

@@ -4,9 +4,9 @@ Restarted with the same journal directory, a coordinator keeps its identity (so 
 stays valid), resumes at the committed outer step, and rejoins the swarm its peers kept running
 through the peer addresses its journal remembers.
 
-Nothing is written before the run passed :func:`~potluck.protos.runcheck.check_run`: a run its peers
-could not train is refused in one line, and the fixed run file starts afresh (a journal that never
-committed a step pins no config).
+Nothing is written before the run passed its :func:`~potluck.coordinator.preflight.preflight`: a run its
+peers could not train (no corpus, too big for any peer, another run's journal) is refused in one line,
+and the fixed run file starts afresh (a journal that never committed a step pins no config).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from pathlib import Path
 
 from potluck.coordinator import history
 from potluck.coordinator.checkpointer import Served
-from potluck.coordinator.journal import Journal, JournalError, JournalState, kept_secret, write_atomic
+from potluck.coordinator.journal import Journal, JournalState, changed_sections, kept_secret, write_atomic
+from potluck.coordinator.preflight import preflight
 from potluck.coordinator.rounds import Rounds
 from potluck.coordinator.snapshot import RunInfo
 from potluck.coordinator.status import StatusServer
@@ -27,51 +28,40 @@ from potluck.coordinator.status_tls import status_tls
 from potluck.data import DataError
 from potluck.data.corpus import ShardCorpus, locate
 from potluck.protos.certs import TlsIdentity
-from potluck.protos.config import ConfigError, CoordinatorConfig, RunConfig, known_fields_only, parse_config
+from potluck.protos.config import ConfigError, CoordinatorConfig, RunConfig
 from potluck.protos.identity import Identity
 from potluck.protos.log import get_logger
 from potluck.protos.records import DataIdentity, Manifest, next_seq
+from potluck.protos.refusals import log_refusal
 from potluck.protos.relay import RelayHub
-from potluck.protos.runcheck import check_run, file_identity, markov_identity, non_public
+from potluck.protos.runcheck import file_identity, markov_identity, non_public
 from potluck.protos.swarm import JoinError, SwarmNode, guess_reachable_host, host_of_multiaddr
 from potluck.protos.transport import Handlers, PeerServer, Traffic
 
 log = get_logger(__name__)
 
-# What a resumed run may change: how the model is laid out and how peers are managed, not what is
-# trained (model, data, optimizers, codec) -- a universal checkpoint re-splits into any stage count.
-RESUMABLE_SECTIONS = {"pipeline", "membership", "links", "diloco"}
-
-
 def open_journal(cfg: RunConfig) -> tuple[Journal, JournalState]:
     """The run's journal: resumed if it exists and fits ``cfg``, else a new one.
 
-    Raises ConfigError (before anything is written) if the run cannot be trained."""
-    for note in check_run(cfg).notes:
-        log.warning("%s", note)
+    Raises ConfigError or JournalError (before anything is written) if the run cannot be trained."""
+    checked = preflight(cfg)
+    for note in checked.notes:
+        log.info("%s", note)
+    for warning in checked.warnings:
+        log.warning("%s", warning)
     if cfg.data.source in ("shards", "hf"):
         log.info("the run's data: %s", shard_identity(cfg))
     journal = Journal(cfg.coordinator.journal_dir)
     state = journal.load()
-    sections = cfg.manifest_sections()
     if state is None or not state.committed_run():
         run_id = cfg.run_id or (state.run_id if state else "") or f"run-{secrets.token_hex(3)}"
-        fresh = JournalState(run_id=run_id, config=sections, created_at=time.time())
+        fresh = JournalState(run_id=run_id, config=cfg.manifest_sections(), created_at=time.time())
         journal.save(fresh)
         return journal, fresh
-    if cfg.run_id and cfg.run_id != state.run_id:
-        raise JournalError(f"{journal.path} belongs to run {state.run_id!r}, not {cfg.run_id!r}; use another journal_dir")
-    stored = _with_defaults(state.config)  # fields added since the journal was written take their defaults
-    changed = sorted(k for k in set(stored) | set(sections) if stored.get(k) != sections.get(k))
-    fixed = [k for k in changed if k not in RESUMABLE_SECTIONS]
-    if fixed:
-        raise JournalError(
-            f"{journal.path} was written with a different config (sections differ: {', '.join(fixed)}); "
-            f"resume with the same values there (only {', '.join(sorted(RESUMABLE_SECTIONS))} may change) "
-            "or use another journal_dir")
+    changed = changed_sections(journal.path, state, cfg)
     if changed:
-        log.warning("resuming run %s with changed config sections: %s", state.run_id, ", ".join(changed))
-        state.config = sections
+        log.info("resuming run %s with changed config sections: %s", state.run_id, ", ".join(changed))
+        state.config = cfg.manifest_sections()
         if state.finished and state.committed < cfg.diloco.outer_steps:
             state.finished = False  # the run was extended
         journal.save(state)
@@ -107,14 +97,6 @@ def manifest(cfg: RunConfig, state: JournalState, info: RunInfo, grpc_address: s
                     finished=state.finished, seq=next_seq(), checkpoint_every=c.checkpoint_every,
                     checkpoint_version=served.version if served else 0, data=data_identity(cfg),
                     security="insecure" if c.insecure else "mtls", admission=cfg.admission.mode, ca_pem=ca_pem)
-
-
-def _with_defaults(sections: dict) -> dict:
-    try:
-        known, _ = known_fields_only(RunConfig, dict(sections))
-        return parse_config(known, source="the journal's config").manifest_sections()
-    except ConfigError:
-        return sections
 
 
 def start_node(identity: Identity, identity_path: Path, c: CoordinatorConfig, known: list[str]) -> SwarmNode:
@@ -218,7 +200,8 @@ def grpc_server(service: Handlers, traffic: Traffic, c: CoordinatorConfig, tls: 
                 revoked: Callable[[str], bool], run_id: str) -> PeerServer:
     """The coordinator's gRPC server: checkpoints for recovering peers, pings, and the relay through
     which peers that accept no connections (``potluck peer --relay``) are reached."""
-    return PeerServer(service, traffic, host=c.host, port=c.grpc_port, tls=tls, revoked=revoked, relay=RelayHub(run_id))
+    return PeerServer(service, traffic, host=c.host, port=c.grpc_port, tls=tls, revoked=revoked, relay=RelayHub(run_id),
+                      on_reject=log_refusal)
 
 
 def status_server(c: CoordinatorConfig, host: str, snapshot: Callable[[], dict], actions: dict) -> tuple[StatusServer, str]:

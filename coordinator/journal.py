@@ -16,10 +16,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from potluck.protos.config import ConfigError, RunConfig, known_fields_only, parse_config
 from potluck.protos.records import Round
 
 JOURNAL_VERSION = 2
 KEEP_ROUNDS = 16
+# What a resumed run may change: how the model is laid out and how peers are managed, not what is
+# trained (model, data, optimizers, codec) -- a universal checkpoint re-splits into any stage count.
+RESUMABLE_SECTIONS = {"pipeline", "membership", "links", "diloco"}
 
 
 class JournalError(RuntimeError):
@@ -92,6 +96,46 @@ def kept_secret(path: Path, env: str) -> str:
     return token
 
 
+def changed_sections(path: Path, state: JournalState, cfg: RunConfig) -> list[str]:
+    """The config sections ``cfg`` changes in the run a journal holds; JournalError, in one line naming both
+    ways out, when the journal committed steps of another run or of another model, data or optimizer."""
+    if not state.committed_run():
+        return []  # a journal that never committed a step pins no config
+    folder = path.parent
+    fresh = f"start a new run with another --journal-dir, or remove {folder} to start this one over"
+    if cfg.run_id and cfg.run_id != state.run_id:
+        raise JournalError(f"{folder} holds run {state.run_id!r}, not {cfg.run_id!r}: {fresh}")
+    stored, sections = _with_defaults(state.config), cfg.manifest_sections()
+    changed = sorted(k for k in set(stored) | set(sections) if stored.get(k) != sections.get(k))
+    fixed = [k for k in changed if k not in RESUMABLE_SECTIONS]
+    if fixed:
+        raise JournalError(
+            f"{folder} holds run {state.run_id!r} (at outer step {state.committed}), written with a different config "
+            f"(sections differ: {', '.join(fixed)}): resume it with the same values there (only "
+            f"{', '.join(sorted(RESUMABLE_SECTIONS))} may change), {fresh}")
+    return changed
+
+
+def _with_defaults(sections: dict) -> dict:
+    """A journal's config with the fields added since it was written at their defaults."""
+    try:
+        known, _ = known_fields_only(RunConfig, dict(sections))
+        return parse_config(known, source="the journal's config").manifest_sections()
+    except ConfigError:
+        return sections
+
+
+def read_journal(directory: str | Path) -> JournalState | None:
+    """The journal in ``directory``, or None; reads only (creates nothing)."""
+    path = Path(directory) / "journal.json"
+    if not path.exists():
+        return None
+    try:
+        return JournalState.model_validate_json(path.read_bytes())
+    except (ValidationError, ValueError) as err:
+        raise JournalError(f"{path} is not a readable potluck journal: {err}") from None
+
+
 class Journal:
     def __init__(self, directory: str | Path) -> None:
         self.dir = Path(directory)
@@ -99,12 +143,7 @@ class Journal:
         self.path = self.dir / "journal.json"
 
     def load(self) -> JournalState | None:
-        if not self.path.exists():
-            return None
-        try:
-            return JournalState.model_validate_json(self.path.read_bytes())
-        except (ValidationError, ValueError) as err:
-            raise JournalError(f"{self.path} is not a readable potluck journal: {err}") from None
+        return read_journal(self.dir)
 
     def save(self, state: JournalState) -> None:
         state.rounds = sorted(state.rounds, key=lambda r: r.step)[-KEEP_ROUNDS:]

@@ -2,8 +2,10 @@
 
 A peer is *live* while its record is fresher than ``heartbeat_timeout_s`` (by our monotonic clock,
 when a record with a higher ``seq`` last arrived) and it has not said goodbye (state ``left`` or
-``finished``). :meth:`PeerTable.update` folds fresh records in and returns what changed (joined,
-left, lost, back) for the event log. What the peers *do* -- the rounds they run -- is
+``finished``) since its last heartbeat: a volunteer restarts a peer with the same key (its
+``~/.potluck/peer.key``), and the restarted process is the same peer, back.
+:meth:`PeerTable.update` folds fresh records in and returns what changed (joined, left, lost, back)
+for the event log. What the peers *do* -- the rounds they run -- is
 :mod:`potluck.coordinator.rounds`' business; this table only knows who is there.
 """
 
@@ -13,6 +15,8 @@ import time
 from dataclasses import dataclass
 
 from potluck.coordinator.rounds import Report
+from potluck.models import sizecheck
+from potluck.protos.config import RunConfig
 from potluck.protos.records import PeerRecord
 
 GONE_STATES = {"left", "finished", "failed"}
@@ -52,7 +56,11 @@ class PeerTable:
         self.peers: dict[str, PeerView] = {}
 
     def update(self, records: dict[str, PeerRecord], now: float | None = None) -> list[tuple[str, str]]:
-        """Merge fresh records; returns events ``(kind, peer_id)``: joined, left, lost, back."""
+        """Merge fresh records; returns events ``(kind, peer_id)``: joined, left, lost, back.
+
+        Only a record newer than the one held (a higher ``seq``) changes anything: a DHT replica still
+        holding an old goodbye cannot send away a peer that came back. A peer that said goodbye and
+        heartbeats again (restarted with its key) is back, like one that was lost."""
         now = time.monotonic() if now is None else now
         events: list[tuple[str, str]] = []
         for pid, rec in records.items():
@@ -62,9 +70,11 @@ class PeerTable:
                 events.append(("joined", pid))
             elif rec.seq > view.record.seq:
                 view.record, view.last_seen = rec, now
-                if view.lost and rec.state not in GONE_STATES:
-                    view.lost = False
+                if (view.lost or view.left) and rec.state not in GONE_STATES:
+                    view.lost = view.left = False
                     events.append(("back", pid))
+            else:
+                continue
             if rec.state in GONE_STATES and not view.left:
                 view.left = True
                 events.append(("failed" if rec.state == "failed" else "left", pid))
@@ -87,3 +97,17 @@ def describe(kind: str, rec: PeerRecord, timeout_s: float) -> str:
     return {"joined": f"joined from {rec.address} ({rec.device_name or rec.device})", "left": "left the run",
             "failed": f"stopped on an error: {rec.error or 'no reason given'}",
             "back": "is back", "lost": f"lost: no heartbeat for {timeout_s:.0f} s"}[kind]
+
+
+def announce(events: list[tuple[str, str]], table: PeerTable, cfg: RunConfig) -> list[tuple[str, str, str, bool]]:
+    """The event-log entries ``(kind, peer, message, warn)`` for membership changes: each change, and a
+    ``memory`` warning for a joiner whose device holds less than the run needs a peer."""
+    out = []
+    for kind, pid in events:
+        rec = table.peers[pid].record
+        out.append((kind, pid, describe(kind, rec, cfg.membership.heartbeat_timeout_s), False))
+        small = sizecheck.peer_note(sizecheck.estimate(cfg), rec.device_name or rec.device, rec.memory_gb) \
+            if kind == "joined" and rec.memory_gb else ""
+        if small:
+            out.append(("memory", pid, small, True))
+    return out

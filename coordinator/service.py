@@ -41,6 +41,16 @@ class CoordinatorService:
     push_contribution = push_result = fetch_result = fetch_inputs = push_pipe = _unsupported
 
 
+def answers(client: PeerClient, run_id: str, me: str, rec: PeerRecord) -> bool:
+    """Does the process that published ``rec`` still answer at its address, as a peer of this run?"""
+    request = pb.PingRequest(header=pb.Header(run_id=run_id, sender=me), sent_at=time.time())
+    try:
+        reply = client.ping(rec.address, request, PING_TIMEOUT_S, peer=rec.peer_id)
+    except grpc.RpcError:
+        return False
+    return reply.peer_id == rec.peer_id and reply.state not in ("left", "finished")
+
+
 def reachable(client: PeerClient, run_id: str, me: str, records: Iterable[PeerRecord]) -> list[PeerRecord]:
     """The peers that answer a ping (in parallel): a live record of a dead process should not enter a round."""
     records = list(records)

@@ -38,6 +38,7 @@ class RunInfo:
     finished: bool
     fingerprint: str = ""  # SHA-256 of the status page's TLS certificate, if it has one
     samples: int = 0  # training samples of the run's data (the manifest's), for the data epoch
+    checkpoint_version: int = 0  # the newest checkpoint the coordinator holds (0: none)
 
 
 @dataclass
@@ -78,6 +79,32 @@ def peer_rows(views: Sequence[PeerView], tasklet_of: Mapping[str, dict[str, int]
             "error": r.error if r.state == "failed" else "",
         })
     return rows
+
+
+def step_rates(entries: Sequence[dict[str, Any]], cfg: RunConfig) -> list[dict[str, Any]]:
+    """History entries as the page shows them, each with the tokens its step trained and the rate of that:
+    over the seconds since the entry before it, so the inner steps and the sync of the outer step both
+    count (the instantaneous samples of ``series`` fall to 0 at every sync)."""
+    per_replica = cfg.diloco.inner_steps * cfg.train.batch_size * cfg.model.seq_len
+    out, prev = [], None
+    for h in entries:
+        entry = public(h)
+        stage0 = sum(1 for s in (h.get("stages") or {}).values() if s == 0) or h["members"] // max(1, cfg.pipeline.stages)
+        entry["tokens"] = stage0 * per_replica
+        dt = h["t"] - prev["t"] if prev is not None and h["step"] == prev["step"] + 1 else 0.0
+        entry["tokens_per_s"] = entry["tokens"] / dt if dt > 0 else None
+        out.append(entry)
+        prev = h
+    return out
+
+
+def model_export(cfg: RunConfig, version: int) -> dict[str, Any]:
+    """How to get the model out: the newest checkpoint, and the command that writes it (a journal dir given
+    as an absolute path is not shown on the public page: JOURNAL_DIR stands for it)."""
+    journal = cfg.coordinator.journal_dir
+    shown = "JOURNAL_DIR" if journal.startswith(("/", "~")) else journal
+    out = "model.pt" if cfg.model.family == "tiny" else "model-hf"
+    return {"version": version or None, "command": f"potluck export --journal-dir {shown} --out {out}"}
 
 
 def model_parameters(m: ModelConfig) -> int:
@@ -133,6 +160,7 @@ def build(run: RunInfo, cfg: RunConfig, views: Sequence[PeerView], rounds: Round
             "last_outer_at": history[-1]["t"] if history else None,
             "last_allreduce_s": history[-1]["outer_s"] if history else None,
             "waiting_reason": waiting_reason(cfg, rounds, live, run.finished, peers),
+            "model_export": model_export(cfg, run.checkpoint_version),
         },
         "grid": {
             "stages": stages, "replicas": replicas,
@@ -141,8 +169,8 @@ def build(run: RunInfo, cfg: RunConfig, views: Sequence[PeerView], rounds: Round
                       for mb in current.members] if current else [],
         },
         "round": current.model_dump(mode="json") if current else None,
-        "history": [public(h) for h in history[-500:]],
-        "rolled_back": [public(h) for h in rolled_back[-50:]],
+        "history": step_rates(history[-501:], cfg)[-500:],
+        "rolled_back": step_rates(rolled_back[-50:], cfg),
         "failed_rounds": [vars(o) if not isinstance(o, dict) else o for o in rounds.outcomes[-50:]],
         "series": list(series.samples),
         "peers": peers,

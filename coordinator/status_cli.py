@@ -120,6 +120,8 @@ def fetch(url: str, timeout: float, fingerprint: str | None = None) -> bytes:
             what = f"cannot resolve the host name ({reason.strerror})"
         elif isinstance(reason, TimeoutError):
             what = f"no answer within {timeout:g} s"
+        elif _plain_http(reason):
+            raise StatusUnavailable(_PLAIN.format(base=base, http="http" + base.removeprefix("https"))) from None
         else:
             what = str(reason)
         raise StatusUnavailable(f"cannot reach the status server at {base}: {what}. {hint}") from None
@@ -127,6 +129,17 @@ def fetch(url: str, timeout: float, fingerprint: str | None = None) -> bytes:
         raise StatusUnavailable(f"cannot reach the status server at {base}: no answer within {timeout:g} s. {hint}") from None
     except OSError as err:
         raise StatusUnavailable(f"cannot reach the status server at {base}: {err}. {hint}") from None
+
+
+_PLAIN = ("{base} answers plain HTTP, not HTTPS (its coordinator runs without --status-tls): read it as {http} "
+          "(no --fingerprint)")
+
+
+def _plain_http(err: object) -> bool:
+    """Is ``err`` a TLS handshake that met a plain-HTTP server (OpenSSL's WRONG_VERSION_NUMBER)?"""
+    import ssl
+
+    return isinstance(err, ssl.SSLError) and "WRONG_VERSION_NUMBER" in str(err)
 
 
 _BUSY = ("{base} is up but busy (at its connection limit) or has not built its first snapshot yet; "
@@ -165,6 +178,8 @@ def _fetch_pinned(url: str, timeout: float, fingerprint: str) -> bytes:
             raise StatusUnavailable(f"{url} answered HTTP {resp.status} {resp.reason}")
         return resp.read()
     except (OSError, http.client.HTTPException) as err:
+        if _plain_http(err):
+            raise StatusUnavailable(_PLAIN.format(base=base, http="http" + base.removeprefix("https"))) from None
         raise StatusUnavailable(f"cannot reach the status server at {base}: {err}") from None
     finally:
         conn.close()
@@ -254,6 +269,11 @@ def summary(state: dict[str, Any], peers: int = 20, colour: bool = False) -> str
     )
     if run.get("waiting_reason"):
         lines.append(paint(f"waiting: {run['waiting_reason']}", _YELLOW))
+    export = run.get("model_export") or {}
+    if run.get("finished") and export.get("version"):
+        lines.append(f"the model (v{export['version']}), on the coordinator's machine: {export['command']}")
+    elif not run.get("finished") and run.get("join_address"):
+        lines.append(f"lend a GPU: potluck peer --join {run['join_address']}")
     lines.append(f"snapshot {time.strftime('%H:%M:%S', time.localtime(gen))} (coordinator clock)")
 
     lines.append("")
@@ -308,6 +328,6 @@ def _peer_lines(table: list[dict[str, Any]], limit: int, timeout: float, paint: 
     out = [f"peers: {len(shown)} of {len(table)} (lost first{more})", header.rstrip()]
     for p, r in zip(shown, rows, strict=True):
         line = "  " + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True))
-        stale = (p.get("last_seen_s") or 0) > timeout
+        stale = (p.get("last_seen_s") or 0) > timeout and p["state"] not in ("left", "finished", "failed")
         out.append(paint(line.rstrip(), _RED if p["state"] in ("lost", "failed") or stale else _DIM if p["state"] in ("left", "finished") else ""))
     return out

@@ -27,7 +27,8 @@ from potluck.compression.transfer import Target
 from potluck.peer.allreduce import RoundInfo
 from potluck.peer.data import DataError
 from potluck.peer.follower import Finish, Follower, Recover, Switch, Train, Wait
-from potluck.peer.joining import Joined, Stopped, join, load_identity
+from potluck.peer.joining import Joined, Stopped, join
+from potluck.peer.keyfile import load_identity
 from potluck.peer.multidevice import Leader
 from potluck.peer.outersteps import OuterSteps
 from potluck.peer.pipeline import PipelineBroken
@@ -38,6 +39,7 @@ from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config import ConfigError, PeerConfig
 from potluck.protos.errors import CannotBind
 from potluck.protos.faults import fault
+from potluck.protos.identity import Identity
 from potluck.protos.log import get_logger, set_context
 from potluck.protos.netem import TopologyError
 from potluck.protos.records import PeerRecord, Round
@@ -49,9 +51,10 @@ log = get_logger(__name__)
 class Peer:
     """A volunteer's daemon: ``run()`` joins, trains until the run ends or ``stopping`` is set, leaves."""
 
-    def __init__(self, cfg: PeerConfig, progress: str = "auto", devices: Leader | None = None) -> None:
+    def __init__(self, cfg: PeerConfig, progress: str = "auto", devices: Leader | None = None,
+                 identity: Identity | None = None) -> None:
         self.cfg, self.devices = cfg, devices  # devices: rank 0 of a torchrun peer speaks for all its processes
-        self.identity = load_identity(cfg)
+        self.identity = identity or load_identity(cfg.identity)  # (the CLI claims it before the heavy imports)
         self.id = self.identity.peer_id
         self.stopping = threading.Event()
         self.telemetry = Telemetry(self.id, cfg.name, time.time(), progress)

@@ -91,7 +91,7 @@ class Follower:
             return Finish()
         mine = [r for r in plan.rounds if r.member(self.me) is not None] if plan else []
         if not mine:
-            return Wait("waiting to be admitted: the coordinator admits peers at outer-step boundaries")
+            return Wait("waiting for a place in the run: the coordinator adds peers at the next outer-step boundary")
         latest = max(mine, key=lambda r: r.step)
         cell = latest.member(self.me)
         assert cell is not None

@@ -18,7 +18,6 @@ key of this process, and the data path runs over mutual TLS with it.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import threading
 import time
@@ -32,7 +31,7 @@ from potluck.data.corpus import locate
 from potluck.peer import admission
 from potluck.protos.certs import TlsIdentity, token_proof
 from potluck.protos.config import ConfigError, PeerConfig, RunConfig, known_fields_only, parse_config
-from potluck.protos.identity import Identity, IdentityError
+from potluck.protos.identity import Identity
 from potluck.protos.log import get_logger, short_id
 from potluck.protos.records import DataIdentity, Manifest, RecordError
 from potluck.protos.runcheck import file_identity, markov_identity, non_public
@@ -90,25 +89,6 @@ def join(cfg: PeerConfig, identity: Identity, stopping: threading.Event) -> Join
         raise
     return Joined(node, manifest, config, announce, joined_at, tls, proof,
                   {"dht": joined_at - t0, "manifest": t_manifest - joined_at, "admission": time.time() - t_manifest})
-
-
-def load_identity(cfg: PeerConfig) -> Identity:
-    """This peer's key: ``--identity FILE`` or ~/.potluck/peer.key, created (0600) if missing, and locked
-    for the life of this process, so two peers never run as one identity."""
-    path = Path(cfg.identity or "~/.potluck/peer.key").expanduser()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lock = open(path.with_name(path.name + ".lock"), "w")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        lock.close()
-        raise IdentityError(f"the identity {path} is in use by another peer on this machine; give this one its own "
-                            "with --identity FILE") from None
-    _held_locks.append(lock)
-    return Identity.load_or_create(path)
-
-
-_held_locks: list = []
 
 
 def await_manifest(node: SwarmNode, coordinator: str, timeout_s: float, stopping: threading.Event) -> Manifest:
@@ -190,3 +170,15 @@ def pick_device(choice: str) -> torch.device:
     if choice.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"device {choice!r} requested but torch sees no CUDA device")
     return torch.device(choice)
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes of memory ``device`` has (a CPU: this machine's RAM); 0 when unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    if device.type == "cpu" and hasattr(os, "sysconf"):
+        try:
+            return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        except (ValueError, OSError):
+            return 0
+    return 0

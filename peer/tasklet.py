@@ -17,13 +17,13 @@ import torch
 
 from potluck.compression.int8 import Codec, make_codec
 from potluck.compression.transfer import Snapshot
-from potluck.models import stage_bounds
+from potluck.models import sizecheck, stage_bounds
 from potluck.peer import admission
 from potluck.peer.allreduce import AllReduce, MemberAddr, RoundInfo
 from potluck.peer.data import Dataset
 from potluck.peer.diloco import outer_snapshot
 from potluck.peer.heartbeat import Heartbeat
-from potluck.peer.joining import Joined, pick_device
+from potluck.peer.joining import Joined, device_memory, pick_device
 from potluck.peer.links import LinkConfig, LinkProber
 from potluck.peer.multidevice import Leader
 from potluck.peer.pipeline import Neighbour, Pipeline
@@ -38,6 +38,7 @@ from potluck.protos.limits import pipe_max_samples
 from potluck.protos.log import get_logger, set_context, short_id
 from potluck.protos.netem import NetEm
 from potluck.protos.records import PeerRecord, Plan, Round
+from potluck.protos.refusals import log_refusal
 from potluck.protos.transport import PeerClient, PeerServer, RelayedServer, Traffic
 
 log = get_logger(__name__)
@@ -88,6 +89,8 @@ class Toolbox:
             period_s=lc.probe_period_s, max_probes_per_period=lc.probes_per_period, probe_bytes=lc.probe_bytes,
             budget_bytes_per_min=lc.budget_bytes_per_min))
         device = devices.device if devices is not None else pick_device(cfg.device)
+        if devices is None:  # (a torchrun peer splits its batch over its devices: the estimate is per whole batch)
+            sizecheck.fits(rc, device.type, device_memory(device))  # one line, not the allocator's traceback
         return cls(cfg, rc, me, identity.sign, stopping, joined, device, Dataset(rc.data, rc.model),
                    stage_bounds(rc.model, rc.pipeline), netem, traffic, client, make_codec(rc.sync.codec, rc.sync.block_size),
                    links, tls=tls, maddrs=joined.node.maddrs[:4], devices=devices)
@@ -100,13 +103,13 @@ class Toolbox:
         if self.cfg.relay:  # behind a NAT: no port, calls come down a tunnel to the coordinator
             m = self.joined.manifest
             relayed = RelayedServer(service, self.traffic, self.client, m.coordinator_grpc, m.coordinator, self.rc.run_id,
-                                    self.me, revoked=self.revoked)
+                                    self.me, revoked=self.revoked, on_reject=log_refusal)
             self.server, self.address = relayed, relayed.address
             log.info("accepting no connections: calls to this peer are relayed by the coordinator at %s",
                      m.coordinator_grpc)
         else:
             self.server = PeerServer(service, self.traffic, host=self.cfg.host, port=self.cfg.port, netem=self.netem,
-                                     tls=self.tls, revoked=self.revoked)
+                                     tls=self.tls, revoked=self.revoked, on_reject=log_refusal)
             self.address = f"{self.joined.announce_host}:{self.server.port}"
         m = self.rc.membership
         heartbeat = self.heartbeat = Heartbeat(self.joined.node, self.joined.manifest, record, m.heartbeat_s,

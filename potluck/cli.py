@@ -26,10 +26,10 @@ DESCRIPTION = "Train one transformer on GPUs that volunteers lend over the inter
 
 QUICKSTART = """\
 quick start:
-  potluck demo                                 a whole swarm on this machine
-  potluck coordinator --config run.toml        host a run: prints its address
-  potluck peer --join /ip4/.../p2p/12D3KooW... lend this machine to that run
-  potluck status 127.0.0.1:8080                watch it from a terminal
+  potluck demo                                    a whole swarm on this machine
+  potluck coordinator --config examples/run.toml  host a run: prints its address
+  potluck peer --join /ip4/.../p2p/12D3KooW...    lend this machine to that run
+  potluck status 127.0.0.1:8080                   watch it from a terminal
 
 'potluck COMMAND --help' describes a command and its flags, with examples."""
 
@@ -101,13 +101,19 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     if args.insecure:
         extra["coordinator.insecure"] = True
     cfg = _run_config(args, extra)
-    from potluck.coordinator.app import Coordinator
     from potluck.coordinator.journal import JournalError
+    from potluck.coordinator.preflight import preflight
     from potluck.protos.config import ConfigError
+
+    try:  # what refuses a run (no corpus, too big, another run's journal): before torch, hivemind or any write
+        preflight(cfg)
+    except (ConfigError, JournalError) as err:
+        raise UsageError(str(err)) from None
+    from potluck.coordinator.app import Coordinator
     from potluck.protos.identity import IdentityError
     from potluck.protos.stopping import install_stop_handlers
 
-    try:  # opening the run (journal, keys, corpus check) refuses what cannot work, in one line
+    try:  # opening the run (journal, keys, data) refuses what cannot work, in one line
         coordinator = Coordinator(cfg, exit_when_finished=args.exit_when_finished, ready_file=args.ready_file)
     except (ConfigError, JournalError, IdentityError, OSError) as err:
         raise UsageError(str(err)) from None
@@ -132,13 +138,22 @@ def cmd_peer(args: argparse.Namespace) -> int:
         cfg = PeerConfig(**fields)
     except ValidationError as err:
         raise UsageError("; ".join(_flag_error(e) for e in err.errors())) from None
-    # checked before the peer starts its DHT node, so a mistyped address fails here, in one line
-    from potluck.protos.swarm import JoinError, parse_join_address
+    # checked before torch and hivemind load and before the DHT node starts: a mistake is one line, at once
+    from potluck.protos.identity import IdentityError
+    from potluck.protos.join import JoinError, parse_join_address
 
     try:
         parse_join_address(cfg.join)
     except JoinError as err:
         raise UsageError(str(err)) from None
+    identity = None
+    if (os.environ.get("WORLD_SIZE") or "1") == "1" or os.environ.get("RANK") == "0":  # (under torchrun, rank 0 is the peer)
+        from potluck.peer.keyfile import load_identity
+
+        try:
+            identity = load_identity(cfg.identity)
+        except IdentityError as err:
+            raise UsageError(str(err)) from None
     from potluck.peer import multidevice
     from potluck.protos.config import ConfigError
 
@@ -149,15 +164,11 @@ def cmd_peer(args: argparse.Namespace) -> int:
     if group is not None and not group.leads:
         return multidevice.Helper(group, cfg.threads).run()
     from potluck.peer.daemon import Peer
-    from potluck.protos.identity import IdentityError
     from potluck.protos.stopping import install_stop_handlers
 
     leader = multidevice.Leader(group) if group is not None else None
     try:
-        try:
-            peer = Peer(cfg, progress=args.progress, devices=leader)
-        except IdentityError as err:
-            raise UsageError(str(err)) from None
+        peer = Peer(cfg, progress=args.progress, devices=leader, identity=identity)
         install_stop_handlers(peer.stopping)
         return peer.run()
     finally:
@@ -336,10 +347,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def set_without_equals(argv: list[str]) -> str:
+    """``--set FIELD VALUE`` (a space where the ``=`` goes): the spelling that works, or ''."""
+    for i, word in enumerate(argv[:-1]):
+        if word == "--set" and "=" not in argv[i + 1]:
+            value = argv[i + 2] if i + 2 < len(argv) and not argv[i + 2].startswith("-") else "VALUE"
+            return f"--set takes SECTION.FIELD=VALUE as one word: --set {argv[i + 1]}={value}"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TORCHELASTIC_RUN_ID"):  # a torchrun worker: its launcher is its parent, torchrun's agent
         os.environ[DIE_WITH_ENV] = str(os.getppid())
     die_with_launcher()
+    words = sys.argv[1:] if argv is None else argv
+    hint = set_without_equals(words)
+    if hint:  # (argparse would say "unrecognized arguments: 10", or the value would be read as the field)
+        command = next((w for w in words if not w.startswith("-")), "")
+        print(f"potluck {command}: error: {hint}".replace("potluck : ", "potluck: "), file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args) or 0)

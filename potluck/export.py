@@ -1,4 +1,4 @@
-"""``potluck export``: the run's latest verified checkpoint as one plain file a user loads with torch.
+"""``potluck export``: the run's latest verified checkpoint as a plain file or a Hugging Face folder.
 
     potluck export --journal-dir potluck-run --out model.pt
     >>> from potluck.export import load_model
@@ -14,7 +14,11 @@ or, with torch alone::
 
 Parameters are named as in :class:`~potluck.peer.model.Model` (``layers.<i>.<...>``), whatever
 number of pipeline stages wrote the checkpoint. ``.safetensors`` output holds the same tensors
-(the config goes into its metadata). An existing output file is never replaced without ``--force``.
+(the config goes into its metadata). An ``--out`` without either suffix is a Hugging Face folder
+(``llama`` and ``hf`` runs) that ``transformers`` loads as it is. After writing, the command prints
+the Python lines that load what it wrote, for each form (:func:`load_lines`), with the text-to-tokens
+step of the run's data: its tokenizer when the folder holds one, UTF-8 bytes for a byte-level run.
+An existing output is never replaced without ``--force``.
 """
 
 from __future__ import annotations
@@ -31,32 +35,67 @@ if TYPE_CHECKING:
     from potluck.peer.model import Model
 
 DESCRIPTION = """\
-Write the run's newest verified checkpoint as one plain file that torch.load
-reads, its tensors named as in potluck's Model (layers.<i>.<...>) whatever
-number of pipeline stages wrote it. A .safetensors file holds the same tensors
-and the model config in its metadata. Run it where the coordinator keeps its
-journal (its --journal-dir). An existing --out file is kept unless --force."""
+Write the run's newest verified checkpoint in one of three forms, chosen by
+--out: a .pt file that torch.load reads, its tensors named as in potluck's
+Model (layers.<i>.<...>) whatever number of pipeline stages wrote it; a
+.safetensors file with the same tensors and the model config in its metadata;
+or, with no such suffix, a Hugging Face folder (config.json, model.safetensors
+and the run's tokenizer if it has one) that transformers' from_pretrained loads
+(llama and hf runs; loading it needs pip install -e ".[hf]"). It then prints the
+Python lines that load what it wrote. Run it where the coordinator keeps its
+journal (its --journal-dir). An existing --out is kept unless --force."""
 
 
-def load_lines(path: str) -> list[str]:
-    """The Python lines that load the exported file ``path`` (printed after an export, and in --help)."""
+def load_lines(path: str, tokens: str = "bytes") -> list[str]:
+    """The Python lines that load what ``potluck export`` wrote to ``path`` and run it on a few tokens
+    (printed after an export, and in --help). ``tokens`` says how text becomes token ids: "hf" (the
+    folder holds the run's tokenizer), "bytes" (a byte-level run: a token is a byte of UTF-8 text, there
+    is no tokenizer) or "ids" (the built-in synthetic data: token ids, no text)."""
     quoted = json.dumps(path, ensure_ascii=False)  # a JSON string is a valid Python literal
-    lines = ["from potluck.export import load_model", f"model = load_model({quoted})"]
-    if not path.endswith(".safetensors"):
-        lines += ["# or with torch alone:", "import torch", "from potluck.peer.model import Model",
-                  "from potluck.protos.config import ModelConfig", f"sd = torch.load({quoted})",
-                  'model = Model(ModelConfig(**sd["config"]))', 'model.load_state_dict(sd["model"])']
-    return lines
+    if path.endswith(".safetensors"):
+        lines = ["from potluck.export import load_model", f"model = load_model({quoted})",
+                 "# or with safetensors and torch alone (the model config is in the file's metadata):",
+                 "import json", "from safetensors import safe_open", "from safetensors.torch import load_file",
+                 "from potluck.peer.model import Model", "from potluck.protos.config import ModelConfig",
+                 f'with safe_open({quoted}, framework="pt") as f:',
+                 '    config = json.loads(f.metadata()["config"])',
+                 "model = Model(ModelConfig(**config))", f"model.load_state_dict(load_file({quoted}))"]
+        vocab = "model.cfg.vocab_size"
+    elif path.endswith(".pt"):
+        lines = ["from potluck.export import load_model", f"model = load_model({quoted})",
+                 "# or with torch alone:", "import torch", "from potluck.peer.model import Model",
+                 "from potluck.protos.config import ModelConfig", f"sd = torch.load({quoted})",
+                 'model = Model(ModelConfig(**sd["config"]))', 'model.load_state_dict(sd["model"])']
+        vocab = "model.cfg.vocab_size"
+    else:
+        lines = ['# a Hugging Face folder: transformers loads it (pip install -e ".[hf]"), potluck is not needed',
+                 "from transformers import AutoModelForCausalLM",
+                 f"model = AutoModelForCausalLM.from_pretrained({quoted})"]
+        vocab = "model.config.vocab_size"
+    lines += ["import torch"] if "import torch" not in lines else []
+    if tokens == "hf" and not path.endswith((".pt", ".safetensors")):
+        lines += ["from transformers import AutoTokenizer", f"tokenizer = AutoTokenizer.from_pretrained({quoted})",
+                  'ids = tokenizer("Peers find each other", return_tensors="pt").input_ids']
+    elif tokens == "bytes":
+        lines += ["# byte-level: no tokenizer; a token is a byte of the UTF-8 text (and decodes back with bytes())",
+                  'ids = torch.tensor([list("Peers find each other".encode())])']
+    else:
+        lines += ["# token ids of the run's data (its synthetic source has no text)",
+                  f"ids = torch.randint(0, {vocab}, (1, 8))"]
+    logits = "model(ids).logits" if not path.endswith((".pt", ".safetensors")) else "model(ids)"
+    return lines + [f"logits = {logits}  # [batch, tokens, vocab_size]"]
 
 
 EXAMPLES = """\
 examples:
   potluck export --journal-dir potluck-run --out model.pt
   potluck export --journal-dir potluck-run --step 8 --out step8.safetensors
+  potluck export --journal-dir llama-run --out model-hf   a Hugging Face folder
   potluck export --journal-dir potluck-run --out model.pt --force
 
-then, in Python:
-""" + "\n".join(f"  {line}" for line in load_lines("model.pt"))
+then, in Python (a .pt file; for a .safetensors file and a folder the command
+prints the lines that load it):
+""" + "\n".join(f"  {line}" for line in load_lines("model.pt", "ids"))
 
 
 def _newest(journal_dir: str | Path, step: int | None) -> tuple[Any, list[Path]]:
@@ -171,7 +210,16 @@ def export_checkpoint(journal_dir: str | Path, out: str | Path | None = None, st
         else:
             tmp.unlink(missing_ok=True)
     return {"version": snap.version, "parameters": int(sum(t.numel() for t in model.values())), "out": str(out),
-            "skipped": errors, "folder": folder}
+            "skipped": errors, "folder": folder, "tokens": token_kind(manifest.get("data") or {}, out if folder else None)}
+
+
+def token_kind(data: dict[str, Any], folder: Path | None) -> str:
+    """How text becomes the model's token ids: "hf" (the folder holds a tokenizer), "bytes" or "ids"."""
+    if folder is not None and any((folder / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return "hf"
+    if data.get("source") == "bytes" or data.get("tokenizer") == "bytes":
+        return "bytes"
+    return "ids"
 
 
 def load_model(path: str | Path) -> Model:
@@ -223,13 +271,15 @@ class _DeprecatedAlias(argparse.Action):
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``export`` subcommand to ``potluck``'s subparsers."""
-    p = subparsers.add_parser("export", help="write the newest checkpoint to a .pt or .safetensors file",
+    p = subparsers.add_parser("export", help="write the newest checkpoint: .pt, .safetensors or a Hugging Face folder",
                               description=DESCRIPTION, epilog=EXAMPLES,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--journal-dir", default="potluck-run", metavar="DIR",
                    help="the coordinator's journal dir (default ./potluck-run)")
     p.add_argument("--journal", dest="journal_dir", help=argparse.SUPPRESS)  # the old spelling
-    p.add_argument("--out", default="model.pt", metavar="FILE", help="output file: .pt (torch.save) or .safetensors")
+    p.add_argument("--out", default="model.pt", metavar="PATH",
+                   help="model.pt (torch.save), model.safetensors, or a folder without those suffixes (Hugging Face: "
+                   "transformers loads it; llama and hf runs) (default model.pt)")
     p.add_argument("--force", action="store_true", help="replace --out if it exists (default: refuse)")
     p.add_argument("--step", type=int, metavar="N",
                    help="the checkpoint written at outer step N (default: the newest valid one)")
@@ -248,8 +298,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     for skipped in info["skipped"]:
         print(f"potluck export: skipped {skipped}", file=sys.stderr)
-    print(f"wrote v{info['version']} ({info['parameters'] / 1e6:.2f}M parameters) to {info['out']}; "
+    form = ", a Hugging Face folder" if info["folder"] else ""
+    print(f"wrote v{info['version']} ({info['parameters'] / 1e6:.2f}M parameters) to {info['out']}{form}; "
           "load it in Python with:")
-    for line in load_lines(info["out"]):
+    for line in load_lines(info["out"], info["tokens"]):
         print(f"  {line}")
     return 0

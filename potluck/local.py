@@ -75,15 +75,21 @@ class LocalSwarm:
         self.ready = json.loads(ready.read_text())
         return self.ready
 
-    def start_peer(self, *extra: str, name: str | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
-        """Start a peer joining this swarm; its log is ``logs/peer-<n>.log`` (n in start order)."""
+    def start_peer(self, *extra: str, name: str | None = None, env: dict[str, str] | None = None,
+                   identity: Path | None = None) -> subprocess.Popen:
+        """Start a peer joining this swarm; its log is ``logs/peer-<n>.log`` (n in start order). Its key is
+        ``identity`` (a restart), or one of its own (peers on one machine each need their own identity)."""
         idx = len(self.peers)
-        key = self.workdir / "keys" / f"peer-{idx}.key"  # peers on one machine each need their own identity
+        key = identity or self.key(idx)
         args = ["peer", "--join", self.ready["join"], "--host", "127.0.0.1", "--threads", str(self.threads),
                 "--name", name or f"peer-{idx}", "--identity", str(key), *extra]
         proc = self.procs.spawn_potluck(args, self._log(f"peer-{idx}"), env)
         self.peers.append(proc)
         return proc
+
+    def key(self, idx: int) -> Path:
+        """The identity file of the ``idx``-th peer started (``keys/peer-<idx>.key``)."""
+        return self.workdir / "keys" / f"peer-{idx}.key"
 
     def _log(self, name: str) -> Path | None:
         return self.logs / f"{name}.log" if self.log_to_files else None

@@ -1,7 +1,8 @@
 """Child processes that are ours to stop, on every exit path.
 
-Each child starts in a session of its own, so its whole process group (the Python process, the
-hivemind DHT process it forks and that one's ``p2pd`` daemon) can be killed at once. ``stop()``
+Each child starts in a session of its own, so its whole process group (the Python process and the
+hivemind DHT process it forks) can be killed at once; that one's ``p2pd`` daemon, in a group of its
+own (out of reach of a terminal's Ctrl+C), dies with it by its parent-death signal. ``stop()``
 asks every child to exit (SIGTERM), waits, then SIGKILLs each group that is left; it runs from ``__exit__`` and
 an ``atexit`` hook, so neither an exception nor Ctrl+C leaves daemons behind (hivemind #382).
 

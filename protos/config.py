@@ -427,9 +427,31 @@ def _describe(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         where = ".".join(str(p) for p in e["loc"])
-        msg = "unknown field" if e["type"] == "extra_forbidden" else str(e["msg"]).removeprefix("Value error, ")
+        msg = unknown(where) if e["type"] == "extra_forbidden" else str(e["msg"]).removeprefix("Value error, ")
         lines.append(f"{where}: {msg}" if where else msg)  # a whole-run rule names its fields itself
     return "; ".join(lines)
+
+
+def _fields(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every dotted name a run file can set: sections, and section.field."""
+    out = []
+    for name, field in model.model_fields.items():
+        sub = field.annotation
+        out.append(prefix + name)
+        if isinstance(sub, type) and issubclass(sub, BaseModel):
+            out += _fields(sub, f"{prefix}{name}.")
+    return out
+
+
+def unknown(dotted: str) -> str:
+    """'unknown field', with the name meant when one is close (a typo, or the field of another section)."""
+    import difflib
+
+    names = _fields(RunConfig)
+    leaf = dotted.rsplit(".", 1)[-1]
+    elsewhere = [n for n in names if n.rsplit(".", 1)[-1] == leaf and n != dotted]
+    close = elsewhere[:1] or difflib.get_close_matches(dotted, names, n=1, cutoff=0.75)
+    return f"unknown field (did you mean {close[0]}?)" if close else "unknown field"
 
 
 def parse_config(data: dict[str, Any], *, source: str = "config") -> RunConfig:
@@ -474,10 +496,11 @@ def apply_overrides(config: RunConfig, overrides: dict[str, Any]) -> RunConfig:
         fields, node = known, data
         for p in parts[:-1]:
             if not isinstance(fields.get(p), dict):
-                raise ConfigError(f"invalid override {dotted}: unknown section {p!r}")
+                hint = unknown(dotted).removeprefix("unknown field")
+                raise ConfigError(f"invalid override {dotted}: unknown section {p!r}{hint}")
             fields, node = fields[p], node.setdefault(p, {})
         if parts[-1] not in fields:
-            raise ConfigError(f"invalid override {dotted}: unknown field")
+            raise ConfigError(f"invalid override {dotted}: {unknown(dotted)}")
         node[parts[-1]] = _coerce(value) if isinstance(value, str) else value
     return parse_config(data, source="overrides")
 

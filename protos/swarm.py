@@ -23,7 +23,8 @@ from typing import Any, TypeVar
 from pydantic import Field
 
 from potluck.protos.errors import check_port_free
-from potluck.protos.identity import Identity, IdentityError, public_key_from_peer_id
+from potluck.protos.identity import Identity
+from potluck.protos.join import JoinError, parse_join_address  # noqa: F401 - re-exported
 from potluck.protos.log import get_logger
 from potluck.protos.records import (
     AdmissionRequest,
@@ -45,7 +46,7 @@ os.environ.setdefault("GOLOG_LOG_LEVEL", "error")
 # between processes needs it.
 os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
 
-from hivemind.dht import DHT
+from hivemind.dht import DHT, DHTID
 from hivemind.utils import get_dht_time
 
 from potluck.protos.dhtguard import MAX_TTL_S, RunRecords, run_key
@@ -82,27 +83,6 @@ class LinkReport(_Record):
 _S = TypeVar("_S", bound=_Record)
 
 
-class JoinError(RuntimeError):
-    """Could not start a DHT node or reach the swarm; the message says what to check."""
-
-
-def parse_join_address(address: str) -> tuple[str, str]:
-    """Split ``/ip4/HOST/tcp/PORT/p2p/ID`` into (multiaddr, coordinator id); checks the id's key."""
-    address = address.strip()
-    parts = address.split("/")
-    if "p2p" not in parts or parts.index("p2p") + 1 >= len(parts):
-        raise JoinError(
-            f"join address {address!r} has no /p2p/<coordinator id> part; copy the whole address "
-            "the coordinator printed (it looks like /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...)"
-        )
-    coordinator = parts[parts.index("p2p") + 1]
-    try:
-        public_key_from_peer_id(coordinator)
-    except IdentityError as err:
-        raise JoinError(f"join address {address!r}: {err}") from None
-    return address, coordinator
-
-
 def guess_reachable_host(target_host: str | None = None) -> str:
     """The local address other machines would use to reach us (the interface that routes to them).
 
@@ -132,13 +112,24 @@ def _ignore_sigterm(signum: int, frame: object) -> None:
     """The DHT process's SIGTERM: ignored (caught, so ``p2pd`` still gets the default action after exec)."""
 
 
+def _leave_foreground_group() -> None:
+    """In ``p2pd``, between fork and exec: a process group of its own, out of the terminal's reach."""
+    try:
+        os.setpgid(0, 0)
+    except OSError:
+        pass
+
+
 class _DHTProcess(DHT):
     """hivemind's DHT process, tied to the process that starts it.
 
     It dies with its parent (SIGKILL on parent death), and so does its ``p2pd``. SIGINT (hivemind)
     and SIGTERM (here) leave it alone: a Ctrl+C or a SIGTERM to the whole process group reaches
     the parent too, which still needs the DHT to say goodbye and then stops it
-    (:meth:`SwarmNode.shutdown`).
+    (:meth:`SwarmNode.shutdown`). ``p2pd`` cannot ignore SIGINT (Go installs its own handler), so it
+    runs in a process group of its own: a Ctrl+C in the terminal used to close it under the DHT
+    process, which logged p2pd's "use of closed network connection" error, lost the goodbye, and hung
+    in its shutdown until it was killed.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -148,6 +139,7 @@ class _DHTProcess(DHT):
     def run(self) -> None:
         die_with_parent(signal.SIGKILL, self.owner_pid)
         children_die_with_parent(signal.SIGKILL)  # p2pd, started by uvloop's fork + exec
+        os.register_at_fork(after_in_child=_leave_foreground_group)  # (the DHT process forks p2pd only)
         signal.signal(signal.SIGTERM, _ignore_sigterm)
         super().run()
 
@@ -200,6 +192,11 @@ class SwarmNode:
             startup_timeout=startup_timeout,
             client_mode=client_mode,
             record_validators=[RunRecords(coordinator)],  # this run's signed records only, everywhere
+            # one identity, one DHT node id (hivemind draws a random one per process): a restarted peer is the same
+            # node, not a second one beside a ghost of itself, and a node that pings a copy of a running peer
+            # back (another machine, the same key) hears the id it expects and lets it on to admission, which
+            # tells it to use its own key (a random id failed that ping as "can't access this node ... firewall")
+            node_id=DHTID.generate(source=identity.peer_id),
         )
         # multiprocessing's own exit hook would join the DHT process forever (it ignores SIGTERM);
         # ours is registered later, so it runs first
@@ -284,8 +281,16 @@ class SwarmNode:
     def publish_peer(self, record: PeerRecord, ttl: float) -> bool:
         """Store this peer's heartbeat; it expires after ``ttl`` seconds unless refreshed. A stored record
         wins by its expiry, so a later one must not ask for a shorter ``ttl`` (every node would refuse it).
-        Returns once every replica answered (hivemind's default), so a goodbye is out before shutdown."""
-        return self._store("peers", self._own(record), ttl, subkey=record.peer_id)
+        Returns once every replica answered (hivemind's default), so a goodbye is out before shutdown.
+
+        hivemind reports the answer of the replica that answered *last*, and a replica that another node's
+        read had already copied this very record to answers "not stored" (it holds one as new): a record
+        stored everywhere read as refused ("heartbeat not stored in the DHT" in clean runs). So a refusal
+        is checked by reading the record back: True if the DHT holds this one or a newer one."""
+        if self._store("peers", self._own(record), ttl, subkey=record.peer_id):
+            return True
+        held = self.get_peers()[0].get(record.peer_id)
+        return held is not None and held.seq >= record.seq
 
     def get_peers(self) -> tuple[dict[str, PeerRecord], list[str]]:
         """Valid peer records by id, and the reasons any others were refused."""

@@ -119,6 +119,8 @@ def make_state(
             "outer_s": round(rng.uniform(0.2, 3.0), 3),
             "bytes": {"activations": act, "gradients": grad, "outer": outer},
             "bytes_fp32": {"activations": act * 8, "gradients": grad * 4, "outer": outer * 4},
+            "tokens": n_members * inner_steps * 16 * 128,
+            "tokens_per_s": None if v == 1 else round(n_members * inner_steps * 16 * 128 / rng.uniform(4.0, 6.0), 1),
         }
         epoch = 1 if base is not None and v > base else 0
         history.append(_robust(entry, epoch, cells, stages, aux, detail=v > steps - detail))
@@ -179,6 +181,8 @@ def make_state(
             "last_outer_at": history[-1]["t"] if history else None,
             "last_allreduce_s": history[-1]["outer_s"] if history else None,
             "waiting_reason": "" if finished else waiting_reason,
+            "model_export": {"version": (outer_steps if finished else steps // 5 * 5) or None,
+                             "command": "potluck export --journal-dir potluck-run --out model.pt"},
             "eval_perplexity": None,
             "data": {"source": "markov", "samples": 65536, "frontier": steps * replicas * inner_steps * 16,
                      "pool": 16 * inner_steps if failed_rounds else 0, "trained": steps * replicas * inner_steps * 16,

@@ -7,6 +7,7 @@ fixed sleeps.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -46,3 +47,13 @@ class LocalSwarm(local.LocalSwarm):
     def start_coordinator(self, overrides: dict[str, Any] | None = None, journal: str = "journal",  # type: ignore[override]
                           env: dict[str, str] | None = None) -> dict[str, Any]:
         return super().start_coordinator(run_config(overrides, self.workdir / journal), env=env)
+
+
+ALARMING = re.compile(r"\b(WARN|WARNING|ERROR|CRITICAL|FATAL)\b|Traceback")  # potluck's, hivemind's and p2pd's levels
+
+
+def alarming(logs: Path) -> list[str]:
+    """Every line at WARN or above (or a traceback) in a swarm's logs: coordinator, peers and their DHT
+    processes and p2pd daemons, whose lines land in the same files."""
+    return [f"{path.name}: {line}" for path in sorted(logs.glob("*.log"))
+            for line in path.read_text(errors="replace").splitlines() if ALARMING.search(line)]

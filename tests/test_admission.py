@@ -200,3 +200,56 @@ def test_a_restarted_peer_waits_past_the_certificate_of_its_previous_tls_key(ca:
     answer[0] = Certificate(peer_id=pid, refused="evicted from this run", request_seq=3)
     assert take(node, manifest, pid, TlsIdentity.generate(), {3}) == (False, "evicted from this run")  # type: ignore[arg-type]
     assert take(node, manifest, pid, TlsIdentity.generate(), {4}) == (False, "")  # type: ignore[arg-type]
+
+
+def test_a_second_live_process_of_one_identity_is_refused_and_a_restart_is_not(tmp_path: Path) -> None:
+    """A new TLS key for an admitted id is a new process of that identity: admitted when the old one said
+    goodbye or no longer answers at its record's address (a restart), refused in one line naming the fix
+    while it does (the key copied to a second machine); the running process keeps its certificate.
+    (tests/test_restart.py does it with real processes and real pings.)"""
+    import grpc
+
+    from potluck.protos import potluck_pb2 as pb
+
+    class Pinged:
+        """The coordinator's client as the gatekeeper uses it: a ping that the running process answers, or not."""
+
+        def __init__(self, there: bool) -> None:
+            self.there, self.asked = there, []
+
+        def ping(self, address: str, request: pb.PingRequest, timeout: float, peer: str = "") -> pb.PingReply:
+            self.asked.append(address)
+            if not self.there:
+                raise grpc.RpcError("connection refused")
+            return pb.PingReply(peer_id=peer, state="training")
+
+    gate = Gatekeeper(RunConfig(), RUN, Identity.generate().peer_id, tmp_path, [])
+    pid, _, first = asking()
+    node = _Node({pid: first})
+    gate.tick(node, {}, lambda s: None)
+    running = PeerRecord(peer_id=pid, address="10.0.0.1:5000", state="training", started_at=T0 - 60)
+    alive = Pinged(there=True)
+
+    copy_tls = TlsIdentity.generate()
+    copy = AdmissionRequest(peer_id=pid, run_id=RUN, tls_key=copy_tls.public_pem.decode(), ts=T0 + 1, seq=2)
+    node.requests = {pid: copy}
+    kept, events = gate.tick(node, {pid: running}, lambda s: None, alive)  # type: ignore[arg-type]
+    told = node.published[-1]
+    assert told.refused and told.request_seq == 2 and "--identity FILE" in told.refused and "10.0.0.1:5000" in told.refused
+    assert "\n" not in told.refused and alive.asked == ["10.0.0.1:5000"] and pid in kept
+    assert any("not admitted" in msg for _, msg in events)
+    gate.tick(node, {pid: running}, lambda s: None, alive)  # type: ignore[arg-type]
+    assert alive.asked == ["10.0.0.1:5000"] and len(node.published) == 2  # each request is looked at, and answered, once
+    node.requests = {pid: first.model_copy(update={"seq": 3, "ts": T0 + 2})}  # the running one re-asks: nothing new
+    gate.tick(node, {pid: running}, lambda s: None, alive)  # type: ignore[arg-type]
+    assert len(node.published) == 2 and gate.admission.is_admitted(pid)
+
+    # a restart after SIGKILL: the old record is still live, but its address no longer answers
+    node.requests = {pid: copy.model_copy(update={"seq": 4, "ts": T0 + 3})}
+    gate.tick(node, {pid: running}, lambda s: None, Pinged(there=False))  # type: ignore[arg-type]
+    assert node.published[-1].cert_pem and node.published[-1].request_seq == 4
+    # a restart after a goodbye (Ctrl+C, SIGTERM): nobody is asked
+    later = TlsIdentity.generate()
+    node.requests = {pid: AdmissionRequest(peer_id=pid, run_id=RUN, tls_key=later.public_pem.decode(), ts=T0 + 4, seq=5)}
+    gate.tick(node, {pid: running.model_copy(update={"state": "left"})}, lambda s: None, alive)  # type: ignore[arg-type]
+    assert node.published[-1].cert_pem and node.published[-1].request_seq == 5 and len(alive.asked) == 1

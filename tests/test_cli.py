@@ -95,8 +95,12 @@ MISTAKES = {
     "missing --join": (["peer"], ["--join"]),
     "no command": ([], ["COMMAND"]),
     "unknown command": (["frobnicate"], ["invalid choice"]),
-    "bad --set": (["coordinator", "--set", "diloco"], ["section.field=value"]),
+    "bad --set": (["coordinator", "--set", "diloco"], ["SECTION.FIELD=VALUE", "--set diloco=VALUE"]),
+    "--set with a space": (["coordinator", "--set", "diloco.inner_steps", "10"], ["--set diloco.inner_steps=10"]),
+    "demo --set with a space": (["demo", "--set", "diloco.inner_steps", "10"], ["--set diloco.inner_steps=10"]),
     "unknown field": (["coordinator", "--set", "diloco.nope=1"], ["diloco.nope"]),
+    "mistyped field": (["coordinator", "--set", "diloco.inner_step=1"], ["did you mean diloco.inner_steps?"]),
+    "field of another section": (["coordinator", "--set", "train.inner_steps=1"], ["did you mean diloco.inner_steps?"]),
 }
 
 

@@ -132,3 +132,15 @@ def test_fp32_gradients_survive_a_run_file() -> None:
     assert parse_config(tomllib.loads(dump_toml(RunConfig()))).pipeline.grad_bits == 8
     with pytest.raises(ConfigError, match="pipeline.grad_bits"):
         apply_overrides(RunConfig(), {"pipeline.grad_bits": 16})
+
+
+def test_an_unknown_field_says_which_was_meant() -> None:
+    """A typo, or a field of another section: the name meant, in the one line (issue 27)."""
+    from potluck.protos.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError) as err:
+        parse_config({"diloco": {"inner_step": 3}, "modle": {}, "train": {"outer_steps": 2}, "data": {"zzz": 1}})
+    parts = set(str(err.value).removeprefix("invalid config: ").split("; "))
+    assert parts == {"diloco.inner_step: unknown field (did you mean diloco.inner_steps?)",
+                     "modle: unknown field (did you mean model?)",
+                     "train.outer_steps: unknown field (did you mean diloco.outer_steps?)", "data.zzz: unknown field"}

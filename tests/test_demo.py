@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from swarm import alarming
 
 pytestmark = pytest.mark.slow
 
@@ -51,6 +52,7 @@ def test_demo_trains_and_reports(tmp_path) -> None:  # type: ignore[no-untyped-d
     assert "outer step   3/3" in out
     assert "final eval loss" in out and "entropy floor of the data" in out
     assert (tmp_path / "run.toml").exists() and (tmp_path / "journal" / "journal.json").exists()
+    assert alarming(tmp_path / "logs") == []  # coordinator, peers, DHT processes, p2pd: nothing at WARN or above
 
 
 def test_ctrl_c_stops_every_process(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -154,6 +154,7 @@ def launched(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> Any:
     with monkeypatch.context() as m:
         m.setattr("potluck.coordinator.app.Coordinator", start)
         m.setattr("potluck.peer.daemon.Peer", start)
+        m.setattr("potluck.peer.keyfile.load_identity", lambda path="": Identity.generate())  # not this machine's key
         try:
             args.fn(args)
         except UsageError as err:

@@ -165,9 +165,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def run_potluck(argv: list[str], sandbox: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def run_potluck(argv: list[str], sandbox: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     """Parse ``potluck ARGV`` and run its command up to where it would start a coordinator, a peer or a
-    demo swarm, from the sandbox; then check what it would have started with, as that would."""
+    demo swarm, from the sandbox; then check what it would have started with, as that would. Returns
+    that (a coordinator's RunConfig, a peer's PeerConfig), or None."""
     args = parse(argv)
     stand_ins = {"coordinator": "potluck.coordinator.app.Coordinator", "peer": "potluck.peer.daemon.Peer",
                  "demo": "potluck.demo.run_demo"}
@@ -175,9 +176,9 @@ def run_potluck(argv: list[str], sandbox: Path, monkeypatch: pytest.MonkeyPatch)
         with monkeypatch.context() as m:
             m.chdir(sandbox)
             assert args.fn(args) == 0, f"potluck {shlex.join(argv)} failed"
-        return
+        return None
     if args.command not in stand_ins:
-        return  # status, export, schedule: they read what a run leaves, so the slow test runs them
+        return None  # status, export, schedule: they read what a run leaves, so the slow tests run them
 
     def start(what: Any, **_: Any) -> None:
         raise Launched(what)
@@ -185,6 +186,7 @@ def run_potluck(argv: list[str], sandbox: Path, monkeypatch: pytest.MonkeyPatch)
     with monkeypatch.context() as m:
         m.chdir(sandbox)
         m.setattr(stand_ins[args.command], start)
+        m.setattr("potluck.peer.keyfile.load_identity", lambda path="": Identity.generate())  # not the user's key
         try:
             args.fn(args)
         except UsageError as err:
@@ -203,6 +205,7 @@ def run_potluck(argv: list[str], sandbox: Path, monkeypatch: pytest.MonkeyPatch)
                 bootstrap.data_identity(what)  # and its shards: there, whole, and fit for the model
         elif what.data_path:
             assert Path(what.data_path).expanduser().exists(), f"--data-path {what.data_path}: not made by the README"
+    return what
 
 
 def declared() -> tuple[list[Requirement], dict[str, list[Requirement]]]:
@@ -261,22 +264,31 @@ def check_command(argv: list[str], sandbox: Path, monkeypatch: pytest.MonkeyPatc
 # ---------------------------------------------------------------------- the blocks
 
 
-@pytest.fixture(scope="module")
-def sandbox(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A folder that looks like a clone of this repository (its entries linked), in which the README's
-    file-making commands (``cat ... > corpus.txt``) have run, through bash, as written."""
-    root = tmp_path_factory.mktemp("readme")
+def clone(root: Path) -> Path:
+    """``root``, made to look like a clone of this repository (its entries linked)."""
     for entry in REPO.iterdir():
         if not entry.name.startswith("."):
             (root / entry.name).symlink_to(entry)
+    return root
+
+
+def run_cat(line: str, root: Path) -> None:
+    """A README ``cat FILES > OUT`` line, through bash, as written: only into a new file of ``root``."""
+    argv = commands(line)
+    assert len(argv) == 1 and argv[0][-2] == ">" and re.fullmatch(r"[\w.-]+", argv[0][-1]), line
+    done = subprocess.run(["bash", "-c", line], cwd=root, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, f"{line}: {done.stderr}"
+
+
+@pytest.fixture(scope="module")
+def sandbox(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A clone-like folder in which the README's file-making commands (``cat ... > corpus.txt``) have run."""
+    root = clone(tmp_path_factory.mktemp("readme"))
     lines = [line for b in BLOCKS if b.lang == "bash" for line in b.text.replace("\\\n", " ").splitlines()]
     for line in lines:
         argv = commands(line)
         if argv and argv[0][0] == "cat":
-            # only into a new file of the sandbox: one command, its output a plain name
-            assert len(argv) == 1 and argv[0][-2] == ">" and re.fullmatch(r"[\w.-]+", argv[0][-1]), line
-            done = subprocess.run(["bash", "-c", line], cwd=root, capture_output=True, text=True, timeout=30)
-            assert done.returncode == 0, f"{line}: {done.stderr}"
+            run_cat(line, root)
     return root
 
 
@@ -365,6 +377,59 @@ def test_inline_code(code: str, sandbox: Path, monkeypatch: pytest.MonkeyPatch) 
     else:
         dotted, _, value = code.partition(" = ")
         check_field(dotted, value or None)
+
+
+# ---------------------------------------------------------------------- the sections, in order
+
+
+def test_the_sections_work_in_the_order_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new user follows the README from the top, in one folder (issue 27: "Your own text", "Train a real
+    model" and "Real data" each reused ./potluck-run, and the coordinator refused the journal three times).
+
+    Every bash command runs in turn in one clone-like folder: files are made as written, ``potluck data``
+    runs for real, each coordinator opens its journal for real (its checks, then the journal written) and
+    its run is then taken as trained (its journal committed to the last step, as the user's run would be);
+    an export must read a journal an earlier coordinator wrote, of a model that form can hold, and
+    ``generate --model`` a folder an earlier export wrote."""
+    from potluck.coordinator.journal import Journal, JournalError
+    from potluck.protos.config import ConfigError
+
+    root = clone(tmp_path)
+    journals: dict[Path, RunConfig] = {}
+    exported: set[Path] = set()
+    for block in (b for b in BLOCKS if b.lang == "bash"):
+        for line in block.text.replace("\\\n", " ").splitlines():
+            for argv in commands(line):
+                where = f"README.md:{block.line}: {shlex.join(argv)}"
+                if argv[0] == "cat":
+                    run_cat(line, root)
+                elif argv[0] != "potluck":
+                    continue
+                elif argv[1] == "coordinator":
+                    cfg = run_potluck(argv[1:], root, monkeypatch)
+                    with monkeypatch.context() as m:
+                        m.chdir(root)
+                        try:
+                            journal, state = bootstrap.open_journal(cfg)
+                        except (ConfigError, JournalError) as err:  # what the user would read, and where
+                            pytest.fail(f"{where}: {err}")
+                        state.committed, state.finished = cfg.diloco.outer_steps, True  # the user trains it
+                        journal.save(state)
+                    journals[(root / cfg.coordinator.journal_dir).resolve()] = cfg
+                elif argv[1] == "export":
+                    args = parse(argv[1:])
+                    cfg = journals.get((root / args.journal_dir).resolve())
+                    assert cfg is not None, f"{where}: no earlier coordinator wrote {args.journal_dir}"
+                    assert Journal(root / args.journal_dir).load() is not None
+                    folder = not args.out.endswith((".pt", ".safetensors"))
+                    assert not folder or cfg.model.family != "tiny", f"{where}: a tiny model has no Hugging Face form"
+                    exported.add((root / args.out).resolve())
+                elif argv[1] == "generate":
+                    args = parse(argv[1:])
+                    assert (root / args.model).resolve() in exported, f"{where}: no earlier export wrote {args.model}"
+                else:
+                    run_potluck(argv[1:], root, monkeypatch)
+    assert len(journals) >= 4, sorted(journals)  # the first run, your own text, token shards, the real model
 
 
 # ---------------------------------------------------------------------- the setup commands
@@ -478,8 +543,10 @@ def test_the_real_model_section_trains_exports_and_generates(procs: ProcessGroup
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(b"".join(p.read_bytes() for p in [README, *sorted((REPO / "docs").glob("*.md"))]))
     cfg = load_config(REPO / "examples" / "llama-20m.toml")
+    coordinator = parse(readme_command("potluck", "coordinator", having="examples/llama-20m.toml")[1:])
+    journal = tmp_path / coordinator.journal_dir  # the README's, where its export reads
     cfg = apply_overrides(cfg, {"coordinator.host": "127.0.0.1", "coordinator.dht_port": 0, "coordinator.grpc_port": 0,
-                                "coordinator.status_port": 0, "coordinator.journal_dir": str(tmp_path / "potluck-run"),
+                                "coordinator.status_port": 0, "coordinator.journal_dir": str(journal),
                                 "data.path": str(corpus), "diloco.inner_steps": 2, "diloco.outer_steps": 2,
                                 "train.batch_size": 2, "pipeline.stages": 2, "pipeline.balance": "params",
                                 "membership.min_peers": 2})
@@ -490,7 +557,7 @@ def test_the_real_model_section_trains_exports_and_generates(procs: ProcessGroup
         swarm.start_peer()
         state = swarm.wait_state(lambda s: s["run"]["finished"] and s["history"][-1]["eval_loss"] is not None,
                                  300, "2 outer steps of the 2-stage llama-20m run")
-        final = tmp_path / "potluck-run" / "checkpoints" / "ckpt-000002.json"
+        final = journal / "checkpoints" / "ckpt-000002.json"
         swarm.wait_for(final.exists, 60, f"the final checkpoint {final.name}")
         export = [potluck_exe(), *readme_command("potluck", "export", having="model-hf")[1:]]
         done = subprocess.run(export, cwd=tmp_path, capture_output=True, text=True, timeout=300)

@@ -86,6 +86,20 @@ def test_goodbye_evicts_at_once() -> None:
     assert ("left", "a") in events and t.live() == []
 
 
+def test_a_peer_that_said_goodbye_and_heartbeats_again_is_back() -> None:
+    """A volunteer's Ctrl+C, then the same key again: the goodbye used to keep the id out for good."""
+    t = PeerTable(heartbeat_timeout_s=100)
+    t.update({"a": rec("a", seq=1)}, now=0)
+    t.update({"a": rec("a", state="left", seq=2)}, now=1)
+    assert t.update({"a": rec("a", state="joining", seq=3)}, now=2) == [("back", "a")]
+    assert [v.record.peer_id for v in t.live()] == ["a"]
+    # a DHT replica still holding the old goodbye (an older seq) does not send it away again
+    assert t.update({"a": rec("a", state="left", seq=2)}, now=3) == [] and t.live()
+    # nor a goodbye that is older than a lost peer's return
+    t.update({}, now=200)
+    assert t.update({"a": rec("a", state="training", seq=5)}, now=201) == [("back", "a")] and t.live()
+
+
 def test_members_that_finished_the_last_step_commit_it_and_are_not_a_lost_stage() -> None:
     """Seen in the chaos test: a stage's members finished the run's last step (state ``finished``, still
     serving it) while one joiner of the other stage was behind; the round was failed as "stage 0 lost all

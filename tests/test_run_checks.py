@@ -148,7 +148,7 @@ def test_the_coordinator_cli_refuses_a_missing_corpus_and_writes_nothing(tmp_pat
     assert done.stderr.rstrip().splitlines()[-1].endswith(
         f"data.path = 'corpus.txt': no such file (looked for {tmp_path}/corpus.txt); set data.path to the text file "
         "to train on (a relative path is read from the coordinator's working directory)")
-    assert not (tmp_path / "j" / "journal.json").exists() and not (tmp_path / "ready.json").exists()
+    assert not (tmp_path / "j").exists() and not (tmp_path / "ready.json").exists()  # not even identity.key (issue 27)
 
 
 def test_a_journal_that_never_committed_a_step_does_not_pin_its_config(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -269,3 +269,28 @@ def test_the_readme_run_trains_and_a_peer_needs_the_runs_corpus(swarm, tmp_path,
     state = swarm.wait_state(lambda s: s["run"]["finished"], 180, "one outer step of the README's run")
     assert state["run"]["outer_step"] == 1 and len(state["history"]) == 1
     assert right.wait(timeout=60) == 0
+
+
+@pytest.mark.slow
+def test_a_run_too_big_for_this_peer_is_warned_and_the_peer_refuses_it_in_one_line(swarm) -> None:  # type: ignore[no-untyped-def]
+    """Issue 27: a run bigger than a peer's memory used to crash the peer with the allocator's 50-line
+    traceback. The coordinator warns (naming the field); the peer refuses before it builds anything."""
+    import torch
+    from swarm import run_config
+
+    from potluck.models.sizecheck import estimate
+    from potluck.peer.joining import device_memory
+
+    big = {"model.seq_len": 2_000_000}
+    need = estimate(run_config(big)).bytes
+    if device_memory(torch.device("cpu")) >= need:
+        pytest.skip(f"this machine holds the {need / 1e9:.0f} GB the run needs")
+    swarm.start_coordinator(big)
+    warned = [line for line in swarm.tail("coordinator").splitlines() if " WARN " in line]
+    assert len(warned) == 1 and "model.seq_len = 2000000: this run needs about" in warned[0], warned
+    peer = swarm.start_peer()
+    assert peer.wait(timeout=120) == 2
+    log = swarm.tail("peer-0")
+    errors = [line for line in log.splitlines() if " ERROR " in line]
+    assert "Traceback" not in log and len(errors) == 1, log
+    assert "this run needs about" in errors[0] and "and this peer's cpu holds" in errors[0], errors

@@ -500,6 +500,7 @@ def test_status_cli_prints_the_summary(server: StatusServer, box: Box, capsys: p
     lost = next(p for p in box.state["peers"] if p["state"] == "lost")
     assert out.index(lost["short_id"]) < out.index("training", out.index("PEER"))  # lost peers come first
     assert f"5 of {len(box.state['peers'])}" in out
+    assert f"lend a GPU: potluck peer --join {run['join_address']}" in out  # the join address, while it runs
 
     assert status_cli.run(cli_args(f"http://127.0.0.1:{server.port}/", json=True)) == 0
     assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(box.state))
@@ -532,3 +533,35 @@ def test_state_urls() -> None:
     assert status_cli.state_url("https://x.org/potluck/") == "https://x.org/potluck/api/v1/state"
     assert status_cli.state_url("http://h:1/api/v1/state") == "http://h:1/api/v1/state"
     assert Path(STATIC_DIR / "index.html").is_file()
+
+
+def test_throughput_is_per_outer_step_and_the_model_export_is_said() -> None:
+    """Issue 27: the throughput chart sampled instantaneous tokens/s, which fell to 0 at every sync; the
+    history now carries each step's tokens and its rate since the step before (inner steps and sync)."""
+    from potluck.coordinator.snapshot import model_export, step_rates
+    from potluck.protos.config import RunConfig, apply_overrides
+
+    cfg = apply_overrides(RunConfig(), {"diloco.inner_steps": 10, "train.batch_size": 4, "model.seq_len": 8})
+    entries = [{"step": 1, "t": 100.0, "members": 2, "stages": {}}, {"step": 2, "t": 104.0, "members": 2, "stages": {}},
+               {"step": 3, "t": 104.0, "members": 2, "stages": {"a": 0}}, {"step": 5, "t": 110.0, "members": 2, "stages": {}}]
+    rates = step_rates(entries, cfg)
+    assert [r["tokens"] for r in rates] == [640, 640, 320, 640]  # stage-0 members x 10 x 4 x 8
+    assert [r["tokens_per_s"] for r in rates] == [None, 160.0, None, None]  # no step before; seen at once; a gap
+    assert model_export(cfg, 10) == {"version": 10, "command": "potluck export --journal-dir potluck-run --out model.pt"}
+    llama = apply_overrides(cfg, {"model.preset": "llama-20m", "coordinator.journal_dir": "/srv/runs/x"})
+    assert model_export(llama, 0) == {"version": None,
+                                      "command": "potluck export --journal-dir JOURNAL_DIR --out model-hf"}
+
+
+def test_status_cli_says_an_https_address_is_a_plain_http_page(box: Box, capsys: pytest.CaptureFixture[str]) -> None:
+    """It printed OpenSSL's raw [SSL: WRONG_VERSION_NUMBER]."""
+    srv = StatusServer("127.0.0.1", 0, box)
+    try:
+        https = srv.url.replace("http://", "https://")
+        for pinned in ({}, {"fingerprint": ":".join(["AB"] * 32)}):
+            assert status_cli.run(cli_args(https, **pinned)) == 1
+            err = capsys.readouterr().err.strip()
+            assert err == (f"potluck status: {https.rstrip('/')} answers plain HTTP, not HTTPS (its coordinator runs "
+                           f"without --status-tls): read it as {srv.url.rstrip('/')} (no --fingerprint)"), err
+    finally:
+        srv.stop()

@@ -188,3 +188,44 @@ def test_details_polling_fallback_and_untrusted_names(page: Page, errors: list[s
         assert not [e for e in errors if "api/v1/events" not in e]  # the refused streams log errors; nothing else may
     finally:
         srv.stop()
+
+
+def test_join_address_model_export_finished_peers_and_throughput_per_step(page: Page, errors: list[str],
+                                                                           artifacts: Path) -> None:
+    """Issue 27: the join address was only a tooltip; a finished run did not say how to get the model;
+    finished peers showed "last seen 28 s ago" in red; throughput was instantaneous samples falling to 0
+    at every sync (now one point per outer step); axes said v5 and v7 · 0 without saying what they count."""
+    running = make_state(6, steps=12)
+    done = make_state(3, steps=40, finished=True)
+    for p in done["peers"]:  # they said goodbye a while ago: longer than the heartbeat timeout
+        p.update(state="finished", last_seen_s=done["config"]["heartbeat_timeout_s"] + 20)
+    shown = [running]
+    srv = StatusServer("127.0.0.1", 0, lambda: shown[0])
+    try:
+        page.goto(srv.url)
+        page.wait_for_selector("[data-testid=peer-row]")
+        join = page.locator("[data-testid=join-address]")
+        assert join.is_visible() and f"potluck peer --join {running['run']['join_address']}" in join.inner_text()
+        assert page.locator("[data-testid=model-howto]").is_hidden()
+        per_step = sum(h["tokens_per_s"] is not None for h in running["history"])
+        assert int(page.locator("[data-testid=tokens-chart]").get_attribute("data-points") or -1) == per_step == 11
+        assert page.locator("th[data-sort=version]").inner_text() == "version · inner step"
+        trainer = next(p for p in running["peers"] if p["state"] == "training")
+        cell = page.locator(f"[data-testid=peer-row][data-peer-id='{trainer['id']}'] td[data-col=version]")
+        assert cell.inner_text() == f"v{trainer['version']} · {trainer['inner_step']}/30"
+        assert "the model after" in (cell.get_attribute("title") or "")
+
+        shown[0] = done
+        page.goto(srv.url)
+        page.wait_for_selector("[data-testid=peer-row]")
+        howto = page.locator("[data-testid=model-howto]")
+        assert howto.is_visible() and page.locator("[data-testid=join-address]").is_hidden()
+        assert "The run is finished. Get its model (v100" in howto.inner_text()
+        assert page.inner_text("[data-testid=model-command]") == done["run"]["model_export"]["command"]
+        rows = page.locator("[data-testid=peer-row]")
+        assert rows.count() == 3 and all(rows.nth(i).get_attribute("data-stale") == "false" for i in range(3))
+        assert page.locator("td.stale").count() == 0
+        page.screenshot(path=str(artifacts / "finished.png"), full_page=True)
+        assert errors == []
+    finally:
+        srv.stop()

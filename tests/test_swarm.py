@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+import os
+import signal
 import time
 
 import pytest
+from swarm import alarming
 
 pytestmark = pytest.mark.slow
 
@@ -71,26 +74,30 @@ def test_sigkill_mid_inner_loop_does_not_stall_the_others(swarm) -> None:  # typ
     assert [h["members"] for h in final["history"] if h["step"] > step] == [2, 2]
 
 
-def test_late_peer_joins_and_ends_identical(swarm) -> None:  # type: ignore[no-untyped-def]
-    swarm.start_coordinator({"diloco.outer_steps": 200, "diloco.inner_steps": 60, "membership.min_peers": 2})
+def test_late_peer_joins_and_ends_identical_and_a_clean_run_logs_no_alarm(swarm) -> None:  # type: ignore[no-untyped-def]
+    """Two peers, a third that joins late (state fetched from the others; the coordinator, which holds
+    checkpoints, is asked too), the run to its end, the peers gone, then the coordinator stopped with
+    Ctrl+C as a terminal sends it: nothing at WARN or above anywhere, start to stop (issue 27: every
+    coordinator Ctrl+C printed p2pd's ERROR and 'DHT did not shut down within the grace period', every
+    normal join a WARN for the coordinator's NO_STATE answer)."""
+    steps = 14
+    swarm.start_coordinator({"diloco.outer_steps": steps, "diloco.inner_steps": 300, "membership.min_peers": 2,
+                             "coordinator.checkpoint_every": 4})
     swarm.start_peer()
     swarm.start_peer()
     swarm.wait_state(lambda s: s["run"]["outer_step"] >= 2, 180, "two outer steps with two peers")
     swarm.start_peer(name="late")
-
-    def three_for_a_while(s: dict) -> bool:
-        full = [h for h in s["history"] if len(h["state_hashes"]) == 3]
-        return len(full) >= 3
-
-    state = swarm.wait_state(three_for_a_while, 240, "three outer steps with the late peer as a member")
+    state = swarm.wait_state(lambda s: s["run"]["finished"] and s["history"][-1]["eval_loss"] is not None
+                             and len(s["history"][-1]["state_hashes"]) == 3, 300, "the run to end with the late peer")
     hist = state["history"]
     first_with_three = min(h["step"] for h in hist if h["members"] == 3)
-    assert first_with_three >= 3, "the late peer cannot be a member before it started"
-    assert all(len(h["state_hashes"]) == 3 for h in hist if h["step"] >= first_with_three and h["state_hashes"]
-               and h["step"] < state["run"]["outer_step"])
+    assert 3 <= first_with_three < steps - 2, "the late peer cannot be a member before it started"
+    assert all(len(h["state_hashes"]) == 3 for h in hist if h["step"] >= first_with_three)
     assert hashes_agree(state) == [], "the late peer ended an outer step with different parameters"
-    late = next(p for p in state["peers"] if p["name"] == "late")
-    assert late["state"] in ("training", "syncing") and late["tasklet"] is not None
+    assert [p.wait(timeout=60) for p in swarm.peers] == [0, 0, 0]
+    os.killpg(swarm.coordinator.pid, signal.SIGINT)  # Ctrl+C reaches the terminal's whole foreground group
+    assert swarm.coordinator.wait(timeout=15) == 0
+    assert alarming(swarm.logs) == []
 
 
 def test_admin_actions_need_the_coordinators_token(swarm) -> None:  # type: ignore[no-untyped-def]

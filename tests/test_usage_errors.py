@@ -1,5 +1,6 @@
 """What a new user gets wrong, answered in one line: ports in use, an export over an existing file,
-and what ``potluck demo`` leaves behind and what its numbers mean."""
+mistakes answered before anything heavy loads, and what ``potluck demo`` leaves behind and what its
+numbers mean."""
 
 from __future__ import annotations
 
@@ -156,11 +157,69 @@ def test_peer_refuses_a_grpc_port_in_use(procs: ProcessGroup, tmp_path: Path, he
     assert f"gRPC port {held_port} on 127.0.0.1 is in use by another program; choose another with --grpc-port" in out
 
 
+# ---------------------------------------------------------------------- answered at once
+
+PROBE = """
+import sys
+from potluck.cli import main
+rc = main(sys.argv[1:])
+heavy = sorted(m for m in ("torch", "hivemind", "grpc") if m in sys.modules)
+print(rc, ",".join(heavy) or "-")
+"""
+
+
+def mistake(tmp_path: Path, name: str) -> list[str]:
+    """One of issue 27's usage mistakes (8-9 s each, after torch, hivemind and a DHT node), set up in tmp_path."""
+    from potluck.coordinator.journal import Journal, JournalState
+    from potluck.protos.config import RunConfig, apply_overrides, dump_toml
+
+    run = tmp_path / "run.toml"
+    run.write_text(dump_toml(RunConfig(run_id="first-run")))
+    other = apply_overrides(RunConfig(), {"run_id": "first-run", "model.d_model": 32})
+    Journal(tmp_path / "potluck-run").save(JournalState(run_id="first-run", config=other.manifest_sections(),
+                                                        created_at=1.0, committed=3))
+    join = f"/ip4/127.0.0.1/tcp/9/p2p/{Identity.generate().peer_id}"
+    return {"join": ["peer", "--join", "127.0.0.1:44497"],
+            "journal": ["coordinator", "--config", str(run)],
+            "identity": ["peer", "--join", join, "--identity", str(tmp_path / "held.key")],
+            "size": ["coordinator", "--config", str(run), "--set", "model.d_model=1000000", "--journal-dir", "new"],
+            "seq": ["coordinator", "--config", str(run), "--set", "model.seq_len=10000000", "--journal-dir", "new"]}[name]
+
+
+@pytest.mark.parametrize("name, says", [
+    ("join", "join address '127.0.0.1:44497' has no /p2p/<coordinator id> part"),
+    ("journal", "potluck-run holds run 'first-run' (at outer step 3), written with a different config (sections "
+                "differ: model): resume it with the same values there (only diloco, links, membership, pipeline may "
+                "change), start a new run with another --journal-dir, or remove potluck-run to start this one over"),
+    ("identity", "held.key is in use by another peer on this machine; give this one its own with --identity FILE"),
+    ("size", "model.d_model = 1000000: this run needs about 768.3 TB a peer: 24.0T parameters at 32 bytes each"),
+    ("seq", "model.seq_len = 10000000: this run needs about"),
+])
+def test_usage_mistakes_are_answered_before_torch_hivemind_or_any_write(tmp_path: Path, name: str, says: str) -> None:
+    """Checked before the heavy imports (what took 8-9 s), in one line, exit status 2; nothing written
+    (``benchmarks/cli_help.py`` times them: < 1 s each)."""
+    import fcntl
+
+    argv = mistake(tmp_path, name)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with open(tmp_path / "held.key.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another peer on this machine holds held.key
+        done = subprocess.run([sys.executable, "-c", PROBE, *argv], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=120)
+    assert done.stdout == "2 -\n", (done.stdout, done.stderr)  # status 2, and none of torch, hivemind, gRPC loaded
+    assert len(done.stderr.splitlines()) == 1 and says in done.stderr, done.stderr
+    after = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.name != "held.key.lock")
+    assert after == before, (before, after)
+
+
 # ---------------------------------------------------------------------- export
 
 
-def write_checkpoint(journal: Path, version: int = 5):  # type: ignore[no-untyped-def]
-    """A checkpoint as the coordinator writes it, of a TinyGPT with its own init; returns the model."""
+def write_checkpoint(journal: Path, version: int = 5, family: str = "tiny", data: str = ""):  # type: ignore[no-untyped-def]
+    """A checkpoint as the coordinator writes it, of a small model with its own init; returns the model.
+    ``data``: the run's data source, in a journal beside it (what export reads to say how to feed it)."""
+    import json
+
     import torch
 
     from potluck.compression.transfer import Snapshot
@@ -168,13 +227,15 @@ def write_checkpoint(journal: Path, version: int = 5):  # type: ignore[no-untype
     from potluck.peer.model import TinyGPT
     from potluck.protos.config import ModelConfig
 
-    cfg = ModelConfig(d_model=16, n_layers=2, n_heads=2, seq_len=8, vocab_size=32)
+    cfg = ModelConfig(family=family, d_model=16, n_layers=2, n_heads=2, seq_len=8, vocab_size=256 if data == "bytes" else 32)
     model = TinyGPT(cfg, seed=7)
     params = list(model.named_parameters())
     theta = torch.cat([p.detach().reshape(-1) for _, p in params])
     layout = [[n, list(p.shape)] for n, p in params]
     snap = Snapshot.create({"theta": theta, "momentum": torch.zeros_like(theta)}, version, {"layout": layout})
     CheckpointStore(journal / "checkpoints").write(snap, {"run_id": "t", "model": cfg.model_dump(mode="json")})
+    if data:
+        (journal / "journal.json").write_text(json.dumps({"config": {"data": {"source": data}}}))
     return model
 
 
@@ -209,7 +270,7 @@ def test_export_never_overwrites_without_force(tmp_path: Path) -> None:
     assert out.stat().st_size > 100
 
 
-def test_export_cli_refuses_in_one_line_and_prints_lines_that_load_the_file(tmp_path: Path) -> None:
+def test_export_cli_refuses_in_one_line(tmp_path: Path) -> None:
     write_checkpoint(tmp_path / "journal")
     (tmp_path / "model.pt").write_text("keep me")
     export = [sys.executable, "-m", "potluck", "export", "--journal-dir", "journal", "--out", "model.pt"]
@@ -219,16 +280,34 @@ def test_export_cli_refuses_in_one_line_and_prints_lines_that_load_the_file(tmp_
                            "or choose another --out\n")
     assert (tmp_path / "model.pt").read_text() == "keep me"
 
-    proc = subprocess.run([*export, "--force"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+@pytest.mark.parametrize("out, family, data", [("model.pt", "tiny", ""), ("model.safetensors", "tiny", "markov"),
+                                               ("model-hf", "llama", "bytes"), ("hf-ids", "llama", "markov")])
+def test_export_prints_lines_that_load_what_it_wrote(tmp_path: Path, out: str, family: str, data: str) -> None:
+    """For every form --out picks (issue 27: a folder's lines were load_model("model-hf") and torch.load,
+    both IsADirectoryError), the printed lines run as they are, from where the user ran the export, and
+    feed the model tokens the way the run's data makes them (bytes of text for a byte-level run)."""
+    write_checkpoint(tmp_path / "journal", family=family, data=data)
+    export = [sys.executable, "-m", "potluck", "export", "--journal-dir", "journal", "--out", out]
+    proc = subprocess.run(export, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     first, *code = proc.stdout.splitlines()
-    assert first == "wrote v5 (0.01M parameters) to model.pt; load it in Python with:"
-    assert code[:2] == ["  from potluck.export import load_model", '  model = load_model("model.pt")']
-    assert "  from potluck.peer.model import Model" in code and "  from potluck.protos.config import ModelConfig" in code
-    # the printed lines run as they are, from where the user ran the export
-    script = "\n".join(line[2:] for line in code) + "\nprint(type(model).__name__, model.cfg.d_model)"
-    ran = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert ran.returncode == 0 and ran.stdout == "Model 16\n", ran.stderr
+    assert first.startswith("wrote v5 (0.0") and f"M parameters) to {out}" in first, first
+    assert first.endswith("load it in Python with:"), first
+    if out.endswith(".pt"):
+        assert code[:2] == ["  from potluck.export import load_model", '  model = load_model("model.pt")']
+    elif out.endswith(".safetensors"):
+        assert "  from safetensors.torch import load_file" in code
+    else:
+        assert f'  model = AutoModelForCausalLM.from_pretrained("{out}")' in code
+        assert any('pip install -e ".[hf]"' in line for line in code)
+    if data == "bytes":
+        assert any("byte-level: no tokenizer" in line for line in code)
+    script = "\n".join(line[2:] for line in code) + "\nprint(tuple(logits.shape))"
+    ran = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    vocab = 256 if data == "bytes" else 32
+    assert ran.stdout.startswith("(1, ") and ran.stdout.endswith(f", {vocab})\n"), ran.stdout
 
 
 def test_load_model_says_when_a_file_is_not_an_export(tmp_path: Path) -> None:

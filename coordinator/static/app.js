@@ -105,7 +105,8 @@
 
   // Draws line series on a canvas and returns the number of data points drawn.
   // opts: {series: [{label, color, points: [[x, y]], dash}], hlines: [{y, label, color}],
-  //        xfmt(v, span), yfmt, time (x is unix time), zero (y axis starts at 0), empty (text when nothing to draw)}
+  //        xfmt(v, span), yfmt, time (x is unix time), zero (y axis starts at 0), empty (text when nothing to draw),
+  //        xtitle (what the x axis counts, under its ticks)}
   function drawChart(canvas, opts) {
     const dpr = window.devicePixelRatio || 1;
     const size = page.sizes[canvas.id] || [canvas.clientWidth, canvas.clientHeight];
@@ -146,7 +147,7 @@
     const xn = Math.max(2, Math.floor(w / 90));
     const yt = niceTicks(y0, y1, 4), xt = opts.time ? timeTicks(x0, x1, xn) : niceTicks(x0, x1, xn);
     const left = 8 + Math.max(...yt.map((v) => ctx.measureText(yfmt(v)).width));
-    const top = 20, right = 10, bottom = 18;
+    const top = 20, right = 10, bottom = opts.xtitle ? 30 : 18;
     const X = (x) => left + (x - x0) / (x1 - x0) * (w - left - right);
     const Y = (y) => top + (1 - (y - y0) / (y1 - y0)) * (h - top - bottom);
 
@@ -159,6 +160,7 @@
     }
     ctx.textAlign = "center"; ctx.textBaseline = "top";
     for (const v of xt) if (v >= x0 && v <= x1) ctx.fillText(xfmt(v, x1 - x0), X(v), h - bottom + 4);
+    if (opts.xtitle) { ctx.fillText(opts.xtitle, (left + w - right) / 2, h - 13); }
 
     for (const l of hlines) {
       ctx.save(); ctx.setLineDash([4, 4]); ctx.strokeStyle = l.color || muted;
@@ -227,6 +229,15 @@
     setText("st-eval", ev);
     setText("st-util", r.compute_utilization === null || r.compute_utilization === undefined
       ? "–" : (100 * r.compute_utilization).toFixed(1) + " %");
+    const join = !r.finished && r.join_address;
+    $("join").hidden = !join;
+    setText("join-cmd", join ? "potluck peer --join " + r.join_address : "");
+    const ex = r.model_export || {};
+    $("model-howto").hidden = !r.finished;
+    setText("model-howto-text", !r.finished ? "" : ex.version
+      ? "The run is finished. Get its model (v" + ex.version + ", the newest checkpoint) on the coordinator's machine:"
+      : "The run is finished, but it kept no checkpoint to export (coordinator.checkpoint_every = 0): its peers held the model.");
+    setText("model-cmd", r.finished && ex.version ? ex.command : "");
     const waiting = $("waiting");
     waiting.hidden = !r.waiting_reason;
     setText("waiting", r.waiting_reason ? "Waiting: " + r.waiting_reason : "");
@@ -243,9 +254,10 @@
     const timeout = (s.config || {}).heartbeat_timeout_s || Infinity;
     for (const [td, p] of page.lastSeenCells) {
       const seen = p.last_seen_s + sinceSnapshot();
+      const stale = seen > timeout && !(p.state === "finished" || p.state === "left"); // gone by saying so: not overdue
       td.textContent = ago(seen);
-      td.classList.toggle("stale", seen > timeout);
-      td.parentElement.dataset.stale = String(seen > timeout);
+      td.classList.toggle("stale", stale);
+      td.parentElement.dataset.stale = String(stale);
     }
   }
 
@@ -259,7 +271,8 @@
       series: [{ label: "loss", color: cssVar("--c1"), points: lossPts },
                { label: "eval loss", color: cssVar("--c2"), points: evalPts }],
       hlines: [{ y: s.run.loss_floor, label: "floor", color: cssVar("--floor") }],
-      xfmt: (v) => "v" + v, yfmt: (v) => v.toFixed(2), empty: "no outer step finished yet",
+      xfmt: (v) => String(v), xtitle: "outer step (the model version it made)", yfmt: (v) => v.toFixed(2),
+      empty: "no outer step finished yet",
     });
     c.dataset.lossPoints = String(lossPts.filter((p) => p[1] !== null).length);
     c.dataset.evalPoints = String(evalPts.filter((p) => p[1] !== null).length);
@@ -267,12 +280,13 @@
 
     const tfmt = (t, span) => (span < 600 ? clock(t) : clock(t).slice(0, 5));
     drawChart($("tokens-chart"), {
-      series: [{ label: "tokens/s", color: cssVar("--c3"), points: series.map((p) => [p.t, p.tokens_per_s]) }],
-      xfmt: tfmt, time: true, zero: true, empty: "no samples yet",
+      series: [{ label: "tokens/s", color: cssVar("--c3"), points: hist.map((h) => [h.step, h.tokens_per_s]) }],
+      xfmt: (v) => String(v), xtitle: "outer step", zero: true, empty: "no two outer steps yet",
     });
     drawChart($("peers-chart"), {
       series: [{ label: "live peers", color: cssVar("--c4"), points: series.map((p) => [p.t, p.live_peers]) }],
-      xfmt: tfmt, time: true, yfmt: (v) => (Number.isInteger(v) ? String(v) : ""), zero: true, empty: "no samples yet",
+      xfmt: tfmt, time: true, xtitle: "clock time (the coordinator's)", yfmt: (v) => (Number.isInteger(v) ? String(v) : ""),
+      zero: true, empty: "no samples yet",
     });
 
     const colours = { activations: cssVar("--c1"), gradients: cssVar("--c2"), outer: cssVar("--c3") };
@@ -286,7 +300,8 @@
       const last = hist.filter((h) => (h.bytes || {})[k] > 0).pop();
       if (last && (last.bytes_fp32 || {})[k]) hints.push(k + " " + (last.bytes_fp32[k] / last.bytes[k]).toFixed(1) + "×");
     }
-    drawChart($("bytes-chart"), { series: bs, xfmt: (v) => "v" + v, yfmt: bytes, zero: true, empty: "nothing sent yet" });
+    drawChart($("bytes-chart"), { series: bs, xfmt: (v) => String(v), xtitle: "outer step", yfmt: bytes, zero: true,
+      empty: "nothing sent yet" });
     setText("bytes-hint", "dashed: fp32" + (hints.length ? " · saved " + hints.join(", ") : ""));
   }
 
@@ -363,9 +378,10 @@
       text: (p) => (p.tasklet ? p.tasklet.stage + "/" + p.tasklet.replica : "–"), title: () => "stage/replica" },
     { key: "state", label: "state", value: (p) => p.state },
     { key: "last_seen_s", label: "last seen", cls: "num", value: (p) => p.last_seen_s },
-    { key: "version", label: "step", cls: "num", value: (p) => p.version * 1e6 + p.inner_step,
-      text: (p) => "v" + p.version + (p.state === "training" ? " · " + p.inner_step : ""),
-      title: (p) => "version " + p.version + ", inner step " + p.inner_step },
+    { key: "version", label: "version · inner step", cls: "num", value: (p) => p.version * 1e6 + p.inner_step,
+      text: (p) => "v" + p.version + (p.state === "training" ? " · " + p.inner_step + "/" + innerTotal() : ""),
+      title: (p) => "holds version " + p.version + " (the model after " + p.version + " outer steps)" +
+        (p.state === "training" ? "; inner step " + p.inner_step + " of " + innerTotal() + " of outer step " + (p.version + 1) : "") },
     { key: "tokens_per_s", label: "tokens/s", cls: "num", value: (p) => p.tokens_per_s, text: (p) => (p.tokens_per_s ? si(p.tokens_per_s) : "–") },
     { key: "loss", label: "loss", cls: "num", value: (p) => (p.loss === null ? Infinity : p.loss), text: (p) => num(p.loss, 3) },
     { key: "bytes", label: "sent / received", cls: "num", value: (p) => sumValues(p.bytes_sent),
@@ -377,6 +393,8 @@
         bytes(relayBytes(p)) + " so far" : "other peers connect to it directly") },
     { key: "software", label: "version", value: (p) => p.software, text: (p) => p.software || "–" },
   ];
+
+  function innerTotal() { return page.state ? page.state.run.inner_steps_per_outer : "?"; }
 
   function relayBytes(p) {
     return (p.bytes_sent.relay || 0) + (p.bytes_received.relay || 0);

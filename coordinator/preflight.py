@@ -1,0 +1,38 @@
+"""What a coordinator checks before it loads anything heavy or writes anything.
+
+``potluck coordinator`` runs :func:`preflight` right after reading its config, before torch, hivemind
+or gRPC load and before its journal directory is touched, so a run that cannot work is refused in one
+line in well under a second: a corpus its peers could not train on (:func:`~potluck.protos.runcheck.check_run`),
+a model no peer could hold (:mod:`~potluck.models.sizecheck`), a journal directory that holds
+another run (:func:`~potluck.coordinator.journal.changed_sections`). The coordinator runs it again when
+it opens the run (:func:`potluck.coordinator.bootstrap.open_journal`), where it logs what it found.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from potluck.coordinator.journal import changed_sections, read_journal
+from potluck.models import sizecheck
+from potluck.protos.config import RunConfig
+from potluck.protos.runcheck import check_run
+
+
+@dataclass
+class Checked:
+    """A run that passed: lines for the operator (``notes``), and ``warnings`` about its size."""
+
+    estimate: sizecheck.Estimate
+    notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def preflight(cfg: RunConfig) -> Checked:
+    """Refuse (ConfigError or JournalError, one line naming the fix) a run that cannot work; writes nothing."""
+    notes = check_run(cfg).notes
+    estimate = sizecheck.check_size(cfg)
+    state = read_journal(cfg.coordinator.journal_dir)
+    if state is not None:
+        changed_sections(Path(cfg.coordinator.journal_dir) / "journal.json", state, cfg)
+    return Checked(estimate, notes, sizecheck.notes(cfg, estimate))
