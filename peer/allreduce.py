@@ -144,6 +144,7 @@ class AllReduce:
         self._kept: _Kept | None = None  # the step before: its results and inputs, for audits of it
         self._evidence: dict[tuple[int, int, int, int], dict[str, Signed]] = {}  # inputs fetched in an audit
         self._closed: set[tuple[int, int]] = set()
+        self._tamper = tamper  # POTLUCK_FAULTS' owner.* points (a test may give one member faults of its own)
         self._results: dict[int, ShardResult] = {}
         self._taken_over: set[int] = set()
         self._pending: list[Future] = []
@@ -603,10 +604,10 @@ class AllReduce:
             step = info.step
 
             def mean(a: int, b: int) -> torch.Tensor:  # (a Byzantine owner, in tests: POTLUCK_FAULTS owner.mean)
-                return tamper("owner.mean", step, red.mean(a, b), a)
+                return self._tamper("owner.mean", step, red.mean(a, b), a)
 
             clipped = red.clipped
-            if tamper("owner.flags", step, False) is True:  # an honest mean, with false flags (tests)
+            if self._tamper("owner.flags", step, False) is True:  # an honest mean, with false flags (tests)
                 clipped = sorted(set(red.contributors) - {self.me})
             # summed in float32 and re-quantized a chunk at a time, chunks on the codec workers, each
             # hashed there as soon as it is made

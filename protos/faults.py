@@ -154,11 +154,12 @@ def injected(point: str, step: int | None, action: str) -> bool:
     return True
 
 
-def tamper(point: str, step: int, x: Any, offset: int = 0) -> Any:
+def tamper(point: str, step: int, x: Any, offset: int = 0, pending: list[Fault] | None = None) -> Any:
     """``x`` as a Byzantine peer would send it, if ``POTLUCK_FAULTS`` makes this one (else ``x``); acts at every
     matching step. ``offset``: where a piece of a vector starts (``spike`` sets the vector's first element to 1e6;
-    ``flag`` returns True, for the caller to name its honest peers)."""
-    for f in _pending:
+    ``flag`` returns True, for the caller to name its honest peers). ``pending``: faults of one object instead of
+    the process's (a test's one Byzantine member among honest ones in one process)."""
+    for f in _pending if pending is None else pending:
         if _matches(f, point, step):
             action = f[3]
             if action == "flip":
