@@ -28,7 +28,7 @@ from __future__ import annotations
 import hmac
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +37,7 @@ from potluck.coordinator.service import answers
 from potluck.protos.certs import CertError, CertificateAuthority, TlsIdentity, fingerprint, token_proof
 from potluck.protos.config import RunConfig
 from potluck.protos.log import get_logger, short_id
-from potluck.protos.records import AdmissionRequest, Certificate, PeerRecord, Round
+from potluck.protos.records import AdmissionRequest, Certificate, Member, PeerRecord, Round
 from potluck.protos.swarm import SwarmNode
 from potluck.protos.transport import PeerClient
 
@@ -152,7 +152,9 @@ class Gatekeeper:
         self.admission = Admission(self.ca, run_id, a.mode, self.token, frozenset(a.allow), a.cert_lifetime_s,
                                    a.max_per_minute, revoked=set(revoked))
         self.evict_after = a.evict_after
-        self._flagged: dict[str, dict[int, bool]] = {}  # peer -> step -> clipped or rejected by some owner
+        self._flagged: dict[str, dict[int, bool]] = {}  # peer -> step -> clipped or rejected by most owners
+        # of a stage's members, those whose reports count (past probation; all of them while none is)
+        self.trusted: Callable[[Sequence[Member]], set[str]] = lambda cells: {m.peer_id for m in cells}
         self._unsent: list[Certificate] = []  # answers reviewed but not stored yet
         self._in_use_seen: dict[tuple[str, int], str] = {}  # (peer, request seq) -> why refused ('' if not)
 
@@ -192,21 +194,33 @@ class Gatekeeper:
         return out
 
     def _evictions(self, records: dict[str, PeerRecord], round_at: Callable[[int], Round | None]) -> list[tuple[str, str]]:
-        """Owners sign whom they clipped or rejected, and every member of a stage applies the same results, so
-        names the same peers in its step report. A peer counts as flagged in a step only when most of its
-        stage's members name it: one liar cannot get honest peers evicted. Flagged too often: evicted."""
-        named: dict[tuple[int, int], Counter[str]] = {}
+        """Each owner signs whom it clipped or left out, and every member reports each owner's list as it received
+        it (``StepReport.flags``). A peer counts as flagged in a step only when most of its stage's *owners*
+        flagged it, each owner's list as most trusted reporters of the stage give it: owners are counted, not the
+        members that repeat them, so one owner's false flags are never a majority (and an audit of its shard
+        proves them false), and reporters on probation (a crowd of fresh keys) do not count. Flagged too often:
+        evicted."""
+        claims: dict[tuple[int, int], dict[str, Counter[tuple[str, ...]]]] = {}
         for rec in records.values():
             if not self.admission.is_admitted(rec.peer_id):
                 continue
-            for step in {s.step: s for s in rec.recent}.values():  # one vote per reporter and step
+            for step in {s.step: s for s in rec.recent}.values():  # one report per reporter and step
                 self._flagged.setdefault(rec.peer_id, {}).setdefault(step.step, False)  # it took part
-                named.setdefault((step.step, step.stage), Counter()).update(set(step.clipped) | set(step.rejected))
-        for (step, stage), counts in named.items():
-            rnd = round_at(step)
-            members = {m.peer_id for m in rnd.members if m.stage == stage} if rnd is not None else set()
-            for pid, n in counts.items():
-                if pid in members and 2 * n > len(members):
+                rnd = round_at(step.step)
+                if rnd is None or rec.peer_id not in self.trusted(rnd.stage_members(step.stage)):
+                    continue
+                by_owner = claims.setdefault((step.step, step.stage), {})
+                for owner, named in step.flags.items():
+                    by_owner.setdefault(owner, Counter())[tuple(sorted(set(named)))] += 1
+        for (step, stage), by_owner in claims.items():
+            cells = rnd.stage_members(stage) if (rnd := round_at(step)) is not None else []
+            owners = [m.peer_id for m in cells if m.owns] or [m.peer_id for m in cells]
+            counts: Counter[str] = Counter()
+            for owner, versions in by_owner.items():
+                if owner in owners:
+                    counts.update(versions.most_common(1)[0][0])
+            for pid, n in counts.items():  # (a flagged owner's own shard does not vote on it)
+                if any(m.peer_id == pid for m in cells) and 2 * n > len(set(owners) - {pid}):
                     self._flagged.setdefault(pid, {})[step] = True
         out = []
         for pid, steps in self._flagged.items():
@@ -215,7 +229,7 @@ class Gatekeeper:
             recent = [steps[s] for s in sorted(steps)[-RECENT_STEPS:]]
             if sum(recent) >= self.evict_after and pid not in self.admission.revoked:
                 self.admission.revoke(pid)
-                out.append((pid, f"evicted: most members of its stage clipped or left out its update "
+                out.append((pid, f"evicted: most owners of its stage clipped or left out its update "
                                  f"in {sum(recent)} of its last {len(recent)} outer steps"))
         return out
 

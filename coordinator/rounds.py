@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from potluck.coordinator.cursor import Cursor, DataCursor
 from potluck.protos.config import RunConfig
 from potluck.protos.log import short_id
-from potluck.protos.records import Member, Round
+from potluck.protos.records import Audit, Member, Round
 
 KEEP_ROUNDS = 16
 KEEP_DURATIONS = 8
@@ -356,15 +356,16 @@ class Rounds:
             return live >= min_peers
         return self.settled(now, reports=reports)
 
-    def decide(self, members: list[Member], now: float, decided_at: float = 0.0) -> Round:
-        """Round ``committed + 1`` with these members (already placed on the grid), in this epoch."""
+    def decide(self, members: list[Member], now: float, decided_at: float = 0.0, audits: Sequence[Audit] = ()) -> Round:
+        """Round ``committed + 1`` with these members (already placed on the grid, shard owners marked), in this
+        epoch, carrying ``audits`` of the step before."""
         step = self.committed + 1
         hashes = [self.canonical(step - 1, s) for s in range(self.stages)]
         stage0 = [(m.peer_id, m.replica) for m in members if m.stage == 0]
         shares, data_next, pool = self.data.assign(self.committed, stage0, self.round_at(self.committed), self.epoch)
         rnd = Round(step=step, members=sorted(members, key=lambda m: (m.stage, m.replica)), base_hash=hashes[0],
                     stages=self.stages, base_hashes=hashes if self.stages > 1 else [], epoch=self.epoch,
-                    decided_at=decided_at, shares=shares, data_next=data_next, pool=pool)
+                    decided_at=decided_at, shares=shares, data_next=data_next, pool=pool, audits=list(audits))
         self.rounds[step] = rnd
         self._started[step] = now
         for old in sorted(self.rounds)[:-KEEP_ROUNDS]:

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 
@@ -28,10 +29,14 @@ from potluck.compression.audit import ResultClaim, Round, Signed, Unverifiable, 
 from potluck.compression.int8 import Codec
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.log import get_logger, short_id
-from potluck.protos.records import Audit, AuditReport
+from potluck.protos.records import Audit, AuditReport, Plan
 from potluck.protos.transport import PeerClient, rpc_reason
 
 log = get_logger(__name__)
+
+
+class PlanSource(Protocol):
+    def wait_plan(self, predicate: Callable[[Plan | None], bool], timeout: float) -> Plan | None: ...
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,7 @@ class Auditor:
         self._lock = threading.Lock()
         self._pending: list[Future] = []
         self._started: set[tuple[int, int, int, int]] = set()
+        self._lies: list[str] = []  # owners this peer's audits found lying, not yet ruled on
 
     def start(self, audits: list[Audit], addresses: dict[str, str]) -> None:
         """Run the audits picked for this peer (each once, however many rounds name it)."""
@@ -66,6 +72,26 @@ class Auditor:
                     continue
                 self._started.add(key)
                 self._pending.append(self._pool.submit(self._run, a, addresses.get(a.owner, "")))
+
+    def start_for(self, plan: Plan | None, step: int, addresses: dict[str, str]) -> None:
+        """The audits the coordinator's round for ``step`` gives this peer, once that round is known."""
+        rnd = plan.round_for(step) if plan is not None else None
+        if rnd is not None and rnd.step == step:
+            self.start(rnd.audits, addresses)
+
+    def lied(self, timeout: float) -> bool:
+        """Did an audit of the step before (waited for at most ``timeout`` s) find its owner lying?"""
+        self._lies += [r.owner for r in self.wait(timeout) if r.verdict == "lie"]
+        return bool(self._lies)
+
+    def await_ruling(self, heartbeat: PlanSource, step: int, timeout: float) -> None:
+        """After a lie: commit nothing on it (the caller skips this step's outer step) and wait, bounded, for the
+        coordinator to rule: the liar evicted (and the run rolled back to before its step), or this peer (its
+        accusation did not check out). Then the follower acts on the plan as always."""
+        owners, self._lies = set(self._lies), []
+        log.warning("step %d builds on a result proven false by %s; committing nothing, waiting for the coordinator",
+                    step, ", ".join(map(short_id, sorted(owners))))
+        heartbeat.wait_plan(lambda p: p is not None and bool((owners | {self.me}) & set(p.revoked)), timeout=timeout)
 
     def wait(self, timeout: float) -> list[AuditReport]:
         """Wait (at most ``timeout`` s) for the audits under way; the reports of those that ended."""

@@ -18,8 +18,9 @@ from potluck import __version__
 from potluck.peer.allreduce import AllReduceStats
 from potluck.peer.progress import ProgressReporter
 from potluck.protos import potluck_pb2 as pb
+from potluck.protos.faults import tamper
 from potluck.protos.log import get_logger, short_id
-from potluck.protos.records import PeerRecord, StepReport, next_seq
+from potluck.protos.records import AuditReport, PeerRecord, StepReport, next_seq
 
 log = get_logger(__name__)
 
@@ -56,6 +57,7 @@ class Telemetry:
         self.progress = Progress()
         self.reporter = ProgressReporter(progress)
         self.steps: deque[StepReport] = deque(maxlen=KEEP_STEPS)
+        self.audits: deque[AuditReport] = deque(maxlen=KEEP_STEPS)  # this peer's latest audit verdicts (its record)
         self.first_step_logged = False
         self._pipe_before: dict[str, int] = {}  # the pipeline's byte counters at the last outer step
         self.error = ""  # why this peer stopped, when it stops on an error it cannot heal (state "failed")
@@ -89,10 +91,14 @@ class Telemetry:
     def outer_step(self, stats: AllReduceStats, seconds: float, mean_norm: float, epoch: int, stage: int, replica: int,
                    state_hash: str, pipe_total: dict[str, int] | None) -> None:
         """A committed outer step: its figures, logged and kept for the next heartbeats."""
+        flags = stats.flags
+        if tamper("outer.report", stats.step, False) is True:  # a lying reporter (tests): every owner flagged the others
+            flags = {owner: sorted(set(stats.flags) - {owner, self.peer_id}) for owner in stats.flags}
         report = StepReport(step=stats.step, epoch=epoch, stage=stage, replica=replica, state_hash=state_hash,
                             outer_s=seconds, allreduce_s=stats.seconds, outer_bytes=stats.bytes_sent, members=stats.members,
                             contributors=min(stats.contributors.values(), default=0), dropped=stats.dropped,
-                            clipped=stats.clipped, rejected=stats.rejected, included=stats.included, t=time.time())
+                            clipped=stats.clipped, rejected=stats.rejected, included=stats.included, flags=flags,
+                            t=time.time())
         p = self.progress
         p.last_outer_s, p.outer_wait_s, p.last_outer_bytes = seconds, stats.wait_seconds, stats.bytes_sent
         p.sync_s += seconds
@@ -105,6 +111,10 @@ class Telemetry:
         log.info("outer step %d: %d members, %.2f s (all-reduce %.2f s, waited %.2f s for members), sent %.2f MB, "
                  "|mean delta| %.3g, loss %.4f%s", stats.step, stats.members, seconds, stats.seconds, stats.wait_seconds,
                  stats.bytes_sent / 1e6, mean_norm, p.loss or float("nan"), dropped)
+
+    def audited(self, report: AuditReport) -> None:
+        """An audit this peer ran ended: its verdict rides on the next heartbeats (the coordinator acts on a lie)."""
+        self.audits.append(report)
 
     def evaluated(self, version: int, loss: float) -> None:
         log.info("eval loss of v%d: %.4f", version, loss)
@@ -143,7 +153,7 @@ class Telemetry:
             recent=list(self.steps),
             extras={"outer_wait_s": p.outer_wait_s, "step_time_s": p.step_time_s,
                     **({"pipe": p.last_pipe} if p.last_pipe else {}), **extras},
-            error=self.error[:500],
+            error=self.error[:500], audits=list(self.audits),
         )
 
     def first_step(self, joined_at: float, phases: dict[str, float]) -> None:

@@ -119,7 +119,10 @@ class _Node:
         self.published.append(cert)
 
 
-def test_eviction_needs_most_of_a_stage_so_one_liar_cannot_evict_honest_peers(tmp_path: Path) -> None:
+def test_eviction_needs_most_owners_so_one_liar_cannot_evict_honest_peers(tmp_path: Path) -> None:
+    """Every member reports each owner's signed flags as it received them; the liar, an owner, names both honest
+    owners over an honest mean (and lies in its own report too). Owners are counted, not the members repeating
+    them: the poisoner, flagged by both honest owners, is evicted; nobody the liar names is."""
     cfg = apply_overrides(RunConfig(), {"admission.evict_after": 3})
     gate = Gatekeeper(cfg, RUN, Identity.generate().peer_id, tmp_path, [])
     asks = {name: asking() for name in ("a", "b", "liar", "poisoner")}
@@ -127,19 +130,19 @@ def test_eviction_needs_most_of_a_stage_so_one_liar_cannot_evict_honest_peers(tm
     ids = {name: pid for name, (pid, _, _) in asks.items()}
     rounds = {s: Round(step=s, members=[Member(peer_id=p, address="x:1", replica=i) for i, p in
                                         enumerate(sorted(ids.values()))]) for s in range(1, RECENT_STEPS + 1)}
+    signed = {ids["a"]: [ids["poisoner"]], ids["b"]: [ids["poisoner"]], ids["liar"]: [ids["a"], ids["b"]],
+              ids["poisoner"]: []}
 
-    def record(name: str, flagged: list[str]) -> PeerRecord:
-        steps = [StepReport(step=s, clipped=flagged) for s in range(1, RECENT_STEPS + 1)]
+    def record(name: str, flags: dict[str, list[str]]) -> PeerRecord:
+        steps = [StepReport(step=s, flags=flags) for s in range(1, RECENT_STEPS + 1)]
         return PeerRecord(peer_id=ids[name], address="x:1", recent=steps)
 
-    # the liar names both honest peers (and a stranger) in every step; the three others name the poisoner
-    records = {ids["liar"]: record("liar", [ids["a"], ids["b"], "12D3KooWnobody"])}
-    for name in ("a", "b", "poisoner"):
-        records[ids[name]] = record(name, [ids["poisoner"]])
+    records = {ids[n]: record(n, signed) for n in ("a", "b", "poisoner")}
+    records[ids["liar"]] = record("liar", {o: [ids["a"], ids["b"], "12D3KooWnobody"] for o in signed})
     kept, events = gate.tick(node, records, rounds.get)  # type: ignore[arg-type]
     assert set(kept) == set(ids.values()) - {ids["poisoner"]}  # all four admitted on this tick, one evicted at once
     evicted = [(pid, msg) for pid, msg in events if "evicted" in msg]
-    assert evicted == [(ids["poisoner"], evicted[0][1])] and "most members" in evicted[0][1]
+    assert evicted == [(ids["poisoner"], evicted[0][1])] and "most owners" in evicted[0][1]
     assert gate.revoked(ids["poisoner"]) and not gate.revoked(ids["a"]) and not gate.revoked(ids["b"])
     kept, _ = gate.tick(node, records, rounds.get)  # type: ignore[arg-type]
     assert ids["poisoner"] not in kept  # its heartbeats no longer count, and it gets no certificate
@@ -253,3 +256,27 @@ def test_a_second_live_process_of_one_identity_is_refused_and_a_restart_is_not(t
     node.requests = {pid: AdmissionRequest(peer_id=pid, run_id=RUN, tls_key=later.public_pem.decode(), ts=T0 + 4, seq=5)}
     gate.tick(node, {pid: running.model_copy(update={"state": "left"})}, lambda s: None, alive)  # type: ignore[arg-type]
     assert node.published[-1].cert_pem and node.published[-1].request_seq == 5 and len(alive.asked) == 1
+
+
+def test_reporters_on_probation_do_not_count(tmp_path: Path) -> None:
+    """A crowd of fresh keys reporting that every owner flagged an honest peer moves nothing: only the
+    reports of members past probation are read (here: 'a' alone is trusted, and it reports the truth)."""
+    cfg = apply_overrides(RunConfig(), {"admission.evict_after": 3})
+    gate = Gatekeeper(cfg, RUN, Identity.generate().peer_id, tmp_path, [])
+    asks = {name: asking() for name in ("a", "s1", "s2", "s3")}
+    node = _Node({pid: req for pid, _, req in asks.values()})
+    ids = {name: pid for name, (pid, _, _) in asks.items()}
+    gate.trusted = lambda cells: {ids["a"]}
+    rounds = {s: Round(step=s, members=[Member(peer_id=p, address="x:1", replica=i, owns=p == ids["a"])
+                                        for i, p in enumerate(sorted(ids.values()))])
+              for s in range(1, RECENT_STEPS + 1)}
+    truth = {ids["a"]: []}
+    records = {ids["a"]: PeerRecord(peer_id=ids["a"], address="x:1",
+                                    recent=[StepReport(step=s, flags=truth) for s in range(1, RECENT_STEPS + 1)])}
+    for n in ("s1", "s2", "s3"):
+        lie = {ids["a"]: [ids["a"]]}
+        records[ids[n]] = PeerRecord(peer_id=ids[n], address="x:1",
+                                     recent=[StepReport(step=s, flags=lie) for s in range(1, RECENT_STEPS + 1)])
+    for _ in range(2):
+        kept, events = gate.tick(node, records, rounds.get)  # type: ignore[arg-type]
+    assert not [e for e in events if "evicted" in e[1]] and not gate.revoked(ids["a"])
