@@ -218,7 +218,8 @@ class Coordinator:
         grid, replan = placed
         if replan is not None and any(before.get(pid) != cell for pid, cell in grid.items()):
             self._event("replan", "", replan.describe())
-        r = self.rounds.decide(*self.integrity.roles(members(grid, records), self.rounds), now, time.time())
+        cells, audits = self.integrity.roles(members(grid, records), self.rounds)  # owners past probation; audits
+        r = self.rounds.decide(cells, now, time.time(), audits)
         self.publisher.new_plan()
         self._save()  # journaled before anyone can act on it
         self._event("round", "", describe_round(r, before))
