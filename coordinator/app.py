@@ -198,6 +198,7 @@ class Coordinator:
 
     def _maybe_finish(self, now: float) -> None:
         done, admin = self.finish.due(self.cfg, self.rounds, self.table.reports(), now)
+        done = done and self.integrity.audited_to_the_end(self.rounds.round_at, self.rounds.committed)
         if admin is not None:
             self._event("admin", "", f"run ended by the admin at outer step {self.rounds.committed}{admin}")
         if not self.state.finished and done:

@@ -26,7 +26,7 @@ from potluck.coordinator.trust import Trust
 from potluck.coordinator.verifier import Accusation, Ruling, Verifier
 from potluck.protos.config import RunConfig
 from potluck.protos.log import short_id
-from potluck.protos.records import Audit, Member, PeerRecord, Round
+from potluck.protos.records import Audit, AuditReport, Member, PeerRecord, Round
 from potluck.protos.transport import PeerClient
 
 
@@ -39,6 +39,7 @@ class Verdict:
     retract: int
     message: str
     kind: str  # the event's kind: "proven" (a lie, its owner evicted), "evicted" (a false accuser), "audit"
+    warn: bool = True  # worth a warning in the log (an audit that found nothing wrong is not)
 
 
 @dataclass
@@ -48,6 +49,9 @@ class Integrity:
     verifier: Verifier | None = None
     rng: random.Random = field(default_factory=random.SystemRandom)
     _reported: set[tuple] = field(default_factory=set)
+    _final: set[tuple[int, int, int, int]] = field(default_factory=set)  # the coordinator's own audits, unruled
+    _assigned: dict[tuple[int, int, int, int], Audit] = field(default_factory=dict)  # audits in decided rounds
+    _answered: set[tuple[int, int, int, int]] = field(default_factory=set)  # ... whose auditor reported
 
     @classmethod
     def for_run(cls, cfg: RunConfig, client: PeerClient, run_id: str, me: str, trust_json: dict | None) -> Integrity:
@@ -61,7 +65,9 @@ class Integrity:
     def roles(self, members: list[Member], rounds: Rounds) -> tuple[list[Member], list[Audit]]:
         """The members of the next round with their shard ownership set, and the audits it carries."""
         members = self.trust.assign_owners(members)
-        return members, self.audits(rounds.rounds.get(rounds.committed), members)
+        audits = self.audits(rounds.rounds.get(rounds.committed), members)
+        self._assigned.update({(a.step, a.epoch, a.stage, a.shard): a for a in audits})
+        return members, audits
 
     def audits(self, made: Round | None, members: Sequence[Member]) -> list[Audit]:
         """Audits of the shards of ``made`` (the round that produced the committed version)."""
@@ -91,6 +97,7 @@ class Integrity:
         events: list[tuple[str, str]] = []
         for rec in records.values():
             for r in rec.audits:
+                self._answered.add((r.step, r.epoch, r.stage, r.shard))
                 key = (r.step, r.epoch, r.stage, r.shard, r.owner, rec.peer_id, r.verdict)
                 if key in self._reported or r.verdict == "ok":
                     continue
@@ -122,15 +129,19 @@ class Integrity:
         so (``event``), and take back the step a proven lie made (``retract``); the rounds' events of that."""
         out: list = []
         for v in self.verdicts():
-            event(v.kind, self.evict(v, revoke), v.message, True)
+            event(v.kind, self.evict(v, revoke), v.message, v.warn)
             if v.retract:
                 out += retract(v.retract, v.message)
         return out
 
-    @staticmethod
-    def verdict(ruling: Ruling) -> Verdict:
+    def verdict(self, ruling: Ruling) -> Verdict:
         r, auditor = ruling.accusation.report, ruling.accusation.auditor
         where = f"shard {r.shard} of step {r.step}"
+        self._final.discard((r.step, r.epoch, r.stage, r.shard))
+        if not auditor and ruling.verdict != "lie":  # the coordinator's own audit
+            return Verdict("", 0, f"{where} audited by the coordinator: "
+                                  f"{'ok' if ruling.verdict == 'false' else ruling.detail}", "audit",
+                           warn=ruling.verdict != "false")
         if ruling.verdict == "lie":
             return Verdict(r.owner, r.step, f"proven: its signed result of {where} is not the average of the signed "
                                             f"contributions it names ({ruling.detail}); evicted, and the run goes "
@@ -140,6 +151,35 @@ class Integrity:
                                        f"is not ({ruling.detail})", "evicted")
         return Verdict("", 0, f"could not check {short_id(auditor)}'s accusation against {short_id(r.owner)} ({where}): "
                               f"{ruling.detail}", "audit")
+
+    def audited_to_the_end(self, round_at: Callable[[int], Round | None], committed: int) -> bool:
+        """Before the run ends, every audit is done: the last step has no next round to carry its audits, and a
+        peer that ran ahead on the last plan may have finished before it saw its audit of the step before.
+        The coordinator audits those shards itself (the last step's each with the usual probability), and the
+        run ends once they are ruled on."""
+        if self.cfg.sync.audit_fraction <= 0 or self.verifier is None:
+            return True
+        made = round_at(committed)
+        if made is not None and made.step == committed and (made.step, made.epoch, -1, -1) not in self._answered:
+            self._answered.add((made.step, made.epoch, -1, -1))  # (the last step: drawn once)
+            for stage in range(made.stages):
+                owners = [m.peer_id for m in made.stage_members(stage) if m.owns] or [
+                    m.peer_id for m in made.stage_members(stage)]
+                for shard, owner in enumerate(owners):
+                    if self.rng.random() < self.cfg.sync.audit_fraction:
+                        self._assigned[(made.step, made.epoch, stage, shard)] = Audit(
+                            step=made.step, epoch=made.epoch, stage=stage, shard=shard, owner=owner, auditor="")
+        for key, a in list(self._assigned.items()):
+            if key in self._answered or (rnd := round_at(a.step)) is None or rnd.epoch != a.epoch:
+                continue
+            self._answered.add(key)
+            cells = rnd.stage_members(a.stage)
+            owners = [m for m in cells if m.owns] or cells
+            holders = tuple((m.peer_id, m.address) for m in sorted(cells, key=lambda m: m.peer_id != a.owner))
+            report = AuditReport(step=a.step, epoch=a.epoch, stage=a.stage, shard=a.shard, owner=a.owner, verdict="lie")
+            if self.verifier.want(Accusation(report, "", holders, len(owners))):
+                self._final.add(key)
+        return not self._final
 
     # ------------------------------------------------------------------ bookkeeping
 

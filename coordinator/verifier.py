@@ -38,7 +38,7 @@ log = get_logger(__name__)
 @dataclass(frozen=True)
 class Accusation:
     report: AuditReport
-    auditor: str
+    auditor: str  # '' when the coordinator audits a shard itself (the run's last step: no round comes after it)
     holders: tuple[tuple[str, str], ...]  # (peer id, address): the auditor first, then the owner and others
     num_shards: int
 

@@ -83,6 +83,7 @@ CATCHING_UP = {"joining", "recovering", "waiting"}
 
 
 PING_S = 2.0
+KEEP_STEPS = 3  # steps kept for audits: encoded results and inputs, about 2 bytes a parameter each
 CODEC_WORKERS = 2
 
 
@@ -141,7 +142,9 @@ class AllReduce:
         self._contribs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         # each contribution as its sender signed it, kept to show an auditor what a result was averaged from
         self._inputs: dict[tuple[int, int], dict[str, Signed]] = {}
-        self._kept: _Kept | None = None  # the step before: its results and inputs, for audits of it
+        # the last few steps: their results and (an owner's) inputs, for audits of them (an auditor learns of its
+        # audit from the coordinator's next round, which a peer running ahead on the last plan may see late)
+        self._kept: dict[tuple[int, int], _Kept] = {}
         self._evidence: dict[tuple[int, int, int, int], dict[str, Signed]] = {}  # inputs fetched in an audit
         self._closed: set[tuple[int, int]] = set()
         self._tamper = tamper  # POTLUCK_FAULTS' owner.* points (a test may give one member faults of its own)
@@ -159,9 +162,12 @@ class AllReduce:
         ``base_hash``; everything held for another step is dropped."""
         with self._cond:
             if self._round is not None and step != self._step:  # the step that ends is kept for its audits
-                self._kept = _Kept(self._step, self._epoch, self._base_hash, self._round,
-                                   {j: (r.chunks, r.outcome, r.digests) for j, r in self._results.items()},
-                                   {k: dict(v) for k, v in self._inputs.items()})
+                self._kept[(self._step, self._epoch)] = _Kept(
+                    self._step, self._epoch, self._base_hash, self._round,
+                    {j: (r.chunks, r.outcome, r.digests) for j, r in self._results.items()},
+                    {k: dict(v) for k, v in self._inputs.items()})
+                for old in sorted(self._kept)[:-KEEP_STEPS]:
+                    del self._kept[old]
             self._step, self._base_hash, self._epoch, self._round = step, base_hash, epoch, None
             self._reset()
             self._cond.notify_all()
@@ -350,7 +356,7 @@ class AllReduce:
             if h.step == self._step and request.shard in self._results:
                 res = self._results[request.shard]
                 found, step, epoch, base = (res.chunks, res.outcome), self._step, self._epoch, self._base_hash
-            elif (k := self._kept) is not None and (h.step, h.epoch) == (k.step, k.epoch) and request.shard in k.results:
+            elif (k := self._kept.get((h.step, h.epoch))) is not None and request.shard in k.results:
                 chunks, outcome, _ = k.results[request.shard]
                 found, step, epoch, base = (chunks, outcome), k.step, k.epoch, k.base_hash
             if found is None:
@@ -368,7 +374,7 @@ class AllReduce:
                 raise Rejected(pb.UNKNOWN_RUN, f"unknown run id {h.run_id!r}")
             held: dict[str, Signed] | None = self._evidence.get((h.step, h.epoch, request.shard, request.attempt))
             base, num_shards = "", request.num_shards
-            if held is None and (k := self._kept) is not None and (h.step, h.epoch) == (k.step, k.epoch):
+            if held is None and (k := self._kept.get((h.step, h.epoch))) is not None:
                 held, base, num_shards = k.inputs.get(key), k.base_hash, k.round.shards
             elif held is None and (h.step, h.epoch) == (self._step, self._epoch) and key in self._closed:
                 held, base = self._inputs.get(key), self._base_hash
@@ -387,8 +393,8 @@ class AllReduce:
     def held_result(self, step: int, epoch: int, shard: int) -> HeldResult | None:
         """The signed result of ``shard`` of the step before, as this member received it (for an audit)."""
         with self._cond:
-            k = self._kept
-            if k is None or (k.step, k.epoch) != (step, epoch) or shard not in k.results:
+            k = self._kept.get((step, epoch))
+            if k is None or shard not in k.results:
                 return None
             chunks, o, digests = k.results[shard]
             numel = int(chunks[0].shape[0]) if chunks and chunks[0].shape else 0

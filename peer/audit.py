@@ -74,10 +74,11 @@ class Auditor:
                 self._pending.append(self._pool.submit(self._run, a, addresses.get(a.owner, "")))
 
     def start_for(self, plan: Plan | None, step: int, addresses: dict[str, str]) -> None:
-        """The audits the coordinator's round for ``step`` gives this peer, once that round is known."""
-        rnd = plan.round_for(step) if plan is not None else None
-        if rnd is not None and rnd.step == step:
-            self.start(rnd.audits, addresses)
+        """The audits the coordinator's rounds up to ``step`` give this peer (a round can reach a peer that runs
+        ahead on the last plan after its step has passed: its audits still run, while the results are kept)."""
+        for rnd in plan.rounds if plan is not None else []:
+            if rnd.step <= step:
+                self.start(rnd.audits, addresses)
 
     def lied(self, timeout: float) -> bool:
         """Did an audit of the step before (waited for at most ``timeout`` s) find its owner lying?"""

@@ -169,6 +169,7 @@ class Session:
 
     def _found_lie(self, step: int) -> bool:
         """Did this peer's audit of the step before find a lie? Then this step is not committed (see Auditor)."""
+        self.tasklet.auditor.start_for(self.heartbeat.plan, step, self.tools.addresses)  # (a round known late)
         if not self.tasklet.auditor.lied(self.rc.sync.deadline_floor_s):
             return False
         self.set_state("waiting")
