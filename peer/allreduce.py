@@ -41,6 +41,7 @@ import torch
 from potluck.compression.int8 import Codec
 from potluck.compression.stream import Assembler, EncodedStream, WireError
 from potluck.peer.aggregate import reduce_mean, result_digest, robust_reduction, tensor_digest  # noqa: F401 (reduce_mean: re-export)
+from potluck.peer.diloco import host_vector
 from potluck.peer.shards import (
     AllReduceStats,
     Buffers,
@@ -100,8 +101,11 @@ class AllReduce:
         sign: Callable[[bytes], bytes] | None = None,
         clip_factor: float = 4.0,
         reject_below: float | None = -0.1,
+        pinned: bool = False,
     ) -> None:
+        """``pinned``: the mean (which becomes theta_global) in page-locked memory, for a GPU peer's copy."""
         self.run_id, self.me, self.numel, self.codec = run_id, me, numel, codec
+        self.pinned = pinned
         self.sign = sign or (lambda digest: b"")
         self.clip_factor, self.reject_below = clip_factor, reject_below
         self.stopping = stopping or threading.Event()
@@ -137,7 +141,12 @@ class AllReduce:
         if self._out is None:
             # the result becomes the caller's new theta: a fresh vector, whose first writes would cost
             # page faults inside the round (40 ms for 80 MB here); touched now, while the inner phase runs
-            self._out = self._codec_pool.submit(lambda: torch.zeros(self.numel, dtype=torch.float32))
+            # (a pinned one is resident already, and after the first step torch's host allocator reuses one)
+            self._out = self._codec_pool.submit(self._fresh_out)
+
+    def _fresh_out(self) -> torch.Tensor:
+        out = host_vector(self.numel, self.pinned)
+        return out if self.pinned and out.is_pinned() else out.zero_()
 
     def _reset(self) -> None:
         """Forget everything held for the step (under the lock); its buffers serve the next one."""

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from potluck.peer.data import Dataset, SpanSampler
-from potluck.peer.diloco import flatten_params, load_flat
+from potluck.peer.diloco import flatten_params, host_vector, load_flat
 from potluck.peer.model import build_layers, lm_loss
 from potluck.peer.pipeline import PipelineStall
 from potluck.peer.runner import StageRunner
@@ -72,6 +72,7 @@ class StageWorker:
         self.layers = build_layers(rc.model, rc.train.seed, *bounds).to(device)
         self.params = list(self.layers.parameters())
         self.numel = sum(p.numel() for p in self.params)
+        self.pinned = self.device.type == "cuda"  # theta moves to and from the GPU through page-locked vectors
         self.runner = StageRunner(self.layers, rc.train, device, rc.pipeline.stages)  # precision, checkpointing, compile
         self.optimizer: torch.optim.Optimizer | None = None  # built on the first inner step (it imports torch._dynamo)
         self.sampler: SpanSampler | None = None
@@ -79,8 +80,9 @@ class StageWorker:
         self.devices: Devices | None = None  # the other devices of a multi-device peer (torchrun)
 
     def theta(self) -> torch.Tensor:
-        """theta_local as one flat float32 CPU vector."""
-        return flatten_params(self.params)
+        """theta_local as one flat float32 CPU vector (the caller's to keep or overwrite); from a GPU, one
+        asynchronous copy per parameter into a pinned vector and one wait."""
+        return flatten_params(self.params, out=host_vector(self.numel, self.pinned))
 
     def load(self, theta: torch.Tensor, steps_done: int | None = None) -> None:
         if self.devices is not None:  # a multi-device peer's other devices load the same

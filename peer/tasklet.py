@@ -201,7 +201,7 @@ class Tasklet:
         allreduce = AllReduce(run_id=rc.run_id, me=tools.me, numel=worker.numel, codec=tools.codec, client=tools.client,
                               chunk_bytes=rc.sync.chunk_bytes, rpc_timeout=rc.sync.rpc_timeout_s,
                               ping=tools.ping_member, stopping=tools.stopping, sign=tools.sign,
-                              clip_factor=rc.sync.clip_factor, reject_below=rc.sync.reject_below)
+                              clip_factor=rc.sync.clip_factor, reject_below=rc.sync.reject_below, pinned=worker.pinned)
         theta0 = worker.theta()
         first = outer_snapshot(theta0, torch.zeros_like(theta0), 0, {**worker.meta(), "epoch": 0})
         tasklet = cls(tools, stage, worker, allreduce, pipeline, States(rc.run_id, rc.sync.chunk_bytes, first))
