@@ -36,15 +36,16 @@ def all_finite(x: torch.Tensor) -> bool:
     return bool(torch.isfinite(x.sum()))
 
 
-def outer_snapshot(theta: torch.Tensor, momentum: torch.Tensor, version: int, meta: dict | None = None) -> Snapshot:
+def outer_snapshot(theta: torch.Tensor, momentum: torch.Tensor, version: int, meta: dict | None = None,
+                   hash_later: bool = False) -> Snapshot:
     """What a member commits after an outer step: ``theta_global`` and the outer momentum.
 
     ``version`` counts committed outer steps; the snapshot's hash is what members compare to know
-    they hold identical state.
+    they hold identical state (``hash_later``: computed on a background thread, see :class:`Snapshot`).
     """
     if theta.shape != momentum.shape or theta.dim() != 1:
         raise ValueError(f"theta {tuple(theta.shape)} and momentum {tuple(momentum.shape)} must be equal flat vectors")
-    return Snapshot.create({"theta": theta, "momentum": momentum}, version, meta)
+    return Snapshot.create({"theta": theta, "momentum": momentum}, version, meta, hash_later=hash_later)
 
 
 def nesterov_step(

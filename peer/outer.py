@@ -65,5 +65,6 @@ def outer_step(rc: RunConfig, allreduce: AllReduce, info: RoundInfo, held: Snaps
     mean_norm = float(mean.norm())
     new_theta, new_m = nesterov_step(theta, momentum, mean, d.outer_lr, d.outer_momentum, d.nesterov,
                                      consume=True, momentum_out=spare)
-    snap = outer_snapshot(new_theta, new_m, info.step, {**meta, "epoch": info.epoch})
+    # hashed on the state hasher's thread: the next inner phase starts meanwhile (who reads the hash waits)
+    snap = outer_snapshot(new_theta, new_m, info.step, {**meta, "epoch": info.epoch}, hash_later=True)
     return OuterResult(snap, stats, mean_norm)

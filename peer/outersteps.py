@@ -109,7 +109,7 @@ class OuterSteps:
         """Report a committed step (``sync_s``: what it cost the training loop) and evaluate it when due."""
         s, t = self.s, self.s.tasklet
         s.telemetry.outer_step(done.stats, sync_s, done.mean_norm, info.epoch, t.stage, max(s.replica, 0),
-                               done.snapshot.hash, asdict(t.pipeline.traffic) if t.pipeline is not None else None)
+                               done.snapshot.digest, asdict(t.pipeline.traffic) if t.pipeline is not None else None)
         fault("outer.committed", step)
         every = s.rc.data.eval_every
         if every and step % every == 0 and contribute:
