@@ -116,7 +116,7 @@ class Session:
                     self._recover(want)
                 case Train(round=rnd, step=step):
                     self._begin(rnd, step)
-                    start = self.tasklet.worker.theta() if self.rc.diloco.overlap else None
+                    start = self.tasklet.worker.start_point() if self.rc.diloco.overlap else None
                     phase = self.tasklet.worker.inner_phase(rnd.data_spans(step, self.replica), self.stopping,
                                                             self._inner_step, step)  # H inner AdamW steps
                     self.telemetry.progress.compute_s += phase.seconds
