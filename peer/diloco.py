@@ -50,7 +50,7 @@ def outer_snapshot(theta: torch.Tensor, momentum: torch.Tensor, version: int, me
 
 def nesterov_step(
     theta: torch.Tensor, momentum: torch.Tensor, delta: torch.Tensor, lr: float, mu: float, nesterov: bool = True,
-    consume: bool = False, momentum_out: torch.Tensor | None = None,
+    consume: bool = False, momentum_out: torch.Tensor | None = None, checked: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One outer step; returns new ``(theta, momentum)`` and leaves ``theta`` and ``momentum`` untouched.
 
@@ -58,13 +58,14 @@ def nesterov_step(
     new theta is returned in it. ``momentum_out``: where the new momentum goes (else a new vector).
     Either way the result is bit-for-bit that of the plain float32 formula (separate multiplies and
     adds, no fused ops), computed a cache-sized chunk at a time: each value is read and written once,
-    where whole-vector operations would stream the vectors through memory five times.
+    where whole-vector operations would stream the vectors through memory five times. ``checked``: the
+    caller already knows ``delta`` is finite (else the step refuses NaN and Inf before writing anything).
     """
     if not (theta.shape == momentum.shape == delta.shape):
         raise ValueError(f"shapes differ: theta {tuple(theta.shape)}, momentum {tuple(momentum.shape)}, delta {tuple(delta.shape)}")
     if momentum_out is not None and momentum_out.shape != momentum.shape:
         raise ValueError(f"momentum_out {tuple(momentum_out.shape)} does not fit momentum {tuple(momentum.shape)}")
-    if not all_finite(delta):
+    if not checked and not all_finite(delta):
         raise ValueError("the averaged pseudo-gradient holds NaN or Inf")
     f32 = torch.float32
     mu_t, lr_t = torch.tensor(mu, dtype=f32), torch.tensor(lr, dtype=f32)
@@ -108,6 +109,8 @@ def flatten_params(params: Iterable[nn.Parameter], out: torch.Tensor | None = No
         out = torch.empty(numel, dtype=torch.float32)
     elif out.shape != (numel,) or out.dtype != torch.float32 or out.device.type != "cpu":
         raise ValueError(f"out is {out.dtype} {tuple(out.shape)} on {out.device}; the parameters need {numel} float32 on cpu")
+    if all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params):  # one parallel copy
+        return torch.cat([p.detach().reshape(-1) for p in params], out=out)
     offset = 0
     with torch.no_grad():
         for p in params:

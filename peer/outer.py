@@ -12,6 +12,7 @@ The all-reduce waits for a slow member up to a deadline derived from the measure
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -62,9 +63,11 @@ def outer_step(rc: RunConfig, allreduce: AllReduce, info: RoundInfo, held: Snaps
     momentum = held.tensors["momentum"]
     if spare is None or spare.shape != momentum.shape or spare.dtype != momentum.dtype or not spare.is_contiguous():
         spare = None
-    mean_norm = float(mean.norm())
+    mean_norm = float(mean.norm())  # (NaN or Inf if any value is: the step's own check, one pass less)
+    if not math.isfinite(mean_norm):
+        raise ValueError("the averaged pseudo-gradient holds NaN or Inf")
     new_theta, new_m = nesterov_step(theta, momentum, mean, d.outer_lr, d.outer_momentum, d.nesterov,
-                                     consume=True, momentum_out=spare)
+                                     consume=True, momentum_out=spare, checked=True)
     # hashed on the state hasher's thread: the next inner phase starts meanwhile (who reads the hash waits)
     snap = outer_snapshot(new_theta, new_m, info.step, {**meta, "epoch": info.epoch}, hash_later=True)
     return OuterResult(snap, stats, mean_norm)
