@@ -269,7 +269,8 @@ def main() -> None:
                        "allreduce_s": med("overlapped", "allreduce"),
                        "per_step_waited_s": [round(r["waited_s"], 4) for r in rows["overlapped"]]},
         "rest_vs_main": round(o["rest_s"] / b["rest_s"], 3) if b["rest_s"] > 0 else None,
-        "target_rest_s": 0.3, "met": o["rest_s"] <= 0.3,
+        # the target is a GPU peer's, at 150M parameters: elsewhere there is nothing to meet
+        "target_rest_s": 0.3, "met": o["rest_s"] <= 0.3 if device.type == "cuda" and n >= 150e6 else None,
     }))
 
 
