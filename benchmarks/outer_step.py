@@ -212,7 +212,7 @@ def main() -> None:
         a = time.perf_counter()
         mean, _ = t.allreduce.run(info, delta, wait_s=60.0, grace_s=2.0)
         r["allreduce"] = time.perf_counter() - a
-        delta = None
+        del delta, theta_local
         float(mean.norm())
         a = time.perf_counter()
         new_theta, new_m = legacy_nesterov(held.tensors["theta"], held.tensors["momentum"], mean,

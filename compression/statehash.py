@@ -29,6 +29,7 @@ import hashlib
 import os
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 from blake3 import blake3
@@ -49,7 +50,7 @@ class StateHasher:
 
     def __init__(self, like: str = "", threads: int = blake3.AUTO) -> None:
         self.legacy = is_legacy(like)
-        self._h = hashlib.blake2b(digest_size=16) if self.legacy else blake3(max_threads=threads)
+        self._h: Any = hashlib.blake2b(digest_size=16) if self.legacy else blake3(max_threads=threads)
 
     def tensor(self, name: str) -> None:
         self._h.update(name.encode() + b"\0")
