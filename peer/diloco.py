@@ -100,8 +100,9 @@ def host_vector(numel: int, pinned: bool = False) -> torch.Tensor:
 def flatten_params(params: Iterable[nn.Parameter], out: torch.Tensor | None = None) -> torch.Tensor:
     """All parameters as one flat float32 CPU vector, in the given (canonical) order, in ``out`` if given.
 
-    One copy per parameter straight into its place in the vector (no per-parameter host tensors, no
-    concatenation); into a pinned ``out`` the copies from a GPU are asynchronous, with one wait at the end.
+    From a GPU, one copy per parameter straight into its place in the vector (no per-parameter host
+    tensors, no concatenation), asynchronous into a pinned ``out``, with one wait at the end; on CPU,
+    one concatenation into ``out`` (copied, and its pages touched, by every thread at once).
     """
     params = list(params)
     numel = sum(p.numel() for p in params)
