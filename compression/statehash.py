@@ -10,13 +10,14 @@ It has two jobs, and they ask different things of it:
   Byzantine, and the hash it must match is the one the swarm agreed on. Here it must be
   cryptographic: nobody may find other bits with the same hash (second preimages).
 
-So it stays cryptographic, and is made cheap instead: BLAKE3 (a Merkle tree of 1 KiB chunks, hashed
-with SIMD and on several cores) over the same bytes as before, the names and raw bytes of the
-tensors in name order, cut to 128 bits. On one core it hashes 4-5x faster than the BLAKE2b it
-replaces, and it scales with cores: a GPU peer's outer state (1.2 GB at 150M parameters) takes tens
-of milliseconds, and a peer computes it off the training loop's path (:func:`hash_later`,
-:meth:`potluck.compression.transfer.Snapshot.create`), on every core but one (:data:`BEHIND`): the
-one the training loop drives its next phase from. Verifying a download uses them all.
+So it stays cryptographic, and is made cheap instead: BLAKE3 over the same bytes as before (the
+names and raw bytes of the tensors in name order), cut to 128 bits. On one core its SIMD lanes hash
+several 1 KiB chunks of its Merkle tree at once: 4-5x the BLAKE2b it replaces. And a peer hashes its
+new state off the training loop's path (:func:`hash_later`,
+:meth:`potluck.compression.transfer.Snapshot.create`), on a thread of its own, while the next phase
+trains. Not on several cores: BLAKE3's thread pool (Rayon) does not survive a ``fork``, and hivemind
+forks a process to run its DHT; a process that had hashed on that pool and then started a DHT node
+(a coordinator resuming from a checkpoint) hung in the child.
 
 Hashes name their scheme (``b3:`` + 32 hex digits). The BLAKE2b hashes written before (32 hex digits,
 no prefix) are still verified as such: a checkpoint written by an older version resumes, and its
@@ -26,7 +27,6 @@ stage hashes go on naming the state they named, until the next step makes a new 
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -35,7 +35,7 @@ import torch
 from blake3 import blake3
 
 PREFIX = "b3:"
-BEHIND = max(1, len(os.sched_getaffinity(0)) - 1) if hasattr(os, "sched_getaffinity") else max(1, (os.cpu_count() or 2) - 1)
+BLOCK = 16 << 20  # bytes per update: either hash lets other threads run between blocks
 _later = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-hash")
 
 
@@ -48,9 +48,9 @@ class StateHasher:
     """Streaming: ``tensor(name)`` then that tensor's bytes in order through ``update``, tensors in name
     order. ``like``: the hash to verify (its scheme is used); new hashes are BLAKE3."""
 
-    def __init__(self, like: str = "", threads: int = blake3.AUTO) -> None:
+    def __init__(self, like: str = "") -> None:
         self.legacy = is_legacy(like)
-        self._h: Any = hashlib.blake2b(digest_size=16) if self.legacy else blake3(max_threads=threads)
+        self._h: Any = hashlib.blake2b(digest_size=16) if self.legacy else blake3()  # (one thread: see above)
 
     def tensor(self, name: str) -> None:
         self._h.update(name.encode() + b"\0")
@@ -69,22 +69,18 @@ def raw_bytes(t: torch.Tensor) -> memoryview:
     return t.detach().to("cpu").contiguous().reshape(-1).numpy().data.cast("B")
 
 
-def tensors_hash(tensors: Mapping[str, torch.Tensor], like: str = "", threads: int = blake3.AUTO) -> str:
-    """The state hash of ``tensors``: with ``like``, of its scheme (to verify it), else BLAKE3 (on
-    ``threads`` cores; every one by default)."""
-    h = StateHasher(like, threads)
+def tensors_hash(tensors: Mapping[str, torch.Tensor], like: str = "") -> str:
+    """The state hash of ``tensors``: with ``like``, of its scheme (to verify it), else BLAKE3."""
+    h = StateHasher(like)
     for name in sorted(tensors):
         h.tensor(name)
         view = raw_bytes(tensors[name])
-        if h.legacy:  # (BLAKE2b takes the GIL back between blocks, and it is one thread anyway)
-            for k in range(0, len(view), 16 << 20):
-                h.update(view[k : k + (16 << 20)])
-        else:  # one call: BLAKE3 splits it over its threads
-            h.update(view)
+        for k in range(0, len(view), BLOCK):
+            h.update(view[k : k + BLOCK])
     return h.hexdigest()
 
 
 def hash_later(tensors: Mapping[str, torch.Tensor]) -> Future[str]:
     """:func:`tensors_hash` on the state hasher's thread; the caller must not write ``tensors`` meanwhile
     (snapshots never are written). Hashes are computed in the order asked for."""
-    return _later.submit(tensors_hash, dict(tensors), "", BEHIND)
+    return _later.submit(tensors_hash, dict(tensors))

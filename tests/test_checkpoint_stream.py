@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import subprocess
 import sys
 import textwrap
@@ -75,7 +76,7 @@ def same(got: Snapshot, want: Snapshot) -> bool:
 
 
 def test_tensors_hash_streams_the_same_digest() -> None:
-    """Peers and the coordinator compare these hashes: hashing without copying, on several threads, must
+    """Peers and the coordinator compare these hashes: hashing without copying, a block at a time, must
     not change them; hashes an older version wrote (BLAKE2b) are still verified as such."""
     tensors = {"theta": torch.arange(10, dtype=torch.float32) / 4, "step": torch.tensor(7.0), "none": torch.empty(0),
                "momentum": -torch.arange(6, dtype=torch.float32).reshape(2, 3).t()}  # not contiguous
@@ -83,11 +84,27 @@ def test_tensors_hash_streams_the_same_digest() -> None:
     assert tensors_hash(tensors, like=legacy) == legacy
     stream = b"".join(n.encode() + b"\0" + tensors[n].contiguous().numpy().tobytes() for n in sorted(tensors))
     assert tensors_hash(tensors) == "b3:" + blake3(stream).hexdigest(length=16)
-    big = {"theta": torch.randn(5 << 20)}  # 20 MiB: more than one block, hashed on every core
+    big = {"theta": torch.randn(5 << 20)}  # 20 MiB: more than one block
     raw = b"theta\0" + big["theta"].numpy().tobytes()
     assert tensors_hash(big) == "b3:" + blake3(raw).hexdigest(length=16)
     h = hashlib.blake2b(raw, digest_size=16).hexdigest()
     assert tensors_hash(big, like=h) == h
+
+
+def test_hashing_survives_a_fork() -> None:
+    """hivemind forks a process to run a DHT node after a coordinator resuming from a checkpoint hashed
+    it: the child must be able to hash too (a hash on BLAKE3's thread pool left the child hung)."""
+    tensors = {"theta": torch.arange(1 << 20, dtype=torch.float32)}
+    want = tensors_hash(tensors)
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    child = ctx.Process(target=lambda: results.put(tensors_hash(tensors)))
+    child.start()
+    child.join(timeout=60)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("hashing hung in a forked child")
+    assert child.exitcode == 0 and results.get(timeout=5) == want
 
 
 def test_a_checkpoint_an_older_version_wrote_still_loads(tmp_path) -> None:  # type: ignore[no-untyped-def]
