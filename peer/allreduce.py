@@ -41,6 +41,7 @@ import torch
 from potluck.compression.int8 import Codec
 from potluck.compression.stream import Assembler, EncodedStream, WireError
 from potluck.peer.aggregate import reduce_mean, result_digest, robust_reduction, tensor_digest  # noqa: F401 (reduce_mean: re-export)
+from potluck.peer.diloco import host_vector
 from potluck.peer.shards import (
     AllReduceStats,
     Buffers,
@@ -100,8 +101,11 @@ class AllReduce:
         sign: Callable[[bytes], bytes] | None = None,
         clip_factor: float = 4.0,
         reject_below: float | None = -0.1,
+        pinned: bool = False,
     ) -> None:
+        """``pinned``: the mean (which becomes theta_global) in page-locked memory, for a GPU peer's copy."""
         self.run_id, self.me, self.numel, self.codec = run_id, me, numel, codec
+        self.pinned = pinned
         self.sign = sign or (lambda digest: b"")
         self.clip_factor, self.reject_below = clip_factor, reject_below
         self.stopping = stopping or threading.Event()
@@ -114,7 +118,7 @@ class AllReduce:
         self._codec_pool = ThreadPoolExecutor(max_workers=CODEC_WORKERS, thread_name_prefix="codec")
         self._step = -1
         self._epoch = 0
-        self._base_hash = ""
+        self._base_hash: str | Future[str] = ""  # read _base
         self._round: RoundInfo | None = None
         self._contribs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._closed: set[tuple[int, int]] = set()
@@ -127,9 +131,11 @@ class AllReduce:
 
     # ---------------------------------------------------------------- state of the coming step
 
-    def expect(self, step: int, base_hash: str, epoch: int = 0) -> None:
+    def expect(self, step: int, base_hash: str | Future[str], epoch: int = 0) -> None:
         """Accept messages for ``step`` (of ``epoch``), computed from the theta_global whose hash is
-        ``base_hash``; everything held for another step is dropped."""
+        ``base_hash`` (or will be: it is asked for when the first message comes, long after it is
+        computed unless the others' inner phases are shorter than hashing); everything held for
+        another step is dropped."""
         with self._cond:
             self._step, self._base_hash, self._epoch, self._round = step, base_hash, epoch, None
             self._reset()
@@ -137,7 +143,17 @@ class AllReduce:
         if self._out is None:
             # the result becomes the caller's new theta: a fresh vector, whose first writes would cost
             # page faults inside the round (40 ms for 80 MB here); touched now, while the inner phase runs
-            self._out = self._codec_pool.submit(lambda: torch.zeros(self.numel, dtype=torch.float32))
+            # (a pinned one is resident already, and after the first step torch's host allocator reuses one)
+            self._out = self._codec_pool.submit(self._fresh_out)
+
+    def _fresh_out(self) -> torch.Tensor:
+        out = host_vector(self.numel, self.pinned)
+        return out if self.pinned and out.is_pinned() else out.zero_()
+
+    @property
+    def _base(self) -> str:
+        b = self._base_hash
+        return b if isinstance(b, str) else b.result()
 
     def _reset(self) -> None:
         """Forget everything held for the step (under the lock); its buffers serve the next one."""
@@ -194,9 +210,9 @@ class AllReduce:
                            f"{self._epoch}", at_step=self._step, at_epoch=self._epoch)
         if self._round is not None and h.sender not in self._round.ids:  # who sends it first, then what
             raise Rejected(pb.NOT_A_MEMBER, f"{short_id(h.sender)} is not a member of step {h.step}")
-        if chunk.base_hash != self._base_hash:
+        if chunk.base_hash != self._base:
             raise Rejected(pb.BASE_MISMATCH, f"base hash mismatch: sender computed from {chunk.base_hash[:12]}, "
-                           f"this peer holds {self._base_hash[:12]}")
+                           f"this peer holds {self._base[:12]}")
         if self._round is not None:
             if chunk.num_shards != len(self._round.members):
                 raise Rejected(pb.BAD_MESSAGE, f"num_shards {chunk.num_shards} but step {h.step} has "
@@ -292,7 +308,7 @@ class AllReduce:
             raise Rejected(pb.BAD_IDENTITY, f"result of shard {shard} (attempt {outcome.attempt}) signed by "
                            f"{short_id(signer) or 'nobody'}, not by {'its owner' if outcome.attempt == 0 else 'a taker'}")
         digest = result_digest(self.run_id, self._step, self._epoch, shard, num_shards, outcome.attempt,
-                               self._base_hash, outcome.contributors, outcome.clipped, outcome.rejected, digests)
+                               self._base, outcome.contributors, outcome.clipped, outcome.rejected, digests)
         if not verify(signer, digest, outcome.signature):
             raise Rejected(pb.BAD_IDENTITY, f"bad signature on the result of shard {shard} from {short_id(signer)}")
 
@@ -304,7 +320,7 @@ class AllReduce:
             if result is None:
                 raise Rejected(pb.NO_STATE, f"no result for shard {request.shard} of step {request.header.step}")
             hdr = pb.Header(run_id=self.run_id, sender=self.me, step=self._step, epoch=self._epoch)
-            base = self._base_hash
+            base = self._base
         yield from self._result_chunks(hdr, request.shard, request.num_shards, base, result.chunks, result.outcome)
 
     @staticmethod
@@ -328,8 +344,8 @@ class AllReduce:
         t_start = time.monotonic()
         sent_before = self.client.traffic.snapshot()[0].get("outer", 0)
         with self._cond:
-            if (info.step, info.base_hash) != (self._step, self._base_hash):
-                raise ValueError(f"round {info.step} from {info.base_hash[:12]} but expecting {self._step} from {self._base_hash[:12]}")
+            if (info.step, info.base_hash) != (self._step, self._base):
+                raise ValueError(f"round {info.step} from {info.base_hash[:12]} but expecting {self._step} from {self._base[:12]}")
         self.set_round(info)
         self._pending.clear()
         n, me = len(info.members), info.index
