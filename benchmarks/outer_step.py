@@ -99,7 +99,9 @@ def allreduce(rc: RunConfig, numel: int, pinned: bool) -> AllReduce:
 
 def session(rc: RunConfig, device: torch.device, pinned: bool | None = None) -> SimpleNamespace:
     """What :class:`OuterSteps` reads of a peer's session, with a real tasklet (worker, all-reduce, states)."""
-    worker = StageWorker(rc, 0, stage_bounds(rc.model, rc.pipeline)[0], device, Dataset(rc.data, rc.model), None)
+    # (the stand-in inner phase reads no data: a synthetic source's table cannot hold a 32k vocabulary anyway)
+    data = Dataset(rc.data, rc.model) if rc.data.source == "markov" else None
+    worker = StageWorker(rc, 0, stage_bounds(rc.model, rc.pipeline)[0], device, data, None)  # type: ignore[arg-type]
     if pinned is not None:
         worker.pinned = pinned
     theta0 = worker.theta()
@@ -167,6 +169,8 @@ def main() -> None:
             "diloco.outer_steps": args.steps}
     if args.vocab:
         over["model.vocab_size"] = args.vocab
+        if args.vocab > 4096:  # beyond what the synthetic source's table holds: no data is read here anyway
+            over.update({"data.source": "shards", "data.path": "(none: the stand-in phase reads no data)"})
     rc_block, rc_overlap = apply_overrides(RunConfig(), over), apply_overrides(RunConfig(), {**over, "diloco.overlap": True})
 
     timers = Timers()

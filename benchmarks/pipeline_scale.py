@@ -43,7 +43,7 @@ CPU_MODEL = {"model.d_model": 256, "model.n_layers": 4, "model.n_heads": 4, "mod
 
 def model_settings(args: argparse.Namespace) -> dict[str, Any]:
     if args.preset:
-        return {"model.preset": args.preset, "model.seq_len": args.seq_len or 1024, "model.vocab_size": 32000}
+        return {"model.preset": args.preset, "model.seq_len": args.seq_len or 1024, "model.vocab_size": 4096}
     return {**CPU_MODEL, **({"model.seq_len": args.seq_len} if args.seq_len else {})}
 
 
