@@ -51,6 +51,7 @@ from potluck.compression.audit import Round as AuditRound
 from potluck.compression.int8 import Codec
 from potluck.compression.stream import Assembler, EncodedStream, WireError
 from potluck.peer.audit import HeldResult
+from potluck.peer.diloco import host_vector
 from potluck.peer.shards import (
     AllReduceStats,
     Buffers,
@@ -123,8 +124,11 @@ class AllReduce:
         sign: Callable[[bytes], bytes] | None = None,
         clip_factor: float = 4.0,
         reject_below: float | None = -0.1,
+        pinned: bool = False,
     ) -> None:
+        """``pinned``: the mean (which becomes theta_global) in page-locked memory, for a GPU peer's copy."""
         self.run_id, self.me, self.numel, self.codec = run_id, me, numel, codec
+        self.pinned = pinned
         self.sign = sign or (lambda digest: b"")
         self.clip_factor, self.reject_below = clip_factor, reject_below
         self.stopping = stopping or threading.Event()
@@ -137,7 +141,7 @@ class AllReduce:
         self._codec_pool = ThreadPoolExecutor(max_workers=CODEC_WORKERS, thread_name_prefix="codec")
         self._step = -1
         self._epoch = 0
-        self._base_hash = ""
+        self._base_hash: str | Future[str] = ""  # read _base
         self._round: RoundInfo | None = None
         self._contribs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         # each contribution as its sender signed it, kept to show an auditor what a result was averaged from
@@ -157,13 +161,15 @@ class AllReduce:
 
     # ---------------------------------------------------------------- state of the coming step
 
-    def expect(self, step: int, base_hash: str, epoch: int = 0) -> None:
+    def expect(self, step: int, base_hash: str | Future[str], epoch: int = 0) -> None:
         """Accept messages for ``step`` (of ``epoch``), computed from the theta_global whose hash is
-        ``base_hash``; everything held for another step is dropped."""
+        ``base_hash`` (or will be: it is asked for when the first message comes, long after it is
+        computed unless the others' inner phases are shorter than hashing); everything held for
+        another step is dropped."""
         with self._cond:
             if self._round is not None and step != self._step:  # the step that ends is kept for its audits
                 self._kept[(self._step, self._epoch)] = _Kept(
-                    self._step, self._epoch, self._base_hash, self._round,
+                    self._step, self._epoch, self._base, self._round,
                     {j: (r.chunks, r.outcome, r.digests) for j, r in self._results.items()},
                     {k: dict(v) for k, v in self._inputs.items()})
                 for old in sorted(self._kept)[:-KEEP_STEPS]:
@@ -174,7 +180,17 @@ class AllReduce:
         if self._out is None:
             # the result becomes the caller's new theta: a fresh vector, whose first writes would cost
             # page faults inside the round (40 ms for 80 MB here); touched now, while the inner phase runs
-            self._out = self._codec_pool.submit(lambda: torch.zeros(self.numel, dtype=torch.float32))
+            # (a pinned one is resident already, and after the first step torch's host allocator reuses one)
+            self._out = self._codec_pool.submit(self._fresh_out)
+
+    def _fresh_out(self) -> torch.Tensor:
+        out = host_vector(self.numel, self.pinned)
+        return out if self.pinned and out.is_pinned() else out.zero_()
+
+    @property
+    def _base(self) -> str:
+        b = self._base_hash
+        return b if isinstance(b, str) else b.result()
 
     def _reset(self) -> None:
         """Forget everything held for the step (under the lock); its buffers serve the next one."""
@@ -232,9 +248,9 @@ class AllReduce:
                            f"{self._epoch}", at_step=self._step, at_epoch=self._epoch)
         if self._round is not None and h.sender not in self._round.ids:  # who sends it first, then what
             raise Rejected(pb.NOT_A_MEMBER, f"{short_id(h.sender)} is not a member of step {h.step}")
-        if chunk.base_hash != self._base_hash:
+        if chunk.base_hash != self._base:
             raise Rejected(pb.BASE_MISMATCH, f"base hash mismatch: sender computed from {chunk.base_hash[:12]}, "
-                           f"this peer holds {self._base_hash[:12]}")
+                           f"this peer holds {self._base[:12]}")
         if self._round is not None:
             if chunk.num_shards != self._round.shards:
                 raise Rejected(pb.BAD_MESSAGE, f"num_shards {chunk.num_shards} but step {h.step} has "
@@ -341,7 +357,7 @@ class AllReduce:
             raise Rejected(pb.BAD_MESSAGE, f"result of shard {shard} names {len(outcome.inputs)} inputs and "
                            f"{len(outcome.input_digests)} digests")
         digest = result_digest(self.run_id, self._step, self._epoch, shard, num_shards, outcome.attempt,
-                               self._base_hash, outcome.contributors, outcome.clipped, outcome.rejected, digests,
+                               self._base, outcome.contributors, outcome.clipped, outcome.rejected, digests,
                                zip(outcome.inputs, outcome.input_digests, strict=True))
         if not verify(signer, digest, outcome.signature):
             raise Rejected(pb.BAD_IDENTITY, f"bad signature on the result of shard {shard} from {short_id(signer)}")
@@ -355,7 +371,7 @@ class AllReduce:
             found: tuple[list[pb.Tensor], Outcome] | None = None
             if h.step == self._step and request.shard in self._results:
                 res = self._results[request.shard]
-                found, step, epoch, base = (res.chunks, res.outcome), self._step, self._epoch, self._base_hash
+                found, step, epoch, base = (res.chunks, res.outcome), self._step, self._epoch, self._base
             elif (k := self._kept.get((h.step, h.epoch))) is not None and request.shard in k.results:
                 chunks, outcome, _ = k.results[request.shard]
                 found, step, epoch, base = (chunks, outcome), k.step, k.epoch, k.base_hash
@@ -377,7 +393,7 @@ class AllReduce:
             if held is None and (k := self._kept.get((h.step, h.epoch))) is not None:
                 held, base, num_shards = k.inputs.get(key), k.base_hash, k.round.shards
             elif held is None and (h.step, h.epoch) == (self._step, self._epoch) and key in self._closed:
-                held, base = self._inputs.get(key), self._base_hash
+                held, base = self._inputs.get(key), self._base
             if held is None:
                 raise Rejected(pb.NO_STATE, f"no inputs of shard {request.shard} of step {h.step} (epoch {h.epoch})")
         for sender in sorted(held):
@@ -431,8 +447,8 @@ class AllReduce:
         t_start = time.monotonic()
         sent_before = self.client.traffic.snapshot()[0].get("outer", 0)
         with self._cond:
-            if (info.step, info.base_hash) != (self._step, self._base_hash):
-                raise ValueError(f"round {info.step} from {info.base_hash[:12]} but expecting {self._step} from {self._base_hash[:12]}")
+            if (info.step, info.base_hash) != (self._step, self._base):
+                raise ValueError(f"round {info.step} from {info.base_hash[:12]} but expecting {self._step} from {self._base[:12]}")
         self.set_round(info)
         self._pending.clear()
         n, me = info.shards, info.shard

@@ -24,7 +24,6 @@ import threading
 import time
 
 from potluck.compression.transfer import Target
-from potluck.peer.allreduce import RoundInfo
 from potluck.peer.data import DataError
 from potluck.peer.follower import Finish, Follower, Recover, Switch, Train, Wait
 from potluck.peer.joining import Joined, Stopped, join
@@ -127,7 +126,7 @@ class Session:
                     self._recover(want)
                 case Train(round=rnd, step=step):
                     self._begin(rnd, step)
-                    start = self.tasklet.worker.theta() if self.rc.diloco.overlap else None
+                    start = self.tasklet.worker.start_point() if self.rc.diloco.overlap else None
                     phase = self.tasklet.worker.inner_phase(rnd.data_spans(step, self.replica), self.stopping,
                                                             self._inner_step, step)  # H inner AdamW steps
                     self.telemetry.progress.compute_s += phase.seconds
@@ -152,7 +151,7 @@ class Session:
         seq = self.heartbeat.plan.seq if self.heartbeat.plan else -1
         self.heartbeat.wait_plan(lambda p: p is not None and p.seq > seq, timeout=wait.seconds)
 
-    def _begin(self, rnd: Round, step: int) -> RoundInfo:
+    def _begin(self, rnd: Round, step: int) -> None:
         t, me = self.tasklet, rnd.member(self.me)
         self.replica, self.waiting = me.replica, ""
         self.first_round_at = self.first_round_at or time.time()
@@ -163,9 +162,7 @@ class Session:
         # the coordinator's round for it (not the last plan's): now, or as soon as it arrives (_inner_step)
         self.training = step
         self.round_known = t.learn_round(self.heartbeat.plan, step)
-        info = t.round_info(rnd, step)
         t.auditor.start_for(self.heartbeat.plan, step, self.tools.addresses)
-        return info
 
     def _found_lie(self, step: int) -> bool:
         """Did this peer's audit of the step before find a lie? Then this step is not committed (see Auditor)."""

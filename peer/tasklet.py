@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -210,7 +210,7 @@ class Tasklet:
         allreduce = AllReduce(run_id=rc.run_id, me=tools.me, numel=worker.numel, codec=tools.codec, client=tools.client,
                               chunk_bytes=rc.sync.chunk_bytes, rpc_timeout=rc.sync.rpc_timeout_s,
                               ping=tools.ping_member, stopping=tools.stopping, sign=tools.sign,
-                              clip_factor=rc.sync.clip_factor, reject_below=rc.sync.reject_below)
+                              clip_factor=rc.sync.clip_factor, reject_below=rc.sync.reject_below, pinned=worker.pinned)
         auditor = Auditor(rc.run_id, tools.me, tools.client, tools.codec, rc.sync.chunk_bytes, rc.sync.clip_factor,
                           rc.sync.reject_below, allreduce.held_result,
                           lambda a, inputs: allreduce.keep_evidence(a.step, a.epoch, a.shard, a.attempt, inputs),
@@ -249,7 +249,7 @@ class Tasklet:
         """Hold ``snap`` as theta_global (committed here or recovered) and train on from it."""
         self.worker.load(snap.tensors["theta"], int(snap.meta.get("inner_steps", self.worker.steps_done)))
         epoch = int(snap.meta.get("epoch", 0))
-        self.states.commit(Snapshot(snap.tensors, snap.version, snap.hash, {**self.worker.meta(), "epoch": epoch}))
+        self.states.commit(replace(snap, meta={**self.worker.meta(), "epoch": epoch}))  # (its hash may still be under way)
         self.expect_next()
         set_context(step=snap.version)
 
@@ -265,7 +265,7 @@ class Tasklet:
     def expect_next(self) -> None:
         """Accept all-reduce messages for the step after the state held (and drop any others)."""
         current = self.states.current
-        self.allreduce.expect(current.version + 1, current.hash, self.states.epoch)
+        self.allreduce.expect(current.version + 1, current.digest, self.states.epoch)
 
     def close(self) -> None:
         self.allreduce.close()
