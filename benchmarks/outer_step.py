@@ -107,7 +107,7 @@ def session(rc: RunConfig, device: torch.device, pinned: bool | None = None) -> 
     theta0 = worker.theta()
     states = States(RUN, rc.sync.chunk_bytes, outer_snapshot(theta0, torch.zeros_like(theta0), 0, {"epoch": 0}))
     t = Tasklet(SimpleNamespace(addresses={}, me=ME), 0, worker, allreduce(rc, worker.numel, worker.pinned), None,  # type: ignore[arg-type]
-                states)
+                states, None)  # type: ignore[arg-type] (no auditor: one member audits nobody)
     t.expect_next()
     s = SimpleNamespace(rc=rc, tasklet=t, replica=0, cfg=SimpleNamespace(plan_wait_s=1.0),
                         telemetry=Telemetry(ME, "bench", 0.0, progress="off"), over=lambda: False,

@@ -159,9 +159,9 @@ class Gatekeeper:
         self._in_use_seen: dict[tuple[str, int], str] = {}  # (peer, request seq) -> why refused ('' if not)
 
     def tick(self, node: SwarmNode, records: dict[str, PeerRecord], round_at: Callable[[int], Round | None],
-             client: PeerClient | None = None) -> tuple[dict[str, PeerRecord], list[tuple[str, str]]]:
-        """Answer admission requests; the records of admitted peers, and events as (peer, message):
-        admissions refused, evictions, heartbeats of strangers ignored. ``client`` pings a running process
+             client: PeerClient | None = None) -> tuple[dict[str, PeerRecord], list[tuple[str, str, str]]]:
+        """Answer admission requests; the records of admitted peers, and events as (kind, peer, message): kind
+        ``rejected`` (admissions refused, heartbeats of strangers ignored) or ``evicted``. ``client`` pings a running process
         of an identity a new process asks for (without one, nobody is taken for running)."""
         requests, refused = node.get_admissions()
         still_there = (lambda rec: answers(client, self.run_id, self.me, rec)) if client is not None else (lambda rec: False)
@@ -170,10 +170,11 @@ class Gatekeeper:
         while self._unsent:  # (a DHTTimeout leaves the rest for the next tick)
             node.publish_certificate(self._unsent[0], ttl=CERT_TTL_S)
             self._unsent.pop(0)
-        out = [("", e) for e in events + refused] + self._evictions(records, round_at)
+        out = [("rejected", "", e) for e in events + refused] + [("evicted", p, m) for p, m in
+                                                                  self._evictions(records, round_at)]
         kept = {pid: r for pid, r in records.items() if self.admission.is_admitted(pid)}
         strangers = sorted(set(records) - set(kept) - self.admission.revoked)
-        return kept, out + [(p, "heartbeat ignored: not admitted") for p in strangers[:3]]
+        return kept, out + [("rejected", p, "heartbeat ignored: not admitted") for p in strangers[:3]]
 
     def _in_use(self, requests: dict[str, AdmissionRequest], records: dict[str, PeerRecord],
                 answers: Callable[[PeerRecord], bool]) -> dict[str, str]:

@@ -145,8 +145,8 @@ class Coordinator:
         if now - self._links_read_at > 5.0:  # for placement and the status page's heatmap
             self._links_read_at, self.links = now, self._read(self.node.get_links) or self.links
         records, events = self.gate.tick(self.node, self._read(self.node.get_peers) or {}, self.rounds.round_at, self.client)
-        for pid, message in events:
-            self._event("evicted" if "evicted" in message else "rejected", pid, message)
+        for kind, pid, message in events:  # (kinds from the admission room, never read off the message's text)
+            self._event(kind, pid, message)
         self.publisher.revoked_changed()
         for kind, pid, message, warn in announce(self.table.update(records, now), self.table, self.cfg):
             self._event(kind, pid, message, warn)

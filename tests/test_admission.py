@@ -141,7 +141,7 @@ def test_eviction_needs_most_owners_so_one_liar_cannot_evict_honest_peers(tmp_pa
     records[ids["liar"]] = record("liar", {o: [ids["a"], ids["b"], "12D3KooWnobody"] for o in signed})
     kept, events = gate.tick(node, records, rounds.get)  # type: ignore[arg-type]
     assert set(kept) == set(ids.values()) - {ids["poisoner"]}  # all four admitted on this tick, one evicted at once
-    evicted = [(pid, msg) for pid, msg in events if "evicted" in msg]
+    evicted = [(pid, msg) for kind, pid, msg in events if kind == "evicted"]
     assert evicted == [(ids["poisoner"], evicted[0][1])] and "most owners" in evicted[0][1]
     assert gate.revoked(ids["poisoner"]) and not gate.revoked(ids["a"]) and not gate.revoked(ids["b"])
     kept, _ = gate.tick(node, records, rounds.get)  # type: ignore[arg-type]
@@ -182,7 +182,7 @@ def test_heartbeats_of_peers_never_admitted_are_ignored(tmp_path: Path) -> None:
     gate = Gatekeeper(RunConfig(), RUN, Identity.generate().peer_id, tmp_path, [])
     pid = Identity.generate().peer_id
     kept, events = gate.tick(_Node({}), {pid: PeerRecord(peer_id=pid, address="x:1", version=5000)}, lambda s: None)
-    assert kept == {} and events == [(pid, "heartbeat ignored: not admitted")]
+    assert kept == {} and events == [("rejected", pid, "heartbeat ignored: not admitted")]
 
 
 def test_a_restarted_peer_waits_past_the_certificate_of_its_previous_tls_key(ca: CertificateAuthority) -> None:
@@ -240,7 +240,7 @@ def test_a_second_live_process_of_one_identity_is_refused_and_a_restart_is_not(t
     told = node.published[-1]
     assert told.refused and told.request_seq == 2 and "--identity FILE" in told.refused and "10.0.0.1:5000" in told.refused
     assert "\n" not in told.refused and alive.asked == ["10.0.0.1:5000"] and pid in kept
-    assert any("not admitted" in msg for _, msg in events)
+    assert any("not admitted" in msg for _, _, msg in events)
     gate.tick(node, {pid: running}, lambda s: None, alive)  # type: ignore[arg-type]
     assert alive.asked == ["10.0.0.1:5000"] and len(node.published) == 2  # each request is looked at, and answered, once
     node.requests = {pid: first.model_copy(update={"seq": 3, "ts": T0 + 2})}  # the running one re-asks: nothing new
@@ -279,4 +279,4 @@ def test_reporters_on_probation_do_not_count(tmp_path: Path) -> None:
                                      recent=[StepReport(step=s, flags=lie) for s in range(1, RECENT_STEPS + 1)])
     for _ in range(2):
         kept, events = gate.tick(node, records, rounds.get)  # type: ignore[arg-type]
-    assert not [e for e in events if "evicted" in e[1]] and not gate.revoked(ids["a"])
+    assert not [e for e in events if e[0] == "evicted"] and not gate.revoked(ids["a"])
