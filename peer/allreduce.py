@@ -98,6 +98,7 @@ class _Kept:
     round: RoundInfo
     results: dict[int, tuple[list[pb.Tensor], Outcome, list[bytes]]]
     inputs: dict[tuple[int, int], dict[str, Signed]]
+    sent: dict[tuple[int, int], Signed]
 
 
 def _remote_step(err: grpc.RpcError) -> int | None:
@@ -150,6 +151,7 @@ class AllReduce:
         # audit from the coordinator's next round, which a peer running ahead on the last plan may see late)
         self._kept: dict[tuple[int, int], _Kept] = {}
         self._evidence: dict[tuple[int, int, int, int], dict[str, Signed]] = {}  # inputs fetched in an audit
+        self._sent: dict[tuple[int, int], Signed] = {}  # this member's own contributions, as it signed them
         self._closed: set[tuple[int, int]] = set()
         self._tamper = tamper  # POTLUCK_FAULTS' owner.* points (a test may give one member faults of its own)
         self._results: dict[int, ShardResult] = {}
@@ -171,7 +173,7 @@ class AllReduce:
                 self._kept[(self._step, self._epoch)] = _Kept(
                     self._step, self._epoch, self._base, self._round,
                     {j: (r.chunks, r.outcome, r.digests) for j, r in self._results.items()},
-                    {k: dict(v) for k, v in self._inputs.items()})
+                    {k: dict(v) for k, v in self._inputs.items()}, dict(self._sent))
                 for old in sorted(self._kept)[:-KEEP_STEPS]:
                     del self._kept[old]
             self._step, self._base_hash, self._epoch, self._round = step, base_hash, epoch, None
@@ -198,6 +200,7 @@ class AllReduce:
         self._buffers.give([r.values for r in self._results.values()])
         self._contribs.clear()
         self._inputs.clear()
+        self._sent.clear()
         self._closed.clear()
         self._results.clear()
         self._taken_over.clear()
@@ -396,7 +399,7 @@ class AllReduce:
                 held, base = self._inputs.get(key), self._base
             if held is None:
                 raise Rejected(pb.NO_STATE, f"no inputs of shard {request.shard} of step {h.step} (epoch {h.epoch})")
-        for sender in sorted(held):
+        for sender in sorted(set(held) - set(request.skip)):
             c = held[sender]
             hdr = pb.Header(run_id=self.run_id, sender=sender, step=h.step, epoch=h.epoch)
             for i, t in enumerate(c.chunks):
@@ -417,6 +420,14 @@ class AllReduce:
             claim = ResultClaim(o.attempt, o.contributors, o.clipped, o.rejected, o.inputs, o.input_digests,
                                 Signed(chunks, o.signer, o.signature, digests))
             return HeldResult(claim, AuditRound(self.run_id, step, epoch, shard, k.round.shards, k.base_hash, numel))
+
+    def own_input(self, step: int, epoch: int, shard: int, attempt: int) -> Signed | None:
+        """This member's contribution to a shard of a kept step, as it signed it (an auditor need not fetch it)."""
+        with self._cond:
+            k = self._kept.get((step, epoch))
+            if k is None:
+                return None
+            return k.sent.get((shard, attempt)) or k.inputs.get((shard, attempt), {}).get(self.me)
 
     def keep_evidence(self, step: int, epoch: int, shard: int, attempt: int, inputs: dict[str, Signed]) -> None:
         """Inputs an audit found a lie with: served to the coordinator (FetchInputs) for its own check."""
@@ -546,6 +557,9 @@ class AllReduce:
                                   base_hash=info.base_hash, tensor=t)
             if i == len(tensors) - 1:
                 chunk.signer, chunk.signature = self.me, self.sign(self._contribution_digest(info, shard, attempt, digests))
+                with self._cond:  # kept: an audit of this shard needs this contribution, and need not fetch it
+                    if (info.step, info.epoch) == (self._step, self._epoch):
+                        self._sent[(shard, attempt)] = Signed(tensors, self.me, chunk.signature, list(digests))
             yield chunk
 
     def _contribution_digest(self, info: RoundInfo, shard: int, attempt: int, digests: list[bytes]) -> bytes:

@@ -53,10 +53,10 @@ class Auditor:
     def __init__(self, run_id: str, me: str, client: PeerClient, codec: Codec, chunk_bytes: int, clip_factor: float,
                  reject_below: float | None, held: Callable[[int, int, int], HeldResult | None],
                  keep: Callable[[Audit, dict[str, Signed]], None], report: Callable[[AuditReport], None],
-                 timeout_s: float = 60.0) -> None:
+                 own: Callable[[int, int, int, int], Signed | None] = lambda *a: None, timeout_s: float = 60.0) -> None:
         self.run_id, self.me, self.client, self.codec, self.chunk_bytes = run_id, me, client, codec, chunk_bytes
         self.clip_factor, self.reject_below, self.timeout_s = clip_factor, reject_below, timeout_s
-        self.held, self.keep, self.report = held, keep, report
+        self.held, self.keep, self.report, self.own = held, keep, report, own
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="audit")
         self._lock = threading.Lock()
         self._pending: list[Future] = []
@@ -134,10 +134,14 @@ class Auditor:
             return verdict("unserved", "this peer does not hold the result it was asked to audit")
         if not address:
             return verdict("unserved", "the owner's address is unknown")
+        mine = self.own(a.step, a.epoch, a.shard, held.claim.attempt)  # (what this peer sent: not fetched again)
         request = pb.InputsRequest(header=pb.Header(run_id=self.run_id, sender=self.me, step=a.step, epoch=a.epoch),
-                                   shard=a.shard, num_shards=held.round.num_shards, attempt=held.claim.attempt)
+                                   shard=a.shard, num_shards=held.round.num_shards, attempt=held.claim.attempt,
+                                   skip=[self.me] if mine is not None else [])
         try:
             inputs = decode_streams(list(self.client.fetch_inputs(address, request, self.timeout_s, peer=a.owner)))
+            if mine is not None:
+                inputs[self.me] = mine
         except grpc.RpcError as err:
             return verdict("unserved", f"the owner did not show its inputs: {rpc_reason(err)}")
         except Unverifiable as err:

@@ -149,16 +149,18 @@ class ShardChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., attempt: _Optional[int] = ..., base_hash: _Optional[str] = ..., contributors: _Optional[_Iterable[str]] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., clipped: _Optional[_Iterable[str]] = ..., rejected: _Optional[_Iterable[str]] = ..., signer: _Optional[str] = ..., signature: _Optional[bytes] = ..., inputs: _Optional[_Iterable[str]] = ..., input_digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class InputsRequest(_message.Message):
-    __slots__ = ("header", "shard", "num_shards", "attempt")
+    __slots__ = ("header", "shard", "num_shards", "attempt", "skip")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    SKIP_FIELD_NUMBER: _ClassVar[int]
     header: Header
     shard: int
     num_shards: int
     attempt: int
-    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., attempt: _Optional[int] = ...) -> None: ...
+    skip: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., attempt: _Optional[int] = ..., skip: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("received_bytes", "handler_s")

@@ -48,7 +48,8 @@ def step_then_next(ms: list[Member], tamper: str = "") -> list[Member]:
 
 def auditor_of(m: Member, reports: list[AuditReport]) -> Auditor:
     return Auditor(RUN, m.id, m.client, Int8BlockCodec(BLOCK), 4096, CLIP, REJECT, m.ar.held_result,
-                   lambda a, inputs: m.ar.keep_evidence(a.step, a.epoch, a.shard, a.attempt, inputs), reports.append)
+                   lambda a, inputs: m.ar.keep_evidence(a.step, a.epoch, a.shard, a.attempt, inputs), reports.append,
+                   m.ar.own_input)
 
 
 def audit(order: list[Member], shard: int, by: int) -> AuditReport:
