@@ -34,6 +34,7 @@ from pathlib import Path
 
 from potluck.coordinator.journal import kept_secret
 from potluck.coordinator.service import answers
+from potluck.protos import work
 from potluck.protos.certs import CertError, CertificateAuthority, TlsIdentity, fingerprint, token_proof
 from potluck.protos.config import RunConfig
 from potluck.protos.log import get_logger, short_id
@@ -60,6 +61,7 @@ class Admission:
     allow: frozenset[str] = frozenset()
     lifetime_s: float = 6 * 3600.0
     max_per_minute: int = 120
+    pow_bits: int = 0  # open runs: the proof of work a new key must bring (potluck.protos.work)
     admitted: dict[str, Admitted] = field(default_factory=dict)
     revoked: set[str] = field(default_factory=set)
     _recent: deque = field(default_factory=deque)  # wall times of recent new admissions
@@ -112,7 +114,12 @@ class Admission:
             return "evicted from this run"
         if req.run_id != self.run_id:
             return f"asks for run {req.run_id[:32]!r}"
-        if self.mode == "open" or pid in self.allow:
+        if pid in self.allow:
+            return ""
+        if self.mode == "open":
+            if self.pow_bits and work.zero_bits(self.run_id, pid, req.pow_nonce) < self.pow_bits:
+                return (f"this open run asks a new key for a proof of work of {self.pow_bits} bits "
+                        "(admission.pow_bits), and the request has none: upgrade potluck")
             return ""
         if self.token and hmac.compare_digest(req.proof, token_proof(self.token, self.run_id, pid, req.tls_key)):
             return ""
@@ -150,7 +157,7 @@ class Gatekeeper:
         self.tls.adopt(self.ca.issue(me, self.tls.public_pem, 30 * 86400.0), self.ca.cert_pem, me)
         self.token = join_token(journal_dir) if a.mode == "private" else ""
         self.admission = Admission(self.ca, run_id, a.mode, self.token, frozenset(a.allow), a.cert_lifetime_s,
-                                   a.max_per_minute, revoked=set(revoked))
+                                   a.max_per_minute, revoked=set(revoked), pow_bits=a.pow_bits)
         self.evict_after = a.evict_after
         self._flagged: dict[str, dict[int, bool]] = {}  # peer -> step -> clipped or rejected by most owners
         # of a stage's members, those whose reports count (past probation; all of them while none is)

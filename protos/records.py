@@ -76,6 +76,8 @@ class Manifest(_Record):
     data: DataIdentity = Field(default_factory=DataIdentity, description="the identity of the run's data")
     security: Literal["mtls", "insecure"] = Field("mtls", description="peer-to-peer gRPC over mutual TLS, or not")
     admission: Literal["open", "private"] = Field("open", description="'private': joining needs the join token")
+    pow_bits: int = Field(0, ge=0, le=32, description="open runs: the proof of work a new key must bring "
+                          "(potluck.protos.work)")
     ca_pem: str = Field("", description="the run's CA certificate: peers' TLS certificates chain to it")
     seq: int = 0
 

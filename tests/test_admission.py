@@ -280,3 +280,25 @@ def test_reporters_on_probation_do_not_count(tmp_path: Path) -> None:
     for _ in range(2):
         kept, events = gate.tick(node, records, rounds.get)  # type: ignore[arg-type]
     assert not [e for e in events if e[0] == "evicted"] and not gate.revoked(ids["a"])
+
+
+def test_an_open_run_can_ask_fresh_keys_for_a_proof_of_work(tmp_path: Path) -> None:
+    """admission.pow_bits: a request without the work (or with work for another key or run) is refused in one
+    line; with it, admitted. The work is bound to the run and the key."""
+    from potluck.protos import work
+
+    gate = Gatekeeper(apply_overrides(RunConfig(), {"admission.pow_bits": 12}), RUN, Identity.generate().peer_id,
+                      tmp_path, [])
+    (lazy, _, lazy_req), (worker, _, worker_req), (thief, _, thief_req) = asking(), asking(), asking()
+    nonce = work.solve(RUN, worker, 12)
+    assert work.zero_bits(RUN, worker, nonce) >= 12
+    while work.zero_bits(RUN, thief, nonce) >= 12:  # (one key in 4096 would pass with this nonce: not this one)
+        thief, _, thief_req = asking()
+    worker_req = worker_req.model_copy(update={"pow_nonce": nonce})
+    thief_req = thief_req.model_copy(update={"pow_nonce": nonce})  # another key's work
+    certs, refused = gate.admission.review({lazy: lazy_req, worker: worker_req, thief: thief_req})
+    by = {c.peer_id: c for c in certs}
+    assert by[worker].cert_pem and not by[worker].refused
+    for pid in (lazy, thief):
+        assert not by[pid].cert_pem and "proof of work of 12 bits" in by[pid].refused
+    assert len(refused) == 2
