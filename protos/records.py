@@ -182,9 +182,8 @@ class Member(_Record):
                        "contributes to every shard and gathers every result, but averages none)")
 
 
-class Audit(_Record):
-    """The coordinator's pick, made after the step: ``auditor`` recomputes shard ``shard`` of stage ``stage``
-    in outer step ``step`` (of ``epoch``) from the signed contributions its ``owner`` says it averaged."""
+class ShardOf(_Record):
+    """One shard result of an outer step: which step (and epoch), stage and shard, by whom (its owner)."""
 
     step: int = Field(ge=1)
     epoch: int = Field(0, ge=0)
@@ -192,20 +191,20 @@ class Audit(_Record):
     shard: int = Field(0, ge=0)
     attempt: int = Field(0, ge=0)
     owner: str = Field(max_length=ID_LEN)
+
+
+class Audit(ShardOf):
+    """The coordinator's pick, made after the step: ``auditor`` recomputes this shard result from the signed
+    contributions its owner says it averaged."""
+
     auditor: str = Field(max_length=ID_LEN)
 
 
-class AuditReport(_Record):
+class AuditReport(ShardOf):
     """What an auditor found: ``ok``; ``lie`` (the signed result is not what the signed inputs make, or the
     inputs shown are not those the result names: a proof the coordinator checks); ``unserved`` (the owner
     did not show its inputs)."""
 
-    step: int = Field(ge=1)
-    epoch: int = Field(0, ge=0)
-    stage: int = Field(0, ge=0)
-    shard: int = Field(0, ge=0)
-    attempt: int = Field(0, ge=0)
-    owner: str = Field(max_length=ID_LEN)
     verdict: Literal["ok", "lie", "unserved"]
     reason: str = Field("", max_length=TEXT_LEN)
     t: float = 0.0
