@@ -40,7 +40,7 @@ from potluck.protos.errors import CannotBind
 from potluck.protos.faults import fault
 from potluck.protos.identity import Identity
 from potluck.protos.log import get_logger, set_context, short_id
-from potluck.protos.swarm import DHTTimeout, LinkReport
+from potluck.protos.swarm import DHTTimeout, JoinError, LinkReport
 from potluck.protos.transport import PeerClient, PeerServer, Traffic
 
 log = get_logger(__name__)
@@ -93,7 +93,7 @@ class Coordinator:
                     break
                 self.stopping.wait(max(0.0, self.cfg.coordinator.tick_s - (time.monotonic() - t0)))
             return 0
-        except (ConfigError, JournalError, CannotBind) as err:
+        except (ConfigError, JournalError, CannotBind, JoinError) as err:
             log.error("%s", err)
             return 2
         finally:

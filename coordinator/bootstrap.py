@@ -101,16 +101,27 @@ def manifest(cfg: RunConfig, state: JournalState, info: RunInfo, grpc_address: s
 
 
 def start_node(identity: Identity, identity_path: Path, c: CoordinatorConfig, known: list[str]) -> SwarmNode:
-    """The DHT node the swarm bootstraps from; after a restart, rejoined through ``known`` peers."""
-    kwargs = {"coordinator": identity.peer_id, "host": c.host, "port": c.dht_port, "announce_host": c.announce_host,
-              "startup_timeout": c.startup_timeout_s, "identity_path": identity_path}
+    """The DHT node the swarm bootstraps from; after a restart, rejoined through ``known`` peers.
+
+    Bounded as a whole by ``startup_timeout_s``: a rejoin that fails leaves the rest of it to starting a
+    new swarm, and a start that does not end in time is a JoinError (the coordinator exits with it)."""
+    deadline = time.monotonic() + c.startup_timeout_s
+
+    def start(peers: list[str]) -> SwarmNode:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise JoinError(f"could not start a DHT node within coordinator.startup_timeout_s = "
+                            f"{c.startup_timeout_s:g} s; on a slow machine raise it")
+        return SwarmNode(identity, initial_peers=peers, coordinator=identity.peer_id, host=c.host, port=c.dht_port,
+                         announce_host=c.announce_host, startup_timeout=left, identity_path=identity_path)
+
     try:
-        node = SwarmNode(identity, initial_peers=known, **kwargs)  # type: ignore[arg-type]
+        node = start(known)
     except JoinError as err:
         if not known:
             raise
         log.warning("none of the %d peers known from the journal answered (%s); starting a new swarm", len(known), err)
-        return SwarmNode(identity, **kwargs)  # type: ignore[arg-type]
+        return start([])
     if known:
         log.info("rejoined the swarm through %d peers known from the journal", len(known))
     return node

@@ -49,6 +49,7 @@ POINTS = {
     "outer.delta": "a peer's pseudo-gradient before it is sent (tamper actions only)",
     "placement.search": "the coordinator's placement worker starts a search (on its own thread)",
     "shutdown.start": "a peer or the coordinator begins its orderly shutdown (on the main thread)",
+    "dht.start": "a DHT process starts (its step: the process's DHT start count, 1 for the first)",
     "pipe.send": "a stage sends a pipeline message of an outer step (the oversize action only)",
     "owner.mean": "an owner's average of its shard, before it is encoded and signed (tamper actions only)",
     "owner.flags": "an owner's signed outcome: whom it says it clipped (the flag action only)",

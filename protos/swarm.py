@@ -11,6 +11,7 @@ from one thread at a time (the coordinator's loop, a peer's heartbeat thread).
 from __future__ import annotations
 
 import atexit
+import multiprocessing as mp
 import os
 import signal
 import socket
@@ -23,6 +24,7 @@ from typing import Any, TypeVar
 from pydantic import Field
 
 from potluck.protos.errors import check_port_free
+from potluck.protos.faults import fault
 from potluck.protos.identity import Identity
 from potluck.protos.join import JoinError, parse_join_address  # noqa: F401 - re-exported
 from potluck.protos.log import get_logger
@@ -48,6 +50,7 @@ os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
 
 from hivemind.dht import DHT, DHTID
 from hivemind.utils import get_dht_time
+from hivemind.utils.mpfuture import MPFuture
 
 from potluck.protos.dhtguard import MAX_TTL_S, RunRecords, run_key
 
@@ -132,8 +135,12 @@ class _DHTProcess(DHT):
     in its shutdown until it was killed.
     """
 
+    started = 0  # DHT starts in this process so far: the step of its ``dht.start`` fault point
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.owner_pid = os.getpid()
+        _DHTProcess.started += 1
+        self.start_number = _DHTProcess.started
         super().__init__(*args, **kwargs)
 
     def run(self) -> None:
@@ -141,7 +148,31 @@ class _DHTProcess(DHT):
         children_die_with_parent(signal.SIGKILL)  # p2pd, started by uvloop's fork + exec
         os.register_at_fork(after_in_child=_leave_foreground_group)  # (the DHT process forks p2pd only)
         signal.signal(signal.SIGTERM, _ignore_sigterm)
+        fault("dht.start", self.start_number)  # (in the DHT process: a hang here is a start that never ends)
         super().run()
+
+
+def free_locks_of_the_dead() -> None:
+    """Replace hivemind's process-wide future locks if a process we killed died holding one.
+
+    Every process forked from this one shares ``MPFuture``'s locks; a DHT process killed while it
+    held one (it had just handed this process its start-up error and was still in the lock's
+    ``with``) left it taken for good, and the next DHT process hung in its first ``set_result``: a
+    coordinator that started a new swarm after a failed rejoin never became ready. A live holder
+    keeps such a lock for microseconds, so one not free within a second belongs to the dead.
+    """
+    for name in ("_update_lock", "_initialization_lock"):
+        lock = getattr(MPFuture, name)
+        if lock.acquire(timeout=1.0):
+            lock.release()
+        else:
+            log.warning("a DHT process died holding hivemind's %s: replaced it (the next start would hang)", name)
+            setattr(MPFuture, name, mp.Lock())
+
+
+def dht_starts() -> int:
+    """How many DHT processes this process has started (the step of the next one's ``dht.start`` is this + 1)."""
+    return _DHTProcess.started
 
 
 class DHTTimeout(TimeoutError):
@@ -201,10 +232,12 @@ class SwarmNode:
         # multiprocessing's own exit hook would join the DHT process forever (it ignores SIGTERM);
         # ours is registered later, so it runs first
         atexit.register(self._shutdown_at_exit)
-        try:
-            self.dht.run_in_background(await_ready=True)
+        try:  # bounded: hivemind waits for its DHT process forever, even one that died or hung on the way
+            self.dht.run_in_background(await_ready=True, timeout=startup_timeout)
         except Exception as err:
             self.shutdown(timeout=0)
+            if isinstance(err, TimeoutError):
+                err = TimeoutError(f"the DHT process was not ready within {startup_timeout:.0f} s")
             where = f"the swarm at {initial_peers[0]}" if initial_peers else f"a DHT node on {host}:{port}"
             hint = (
                 "check that the coordinator is running, that its address is reachable from this machine "
@@ -365,6 +398,7 @@ class SwarmNode:
             killed = kill_tree(pid, include_root=True)
             if timeout > 0:
                 log.info("DHT process did not stop within %.1f s: killed it and %d below it", timeout, len(killed) - 1)
+            free_locks_of_the_dead()
         dht.join(timeout=1.0)
 
     def _ask_to_stop(self, timeout: float) -> None:
