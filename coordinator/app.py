@@ -135,8 +135,8 @@ class Coordinator:
                                   self.node and self.node.shutdown)):
             try:
                 stop()
-            except Exception as err:
-                log.debug("stopping: %s", err)
+            except Exception as err:  # everything else must still be stopped
+                log.warning("stopping the coordinator: one part did not stop cleanly (%s); stopping the rest", err)
 
     # ------------------------------------------------------------------ the loop
 

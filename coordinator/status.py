@@ -306,7 +306,7 @@ class _HTTPServer(ThreadingHTTPServer):
             slot.release()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
-        log.debug("status http: error serving %s", client_address, exc_info=True)
+        log.warning("status http: serving %s failed (that request only)", client_address, exc_info=True)
 
 
 class StatusServer:

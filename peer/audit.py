@@ -102,7 +102,7 @@ class Auditor:
         for fut in pending:
             try:
                 out.append(fut.result(timeout=max(0.0, deadline - time.monotonic())))
-            except Exception:  # still running (or failed): put back, it reports when it ends
+            except TimeoutError:  # still running: put back, it reports when it ends (_audit catches its own errors)
                 with self._lock:
                     self._pending.append(fut)
         return out

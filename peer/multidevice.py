@@ -225,7 +225,7 @@ class DeviceGroup:
         try:
             dist.destroy_process_group()
         except Exception as err:  # a member already gone: nothing left to tear down in order
-            log.debug("destroying the process group: %s", err)
+            log.warning("could not destroy this peer's process group in order (%s); its processes end anyway", err)
         # the last reference to the command group: its threads are joined now. Left to the interpreter's
         # teardown, one of them may release its last work then, need the GIL, and abort the process
         self.commands = None

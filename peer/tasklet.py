@@ -138,7 +138,9 @@ class Toolbox:
                 admission.request(j.node, j.manifest, self.me, j.tls, j.token_proof)
                 admission.take(j.node, j.manifest, self.me, j.tls)
             except Exception as err:  # the coordinator may be away: the certificate lasts hours
-                log.debug("admission refresh failed: %s", err)
+                log.warning("could not renew admission (%s); the certificate is good until %s, then this peer is "
+                            "refused", err, time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(j.tls.not_after)) if j.tls is not None
+                            else "ever (an insecure run)")
 
     def announce(self, numel: int, phases: dict[str, float]) -> None:
         rc = self.rc
@@ -165,7 +167,8 @@ class Toolbox:
                     self.links.probe_round(peers)
                     node.publish_links(self.links.report(), ttl=max(60.0, 3 * period))
             except Exception as err:  # measuring links must never take the peer down
-                log.debug("link measurement round failed: %s", err)
+                log.warning("measuring links failed (%s); placement uses the links this peer reported before, if any",
+                            err)
 
     def ping_member(self, peer_id: str, timeout: float) -> pb.PingReply:
         request = pb.PingRequest(header=pb.Header(run_id=self.rc.run_id, sender=self.me), sent_at=time.time())
@@ -178,7 +181,7 @@ class Toolbox:
             try:
                 stop()
             except Exception as err:  # everything else must still be stopped
-                log.debug("closing: %s", err)
+                log.warning("closing the peer: one part did not stop cleanly (%s); stopping the rest", err)
         for thread in self.threads[1:]:
             thread.join(timeout=2.0)
 
