@@ -60,6 +60,7 @@ from potluck.peer.shards import (
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.faults import fault
 from potluck.protos.log import get_logger, short_id
+from potluck.protos.records import CATCHING_UP, NOT_PARTICIPATING, PeerState
 from potluck.protos.transport import is_silent, is_unreachable, refusal_of, refused, rpc_reason
 
 log = get_logger(__name__)
@@ -68,8 +69,6 @@ log = get_logger(__name__)
 __all__ = ["AllReduce", "AllReduceStats", "IncompleteRound", "MemberAddr", "Outcome", "Phase", "ReduceRound",
            "RoundInfo", "reduce_mean", "shard_bounds"]
 
-NOT_PARTICIPATING = {"joining", "recovering", "left", "waiting"}
-CATCHING_UP = {"joining", "recovering", "waiting"}
 PING_S = 2.0
 
 
@@ -375,7 +374,7 @@ class AllReduce(ShardInbox):
                 return
             # behind the round's base (fetching it to take part), or holding it and waiting to see the
             # round itself: give it the grace period. A member recovering *from* the base gave up the step.
-            catching_up = reply.state in CATCHING_UP and (reply.version < info.step - 1 or reply.state == "waiting")
+            catching_up = reply.state in CATCHING_UP and (reply.version < info.step - 1 or reply.state == PeerState.WAITING)
             if catching_up and time.monotonic() < rnd.catch_up_until:
                 return
             reason = f"{reply.state} at version {reply.version}"

@@ -41,7 +41,7 @@ from potluck.protos.faults import fault
 from potluck.protos.identity import Identity
 from potluck.protos.log import get_logger, set_context
 from potluck.protos.netem import TopologyError
-from potluck.protos.records import PeerRecord, Round
+from potluck.protos.records import PeerRecord, PeerState, Round
 from potluck.protos.swarm import JoinError
 
 log = get_logger(__name__)
@@ -137,7 +137,7 @@ class Session:
                         continue  # the step before holds a lie: commit nothing on it, the coordinator rolls it back
                     self.outer.after_phase(step, phase.seconds, start, phase.interrupted, not phase.stalled)
         if self.completed() and not self.stopping.is_set():
-            self.set_state("finished")  # serve the final state until the coordinator has seen it
+            self.set_state(PeerState.FINISHED)  # serve the final state until the coordinator has seen it
             self.heartbeat.await_confirmation(self.tasklet.states.current.version, self.stopping)
         log.info("done at version %d", self.tasklet.states.current.version)
 
@@ -147,7 +147,7 @@ class Session:
         if wait.reason != self.waiting:
             log.info("%s", wait.reason)
             self.waiting = wait.reason
-        self.set_state("waiting")
+        self.set_state(PeerState.WAITING)
         seq = self.heartbeat.plan.seq if self.heartbeat.plan else -1
         self.heartbeat.wait_plan(lambda p: p is not None and p.seq > seq, timeout=wait.seconds)
 
@@ -156,7 +156,7 @@ class Session:
         self.replica, self.waiting = me.replica, ""
         self.first_round_at = self.first_round_at or time.time()
         set_context(step=step)
-        self.set_state("training")
+        self.set_state(PeerState.TRAINING)
         self.telemetry.begin_inner(step, self.rc.diloco.inner_steps, self.tools.device)
         t.begin(rnd, step, self.replica)
         # the coordinator's round for it (not the last plan's): now, or as soon as it arrives (_inner_step)
@@ -169,7 +169,7 @@ class Session:
         self.tasklet.auditor.start_for(self.heartbeat.plan, step, self.tools.addresses)  # (a round known late)
         if not self.tasklet.auditor.lied(self.rc.sync.deadline_floor_s):
             return False
-        self.set_state("waiting")
+        self.set_state(PeerState.WAITING)
         self.tasklet.auditor.await_ruling(self.heartbeat, step, 2 * self.rc.membership.round_timeout_floor_s)
         return True
 
@@ -184,7 +184,7 @@ class Session:
                                       - self.ready_at, "of which state download": self.recovered_s})
 
     def _recover(self, want: Recover) -> None:
-        self.set_state("recovering")
+        self.set_state(PeerState.RECOVERING)
         t, t0 = self.tasklet, time.monotonic()
         if want.version == 0:  # the run went back to theta_0: every peer builds it from the run's seed
             log.info("%s: starting over from theta_0", want.reason)
@@ -218,13 +218,14 @@ class Session:
     def close(self) -> None:
         fault("shutdown.start")
         self.outer.close()
-        self.set_state("failed" if self.telemetry.error else "finished" if self.completed() else "left", poke=False)
+        self.set_state(PeerState.FAILED if self.telemetry.error else PeerState.FINISHED if self.completed()
+                       else PeerState.LEFT, poke=False)
         self.heartbeat.stop(goodbye=self.record())
         self.tools.close(self.tasklet)
 
     # ------------------------------------------------------------------ what this peer reports
 
-    def set_state(self, state: str, poke: bool = True) -> None:
+    def set_state(self, state: PeerState, poke: bool = True) -> None:
         if self.telemetry.set_state(state) and poke:
             self.heartbeat.poke()
 

@@ -34,6 +34,7 @@ from potluck.peer.outer import OuterResult, outer_step, pseudo_gradient
 from potluck.peer.tasklet import Tasklet
 from potluck.protos.faults import fault
 from potluck.protos.log import get_logger, set_context
+from potluck.protos.records import PeerState
 
 if TYPE_CHECKING:
     from potluck.peer.daemon import Session
@@ -89,7 +90,7 @@ class OuterSteps:
 
     def _blocking(self, step: int, inner_seconds: float, contribute: bool) -> None:
         s = self.s
-        s.set_state("syncing")
+        s.set_state(PeerState.SYNCING)
         t0, t = time.monotonic(), s.tasklet
         info = self._resolve(step)
         if info is None:
@@ -182,7 +183,7 @@ class OuterSteps:
         not ``load``: the caller loads the parameters itself)."""
         inf, self.inflight = self.inflight, None
         assert inf is not None and inf.thread is not None
-        self.s.set_state("syncing")
+        self.s.set_state(PeerState.SYNCING)
         t0 = time.monotonic()
         inf.thread.join()
         if inf.done is None:

@@ -22,7 +22,7 @@ from potluck.peer.progress import ProgressReporter
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.faults import tamper
 from potluck.protos.log import get_logger, short_id
-from potluck.protos.records import AuditReport, PeerRecord, StepReport, next_seq
+from potluck.protos.records import AuditReport, PeerRecord, PeerState, StepReport, next_seq
 
 log = get_logger(__name__)
 
@@ -33,7 +33,7 @@ KEEP_STEPS = 8
 class Progress:
     """The moving parts of a peer's record."""
 
-    state: str = "joining"
+    state: PeerState = PeerState.JOINING
     inner_step: int = 0
     inner_steps: int = 0  # H of the current outer step
     loss: float | None = None
@@ -66,13 +66,13 @@ class Telemetry:
         self._pipe_before: dict[str, int] = {}  # the pipeline's byte counters at the last outer step
         self.error = ""  # why this peer stopped, when it stops on an error it cannot heal (state "failed")
 
-    def set_state(self, state: str) -> bool:
+    def set_state(self, state: PeerState) -> bool:
         """Change the reported state; True if it changed (the caller heartbeats at once)."""
         p = self.progress
         if state == p.state:
             return False
         p.state = state
-        if state != "training":
+        if state != PeerState.TRAINING:
             p.inner_step = 0
             self.reporter.clear()
         return True
@@ -148,7 +148,7 @@ class Telemetry:
 
     def ping_reply(self, request: pb.PingRequest, version: int) -> pb.PingReply:
         p = self.progress
-        left = max(0, p.inner_steps - p.inner_step) if p.state == "training" else 0
+        left = max(0, p.inner_steps - p.inner_step) if p.state == PeerState.TRAINING else 0
         padding = b"\0" * max(0, min(request.reply_bytes, 64 << 10))  # no amplifier: at most 64 KiB back
         return pb.PingReply(peer_id=self.peer_id, state=p.state, version=version, inner_step=p.inner_step,
                             eta_s=left * p.step_time_s, sent_at=request.sent_at, padding=padding)

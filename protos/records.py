@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import time
+from enum import StrEnum
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -35,7 +36,25 @@ ENVELOPE_VERSION = 2
 MAX_CLOCK_SKEW_S = 300.0
 NAME_LEN, ADDRESS_LEN, HASH_LEN, ID_LEN, TEXT_LEN = 64, 256, 128, 64, 512
 
-PeerState = Literal["joining", "recovering", "training", "syncing", "waiting", "left", "lost", "finished", "failed"]
+class PeerState(StrEnum):
+    """What a peer is doing: one vocabulary for its records, its telemetry and pings, the all-reduce's view of
+    a member, the coordinator and the page (the values are what the JSON and the page show)."""
+
+    JOINING = "joining"  # admitted, loading or fetching its first state
+    RECOVERING = "recovering"  # fetching a newer state after it missed or failed a step
+    TRAINING = "training"  # inner steps
+    SYNCING = "syncing"  # the outer step (all-reduce)
+    WAITING = "waiting"  # holding a state, waiting for a round that names it
+    LEFT = "left"  # said goodbye
+    LOST = "lost"  # the coordinator stopped hearing from it (never in a peer's own record)
+    FINISHED = "finished"  # the run ended and this peer saw it
+    FAILED = "failed"  # stopped on an error it cannot heal (its record's ``error`` says which)
+
+
+# a member that will not contribute to the running step (yet): the all-reduce stops waiting for it, unless
+# it is only catching up to the round's base state (then it is waited for within the grace period)
+NOT_PARTICIPATING = frozenset({PeerState.JOINING, PeerState.RECOVERING, PeerState.LEFT, PeerState.WAITING})
+CATCHING_UP = frozenset({PeerState.JOINING, PeerState.RECOVERING, PeerState.WAITING})
 
 
 class RecordError(ValueError):
@@ -123,7 +142,7 @@ class PeerRecord(_Record):
 
     peer_id: str = Field(max_length=ID_LEN)
     address: str = Field(max_length=ADDRESS_LEN, description="host:port of the peer's gRPC server, as other peers reach it")
-    state: PeerState = "joining"
+    state: PeerState = PeerState.JOINING
     version: int = Field(0, ge=0, description="committed outer steps of its theta_global")
     state_hash: str = Field("", max_length=HASH_LEN)
     inner_step: int = Field(0, ge=0)
