@@ -266,6 +266,32 @@ class RelayedContext:
         raise _Aborted(code, details, refusal)
 
 
+class _PeerTunnel:
+    """One connection to the relay: its outgoing frames and the calls it carries. Calls served for it send their
+    replies into it only; once it is closed (broken, replaced or stopped) they are dropped, not sent into the
+    next tunnel, whose call ids mean other calls."""
+
+    def __init__(self) -> None:
+        self.outbox: queue.Queue = queue.Queue(WINDOW)
+        self.calls: dict[int, _Incoming] = {}  # the tunnel thread's own
+        self.closed = threading.Event()
+
+    def send(self, frame: pb.RelayFrame) -> None:
+        while not self.closed.is_set():
+            try:
+                self.outbox.put(frame, timeout=0.5)  # (bounded: a slow relay holds the repliers back)
+                return
+            except queue.Full:
+                continue
+
+    def close(self) -> None:
+        self.closed.set()
+        try:
+            self.outbox.put_nowait(_END)
+        except queue.Full:
+            pass
+
+
 @dataclass
 class _Incoming:
     method: Method
@@ -292,37 +318,39 @@ class RelayClient:
         self.connected = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="relayed")
         self._thread = threading.Thread(target=self._run, name="relay-tunnel", daemon=True)
-        self._outbox: queue.Queue = queue.Queue(WINDOW)
+        self._lock = threading.Lock()  # guards _tunnel (replaced by the tunnel thread on every reconnect)
+        self._tunnel = _PeerTunnel()
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
         self.stopping.set()
-        try:
-            self._outbox.put_nowait(_END)
-        except queue.Full:
-            pass
+        with self._lock:
+            tunnel = self._tunnel
+        tunnel.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._thread.join(timeout=2.0)
 
     def _run(self) -> None:
         wait = RECONNECT_S[0]
         while not self.stopping.is_set():
-            self._outbox = queue.Queue(WINDOW)
-            calls: dict[int, _Incoming] = {}
+            tunnel = _PeerTunnel()
+            with self._lock:
+                self._tunnel = tunnel
             try:
-                for frame in self.open_stream(self._frames(self._outbox)):
+                for frame in self.open_stream(self._frames(tunnel.outbox)):
                     if frame.call == 0:  # the relay took the tunnel
                         self.connected.set()
                         wait = RECONNECT_S[0]
                         log.info("the relay tunnel is open")
                         continue
-                    self._on_frame(frame, calls)
+                    self._on_frame(frame, tunnel)
             except grpc.RpcError as err:
                 log.warning("the relay tunnel broke (%s: %s); reopening in %.1f s", err.code(), err.details(), wait)  # type: ignore[attr-defined]
             self.connected.clear()
-            for incoming in calls.values():
+            tunnel.close()  # its calls' late replies are dropped: they never reach the next tunnel
+            for incoming in tunnel.calls.values():
                 incoming.messages.put(_END)
             if self.stopping.wait(wait):
                 return
@@ -339,24 +367,22 @@ class RelayClient:
                 return
             yield frame
 
-    def _on_frame(self, frame: pb.RelayFrame, calls: dict[int, _Incoming]) -> None:
+    def _on_frame(self, frame: pb.RelayFrame, tunnel: _PeerTunnel) -> None:
+        calls = tunnel.calls
         incoming = calls.get(frame.call)
         if incoming is None:
             method = METHODS.get(frame.method)
             if method is None:
-                self._send(pb.RelayFrame(call=frame.call, end=True, status=grpc.StatusCode.UNIMPLEMENTED.value[0],
+                tunnel.send(pb.RelayFrame(call=frame.call, end=True, status=grpc.StatusCode.UNIMPLEMENTED.value[0],
                                          details=f"unknown method {frame.method[:64]!r}"))
                 return
             incoming = calls[frame.call] = _Incoming(method, frame.caller)
-            self._pool.submit(self._serve, frame.call, incoming)
+            self._pool.submit(self._serve, tunnel, frame.call, incoming)
         if frame.message:
             incoming.messages.put(frame.message)
         if frame.end:
             incoming.messages.put(_END)
             calls.pop(frame.call, None)
-
-    def _send(self, frame: pb.RelayFrame) -> None:
-        self._outbox.put(frame)
 
     def _requests(self, incoming: _Incoming) -> Iterator[Any]:
         parse = self.parser(incoming.method.request)
@@ -366,7 +392,7 @@ class RelayClient:
                 return
             yield parse(message)
 
-    def _serve(self, call_id: int, incoming: _Incoming) -> None:
+    def _serve(self, tunnel: _PeerTunnel, call_id: int, incoming: _Incoming) -> None:
         method = incoming.method
         context = RelayedContext(incoming.caller, time.monotonic() + self.CALL_TIMEOUT_S, self.refusal_key)
         handler = getattr(self.servicer, method.name)
@@ -381,12 +407,12 @@ class RelayClient:
                 replies = handler(request, context)
                 replies = replies if method.server_streaming else [replies]
             for reply in replies:
-                self._send(pb.RelayFrame(call=call_id, message=reply.SerializeToString()))
-            self._send(pb.RelayFrame(call=call_id, end=True))
+                tunnel.send(pb.RelayFrame(call=call_id, message=reply.SerializeToString()))
+            tunnel.send(pb.RelayFrame(call=call_id, end=True))
         except _Aborted as err:
-            self._send(pb.RelayFrame(call=call_id, end=True, status=err.code.value[0], details=err.details,
+            tunnel.send(pb.RelayFrame(call=call_id, end=True, status=err.code.value[0], details=err.details,
                                      refusal=err.refusal))
         except Exception as err:  # one call's failure must not end the tunnel
             log.exception("relayed %s failed", method.name)
-            self._send(pb.RelayFrame(call=call_id, end=True, status=grpc.StatusCode.INTERNAL.value[0],
+            tunnel.send(pb.RelayFrame(call=call_id, end=True, status=grpc.StatusCode.INTERNAL.value[0],
                                      details=f"{method.name} failed: {err}"))
