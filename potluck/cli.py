@@ -184,7 +184,7 @@ def _flag_error(error: Any) -> str:
     return f"{flag} {error['input']!r}: {msg}" if field else msg
 
 
-def _demo_grid(stages: int, replicas: int | None, peers: int | None) -> tuple[int, int | None]:
+def demo_grid(stages: int, replicas: int | None, peers: int | None) -> tuple[int, int | None]:
     """(peers, replicas) for ``potluck demo``: a pipeline run has exactly stages x replicas peers."""
     for flag, value in (("--stages", stages), ("--replicas", replicas), ("--peers", peers)):
         if value is not None and value < 1:
@@ -207,7 +207,7 @@ def _demo_grid(stages: int, replicas: int | None, peers: int | None) -> tuple[in
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    args.peers, args.replicas = _demo_grid(args.stages, args.replicas, args.peers)
+    args.peers, args.replicas = demo_grid(args.stages, args.replicas, args.peers)
     from potluck.demo import run_demo
 
     return run_demo(args)

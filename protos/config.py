@@ -33,14 +33,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from potluck.protos.modelconfig import HF_DECIDES, LLAMA_PRESETS, ModelConfig  # noqa: F401 - re-exported
-from potluck.protos.section import ConfigError, _Section
+from potluck.protos.section import ConfigError, Section
 
 BYTE_VOCAB = 256  # byte-level data: one token per byte value
 MAX_RECORD_TTL_S = 300.0  # the DHT refuses records asking to live longer (potluck.protos.dhtguard)
 MAX_MARKOV_ENTRIES = 1 << 24  # transition-table entries of the synthetic source (2 float64 arrays of 128 MiB)
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     """Training data: the built-in synthetic Markov source (a known entropy floor), a byte file, or
     token shards (``potluck data prepare``) from a folder, a URL or a Hugging Face dataset."""
 
@@ -84,7 +84,7 @@ class DataConfig(_Section):
         return self
 
 
-class TrainConfig(_Section):
+class TrainConfig(Section):
     """The inner loop: AdamW on a peer's own shard."""
 
     batch_size: int = Field(16, ge=1, description="samples per inner step")
@@ -119,7 +119,7 @@ class TrainConfig(_Section):
         return self
 
 
-class DiLoCoConfig(_Section):
+class DiLoCoConfig(Section):
     """The outer loop (Douillard et al. 2023): H inner steps, then Nesterov on the mean pseudo-gradient."""
 
     inner_steps: int = Field(50, ge=1, description="H: inner steps per outer step")
@@ -132,7 +132,7 @@ class DiLoCoConfig(_Section):
         "k + 1 go on, its result applied one outer step late (pipeline.stages = 1 only); false: blocking")
 
 
-class SyncConfig(_Section):
+class SyncConfig(Section):
     """The outer all-reduce over gRPC: codec and deadlines."""
 
     codec: Literal["int8", "raw"] = Field("int8", description="'int8' (per-block absmax) or 'raw' (fp32)")
@@ -158,7 +158,7 @@ class SyncConfig(_Section):
         "the run rolled back to before it (0: no audits)")
 
 
-class PipelineConfig(_Section):
+class PipelineConfig(Section):
     """Pipeline tasklets: the model cut into ``stages`` contiguous stages, run as S x R grid."""
 
     stages: int = Field(1, ge=1, le=64, description="S: pipeline stages (1 = pure DiLoCo, whole model per peer)")
@@ -202,7 +202,7 @@ class PipelineConfig(_Section):
         return v
 
 
-class LinksConfig(_Section):
+class LinksConfig(Section):
     """Link measurement (peers) and link-aware placement (coordinator)."""
 
     probe_period_s: float = Field(
@@ -218,7 +218,7 @@ class LinksConfig(_Section):
     search_budget_s: float = Field(1.0, gt=0, le=60, description="seconds of evolutionary search per re-plan")
 
 
-class MembershipConfig(_Section):
+class MembershipConfig(Section):
     """Liveness and admission (read by peers and the coordinator alike)."""
 
     heartbeat_s: float = Field(1.0, gt=0, description="how often a peer refreshes its DHT record")
@@ -242,7 +242,7 @@ class MembershipConfig(_Section):
         return self
 
 
-class CoordinatorConfig(_Section):
+class CoordinatorConfig(Section):
     """Where the coordinator listens and keeps its journal. Not part of the manifest."""
 
     host: str = Field(
@@ -281,7 +281,7 @@ class CoordinatorConfig(_Section):
         return self
 
 
-class AdmissionConfig(_Section):
+class AdmissionConfig(Section):
     """Who may take part (the coordinator's policy). Not part of the manifest: peers learn the mode only."""
 
     mode: Literal["open", "private"] = Field(
@@ -300,7 +300,7 @@ class AdmissionConfig(_Section):
                           "doubles it), so a thousand fresh keys cost real compute")
 
 
-class PeerConfig(_Section):
+class PeerConfig(Section):
     """One volunteer's peer process: how it joins and what it lends. Not part of the manifest."""
 
     join: str = Field("", description="the coordinator's join address (/ip4/.../tcp/.../p2p/12D3KooW...)")
@@ -339,7 +339,7 @@ class PeerConfig(_Section):
         return v
 
 
-class RunConfig(_Section):
+class RunConfig(Section):
     """The whole run file."""
 
     run_id: str = Field("", description="run name; a fresh one is generated when empty")

@@ -109,7 +109,7 @@ _lock = threading.Lock()
 _pending = parse(os.environ.get(ENV, ""))
 
 
-def _matches(f: Fault, point: str, step: int | None) -> bool:
+def matches(f: Fault, point: str, step: int | None) -> bool:
     return f[0] == point and (f[1] is None or f[1] == step or (f[2] and step is not None and step >= f[1]))
 
 
@@ -118,7 +118,7 @@ def fault(point: str, step: int | None = None) -> None:
     if not _pending:
         return
     with _lock:
-        hit = next((f for f in _pending if _matches(f, point, step)), None)
+        hit = next((f for f in _pending if matches(f, point, step)), None)
         if hit is None:
             return
         _pending.remove(hit)
@@ -147,7 +147,7 @@ def injected(point: str, step: int | None, action: str) -> bool:
     if not _pending:
         return False
     with _lock:
-        hit = next((f for f in _pending if f[3] == action and _matches(f, point, step)), None)
+        hit = next((f for f in _pending if f[3] == action and matches(f, point, step)), None)
         if hit is None:
             return False
         _pending.remove(hit)
@@ -161,7 +161,7 @@ def tamper(point: str, step: int, x: Any, offset: int = 0, pending: list[Fault] 
     ``flag`` returns True, for the caller to name its honest peers). ``pending``: faults of one object instead of
     the process's (a test's one Byzantine member among honest ones in one process)."""
     for f in _pending if pending is None else pending:
-        if _matches(f, point, step):
+        if matches(f, point, step):
             action = f[3]
             if action == "flip":
                 return -x

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from potluck.protos.section import _Section
+from potluck.protos.section import Section
 
 LLAMA_PRESETS: dict[str, dict[str, int]] = {  # body sizes; see potluck.models.llama for parameter counts
     "llama-20m": {"d_model": 384, "n_layers": 12, "n_heads": 6, "n_kv_heads": 2, "d_ff": 1024},
@@ -19,7 +19,7 @@ LLAMA_PRESETS: dict[str, dict[str, int]] = {  # body sizes; see potluck.models.l
 HF_DECIDES = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "tie_embeddings")
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     """The model: the built-in GPT ('tiny'), a native Llama-style decoder ('llama', sizes or a preset),
     or a Hugging Face causal LM ('hf', from a model id or folder, which decides the sizes)."""
 

@@ -9,5 +9,5 @@ class ConfigError(ValueError):
     """A run configuration that cannot be used; the message names the offending field."""
 
 
-class _Section(BaseModel):
+class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)

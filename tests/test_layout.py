@@ -83,3 +83,30 @@ def first_set_outside_init(path: Path) -> list[str]:
 def test_no_attribute_is_first_set_outside_init(folder: str) -> None:
     bad = [f"{p.name}: {b}" for p in modules(folder) for b in first_set_outside_init(p)]
     assert not bad, bad
+
+
+MAX_LINES = 450
+TRACKED = ("protos", "kernels", "compression", "peer", "coordinator", "potluck", "tests", "benchmarks")
+
+
+def python_files() -> list[Path]:
+    """Every Python file of the repo's own code, tests and benchmarks, but generated protobuf code."""
+    return sorted(p for folder in TRACKED for p in (ROOT / folder).rglob("*.py")
+                  if ".venv" not in p.parts and not p.name.endswith(("_pb2.py", "_pb2_grpc.py")))
+
+
+def test_no_file_is_over_450_lines() -> None:
+    """A file past this has a seam a newcomer must find first: split it there."""
+    long = [f"{p.relative_to(ROOT)}: {n}" for p in python_files() if (n := len(p.read_text().splitlines())) > MAX_LINES]
+    assert not long, long
+
+
+def test_no_private_name_is_imported_across_modules() -> None:
+    """``from potluck.x import _name`` reaches into another room's inside: give the name a public one instead."""
+    bad = []
+    for p in python_files():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("potluck"):
+                bad += [f"{p.relative_to(ROOT)}: {node.module}.{a.name}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not bad, bad
