@@ -38,10 +38,10 @@ from potluck.compression.int8 import make_codec
 from potluck.local import LocalSwarm
 from potluck.peer.allreduce import AllReduce, MemberAddr, RoundInfo
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.certs import CertificateAuthority, TlsIdentity
-from potluck.protos.config import RunConfig, apply_overrides
-from potluck.protos.identity import Identity
-from potluck.protos.transport import PeerClient, PeerServer, Traffic
+from potluck.protos.config.runconfig import RunConfig, apply_overrides
+from potluck.protos.net.certs import CertificateAuthority, TlsIdentity
+from potluck.protos.net.identity import Identity
+from potluck.protos.net.transport import PeerClient, PeerServer, Traffic
 
 
 def run_swarm(args: argparse.Namespace, workdir: Path, insecure: bool = False) -> dict:

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from potluck.local import LocalSwarm, SwarmError
-from potluck.protos.config import RunConfig, apply_overrides
+from potluck.protos.config.runconfig import RunConfig, apply_overrides
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 
 from potluck.local import LocalSwarm
-from potluck.protos.config import RunConfig, apply_overrides
+from potluck.protos.config.runconfig import RunConfig, apply_overrides
 
 FIRST = re.compile(r"first training step ([\d.]+) s after the process started \(([\d.]+) s after joining")
 

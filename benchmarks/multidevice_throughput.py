@@ -34,7 +34,7 @@ SETTINGS = {"model.d_model": 192, "model.n_layers": 4, "model.n_heads": 4, "mode
 
 
 def run_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from potluck.protos.config import RunConfig, apply_overrides
+    from potluck.protos.config.runconfig import RunConfig, apply_overrides
     return apply_overrides(RunConfig(), {**SETTINGS, "diloco.inner_steps": args.steps, "train.batch_size": args.batch})
 
 

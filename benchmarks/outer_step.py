@@ -54,9 +54,9 @@ from potluck.peer.stage import StageWorker
 from potluck.peer.states import States
 from potluck.peer.tasklet import Tasklet
 from potluck.peer.telemetry import Telemetry
-from potluck.protos.config import RunConfig, apply_overrides
-from potluck.protos.records import Member, Round
-from potluck.protos.transport import PeerClient, Traffic
+from potluck.protos.config.runconfig import RunConfig, apply_overrides
+from potluck.protos.net.transport import PeerClient, Traffic
+from potluck.protos.wire.records import Member, Round
 
 RUN, ME = "outer-bench", "bench"
 LEGACY = "0" * 32  # a BLAKE2b hash: tensors_hash(..., like=LEGACY) is main's hash, byte for byte

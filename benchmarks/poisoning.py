@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from potluck.local import LocalSwarm
-from potluck.protos.config import RunConfig, apply_overrides
+from potluck.protos.config.runconfig import RunConfig, apply_overrides
 
 PEERS = 4
 ATTACKS = {"x1000": "scale=1000", "sign-flip": "flip", "nan": "nan"}

@@ -35,12 +35,12 @@ from potluck.coordinator.integrity import Integrity
 from potluck.coordinator.trust import Trust
 from potluck.peer.allreduce import AllReduce, MemberAddr, RoundInfo
 from potluck.peer.audit import Auditor
-from potluck.protos import faults
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.config import RunConfig, apply_overrides
-from potluck.protos.identity import Identity
-from potluck.protos.records import Audit, Member, Round
-from potluck.protos.transport import PeerClient, PeerServer, Traffic
+from potluck.protos.config.runconfig import RunConfig, apply_overrides
+from potluck.protos.net.identity import Identity
+from potluck.protos.net.transport import PeerClient, PeerServer, Traffic
+from potluck.protos.testkit import faults
+from potluck.protos.wire.records import Audit, Member, Round
 
 RUN, BLOCK, CHUNK = "bench-verified", 2048, 1 << 20
 

@@ -29,8 +29,8 @@ from potluck.compression.aggregate import contribution_digest, recompute, result
 from potluck.compression.int8 import Codec
 from potluck.compression.stream import Assembler, WireError
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.identity import verify
-from potluck.protos.log import short_id
+from potluck.protos.net.identity import verify
+from potluck.protos.runtime.log import short_id
 
 
 @dataclass(frozen=True)

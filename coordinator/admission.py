@@ -4,7 +4,7 @@ A peer asks to be admitted with a record signed by its identity key (``potluck/<
 admission``, subkey its peer id) that names a fresh TLS key and, for a private run, proves it
 knows the join token (an HMAC of its peer id and TLS key under the token; the token never travels).
 The coordinator's :class:`Admission` reads those requests, applies the run's policy and answers
-each admitted peer with a certificate for that TLS key (:mod:`potluck.protos.certs`), stored under
+each admitted peer with a certificate for that TLS key (:mod:`potluck.protos.net.certs`), stored under
 ``potluck/<coordinator>/certs``. Certificates are short-lived and renewed while the peer keeps
 heartbeating; an evicted peer gets none, and its id goes on the plan's revocation list, so every
 peer refuses its calls at once.
@@ -34,13 +34,13 @@ from pathlib import Path
 
 from potluck.coordinator.journal import kept_secret
 from potluck.coordinator.service import answers
-from potluck.protos import work
-from potluck.protos.certs import CertError, CertificateAuthority, TlsIdentity, fingerprint, token_proof
-from potluck.protos.config import RunConfig
-from potluck.protos.log import get_logger, short_id
-from potluck.protos.records import AdmissionRequest, Certificate, Member, PeerRecord, Round
-from potluck.protos.swarm import SwarmNode
-from potluck.protos.transport import PeerClient
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.net.certs import CertError, CertificateAuthority, TlsIdentity, fingerprint, token_proof
+from potluck.protos.net.swarm import SwarmNode
+from potluck.protos.net.transport import PeerClient
+from potluck.protos.runtime.log import get_logger, short_id
+from potluck.protos.wire import work
+from potluck.protos.wire.records import AdmissionRequest, Certificate, Member, PeerRecord, Round
 
 log = get_logger(__name__)
 
@@ -61,7 +61,7 @@ class Admission:
     allow: frozenset[str] = frozenset()
     lifetime_s: float = 6 * 3600.0
     max_per_minute: int = 120
-    pow_bits: int = 0  # open runs: the proof of work a new key must bring (potluck.protos.work)
+    pow_bits: int = 0  # open runs: the proof of work a new key must bring (potluck.protos.wire.work)
     admitted: dict[str, Admitted] = field(default_factory=dict)
     revoked: set[str] = field(default_factory=set)
     _recent: deque = field(default_factory=deque)  # wall times of recent new admissions

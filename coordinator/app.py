@@ -35,13 +35,13 @@ from potluck.coordinator.rounds import Committed, Failed, RolledBack, Rounds, de
 from potluck.coordinator.service import CoordinatorService, reachable
 from potluck.coordinator.snapshot import RunInfo, Series, build
 from potluck.coordinator.status import StatusServer
-from potluck.protos.config import ConfigError, RunConfig
-from potluck.protos.errors import CannotBind
-from potluck.protos.faults import fault
-from potluck.protos.identity import Identity
-from potluck.protos.log import get_logger, set_context, short_id
-from potluck.protos.swarm import DHTTimeout, JoinError, LinkReport
-from potluck.protos.transport import PeerClient, PeerServer, Traffic
+from potluck.protos.config.runconfig import ConfigError, RunConfig
+from potluck.protos.net.errors import CannotBind
+from potluck.protos.net.identity import Identity
+from potluck.protos.net.swarm import DHTTimeout, JoinError, LinkReport
+from potluck.protos.net.transport import PeerClient, PeerServer, Traffic
+from potluck.protos.runtime.log import get_logger, set_context, short_id
+from potluck.protos.testkit.faults import fault
 
 log = get_logger(__name__)
 

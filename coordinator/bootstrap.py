@@ -27,16 +27,16 @@ from potluck.coordinator.status import StatusServer
 from potluck.coordinator.status_tls import status_tls
 from potluck.data import DataError
 from potluck.data.corpus import ShardCorpus, locate
-from potluck.protos.certs import TlsIdentity
-from potluck.protos.config import ConfigError, CoordinatorConfig, RunConfig
-from potluck.protos.identity import Identity
-from potluck.protos.log import get_logger
-from potluck.protos.records import DataIdentity, Manifest, next_seq
-from potluck.protos.refusals import log_refusal
-from potluck.protos.relay import RelayHub
-from potluck.protos.runcheck import file_identity, markov_identity, non_public
-from potluck.protos.swarm import JoinError, SwarmNode, guess_reachable_host, host_of_multiaddr
-from potluck.protos.transport import Handlers, PeerServer, Traffic
+from potluck.protos.config.runcheck import file_identity, markov_identity, non_public
+from potluck.protos.config.runconfig import ConfigError, CoordinatorConfig, RunConfig
+from potluck.protos.net.certs import TlsIdentity
+from potluck.protos.net.identity import Identity
+from potluck.protos.net.relay import RelayHub
+from potluck.protos.net.swarm import JoinError, SwarmNode, guess_reachable_host, host_of_multiaddr
+from potluck.protos.net.transport import Handlers, PeerServer, Traffic
+from potluck.protos.runtime.log import get_logger
+from potluck.protos.wire.records import DataIdentity, Manifest, next_seq
+from potluck.protos.wire.refusals import log_refusal
 
 log = get_logger(__name__)
 

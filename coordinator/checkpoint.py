@@ -39,7 +39,7 @@ from safetensors.torch import load_file, save_file
 from potluck.compression.statehash import StateHasher
 from potluck.compression.transfer import Snapshot, byte_chunks, tensors_hash
 from potluck.coordinator.journal import write_atomic
-from potluck.protos.log import get_logger
+from potluck.protos.runtime.log import get_logger
 
 log = get_logger(__name__)
 

@@ -8,7 +8,7 @@ version, because a version *is* a set of samples trained on:
 
 * **deciding** round ``v``: each stage-0 replica gets ``count`` free positions (H inner steps x
   batch), the pool's first, then the frontier's. The spans ride in the signed round record
-  (:class:`~potluck.protos.records.Share`); steps after ``v`` that peers run on the same plan while the
+  (:class:`~potluck.protos.wire.records.Share`); steps after ``v`` that peers run on the same plan while the
   coordinator is away take consecutive spans from the round's ``data_next`` (:meth:`Round.data_spans`);
 * **committing** ``v``: the cursor of ``v`` is the cursor of ``v - 1`` without every span step ``v``
   handed out, plus the spans of replicas whose contributions are *not* in version ``v`` (dead,
@@ -34,8 +34,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from potluck.protos.log import get_logger
-from potluck.protos.records import Round, Share
+from potluck.protos.runtime.log import get_logger
+from potluck.protos.wire.records import Round, Share
 
 log = get_logger(__name__)
 

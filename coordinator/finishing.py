@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from potluck.coordinator.rounds import Report, Rounds
-from potluck.protos.config import RunConfig
+from potluck.protos.config.runconfig import RunConfig
 
 
 class Finish:

@@ -1,6 +1,6 @@
 """The run's history: one entry per committed outer step, folded from what the members reported.
 
-Every heartbeat carries the peer's last few :class:`~potluck.protos.records.StepReport`\\ s, so an
+Every heartbeat carries the peer's last few :class:`~potluck.protos.wire.records.StepReport`\\ s, so an
 entry fills in from the members' own accounts of the step -- also for steps committed while the
 coordinator was away. :func:`fold` is pure and idempotent: folding the same reports twice changes
 nothing, and a member counts once per step however often it repeats itself.
@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from potluck.protos.records import PeerRecord, Round, StepReport
+from potluck.protos.wire.records import PeerRecord, Round, StepReport
 
 KEEP_ENTRIES = 2000
 KEEP_DETAIL = 16  # entries that keep each member's report (older ones only need their totals)

@@ -4,7 +4,7 @@ Admission (:mod:`potluck.coordinator.admission`) decides who takes part; this ro
 admitted peer is trusted with, and acts on proof that it abused it:
 
 * **Owners.** A round's members own shards only once past probation (:mod:`potluck.coordinator.trust`);
-  the others contribute and gather. Set on each :class:`~potluck.protos.records.Member` of a round.
+  the others contribute and gather. Set on each :class:`~potluck.protos.wire.records.Member` of a round.
 * **Audits.** When a round is decided, each shard result of the step committed just before is picked
   for an audit with probability ``sync.audit_fraction``, its auditor drawn at random among the stage's
   eligible members that hold that result (members of that round, not its owner). Owners signed their
@@ -24,10 +24,10 @@ from potluck.compression.int8 import make_codec
 from potluck.coordinator.rounds import Report, Rounds
 from potluck.coordinator.trust import Trust
 from potluck.coordinator.verifier import Accusation, Ruling, Verifier
-from potluck.protos.config import RunConfig
-from potluck.protos.log import short_id
-from potluck.protos.records import Audit, AuditReport, Member, PeerRecord, Round
-from potluck.protos.transport import PeerClient
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.net.transport import PeerClient
+from potluck.protos.runtime.log import short_id
+from potluck.protos.wire.records import Audit, AuditReport, Member, PeerRecord, Round
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from potluck.protos.config import ConfigError, RunConfig, known_fields_only, parse_config
-from potluck.protos.records import Round
+from potluck.protos.config.runconfig import ConfigError, RunConfig, known_fields_only, parse_config
+from potluck.protos.wire.records import Round
 
 JOURNAL_VERSION = 2
 KEEP_ROUNDS = 16

@@ -18,9 +18,9 @@ from typing import Any
 
 from potluck.coordinator.rounds import Report
 from potluck.models import sizecheck
-from potluck.protos.config import RunConfig
-from potluck.protos.log import get_logger
-from potluck.protos.records import PeerRecord
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.runtime.log import get_logger
+from potluck.protos.wire.records import PeerRecord
 
 log = get_logger(__name__)
 

@@ -11,8 +11,8 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from potluck.protos.records import Manifest, Plan, Round, next_seq
-from potluck.protos.swarm import SwarmNode
+from potluck.protos.net.swarm import SwarmNode
+from potluck.protos.wire.records import Manifest, Plan, Round, next_seq
 
 RECORD_TTL_S, REFRESH_S, PLAN_ROUNDS = 60.0, 15.0, 4
 

@@ -35,9 +35,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from potluck.coordinator.cursor import Cursor, DataCursor
-from potluck.protos.config import RunConfig
-from potluck.protos.log import short_id
-from potluck.protos.records import Audit, Member, Round
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.runtime.log import short_id
+from potluck.protos.wire.records import Audit, Member, Round
 
 KEEP_ROUNDS = 16
 KEEP_DURATIONS = 8

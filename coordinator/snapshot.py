@@ -20,10 +20,10 @@ from potluck.coordinator.membership import PeerView
 from potluck.coordinator.rounds import Rounds
 from potluck.coordinator.status import API
 from potluck.models import entry_costs
-from potluck.protos.config import ModelConfig, RunConfig
-from potluck.protos.log import short_id
-from potluck.protos.relay import VIA
-from potluck.protos.swarm import LinkReport
+from potluck.protos.config.runconfig import ModelConfig, RunConfig
+from potluck.protos.net.relay import VIA
+from potluck.protos.net.swarm import LinkReport
+from potluck.protos.runtime.log import short_id
 
 GONE = ("lost", "left", "finished")
 

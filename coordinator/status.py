@@ -58,8 +58,8 @@ from urllib.parse import unquote
 
 from potluck.coordinator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from potluck.coordinator.metrics import render as render_metrics
-from potluck.protos.errors import bind_error
-from potluck.protos.log import get_logger
+from potluck.protos.net.errors import bind_error
+from potluck.protos.runtime.log import get_logger
 
 log = get_logger(__name__)
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from potluck.coordinator.rounds import Report
-from potluck.protos.records import Member, Round
+from potluck.protos.wire.records import Member, Round
 
 KEEP_STEPS = 64  # steps of work remembered per peer (only a count up to probation_steps matters)
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 import threading
 import time
 
-from potluck.protos import work
-from potluck.protos.certs import CertError, TlsIdentity
-from potluck.protos.log import get_logger
-from potluck.protos.records import AdmissionRequest, Manifest, RecordError, next_seq
-from potluck.protos.swarm import DHTTimeout, JoinError, SwarmNode
+from potluck.protos.net.certs import CertError, TlsIdentity
+from potluck.protos.net.swarm import DHTTimeout, JoinError, SwarmNode
+from potluck.protos.runtime.log import get_logger
+from potluck.protos.wire import work
+from potluck.protos.wire.records import AdmissionRequest, Manifest, RecordError, next_seq
 
 log = get_logger(__name__)
 
@@ -38,7 +38,7 @@ def admit(node: SwarmNode, manifest: Manifest, peer_id: str, tls: TlsIdentity, p
     deadline = time.monotonic() + timeout_s
     asked_at, seqs = 0.0, set()
     nonce = 0
-    if manifest.pow_bits and not proof:  # an open run's price of a fresh key (potluck.protos.work)
+    if manifest.pow_bits and not proof:  # an open run's price of a fresh key (potluck.protos.wire.work)
         t0 = time.monotonic()
         nonce = work.solve(manifest.run_id, peer_id, manifest.pow_bits, stopping)
         log.info("proof of work for admission (%d bits) done in %.1f s", manifest.pow_bits, time.monotonic() - t0)

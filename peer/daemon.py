@@ -35,14 +35,14 @@ from potluck.peer.recovery import recover
 from potluck.peer.tasklet import Tasklet, Toolbox
 from potluck.peer.telemetry import Telemetry
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.config import ConfigError, PeerConfig
-from potluck.protos.errors import CannotBind
-from potluck.protos.faults import fault
-from potluck.protos.identity import Identity
-from potluck.protos.log import get_logger, set_context
-from potluck.protos.netem import TopologyError
-from potluck.protos.records import PeerRecord, PeerState, Round
-from potluck.protos.swarm import JoinError
+from potluck.protos.config.runconfig import ConfigError, PeerConfig
+from potluck.protos.net.errors import CannotBind
+from potluck.protos.net.identity import Identity
+from potluck.protos.net.swarm import JoinError
+from potluck.protos.runtime.log import get_logger, set_context
+from potluck.protos.testkit.faults import fault
+from potluck.protos.testkit.netem import TopologyError
+from potluck.protos.wire.records import PeerRecord, PeerState, Round
 
 log = get_logger(__name__)
 

@@ -13,9 +13,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from potluck.protos.log import get_logger
-from potluck.protos.records import Manifest, PeerRecord, Plan, RecordError
-from potluck.protos.swarm import SwarmNode
+from potluck.protos.net.swarm import SwarmNode
+from potluck.protos.runtime.log import get_logger
+from potluck.protos.wire.records import Manifest, PeerRecord, Plan, RecordError
 
 log = get_logger(__name__)
 

@@ -54,8 +54,8 @@ from torch import nn
 from potluck.peer.data import Dataset
 from potluck.peer.diloco import flatten_params, load_flat
 from potluck.peer.stage import Batch, StageWorker
-from potluck.protos.config import ConfigError, RunConfig
-from potluck.protos.log import get_logger, set_context
+from potluck.protos.config.runconfig import ConfigError, RunConfig
+from potluck.protos.runtime.log import get_logger, set_context
 
 log = get_logger(__name__)
 

@@ -20,9 +20,9 @@ import torch
 from potluck.compression.transfer import Snapshot
 from potluck.peer.allreduce import AllReduce, AllReduceStats, RoundInfo
 from potluck.peer.diloco import all_finite, nesterov_step, outer_snapshot
-from potluck.protos.config import RunConfig
-from potluck.protos.faults import fault, tamper
-from potluck.protos.log import get_logger
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.runtime.log import get_logger
+from potluck.protos.testkit.faults import fault, tamper
 
 log = get_logger(__name__)
 

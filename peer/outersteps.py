@@ -32,9 +32,9 @@ from potluck.peer.diloco import all_finite, host_vector
 from potluck.peer.follower import Action, Held, Train
 from potluck.peer.outer import OuterResult, outer_step, pseudo_gradient
 from potluck.peer.tasklet import Tasklet
-from potluck.protos.faults import fault
-from potluck.protos.log import get_logger, set_context
-from potluck.protos.records import PeerState
+from potluck.protos.runtime.log import get_logger, set_context
+from potluck.protos.testkit.faults import fault
+from potluck.protos.wire.records import PeerState
 
 if TYPE_CHECKING:
     from potluck.peer.daemon import Session

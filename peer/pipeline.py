@@ -61,11 +61,11 @@ from potluck.peer import pipewire
 from potluck.peer.links import Bursts
 from potluck.peer.model import forward_layers, lm_loss
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.config import ModelConfig, PipelineConfig
-from potluck.protos.faults import injected
-from potluck.protos.limits import EVAL_BATCH, MAX_MESSAGE_BYTES
-from potluck.protos.log import get_logger, short_id
-from potluck.protos.transport import PeerClient, Rejected, refusal_of, refused, rpc_reason
+from potluck.protos.config.runconfig import ModelConfig, PipelineConfig
+from potluck.protos.net.transport import PeerClient, Rejected, refusal_of, refused, rpc_reason
+from potluck.protos.runtime.log import get_logger, short_id
+from potluck.protos.testkit.faults import injected
+from potluck.protos.wire.limits import EVAL_BATCH, MAX_MESSAGE_BYTES
 
 log = get_logger(__name__)
 

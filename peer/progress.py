@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
 
-from potluck.protos.log import get_logger
+from potluck.protos.runtime.log import get_logger
 
 log = get_logger(__name__)
 

@@ -13,7 +13,7 @@ import threading
 from concurrent.futures import Future
 
 from potluck.peer.shards import RoundInfo
-from potluck.protos.log import get_logger, short_id
+from potluck.protos.runtime.log import get_logger, short_id
 
 log = get_logger(__name__)
 

@@ -32,15 +32,15 @@ from potluck.peer.service import PeerService
 from potluck.peer.stage import StageWorker
 from potluck.peer.states import States
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.certs import TlsIdentity
-from potluck.protos.config import PeerConfig, RunConfig
-from potluck.protos.identity import Identity
-from potluck.protos.limits import pipe_max_samples
-from potluck.protos.log import get_logger, set_context, short_id
-from potluck.protos.netem import NetEm
-from potluck.protos.records import AuditReport, PeerRecord, Plan, Round
-from potluck.protos.refusals import log_refusal
-from potluck.protos.transport import PeerClient, PeerServer, RelayedServer, Traffic
+from potluck.protos.config.runconfig import PeerConfig, RunConfig
+from potluck.protos.net.certs import TlsIdentity
+from potluck.protos.net.identity import Identity
+from potluck.protos.net.transport import PeerClient, PeerServer, RelayedServer, Traffic
+from potluck.protos.runtime.log import get_logger, set_context, short_id
+from potluck.protos.testkit.netem import NetEm
+from potluck.protos.wire.limits import pipe_max_samples
+from potluck.protos.wire.records import AuditReport, PeerRecord, Plan, Round
+from potluck.protos.wire.refusals import log_refusal
 
 log = get_logger(__name__)
 

@@ -20,9 +20,9 @@ from potluck import __version__
 from potluck.peer.allreduce import AllReduceStats
 from potluck.peer.progress import ProgressReporter
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.faults import tamper
-from potluck.protos.log import get_logger, short_id
-from potluck.protos.records import AuditReport, PeerRecord, PeerState, StepReport, next_seq
+from potluck.protos.runtime.log import get_logger, short_id
+from potluck.protos.testkit.faults import tamper
+from potluck.protos.wire.records import AuditReport, PeerRecord, PeerState, StepReport, next_seq
 
 log = get_logger(__name__)
 

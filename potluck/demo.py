@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from potluck.local import LocalSwarm, SwarmError, get_state
-from potluck.protos.config import ConfigError, RunConfig, apply_overrides, load_config
+from potluck.protos.config.runconfig import ConfigError, RunConfig, apply_overrides, load_config
 
 DEMO_DEFAULTS = {
     "run_id": "demo",

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from potluck.procs import ProcessGroup
-from potluck.protos.config import RunConfig, dump_toml
+from potluck.protos.config.runconfig import RunConfig, dump_toml
 
 
 class SwarmError(RuntimeError):

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 from potluck.compression.aggregate import contribution_digest, tensor_digest
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.identity import Identity
+from potluck.protos.net.identity import Identity
 
 
 def signed(chunks: Iterable[pb.ShardChunk], identity: Identity) -> list[pb.ShardChunk]:

@@ -13,7 +13,7 @@ from typing import Any
 
 from potluck import local
 from potluck.procs import ProcessGroup
-from potluck.protos.config import RunConfig, apply_overrides
+from potluck.protos.config.runconfig import RunConfig, apply_overrides
 
 TEST_CONFIG = {
     "run_id": "test",

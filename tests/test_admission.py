@@ -1,7 +1,7 @@
 """The coordinator's admission policy and evictions (coordinator/admission.py), without a swarm.
 
 Real keys and certificates throughout: the CA issues X.509 certificates that the peers' TLS side
-(:class:`potluck.protos.certs.TlsIdentity`) must accept, and refusals are what a peer is told.
+(:class:`potluck.protos.net.certs.TlsIdentity`) must accept, and refusals are what a peer is told.
 """
 
 from __future__ import annotations
@@ -12,11 +12,17 @@ from pathlib import Path
 import pytest
 
 from potluck.coordinator.admission import RECENT_STEPS, Admission, Gatekeeper
-from potluck.protos.certs import CertError, CertificateAuthority, TlsIdentity, check_certificate, token_proof
-from potluck.protos.config import RunConfig, apply_overrides
-from potluck.protos.identity import Identity
-from potluck.protos.records import AdmissionRequest, Member, PeerRecord, Round, StepReport
-from potluck.protos.swarm import DHTTimeout
+from potluck.protos.config.runconfig import RunConfig, apply_overrides
+from potluck.protos.net.certs import (
+    CertError,
+    CertificateAuthority,
+    TlsIdentity,
+    check_certificate,
+    token_proof,
+)
+from potluck.protos.net.identity import Identity
+from potluck.protos.net.swarm import DHTTimeout
+from potluck.protos.wire.records import AdmissionRequest, Member, PeerRecord, Round, StepReport
 
 RUN, T0 = "adm", 1_000_000.0
 
@@ -191,7 +197,7 @@ def test_a_restarted_peer_waits_past_the_certificate_of_its_previous_tls_key(ca:
     from types import SimpleNamespace
 
     from potluck.peer.admission import take
-    from potluck.protos.records import Certificate
+    from potluck.protos.wire.records import Certificate
 
     pid, old, new = Identity.generate().peer_id, TlsIdentity.generate(), TlsIdentity.generate()
     manifest = SimpleNamespace(ca_pem=ca.cert_pem.decode())
@@ -285,7 +291,7 @@ def test_reporters_on_probation_do_not_count(tmp_path: Path) -> None:
 def test_an_open_run_can_ask_fresh_keys_for_a_proof_of_work(tmp_path: Path) -> None:
     """admission.pow_bits: a request without the work (or with work for another key or run) is refused in one
     line; with it, admitted. The work is bound to the run and the key."""
-    from potluck.protos import work
+    from potluck.protos.wire import work
 
     gate = Gatekeeper(apply_overrides(RunConfig(), {"admission.pow_bits": 12}), RUN, Identity.generate().peer_id,
                       tmp_path, [])

@@ -1,7 +1,7 @@
 """Chaos: a seeded schedule of faults at named points over a 20-step run, and the run still ends well.
 
 Each fault hits an exact point of an exact outer step (``POTLUCK_FAULTS``, see
-:mod:`potluck.protos.faults`): a peer killed half way through its inner steps, a peer frozen right
+:mod:`potluck.protos.testkit.faults`): a peer killed half way through its inner steps, a peer frozen right
 after reducing its shard (and thawed two steps later), the coordinator killed right after it saw a
 step committed (and restarted once the peers went on without it), and every peer killed as it enters
 an outer step (new peers take over). The run must finish with every step in its history exactly

@@ -40,8 +40,8 @@ from potluck.coordinator.checkpointer import Checkpointer, Job, Written
 from potluck.coordinator.service import CoordinatorService
 from potluck.models import build_stage, stage_bounds
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.config import RunConfig, apply_overrides
-from potluck.protos.transport import PeerClient, PeerServer, Traffic
+from potluck.protos.config.runconfig import RunConfig, apply_overrides
+from potluck.protos.net.transport import PeerClient, PeerServer, Traffic
 
 RUN = "ckpt-run"
 FAMILIES: dict[str, dict[str, Any]] = {

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from potluck.cli import UsageError, build_parser, demo_grid
-from potluck.protos.identity import Identity, IdentityError, public_key_from_peer_id
+from potluck.protos.net.identity import Identity, IdentityError, public_key_from_peer_id
 
 COMMANDS = ["demo", "coordinator", "peer", "status", "schedule", "export", "generate", "data"]
 PEER_ID = Identity.generate().peer_id

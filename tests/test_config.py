@@ -8,7 +8,7 @@ import tomllib
 
 import pytest
 
-from potluck.protos.config import (
+from potluck.protos.config.runconfig import (
     ConfigError,
     PeerConfig,
     RunConfig,
@@ -136,7 +136,7 @@ def test_fp32_gradients_survive_a_run_file() -> None:
 
 def test_an_unknown_field_says_which_was_meant() -> None:
     """A typo, or a field of another section: the name meant, in the one line (issue 27)."""
-    from potluck.protos.config import ConfigError, parse_config
+    from potluck.protos.config.runconfig import ConfigError, parse_config
 
     with pytest.raises(ConfigError) as err:
         parse_config({"diloco": {"inner_step": 3}, "modle": {}, "train": {"outer_steps": 2}, "data": {"zzz": 1}})

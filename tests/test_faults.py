@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from potluck.protos.faults import FaultSpecError, matches, parse
+from potluck.protos.testkit.faults import FaultSpecError, matches, parse
 
 
 def test_specs_parse_into_point_step_action() -> None:
@@ -18,7 +18,7 @@ def test_specs_parse_into_point_step_action() -> None:
 def test_spin_keeps_the_thread_busy_for_its_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
     import time
 
-    from potluck.protos import faults
+    from potluck.protos.testkit import faults
 
     monkeypatch.setattr(faults, "_pending", parse("placement.search@*:spin=0.2"))
     t0, c0 = time.monotonic(), time.thread_time()

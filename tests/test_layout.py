@@ -23,10 +23,15 @@ ALLOWED = {
 FOLDER_OF = {"protos": "protos", "kernels": "kernels", "compression": "compression", "peer": "peer",
              "coordinator": "coordinator", "models": "models", "data": "data"}
 PATH_OF = {"models": "potluck/models", "data": "potluck/data"}
+ROOMS_OF_PROTOS = ("wire", "net", "config", "runtime", "testkit")
 
 
 def modules(folder: str) -> list[Path]:
-    return sorted(p for p in (ROOT / PATH_OF.get(folder, folder)).glob("*.py") if not p.name.endswith(("_pb2.py", "_pb2_grpc.py")))
+    """The folder's modules, its rooms' too (``protos/net/...``); not the packages nested as folders of their own
+    (``potluck/models``), nor generated code."""
+    base = ROOT / PATH_OF.get(folder, folder)
+    rooms = [d for d in base.iterdir() if d.is_dir() and (d / "__init__.py").exists() and d.name not in PATH_OF]
+    return sorted(p for d in [base, *rooms] for p in d.glob("*.py") if not p.name.endswith(("_pb2.py", "_pb2_grpc.py")))
 
 
 def potluck_imports(path: Path) -> set[str]:
@@ -42,6 +47,19 @@ def potluck_imports(path: Path) -> set[str]:
             if parts[0] == "potluck":
                 out.add(FOLDER_OF.get(parts[1], "potluck") if len(parts) > 1 else "potluck")
     return out
+
+
+def test_protos_is_rooms_each_with_its_map() -> None:
+    """protos/ holds the protocol and its generated code; everything else lives in a room whose __init__ says
+    what each of its modules holds."""
+    loose = sorted(p.name for p in (ROOT / "protos").glob("*.py")
+                   if p.name not in ("__init__.py", "generate.py") and not p.name.endswith(("_pb2.py", "_pb2_grpc.py")))
+    assert not loose, f"modules outside a room of protos/: {loose}"
+    for room in ROOMS_OF_PROTOS:
+        doc = ast.get_docstring(ast.parse((ROOT / "protos" / room / "__init__.py").read_text())) or ""
+        named = {p.stem for p in (ROOT / "protos" / room).glob("*.py") if p.name != "__init__.py"}
+        missing = sorted(m for m in named if f"``{m}``" not in doc)
+        assert not missing, f"protos/{room}/__init__.py does not say what {missing} hold"
 
 
 @pytest.mark.parametrize("folder", FOLDERS)

@@ -17,12 +17,12 @@ import pytest
 
 from potluck.peer.links import Bursts, LinkConfig, LinkProber, LinkReport, LinkStat
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.dhtguard import run_key
-from potluck.protos.identity import Identity
-from potluck.protos.netem import NetEm, Topology, TopologyError
-from potluck.protos.records import seal
-from potluck.protos.swarm import SwarmNode
-from potluck.protos.transport import PeerClient, PeerServer, Rejected, Traffic
+from potluck.protos.net.dhtguard import run_key
+from potluck.protos.net.identity import Identity
+from potluck.protos.net.swarm import SwarmNode
+from potluck.protos.net.transport import PeerClient, PeerServer, Rejected, Traffic
+from potluck.protos.testkit.netem import NetEm, Topology, TopologyError
+from potluck.protos.wire.records import seal
 
 DELAY_MS, MBPS = 40.0, 50.0
 BYTES_PER_S = MBPS * 1e6 / 8

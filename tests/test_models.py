@@ -13,7 +13,13 @@ from test_pipeline import config, make_stages, run_steps, train_unsplit  # noqa:
 
 from potluck.models import build_stage, entry_costs, forward_layers, partition, stage_bounds
 from potluck.peer.data import Dataset, in_run_order
-from potluck.protos.config import ConfigError, ModelConfig, PipelineConfig, RunConfig, apply_overrides
+from potluck.protos.config.runconfig import (
+    ConfigError,
+    ModelConfig,
+    PipelineConfig,
+    RunConfig,
+    apply_overrides,
+)
 
 transformers = pytest.importorskip("transformers")
 

@@ -27,9 +27,9 @@ from potluck.peer.stage import StageWorker
 from potluck.peer.states import States
 from potluck.peer.tasklet import Tasklet
 from potluck.peer.telemetry import Telemetry
-from potluck.protos.config import RunConfig, apply_overrides
-from potluck.protos.records import Member, Round
-from potluck.protos.transport import PeerClient, Traffic
+from potluck.protos.config.runconfig import RunConfig, apply_overrides
+from potluck.protos.net.transport import PeerClient, Traffic
+from potluck.protos.wire.records import Member, Round
 
 RUN, ME = "paths", "me"
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]

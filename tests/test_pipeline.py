@@ -19,10 +19,10 @@ from potluck.peer.model import build_layers, forward_layers, lm_loss
 from potluck.peer.pipeline import Neighbour, Pipeline, PipelineStall
 from potluck.peer.pipewire import outbound
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.config import ConfigError, RunConfig, apply_overrides
-from potluck.protos.identity import Identity
-from potluck.protos.netem import NetEm, Topology
-from potluck.protos.transport import PeerClient, PeerServer, Traffic
+from potluck.protos.config.runconfig import ConfigError, RunConfig, apply_overrides
+from potluck.protos.net.identity import Identity
+from potluck.protos.net.transport import PeerClient, PeerServer, Traffic
+from potluck.protos.testkit.netem import NetEm, Topology
 
 RUN = "pipe-test"
 

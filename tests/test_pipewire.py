@@ -25,10 +25,10 @@ import torch
 from potluck.peer.pipeline import Neighbour, Pipeline, PipelineBroken, _Outgoing
 from potluck.peer.pipewire import Outbound
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.config import ConfigError, RunConfig, apply_overrides
-from potluck.protos.limits import MAX_MESSAGE_BYTES, PIPE_CHUNK_BYTES
-from potluck.protos.runcheck import check_run
-from potluck.protos.transport import PeerClient, PeerServer, Traffic
+from potluck.protos.config.runcheck import check_run
+from potluck.protos.config.runconfig import ConfigError, RunConfig, apply_overrides
+from potluck.protos.net.transport import PeerClient, PeerServer, Traffic
+from potluck.protos.wire.limits import MAX_MESSAGE_BYTES, PIPE_CHUNK_BYTES
 
 RUN = "wire-test"
 # a 1B-class micro-batch: 4 samples x 2048 tokens x d_model 2048 (the llama-1b preset's width)
@@ -218,7 +218,7 @@ def test_a_send_that_can_never_succeed_breaks_the_round_and_tells_the_neighbour_
     a, b = pair(cfg)
     hosts += [a, b]
     b.pipe._check_sizes = lambda head, sizes: (_ for _ in ()).throw(  # type: ignore[method-assign]
-        __import__("potluck.protos.transport", fromlist=["Rejected"]).Rejected(pb.BAD_MESSAGE, "never this one"))
+        __import__("potluck.protos.net.transport", fromlist=["Rejected"]).Rejected(pb.BAD_MESSAGE, "never this one"))
     r = a.pipe._round
     assert r is not None
     a.pipe._send(r, "forward", 0, 0, [0, 1], torch.randn(2, 16, 32), labels=torch.zeros(2, 16, dtype=torch.long))

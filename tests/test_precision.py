@@ -22,7 +22,7 @@ from potluck.peer.pipewire import Outbound
 from potluck.peer.runner import StageRunner, resolve_precision
 from potluck.peer.stage import StageWorker
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.config import ConfigError, RunConfig, apply_overrides, parse_config
+from potluck.protos.config.runconfig import ConfigError, RunConfig, apply_overrides, parse_config
 
 BASE = {
     "model.d_model": 32, "model.n_layers": 2, "model.n_heads": 2, "model.seq_len": 32,

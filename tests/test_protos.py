@@ -8,7 +8,7 @@ import time
 import pytest
 
 from potluck.protos import generate
-from potluck.protos.identity import (
+from potluck.protos.net.identity import (
     Identity,
     IdentityError,
     b58decode,
@@ -16,7 +16,7 @@ from potluck.protos.identity import (
     public_key_from_peer_id,
     verify,
 )
-from potluck.protos.records import (
+from potluck.protos.wire.records import (
     ENVELOPE_VERSION,
     Manifest,
     Member,

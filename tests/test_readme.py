@@ -52,9 +52,9 @@ from potluck.cli import UsageError, build_parser
 from potluck.coordinator import bootstrap
 from potluck.local import LocalSwarm, wait_for
 from potluck.procs import ProcessGroup
-from potluck.protos.config import RunConfig, apply_overrides, load_config
-from potluck.protos.identity import Identity
-from potluck.protos.runcheck import check_run
+from potluck.protos.config.runcheck import check_run
+from potluck.protos.config.runconfig import RunConfig, apply_overrides, load_config
+from potluck.protos.net.identity import Identity
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
@@ -392,7 +392,7 @@ def test_the_sections_work_in_the_order_written(tmp_path: Path, monkeypatch: pyt
     an export must read a journal an earlier coordinator wrote, of a model that form can hold, and
     ``generate --model`` a folder an earlier export wrote."""
     from potluck.coordinator.journal import Journal, JournalError
-    from potluck.protos.config import ConfigError
+    from potluck.protos.config.runconfig import ConfigError
 
     root = clone(tmp_path)
     journals: dict[Path, RunConfig] = {}

@@ -8,7 +8,7 @@ from potluck.coordinator.history import fold, roll_back
 from potluck.coordinator.membership import PeerTable
 from potluck.coordinator.placement import members, sticky_placement
 from potluck.coordinator.rounds import Checkpoint, Committed, Failed, RolledBack, Rounds
-from potluck.protos.records import PeerRecord, StepReport
+from potluck.protos.wire.records import PeerRecord, StepReport
 
 TIMEOUT = 5.0
 

@@ -129,8 +129,8 @@ def test_the_coordinators_own_snapshot_matches_the_schema() -> None:
     from potluck.coordinator.placement import members, sticky_placement
     from potluck.coordinator.rounds import Rounds
     from potluck.coordinator.snapshot import RunInfo, Series, build
-    from potluck.protos.config import RunConfig
-    from potluck.protos.records import PeerRecord, StepReport
+    from potluck.protos.config.runconfig import RunConfig
+    from potluck.protos.wire.records import PeerRecord, StepReport
 
     table, rounds = PeerTable(5), Rounds(stages=1)
     ids = ["12D3KooWaaaaaa", "12D3KooWbbbbbb"]
@@ -160,9 +160,9 @@ def rolled_back_pipeline_snapshot() -> dict[str, Any]:
     from potluck.coordinator.membership import PeerTable
     from potluck.coordinator.rounds import Checkpoint, RolledBack, Rounds
     from potluck.coordinator.snapshot import RunInfo, Series, build
-    from potluck.protos.config import RunConfig
-    from potluck.protos.records import Member, PeerRecord, StepReport
-    from potluck.protos.swarm import LinkReport, LinkStat
+    from potluck.protos.config.runconfig import RunConfig
+    from potluck.protos.net.swarm import LinkReport, LinkStat
+    from potluck.protos.wire.records import Member, PeerRecord, StepReport
 
     cfg = RunConfig.model_validate({"pipeline": {"stages": 2}, "coordinator": {"insecure": True},
                                     "admission": {"mode": "private"}, "membership": {"min_peers": 4}})
@@ -539,7 +539,7 @@ def test_throughput_is_per_outer_step_and_the_model_export_is_said() -> None:
     """Issue 27: the throughput chart sampled instantaneous tokens/s, which fell to 0 at every sync; the
     history now carries each step's tokens and its rate since the step before (inner steps and sync)."""
     from potluck.coordinator.snapshot import model_export, step_rates
-    from potluck.protos.config import RunConfig, apply_overrides
+    from potluck.protos.config.runconfig import RunConfig, apply_overrides
 
     cfg = apply_overrides(RunConfig(), {"diloco.inner_steps": 10, "train.batch_size": 4, "model.seq_len": 8})
     entries = [{"step": 1, "t": 100.0, "members": 2, "stages": {}}, {"step": 2, "t": 104.0, "members": 2, "stages": {}},

@@ -26,7 +26,7 @@ from rawhttp import raw_request
 
 from potluck.coordinator.status import Limits, StatusServer
 from potluck.coordinator.status_tls import status_tls
-from potluck.protos.config import ConfigError, RunConfig, apply_overrides
+from potluck.protos.config.runconfig import ConfigError, RunConfig, apply_overrides
 
 TOKEN = "s3cret-token"
 STATE = make_state(6, stages=2, steps=5)

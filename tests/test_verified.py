@@ -14,10 +14,10 @@ from potluck.compression.audit import Signed, Unverifiable, check
 from potluck.compression.int8 import Int8BlockCodec
 from potluck.coordinator.verifier import Accusation, Verifier
 from potluck.peer.audit import Auditor
-from potluck.protos import faults
-from potluck.protos.faults import parse
-from potluck.protos.identity import Identity
-from potluck.protos.records import Audit, AuditReport
+from potluck.protos.net.identity import Identity
+from potluck.protos.testkit import faults
+from potluck.protos.testkit.faults import parse
+from potluck.protos.wire.records import Audit, AuditReport
 
 CLIP, REJECT = 4.0, -0.1
 

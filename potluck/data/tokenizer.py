@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from potluck.data import DataError
-from potluck.protos.log import get_logger
+from potluck.protos.runtime.log import get_logger
 
 BYTES_SPEC = "bytes"
 BYTES_SHA256 = hashlib.sha256(b"potluck-bytes-v1").hexdigest()

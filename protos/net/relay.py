@@ -4,7 +4,7 @@ A peer behind a NAT or a firewall it does not control (``potluck peer --relay``)
 It opens one outbound stream, ``PeerService.Relay``, to a *relay* -- the coordinator, which has a
 public address and which every peer already trusts, since it certifies them -- and announces the
 address :func:`relayed_address` ``(relay address, relay id)``. Everything else is unchanged: other
-peers call it as any peer, and :class:`~potluck.protos.transport.PeerClient`, seeing an address that
+peers call it as any peer, and :class:`~potluck.protos.net.transport.PeerClient`, seeing an address that
 names a relay, connects (mutual TLS) to the relay instead and tags the call with the peer it is meant
 for (``x-potluck-to``). The relay checks the caller's certificate as for any call, then forwards each
 request message down the tunnel as a :class:`pb.RelayFrame` carrying the caller's id, and streams the
@@ -35,7 +35,7 @@ from typing import Any
 import grpc
 
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.log import get_logger, short_id
+from potluck.protos.runtime.log import get_logger, short_id
 
 log = get_logger(__name__)
 

@@ -32,7 +32,7 @@ import threading
 import time
 from typing import Any
 
-from potluck.protos.log import get_logger
+from potluck.protos.runtime.log import get_logger
 
 log = get_logger(__name__)
 

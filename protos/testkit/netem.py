@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 
 import grpc
 
-from potluck.protos.log import get_logger
+from potluck.protos.runtime.log import get_logger
 
 log = get_logger(__name__)
 
@@ -216,8 +216,8 @@ def _size(message: Any) -> int:
 class NetEm:
     """This process's place in an emulated network: its region, the topology and its links.
 
-    Give the same object to the process's :class:`~potluck.protos.transport.PeerServer` and
-    :class:`~potluck.protos.transport.PeerClient`. ``node`` identifies this process on the links
+    Give the same object to the process's :class:`~potluck.protos.net.transport.PeerServer` and
+    :class:`~potluck.protos.net.transport.PeerClient`. ``node`` identifies this process on the links
     its peers keep for it (a random id by default).
     """
 

@@ -13,7 +13,7 @@ on every read, and refuses:
 * records that would outlive their own signed expiry (``_expires`` inside the signed body) or
   live longer than ``MAX_TTL_S``: a replayed record cannot be kept alive past what its author meant.
 
-Readers still check everything again (:func:`potluck.protos.records.unseal`): the DHT is one
+Readers still check everything again (:func:`potluck.protos.wire.records.unseal`): the DHT is one
 layer of the defence, not the trusted one.
 """
 
@@ -26,8 +26,8 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from potluck.protos.config import MAX_RECORD_TTL_S
-from potluck.protos.identity import verify
+from potluck.protos.config.runconfig import MAX_RECORD_TTL_S
+from potluck.protos.net.identity import verify
 
 MAX_RECORD_BYTES = 64 << 10
 MAX_TTL_S = MAX_RECORD_TTL_S

@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from potluck.protos.log import get_logger
+from potluck.protos.runtime.log import get_logger
 
 log = get_logger(__name__)
 

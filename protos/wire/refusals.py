@@ -1,4 +1,4 @@
-"""How a potluck server logs a call it refused (the ``on_reject`` of :class:`~potluck.protos.transport.PeerServer`).
+"""How a potluck server logs a call it refused (the ``on_reject`` of :class:`~potluck.protos.net.transport.PeerServer`).
 
 A refusal is worth a warning (a malformed or forged message, a stranger, a member that broke the
 protocol), except where it is the normal answer of a swarm whose members come and go:
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 
-from potluck.protos.log import get_logger, short_id
+from potluck.protos.runtime.log import get_logger, short_id
 
 log = get_logger(__name__)
 

@@ -3,7 +3,7 @@ pipeline message is cut so that no model's size ever meets that limit.
 
 Every limit here has a test at 4x what it guards, and the one that grows with a run's shapes (a
 pipeline message's head: its sample ids and versions) is checked when the run is checked
-(:func:`potluck.protos.runcheck.check_run`), before anything is published.
+(:func:`potluck.protos.config.runcheck.check_run`), before anything is published.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """``[model]`` of a run file: the family (built-in GPT, native Llama-style, Hugging Face), its sizes or
-a preset, and what a Hugging Face model's own config decides (:mod:`potluck.protos.hfconfig`)."""
+a preset, and what a Hugging Face model's own config decides (:mod:`potluck.protos.config.hfconfig`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from potluck.protos.section import Section
+from potluck.protos.config.section import Section
 
 LLAMA_PRESETS: dict[str, dict[str, int]] = {  # body sizes; see potluck.models.llama for parameter counts
     "llama-20m": {"d_model": 384, "n_layers": 12, "n_heads": 6, "n_kv_heads": 2, "d_ff": 1024},
@@ -68,7 +68,7 @@ class ModelConfig(Section):
         if self.family == "hf":
             if not self.hf_model:
                 raise ValueError("family = 'hf' needs model.hf_model (a Hugging Face model id or a local folder)")
-            from potluck.protos.hfconfig import describe  # imports transformers: only for hf runs
+            from potluck.protos.config.hfconfig import describe  # imports transformers: only for hf runs
 
             decided = describe(self.hf_model)
             for key in HF_DECIDES:  # decided by the model, not set by the user: not marked as set

@@ -1,12 +1,12 @@
 """What a run needs from the machines it runs on: its data file, the identity of its data, addresses.
 
-The config's own validators (:mod:`potluck.protos.config`) refuse what a config cannot mean,
+The config's own validators (:mod:`potluck.protos.config.runconfig`) refuse what a config cannot mean,
 wherever it is parsed. What is checked here depends on the machine: the coordinator's corpus exists
 and is long enough, and the address a process announces can be reached from elsewhere. The
 coordinator runs :func:`check_run` before it writes a journal or publishes a manifest, so a refused
 run leaves nothing behind; every refusal is one :class:`ConfigError` line that says what to change.
 
-The data's identity travels in the manifest (:class:`~potluck.protos.records.DataIdentity`). Peers
+The data's identity travels in the manifest (:class:`~potluck.protos.wire.records.DataIdentity`). Peers
 build their data from the manifest's config, but a byte file is read from each peer's own disk, so a
 peer hashes its copy and refuses to train on anything but the run's corpus (a swarm averaging
 pseudo-gradients of two corpora would train on neither). The synthetic source is hashed from the
@@ -22,9 +22,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from potluck.protos.config import ConfigError, DataConfig, ModelConfig, RunConfig
-from potluck.protos.limits import MAX_MESSAGE_BYTES, pipe_head_bound, pipe_max_samples
-from potluck.protos.records import DataIdentity
+from potluck.protos.config.runconfig import ConfigError, DataConfig, ModelConfig, RunConfig
+from potluck.protos.wire.limits import MAX_MESSAGE_BYTES, pipe_head_bound, pipe_max_samples
+from potluck.protos.wire.records import DataIdentity
 
 MARKOV_GENERATOR = 1  # bump whenever MarkovSource draws other samples from the same parameters
 

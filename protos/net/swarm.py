@@ -1,7 +1,7 @@
 """A hivemind DHT node with typed, signed access to potluck's records.
 
 Both the coordinator and peers hold one :class:`SwarmNode`. Its libp2p identity *is* the process's
-potluck identity (:mod:`potluck.protos.identity`), so the DHT peer id, the id in records and the key
+potluck identity (:mod:`potluck.protos.net.identity`), so the DHT peer id, the id in records and the key
 that signs them are one and the same.
 
 hivemind's DHT runs in a child process; calls to it go through a pipe, so a node should be used
@@ -23,12 +23,13 @@ from typing import Any, TypeVar
 
 from pydantic import Field
 
-from potluck.protos.errors import check_port_free
-from potluck.protos.faults import fault
-from potluck.protos.identity import Identity
-from potluck.protos.join import JoinError, parse_join_address  # noqa: F401 - re-exported
-from potluck.protos.log import get_logger
-from potluck.protos.records import (
+from potluck.protos.net.errors import check_port_free
+from potluck.protos.net.identity import Identity
+from potluck.protos.net.join import JoinError, parse_join_address  # noqa: F401 - re-exported
+from potluck.protos.runtime.log import get_logger
+from potluck.protos.runtime.stopping import children_die_with_parent, die_with_parent, kill_tree
+from potluck.protos.testkit.faults import fault
+from potluck.protos.wire.records import (
     AdmissionRequest,
     Certificate,
     Manifest,
@@ -39,7 +40,6 @@ from potluck.protos.records import (
     seal,
     unseal,
 )
-from potluck.protos.stopping import children_die_with_parent, die_with_parent, kill_tree
 
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
 os.environ.setdefault("GOLOG_LOG_LEVEL", "error")
@@ -52,7 +52,7 @@ from hivemind.dht import DHT, DHTID
 from hivemind.utils import get_dht_time
 from hivemind.utils.mpfuture import MPFuture
 
-from potluck.protos.dhtguard import MAX_TTL_S, RunRecords, run_key
+from potluck.protos.net.dhtguard import MAX_TTL_S, RunRecords, run_key
 
 log = get_logger(__name__)
 

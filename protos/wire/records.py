@@ -2,14 +2,14 @@
 
 Every value in the DHT is a signed envelope ``{"v": 1, "by": <author id>, "body": <json>, "sig": ...}``.
 A reader accepts it only if the signature matches the author's key (which is inside the author's
-peer id, see :mod:`potluck.protos.identity`), the author is who the key belongs to (the coordinator
+peer id, see :mod:`potluck.protos.net.identity`), the author is who the key belongs to (the coordinator
 for the manifest and plans, the subkey's peer for a peer record), and the record is not older than
 one already seen from the same author. Bodies are parsed tolerantly, like Petals' ``ServerInfo``:
 required fields first, unknown fields ignored, missing optional fields defaulted, so a newer writer
 does not crash an older reader; anything else is a :class:`RecordError` with the reason.
 
 Keys (one DHT per run, bootstrapped by its coordinator and named by its id, see
-:func:`potluck.protos.dhtguard.run_key`; every node of the run refuses anything else):
+:func:`potluck.protos.net.dhtguard.run_key`; every node of the run refuses anything else):
 
 * ``potluck/<coordinator>/manifest``: :class:`Manifest`, written by the coordinator.
 * ``potluck/<coordinator>/plan``: :class:`Plan`, the membership of the coming outer steps.
@@ -30,7 +30,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from potluck.protos.identity import Identity, verify
+from potluck.protos.net.identity import Identity, verify
 
 ENVELOPE_VERSION = 2
 MAX_CLOCK_SKEW_S = 300.0
@@ -96,7 +96,7 @@ class Manifest(_Record):
     security: Literal["mtls", "insecure"] = Field("mtls", description="peer-to-peer gRPC over mutual TLS, or not")
     admission: Literal["open", "private"] = Field("open", description="'private': joining needs the join token")
     pow_bits: int = Field(0, ge=0, le=32, description="open runs: the proof of work a new key must bring "
-                          "(potluck.protos.work)")
+                          "(potluck.protos.wire.work)")
     ca_pem: str = Field("", description="the run's CA certificate: peers' TLS certificates chain to it")
     seq: int = 0
 

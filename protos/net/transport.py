@@ -6,14 +6,14 @@ same way: deliberate message size limits, counting every byte sent and received 
 figures the logs, ``/metrics`` and the status page show), and turning a handler's
 :class:`Rejected` into a gRPC status with a clear reason, logged once on the receiving side.
 
-With a :class:`~potluck.protos.certs.TlsIdentity`, both sides run mutual TLS with certificates
+With a :class:`~potluck.protos.net.certs.TlsIdentity`, both sides run mutual TLS with certificates
 from the run's CA: the server learns who calls from the client certificate and refuses a message
 whose ``header.sender`` says otherwise (or whose sender was evicted), and the client names the
 peer id it means to reach, so a reply can only come from that key. Every client identity (a
 certificate's peer id, else a remote host) may hold at most ``per_client`` calls at once, so an
 idle or slow client cannot occupy the server's threads; connections are closed after an hour.
 
-Given a :class:`~potluck.protos.netem.NetEm`, server and client also play an emulated wide-area
+Given a :class:`~potluck.protos.testkit.netem.NetEm`, server and client also play an emulated wide-area
 network (delay and bandwidth per region pair) through gRPC interceptors, so every RPC, present and
 future, crosses it; without one no interceptor is installed.
 """
@@ -32,12 +32,9 @@ from google.protobuf.message import DecodeError, Message
 
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos import potluck_pb2_grpc as pb_grpc
-from potluck.protos.certs import TlsIdentity, peer_of
-from potluck.protos.errors import check_port_free, explain_bind_failure
-from potluck.protos.limits import MAX_MESSAGE_BYTES
-from potluck.protos.log import get_logger, short_id
-from potluck.protos.netem import NetEm
-from potluck.protos.relay import (
+from potluck.protos.net.certs import TlsIdentity, peer_of
+from potluck.protos.net.errors import check_port_free, explain_bind_failure
+from potluck.protos.net.relay import (
     METHODS,
     TARGET_KEY,
     RelayClient,
@@ -46,6 +43,9 @@ from potluck.protos.relay import (
     relayed_address,
     split_address,
 )
+from potluck.protos.runtime.log import get_logger, short_id
+from potluck.protos.testkit.netem import NetEm
+from potluck.protos.wire.limits import MAX_MESSAGE_BYTES
 
 log = get_logger(__name__)
 
@@ -197,7 +197,7 @@ class Handlers(Protocol):
 
     def push_pipe(self, chunks: Iterator[pb.PipeChunk]) -> pb.Ack: ...
 
-    # (Relay is the transport's own: see potluck.protos.relay)
+    # (Relay is the transport's own: see potluck.protos.net.relay)
 
 
 def _counted(messages: Iterable[M], count: Callable[[int], None]) -> Iterator[M]:
@@ -488,7 +488,7 @@ class PeerServer:
 
 class RelayedServer:
     """What a peer that accepts no connections runs instead of a :class:`PeerServer`: no port, one
-    outbound tunnel to a relay, over which it serves the same handlers (see :mod:`potluck.protos.relay`).
+    outbound tunnel to a relay, over which it serves the same handlers (see :mod:`potluck.protos.net.relay`).
     ``address`` is what it announces."""
 
     def __init__(self, handlers: Handlers, traffic: Traffic, client: PeerClient, relay_address: str, relay_id: str,
@@ -524,7 +524,7 @@ class PeerClient:
 
     def _route(self, address: str, peer: str) -> tuple[pb_grpc.PeerServiceStub, tuple[tuple[str, str], ...]]:
         """The stub for ``address`` and the metadata a call needs: a relayed peer (its address names a
-        relay, see :mod:`potluck.protos.relay`) is reached through the relay's channel, the call tagged
+        relay, see :mod:`potluck.protos.net.relay`) is reached through the relay's channel, the call tagged
         with the peer it is meant for; TLS then checks the relay's certificate."""
         where, via = split_address(address)
         tls = self.tls

@@ -21,7 +21,7 @@ swarm cannot silently train with two different configs.
 A field left out of the file keeps its default, except where another section decides it: byte-level
 data (``data.source = "bytes"``) is 256 tokens, so it sets ``model.vocab_size`` to 256 unless the
 file sets it (to anything else, the run is refused with the fix). What depends on the machine the
-coordinator runs on (its corpus, its address) is checked by :mod:`potluck.protos.runcheck`.
+coordinator runs on (its corpus, its address) is checked by :mod:`potluck.protos.config.runcheck`.
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from potluck.protos.modelconfig import HF_DECIDES, LLAMA_PRESETS, ModelConfig  # noqa: F401 - re-exported
-from potluck.protos.section import ConfigError, Section
+from potluck.protos.config.modelconfig import HF_DECIDES, LLAMA_PRESETS, ModelConfig  # noqa: F401 - re-exported
+from potluck.protos.config.section import ConfigError, Section
 
 BYTE_VOCAB = 256  # byte-level data: one token per byte value
-MAX_RECORD_TTL_S = 300.0  # the DHT refuses records asking to live longer (potluck.protos.dhtguard)
+MAX_RECORD_TTL_S = 300.0  # the DHT refuses records asking to live longer (potluck.protos.net.dhtguard)
 MAX_MARKOV_ENTRIES = 1 << 24  # transition-table entries of the synthetic source (2 float64 arrays of 128 MiB)
 
 

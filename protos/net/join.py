@@ -6,7 +6,7 @@ Checked before anything heavy loads or any DHT node starts, so a mistyped addres
 
 from __future__ import annotations
 
-from potluck.protos.identity import IdentityError, public_key_from_peer_id
+from potluck.protos.net.identity import IdentityError, public_key_from_peer_id
 
 
 class JoinError(RuntimeError):
