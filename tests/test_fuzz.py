@@ -66,7 +66,7 @@ class FuzzedPeer:
 
     def unchanged(self) -> bool:
         return (self.allreduce.pending_contributions() == 0 and self.allreduce.result_count() == 0
-                and self.states.current is self.snap and not self.pipeline._round.mail)
+                and self.states.current is self.snap and not self.pipeline.inbox.current().mail)
 
     def close(self) -> None:
         self.channel.close()
