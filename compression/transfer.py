@@ -30,7 +30,8 @@ from potluck.compression.statehash import raw_bytes, tensors_hash
 from potluck.compression.stream import Assembler, WireError, encode_chunks
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.log import get_logger
-from potluck.protos.transport import PeerClient, Rejected, rpc_reason
+from potluck.protos.refusals import Rejected, rpc_reason
+from potluck.protos.transport import PeerClient
 
 log = get_logger(__name__)
 

@@ -35,8 +35,9 @@ from potluck.protos.records import DataIdentity, Manifest, next_seq
 from potluck.protos.refusals import log_refusal
 from potluck.protos.relay import RelayHub
 from potluck.protos.runcheck import file_identity, markov_identity, non_public
+from potluck.protos.servicer import Handlers
 from potluck.protos.swarm import JoinError, SwarmNode, guess_reachable_host, host_of_multiaddr
-from potluck.protos.transport import Handlers, PeerServer, Traffic
+from potluck.protos.transport import PeerServer, Traffic
 
 log = get_logger(__name__)
 

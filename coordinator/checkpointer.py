@@ -34,7 +34,8 @@ from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config import RunConfig
 from potluck.protos.log import get_logger
 from potluck.protos.records import Round
-from potluck.protos.transport import PeerClient, Rejected
+from potluck.protos.refusals import Rejected
+from potluck.protos.transport import PeerClient
 
 log = get_logger(__name__)
 

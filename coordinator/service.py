@@ -17,7 +17,8 @@ import grpc
 from potluck.coordinator.checkpointer import Checkpointer
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.records import PeerRecord
-from potluck.protos.transport import PeerClient, Rejected
+from potluck.protos.refusals import Rejected
+from potluck.protos.transport import PeerClient
 
 PING_TIMEOUT_S = 2.0
 

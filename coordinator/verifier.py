@@ -30,7 +30,8 @@ from potluck.compression.int8 import Codec
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.log import get_logger, short_id
 from potluck.protos.records import AuditReport
-from potluck.protos.transport import PeerClient, rpc_reason
+from potluck.protos.refusals import rpc_reason
+from potluck.protos.transport import PeerClient
 
 log = get_logger(__name__)
 

@@ -66,15 +66,8 @@ from potluck.protos import potluck_pb2 as pb
 from potluck.protos.faults import fault, tamper
 from potluck.protos.identity import verify
 from potluck.protos.log import get_logger, short_id
-from potluck.protos.transport import (
-    PeerClient,
-    Rejected,
-    is_silent,
-    is_unreachable,
-    refusal_of,
-    refused,
-    rpc_reason,
-)
+from potluck.protos.refusals import Rejected, is_silent, is_unreachable, refusal_of, refused, rpc_reason
+from potluck.protos.transport import PeerClient
 
 log = get_logger(__name__)
 

@@ -38,8 +38,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.log import get_logger, short_id
 from potluck.protos.records import next_seq
+from potluck.protos.refusals import rpc_reason
 from potluck.protos.swarm import LinkReport, LinkStat
-from potluck.protos.transport import PeerClient, rpc_reason
+from potluck.protos.transport import PeerClient
 
 log = get_logger(__name__)
 

@@ -29,7 +29,7 @@ from potluck.peer import pipewire
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config import ModelConfig, PipelineConfig
 from potluck.protos.log import get_logger, short_id
-from potluck.protos.transport import Rejected
+from potluck.protos.refusals import Rejected
 
 log = get_logger(__name__)
 

@@ -28,7 +28,8 @@ from potluck.protos.config import PipelineConfig
 from potluck.protos.faults import injected
 from potluck.protos.limits import MAX_MESSAGE_BYTES
 from potluck.protos.log import get_logger, short_id
-from potluck.protos.transport import PeerClient, refusal_of, refused, rpc_reason
+from potluck.protos.refusals import refusal_of, refused, rpc_reason
+from potluck.protos.transport import PeerClient
 
 log = get_logger(__name__)
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from potluck.compression.actcodec import Packet
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.limits import PIPE_CHUNK_BYTES
-from potluck.protos.transport import Rejected
+from potluck.protos.refusals import Rejected
 
 BODY = ("labels", "first.scales", "first.payload", "delta.scales", "delta.payload")
 

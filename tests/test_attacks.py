@@ -30,8 +30,9 @@ from potluck.protos.certs import TlsIdentity
 from potluck.protos.dhtguard import MAX_RECORD_BYTES, run_key
 from potluck.protos.identity import Identity
 from potluck.protos.records import ENVELOPE_VERSION, PeerRecord, Plan, seal
+from potluck.protos.refusals import refusal_of
 from potluck.protos.swarm import SwarmNode, parse_join_address
-from potluck.protos.transport import PeerClient, Traffic, refusal_of
+from potluck.protos.transport import PeerClient, Traffic
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

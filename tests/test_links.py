@@ -21,8 +21,9 @@ from potluck.protos.dhtguard import run_key
 from potluck.protos.identity import Identity
 from potluck.protos.netem import NetEm, Topology, TopologyError
 from potluck.protos.records import seal
+from potluck.protos.refusals import Rejected
 from potluck.protos.swarm import SwarmNode
-from potluck.protos.transport import PeerClient, PeerServer, Rejected, Traffic
+from potluck.protos.transport import PeerClient, PeerServer, Traffic
 
 DELAY_MS, MBPS = 40.0, 50.0
 BYTES_PER_S = MBPS * 1e6 / 8

@@ -220,7 +220,7 @@ def test_a_send_that_can_never_succeed_breaks_the_round_and_tells_the_neighbour_
     a, b = pair(cfg)
     hosts += [a, b]
     b.pipe.inbox._check_sizes = lambda head, sizes: (_ for _ in ()).throw(  # type: ignore[method-assign]
-        __import__("potluck.protos.transport", fromlist=["Rejected"]).Rejected(pb.BAD_MESSAGE, "never this one"))
+        __import__("potluck.protos.refusals", fromlist=["Rejected"]).Rejected(pb.BAD_MESSAGE, "never this one"))
     r = a.pipe.inbox.current()
     a.pipe.sends.send(r, "forward", 0, 0, [0, 1], torch.randn(2, 16, 32), labels=torch.zeros(2, 16, dtype=torch.long))
     with pytest.raises(PipelineBroken, match="never this one"):

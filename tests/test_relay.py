@@ -13,16 +13,9 @@ import pytest
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.certs import CertificateAuthority, TlsIdentity
 from potluck.protos.identity import Identity
+from potluck.protos.refusals import Rejected, is_unreachable, refusal_of
 from potluck.protos.relay import RelayHub, relayed_address
-from potluck.protos.transport import (
-    PeerClient,
-    PeerServer,
-    Rejected,
-    RelayedServer,
-    Traffic,
-    is_unreachable,
-    refusal_of,
-)
+from potluck.protos.transport import PeerClient, PeerServer, RelayedServer, Traffic
 
 RUN = "relay-test"
 
