@@ -32,8 +32,9 @@ from potluck.protos.config.runconfig import ConfigError, CoordinatorConfig, RunC
 from potluck.protos.net.certs import TlsIdentity
 from potluck.protos.net.identity import Identity
 from potluck.protos.net.relay import RelayHub
+from potluck.protos.net.servicer import Handlers
 from potluck.protos.net.swarm import JoinError, SwarmNode, guess_reachable_host, host_of_multiaddr
-from potluck.protos.net.transport import Handlers, PeerServer, Traffic
+from potluck.protos.net.transport import PeerServer, Traffic
 from potluck.protos.runtime.log import get_logger
 from potluck.protos.wire.records import DataIdentity, Manifest, next_seq
 from potluck.protos.wire.refusals import log_refusal

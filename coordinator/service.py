@@ -16,8 +16,9 @@ import grpc
 
 from potluck.coordinator.checkpointer import Checkpointer
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.net.transport import PeerClient, Rejected
+from potluck.protos.net.transport import PeerClient
 from potluck.protos.wire.records import PeerRecord
+from potluck.protos.wire.refusals import Rejected
 
 PING_TIMEOUT_S = 2.0
 

@@ -28,9 +28,10 @@ import grpc
 from potluck.compression.audit import ResultClaim, Round, Signed, Unverifiable, check, decode_streams
 from potluck.compression.int8 import Codec
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.net.transport import PeerClient, rpc_reason
+from potluck.protos.net.transport import PeerClient
 from potluck.protos.runtime.log import get_logger, short_id
 from potluck.protos.wire.records import Audit, AuditReport, Plan
+from potluck.protos.wire.refusals import rpc_reason
 
 log = get_logger(__name__)
 

@@ -30,7 +30,7 @@ from potluck.peer.joining import Joined, Stopped, join
 from potluck.peer.keyfile import load_identity
 from potluck.peer.multidevice import Leader
 from potluck.peer.outersteps import OuterSteps
-from potluck.peer.pipeline import PipelineBroken
+from potluck.peer.piperound import PipelineBroken
 from potluck.peer.recovery import recover
 from potluck.peer.tasklet import Tasklet, Toolbox
 from potluck.peer.telemetry import Telemetry

@@ -37,9 +37,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.net.swarm import LinkReport, LinkStat
-from potluck.protos.net.transport import PeerClient, rpc_reason
+from potluck.protos.net.transport import PeerClient
 from potluck.protos.runtime.log import get_logger, short_id
 from potluck.protos.wire.records import next_seq
+from potluck.protos.wire.refusals import rpc_reason
 
 log = get_logger(__name__)
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 from potluck.compression.actcodec import Packet
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.net.transport import Rejected
 from potluck.protos.wire.limits import PIPE_CHUNK_BYTES
+from potluck.protos.wire.refusals import Rejected
 
 BODY = ("labels", "first.scales", "first.payload", "delta.scales", "delta.payload")
 

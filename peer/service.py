@@ -15,7 +15,7 @@ from potluck.compression.transfer import SnapshotServer
 from potluck.peer.allreduce import AllReduce
 from potluck.peer.pipeline import Pipeline
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.net.transport import Rejected
+from potluck.protos.wire.refusals import Rejected
 
 
 class PeerService:

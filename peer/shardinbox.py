@@ -26,9 +26,10 @@ from potluck.peer.diloco import host_vector
 from potluck.peer.shards import Buffers, Outcome, RoundInfo, ShardResult, shard_bounds
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.net.identity import verify
-from potluck.protos.net.transport import PeerClient, Rejected
+from potluck.protos.net.transport import PeerClient
 from potluck.protos.runtime.log import get_logger, short_id
 from potluck.protos.testkit.faults import tamper
+from potluck.protos.wire.refusals import Rejected
 
 log = get_logger(__name__)
 

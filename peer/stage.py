@@ -19,7 +19,7 @@ from torch import nn
 from potluck.peer.data import Dataset, SpanSampler
 from potluck.peer.diloco import flatten_params, host_vector, load_flat
 from potluck.peer.model import build_layers, lm_loss
-from potluck.peer.pipeline import PipelineBroken, PipelineStall
+from potluck.peer.piperound import PipelineBroken, PipelineStall
 from potluck.peer.runner import StageRunner
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.runtime.log import get_logger

@@ -19,7 +19,8 @@ from potluck.compression.stream import encode_chunks
 from potluck.peer.allreduce import AllReduce, IncompleteRound, MemberAddr, Outcome, RoundInfo, shard_bounds
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.net.identity import Identity
-from potluck.protos.net.transport import STATUS_OF, PeerClient, PeerServer, Traffic, refusal_of
+from potluck.protos.net.transport import PeerClient, PeerServer, Traffic
+from potluck.protos.wire.refusals import STATUS_OF, refusal_of
 
 RUN, NUMEL, BLOCK = "test-run", 10_000, 256
 BASE = "b" * 32

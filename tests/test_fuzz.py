@@ -66,7 +66,7 @@ class FuzzedPeer:
 
     def unchanged(self) -> bool:
         return (self.allreduce.pending_contributions() == 0 and self.allreduce.result_count() == 0
-                and self.states.current is self.snap and not self.pipeline._round.mail)
+                and self.states.current is self.snap and not self.pipeline.inbox.current().mail)
 
     def close(self) -> None:
         self.channel.close()
@@ -218,7 +218,7 @@ def test_the_server_is_still_up_afterwards(peer: FuzzedPeer) -> None:
 
 
 def test_a_message_that_does_not_parse_is_refused_as_bad_message(peer: FuzzedPeer) -> None:
-    from potluck.protos.net.transport import refusal_of
+    from potluck.protos.wire.refusals import refusal_of
 
     rpc = peer.channel.unary_unary("/potluck.v1.PeerService/Ping", request_serializer=lambda b: b,
                                    response_deserializer=lambda b: b)
@@ -235,7 +235,7 @@ def test_a_members_crafted_scale_is_refused_not_decoded_to_inf(peer: FuzzedPeer,
     a member's (the sender is a member here) crafted contribution is refused as a bad message."""
     import struct
 
-    from potluck.protos.net.transport import refusal_of
+    from potluck.protos.wire.refusals import refusal_of
 
     good = valid_contribution(MEMBERS[1])
     crafted = [pb.ShardChunk() for _ in good]

@@ -20,9 +20,10 @@ from potluck.protos import potluck_pb2 as pb
 from potluck.protos.net.dhtguard import run_key
 from potluck.protos.net.identity import Identity
 from potluck.protos.net.swarm import SwarmNode
-from potluck.protos.net.transport import PeerClient, PeerServer, Rejected, Traffic
+from potluck.protos.net.transport import PeerClient, PeerServer, Traffic
 from potluck.protos.testkit.netem import NetEm, Topology, TopologyError
 from potluck.protos.wire.records import seal
+from potluck.protos.wire.refusals import Rejected
 
 DELAY_MS, MBPS = 40.0, 50.0
 BYTES_PER_S = MBPS * 1e6 / 8

@@ -16,7 +16,8 @@ from potluck.compression.actcodec import ActCodec
 from potluck.models import stage_bounds
 from potluck.peer.data import Dataset, SpanSampler, in_run_order
 from potluck.peer.model import build_layers, forward_layers, lm_loss
-from potluck.peer.pipeline import Neighbour, Pipeline, PipelineStall
+from potluck.peer.pipeline import Neighbour, Pipeline
+from potluck.peer.piperound import PipelineStall
 from potluck.peer.pipewire import outbound
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config.runconfig import ConfigError, RunConfig, apply_overrides
@@ -261,7 +262,7 @@ def test_bad_activation_messages_are_rejected_and_change_no_buffer(make_stages, 
         stages[0].client.push_pipe(stages[1].address, outbound(msg).chunks(), timeout=10)
     assert match in err.value.details()
     assert receiver.buffer.digest() == before
-    assert not stages[1].pipe._round.mail  # nothing queued for training
+    assert not stages[1].pipe.inbox.current().mail  # nothing queued for training
 
 
 def test_the_ack_says_how_long_the_receiver_held_a_message(make_stages) -> None:

@@ -319,7 +319,7 @@ def pipeline_losses(precision: str, steps: int = 4) -> tuple[list[float], list[s
         pipe = Pipeline(run_id=cfg.run_id, me=f"peer{s}", stage=s, stages=2, model=cfg.model, cfg=cfg.pipeline,
                         client=net, num_samples=cfg.data.num_samples)  # type: ignore[arg-type]
         net.pipes[f"addr{s}"] = pipe
-        pipe._encode = recording(pipe._encode, sent)  # type: ignore[method-assign]
+        pipe.sends._encode = recording(pipe.sends._encode, sent)  # type: ignore[method-assign]
         pipes.append(pipe)
         workers.append(StageWorker(cfg, s, bounds, torch.device("cpu"), data, pipe))
     for s, pipe in enumerate(pipes):
