@@ -28,18 +28,27 @@ def random_groups(topology: Topology, rng: np.random.Generator) -> Groups:
 
 def _clusters(link: np.ndarray, count: int, size: int) -> list[list[int]]:
     """``count`` disjoint clusters of ``size`` close devices: each time, the device whose
-    ``size - 1`` nearest free neighbours are closest, with those neighbours, in nearest-first order."""
-    free = np.ones(len(link), dtype=bool)
+    ``size - 1`` nearest free neighbours are closest, with those neighbours, in nearest-first order.
+
+    A device's nearest free neighbours change only when one of them is taken, so each round
+    re-ranks just those devices: ``O(N^2 log N)`` once, then a few rows per round, not all ``N``."""
+    n = len(link)
+    free = np.ones(n, dtype=bool)
+    near = np.argsort(link, axis=1, kind="stable")[:, :size]  # column 0 is the device itself
+    spread = np.take_along_axis(link, near, axis=1).sum(axis=1)
     out = []
     for _ in range(count):
-        idx = np.flatnonzero(free)
-        sub = link[np.ix_(idx, idx)]
-        near = np.argsort(sub, axis=1, kind="stable")[:, :size]  # column 0 is the device itself
-        spread = np.take_along_axis(sub, near, axis=1).sum(axis=1)
-        seed = int(spread.argmin())
-        members = [int(idx[k]) for k in near[seed]]
+        seed = int(np.where(free, spread, np.inf).argmin())
+        members = [int(k) for k in near[seed]]
         free[members] = False
         out.append(members)
+        idx = np.flatnonzero(free)
+        stale = np.flatnonzero(free & np.isin(near, members).any(axis=1))
+        if len(stale) and len(idx) >= size:  # fewer free devices than ``size``: no round follows
+            sub = link[np.ix_(stale, idx)]
+            order = np.argsort(sub, axis=1, kind="stable")[:, :size]
+            near[stale] = idx[order]
+            spread[stale] = np.take_along_axis(sub, order, axis=1).sum(axis=1)
     return out
 
 
@@ -117,24 +126,28 @@ def segments_layout(t: Topology, members: list[list[int]], k: int, smallest: boo
     fits; ``parents[i]`` names the larger places that hold place ``i`` (finest first), and a segment
     goes to a place sharing the most of them with the last place used before any other."""
     free = [list(m) for m in members]
-    family = parents or [()] * len(free)
+    left = np.array([len(f) for f in free])
+    # near[i] = how many larger places place i shares with the last place used; the tie-breaks of
+    # the choice below (most shared, then smallest or largest, then first) as one sortable key
+    family = np.array(parents, dtype=np.int64).reshape(len(free), -1) if parents else np.zeros((len(free), 0))
+    near = np.zeros(len(free), dtype=np.int64)
+    weight = 2 * (max(left.max(initial=0), 1) + 1)
     rows, length, count = (t.stages, t.replicas, 1) if by_group else (t.replicas, k, -(-t.stages // k))
     chains: list[list[int]] = [[] for _ in range(rows)]
-    last: tuple[int, ...] = ()
-
-    def near(i: int) -> int:  # larger places shared with the last place used
-        return sum(a == b for a, b in zip(family[i], last, strict=False))
-
     for block in range(count):
         size = length if by_group else min(k, t.stages - block * k)
         for chain in chains:
-            fits = [i for i, f in enumerate(free) if len(f) >= size]
-            if fits:
-                i = min(fits, key=lambda i: (-near(i), len(free[i]) if smallest else -len(free[i])))
+            key = np.where(left >= size, -near * weight + (left if smallest else -left), np.iinfo(np.int64).max)
+            i = int(key.argmin())
+            if left[i] >= size:
                 chain += free[i][:size]
                 del free[i][:size]
-                last = family[i]
+                left[i] -= size
+                if family.shape[1]:
+                    near = (family == family[i]).sum(axis=1)
             else:  # no place holds the whole segment: take from the fullest ones
                 for _ in range(size):
-                    chain.append(max(free, key=len).pop(0))
+                    j = int(left.argmax())
+                    chain.append(free[j].pop(0))
+                    left[j] -= 1
     return canonical(np.array(chains) if by_group else np.array(chains).T)
