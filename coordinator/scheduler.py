@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,11 +49,15 @@ from potluck.coordinator.layouts import (  # noqa: F401  (places, segments_layou
     Groups,
     blocks_layout,
     greedy_seeds,
+    iter_segment_seeds,
     places,
     random_groups,
     segment_seeds,
     segments_layout,
 )
+
+PAIR_SWAPS = 1024  # per visit of a pair of groups in the local search: all of them up to R = 32
+SEED_SHARE = 0.25  # of a time budget, at most, for evaluating start layouts (a 1,024-device one costs ~0.1 s)
 
 
 @dataclass(frozen=True)
@@ -219,7 +224,10 @@ def local_search(run: _Run, groups: Groups, score: Score, rng: np.random.Generat
 
 
 def _swaps(n: int, m: int, rng: np.random.Generator) -> list[tuple[int, int]]:
-    flat = rng.permutation(n * m)
+    """The swaps between two sides of ``n`` and ``m`` devices in random order; at most ``PAIR_SWAPS``
+    of them, so that with large groups (``R * R`` swaps a pair) one visit does not spend the whole
+    budget on one pair while the others (and the unused devices) wait."""
+    flat = rng.permutation(n * m)[:PAIR_SWAPS]
     return [(int(f) // m, int(f) % m) for f in flat]
 
 
@@ -242,12 +250,20 @@ def evolutionary_search(topology: Topology, *, seed: int = 0, budget_seconds: fl
     model = model or CostModel(topology)
     rng = np.random.default_rng(seed)
     run = _Run(model, budget_seconds, budget_evals)
-    seeds = [canonical(blocks_layout(topology))] + (greedy_seeds(model) + segment_seeds(model) if greedy else [])
-    seeds += [random_groups(topology, rng) for _ in range(max(0, population - len(seeds)))]
+    # Start layouts are built as they are evaluated: with SEED_SHARE of the time spent, the rest are
+    # never built (at 1,024 devices, building them all can take longer than the search's budget).
+    seed_until = math.inf if budget_seconds is None else run.start + SEED_SHARE * budget_seconds
     pop: list[tuple[Score, Groups]] = []
-    for groups in seeds:
-        if run.exhausted() and pop:
+    built = 0
+    for groups in _start_layouts(model, greedy):
+        if pop and (run.exhausted() or time.perf_counter() >= seed_until):
             break
+        built += 1
+        pop.append((run.exact(groups), groups))
+    for _ in range(max(0, population - built)):
+        if run.exhausted():
+            break
+        groups = random_groups(topology, rng)
         pop.append((run.exact(groups), groups))
     seeded = run.evaluations
     # The structured seeds compete for the population's places: half go to the cheapest, half to
@@ -257,7 +273,7 @@ def evolutionary_search(topology: Topology, *, seed: int = 0, budget_seconds: fl
     keep = max(population, 2)
     pop = list({tuple(g): (sc, g) for sc, g in by_cost[: keep // 2] + by_key[: keep - keep // 2]}.values())
     pop += [p for p in by_key if all(p[1] != g for _, g in pop)][: keep - len(pop)]
-    for start in {tuple(by_key[0][1]): by_key[0], tuple(by_cost[0][1]): by_cost[0]}.values():
+    for start in {tuple(by_cost[0][1]): by_cost[0], tuple(by_key[0][1]): by_key[0]}.values():
         if run.exhausted():
             break
         groups, score = local_search(run, start[1], start[0], rng, smooth, local_search_evals)
@@ -297,6 +313,14 @@ def evolutionary_search(topology: Topology, *, seed: int = 0, budget_seconds: fl
     if run.best is not None and smooth > 0:
         local_search(run, run.best[1], run.best[0], rng)
     return run.result(stopped, generations, restarts, seeded)
+
+
+def _start_layouts(model: CostModel, greedy: bool) -> Iterator[Groups]:
+    """The blocks layout, then (with ``greedy``) the greedy and the structured seeds, built lazily."""
+    yield canonical(blocks_layout(model.topology))
+    if greedy:
+        yield from greedy_seeds(model)
+        yield from iter_segment_seeds(model)
 
 
 def _restart(run: _Run, pop: list[tuple[Score, Groups]], starts: list[Groups], rng: np.random.Generator,
