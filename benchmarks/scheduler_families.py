@@ -80,6 +80,7 @@ MAX_RESTARTS = 6  # of the reference's evolutionary runs; small instances stall 
 RANDOM_EVALS = 20_000  # random search's share ends at this or at its time, whichever comes first
 SOLVED = 1e-9  # relative cost difference below which two plans count as equally good
 SCALE_FROM = 256  # devices; from here on, volunteer-swarm job shapes (scale_job_shape)
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 SCALE_FAMILIES = ("volunteers", "world", "regions")  # --scale: instance i of a size is of family i % 3
 
 # in-box GPU links (NVLink to PCIe) and a datacenter fabric between boxes
@@ -326,7 +327,8 @@ def placed_layouts(t: Topology, places: list[np.ndarray]) -> list[Groups]:
     return out
 
 
-def descend(model: CostModel, groups: Groups, deadline: float, rng: np.random.Generator) -> float:
+def descend(model: CostModel, groups: Groups, deadline: float, rng: np.random.Generator,
+            clock: Callable[[], float] = time.perf_counter) -> float:
     """First-improvement descent on the cost alone: swap two devices of two groups, or one device
     with an unused one, in random order, until no swap helps or time is up. Returns the cost."""
     s, r = model.topology.stages, model.topology.replicas
@@ -334,13 +336,13 @@ def descend(model: CostModel, groups: Groups, deadline: float, rng: np.random.Ge
     unused = np.setdiff1d(np.arange(model.topology.devices), flat)
     best = model.evaluate(flat)
     improved = True
-    while improved and time.perf_counter() < deadline:
+    while improved and clock() < deadline:
         improved = False
         cells = [(g, i) for g in range(s) for i in range(r)]
         partners = cells + [(-1, u) for u in range(len(unused))]
         swaps = itertools.product(rng.permutation(cells).tolist(), rng.permutation(partners).tolist())
         for (g, i), (h, j) in swaps:
-            if h == g or time.perf_counter() >= deadline:
+            if h == g or clock() >= deadline:
                 continue
             trial = flat.copy()
             if h < 0:
@@ -356,14 +358,15 @@ def descend(model: CostModel, groups: Groups, deadline: float, rng: np.random.Ge
     return best
 
 
-def long_reference(instance: Instance, seconds: float, seed: int) -> tuple[dict[str, float], int]:
+def long_reference(instance: Instance, seconds: float, seed: int,
+                   clock: Callable[[], float] = time.perf_counter) -> tuple[dict[str, float], int]:
     """The best cost of each method within ``seconds`` in all, and how many evolutionary runs.
 
     A tenth of the time goes to the hand-made layouts (each built layout evaluated, the best few
     then polished by :func:`descend`), a tenth to random search, the rest to evolutionary runs.
     """
     t = instance.topology
-    start, model, rng = time.perf_counter(), CostModel(t), np.random.default_rng(seed + 1)
+    start, model, rng = clock(), CostModel(t), np.random.default_rng(seed + 1)
     starts = [canonical(blocks_layout(t)), *greedy_seeds(model)]
     found = {"greedy": min(model.evaluate(np.array(g)) for g in starts)}
     placed = sorted(placed_layouts(t, instance.places), key=lambda g: model.evaluate(np.array(g)))
@@ -371,18 +374,18 @@ def long_reference(instance: Instance, seconds: float, seed: int) -> tuple[dict[
         found["placed"] = model.evaluate(np.array(placed[0]))
         for groups in placed[:3]:
             polish = start + seconds / 10 * (placed.index(groups) + 1) / 3
-            found["placed"] = min(found["placed"], descend(model, groups, polish, rng))
+            found["placed"] = min(found["placed"], descend(model, groups, polish, rng, clock))
     found["random"] = random_search(t, seed=seed + 1, budget_evals=RANDOM_EVALS, budget_seconds=seconds / 10,
-                                    model=model).plan.cost
+                                    model=model, clock=clock).plan.cost
     variants: list[tuple[str, dict[str, Any]]] = [
         ("evolutionary", {}), ("evolutionary_no_greedy", {"greedy": False}),
         ("evolutionary_patient", {"population": 20, "stall_generations": 30})]
     deadline = start + seconds
     restarts = 0
-    while restarts < MAX_RESTARTS and (left := deadline - time.perf_counter()) > 0.01:
+    while restarts < MAX_RESTARTS and (left := deadline - clock()) > 0.01:
         name, kwargs = variants[restarts % len(variants)]
         run = evolutionary_search(t, seed=seed + 1000 + restarts, budget_seconds=min(left, seconds * 0.3),
-                                  model=model, **kwargs)
+                                  model=model, clock=clock, **kwargs)
         found[name] = min(found.get(name, math.inf), run.plan.cost)
         restarts += 1
     return found, restarts
@@ -466,7 +469,7 @@ def _rss_mb(field: str) -> float | None:
     return None
 
 
-def search_child(family: str, devices: int, seed: int, budget: float) -> dict[str, Any]:
+def search_child(family: str, devices: int, seed: int, budget: float, clock: str) -> dict[str, Any]:
     """The search under test, as ``potluck schedule`` runs it, in a fresh process of its own: its
     memory is not mixed with the reference's caches, and the peak RSS is reset (``clear_refs``) after
     the instance is built, so ``rss_peak_mb - rss_before_mb`` is what the search itself added."""
@@ -476,24 +479,26 @@ def search_child(family: str, devices: int, seed: int, budget: float) -> dict[st
         reset = True
     except OSError:
         reset = False
-    before = _rss_mb("VmRSS")
-    run = evolutionary_search(t, seed=seed, budget_seconds=budget)
-    return {"cost": run.plan.cost, "evaluations": run.evaluations, "evals_to_best": run.evals_to_best,
+    before, cpu = _rss_mb("VmRSS"), time.process_time()
+    run = evolutionary_search(t, seed=seed, budget_seconds=budget, clock=CLOCKS[clock])
+    return {"cpu_seconds": round(time.process_time() - cpu, 3), "cost": run.plan.cost, "evaluations": run.evaluations, "evals_to_best": run.evals_to_best,
             "seconds": round(run.seconds, 3), "stopped": run.stopped, "generations": run.generations,
             "restarts": run.restarts, "rss_before_mb": before, "rss_peak_mb": _rss_mb("VmHWM"),
             "peak_reset": reset}
 
 
-def measure_scale(family: str, devices: int, seed: int, budget: float, long_factor: float) -> dict[str, Any]:
+def measure_scale(family: str, devices: int, seed: int, budget: float, long_factor: float,
+                  clock: str) -> dict[str, Any]:
     """One large instance: the search under test in a child process (:func:`search_child`), then the
     reference (:func:`long_reference`, ``long_factor`` budgets) here; the baselines are the blocks
     layout and the greedy seeds, evaluated in the same run."""
-    done = subprocess.run([sys.executable, __file__, "--search-child", family, str(devices), str(seed), str(budget)],
+    done = subprocess.run([sys.executable, __file__, "--search-child", family, str(devices), str(seed), str(budget),
+                           "--clock", clock],
                           capture_output=True, text=True, check=True)
     child = json.loads(done.stdout.strip().splitlines()[-1])
     instance = generate(family, devices, seed)
     t = instance.topology
-    found, restarts = long_reference(instance, budget * long_factor, seed)
+    found, restarts = long_reference(instance, budget * long_factor, seed, CLOCKS[clock])
     method = min(found, key=lambda k: found[k])
     cost = child["cost"]
     reference = min(cost, found[method])
@@ -504,23 +509,25 @@ def measure_scale(family: str, devices: int, seed: int, budget: float, long_fact
             "greedy_regret": found["greedy"] / reference - 1,
             "blocks_over_search": CostModel(t).evaluate(blocks_layout(t)) / cost,
             "reference_restarts": restarts, "search_rss_growth_mb": growth,
-            **{k: child[k] for k in ("evaluations", "evals_to_best", "seconds", "stopped", "generations",
+            **{k: child[k] for k in ("evaluations", "evals_to_best", "seconds", "cpu_seconds", "stopped", "generations",
                                      "restarts", "rss_peak_mb", "peak_reset")}}
 
 
-def summarize_scale(devices: int, rows: list[dict[str, Any]], budget: float, long_factor: float) -> dict[str, Any]:
+def summarize_scale(devices: int, rows: list[dict[str, Any]], budget: float, long_factor: float,
+                    clock: str) -> dict[str, Any]:
     """The JSON line of one size."""
     regret = [r["regret"] for r in rows]
     growth = [r["search_rss_growth_mb"] for r in rows if r["search_rss_growth_mb"] is not None]
     return {
         "benchmark": "scheduler_families", "mode": "scale", "devices": devices, "instances": len(rows),
-        "budget_seconds": budget, "reference_seconds": budget * long_factor,
+        "clock": clock, "budget_seconds": budget, "reference_seconds": budget * long_factor,
         "mean_regret": statistics.fmean(regret), "worst_regret": max(regret),
         "meets_worst_target": max(regret) <= TARGET_WORST,
         "greedy_mean_regret": statistics.fmean(r["greedy_regret"] for r in rows),
         "greedy_worst_regret": max(r["greedy_regret"] for r in rows),
         "blocks_over_search_min": min(r["blocks_over_search"] for r in rows),
         "search_seconds_max": max(r["seconds"] for r in rows),
+        "search_cpu_seconds_min": min(r["cpu_seconds"] for r in rows),
         "search_rss_growth_mb_max": max(growth) if growth else None,
         "search_rss_peak_mb_max": max((r["rss_peak_mb"] or 0.0) for r in rows),
         "median_evaluations": statistics.median(r["evaluations"] for r in rows),
@@ -530,18 +537,18 @@ def summarize_scale(devices: int, rows: list[dict[str, Any]], budget: float, lon
     }
 
 
-def main_scale(sizes: list[int], instances: int, budget: float, long_factor: float) -> None:
+def main_scale(sizes: list[int], instances: int, budget: float, long_factor: float, clock: str) -> None:
     """One JSON line per size; instance ``i`` of a size is of family ``SCALE_FAMILIES[i % 3]``, seed ``i``."""
     for devices in sizes:
         rows = []
         for i in range(instances):
             family = SCALE_FAMILIES[i % len(SCALE_FAMILIES)]
-            row = measure_scale(family, devices, i, budget, long_factor)
+            row = measure_scale(family, devices, i, budget, long_factor, clock)
             rows.append(row)
             print(f"[scheduler_families scale {family} n={devices} seed={i}] S={row['stages']} R={row['replicas']} "
                   f"regret={row['regret']:.4f} greedy_regret={row['greedy_regret']:.4f} "
                   f"evals={row['evaluations']} rss+={row['search_rss_growth_mb']}", file=sys.stderr, flush=True)
-        print(json.dumps(summarize_scale(devices, rows, budget, long_factor)), flush=True)
+        print(json.dumps(summarize_scale(devices, rows, budget, long_factor, clock)), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -559,11 +566,13 @@ def main(argv: list[str] | None = None) -> None:
                    help="CI smoke run: 2 seeds, budget 0.2 s, long factor 10, sizes 8,16")
     p.add_argument("--scale", action="store_true",
                    help="volunteer swarms: one JSON line per size, with the search's memory")
+    p.add_argument("--clock", choices=list(CLOCKS), default="wall",
+                   help="what --budget counts (--scale): wall seconds, or CPU seconds of this process")
     p.add_argument("--search-child", nargs=4, metavar=("FAMILY", "DEVICES", "SEED", "BUDGET"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.search_child:
         family, devices, seed, budget = args.search_child
-        print(json.dumps(search_child(family, int(devices), int(seed), float(budget))))
+        print(json.dumps(search_child(family, int(devices), int(seed), float(budget), args.clock)))
         return
     if args.quick:
         args.seeds, args.budget, args.long_factor, args.sizes = 2, 0.2, 10.0, "8,16"
@@ -571,7 +580,7 @@ def main(argv: list[str] | None = None) -> None:
         sizes = [int(s) for s in (args.sizes or "256,512,1024").split(",")]
         if min(sizes) < SCALE_FROM:
             p.error(f"--scale: every size must be >= {SCALE_FROM} devices")
-        main_scale(sizes, args.seeds or 2, args.budget, args.long_factor or 10.0)
+        main_scale(sizes, args.seeds or 2, args.budget, args.long_factor or 10.0, args.clock)
         return
     args.seeds, args.long_factor = args.seeds or 10, args.long_factor or 100.0
     args.sizes = args.sizes or "8,16,32,64,128"

@@ -27,7 +27,7 @@ def random_groups(topology: Topology, rng: np.random.Generator) -> Groups:
     return canonical(rng.permutation(topology.devices)[: s * r].reshape(s, r))
 
 
-def _nearest(rows: np.ndarray, size: int) -> np.ndarray:
+def nearest_first(rows: np.ndarray, size: int) -> np.ndarray:
     """``np.argsort(rows, axis=1, kind="stable")[:, :size]`` in linear time per row: partition, then
     keep, of the entries tied with the ``size``-th smallest, the first ones (as a stable sort would)."""
     if size >= rows.shape[1]:
@@ -47,7 +47,7 @@ def _clusters(link: np.ndarray, count: int, size: int) -> list[list[int]]:
     A device's nearest free neighbours change only when one of them is taken, so each round
     re-ranks just those devices (by partial sorts), not all ``N`` of them."""
     free = np.ones(len(link), dtype=bool)
-    near = _nearest(link, size)  # column 0 is the device itself
+    near = nearest_first(link, size)  # column 0 is the device itself
     spread = np.take_along_axis(link, near, axis=1).sum(axis=1)
     out = []
     for _ in range(count):
@@ -59,7 +59,7 @@ def _clusters(link: np.ndarray, count: int, size: int) -> list[list[int]]:
         stale = np.flatnonzero(free & np.isin(near, members).any(axis=1))
         if len(stale) and len(idx) >= size:  # fewer free devices than ``size``: no round follows
             sub = link[np.ix_(stale, idx)]
-            order = _nearest(sub, size)
+            order = nearest_first(sub, size)
             near[stale] = idx[order]
             spread[stale] = np.take_along_axis(sub, order, axis=1).sum(axis=1)
     return out
