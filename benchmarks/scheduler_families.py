@@ -42,8 +42,17 @@ The families (device ids shuffled, so that no layout can lean on their order; ms
 Sizes of 8 devices or fewer get tiny job shapes, solved exactly. A full run at the defaults takes
 days; ``--quick`` is the CI smoke run (under a minute).
 
+``--scale`` (issue #30): volunteer swarms of 256, 512 and 1,024 devices, job shapes of 2-16 stages
+using 50-100 % of the devices (:func:`scale_job_shape`), instance ``i`` of a size from family
+``SCALE_FAMILIES[i % 3]`` (volunteers, world, regions), 2 per size by default (about 12 minutes),
+the reference 10 budgets long. The search under test runs in a child process, which reports its
+peak RSS growth (``search_rss_growth_mb``) and its CPU seconds. One JSON line per size, with the
+baselines (greedy seeds, blocks layout) measured in the same run. ``--clock cpu`` counts budgets in
+CPU seconds, for a box shared with other work, where 10 wall seconds can be a fraction of a core.
+
     python benchmarks/scheduler_families.py [--families spot_mix,world] [--seeds 10]
         [--sizes 8,16,32,64,128] [--budget 10] [--long-factor 100] [--quick]
+    python benchmarks/scheduler_families.py --scale [--sizes 256,512,1024] [--seeds 2] [--clock cpu]
 """
 
 from __future__ import annotations

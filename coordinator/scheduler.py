@@ -7,14 +7,17 @@ memetic algorithm, as in Yuan et al. (NeurIPS 2022):
 1. a population from the blocks layout, two greedy seeds (one pipeline per cluster of close
    devices; one group per cluster), *structured seeds* (:func:`segment_seeds`: pipeline segments
    kept inside the places -- boxes, data centers, regions -- read off the links at several
-   thresholds) and random assignments; half the places go to the cheapest, half to the cheapest on
-   the smoothed objective, and both of those are descended first;
+   thresholds, every pipeline's first segment first or pipeline by pipeline) and random
+   assignments; half the places go to the cheapest, half to the cheapest on the smoothed
+   objective, and both of those are descended first (the cheapest first). Start layouts are built
+   as they are evaluated, for at most ``SEED_SHARE`` of a time budget: at 1,024 devices each one
+   costs tens of milliseconds, and there can be a hundred;
 2. each generation, children of two tournament-picked parents: a group-wise crossover (align the
    parents' group labels by overlap, take each group from either parent, drop duplicates, refill
    to exactly ``R`` devices per group), a few random swaps, then local search;
 3. local search cycles through pairs of groups Kernighan-Lin style, trying device swaps between
-   the two (and with unused devices), keeping each one that lowers ``cost + smooth * soft``, until
-   a whole cycle brings no improvement;
+   the two (and with unused devices; at most ``PAIR_SWAPS`` a visit, as ``R = 100`` makes 10,000),
+   keeping each one that lowers ``cost + smooth * soft``, until a whole cycle brings no improvement;
 4. a child replaces the worst member if it is better and new;
 5. after ``stall_generations`` generations without a new best, a *restart*: the next structured
    seed not descended yet (or, once they are used up, the best plan kicked by random swaps) is
@@ -257,11 +260,14 @@ def evolutionary_search(topology: Topology, *, seed: int = 0, budget_seconds: fl
     run = _Run(model, budget_seconds, budget_evals, clock)
     # Start layouts are built as they are evaluated: with SEED_SHARE of the time spent, the rest are
     # never built (at 1,024 devices, building them all can take longer than the search's budget).
+    # The blocks layout and the greedy seeds are evaluated whatever the budget: a search starved of
+    # CPU (a busy coordinator) returns at worst the greedy layout, not the blocks layout.
     seed_until = math.inf if budget_seconds is None else run.start + SEED_SHARE * budget_seconds
+    floor = 3 if greedy else 1
     pop: list[tuple[Score, Groups]] = []
     built = 0
     for groups in _start_layouts(model, greedy):
-        if pop and (run.exhausted() or run.clock() >= seed_until):
+        if built >= floor and (run.exhausted() or run.clock() >= seed_until):
             break
         built += 1
         pop.append((run.exact(groups), groups))
