@@ -42,8 +42,17 @@ The families (device ids shuffled, so that no layout can lean on their order; ms
 Sizes of 8 devices or fewer get tiny job shapes, solved exactly. A full run at the defaults takes
 days; ``--quick`` is the CI smoke run (under a minute).
 
+``--scale`` (issue #30): volunteer swarms of 256, 512 and 1,024 devices, job shapes of 2-16 stages
+using 50-100 % of the devices (:func:`scale_job_shape`), instance ``i`` of a size from family
+``SCALE_FAMILIES[i % 3]`` (volunteers, world, regions), 2 per size by default (about 12 minutes),
+the reference 10 budgets long. The search under test runs in a child process, which reports its
+peak RSS growth (``search_rss_growth_mb``) and its CPU seconds. One JSON line per size, with the
+baselines (greedy seeds, blocks layout) measured in the same run. ``--clock cpu`` counts budgets in
+CPU seconds, for a box shared with other work, where 10 wall seconds can be a fraction of a core.
+
     python benchmarks/scheduler_families.py [--families spot_mix,world] [--seeds 10]
         [--sizes 8,16,32,64,128] [--budget 10] [--long-factor 100] [--quick]
+    python benchmarks/scheduler_families.py --scale [--sizes 256,512,1024] [--seeds 2] [--clock cpu]
 """
 
 from __future__ import annotations
@@ -54,9 +63,11 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -77,6 +88,9 @@ EXACT_LIMIT = 20_000  # assignments; one evaluation is some 50 us
 MAX_RESTARTS = 6  # of the reference's evolutionary runs; small instances stall in milliseconds
 RANDOM_EVALS = 20_000  # random search's share ends at this or at its time, whichever comes first
 SOLVED = 1e-9  # relative cost difference below which two plans count as equally good
+SCALE_FROM = 256  # devices; from here on, volunteer-swarm job shapes (scale_job_shape)
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+SCALE_FAMILIES = ("volunteers", "world", "regions")  # --scale: instance i of a size is of family i % 3
 
 # in-box GPU links (NVLink to PCIe) and a datacenter fabric between boxes
 BOX_DELAY_MS, BOX_GBPS = 0.01, (200.0, 2400.0)
@@ -242,6 +256,13 @@ def job_shape(devices: int, rng: np.random.Generator) -> tuple[int, int]:
     return s, r
 
 
+def scale_job_shape(devices: int, rng: np.random.Generator) -> tuple[int, int]:
+    """``(S, R)`` of a volunteer swarm (``devices >= SCALE_FROM``): 2-16 stages, and as many replicas
+    as fill 50-100 % of the devices (at 1,024 devices, from 2 x 256 to 16 x 64)."""
+    stages = int(rng.integers(2, 17))
+    return stages, int(devices * rng.uniform(0.5, 1.0)) // stages
+
+
 class Instance(NamedTuple):
     topology: Topology
     places: list[np.ndarray]  # as in :class:`Swarm`, in the topology's (shuffled) device ids
@@ -251,7 +272,7 @@ def generate(family: str, devices: int, seed: int) -> Instance:
     """One instance: the family's links, a job shape and payloads, device ids shuffled."""
     rng = np.random.default_rng([seed, devices, list(FAMILIES).index(family)])
     swarm = FAMILIES[family](devices, rng)
-    stages, replicas = job_shape(devices, rng)
+    stages, replicas = (scale_job_shape if devices >= SCALE_FROM else job_shape)(devices, rng)
     perm = rng.permutation(devices)
     delay = swarm.delay_ms[np.ix_(perm, perm)]
     np.fill_diagonal(delay, 0.0)
@@ -315,7 +336,8 @@ def placed_layouts(t: Topology, places: list[np.ndarray]) -> list[Groups]:
     return out
 
 
-def descend(model: CostModel, groups: Groups, deadline: float, rng: np.random.Generator) -> float:
+def descend(model: CostModel, groups: Groups, deadline: float, rng: np.random.Generator,
+            clock: Callable[[], float] = time.perf_counter) -> float:
     """First-improvement descent on the cost alone: swap two devices of two groups, or one device
     with an unused one, in random order, until no swap helps or time is up. Returns the cost."""
     s, r = model.topology.stages, model.topology.replicas
@@ -323,13 +345,13 @@ def descend(model: CostModel, groups: Groups, deadline: float, rng: np.random.Ge
     unused = np.setdiff1d(np.arange(model.topology.devices), flat)
     best = model.evaluate(flat)
     improved = True
-    while improved and time.perf_counter() < deadline:
+    while improved and clock() < deadline:
         improved = False
         cells = [(g, i) for g in range(s) for i in range(r)]
         partners = cells + [(-1, u) for u in range(len(unused))]
         swaps = itertools.product(rng.permutation(cells).tolist(), rng.permutation(partners).tolist())
         for (g, i), (h, j) in swaps:
-            if h == g or time.perf_counter() >= deadline:
+            if h == g or clock() >= deadline:
                 continue
             trial = flat.copy()
             if h < 0:
@@ -345,14 +367,15 @@ def descend(model: CostModel, groups: Groups, deadline: float, rng: np.random.Ge
     return best
 
 
-def long_reference(instance: Instance, seconds: float, seed: int) -> tuple[dict[str, float], int]:
+def long_reference(instance: Instance, seconds: float, seed: int,
+                   clock: Callable[[], float] = time.perf_counter) -> tuple[dict[str, float], int]:
     """The best cost of each method within ``seconds`` in all, and how many evolutionary runs.
 
     A tenth of the time goes to the hand-made layouts (each built layout evaluated, the best few
     then polished by :func:`descend`), a tenth to random search, the rest to evolutionary runs.
     """
     t = instance.topology
-    start, model, rng = time.perf_counter(), CostModel(t), np.random.default_rng(seed + 1)
+    start, model, rng = clock(), CostModel(t), np.random.default_rng(seed + 1)
     starts = [canonical(blocks_layout(t)), *greedy_seeds(model)]
     found = {"greedy": min(model.evaluate(np.array(g)) for g in starts)}
     placed = sorted(placed_layouts(t, instance.places), key=lambda g: model.evaluate(np.array(g)))
@@ -360,18 +383,18 @@ def long_reference(instance: Instance, seconds: float, seed: int) -> tuple[dict[
         found["placed"] = model.evaluate(np.array(placed[0]))
         for groups in placed[:3]:
             polish = start + seconds / 10 * (placed.index(groups) + 1) / 3
-            found["placed"] = min(found["placed"], descend(model, groups, polish, rng))
+            found["placed"] = min(found["placed"], descend(model, groups, polish, rng, clock))
     found["random"] = random_search(t, seed=seed + 1, budget_evals=RANDOM_EVALS, budget_seconds=seconds / 10,
-                                    model=model).plan.cost
+                                    model=model, clock=clock).plan.cost
     variants: list[tuple[str, dict[str, Any]]] = [
         ("evolutionary", {}), ("evolutionary_no_greedy", {"greedy": False}),
         ("evolutionary_patient", {"population": 20, "stall_generations": 30})]
     deadline = start + seconds
     restarts = 0
-    while restarts < MAX_RESTARTS and (left := deadline - time.perf_counter()) > 0.01:
+    while restarts < MAX_RESTARTS and (left := deadline - clock()) > 0.01:
         name, kwargs = variants[restarts % len(variants)]
         run = evolutionary_search(t, seed=seed + 1000 + restarts, budget_seconds=min(left, seconds * 0.3),
-                                  model=model, **kwargs)
+                                  model=model, clock=clock, **kwargs)
         found[name] = min(found.get(name, math.inf), run.plan.cost)
         restarts += 1
     return found, restarts
@@ -441,19 +464,135 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+# ------------------------------------------------------------------ scale (--scale)
+
+
+def _rss_mb(field: str) -> float | None:
+    """``VmRSS`` (now) or ``VmHWM`` (peak) of this process in MB, from ``/proc`` (``None`` elsewhere)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def search_child(family: str, devices: int, seed: int, budget: float, clock: str) -> dict[str, Any]:
+    """The search under test, as ``potluck schedule`` runs it, in a fresh process of its own: its
+    memory is not mixed with the reference's caches, and the peak RSS is reset (``clear_refs``) after
+    the instance is built, so ``rss_peak_mb - rss_before_mb`` is what the search itself added."""
+    t = generate(family, devices, seed).topology
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+        reset = True
+    except OSError:
+        reset = False
+    before, cpu = _rss_mb("VmRSS"), time.process_time()
+    run = evolutionary_search(t, seed=seed, budget_seconds=budget, clock=CLOCKS[clock])
+    return {"cpu_seconds": round(time.process_time() - cpu, 3), "cost": run.plan.cost, "evaluations": run.evaluations, "evals_to_best": run.evals_to_best,
+            "seconds": round(run.seconds, 3), "stopped": run.stopped, "generations": run.generations,
+            "restarts": run.restarts, "rss_before_mb": before, "rss_peak_mb": _rss_mb("VmHWM"),
+            "peak_reset": reset}
+
+
+def measure_scale(family: str, devices: int, seed: int, budget: float, long_factor: float,
+                  clock: str) -> dict[str, Any]:
+    """One large instance: the search under test in a child process (:func:`search_child`), then the
+    reference (:func:`long_reference`, ``long_factor`` budgets) here; the baselines are the blocks
+    layout and the greedy seeds, evaluated in the same run."""
+    done = subprocess.run([sys.executable, __file__, "--search-child", family, str(devices), str(seed), str(budget),
+                           "--clock", clock],
+                          capture_output=True, text=True, check=True)
+    child = json.loads(done.stdout.strip().splitlines()[-1])
+    instance = generate(family, devices, seed)
+    t = instance.topology
+    found, restarts = long_reference(instance, budget * long_factor, seed, CLOCKS[clock])
+    method = min(found, key=lambda k: found[k])
+    cost = child["cost"]
+    reference = min(cost, found[method])
+    growth = None if child["rss_peak_mb"] is None else child["rss_peak_mb"] - child["rss_before_mb"]
+    return {"family": family, "devices": devices, "seed": seed, "stages": t.stages, "replicas": t.replicas,
+            "outer_every": t.outer_every, "cost": cost, "reference": reference, "regret": cost / reference - 1,
+            "reference_method": method if found[method] <= cost else "short_run",
+            "greedy_regret": found["greedy"] / reference - 1,
+            "blocks_over_search": CostModel(t).evaluate(blocks_layout(t)) / cost,
+            "reference_restarts": restarts, "search_rss_growth_mb": growth,
+            **{k: child[k] for k in ("evaluations", "evals_to_best", "seconds", "cpu_seconds", "stopped", "generations",
+                                     "restarts", "rss_peak_mb", "peak_reset")}}
+
+
+def summarize_scale(devices: int, rows: list[dict[str, Any]], budget: float, long_factor: float,
+                    clock: str) -> dict[str, Any]:
+    """The JSON line of one size."""
+    regret = [r["regret"] for r in rows]
+    growth = [r["search_rss_growth_mb"] for r in rows if r["search_rss_growth_mb"] is not None]
+    return {
+        "benchmark": "scheduler_families", "mode": "scale", "devices": devices, "instances": len(rows),
+        "clock": clock, "budget_seconds": budget, "reference_seconds": budget * long_factor,
+        "mean_regret": statistics.fmean(regret), "worst_regret": max(regret),
+        "meets_worst_target": max(regret) <= TARGET_WORST,
+        "greedy_mean_regret": statistics.fmean(r["greedy_regret"] for r in rows),
+        "greedy_worst_regret": max(r["greedy_regret"] for r in rows),
+        "blocks_over_search_min": min(r["blocks_over_search"] for r in rows),
+        "search_seconds_max": max(r["seconds"] for r in rows),
+        "search_cpu_seconds_min": min(r["cpu_seconds"] for r in rows),
+        "search_rss_growth_mb_max": max(growth) if growth else None,
+        "search_rss_peak_mb_max": max((r["rss_peak_mb"] or 0.0) for r in rows),
+        "median_evaluations": statistics.median(r["evaluations"] for r in rows),
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
+        "rows": [{k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items() if k != "devices"}
+                 for r in rows],
+    }
+
+
+def main_scale(sizes: list[int], instances: int, budget: float, long_factor: float, clock: str) -> None:
+    """One JSON line per size; instance ``i`` of a size is of family ``SCALE_FAMILIES[i % 3]``, seed ``i``."""
+    for devices in sizes:
+        rows = []
+        for i in range(instances):
+            family = SCALE_FAMILIES[i % len(SCALE_FAMILIES)]
+            row = measure_scale(family, devices, i, budget, long_factor, clock)
+            rows.append(row)
+            print(f"[scheduler_families scale {family} n={devices} seed={i}] S={row['stages']} R={row['replicas']} "
+                  f"regret={row['regret']:.4f} greedy_regret={row['greedy_regret']:.4f} "
+                  f"evals={row['evaluations']} rss+={row['search_rss_growth_mb']}", file=sys.stderr, flush=True)
+        print(json.dumps(summarize_scale(devices, rows, budget, long_factor, clock)), flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--families", default=",".join(FAMILIES),
                    help="comma-separated, of: " + ", ".join(FAMILIES))
-    p.add_argument("--seeds", type=int, default=10)
-    p.add_argument("--sizes", default="8,16,32,64,128", help="device counts, comma-separated")
+    p.add_argument("--seeds", type=int, default=None, help="instances per size and family (--scale: per size); "
+                   "default 10 (--scale: 2)")
+    p.add_argument("--sizes", default=None, help="device counts, comma-separated; default 8,16,32,64,128 "
+                   "(--scale: 256,512,1024)")
     p.add_argument("--budget", type=float, default=10.0, help="seconds for the search under test")
-    p.add_argument("--long-factor", type=float, default=100.0, help="the reference gets this many budgets")
+    p.add_argument("--long-factor", type=float, default=None,
+                   help="the reference gets this many budgets; default 100 (--scale: 10)")
     p.add_argument("--quick", action="store_true",
                    help="CI smoke run: 2 seeds, budget 0.2 s, long factor 10, sizes 8,16")
+    p.add_argument("--scale", action="store_true",
+                   help="volunteer swarms: one JSON line per size, with the search's memory")
+    p.add_argument("--clock", choices=list(CLOCKS), default="wall",
+                   help="what --budget counts (--scale): wall seconds, or CPU seconds of this process")
+    p.add_argument("--search-child", nargs=4, metavar=("FAMILY", "DEVICES", "SEED", "BUDGET"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.search_child:
+        family, devices, seed, budget = args.search_child
+        print(json.dumps(search_child(family, int(devices), int(seed), float(budget), args.clock)))
+        return
     if args.quick:
         args.seeds, args.budget, args.long_factor, args.sizes = 2, 0.2, 10.0, "8,16"
+    if args.scale:
+        sizes = [int(s) for s in (args.sizes or "256,512,1024").split(",")]
+        if min(sizes) < SCALE_FROM:
+            p.error(f"--scale: every size must be >= {SCALE_FROM} devices")
+        main_scale(sizes, args.seeds or 2, args.budget, args.long_factor or 10.0, args.clock)
+        return
+    args.seeds, args.long_factor = args.seeds or 10, args.long_factor or 100.0
+    args.sizes = args.sizes or "8,16,32,64,128"
     families = [f.strip() for f in args.families.split(",") if f.strip()]
     unknown = sorted(set(families) - set(FAMILIES))
     if unknown:
