@@ -208,7 +208,7 @@ class Coordinator:
         grid, replan = placed
         if replan is not None and any(before.get(pid) != cell for pid, cell in grid.items()):
             self._event("replan", "", replan.describe())
-        r = self.rounds.decide(members(grid, records), now, time.time())
+        r = self.rounds.decide(members(grid, records), now, time.time(), self.table.reports())
         self.publisher.new_plan()
         self._save()  # journaled before anyone can act on it
         self._event("round", "", describe_round(r, before))
