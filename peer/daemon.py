@@ -160,7 +160,26 @@ class Session:
         # the coordinator's round for it (not the last plan's): now, or as soon as it arrives (_inner_step)
         self.training = step
         self.round_known = t.learn_round(self.heartbeat.plan, step)
-        return t.round_info(rnd, step)
+        info = t.round_info(rnd, step)
+        if self.rc.sync.group_size and t.base(info.base_hash) is None:
+            self._fetch_base(rnd, step, info.base_hash)
+        return info
+
+    def _fetch_base(self, rnd: Round, step: int, base_hash: str) -> None:
+        """This member's group starts ``step`` from a state it does not hold (it joined, or its group changed
+        with the membership): fetch it before training, while the group's members still serve it."""
+        t, cell = self.tasklet, rnd.member(self.me)
+        named = rnd.group_base(t.stage, cell.group) if cell is not None else None
+        if named is None:
+            return
+        m = self.heartbeat.manifest
+        want = Recover(named.version, base_hash, f"the base state of group {cell.group} in step {step}")
+        snap = recover(self.tools, t.stage, t.worker.numel, want, t.states.current.version, self.heartbeat.plan,
+                       Target(m.coordinator, m.coordinator_grpc) if m.coordinator_grpc else None)
+        if snap is not None:
+            log.info("fetched v%d (%s), the state group %d starts step %d from", snap.version, snap.hash[:12],
+                     cell.group, step)
+            t.fetched_base = snap
 
     def _inner_step(self, i: int, loss: float, seconds: float) -> None:
         rc, t = self.rc, self.tasklet

@@ -189,6 +189,9 @@ class Tasklet:
     allreduce: AllReduce
     pipeline: Pipeline | None
     states: States
+    fetched_base: Snapshot | None = None  # a group's base state this member did not hold (grouped averaging)
+    expected: tuple[int, str] = (0, "")  # the (step, base hash) the all-reduce expects
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
     def build(cls, tools: Toolbox, stage: int) -> Tasklet:
@@ -204,7 +207,9 @@ class Tasklet:
         worker = StageWorker(rc, stage, tools.bounds[stage], tools.device, tools.data, pipeline)
         if tools.devices is not None:
             tools.devices.attach(worker)  # the other processes build the same worker and hold its theta
-        allreduce = AllReduce(run_id=rc.run_id, me=tools.me, numel=worker.numel, codec=tools.codec, client=tools.client,
+        # grouped averaging averages theta and momentum (as differences from the group's base): twice the vector
+        numel = worker.numel * (2 if rc.sync.group_size else 1)
+        allreduce = AllReduce(run_id=rc.run_id, me=tools.me, numel=numel, codec=tools.codec, client=tools.client,
                               chunk_bytes=rc.sync.chunk_bytes, rpc_timeout=rc.sync.rpc_timeout_s,
                               ping=tools.ping_member, stopping=tools.stopping, sign=tools.sign,
                               clip_factor=rc.sync.clip_factor, reject_below=rc.sync.reject_below)
@@ -215,12 +220,40 @@ class Tasklet:
         return tasklet
 
     def round_info(self, rnd: Round, step: int) -> RoundInfo:
-        """What the all-reduce of ``step`` needs of ``rnd``: this stage's members, from the state held."""
+        """What the all-reduce of ``step`` needs of ``rnd``: the members this one averages with (its group of
+        its stage; the whole stage unless ``sync.group_size``) and the state they all start from."""
         self.tools.addresses.update({m.peer_id: m.address for m in rnd.members})  # whom the all-reduce may ping
-        cells = rnd.stage_members(self.stage)
+        me = rnd.member(self.tools.me)
+        cells = rnd.group_members(self.stage, me.group if me is not None else 0)
         members = tuple(MemberAddr(m.peer_id, m.address) for m in cells)
-        return RoundInfo(step=step, members=members, me=self.tools.me, base_hash=self.states.current.hash,
+        return RoundInfo(step=step, members=members, me=self.tools.me, base_hash=self.base_hash(rnd, step),
                          epoch=rnd.epoch, replicas=tuple(m.replica for m in cells))
+
+    def base_hash(self, rnd: Round, step: int) -> str:
+        """The hash of the state this member's group starts ``step`` from: the state held, or with grouped
+        averaging the base the round names for the group. A step run on an older round (the coordinator is
+        away) starts from the state held: its group is the one this member has just averaged with."""
+        me = rnd.member(self.tools.me)
+        named = rnd.group_base(self.stage, me.group) if me is not None and rnd.step == step else None
+        if not self.tools.rc.sync.group_size or named is None or not named.hash:
+            return self.states.current.hash
+        return named.hash
+
+    def base(self, base_hash: str) -> Snapshot | None:
+        """The held state (newest, the one before it, or one fetched for a group) hashing to ``base_hash``."""
+        return next((s for s in (self.states.current, self.states.server.previous, self.fetched_base)
+                     if s is not None and s.hash == base_hash), None)
+
+    def ready(self, info: RoundInfo) -> bool:
+        """Have the all-reduce expect ``info``'s step from its base and know its members. False while it still
+        expects another step (the step before is in flight, with ``diloco.overlap``)."""
+        with self.lock:
+            if self.expected[0] != info.step:
+                return False
+            if self.expected[1] != info.base_hash:  # a grouped step from its group's base, not the state held
+                self.allreduce.expect(info.step, info.base_hash, self.states.epoch)
+                self.expected = (info.step, info.base_hash)
+        return self.allreduce.set_round(info)
 
     def learn_round(self, plan: Plan | None, step: int) -> bool:
         """Once the coordinator's round for ``step`` is known (it may arrive while this tasklet trains on the
@@ -230,7 +263,7 @@ class Tasklet:
         cell = rnd.member(self.tools.me) if rnd is not None and rnd.step == step else None
         if rnd is None or cell is None or cell.stage != self.stage:
             return False
-        return self.allreduce.set_round(self.round_info(rnd, step))
+        return self.ready(self.round_info(rnd, step))
 
     def replace(self, stage: int) -> Tasklet:
         """A fresh tasklet of ``stage`` (at theta_0) in place of this one."""
@@ -255,9 +288,18 @@ class Tasklet:
                                   Neighbour(nxt.peer_id, nxt.address) if nxt else None, epoch=rnd.epoch)
 
     def expect_next(self) -> None:
-        """Accept all-reduce messages for the step after the state held (and drop any others)."""
-        current = self.states.current
-        self.allreduce.expect(current.version + 1, current.hash, self.states.epoch)
+        """Accept all-reduce messages for the step after the state held (and drop any others), computed from
+        the state held or, with grouped averaging, from the one before it: the base the coordinator names
+        for a group whose members averaged together two steps before (every group, while the membership
+        holds; a round that names another is adopted when it arrives, :meth:`ready`)."""
+        with self.lock:
+            current, prev = self.states.current, self.states.server.previous
+            grouped = self.tools.rc.sync.group_size and prev is not None and prev.version == current.version - 1
+            base = prev.hash if grouped and prev is not None else current.hash
+            self.allreduce.expect(current.version + 1, base, self.states.epoch)
+            self.expected = (current.version + 1, base)
+            if self.fetched_base is not None and self.fetched_base.version < current.version - 1:
+                self.fetched_base = None  # no group starts from it any more
 
     def close(self) -> None:
         self.allreduce.close()
