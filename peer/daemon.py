@@ -159,15 +159,33 @@ class Session:
         t.begin(rnd, step, self.replica)
         # the coordinator's round for it (not the last plan's): now, or as soon as it arrives (_inner_step)
         self.training = step
-        self.round_known = t.learn_round(self.heartbeat.plan, step)
-        info = t.round_info(rnd, step)
-        if self.rc.sync.group_size and t.base(info.base_hash) is None:
-            self._fetch_base(rnd, step, info.base_hash)
-        return info
+        self.round_known = False
+        self._learn_round()
+        return t.round_info(rnd, step)
+
+    def _inner_step(self, i: int, loss: float, seconds: float) -> None:
+        rc = self.rc
+        self._learn_round()
+        self.telemetry.inner_step(i, loss, seconds, rc.train.batch_size, rc.train.batch_size * rc.model.seq_len)
+        if not self.telemetry.first_step_logged:  # where the time to the first step went, once
+            self.telemetry.first_step(self.joined.joined_at, {**self.phases, "to first round": self.first_round_at
+                                      - self.ready_at, "of which state download": self.recovered_s})
+
+    def _learn_round(self) -> None:
+        """Once the coordinator's round for the step in training is known (at its start, or while it trains on
+        the last plan's), tell the all-reduce; with grouped averaging, fetch the group's base state if this
+        member lacks it (it joined, or its group changed with the membership), while the group serves it."""
+        if self.round_known:
+            return
+        t, step, plan = self.tasklet, self.training, self.heartbeat.plan
+        self.round_known = t.learn_round(plan, step)
+        rnd = plan.round_for(step) if self.round_known and plan is not None else None
+        if rnd is not None and self.rc.sync.group_size:
+            base_hash = t.round_info(rnd, step).base_hash
+            if t.base(base_hash) is None:
+                self._fetch_base(rnd, step, base_hash)
 
     def _fetch_base(self, rnd: Round, step: int, base_hash: str) -> None:
-        """This member's group starts ``step`` from a state it does not hold (it joined, or its group changed
-        with the membership): fetch it before training, while the group's members still serve it."""
         t, cell = self.tasklet, rnd.member(self.me)
         named = rnd.group_base(t.stage, cell.group) if cell is not None else None
         if named is None:
@@ -180,14 +198,6 @@ class Session:
             log.info("fetched v%d (%s), the state group %d starts step %d from", snap.version, snap.hash[:12],
                      cell.group, step)
             t.fetched_base = snap
-
-    def _inner_step(self, i: int, loss: float, seconds: float) -> None:
-        rc, t = self.rc, self.tasklet
-        self.round_known = self.round_known or t.learn_round(self.heartbeat.plan, self.training)
-        self.telemetry.inner_step(i, loss, seconds, rc.train.batch_size, rc.train.batch_size * rc.model.seq_len)
-        if not self.telemetry.first_step_logged:  # where the time to the first step went, once
-            self.telemetry.first_step(self.joined.joined_at, {**self.phases, "to first round": self.first_round_at
-                                      - self.ready_at, "of which state download": self.recovered_s})
 
     def _recover(self, want: Recover) -> None:
         self.set_state("recovering")
