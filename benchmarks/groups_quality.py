@@ -1,0 +1,127 @@
+"""What grouped averaging costs in model quality: DiLoCo with groups vs full averaging, equal tokens.
+
+Two real swarms (a coordinator and ``--peers`` peer processes, hivemind DHT, gRPC with mutual TLS),
+S = 1, the same model, data, seed and number of outer and inner steps, so the same tokens:
+
+* ``grouped``: ``sync.group_size = --group-size``: each outer step every member averages with its
+  group only (rows on odd steps, diagonals on even ones; :mod:`potluck.coordinator.groups`), and the
+  groups end each step with different states;
+* ``full``: ``sync.group_size = 0``: every step averages all members (today's all-reduce).
+
+The figure is each swarm's eval loss of ``theta_global`` after the last outer step
+(``data.eval_every = outer_steps``). In the grouped run every member evaluates its own group's
+state: the line gives their mean, best and worst, and the ratio of the mean and of the worst to the
+full run's loss. Also: tokens trained (equal, or the comparison is void), failed rounds, the distinct
+states after each step (one per group; one for the full run), the bytes each member sent per step
+and the slowest all-reduce of a step.
+
+Target (issue 30): with 16 peers and groups of 4, the grouped run's eval loss within 1 % of the full
+run's.
+
+    python benchmarks/groups_quality.py [--peers 16] [--group-size 4] [--inner-steps 50] [--outer-steps 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from potluck.local import LocalSwarm, SwarmError
+from potluck.protos.config import RunConfig, apply_overrides
+
+TARGET = 0.01
+
+
+def run_config(args: argparse.Namespace, group_size: int, journal: Path) -> RunConfig:
+    return apply_overrides(RunConfig(), {
+        "run_id": "bench-groups-quality",
+        "model.d_model": args.d_model, "model.n_layers": args.n_layers, "model.n_heads": 4,
+        "train.batch_size": args.batch, "train.seed": args.seed, "data.seed": args.seed,
+        "diloco.inner_steps": args.inner_steps, "diloco.outer_steps": args.outer_steps, "sync.codec": "int8",
+        "sync.group_size": group_size, "sync.deadline_floor_s": args.deadline_floor,
+        "membership.min_peers": args.peers, "membership.round_timeout_floor_s": 300.0,
+        "coordinator.host": "127.0.0.1", "coordinator.checkpoint_every": 0,
+        "coordinator.journal_dir": str(journal), "data.eval_every": args.outer_steps,
+    })
+
+
+def run_swarm(args: argparse.Namespace, workdir: Path, group_size: int) -> dict:
+    workdir.mkdir(parents=True)
+    swarm = LocalSwarm(workdir, threads=args.threads)
+    steps = args.outer_steps
+
+    def done(state: dict) -> bool:
+        if not state["run"]["finished"] and not swarm.alive():
+            raise SwarmError(f"every peer exited before the run finished:\n{swarm.tail('peer-0')}")
+        peers = [p for p in state["peers"] if p["version"] == steps and p["eval_loss"] is not None]
+        return bool(state["run"]["finished"] and len(peers) == args.peers)
+
+    try:
+        swarm.start_coordinator(run_config(args, group_size, workdir / "journal"))
+        t0 = time.monotonic()
+        for _ in range(args.peers):
+            swarm.start_peer()
+        state = swarm.wait_state(done, args.timeout, "the run to finish and every member to evaluate its state")
+        wall = time.monotonic() - t0
+    finally:
+        swarm.stop()
+    hist, peers = state["history"], state["peers"]
+    evals = [p["eval_loss"] for p in peers]
+    return {
+        "eval_loss_mean": round(statistics.fmean(evals), 5), "eval_loss_best": round(min(evals), 5),
+        "eval_loss_worst": round(max(evals), 5), "distinct_final_states": len(set(hist[-1]["state_hashes"].values())),
+        "tokens": state["run"]["tokens_trained"], "failed_rounds": len(state["failed_rounds"]),
+        "members": [h["members"] for h in hist], "states_per_step": [len(set(h["state_hashes"].values())) for h in hist],
+        "bytes_per_member_per_step": round(statistics.fmean(h["bytes"]["outer"] / h["members"] for h in hist)),
+        "allreduce_s_median": round(statistics.median(h["allreduce_s"] for h in hist if h["allreduce_s"]), 3),
+        "wall_s": round(wall, 1),
+    }
+
+
+def main() -> None:
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peers", type=int, default=16)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--inner-steps", type=int, default=50)
+    parser.add_argument("--outer-steps", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=16, help="train.batch_size of each peer")
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--n-layers", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per peer")
+    parser.add_argument("--deadline-floor", type=float, default=120.0,
+                        help="sync.deadline_floor_s: generous, so no member of an overloaded box is dropped")
+    parser.add_argument("--order", choices=["grouped-first", "full-first"], default="grouped-first")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds each swarm run may take")
+    args = parser.parse_args()
+    sizes = [args.group_size, 0] if args.order == "grouped-first" else [0, args.group_size]
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="potluck-bench-") as tmp:
+        for size in sizes:
+            name = "grouped" if size else "full"
+            results[name] = run_swarm(args, Path(tmp) / name, size)
+    g, f = results["grouped"], results["full"]
+    print(json.dumps({
+        "benchmark": "groups_quality", "peers": args.peers, "group_size": args.group_size,
+        "inner_steps": args.inner_steps, "outer_steps": args.outer_steps, "batch_per_peer": args.batch,
+        "d_model": args.d_model, "n_layers": args.n_layers, "seed": args.seed, "order": args.order,
+        "equal_tokens": g["tokens"] == f["tokens"],
+        "eval_loss_full": f["eval_loss_mean"], "eval_loss_grouped_mean": g["eval_loss_mean"],
+        "eval_loss_grouped_worst": g["eval_loss_worst"],
+        "ratio_mean": round(g["eval_loss_mean"] / f["eval_loss_mean"], 5),
+        "ratio_worst": round(g["eval_loss_worst"] / f["eval_loss_mean"], 5), "target_ratio": 1 + TARGET,
+        "bytes_ratio": round(g["bytes_per_member_per_step"] / f["bytes_per_member_per_step"], 3),
+        **results,
+    }))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
