@@ -12,12 +12,17 @@ for the event log. What the peers *do* -- the rounds they run -- is
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from potluck.coordinator.rounds import Report
 from potluck.models import sizecheck
 from potluck.protos.config import RunConfig
+from potluck.protos.log import get_logger
 from potluck.protos.records import PeerRecord
+
+log = get_logger(__name__)
 
 GONE_STATES = {"left", "finished", "failed"}
 WORK_KINDS = ("outer", "state", "pipeline")  # bytes that show a peer is working (probes do not)
@@ -111,3 +116,16 @@ def announce(events: list[tuple[str, str]], table: PeerTable, cfg: RunConfig) ->
         if small:
             out.append(("memory", pid, small, True))
     return out
+
+
+def read_records(get: Callable[[], tuple[dict[str, Any], list[str]]], warned: set[str]) -> tuple[dict[str, Any], list[str]]:
+    """Records from the DHT (``get``: a SwarmNode reader) and the reasons some were refused (forged, stale,
+    malformed) not said before, in order; an unreadable DHT (its process restarting, say) reads as empty."""
+    try:
+        records, refused = get()
+    except Exception as err:  # the next tick tries again
+        log.warning("could not read the DHT: %s", err)
+        return {}, []
+    new = [r for r in dict.fromkeys(refused) if r not in warned]
+    warned.update(new)
+    return records, new

@@ -23,8 +23,6 @@ import importlib
 import threading
 import time
 
-from potluck.compression.transfer import Target
-from potluck.peer.allreduce import RoundInfo
 from potluck.peer.data import DataError
 from potluck.peer.follower import Finish, Follower, Recover, Switch, Train, Wait
 from potluck.peer.joining import Joined, Stopped, join
@@ -32,7 +30,6 @@ from potluck.peer.keyfile import load_identity
 from potluck.peer.multidevice import Leader
 from potluck.peer.outersteps import OuterSteps
 from potluck.peer.pipeline import PipelineBroken
-from potluck.peer.recovery import recover
 from potluck.peer.tasklet import Tasklet, Toolbox
 from potluck.peer.telemetry import Telemetry
 from potluck.protos import potluck_pb2 as pb
@@ -98,6 +95,7 @@ class Session:
         self.cfg, self.joined, self.tools, self.telemetry = cfg, joined, tools, telemetry
         self.rc, self.me, self.stopping = tools.rc, tools.me, tools.stopping
         self.follower = Follower(self.me, pipelined=self.rc.pipeline.stages > 1, plan_wait_s=cfg.plan_wait_s)
+        tools.on_audit = telemetry.audited  # audit verdicts ride on this peer's heartbeats
         self.tasklet = Tasklet.build(tools, stage=0)
         self.replica, self.waiting = -1, ""
         self.round_known = False  # the all-reduce knows the coordinator's round for the step in training
@@ -126,13 +124,15 @@ class Session:
                     self._recover(want)
                 case Train(round=rnd, step=step):
                     self._begin(rnd, step)
-                    start = self.tasklet.worker.theta() if self.rc.diloco.overlap else None
+                    start = self.tasklet.worker.start_point() if self.rc.diloco.overlap else None
                     phase = self.tasklet.worker.inner_phase(rnd.data_spans(step, self.replica), self.stopping,
                                                             self._inner_step, step)  # H inner AdamW steps
                     self.telemetry.progress.compute_s += phase.seconds
                     if phase.stalled:
                         log.warning("replica %d stalled at inner step %d: %s; contributing nothing to outer step %d",
                                     self.replica, phase.steps, phase.stalled, step)
+                    if self._found_lie(step):
+                        continue  # the step before holds a lie: commit nothing on it, the coordinator rolls it back
                     self.outer.after_phase(step, phase.seconds, start, phase.interrupted, not phase.stalled)
         if self.completed() and not self.stopping.is_set():
             self.set_state("finished")  # serve the final state until the coordinator has seen it
@@ -149,7 +149,7 @@ class Session:
         seq = self.heartbeat.plan.seq if self.heartbeat.plan else -1
         self.heartbeat.wait_plan(lambda p: p is not None and p.seq > seq, timeout=wait.seconds)
 
-    def _begin(self, rnd: Round, step: int) -> RoundInfo:
+    def _begin(self, rnd: Round, step: int) -> None:
         t, me = self.tasklet, rnd.member(self.me)
         self.replica, self.waiting = me.replica, ""
         self.first_round_at = self.first_round_at or time.time()
@@ -158,10 +158,16 @@ class Session:
         self.telemetry.begin_inner(step, self.rc.diloco.inner_steps, self.tools.device)
         t.begin(rnd, step, self.replica)
         # the coordinator's round for it (not the last plan's): now, or as soon as it arrives (_inner_step)
-        self.training = step
-        self.round_known = False
+        self.training, self.round_known = step, False
         self._learn_round()
-        return t.round_info(rnd, step)
+
+    def _found_lie(self, step: int) -> bool:
+        """Did this peer's audit of the step before find a lie? Then this step is not committed (see Auditor)."""
+        (a := self.tasklet.auditor).start_for(self.heartbeat.plan, step, self.tools.addresses)  # (a round known late)
+        if lied := a.lied(self.rc.sync.deadline_floor_s):
+            self.set_state("waiting")
+            a.await_ruling(self.heartbeat, step, 2 * self.rc.membership.round_timeout_floor_s)
+        return lied
 
     def _inner_step(self, i: int, loss: float, seconds: float) -> None:
         rc = self.rc
@@ -173,31 +179,13 @@ class Session:
 
     def _learn_round(self) -> None:
         """Once the coordinator's round for the step in training is known (at its start, or while it trains on
-        the last plan's), tell the all-reduce; with grouped averaging, fetch the group's base state if this
-        member lacks it (it joined, or its group changed with the membership), while the group serves it."""
+        the last plan's), tell the all-reduce; with grouped averaging, fetch the group's base if not held."""
         if self.round_known:
             return
-        t, step, plan = self.tasklet, self.training, self.heartbeat.plan
-        self.round_known = t.learn_round(plan, step)
-        rnd = plan.round_for(step) if self.round_known and plan is not None else None
-        if rnd is not None and self.rc.sync.group_size:
-            base_hash = t.round_info(rnd, step).base_hash
-            if t.base(base_hash) is None:
-                self._fetch_base(rnd, step, base_hash)
-
-    def _fetch_base(self, rnd: Round, step: int, base_hash: str) -> None:
-        t, cell = self.tasklet, rnd.member(self.me)
-        named = rnd.group_base(t.stage, cell.group) if cell is not None else None
-        if named is None:
-            return
-        m = self.heartbeat.manifest
-        want = Recover(named.version, base_hash, f"the base state of group {cell.group} in step {step}")
-        snap = recover(self.tools, t.stage, t.worker.numel, want, t.states.current.version, self.heartbeat.plan,
-                       Target(m.coordinator, m.coordinator_grpc) if m.coordinator_grpc else None)
-        if snap is not None:
-            log.info("fetched v%d (%s), the state group %d starts step %d from", snap.version, snap.hash[:12],
-                     cell.group, step)
-            t.fetched_base = snap
+        t, plan = self.tasklet, self.heartbeat.plan
+        self.round_known = t.learn_round(plan, self.training)
+        if self.round_known and self.rc.sync.group_size:
+            t.fetch_base(plan, self.training, self.heartbeat.manifest)
 
     def _recover(self, want: Recover) -> None:
         self.set_state("recovering")
@@ -210,9 +198,7 @@ class Session:
         if own is not None:
             log.info("%s: back to this peer's own v%d", want.reason, own.version)
             return t.adopt(own)
-        m = self.heartbeat.manifest
-        snap = recover(self.tools, t.stage, t.worker.numel, want, t.states.current.version, self.heartbeat.plan,
-                       Target(m.coordinator, m.coordinator_grpc) if m.coordinator_grpc else None)
+        snap = t.fetch(want, self.heartbeat.plan, self.heartbeat.manifest)
         if snap is None:
             self.heartbeat.wait_plan(lambda p: False, timeout=0.25)
             return

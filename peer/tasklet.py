@@ -11,22 +11,26 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from potluck.compression.int8 import Codec, make_codec
-from potluck.compression.transfer import Snapshot
+from potluck.compression.transfer import Snapshot, Target
 from potluck.models import sizecheck, stage_bounds
 from potluck.peer import admission
 from potluck.peer.allreduce import AllReduce, MemberAddr, RoundInfo
+from potluck.peer.audit import Auditor
 from potluck.peer.data import Dataset
 from potluck.peer.diloco import outer_snapshot
+from potluck.peer.follower import Recover
 from potluck.peer.heartbeat import Heartbeat
 from potluck.peer.joining import Joined, device_memory, pick_device
 from potluck.peer.links import LinkConfig, LinkProber
 from potluck.peer.multidevice import Leader
 from potluck.peer.pipeline import Neighbour, Pipeline
+from potluck.peer.recovery import recover
 from potluck.peer.service import PeerService
 from potluck.peer.stage import StageWorker
 from potluck.peer.states import States
@@ -37,7 +41,7 @@ from potluck.protos.identity import Identity
 from potluck.protos.limits import pipe_max_samples
 from potluck.protos.log import get_logger, set_context, short_id
 from potluck.protos.netem import NetEm
-from potluck.protos.records import PeerRecord, Plan, Round
+from potluck.protos.records import AuditReport, Manifest, PeerRecord, Plan, Round
 from potluck.protos.refusals import log_refusal
 from potluck.protos.transport import PeerClient, PeerServer, RelayedServer, Traffic
 
@@ -70,6 +74,7 @@ class Toolbox:
     maddrs: list[str] = field(default_factory=list)
     threads: list[threading.Thread] = field(default_factory=list)
     devices: Leader | None = None  # this peer's other processes, when torchrun started several (rank 0 speaks for them)
+    on_audit: Callable[[AuditReport], None] = lambda report: None  # where this peer's audit reports go (its record)
 
     @classmethod
     def build(cls, cfg: PeerConfig, joined: Joined, identity: Identity, stopping: threading.Event,
@@ -189,8 +194,9 @@ class Tasklet:
     allreduce: AllReduce
     pipeline: Pipeline | None
     states: States
+    auditor: Auditor
     fetched_base: Snapshot | None = None  # a group's base state this member did not hold (grouped averaging)
-    expected: tuple[int, str] = (0, "")  # the (step, base hash) the all-reduce expects
+    expected: tuple[int, str | Future[str]] = (0, "")  # the (step, base hash) the all-reduce expects
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
@@ -212,10 +218,14 @@ class Tasklet:
         allreduce = AllReduce(run_id=rc.run_id, me=tools.me, numel=numel, codec=tools.codec, client=tools.client,
                               chunk_bytes=rc.sync.chunk_bytes, rpc_timeout=rc.sync.rpc_timeout_s,
                               ping=tools.ping_member, stopping=tools.stopping, sign=tools.sign,
-                              clip_factor=rc.sync.clip_factor, reject_below=rc.sync.reject_below)
+                              clip_factor=rc.sync.clip_factor, reject_below=rc.sync.reject_below, pinned=worker.pinned)
+        auditor = Auditor(rc.run_id, tools.me, tools.client, tools.codec, rc.sync.chunk_bytes, rc.sync.clip_factor,
+                          rc.sync.reject_below, allreduce.held_result,
+                          lambda a, inputs: allreduce.keep_evidence(a.step, a.epoch, a.shard, a.attempt, inputs),
+                          lambda report: tools.on_audit(report), allreduce.own_input)
         theta0 = worker.theta()
         first = outer_snapshot(theta0, torch.zeros_like(theta0), 0, {**worker.meta(), "epoch": 0})
-        tasklet = cls(tools, stage, worker, allreduce, pipeline, States(rc.run_id, rc.sync.chunk_bytes, first))
+        tasklet = cls(tools, stage, worker, allreduce, pipeline, States(rc.run_id, rc.sync.chunk_bytes, first), auditor)
         tasklet.expect_next()
         return tasklet
 
@@ -226,8 +236,9 @@ class Tasklet:
         me = rnd.member(self.tools.me)
         cells = rnd.group_members(self.stage, me.group if me is not None else 0)
         members = tuple(MemberAddr(m.peer_id, m.address) for m in cells)
+        owners = () if all(m.owns for m in cells) else tuple(m.peer_id for m in cells if m.owns)  # probation
         return RoundInfo(step=step, members=members, me=self.tools.me, base_hash=self.base_hash(rnd, step),
-                         epoch=rnd.epoch, replicas=tuple(m.replica for m in cells))
+                         epoch=rnd.epoch, replicas=tuple(m.replica for m in cells), owners=owners)
 
     def base_hash(self, rnd: Round, step: int) -> str:
         """The hash of the state this member's group starts ``step`` from: the state held, or with grouped
@@ -250,7 +261,8 @@ class Tasklet:
         with self.lock:
             if self.expected[0] != info.step:
                 return False
-            if self.expected[1] != info.base_hash:  # a grouped step from its group's base, not the state held
+            held = self.expected[1]
+            if (held if isinstance(held, str) else held.result()) != info.base_hash:  # a group's base, not the held
                 self.allreduce.expect(info.step, info.base_hash, self.states.epoch)
                 self.expected = (info.step, info.base_hash)
         return self.allreduce.set_round(info)
@@ -258,12 +270,32 @@ class Tasklet:
     def learn_round(self, plan: Plan | None, step: int) -> bool:
         """Once the coordinator's round for ``step`` is known (it may arrive while this tasklet trains on the
         last plan's), tell the all-reduce: members that finish sooner are checked against it at once, and a
-        stranger is refused as one instead of held until the outer step. True if it was."""
+        stranger is refused as one instead of held until the outer step. True if it was.
+        The audits that rounds up to ``step`` give this peer start too (see :class:`Auditor`)."""
+        self.auditor.start_for(plan, step, self.tools.addresses)
         rnd = plan.round_for(step) if plan is not None else None
         cell = rnd.member(self.tools.me) if rnd is not None and rnd.step == step else None
         if rnd is None or cell is None or cell.stage != self.stage:
             return False
         return self.ready(self.round_info(rnd, step))
+
+    def fetch_base(self, plan: Plan | None, step: int, manifest: Manifest) -> None:
+        """Grouped averaging: fetch the base state the round of ``step`` names for this member's group, if this
+        member does not hold it (it joined, or its group changed with the membership), while the group serves it."""
+        rnd = plan.round_for(step) if plan is not None else None
+        cell = rnd.member(self.tools.me) if rnd is not None and rnd.step == step else None
+        named = rnd.group_base(self.stage, cell.group) if rnd is not None and cell is not None else None
+        if rnd is None or named is None or self.base(base_hash := self.base_hash(rnd, step)) is not None:
+            return
+        want = Recover(named.version, base_hash, f"the base state of group {named.group} in step {step}")
+        if (snap := self.fetch(want, plan, manifest)) is not None:
+            log.info("fetched v%d (%s): %s", snap.version, snap.hash[:12], want.reason)
+            self.fetched_base = snap
+
+    def fetch(self, want: Recover, plan: Plan | None, manifest: Manifest) -> Snapshot | None:
+        """The state ``want`` names, from the members of the plan's rounds or the coordinator's checkpoint."""
+        coordinator = Target(manifest.coordinator, manifest.coordinator_grpc) if manifest.coordinator_grpc else None
+        return recover(self.tools, self.stage, self.worker.numel, want, self.states.current.version, plan, coordinator)
 
     def replace(self, stage: int) -> Tasklet:
         """A fresh tasklet of ``stage`` (at theta_0) in place of this one."""
@@ -274,7 +306,7 @@ class Tasklet:
         """Hold ``snap`` as theta_global (committed here or recovered) and train on from it."""
         self.worker.load(snap.tensors["theta"], int(snap.meta.get("inner_steps", self.worker.steps_done)))
         epoch = int(snap.meta.get("epoch", 0))
-        self.states.commit(Snapshot(snap.tensors, snap.version, snap.hash, {**self.worker.meta(), "epoch": epoch}))
+        self.states.commit(replace(snap, meta={**self.worker.meta(), "epoch": epoch}))  # (its hash may still be under way)
         self.expect_next()
         set_context(step=snap.version)
 
@@ -291,11 +323,12 @@ class Tasklet:
         """Accept all-reduce messages for the step after the state held (and drop any others), computed from
         the state held or, with grouped averaging, from the one before it: the base the coordinator names
         for a group whose members averaged together two steps before (every group, while the membership
-        holds; a round that names another is adopted when it arrives, :meth:`ready`)."""
+        holds; a round that names another is adopted when it arrives, :meth:`ready`). The hash may still be
+        under way (see :class:`~potluck.compression.transfer.Snapshot`)."""
         with self.lock:
             current, prev = self.states.current, self.states.server.previous
             grouped = self.tools.rc.sync.group_size and prev is not None and prev.version == current.version - 1
-            base = prev.hash if grouped and prev is not None else current.hash
+            base = prev.digest if grouped and prev is not None else current.digest
             self.allreduce.expect(current.version + 1, base, self.states.epoch)
             self.expected = (current.version + 1, base)
             if self.fetched_base is not None and self.fetched_base.version < current.version - 1:
@@ -303,5 +336,6 @@ class Tasklet:
 
     def close(self) -> None:
         self.allreduce.close()
+        self.auditor.close()
         if self.pipeline is not None:
             self.pipeline.close()

@@ -77,6 +77,8 @@ class Manifest(_Record):
     data: DataIdentity = Field(default_factory=DataIdentity, description="the identity of the run's data")
     security: Literal["mtls", "insecure"] = Field("mtls", description="peer-to-peer gRPC over mutual TLS, or not")
     admission: Literal["open", "private"] = Field("open", description="'private': joining needs the join token")
+    pow_bits: int = Field(0, ge=0, le=32, description="open runs: the proof of work a new key must bring "
+                          "(potluck.protos.work)")
     ca_pem: str = Field("", description="the run's CA certificate: peers' TLS certificates chain to it")
     seq: int = 0
 
@@ -104,7 +106,17 @@ class StepReport(_Record):
     included: list[int] = Field(default_factory=list, max_length=1024, description="replicas whose contributions "
                                 "this version holds (stage 0: the data cursor returns the others' samples)")
     pipe: dict[str, int] = Field(default_factory=dict, max_length=8, description="pipeline bytes of the step, by kind")
+    flags: dict[str, list[str]] = Field(default_factory=dict, max_length=256, description="each owner's signed "
+                                        "outcome: the contributors it clipped or left out (the coordinator counts "
+                                        "owners, not the members that repeat them)")
     t: float = Field(0.0, description="wall-clock time of the commit")
+
+    @field_validator("flags")
+    @classmethod
+    def _short_flag_lists(cls, v: dict[str, list[str]]) -> dict[str, list[str]]:
+        if any(len(k) > ID_LEN or len(ps) > 256 or any(len(p) > ID_LEN for p in ps) for k, ps in v.items()):
+            raise ValueError("an owner's flags name at most 256 peer ids")
+        return v
 
 
 class PeerRecord(_Record):
@@ -152,6 +164,7 @@ class PeerRecord(_Record):
     ts: float = 0.0
     extras: dict[str, Any] = Field(default_factory=dict, max_length=16)
     error: str = Field("", max_length=TEXT_LEN, description="state failed: why the peer stopped, in one line")
+    audits: list[AuditReport] = Field(default_factory=list, max_length=16, description="its latest audits, newest last")
 
     @field_validator("dht_maddrs")
     @classmethod
@@ -169,6 +182,8 @@ class Member(_Record):
     group: int = Field(0, ge=0, le=MAX_GROUPS, description="its averaging group within its stage in this step "
                        "(sync.group_size): it all-reduces with the stage's members of the same group only; every "
                        "member in group 0: one group")
+    owns: bool = Field(True, description="owns a shard of its stage's all-reduce (false while on probation: it "
+                       "contributes to every shard and gathers every result, but averages none)")
 
 
 class GroupBase(_Record):
@@ -180,6 +195,36 @@ class GroupBase(_Record):
     group: int = Field(ge=0, le=MAX_GROUPS)
     version: int = Field(ge=0)
     hash: str = Field("", max_length=HASH_LEN)
+
+
+class ShardOf(_Record):
+    """One shard result of an outer step: which step (and epoch), stage and shard, by whom (its owner)."""
+
+    step: int = Field(ge=1)
+    epoch: int = Field(0, ge=0)
+    stage: int = Field(0, ge=0)
+    group: int = Field(0, ge=0, le=MAX_GROUPS, description="the stage's averaging group (sync.group_size) whose "
+                       "all-reduce made it: shards are numbered within a group")
+    shard: int = Field(0, ge=0)
+    attempt: int = Field(0, ge=0)
+    owner: str = Field(max_length=ID_LEN)
+
+
+class Audit(ShardOf):
+    """The coordinator's pick, made after the step: ``auditor`` recomputes this shard result from the signed
+    contributions its owner says it averaged."""
+
+    auditor: str = Field(max_length=ID_LEN)
+
+
+class AuditReport(ShardOf):
+    """What an auditor found: ``ok``; ``lie`` (the signed result is not what the signed inputs make, or the
+    inputs shown are not those the result names: a proof the coordinator checks); ``unserved`` (the owner
+    did not show its inputs)."""
+
+    verdict: Literal["ok", "lie", "unserved"]
+    reason: str = Field("", max_length=TEXT_LEN)
+    t: float = 0.0
 
 
 MAX_POSITION = 1 << 62  # global sample positions: billions of epochs of billions of samples
@@ -229,6 +274,8 @@ class Round(_Record):
     groups: list[GroupBase] = Field(default_factory=list, max_length=MAX_GROUPS, description="grouped averaging: "
                                     "per (stage, group) of the members, the state the group starts from; empty: "
                                     "each stage's members average as one group from `base_hashes`")
+    audits: list[Audit] = Field(default_factory=list, max_length=256, description="shard results of an earlier "
+                                "step to recompute during this step's inner phase, and by whom")
 
     @model_validator(mode="after")
     def _pool_is_ordered(self) -> Round:
@@ -270,6 +317,21 @@ class Round(_Record):
     def group_members(self, stage: int, group: int) -> list[Member]:
         """The members of ``stage`` that average with each other, in replica order (their shard order)."""
         return [m for m in self.stage_members(stage) if m.group == group]
+
+    def stage_groups(self, stage: int) -> dict[int, list[Member]]:
+        """The averaging groups of ``stage`` (one, group 0, without grouped averaging), each in shard order."""
+        return {g: self.group_members(stage, g) for g in sorted({m.group for m in self.stage_members(stage)})}
+
+    def cohort(self, peer_id: str) -> list[Member]:
+        """The members ``peer_id`` averages with in this round (its group of its stage, itself included)."""
+        me = self.member(peer_id)
+        return self.group_members(me.stage, me.group) if me is not None else []
+
+    def shard_owners(self, stage: int, group: int = 0) -> list[str]:
+        """Who owns the shards of a group's all-reduce, in shard order: its members past probation (``owns``), or
+        all of them while none is."""
+        cells = self.group_members(stage, group)
+        return [m.peer_id for m in cells if m.owns] or [m.peer_id for m in cells]
 
     def group_base(self, stage: int, group: int) -> GroupBase | None:
         """The state group ``group`` of ``stage`` starts from; None: one group per stage, from ``base_hashes``."""
@@ -334,6 +396,8 @@ class AdmissionRequest(_Record):
     run_id: str = Field(max_length=ID_LEN)
     tls_key: str = Field(max_length=1024, description="PEM of the ECDSA P-256 public key to certify")
     proof: str = Field("", max_length=128, description="HMAC of peer id and TLS key under the join token")
+    pow_nonce: int = Field(0, ge=0, description="admission.pow_bits: a nonce making sha256(run id, peer id, nonce) "
+                           "start with that many zero bits")
     ts: float = 0.0
     seq: int = 0
 

@@ -3,6 +3,7 @@ between real gRPC servers in one process, against an independent numpy simulatio
 
 from __future__ import annotations
 
+import random
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -13,13 +14,16 @@ from pydantic import ValidationError
 from potluck.compression.int8 import Int8BlockCodec
 from potluck.compression.transfer import Snapshot
 from potluck.coordinator.groups import assign, choose_base, group_count, partition
+from potluck.coordinator.integrity import Integrity
+from potluck.coordinator.trust import Trust
 from potluck.peer.allreduce import AllReduce, MemberAddr, RoundInfo
+from potluck.peer.audit import Auditor
 from potluck.peer.diloco import outer_snapshot
 from potluck.peer.outer import outer_step
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config import RunConfig, apply_overrides
 from potluck.protos.identity import Identity
-from potluck.protos.records import GroupBase, Member, Round
+from potluck.protos.records import Audit, GroupBase, Member, Round
 from potluck.protos.transport import PeerClient, PeerServer, Traffic
 
 SIZES = [(n, g) for g in (2, 3, 4, 8) for n in range(1, 70)] + [(1000, 32), (1024, 32), (1024, 8)]
@@ -159,6 +163,9 @@ class Peer:
     def push_result(self, chunks):  # type: ignore[no-untyped-def]
         return self.ar.on_result(chunks)
 
+    def fetch_inputs(self, request: pb.InputsRequest):  # type: ignore[no-untyped-def]
+        return self.ar.on_fetch_inputs(request)
+
     def holding(self) -> list[tuple[int, str]]:
         return [(s.version, s.hash) for s in self.states[-2:]]
 
@@ -235,9 +242,49 @@ def test_grouped_steps_match_numpy_and_stay_bit_identical_inside_each_group() ->
         assert bases_seen[0] == [(0, h[0][0])]  # every member starts at theta_0
         assert bases_seen[1] == [(0, h[0][0])]  # the diagonals' members last shared theta_0
         assert bases_seen[2] == sorted({(1, h[0][1]), (1, h[2][1])})  # rows again: each row's result of step 1
+        for p in peers:
+            p.ar.expect(4, p.states[-1].hash)  # step 3 is kept for its audits
+        audit_each_group(peers, rnd)
     finally:
         for p in peers:
             p.close()
+
+
+def audit_each_group(peers: list[Peer], rnd: Round) -> None:
+    """Verified reduction per group: each group's shards (numbered within it) are audited by another member of
+    the group, from the inputs their owner signed, and pass; a member of another group holds none of them."""
+    by_id = {p.id: p for p in peers}
+    for group, cells in rnd.stage_groups(0).items():
+        for shard, owner in enumerate(rnd.shard_owners(0, group)):
+            auditor = by_id[next(m.peer_id for m in cells if m.peer_id != owner)]
+            stranger = by_id[next(m.peer_id for m in rnd.members if m.group != group)]
+            a = Audit(step=rnd.step, stage=0, group=group, shard=shard, owner=owner, auditor=auditor.id)
+            for who, verdict in ((auditor, "ok"), (stranger, "unserved")):
+                checker = Auditor("groups", who.id, who.client, Int8BlockCodec(BLOCK), 4096, 4.0, -0.1,
+                                  who.ar.held_result, lambda a, inputs: None, lambda r: None, who.ar.own_input)
+                report = checker.audit(a, by_id[owner].address)
+                assert (report.verdict, report.group, report.shard) == (verdict, group, shard), report
+
+
+def test_owners_and_auditors_of_a_shard_come_from_its_group() -> None:
+    """The coordinator's half of verified reduction with groups: a group's shards are owned by its members
+    past probation (all of them while none is), and each audit's auditor is another eligible member of the
+    owner's group (the only peers that hold the result), named with the group."""
+    rc = apply_overrides(RunConfig(), {"sync.group_size": 3, "sync.audit_fraction": 1.0})
+    trust = Trust(probation_steps=1, work={"p0": [1], "p4": [1], "p5": [1]})
+    owned = trust.assign_owners([Member(peer_id=f"p{r}", address="x:1", replica=r) for r in range(9)])
+    members, bases = assign(owned, 3, 3, {})
+    made = Round(step=3, members=members, groups=bases)  # rows: p0-p2, p3-p5, p6-p8
+    assert [made.shard_owners(0, g) for g in range(3)] == [["p0"], ["p4", "p5"], ["p6", "p7", "p8"]]
+    audits = Integrity(rc, trust, rng=random.Random(0)).audits(made, members)
+    # group 0's one trusted member cannot audit itself: no audit there, as in a stage with one trusted member
+    assert sorted((a.group, a.shard, a.owner) for a in audits) == [
+        (1, 0, "p4"), (1, 1, "p5"), (2, 0, "p6"), (2, 1, "p7"), (2, 2, "p8")]
+    for a in audits:
+        owner, auditor = made.member(a.owner), made.member(a.auditor)
+        assert owner is not None and auditor is not None and a.auditor != a.owner
+        assert owner.group == auditor.group == a.group
+        assert a.group != 1 or a.auditor in {"p4", "p5"}  # trusted members audit where there are some
 
 
 def test_a_grouped_step_bases_on_the_groups_state_not_the_members_own() -> None:
