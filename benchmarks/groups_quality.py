@@ -107,6 +107,8 @@ def main() -> None:
         for size in sizes:
             name = "grouped" if size else "full"
             results[name] = run_swarm(args, Path(tmp) / name, size)
+            print(json.dumps({"benchmark": "groups_quality_swarm", "config": name, "group_size": size,
+                              "peers": args.peers, **results[name]}), file=sys.stderr, flush=True)
     g, f = results["grouped"], results["full"]
     print(json.dumps({
         "benchmark": "groups_quality", "peers": args.peers, "group_size": args.group_size,
