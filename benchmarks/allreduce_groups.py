@@ -1,8 +1,8 @@
 """The outer all-reduce at R = 8, 32 and 64 members, with and without grouped averaging.
 
-In one process: ``R`` members, each a real gRPC server on 127.0.0.1 with mutual TLS (certificates of
-one run CA: each member is its own client to the others, as on separate hosts) with its own client
-and :class:`~potluck.peer.allreduce.AllReduce`, exactly as peers hold them; each round every
+In one process: ``R`` members (``diloco_allreduce.Member``), each a real gRPC server on 127.0.0.1 with
+mutual TLS (certificates of one run CA: each member is its own client to the others, as on separate
+hosts) with its own client and :class:`~potluck.peer.allreduce.AllReduce`, exactly as peers hold them; each round every
 member starts at one barrier and averages its own random vector of ``--numel`` float32 values (int8
 blocks of ``--block``). The figure of a round is the time from the barrier to the slowest member's
 result; each configuration runs one warm-up round and ``--rounds`` timed ones (median), and every
@@ -37,58 +37,30 @@ import time
 from pathlib import Path
 
 import torch
+from diloco_allreduce import Member  # (benchmarks/ is on the path of a script run from it)
 
 from potluck.compression.int8 import Int8BlockCodec
 from potluck.coordinator.groups import partition
-from potluck.peer.allreduce import AllReduce, MemberAddr, RoundInfo
-from potluck.protos import potluck_pb2 as pb
-from potluck.protos.certs import CertificateAuthority, TlsIdentity
-from potluck.protos.identity import Identity
-from potluck.protos.transport import PeerClient, PeerServer, Traffic
+from potluck.peer.allreduce import MemberAddr, RoundInfo
+from potluck.protos.certs import CertificateAuthority
 
-RUN = "bench-groups"
-
-
-class Member:
-    def __init__(self, numel: int, block: int, step: list[int], ca: CertificateAuthority) -> None:
-        self.identity = Identity.generate()
-        self.id = self.identity.peer_id
-        self.traffic = Traffic()
-        tls = TlsIdentity.generate()
-        tls.adopt(ca.issue(self.id, tls.public_pem, 3600), ca.cert_pem, self.id)
-        self.client = PeerClient(self.traffic, tls=tls)
-        self.ar = AllReduce(run_id=RUN, me=self.id, numel=numel, codec=Int8BlockCodec(block), client=self.client,
-                            chunk_bytes=1 << 20, rpc_timeout=600.0, sign=self.identity.sign,
-                            ping=lambda pid, t: pb.PingReply(state="syncing", version=step[0] - 1))
-        self.server = PeerServer(self, self.traffic, host="127.0.0.1", port=0, tls=tls)
-        self.address = f"127.0.0.1:{self.server.port}"
-
-    def push_contribution(self, chunks):  # type: ignore[no-untyped-def]
-        return self.ar.on_contribution(chunks)
-
-    def push_result(self, chunks):  # type: ignore[no-untyped-def]
-        return self.ar.on_result(chunks)
-
-    def close(self) -> None:
-        self.server.stop(0.1)
-        self.ar.close()
-        self.client.close()
+RUN = "bench"  # (diloco_allreduce.Member's run)
 
 
 def measure(members: int, group_size: int, numel: int, block: int, rounds: int, ca: CertificateAuthority) -> dict:
     """Median wall time and mean bytes per member of ``rounds`` all-reduces (after a warm-up)."""
-    step = [0]
-    ms = [Member(numel, block, step, ca) for _ in range(members)]
+    ms = [Member(numel, Int8BlockCodec(block), ca, rpc_timeout=600.0) for _ in range(members)]
     walls, sent, sizes = [], [], []
     try:
         for rnd in range(rounds + 1):
-            step[0] = rnd + 1
-            groups = partition(members, group_size, step[0])
+            step = rnd + 1
+            groups = partition(members, group_size, step)
             sizes.append(max(groups.count(g) for g in set(groups)))
-            infos = [RoundInfo(step[0], tuple(MemberAddr(m.id, m.address) for m, g in zip(ms, groups, strict=True)
+            infos = [RoundInfo(step, tuple(MemberAddr(m.id, m.address) for m, g in zip(ms, groups, strict=True)
                                               if g == groups[i]), ms[i].id, "base") for i in range(members)]
             for m in ms:
-                m.ar.expect(step[0], "base")
+                m.step = step
+                m.ar.expect(step, "base")
             gen = torch.Generator().manual_seed(rnd)
             deltas = [torch.randn(numel, generator=gen).mul_(0.01) for _ in ms]
             barrier = threading.Barrier(members + 1)
