@@ -57,10 +57,13 @@ def run_swarm(args: argparse.Namespace, workdir: Path, group_size: int) -> dict:
     steps = args.outer_steps
 
     def done(state: dict) -> bool:
-        if not state["run"]["finished"] and not swarm.alive():
-            raise SwarmError(f"every peer exited before the run finished:\n{swarm.tail('peer-0')}")
+        """Every member evaluated its last state, and the run finished (or every peer has left: a coordinator
+        still auditing the last step on an overloaded box does not change what the members evaluated)."""
         peers = [p for p in state["peers"] if p["version"] == steps and p["eval_loss"] is not None]
-        return bool(state["run"]["finished"] and len(peers) == args.peers)
+        alive = swarm.alive()
+        if not state["run"]["finished"] and not alive and len(peers) < args.peers:
+            raise SwarmError(f"every peer exited before the run finished:\n{swarm.tail('peer-0')}")
+        return len(peers) == args.peers and (state["run"]["finished"] or not alive)
 
     try:
         swarm.start_coordinator(run_config(args, group_size, workdir / "journal"))
@@ -80,7 +83,7 @@ def run_swarm(args: argparse.Namespace, workdir: Path, group_size: int) -> dict:
         "members": [h["members"] for h in hist], "states_per_step": [len(set(h["state_hashes"].values())) for h in hist],
         "bytes_per_member_per_step": round(statistics.fmean(h["bytes"]["outer"] / h["members"] for h in hist)),
         "allreduce_s_median": round(statistics.median(h["allreduce_s"] for h in hist if h["allreduce_s"]), 3),
-        "wall_s": round(wall, 1),
+        "wall_s": round(wall, 1), "run_finished": state["run"]["finished"],
     }
 
 
@@ -100,13 +103,16 @@ def main() -> None:
                         help="sync.deadline_floor_s: generous, so no member of an overloaded box is dropped")
     parser.add_argument("--order", choices=["grouped-first", "full-first"], default="grouped-first")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds each swarm run may take")
+    parser.add_argument("--workdir", default="", help="keep each swarm's logs and journal here (default: a temporary "
+                        "folder, removed)")
     args = parser.parse_args()
     sizes = [args.group_size, 0] if args.order == "grouped-first" else [0, args.group_size]
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="potluck-bench-") as tmp:
         for size in sizes:
+            root = Path(args.workdir) if args.workdir else Path(tmp)
             name = "grouped" if size else "full"
-            results[name] = run_swarm(args, Path(tmp) / name, size)
+            results[name] = run_swarm(args, root / name, size)
             print(json.dumps({"benchmark": "groups_quality_swarm", "config": name, "group_size": size,
                               "peers": args.peers, **results[name]}), file=sys.stderr, flush=True)
     g, f = results["grouped"], results["full"]

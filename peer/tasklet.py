@@ -243,12 +243,19 @@ class Tasklet:
     def base_hash(self, rnd: Round, step: int) -> str:
         """The hash of the state this member's group starts ``step`` from: the state held, or with grouped
         averaging the base the round names for the group. A step run on an older round (the coordinator is
-        away) starts from the state held: its group is the one this member has just averaged with."""
+        away) keeps that round's groups: when its step has this step's parity, rows or diagonals, the step two
+        before had them too, and their common state is the one before the held one (what the all-reduce
+        expects by default); otherwise this member's group is the one it has just averaged with."""
         me = rnd.member(self.tools.me)
-        named = rnd.group_base(self.stage, me.group) if me is not None and rnd.step == step else None
-        if not self.tools.rc.sync.group_size or named is None or not named.hash:
+        if not self.tools.rc.sync.group_size or me is None:
             return self.states.current.hash
-        return named.hash
+        if rnd.step == step:
+            named = rnd.group_base(self.stage, me.group)
+            return named.hash if named is not None and named.hash else self.states.current.hash
+        prev = self.states.server.previous
+        if rnd.step % 2 == step % 2 and prev is not None and prev.version == step - 2:
+            return prev.hash
+        return self.states.current.hash
 
     def base(self, base_hash: str) -> Snapshot | None:
         """The held state (newest, the one before it, or one fetched for a group) hashing to ``base_hash``."""

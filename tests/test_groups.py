@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from potluck.peer.allreduce import AllReduce, MemberAddr, RoundInfo
 from potluck.peer.audit import Auditor
 from potluck.peer.diloco import outer_snapshot
 from potluck.peer.outer import outer_step
+from potluck.peer.tasklet import Tasklet
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config import RunConfig, apply_overrides
 from potluck.protos.identity import Identity
@@ -307,3 +309,16 @@ def test_group_bases_travel_in_the_round_record() -> None:
     assert [m.peer_id for m in back.group_members(0, 1)] == ["b"]
     old = Round.model_validate({"step": 1, "members": [{"peer_id": "a", "address": "x:1"}]})  # an older writer's
     assert old.members[0].group == 0 and old.groups == [] and old.group_base(0, 0) is None
+
+
+@pytest.mark.parametrize("round_step,expected", [(9, "named"), (5, "h7"), (6, "h8")])
+def test_a_step_on_an_older_round_starts_from_the_state_its_groups_share(round_step: int, expected: str) -> None:
+    """Step 9 runs on the last round known: its own (the base it names), or, the coordinator away, an older
+    one whose groups the step two before had too (same parity: the state before the held one, v7), or that
+    this member has just averaged with (the held one, v8)."""
+    held = [SimpleNamespace(version=v, hash=f"h{v}") for v in (8, 7)]
+    rnd = Round(step=round_step, members=[Member(peer_id="me", address="x:1")],
+                groups=[GroupBase(stage=0, group=0, version=round_step - 1, hash="named")])
+    tasklet = SimpleNamespace(tools=SimpleNamespace(me="me", rc=apply_overrides(RunConfig(), {"sync.group_size": 2})),
+                              stage=0, states=SimpleNamespace(current=held[0], server=SimpleNamespace(previous=held[1])))
+    assert Tasklet.base_hash(tasklet, rnd, 9) == expected  # type: ignore[arg-type]
