@@ -9,7 +9,7 @@ S = 1, the same model, data, seed and number of outer and inner steps, so the sa
 * ``full``: ``sync.group_size = 0``: every step averages all members (today's all-reduce).
 
 The figure is each swarm's eval loss of ``theta_global`` after the last outer step
-(``data.eval_every = outer_steps``). In the grouped run every member evaluates its own group's
+(``data.eval_every = outer_steps``), as each member logs it. In the grouped run every member evaluates its own group's
 state: the line gives their mean, best and worst, and the ratio of the mean and of the worst to the
 full run's loss. Also: tokens trained (equal, or the comparison is void), failed rounds, the distinct
 states after each step (one per group; one for the full run), the bytes each member sent per step
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import statistics
 import sys
@@ -57,13 +58,10 @@ def run_swarm(args: argparse.Namespace, workdir: Path, group_size: int) -> dict:
     steps = args.outer_steps
 
     def done(state: dict) -> bool:
-        """Every member evaluated its last state, and the run finished (or every peer has left: a coordinator
-        still auditing the last step on an overloaded box does not change what the members evaluated)."""
+        """Every member evaluated its last state and the run finished, or every peer has left (on an overloaded
+        box the coordinator's DHT can stop answering near the end: the members go on and evaluate anyway)."""
         peers = [p for p in state["peers"] if p["version"] == steps and p["eval_loss"] is not None]
-        alive = swarm.alive()
-        if not state["run"]["finished"] and not alive and len(peers) < args.peers:
-            raise SwarmError(f"every peer exited before the run finished:\n{swarm.tail('peer-0')}")
-        return len(peers) == args.peers and (state["run"]["finished"] or not alive)
+        return bool(state["run"]["finished"] and len(peers) == args.peers) or not swarm.alive()
 
     try:
         swarm.start_coordinator(run_config(args, group_size, workdir / "journal"))
@@ -74,8 +72,10 @@ def run_swarm(args: argparse.Namespace, workdir: Path, group_size: int) -> dict:
         wall = time.monotonic() - t0
     finally:
         swarm.stop()
-    hist, peers = state["history"], state["peers"]
-    evals = [p["eval_loss"] for p in peers]
+    hist = state["history"]
+    evals = logged_evals(swarm.logs, steps)
+    if not evals:
+        raise SwarmError(f"no member evaluated v{steps}:\n{swarm.tail('peer-0')}")
     return {
         "eval_loss_mean": round(statistics.fmean(evals), 5), "eval_loss_best": round(min(evals), 5),
         "eval_loss_worst": round(max(evals), 5), "distinct_final_states": len(set(hist[-1]["state_hashes"].values())),
@@ -83,8 +83,17 @@ def run_swarm(args: argparse.Namespace, workdir: Path, group_size: int) -> dict:
         "members": [h["members"] for h in hist], "states_per_step": [len(set(h["state_hashes"].values())) for h in hist],
         "bytes_per_member_per_step": round(statistics.fmean(h["bytes"]["outer"] / h["members"] for h in hist)),
         "allreduce_s_median": round(statistics.median(h["allreduce_s"] for h in hist if h["allreduce_s"]), 3),
-        "wall_s": round(wall, 1), "run_finished": state["run"]["finished"],
+        "wall_s": round(wall, 1), "run_finished": state["run"]["finished"], "members_evaluated": len(evals),
+        "steps_committed": len(hist),
     }
+
+
+def logged_evals(logs: Path, version: int) -> list[float]:
+    """The eval loss each member logged for its ``version`` (its own group's state), from its log: read there
+    rather than from the coordinator, whose view may stop short of the end on an overloaded box. A member
+    that fetched the last state instead of computing it did not evaluate it."""
+    found = (re.search(rf"eval loss of v{version}: ([0-9.]+)", f.read_text()) for f in sorted(logs.glob("peer-*.log")))
+    return [float(m.group(1)) for m in found if m]
 
 
 def main() -> None:
