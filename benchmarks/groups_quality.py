@@ -73,7 +73,7 @@ def run_swarm(args: argparse.Namespace, workdir: Path, group_size: int) -> dict:
     finally:
         swarm.stop()
     hist = state["history"]
-    evals = logged_evals(swarm.logs, steps)
+    evals, inner = logged_evals(swarm.logs, steps), logged_inner_steps(swarm.logs)
     if not evals:
         raise SwarmError(f"no member evaluated v{steps}:\n{swarm.tail('peer-0')}")
     return {
@@ -84,8 +84,15 @@ def run_swarm(args: argparse.Namespace, workdir: Path, group_size: int) -> dict:
         "bytes_per_member_per_step": round(statistics.fmean(h["bytes"]["outer"] / h["members"] for h in hist)),
         "allreduce_s_median": round(statistics.median(h["allreduce_s"] for h in hist if h["allreduce_s"]), 3),
         "wall_s": round(wall, 1), "run_finished": state["run"]["finished"], "members_evaluated": len(evals),
-        "steps_committed": len(hist),
+        "steps_committed": len(hist), "inner_steps_logged": inner,
+        "tokens_logged": inner * args.batch * state["run"]["model"]["seq_len"],
     }
+
+
+def logged_inner_steps(logs: Path) -> int:
+    """Inner steps the members trained, summed over their logs' inner phases: the tokens' count when the
+    coordinator's does not reach the end."""
+    return sum(int(n) for f in logs.glob("peer-*.log") for n in re.findall(r"inner phase done: (\d+)/", f.read_text()))
 
 
 def logged_evals(logs: Path, version: int) -> list[float]:
@@ -129,7 +136,7 @@ def main() -> None:
         "benchmark": "groups_quality", "peers": args.peers, "group_size": args.group_size,
         "inner_steps": args.inner_steps, "outer_steps": args.outer_steps, "batch_per_peer": args.batch,
         "d_model": args.d_model, "n_layers": args.n_layers, "seed": args.seed, "order": args.order,
-        "equal_tokens": g["tokens"] == f["tokens"],
+        "equal_tokens": g["tokens_logged"] == f["tokens_logged"],
         "eval_loss_full": f["eval_loss_mean"], "eval_loss_grouped_mean": g["eval_loss_mean"],
         "eval_loss_grouped_worst": g["eval_loss_worst"],
         "ratio_mean": round(g["eval_loss_mean"] / f["eval_loss_mean"], 5),
