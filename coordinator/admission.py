@@ -203,26 +203,28 @@ class Gatekeeper:
 
     def _evictions(self, records: dict[str, PeerRecord], round_at: Callable[[int], Round | None]) -> list[tuple[str, str]]:
         """Each owner signs whom it clipped or left out, and every member reports each owner's list as it received
-        it (``StepReport.flags``). A peer counts as flagged in a step only when most of its stage's *owners*
-        flagged it, each owner's list as most trusted reporters of the stage give it: owners are counted, not the
+        it (``StepReport.flags``). A peer counts as flagged in a step only when most of the *owners* it
+        averaged with (its stage's; its group's, with ``sync.group_size``) flagged it, each owner's list as most
+        trusted reporters of that group give it: owners are counted, not the
         members that repeat them, so one owner's false flags are never a majority (and an audit of its shard
         proves them false), and reporters on probation (a crowd of fresh keys) do not count. Flagged too often:
         evicted."""
-        claims: dict[tuple[int, int], dict[str, Counter[tuple[str, ...]]]] = {}
+        claims: dict[tuple[int, int, int], dict[str, Counter[tuple[str, ...]]]] = {}
         for rec in records.values():
             if not self.admission.is_admitted(rec.peer_id):
                 continue
             for step in {s.step: s for s in rec.recent}.values():  # one report per reporter and step
                 self._flagged.setdefault(rec.peer_id, {}).setdefault(step.step, False)  # it took part
                 rnd = round_at(step.step)
-                if rnd is None or rec.peer_id not in self.trusted(rnd.stage_members(step.stage)):
+                cohort = rnd.cohort(rec.peer_id) if rnd is not None else []  # its group (sync.group_size)
+                if rec.peer_id not in self.trusted(cohort):
                     continue
-                by_owner = claims.setdefault((step.step, step.stage), {})
+                by_owner = claims.setdefault((step.step, step.stage, cohort[0].group), {})
                 for owner, named in step.flags.items():
                     by_owner.setdefault(owner, Counter())[tuple(sorted(set(named)))] += 1
-        for (step, stage), by_owner in claims.items():
-            cells = rnd.stage_members(stage) if (rnd := round_at(step)) is not None else []
-            owners = [m.peer_id for m in cells if m.owns] or [m.peer_id for m in cells]
+        for (step, stage, group), by_owner in claims.items():
+            cells = rnd.group_members(stage, group) if (rnd := round_at(step)) is not None else []
+            owners = rnd.shard_owners(stage, group) if rnd is not None else []
             counts: Counter[str] = Counter()
             for owner, versions in by_owner.items():
                 if owner in owners:

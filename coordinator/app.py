@@ -220,7 +220,7 @@ class Coordinator:
         if replan is not None and any(before.get(pid) != cell for pid, cell in grid.items()):
             self._event("replan", "", replan.describe())
         cells, audits = self.integrity.roles(members(grid, records), self.rounds)  # owners past probation; audits
-        r = self.rounds.decide(cells, now, time.time(), audits)
+        r = self.rounds.decide(cells, now, time.time(), self.table.reports(), audits)
         self.publisher.new_plan()
         self._save()  # journaled before anyone can act on it
         self._event("round", "", describe_round(r, before))

@@ -203,14 +203,23 @@ class DataCursor:
     def included(self, rnd: Round, step: int, round_at: Callable[[int], Round | None]) -> set[int]:
         """The replicas of ``rnd`` whose samples version ``step`` holds: all but those a strict majority
         of the round's voting stage-0 members leave out (a tie keeps a replica: its samples count as
-        trained, so one liar cannot make honest samples repeat). With no vote for the step (peers ran
-        ahead more steps than their reports remember), the nearest step run on the same round answers."""
+        trained, so one liar cannot make honest samples repeat). With grouped averaging only the members
+        of a replica's own group vote on it (the others' versions never held it). With no vote for the
+        step (peers ran ahead more steps than their reports remember), the nearest step run on the same
+        round answers."""
         replicas = [s.replica for s in rnd.shares]
+        group_of = {m.peer_id: m.group for m in rnd.members if m.stage == 0}
+        replica_group = {m.replica: m.group for m in rnd.members if m.stage == 0}
         probes = [v for v in range(max(rnd.step, step - KEEP_CURSORS), step + KEEP_CURSORS) if round_at(v) is rnd]
         for probe in sorted(probes, key=lambda v: (abs(v - step), -v)):
-            votes = list(self._votes.get((probe, rnd.epoch), {}).values())
+            votes = self._votes.get((probe, rnd.epoch), {})
             if votes:
-                return {r for r in replicas if 2 * sum(r in v for v in votes) >= len(votes)}
+                kept = set()
+                for r in replicas:
+                    mine = [v for p, v in votes.items() if group_of.get(p, 0) == replica_group.get(r, 0)]
+                    if 2 * sum(r in v for v in mine) >= len(mine):
+                        kept.add(r)
+                return kept
         return set(replicas)
 
     def commit(self, since: int, step: int, round_at: Callable[[int], Round | None]) -> None:

@@ -53,7 +53,7 @@ def fold(history: list[dict[str, Any]], records: Iterable[PeerRecord], round_at:
             if member is None or "_peers" not in entry:
                 continue
             entry["_peers"][rec.peer_id] = {**report.model_dump(mode="json"), "parameters": rec.parameters,
-                                            "n": len(rnd.stage_members(member.stage))}
+                                            "n": len(rnd.group_members(member.stage, member.group))}
             touched.add(report.step)
     for step in touched:
         _aggregate(by_step[step])

@@ -6,9 +6,12 @@ admitted peer is trusted with, and acts on proof that it abused it:
 * **Owners.** A round's members own shards only once past probation (:mod:`potluck.coordinator.trust`);
   the others contribute and gather. Set on each :class:`~potluck.protos.wire.records.Member` of a round.
 * **Audits.** When a round is decided, each shard result of the step committed just before is picked
-  for an audit with probability ``sync.audit_fraction``, its auditor drawn at random among the stage's
-  eligible members that hold that result (members of that round, not its owner). Owners signed their
-  results before the draw, so none knows whether or by whom it will be checked.
+  for an audit with probability ``sync.audit_fraction``, its auditor drawn at random among the eligible
+  members that hold that result (members of that round, not its owner). Owners signed their results
+  before the draw, so none knows whether or by whom it will be checked.
+* **Groups.** With grouped averaging (``sync.group_size``) each group of a stage runs a verified
+  all-reduce of its own: its shards are numbered within it, owned by its members past probation (all of
+  them while none is), and audited by another of its members, the only peers that hold its results.
 * **Accusations.** An auditor that finds a lie says so in its record; the :class:`~potluck.coordinator.
   verifier.Verifier` checks the evidence itself. A proven lie evicts the owner and takes the run back to
   before that step; a false accusation evicts the auditor; the page shows both.
@@ -27,7 +30,7 @@ from potluck.coordinator.verifier import Accusation, Ruling, Verifier
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.net.transport import PeerClient
 from potluck.protos.runtime.log import short_id
-from potluck.protos.wire.records import Audit, AuditReport, Member, PeerRecord, Round
+from potluck.protos.wire.records import Audit, AuditReport, Member, PeerRecord, Round, ShardOf
 
 
 @dataclass(frozen=True)
@@ -49,9 +52,9 @@ class Integrity:
     verifier: Verifier | None = None
     rng: random.Random = field(default_factory=random.SystemRandom)
     _reported: set[tuple] = field(default_factory=set)
-    _final: set[tuple[int, int, int, int]] = field(default_factory=set)  # the coordinator's own audits, unruled
-    _assigned: dict[tuple[int, int, int, int], Audit] = field(default_factory=dict)  # audits in decided rounds
-    _answered: set[tuple[int, int, int, int]] = field(default_factory=set)  # ... whose auditor reported
+    _final: set[tuple[int, ...]] = field(default_factory=set)  # the coordinator's own audits, unruled
+    _assigned: dict[tuple[int, ...], Audit] = field(default_factory=dict)  # audits in decided rounds
+    _answered: set[tuple[int, ...]] = field(default_factory=set)  # ... whose auditor reported
 
     @classmethod
     def for_run(cls, cfg: RunConfig, client: PeerClient, run_id: str, me: str, trust_json: dict | None) -> Integrity:
@@ -66,7 +69,7 @@ class Integrity:
         """The members of the next round with their shard ownership set, and the audits it carries."""
         members = self.trust.assign_owners(members)
         audits = self.audits(rounds.rounds.get(rounds.committed), members)
-        self._assigned.update({(a.step, a.epoch, a.stage, a.shard): a for a in audits})
+        self._assigned.update({shard_key(a): a for a in audits})
         return members, audits
 
     def audits(self, made: Round | None, members: Sequence[Member]) -> list[Audit]:
@@ -76,18 +79,16 @@ class Integrity:
             return []
         next_ids = {m.peer_id for m in members}
         out = []
-        for stage in range(made.stages):
-            cells = made.stage_members(stage)
-            owners = [m.peer_id for m in cells if m.owns] or [m.peer_id for m in cells]
+        for stage, group, cells in groups_of(made):
             eligible = self.trust.eligible(cells)
-            for shard, owner in enumerate(owners):
+            for shard, owner in enumerate(made.shard_owners(stage, group)):
                 if self.rng.random() >= fraction:
                     continue
-                # who holds the result: members of that round; who will be around to check it: of the next one
+                # who holds the result: its group in that round; who will be around to check it: of the next one
                 candidates = sorted(p for p in eligible if p != owner and p in next_ids)
                 if candidates:
-                    out.append(Audit(step=made.step, epoch=made.epoch, stage=stage, shard=shard, owner=owner,
-                                     auditor=self.rng.choice(candidates)))
+                    out.append(Audit(step=made.step, epoch=made.epoch, stage=stage, group=group, shard=shard,
+                                     owner=owner, auditor=self.rng.choice(candidates)))
         return out
 
     # ------------------------------------------------------------------ what auditors report
@@ -97,24 +98,24 @@ class Integrity:
         events: list[tuple[str, str]] = []
         for rec in records.values():
             for r in rec.audits:
-                self._answered.add((r.step, r.epoch, r.stage, r.shard))
-                key = (r.step, r.epoch, r.stage, r.shard, r.owner, rec.peer_id, r.verdict)
+                self._answered.add(shard_key(r))
+                key = (*shard_key(r), r.owner, rec.peer_id, r.verdict)
                 if key in self._reported or r.verdict == "ok":
                     continue
                 self._reported.add(key)
                 made, assigned = round_at(r.step), round_at(r.step + 1)
                 picked = assigned is not None and any(
-                    (a.step, a.epoch, a.stage, a.shard, a.owner, a.auditor) ==
-                    (r.step, r.epoch, r.stage, r.shard, r.owner, rec.peer_id) for a in assigned.audits)
+                    (*shard_key(a), a.owner, a.auditor) == (*shard_key(r), r.owner, rec.peer_id)
+                    for a in assigned.audits)
                 if not picked or made is None:
                     continue  # nobody asked it: an accusation nobody can weigh is not acted on
                 if r.verdict == "unserved":
                     events.append((r.owner, f"did not show the inputs of its shard {r.shard} of step {r.step} to "
                                             f"its auditor {short_id(rec.peer_id)}: {r.reason}"))
                     continue
-                holders = [(rec.peer_id, rec.address)] + [(m.peer_id, m.address) for m in made.stage_members(r.stage)
-                                                          if m.peer_id != rec.peer_id]
-                shards = sum(1 for m in made.stage_members(r.stage) if m.owns) or len(made.stage_members(r.stage))
+                others = [m for m in made.group_members(r.stage, r.group) if m.peer_id != rec.peer_id]
+                holders = [(rec.peer_id, rec.address)] + [(m.peer_id, m.address) for m in others]
+                shards = len(made.shard_owners(r.stage, r.group))
                 if self.verifier is not None and self.verifier.want(Accusation(r, rec.peer_id, tuple(holders), shards)):
                     events.append((r.owner, f"{short_id(rec.peer_id)}, auditing shard {r.shard} of step {r.step}, "
                                             f"says its result is false ({r.reason}); checking the evidence"))
@@ -137,7 +138,7 @@ class Integrity:
     def verdict(self, ruling: Ruling) -> Verdict:
         r, auditor = ruling.accusation.report, ruling.accusation.auditor
         where = f"shard {r.shard} of step {r.step}"
-        self._final.discard((r.step, r.epoch, r.stage, r.shard))
+        self._final.discard(shard_key(r))
         if not auditor and ruling.verdict != "lie":  # the coordinator's own audit
             return Verdict("", 0, f"{where} audited by the coordinator: "
                                   f"{'ok' if ruling.verdict == 'false' else ruling.detail}", "audit",
@@ -160,24 +161,23 @@ class Integrity:
         if self.cfg.sync.audit_fraction <= 0 or self.verifier is None:
             return True
         made = round_at(committed)
-        if made is not None and made.step == committed and (made.step, made.epoch, -1, -1) not in self._answered:
-            self._answered.add((made.step, made.epoch, -1, -1))  # (the last step: drawn once)
-            for stage in range(made.stages):
-                owners = [m.peer_id for m in made.stage_members(stage) if m.owns] or [
-                    m.peer_id for m in made.stage_members(stage)]
-                for shard, owner in enumerate(owners):
+        if made is not None and made.step == committed and (made.step, made.epoch, -1, -1, -1) not in self._answered:
+            self._answered.add((made.step, made.epoch, -1, -1, -1))  # (the last step: drawn once)
+            for stage, group, _ in groups_of(made):
+                for shard, owner in enumerate(made.shard_owners(stage, group)):
                     if self.rng.random() < self.cfg.sync.audit_fraction:
-                        self._assigned[(made.step, made.epoch, stage, shard)] = Audit(
-                            step=made.step, epoch=made.epoch, stage=stage, shard=shard, owner=owner, auditor="")
+                        a = Audit(step=made.step, epoch=made.epoch, stage=stage, group=group, shard=shard,
+                                  owner=owner, auditor="")
+                        self._assigned[shard_key(a)] = a
         for key, a in list(self._assigned.items()):
             if key in self._answered or (rnd := round_at(a.step)) is None or rnd.epoch != a.epoch:
                 continue
             self._answered.add(key)
-            cells = rnd.stage_members(a.stage)
-            owners = [m for m in cells if m.owns] or cells
+            cells = rnd.group_members(a.stage, a.group)
             holders = tuple((m.peer_id, m.address) for m in sorted(cells, key=lambda m: m.peer_id != a.owner))
-            report = AuditReport(step=a.step, epoch=a.epoch, stage=a.stage, shard=a.shard, owner=a.owner, verdict="lie")
-            if self.verifier.want(Accusation(report, "", holders, len(owners))):
+            report = AuditReport(step=a.step, epoch=a.epoch, stage=a.stage, group=a.group, shard=a.shard,
+                                 owner=a.owner, verdict="lie")
+            if self.verifier.want(Accusation(report, "", holders, len(rnd.shard_owners(a.stage, a.group)))):
                 self._final.add(key)
         return not self._final
 
@@ -199,3 +199,13 @@ class Integrity:
     def stop(self) -> None:
         if self.verifier is not None:
             self.verifier.stop()
+
+
+def shard_key(s: ShardOf) -> tuple[int, int, int, int, int]:
+    """What names one shard result of a run: step, epoch, stage, group, shard."""
+    return s.step, s.epoch, s.stage, s.group, s.shard
+
+
+def groups_of(rnd: Round) -> list[tuple[int, int, list[Member]]]:
+    """Each averaging group of ``rnd`` as (stage, group, its members in shard order)."""
+    return [(stage, group, cells) for stage in range(rnd.stages) for group, cells in rnd.stage_groups(stage).items()]

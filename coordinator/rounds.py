@@ -34,6 +34,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from potluck.coordinator import groups
 from potluck.coordinator.cursor import Cursor, DataCursor
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.runtime.log import short_id
@@ -113,6 +114,7 @@ class Rounds:
     factor: float = 4.0
     settle_s: float = 1.0
     grace_s: float = 8.0
+    group_size: int = 0  # sync.group_size: > 0 averages each stage in groups (members then hold several hashes)
     committed: int = 0
     epoch: int = 0
     rounds: dict[int, Round] = field(default_factory=dict)
@@ -130,7 +132,8 @@ class Rounds:
     def for_run(cls, cfg: RunConfig) -> Rounds:
         m = cfg.membership
         return cls(stages=cfg.pipeline.stages, floor_s=m.round_timeout_floor_s, factor=m.round_timeout_factor,
-                   grace_s=m.heartbeat_timeout_s, data=DataCursor(cfg.diloco.inner_steps * cfg.train.batch_size))
+                   grace_s=m.heartbeat_timeout_s, group_size=cfg.sync.group_size,
+                   data=DataCursor(cfg.diloco.inner_steps * cfg.train.batch_size))
 
     # ------------------------------------------------------------------ views
 
@@ -144,7 +147,8 @@ class Rounds:
         return latest if latest is not None and latest.step > self.committed else None
 
     def canonical(self, version: int, stage: int = 0) -> str:
-        """The hash of ``version`` of ``stage`` every member must hold ('' if unknown: version 0, say)."""
+        """The hash of ``version`` of ``stage`` every member must hold ('' if unknown: version 0, say). With
+        grouped averaging each group holds its own: this is the one most members hold (checkpoints take it)."""
         return self.hashes.get(stage, {}).get(version, "")
 
     def round_at(self, step: int) -> Round | None:
@@ -324,14 +328,24 @@ class Rounds:
         return 0, "theta_0"
 
     def _held(self, stage: int, version: int, reports: Sequence[Report]) -> bool:
-        want = self.canonical(version, stage)
+        """Some live member of ``stage`` holds ``version``: at the canonical hash, or with grouped averaging
+        at any hash of the run's line (its newest state made in the epoch of the round that made it)."""
+        want = "" if self.group_size else self.canonical(version, stage)
         for r in reports:
             if not r.live or r.stage != stage:
+                continue
+            if self.group_size and not self._on_line(r):
                 continue
             for v, h in ((r.version, r.state_hash), (r.prev_version, r.prev_hash)):
                 if v == version and h and (not want or h == want):
                     return True
         return False
+
+    def _on_line(self, r: Report) -> bool:
+        """``r``'s newest state was made in the epoch of the round that made it (or is theta_0): neither
+        it nor the one before it is of an abandoned epoch."""
+        made_by = self.round_at(r.version)
+        return r.version == 0 or made_by is None or r.epoch == made_by.epoch
 
     # ------------------------------------------------------------------ deciding
 
@@ -356,21 +370,38 @@ class Rounds:
             return live >= min_peers
         return self.settled(now, reports=reports)
 
-    def decide(self, members: list[Member], now: float, decided_at: float = 0.0, audits: Sequence[Audit] = ()) -> Round:
+    def decide(self, members: list[Member], now: float, decided_at: float = 0.0, reports: Sequence[Report] = (),
+               audits: Sequence[Audit] = ()) -> Round:
         """Round ``committed + 1`` with these members (already placed on the grid, shard owners marked), in this
-        epoch, carrying ``audits`` of the step before."""
+        epoch, carrying ``audits`` of the step before. With grouped averaging each stage's members are split
+        into groups, each with the base state it starts from (:mod:`potluck.coordinator.groups`, from what
+        ``reports`` say the members hold), and no stage-wide base hash is named: the groups of the step before
+        hold different ones."""
         step = self.committed + 1
-        hashes = [self.canonical(step - 1, s) for s in range(self.stages)]
+        hashes = [self.canonical(step - 1, s) if not self.group_size else "" for s in range(self.stages)]
+        members, bases = groups.assign(members, step, self.group_size, self._holdings(reports, members))
         stage0 = [(m.peer_id, m.replica) for m in members if m.stage == 0]
         shares, data_next, pool = self.data.assign(self.committed, stage0, self.round_at(self.committed), self.epoch)
         rnd = Round(step=step, members=sorted(members, key=lambda m: (m.stage, m.replica)), base_hash=hashes[0],
                     stages=self.stages, base_hashes=hashes if self.stages > 1 else [], epoch=self.epoch,
-                    decided_at=decided_at, shares=shares, data_next=data_next, pool=pool, audits=list(audits))
+                    decided_at=decided_at, shares=shares, data_next=data_next, pool=pool, groups=bases,
+                    audits=list(audits))
         self.rounds[step] = rnd
         self._started[step] = now
         for old in sorted(self.rounds)[:-KEEP_ROUNDS]:
             del self.rounds[old]
         return rnd
+
+    def _holdings(self, reports: Sequence[Report], members: Sequence[Member]) -> dict[str, list[groups.Holding]]:
+        """The states each live member holds of the stage it is placed on (its newest and the one before),
+        of the run's line: its newest made in the epoch of the round that made it (or version 0)."""
+        stage = {m.peer_id: m.stage for m in members}
+        out: dict[str, list[groups.Holding]] = {}
+        for r in reports:
+            if not r.live or stage.get(r.peer_id) != r.stage or not self._on_line(r):
+                continue
+            out[r.peer_id] = [(r.version, r.state_hash)] + ([(r.prev_version, r.prev_hash)] if r.prev_version >= 0 else [])
+        return out
 
     def reshard(self, stages: int, checkpoint: Checkpoint, now: float) -> None:
         """Resume with another number of stages from ``checkpoint`` (re-split into ``stages``): every

@@ -61,14 +61,14 @@ class Auditor:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="audit")
         self._lock = threading.Lock()
         self._pending: list[Future] = []
-        self._started: set[tuple[int, int, int, int]] = set()
+        self._started: set[tuple[int, int, int, int, int]] = set()
         self._lies: list[str] = []  # owners this peer's audits found lying, not yet ruled on
 
     def start(self, audits: list[Audit], addresses: dict[str, str]) -> None:
         """Run the audits picked for this peer (each once, however many rounds name it)."""
         with self._lock:
             for a in audits:
-                key = (a.step, a.epoch, a.stage, a.shard)
+                key = (a.step, a.epoch, a.stage, a.group, a.shard)
                 if a.auditor != self.me or key in self._started:
                     continue
                 self._started.add(key)
@@ -116,8 +116,8 @@ class Auditor:
             report = self.audit(a, address)
         except Exception as err:  # an audit that breaks is not a verdict on the owner
             log.warning("audit of shard %d of step %d failed: %s", a.shard, a.step, err)
-            report = AuditReport(step=a.step, epoch=a.epoch, stage=a.stage, shard=a.shard, attempt=a.attempt,
-                                 owner=a.owner, verdict="unserved", reason=f"the audit failed here: {err}"[:500])
+            report = AuditReport(**a.model_dump(exclude={"auditor"}), verdict="unserved",
+                                 reason=f"the audit failed here: {err}"[:500])
         report = report.model_copy(update={"t": time.time()})
         (log.warning if report.verdict != "ok" else log.info)(
             "audit of shard %d of step %d (owner %s): %s%s", a.shard, a.step, short_id(a.owner), report.verdict,
@@ -127,8 +127,7 @@ class Auditor:
 
     def audit(self, a: Audit, address: str) -> AuditReport:
         def verdict(v: str, reason: str = "") -> AuditReport:
-            return AuditReport(step=a.step, epoch=a.epoch, stage=a.stage, shard=a.shard, attempt=a.attempt,
-                               owner=a.owner, verdict=v, reason=reason[:500])  # type: ignore[arg-type]
+            return AuditReport(**a.model_dump(exclude={"auditor"}), verdict=v, reason=reason[:500])  # type: ignore[arg-type]
 
         held = self.held(a.step, a.epoch, a.shard)
         if held is None:

@@ -23,7 +23,6 @@ import importlib
 import threading
 import time
 
-from potluck.compression.transfer import Target
 from potluck.peer.data import DataError
 from potluck.peer.follower import Finish, Follower, Recover, Switch, Train, Wait
 from potluck.peer.joining import Joined, Stopped, join
@@ -31,7 +30,6 @@ from potluck.peer.keyfile import load_identity
 from potluck.peer.multidevice import Leader
 from potluck.peer.outersteps import OuterSteps
 from potluck.peer.piperound import PipelineBroken
-from potluck.peer.recovery import recover
 from potluck.peer.tasklet import Tasklet, Toolbox
 from potluck.peer.telemetry import Telemetry
 from potluck.protos import potluck_pb2 as pb
@@ -160,28 +158,34 @@ class Session:
         self.telemetry.begin_inner(step, self.rc.diloco.inner_steps, self.tools.device)
         t.begin(rnd, step, self.replica)
         # the coordinator's round for it (not the last plan's): now, or as soon as it arrives (_inner_step)
-        self.training = step
-        self.round_known = t.learn_round(self.heartbeat.plan, step)
-        t.auditor.start_for(self.heartbeat.plan, step, self.tools.addresses)
+        self.training, self.round_known = step, False
+        self._learn_round()
 
     def _found_lie(self, step: int) -> bool:
         """Did this peer's audit of the step before find a lie? Then this step is not committed (see Auditor)."""
-        self.tasklet.auditor.start_for(self.heartbeat.plan, step, self.tools.addresses)  # (a round known late)
-        if not self.tasklet.auditor.lied(self.rc.sync.deadline_floor_s):
-            return False
-        self.set_state(PeerState.WAITING)
-        self.tasklet.auditor.await_ruling(self.heartbeat, step, 2 * self.rc.membership.round_timeout_floor_s)
-        return True
+        (a := self.tasklet.auditor).start_for(self.heartbeat.plan, step, self.tools.addresses)  # (a round known late)
+        if lied := a.lied(self.rc.sync.deadline_floor_s):
+            self.set_state(PeerState.WAITING)
+            a.await_ruling(self.heartbeat, step, 2 * self.rc.membership.round_timeout_floor_s)
+        return lied
 
     def _inner_step(self, i: int, loss: float, seconds: float) -> None:
-        rc, t = self.rc, self.tasklet
-        if not self.round_known:
-            self.round_known = t.learn_round(self.heartbeat.plan, self.training)
-            t.auditor.start_for(self.heartbeat.plan, self.training, self.tools.addresses)
+        rc = self.rc
+        self._learn_round()
         self.telemetry.inner_step(i, loss, seconds, rc.train.batch_size, rc.train.batch_size * rc.model.seq_len)
         if not self.telemetry.first_step_logged:  # where the time to the first step went, once
             self.telemetry.first_step(self.joined.joined_at, {**self.phases, "to first round": self.first_round_at
                                       - self.ready_at, "of which state download": self.recovered_s})
+
+    def _learn_round(self) -> None:
+        """Once the coordinator's round for the step in training is known (at its start, or while it trains on
+        the last plan's), tell the all-reduce; with grouped averaging, fetch the group's base if not held."""
+        if self.round_known:
+            return
+        t, plan = self.tasklet, self.heartbeat.plan
+        self.round_known = t.learn_round(plan, self.training)
+        if self.round_known and self.rc.sync.group_size:
+            t.fetch_base(plan, self.training, self.heartbeat.manifest)
 
     def _recover(self, want: Recover) -> None:
         self.set_state(PeerState.RECOVERING)
@@ -194,9 +198,7 @@ class Session:
         if own is not None:
             log.info("%s: back to this peer's own v%d", want.reason, own.version)
             return t.adopt(own)
-        m = self.heartbeat.manifest
-        snap = recover(self.tools, t.stage, t.worker.numel, want, t.states.current.version, self.heartbeat.plan,
-                       Target(m.coordinator, m.coordinator_grpc) if m.coordinator_grpc else None)
+        snap = t.fetch(want, self.heartbeat.plan, self.heartbeat.manifest)
         if snap is None:
             self.heartbeat.wait_plan(lambda p: False, timeout=0.25)
             return

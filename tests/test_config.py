@@ -41,6 +41,8 @@ def test_robust_aggregation_can_be_switched_off_in_a_run_file() -> None:
         ({"model": {"d_model": 30, "n_heads": 4}}, "model"),
         ({"model": {"width": 3}}, "model.width: unknown field"),
         ({"sync": {"codec": "zstd"}}, "sync.codec"),
+        ({"sync": {"group_size": 1}}, "sync.group_size: group_size 1: a group must hold at least 2 members"),
+        ({"sync": {"group_size": -2}}, "sync.group_size"),
         ({"data": {"source": "bytes"}}, "data"),
         ({"membership": {"heartbeat_s": 5, "heartbeat_timeout_s": 6}}, "membership"),
         # records outliving what every DHT node accepts (300 s) would be refused, silently, at every heartbeat

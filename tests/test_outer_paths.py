@@ -56,7 +56,7 @@ def session(rc: RunConfig, device: str) -> SimpleNamespace:
     worker = StageWorker(rc, 0, bounds, torch.device(device), Dataset(rc.data, rc.model), None)
     theta0 = worker.theta()
     states = States(RUN, rc.sync.chunk_bytes, outer_snapshot(theta0, torch.zeros_like(theta0), 0, {"epoch": 0}))
-    t = Tasklet(SimpleNamespace(addresses={}, me=ME), 0, worker, allreduce(rc, worker.numel, worker.pinned), None, states, None)  # type: ignore[arg-type]
+    t = Tasklet(SimpleNamespace(addresses={}, me=ME, rc=rc), 0, worker, allreduce(rc, worker.numel, worker.pinned), None, states, None)  # type: ignore[arg-type]
     t.expect_next()
     s = SimpleNamespace(rc=rc, tasklet=t, replica=0, cfg=SimpleNamespace(plan_wait_s=1.0),
                         telemetry=Telemetry(ME, "test", 0.0, progress="off"), over=lambda: False,

@@ -151,11 +151,24 @@ class SyncConfig(Section):
     reject_below: float = Field(
         -0.1, ge=-1, le=1, description="robust aggregation: a contribution whose cosine with the others' median is "
         "below this is left out (with 3+ contributors; -1: never)")
+    group_size: int = Field(
+        0, description="grouped averaging (Moshpit SGD) for stages of many replicas: each outer step the "
+        "coordinator splits a stage's members into groups of at most this many, each averaging on its own, "
+        "regrouped every step so that up to group_size^2 members mix in two steps; a grouped step sends theta "
+        "and momentum (2x the bytes). 0: every member of a stage in one group")
     audit_fraction: float = Field(
         1.0, ge=0, le=1, description="verified reduction: the share of each step's shard results the coordinator "
         "has an auditor, picked after the step, recompute from their signed inputs during the next inner phase; a "
         "result that is not the average of what its owner signed it was averaged from gets the owner evicted and "
         "the run rolled back to before it (0: no audits)")
+
+    @field_validator("group_size")
+    @classmethod
+    def _groups_of_two_or_more(cls, v: int) -> int:
+        if v < 0 or v == 1:
+            raise ValueError(f"group_size {v}: a group must hold at least 2 members (0 averages every member of a "
+                             "stage in one group)")
+        return v
 
 
 class PipelineConfig(Section):

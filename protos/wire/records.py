@@ -35,6 +35,7 @@ from potluck.protos.net.identity import Identity, verify
 ENVELOPE_VERSION = 2
 MAX_CLOCK_SKEW_S = 300.0
 NAME_LEN, ADDRESS_LEN, HASH_LEN, ID_LEN, TEXT_LEN = 64, 256, 128, 64, 512
+MAX_GROUPS = 1 << 14  # averaging groups of one stage
 
 class PeerState(StrEnum):
     """What a peer is doing: one vocabulary for its records, its telemetry and pings, the all-reduce's view of
@@ -197,8 +198,22 @@ class Member(_Record):
     address: str
     stage: int = Field(0, ge=0, description="the pipeline stage of this member's tasklet")
     replica: int = Field(0, ge=0, description="the replica (pipeline) of this member's tasklet")
+    group: int = Field(0, ge=0, le=MAX_GROUPS, description="its averaging group within its stage in this step "
+                       "(sync.group_size): it all-reduces with the stage's members of the same group only; every "
+                       "member in group 0: one group")
     owns: bool = Field(True, description="owns a shard of its stage's all-reduce (false while on probation: it "
                        "contributes to every shard and gathers every result, but averages none)")
+
+
+class GroupBase(_Record):
+    """The state the members of one averaging group start a grouped outer step from: a version of their
+    stage they all hold (or fetch), so that averaging their differing states needs only small differences
+    from it (see :mod:`potluck.coordinator.groups`). ``hash`` '' means each member's own current state."""
+
+    stage: int = Field(ge=0)
+    group: int = Field(ge=0, le=MAX_GROUPS)
+    version: int = Field(ge=0)
+    hash: str = Field("", max_length=HASH_LEN)
 
 
 class ShardOf(_Record):
@@ -207,6 +222,8 @@ class ShardOf(_Record):
     step: int = Field(ge=1)
     epoch: int = Field(0, ge=0)
     stage: int = Field(0, ge=0)
+    group: int = Field(0, ge=0, le=MAX_GROUPS, description="the stage's averaging group (sync.group_size) whose "
+                       "all-reduce made it: shards are numbered within a group")
     shard: int = Field(0, ge=0)
     attempt: int = Field(0, ge=0)
     owner: str = Field(max_length=ID_LEN)
@@ -273,6 +290,9 @@ class Round(_Record):
                            "plan read `pool`, then on from it")
     pool: list[tuple[int, int]] = Field(default_factory=list, max_length=256, description="positions handed back "
                                         "and not re-issued at `step`: later steps on this plan read them first")
+    groups: list[GroupBase] = Field(default_factory=list, max_length=MAX_GROUPS, description="grouped averaging: "
+                                    "per (stage, group) of the members, the state the group starts from; empty: "
+                                    "each stage's members average as one group from `base_hashes`")
     audits: list[Audit] = Field(default_factory=list, max_length=256, description="shard results of an earlier "
                                 "step to recompute during this step's inner phase, and by whom")
 
@@ -283,11 +303,58 @@ class Round(_Record):
             raise ValueError("pool must hold sorted, disjoint, non-empty spans below data_next")
         return self
 
+    @model_validator(mode="after")
+    def _groups_cover_members(self) -> Round:
+        """Each stage's groups are numbered 0..k-1 with none empty, and ``groups`` names exactly those."""
+        used: dict[int, set[int]] = {}
+        for m in self.members:
+            used.setdefault(m.stage, set()).add(m.group)
+        for stage, groups in sorted(used.items()):
+            if groups != set(range(len(groups))):
+                raise ValueError(f"stage {stage}'s members are in groups {sorted(groups)}: groups must be numbered "
+                                 f"0..k-1, none empty")
+        named = [(g.stage, g.group) for g in self.groups]
+        if len(set(named)) != len(named):
+            raise ValueError("groups names a (stage, group) twice")
+        want = {(s, g) for s, groups in used.items() for g in groups}
+        if self.groups and set(named) != want:
+            missing, extra = sorted(want - set(named)), sorted(set(named) - want)
+            raise ValueError(f"groups must name every (stage, group) of the members and no other: "
+                             f"missing {missing}, without members {extra}")
+        if not self.groups and any(len(groups) > 1 for groups in used.values()):
+            raise ValueError("members are in several groups but the round names no group's base state (groups)")
+        if any(g.version >= self.step for g in self.groups):
+            raise ValueError(f"a group's base state must be a version before step {self.step}")
+        return self
+
     def member(self, peer_id: str) -> Member | None:
         return next((m for m in self.members if m.peer_id == peer_id), None)
 
     def stage_members(self, stage: int) -> list[Member]:
         return sorted((m for m in self.members if m.stage == stage), key=lambda m: m.replica)
+
+    def group_members(self, stage: int, group: int) -> list[Member]:
+        """The members of ``stage`` that average with each other, in replica order (their shard order)."""
+        return [m for m in self.stage_members(stage) if m.group == group]
+
+    def stage_groups(self, stage: int) -> dict[int, list[Member]]:
+        """The averaging groups of ``stage`` (one, group 0, without grouped averaging), each in shard order."""
+        return {g: self.group_members(stage, g) for g in sorted({m.group for m in self.stage_members(stage)})}
+
+    def cohort(self, peer_id: str) -> list[Member]:
+        """The members ``peer_id`` averages with in this round (its group of its stage, itself included)."""
+        me = self.member(peer_id)
+        return self.group_members(me.stage, me.group) if me is not None else []
+
+    def shard_owners(self, stage: int, group: int = 0) -> list[str]:
+        """Who owns the shards of a group's all-reduce, in shard order: its members past probation (``owns``), or
+        all of them while none is."""
+        cells = self.group_members(stage, group)
+        return [m.peer_id for m in cells if m.owns] or [m.peer_id for m in cells]
+
+    def group_base(self, stage: int, group: int) -> GroupBase | None:
+        """The state group ``group`` of ``stage`` starts from; None: one group per stage, from ``base_hashes``."""
+        return next((g for g in self.groups if (g.stage, g.group) == (stage, group)), None)
 
     def share_of(self, replica: int) -> Share | None:
         return next((s for s in self.shares if s.replica == replica), None)
