@@ -38,7 +38,8 @@ from potluck.compression.int8 import Codec, make_codec
 from potluck.local import LocalSwarm
 from potluck.peer.allreduce import AllReduce, MemberAddr, RoundInfo
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.config.runconfig import RunConfig, apply_overrides
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.net.certs import CertificateAuthority, TlsIdentity
 from potluck.protos.net.identity import Identity
 from potluck.protos.net.transport import PeerClient, PeerServer, Traffic

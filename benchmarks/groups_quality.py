@@ -34,7 +34,8 @@ import time
 from pathlib import Path
 
 from potluck.local import LocalSwarm, SwarmError
-from potluck.protos.config.runconfig import RunConfig, apply_overrides
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import RunConfig
 
 TARGET = 0.01
 

@@ -30,7 +30,8 @@ import tempfile
 from pathlib import Path
 
 from potluck.local import LocalSwarm
-from potluck.protos.config.runconfig import RunConfig, apply_overrides
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import RunConfig
 
 FIRST = re.compile(r"first training step ([\d.]+) s after the process started \(([\d.]+) s after joining")
 

@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 from potluck.local import LocalSwarm
-from potluck.protos.config.runconfig import RunConfig, apply_overrides
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import RunConfig
 
 
 def run_swarm(args: argparse.Namespace, workdir: Path, overlap: bool) -> dict:

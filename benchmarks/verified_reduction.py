@@ -36,7 +36,8 @@ from potluck.coordinator.trust import Trust
 from potluck.peer.allreduce import AllReduce, MemberAddr, RoundInfo
 from potluck.peer.audit import Auditor
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.config.runconfig import RunConfig, apply_overrides
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.net.identity import Identity
 from potluck.protos.net.transport import PeerClient, PeerServer, Traffic
 from potluck.protos.testkit import faults

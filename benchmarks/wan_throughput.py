@@ -67,7 +67,8 @@ from pathlib import Path
 from typing import Any
 
 from potluck.local import LocalSwarm, SwarmError
-from potluck.protos.config.runconfig import RunConfig, apply_overrides
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import RunConfig
 
 PEERS, STAGES = 4, 2
 

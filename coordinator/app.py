@@ -35,7 +35,8 @@ from potluck.coordinator.rounds import Committed, Failed, RolledBack, Rounds, de
 from potluck.coordinator.service import CoordinatorService, reachable
 from potluck.coordinator.snapshot import RunInfo, Series, build
 from potluck.coordinator.status import StatusServer
-from potluck.protos.config.runconfig import ConfigError, RunConfig
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.config.section import ConfigError
 from potluck.protos.net.errors import CannotBind
 from potluck.protos.net.identity import Identity
 from potluck.protos.net.swarm import DHTTimeout, JoinError, LinkReport

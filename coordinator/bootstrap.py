@@ -28,7 +28,8 @@ from potluck.coordinator.status_tls import status_tls
 from potluck.data import DataError
 from potluck.data.corpus import ShardCorpus, locate
 from potluck.protos.config.runcheck import file_identity, markov_identity, non_public
-from potluck.protos.config.runconfig import ConfigError, CoordinatorConfig, RunConfig
+from potluck.protos.config.runconfig import CoordinatorConfig, RunConfig
+from potluck.protos.config.section import ConfigError
 from potluck.protos.net.certs import TlsIdentity
 from potluck.protos.net.identity import Identity
 from potluck.protos.net.relay import RelayHub

@@ -16,7 +16,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from potluck.protos.config.runconfig import ConfigError, RunConfig, known_fields_only, parse_config
+from potluck.protos.config.files import known_fields_only, parse_config
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.config.section import ConfigError
 from potluck.protos.wire.records import Round
 
 JOURNAL_VERSION = 2

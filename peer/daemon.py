@@ -33,7 +33,8 @@ from potluck.peer.piperound import PipelineBroken
 from potluck.peer.tasklet import Tasklet, Toolbox
 from potluck.peer.telemetry import Telemetry
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.config.runconfig import ConfigError, PeerConfig
+from potluck.protos.config.runconfig import PeerConfig
+from potluck.protos.config.section import ConfigError
 from potluck.protos.net.errors import CannotBind
 from potluck.protos.net.identity import Identity
 from potluck.protos.net.swarm import JoinError

@@ -29,14 +29,10 @@ import torch
 from potluck.data import DataError
 from potluck.data.corpus import locate
 from potluck.peer import admission
+from potluck.protos.config.files import known_fields_only, parse_config
 from potluck.protos.config.runcheck import file_identity, markov_identity, non_public
-from potluck.protos.config.runconfig import (
-    ConfigError,
-    PeerConfig,
-    RunConfig,
-    known_fields_only,
-    parse_config,
-)
+from potluck.protos.config.runconfig import PeerConfig, RunConfig
+from potluck.protos.config.section import ConfigError
 from potluck.protos.net.certs import TlsIdentity, token_proof
 from potluck.protos.net.identity import Identity
 from potluck.protos.net.swarm import (

@@ -54,7 +54,8 @@ from torch import nn
 from potluck.peer.data import Dataset
 from potluck.peer.diloco import flatten_params, load_flat
 from potluck.peer.stage import Batch, StageWorker
-from potluck.protos.config.runconfig import ConfigError, RunConfig
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.config.section import ConfigError
 from potluck.protos.runtime.log import get_logger, set_context
 
 log = get_logger(__name__)

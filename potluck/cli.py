@@ -78,7 +78,8 @@ def _overrides(pairs: list[str]) -> dict[str, Any]:
 
 
 def _run_config(args: argparse.Namespace, extra: dict[str, Any]) -> Any:
-    from potluck.protos.config.runconfig import ConfigError, apply_overrides, load_config
+    from potluck.protos.config.files import apply_overrides, load_config
+    from potluck.protos.config.section import ConfigError
 
     try:
         cfg = load_config(args.config)
@@ -103,7 +104,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     cfg = _run_config(args, extra)
     from potluck.coordinator.journal import JournalError
     from potluck.coordinator.preflight import preflight
-    from potluck.protos.config.runconfig import ConfigError
+    from potluck.protos.config.section import ConfigError
 
     try:  # what refuses a run (no corpus, too big, another run's journal): before torch, hivemind or any write
         preflight(cfg)
@@ -155,7 +156,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
         except IdentityError as err:
             raise UsageError(str(err)) from None
     from potluck.peer import multidevice
-    from potluck.protos.config.runconfig import ConfigError
+    from potluck.protos.config.section import ConfigError
 
     try:  # under torchrun, one process per device: they form their group here (rank 0 is the peer)
         group = multidevice.start(cfg.device)

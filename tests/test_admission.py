@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from potluck.coordinator.admission import RECENT_STEPS, Admission, Gatekeeper
-from potluck.protos.config.runconfig import RunConfig, apply_overrides
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.net.certs import (
     CertError,
     CertificateAuthority,

@@ -40,7 +40,8 @@ from potluck.coordinator.service import CoordinatorService
 from potluck.coordinator.tensorfile import tensor_ranges
 from potluck.models import build_stage, stage_bounds
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.config.runconfig import RunConfig, apply_overrides
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.net.transport import PeerClient, PeerServer, Traffic
 
 RUN = "ckpt-run"

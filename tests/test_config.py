@@ -8,16 +8,15 @@ import tomllib
 
 import pytest
 
-from potluck.protos.config.runconfig import (
-    ConfigError,
-    PeerConfig,
-    RunConfig,
+from potluck.protos.config.files import (
     apply_overrides,
     dump_toml,
     known_fields_only,
     load_config,
     parse_config,
 )
+from potluck.protos.config.runconfig import PeerConfig, RunConfig
+from potluck.protos.config.section import ConfigError
 
 
 def test_defaults_are_valid_and_round_trip_through_toml() -> None:
@@ -138,7 +137,8 @@ def test_fp32_gradients_survive_a_run_file() -> None:
 
 def test_an_unknown_field_says_which_was_meant() -> None:
     """A typo, or a field of another section: the name meant, in the one line (issue 27)."""
-    from potluck.protos.config.runconfig import ConfigError, parse_config
+    from potluck.protos.config.files import parse_config
+    from potluck.protos.config.section import ConfigError
 
     with pytest.raises(ConfigError) as err:
         parse_config({"diloco": {"inner_step": 3}, "modle": {}, "train": {"outer_steps": 2}, "data": {"zzz": 1}})

@@ -28,7 +28,8 @@ from potluck.peer.pipeline import Neighbour, Pipeline
 from potluck.peer.pipewire import outbound
 from potluck.peer.service import PeerService
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.config.runconfig import RunConfig, apply_overrides
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.net.identity import Identity
 from potluck.protos.net.transport import PeerClient, PeerServer, Traffic
 

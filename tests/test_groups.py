@@ -23,7 +23,8 @@ from potluck.peer.diloco import outer_snapshot
 from potluck.peer.outer import outer_step
 from potluck.peer.tasklet import Tasklet
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.config.runconfig import RunConfig, apply_overrides
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.net.identity import Identity
 from potluck.protos.net.transport import PeerClient, PeerServer, Traffic
 from potluck.protos.wire.records import Audit, GroupBase, Member, Round

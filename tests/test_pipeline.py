@@ -20,7 +20,9 @@ from potluck.peer.pipeline import Neighbour, Pipeline
 from potluck.peer.piperound import PipelineStall
 from potluck.peer.pipewire import outbound
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.config.runconfig import ConfigError, RunConfig, apply_overrides
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.config.section import ConfigError
 from potluck.protos.net.identity import Identity
 from potluck.protos.net.transport import PeerClient, PeerServer, Traffic
 from potluck.protos.testkit.netem import NetEm, Topology

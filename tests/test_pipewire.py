@@ -27,8 +27,10 @@ from potluck.peer.piperound import PipelineBroken
 from potluck.peer.pipesend import Outgoing
 from potluck.peer.pipewire import Outbound
 from potluck.protos import potluck_pb2 as pb
+from potluck.protos.config.files import apply_overrides
 from potluck.protos.config.runcheck import check_run
-from potluck.protos.config.runconfig import ConfigError, RunConfig, apply_overrides
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.config.section import ConfigError
 from potluck.protos.net.transport import PeerClient, PeerServer, Traffic
 from potluck.protos.wire.limits import MAX_MESSAGE_BYTES, PIPE_CHUNK_BYTES
 

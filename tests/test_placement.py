@@ -9,7 +9,8 @@ import pytest
 
 from potluck.coordinator import placement
 from potluck.coordinator.placement import PlacementWorker, Request, grid_for
-from potluck.protos.config.runconfig import RunConfig, apply_overrides
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.net.swarm import LinkReport, LinkStat
 from potluck.protos.wire.records import PeerRecord
 

@@ -22,7 +22,9 @@ from potluck.peer.pipewire import Outbound
 from potluck.peer.runner import StageRunner, resolve_precision
 from potluck.peer.stage import StageWorker
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.config.runconfig import ConfigError, RunConfig, apply_overrides, parse_config
+from potluck.protos.config.files import apply_overrides, parse_config
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.config.section import ConfigError
 
 BASE = {
     "model.d_model": 32, "model.n_layers": 2, "model.n_heads": 2, "model.seq_len": 32,

@@ -55,8 +55,9 @@ from readme import (
 
 from potluck.cli import UsageError
 from potluck.coordinator import bootstrap
+from potluck.protos.config.files import apply_overrides, load_config
 from potluck.protos.config.runcheck import check_run
-from potluck.protos.config.runconfig import RunConfig, apply_overrides, load_config
+from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.net.identity import Identity
 
 CI = REPO / ".ci" / "run"
@@ -301,7 +302,7 @@ def test_the_sections_work_in_the_order_written(tmp_path: Path, monkeypatch: pyt
     an export must read a journal an earlier coordinator wrote, of a model that form can hold, and
     ``generate --model`` a folder an earlier export wrote."""
     from potluck.coordinator.journal import Journal, JournalError
-    from potluck.protos.config.runconfig import ConfigError
+    from potluck.protos.config.section import ConfigError
 
     root = clone(tmp_path)
     journals: dict[Path, RunConfig] = {}

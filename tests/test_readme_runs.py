@@ -18,7 +18,7 @@ from readme import BLOCKS, README, REPO, parse, potluck_exe, readme_command
 
 from potluck.local import LocalSwarm, wait_for
 from potluck.procs import ProcessGroup
-from potluck.protos.config.runconfig import apply_overrides, load_config
+from potluck.protos.config.files import apply_overrides, load_config
 
 
 @contextlib.contextmanager

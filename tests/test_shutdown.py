@@ -29,7 +29,7 @@ import pytest
 from swarm import LocalSwarm, run_config
 
 from potluck.procs import ProcessGroup, group_alive
-from potluck.protos.config.runconfig import dump_toml
+from potluck.protos.config.files import dump_toml
 from potluck.protos.runtime.stopping import descendants
 
 pytestmark = pytest.mark.slow

@@ -23,7 +23,9 @@ from potluck.models.sizecheck import (
     peer_note,
     stage_entries,
 )
-from potluck.protos.config.runconfig import ConfigError, RunConfig, apply_overrides
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.config.section import ConfigError
 
 
 def run(**over: object) -> RunConfig:

@@ -539,7 +539,8 @@ def test_throughput_is_per_outer_step_and_the_model_export_is_said() -> None:
     """Issue 27: the throughput chart sampled instantaneous tokens/s, which fell to 0 at every sync; the
     history now carries each step's tokens and its rate since the step before (inner steps and sync)."""
     from potluck.coordinator.snapshot import model_export, step_rates
-    from potluck.protos.config.runconfig import RunConfig, apply_overrides
+    from potluck.protos.config.files import apply_overrides
+    from potluck.protos.config.runconfig import RunConfig
 
     cfg = apply_overrides(RunConfig(), {"diloco.inner_steps": 10, "train.batch_size": 4, "model.seq_len": 8})
     entries = [{"step": 1, "t": 100.0, "members": 2, "stages": {}}, {"step": 2, "t": 104.0, "members": 2, "stages": {}},

@@ -111,7 +111,7 @@ def test_dht_node_refuses_the_port_of_another_dht_node() -> None:
 def run_file(tmp_path: Path) -> Path:
     from swarm import run_config
 
-    from potluck.protos.config.runconfig import dump_toml
+    from potluck.protos.config.files import dump_toml
 
     path = tmp_path / "run.toml"
     path.write_text(dump_toml(run_config(journal=tmp_path / "journal")))
@@ -171,7 +171,8 @@ print(rc, ",".join(heavy) or "-")
 def mistake(tmp_path: Path, name: str) -> list[str]:
     """One of issue 27's usage mistakes (8-9 s each, after torch, hivemind and a DHT node), set up in tmp_path."""
     from potluck.coordinator.journal import Journal, JournalState
-    from potluck.protos.config.runconfig import RunConfig, apply_overrides, dump_toml
+    from potluck.protos.config.files import apply_overrides, dump_toml
+    from potluck.protos.config.runconfig import RunConfig
 
     run = tmp_path / "run.toml"
     run.write_text(dump_toml(RunConfig(run_id="first-run")))

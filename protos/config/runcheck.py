@@ -22,7 +22,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from potluck.protos.config.runconfig import ConfigError, DataConfig, ModelConfig, RunConfig
+from potluck.protos.config.runconfig import DataConfig, ModelConfig, RunConfig
+from potluck.protos.config.section import ConfigError
 from potluck.protos.wire.limits import MAX_MESSAGE_BYTES, pipe_head_bound, pipe_max_samples
 from potluck.protos.wire.records import DataIdentity
 
