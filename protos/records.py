@@ -27,7 +27,15 @@ import json
 import time
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from potluck.protos.identity import Identity, verify
 
@@ -191,6 +199,30 @@ class Share(_Record):
         return self
 
 
+class _MemberIndex:
+    """A round's members by id (and shares by replica): a cache, not state, so any two compare equal (a
+    round's equality is its fields'). It remembers the lists it indexes, so a copy given others rebuilds it."""
+
+    __slots__ = ("source", "count", "by_id", "shares", "share_count", "by_replica")
+
+    def __init__(self, members: list[Member] | None = None) -> None:
+        self.source, self.count, self.by_id = members, len(members or ()), dict[str, Member]()
+        for m in members or ():
+            self.by_id.setdefault(m.peer_id, m)  # the first, as a scan would find
+        self.shares: list[Share] | None = None
+        self.share_count, self.by_replica = 0, dict[int, Share]()
+
+    def index_shares(self, shares: list[Share]) -> None:
+        self.shares, self.share_count, self.by_replica = shares, len(shares), {}
+        for s in shares:
+            self.by_replica.setdefault(s.replica, s)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _MemberIndex)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 class Round(_Record):
     """The tasklet grid of one outer step and the state each stage must start from.
 
@@ -219,14 +251,22 @@ class Round(_Record):
             raise ValueError("pool must hold sorted, disjoint, non-empty spans below data_next")
         return self
 
+    _index: _MemberIndex = PrivateAttr(default_factory=lambda: _MemberIndex())
+
     def member(self, peer_id: str) -> Member | None:
-        return next((m for m in self.members if m.peer_id == peer_id), None)
+        """The member ``peer_id``, found in a dict built once per member list (a round of 1,000 members is
+        asked once per peer report per coordinator tick: a scan each time was a million comparisons)."""
+        if self._index.source is not self.members or self._index.count != len(self.members):
+            self._index = _MemberIndex(self.members)
+        return self._index.by_id.get(peer_id)
 
     def stage_members(self, stage: int) -> list[Member]:
         return sorted((m for m in self.members if m.stage == stage), key=lambda m: m.replica)
 
     def share_of(self, replica: int) -> Share | None:
-        return next((s for s in self.shares if s.replica == replica), None)
+        if self._index.shares is not self.shares or self._index.share_count != len(self.shares):
+            self._index.index_shares(self.shares)
+        return self._index.by_replica.get(replica)
 
     def data_spans(self, step: int, replica: int) -> list[tuple[int, int]]:
         """The global sample positions ``replica`` trains on at ``step``: this round's share, or, for a later

@@ -16,9 +16,11 @@ import signal
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from pydantic import Field
 
@@ -47,9 +49,9 @@ os.environ.setdefault("GOLOG_LOG_LEVEL", "error")
 os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
 
 from hivemind.dht import DHT, DHTID
-from hivemind.utils import get_dht_time
+from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from potluck.protos.dhtguard import MAX_TTL_S, RunRecords, run_key
+from potluck.protos.dhtguard import BY_SUBKEY, MAX_TTL_S, RunRecords, run_key
 
 log = get_logger(__name__)
 
@@ -120,6 +122,31 @@ def _leave_foreground_group() -> None:
         pass
 
 
+class _WholeMessages:
+    """The DHT process's end of its command pipe, read one whole message at a time.
+
+    uvloop watches the pipe, which makes it non-blocking, and hivemind reads a command as soon as any
+    byte of it is there. Python's ``Connection`` writes a message of more than 16 KB as a header, then a
+    body: a read between the two failed ("Resource temporarily unavailable"), the next took the body for
+    a header, and the DHT process died ("Ran out of input") -- a plan of 4 rounds of 30 members was
+    enough. Here a read blocks until its message is whole (the body follows its header at once)."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+
+    def recv(self) -> Any:
+        fd = self._conn.fileno()
+        was = os.get_blocking(fd)
+        os.set_blocking(fd, True)
+        try:
+            return self._conn.recv()
+        finally:
+            os.set_blocking(fd, was)
+
+    def __getattr__(self, name: str) -> Any:  # poll, fileno, close: the connection's own
+        return getattr(self._conn, name)
+
+
 class _DHTProcess(DHT):
     """hivemind's DHT process, tied to the process that starts it.
 
@@ -141,6 +168,7 @@ class _DHTProcess(DHT):
         children_die_with_parent(signal.SIGKILL)  # p2pd, started by uvloop's fork + exec
         os.register_at_fork(after_in_child=_leave_foreground_group)  # (the DHT process forks p2pd only)
         signal.signal(signal.SIGTERM, _ignore_sigterm)
+        self._inner_pipe = _WholeMessages(self._inner_pipe)
         super().run()
 
 
@@ -167,6 +195,7 @@ class SwarmNode:
         startup_timeout: float = 60.0,
         client_mode: bool = False,
         identity_path: str | Path | None = None,
+        node_id_source: str | None = None,
     ) -> None:
         # p2pd binds with SO_REUSEPORT, so it would share a taken port silently; refuse it here instead
         check_port_free("DHT port", host, port, "--dht-port")
@@ -196,7 +225,8 @@ class SwarmNode:
             # node, not a second one beside a ghost of itself, and a node that pings a copy of a running peer
             # back (another machine, the same key) hears the id it expects and lets it on to admission, which
             # tells it to use its own key (a random id failed that ping as "can't access this node ... firewall")
-            node_id=DHTID.generate(source=identity.peer_id),
+            # (the coordinator's is its peers key's own id instead, see :meth:`changes`)
+            node_id=DHTID.generate(source=node_id_source or identity.peer_id),
         )
         # multiprocessing's own exit hook would join the DHT process forever (it ignores SIGTERM);
         # ours is registered later, so it runs first
@@ -224,14 +254,23 @@ class SwarmNode:
     def maddrs(self) -> list[str]:
         return [str(m) for m in self.dht.get_visible_maddrs()]
 
-    def _store(self, kind: str, record: Any, ttl: float, subkey: str | None = None) -> bool:
+    def _store(self, kind: str, record: Any, ttl: float, subkey: str | None = None, wait: bool = True) -> Any:
+        """True if stored; with ``wait=False``, the future of that answer (the caller does not wait for the DHT)."""
         if not 0 < ttl <= MAX_TTL_S:  # every node's validator would refuse it: say so here, not with a silent False
             raise ValueError(f"a {kind} record asks to live {ttl:.0f} s; records live (0, {MAX_TTL_S:.0f}] s")
         value = seal(self.identity, record, ttl)
+        key, expires = run_key(self.coordinator, kind), get_dht_time() + ttl
         with self._pipe_lock:  # hivemind's DHT pipe is not safe for concurrent senders
-            future = self.dht.store(run_key(self.coordinator, kind), value, expiration_time=get_dht_time() + ttl,
-                                    subkey=subkey, return_future=True)
-        return bool(self._wait(future, f"storing the {kind} record"))
+            if subkey is not None and kind in BY_SUBKEY and self.identity.peer_id != self.coordinator:
+                future = self.dht.run_coroutine(partial(_store_at, peer=self.coordinator, key=key, subkey=subkey,
+                                                        value=value, expiration=expires), return_future=True)
+            else:
+                future = self.dht.store(key, value, expiration_time=expires, subkey=subkey, return_future=True)
+        return bool(self._wait(future, f"storing the {kind} record")) if wait else future
+
+    def sealed_size(self, record: Any, ttl: float) -> int:
+        """Bytes ``record`` takes in the DHT once signed by this node's identity."""
+        return len(MSGPackSerializer.dumps(seal(self.identity, record, ttl)))
 
     def _dht_get(self, kind: str, latest: bool = True) -> Any:
         with self._pipe_lock:
@@ -248,15 +287,15 @@ class SwarmNode:
 
     # -- the coordinator's records (it signs them; everyone reads them)
 
-    def publish_manifest(self, manifest: Manifest, ttl: float) -> bool:
-        return self._store("manifest", manifest, ttl)
+    def publish_manifest(self, manifest: Manifest, ttl: float, wait: bool = True) -> Any:
+        return self._store("manifest", manifest, ttl, wait=wait)
 
     def get_manifest(self, min_seq: int = 0) -> Manifest | None:
         found = self._dht_get("manifest")
         return None if found is None else unseal(Manifest, found.value, author=self.coordinator, min_seq=min_seq)
 
-    def publish_plan(self, plan: Plan, ttl: float) -> bool:
-        return self._store("plan", plan, ttl)
+    def publish_plan(self, plan: Plan, ttl: float, wait: bool = True) -> Any:
+        return self._store("plan", plan, ttl, wait=wait)
 
     def get_plan(self, min_seq: int = 0) -> Plan | None:
         found = self._dht_get("plan")
@@ -264,6 +303,14 @@ class SwarmNode:
 
     def publish_certificate(self, cert: Certificate, ttl: float) -> bool:
         return self._store("certs", cert, ttl, subkey=cert.peer_id)
+
+    def publish_certificates(self, certs: list[Certificate], ttl: float) -> Any:
+        """Store many certificates in one DHT call (one search, one store per replica), without waiting:
+        the future of whether all were stored. A thousand joiners' answers, one at a time, took minutes."""
+        items = [(cert.peer_id, seal(self.identity, cert, ttl)) for cert in certs]
+        fn = partial(_store_many, key=run_key(self.coordinator, "certs"), items=items, expiration=get_dht_time() + ttl)
+        with self._pipe_lock:
+            return self.dht.run_coroutine(fn, return_future=True)
 
     def get_certificate(self, peer_id: str) -> Certificate | None:
         """The coordinator's answer to ``peer_id``'s admission request, if any (RecordError if forged)."""
@@ -281,12 +328,14 @@ class SwarmNode:
     def publish_peer(self, record: PeerRecord, ttl: float) -> bool:
         """Store this peer's heartbeat; it expires after ``ttl`` seconds unless refreshed. A stored record
         wins by its expiry, so a later one must not ask for a shorter ``ttl`` (every node would refuse it).
-        Returns once every replica answered (hivemind's default), so a goodbye is out before shutdown.
+        Returns once the coordinator's node answered, so a goodbye is out before shutdown.
 
-        hivemind reports the answer of the replica that answered *last*, and a replica that another node's
-        read had already copied this very record to answers "not stored" (it holds one as new): a record
-        stored everywhere read as refused ("heartbeat not stored in the DHT" in clean runs). So a refusal
-        is checked by reading the record back: True if the DHT holds this one or a newer one."""
+        Like the other records one peer writes under one key (link reports, admission requests), it is
+        stored straight on the coordinator's DHT node, the key's nearest (see :meth:`changes`), not through
+        a search for the nearest nodes: hivemind's search asks each node it passes for the key's value,
+        and a node answers with the whole dictionary -- every peer's record, megabytes at a thousand
+        peers, for each heartbeat of each peer (and past 4 MiB the answer fails, and the store with it).
+        A refusal is checked by reading the record back: True if the DHT holds this one or a newer one."""
         if self._store("peers", self._own(record), ttl, subkey=record.peer_id):
             return True
         held = self.get_peers()[0].get(record.peer_id)
@@ -337,6 +386,22 @@ class SwarmNode:
             except RecordError as err:
                 refused.append(f"{what} {str(subkey)[-6:]}: {err}")
         return records, refused
+
+    def changes(self, kind: str, ack: int | None, local: bool = False) -> Any:
+        """Start reading the ``kind`` records (stored one per peer) that changed since the read ``ack``
+        acknowledged (None: all of them); returns a future of ``(read id, {subkey: item}, [gone subkeys], held)``.
+
+        The DHT process does the read and compares each record's expiry and signature with what it last
+        sent this reader and was acknowledged: only what changed crosses the pipe, to be verified and
+        parsed here. An answer that never arrives is not acknowledged, so the next read sends it again.
+
+        ``local``: read this node's own storage, not the network. The coordinator's node has its peers
+        key's id as its node id (``node_id_source``): no node is nearer to that key, so every heartbeat
+        is stored on it, and reading them costs no message -- a network read of a thousand records of
+        6 KB would exceed what one hivemind message carries (4 MiB), and cost as much every time."""
+        fn = partial(_changed_records, key=run_key(self.coordinator, kind), reader=kind, ack=ack, local=local)
+        with self._pipe_lock:
+            return self.dht.run_coroutine(fn, return_future=True)
 
     def shutdown(self, timeout: float = 3.0) -> None:
         """Stop the DHT process and its ``p2pd``; returns within about ``timeout`` + 1 s, whatever their state.
@@ -390,3 +455,139 @@ class SwarmNode:
 
     def _shutdown_at_exit(self) -> None:
         self.shutdown(timeout=1.0)
+
+
+async def _store_at(dht: Any, node: Any, peer: str, key: str, subkey: str, value: Any, expiration: float) -> bool:
+    """Runs in the DHT process: store one subkey of ``key`` on the node of ``peer`` (a peer id), and only there."""
+    from hivemind.p2p import PeerID
+
+    ok = await node.protocol.call_store(PeerID.from_base58(peer), [DHTID.generate(source=key)],
+                                        [node.protocol.serializer.dumps(value)], [expiration], subkeys=[subkey])
+    return bool(ok and ok[0])
+
+
+async def _store_many(dht: Any, node: Any, key: str, items: list[tuple[str, Any]], expiration: float) -> bool:
+    """Runs in the DHT process: store ``items`` (subkey, value) under ``key``, all at once."""
+    if not items:
+        return True
+    ok = await node.store_many([key] * len(items), [v for _, v in items], [expiration] * len(items),
+                               subkeys=[s for s, _ in items])
+    return all(ok.values())
+
+
+def _token(item: Any) -> Any:
+    """What tells one stored record from the next: its expiry and its bytes (hashed once: a stored bytes
+    object keeps its hash) or, for a value already decoded, its signature."""
+    value = item.value
+    if isinstance(value, bytes):
+        return item.expiration_time, len(value), hash(value)
+    return item.expiration_time, value.get("sig") if isinstance(value, dict) else None
+
+
+def _stored(node: Any, key: str) -> dict:
+    """``key``'s dictionary in this node's own storage: {subkey: ValueWithExpiration(encoded bytes, expiry)}."""
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.storage import DictionaryDHTValue
+
+    found = node.protocol.storage.get(DHTID.generate(source=key))
+    return dict(found.value.items()) if found is not None and isinstance(found.value, DictionaryDHTValue) else {}
+
+
+async def _changed_records(dht: Any, node: Any, key: str, reader: str, ack: int | None,
+                           local: bool = False) -> tuple[int, dict, list, int]:
+    """Runs in the DHT process (see :meth:`SwarmNode.changes`); what a reader acknowledged is kept there."""
+    from hivemind.utils import MSGPackSerializer, ValueWithExpiration
+
+    readers = dht.__dict__.setdefault("_potluck_readers", {})
+    state = readers.setdefault(reader, {"seen": {}, "sent": (0, {})})
+    if ack is None:
+        state["seen"] = {}
+    elif state["sent"][0] == ack:
+        state["seen"] = state["sent"][1]
+    if local:
+        current = _stored(node, key)
+    else:
+        found = await node.get(key, latest=True)
+        current = found.value if found is not None and isinstance(found.value, dict) else {}
+    tokens = {sub: _token(item) for sub, item in current.items() if isinstance(sub, str)}
+    seen = state["seen"]
+    changed = {sub: current[sub] for sub, token in tokens.items() if seen.get(sub) != token}
+    changed.update({sub: item for sub, item in current.items() if not isinstance(sub, str)})  # refused by the reader
+    if local:  # decoded here, only what changed
+        changed = {sub: ValueWithExpiration(MSGPackSerializer.loads(item.value), item.expiration_time)
+                   for sub, item in changed.items()}
+    gone = [sub for sub in seen if sub not in tokens]
+    state["sent"] = (state["sent"][0] + 1, tokens)
+    return state["sent"][0], changed, gone, len(current)
+
+
+class Feed(Generic[_S]):
+    """One kind of per-peer record (``peers``, ``admission``, ``links``), read incrementally, off its reader's loop
+    (one feed per kind and node: the DHT process keeps what each kind's reader acknowledged).
+
+    :meth:`poll` never waits for the DHT: it takes the answer of the read in flight if it has arrived and
+    starts the next one once ``every_s`` has passed since the last began, so a loop that polls every tick
+    pays for the records that changed -- verified and parsed once each -- not for every record every tick.
+    :attr:`records` holds the current valid record of every peer; a record that is refused (forged,
+    expired, malformed) is named in what ``poll`` returns, once, and leaves :attr:`records`.
+    """
+
+    def __init__(self, node: SwarmNode, kind: str, model: type[_S], what: str, every_s: float,
+                 local: bool = False) -> None:
+        self.node, self.kind, self.model, self.what, self.every_s, self.local = node, kind, model, what, every_s, local
+        self.records: dict[str, _S] = {}
+        self.held = 0  # records the DHT holds under the key (refused ones too)
+        self.last_changed = 0  # records the last answer brought
+        self.last_read_s: float | None = None  # how long the last answered read took
+        self._ack: int | None = None
+        self._future: Any = None
+        self._started = -float("inf")
+
+    def poll(self, now: float | None = None) -> tuple[list[str], list[str]]:
+        """``(ids whose record changed or went, refusal reasons)`` from the answer that arrived, if any."""
+        now = time.monotonic() if now is None else now
+        out: tuple[list[str], list[str]] = ([], [])
+        if self._future is not None:
+            if self._future.done():
+                future, self._future = self._future, None
+                try:
+                    out = self._apply(*future.result())
+                    self.last_read_s = now - self._started
+                except Exception as err:  # the DHT child is restarting, say: the next read sends it all again
+                    log.warning("could not read the %s records: %s", self.what, err)
+            elif now - self._started > self.node.call_timeout_s:
+                log.warning("reading the %s records: no answer from the DHT process within %.0f s; asking again",
+                            self.what, self.node.call_timeout_s)
+                self._future.cancel()
+                self._future = None
+        if self._future is None and now - self._started >= self.every_s:
+            self._started, self._future = now, self.node.changes(self.kind, self._ack, self.local)
+        return out
+
+    def read(self) -> tuple[list[str], list[str]]:
+        """Read now and wait for the answer (tests, and readers without a loop)."""
+        if self._future is not None:
+            self._future.cancel()  # never acknowledged: what it would have brought comes again
+            self._future = None
+        self._started = time.monotonic()
+        answer = self.node._wait(self.node.changes(self.kind, self._ack, self.local), f"reading the {self.what} records")
+        self.last_read_s = time.monotonic() - self._started
+        return self._apply(*answer)
+
+    def _apply(self, read: int, changed: dict, gone: list, held: int) -> tuple[list[str], list[str]]:
+        refused: list[str] = []
+        for subkey, item in changed.items():
+            try:
+                if not isinstance(subkey, str):
+                    raise RecordError(f"subkey {subkey!r} is not a peer id")
+                rec = unseal(self.model, item.value, author=subkey)
+                if getattr(rec, "peer_id", subkey) != subkey:
+                    raise RecordError(f"record for {rec.peer_id[-6:]} stored under {subkey[-6:]}")  # type: ignore[attr-defined]
+                self.records[subkey] = rec
+            except RecordError as err:
+                refused.append(f"{self.what} {str(subkey)[-6:]}: {err}")
+                self.records.pop(subkey, None)  # type: ignore[arg-type]
+        for subkey in gone:
+            self.records.pop(subkey, None)
+        self._ack, self.held, self.last_changed = read, held, len(changed)
+        return [s for s in changed if isinstance(s, str)] + list(gone), refused
