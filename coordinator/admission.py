@@ -31,6 +31,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from potluck.coordinator.journal import kept_secret
 from potluck.coordinator.service import answers
@@ -76,6 +77,8 @@ class Admission:
         refused: list[str] = []
         while self._recent and now - self._recent[0] > 60.0:
             self._recent.popleft()
+        if len(self.admitted) > 2 * len(requests) + 1000:  # forget expired admissions: churn must not grow it forever
+            self.admitted = {pid: a for pid, a in self.admitted.items() if a.not_after > now}
         for pid, req in sorted(requests.items(), key=lambda kv: kv[1].ts):
             reason = in_use.get(pid) or self._refusal(pid, req)
             if reason:
@@ -154,24 +157,42 @@ class Gatekeeper:
         self.evict_after = a.evict_after
         self._flagged: dict[str, dict[int, bool]] = {}  # peer -> step -> clipped or rejected by some owner
         self._unsent: list[Certificate] = []  # answers reviewed but not stored yet
+        self._sending: tuple[Any, list[Certificate]] | None = None  # (future, answers) of the store in flight
         self._in_use_seen: dict[tuple[str, int], str] = {}  # (peer, request seq) -> why refused ('' if not)
 
     def tick(self, node: SwarmNode, records: dict[str, PeerRecord], round_at: Callable[[int], Round | None],
-             client: PeerClient | None = None) -> tuple[dict[str, PeerRecord], list[tuple[str, str]]]:
+             client: PeerClient | None = None, read: tuple[dict[str, AdmissionRequest], list[str]] | None = None,
+             ) -> tuple[dict[str, PeerRecord], list[tuple[str, str]]]:
         """Answer admission requests; the records of admitted peers, and events as (peer, message):
         admissions refused, evictions, heartbeats of strangers ignored. ``client`` pings a running process
-        of an identity a new process asks for (without one, nobody is taken for running)."""
-        requests, refused = node.get_admissions()
+        of an identity a new process asks for (without one, nobody is taken for running). ``read``: the
+        requests and refusals already read (the coordinator reads them incrementally); else they are read here."""
+        requests, refused = read if read is not None else node.get_admissions()
         still_there = (lambda rec: answers(client, self.run_id, self.me, rec)) if client is not None else (lambda rec: False)
         certs, events = self.admission.review(requests, in_use=self._in_use(requests, records, still_there))
         self._unsent += certs  # reviewed answers are not reviewed again: each is stored, whatever it takes
-        while self._unsent:  # (a DHTTimeout leaves the rest for the next tick)
-            node.publish_certificate(self._unsent[0], ttl=CERT_TTL_S)
-            self._unsent.pop(0)
+        self._send(node)
         out = [("", e) for e in events + refused] + self._evictions(records, round_at)
         kept = {pid: r for pid, r in records.items() if self.admission.is_admitted(pid)}
         strangers = sorted(set(records) - set(kept) - self.admission.revoked)
         return kept, out + [(p, "heartbeat ignored: not admitted") for p in strangers[:3]]
+
+    def _send(self, node: SwarmNode) -> None:
+        """Store the answers not stored yet, all in one DHT call the loop does not wait for; a call that did not
+        store them all sends them again on the next tick."""
+        if self._sending is not None:
+            future, batch = self._sending
+            if not future.done():
+                return
+            self._sending = None
+            try:
+                stored = bool(future.result())
+            except Exception:  # (a DHTTimeout, the DHT child restarting: send them again)
+                stored = False
+            if not stored:
+                self._unsent = batch + self._unsent
+        if self._unsent:
+            self._sending, self._unsent = (node.publish_certificates(self._unsent, ttl=CERT_TTL_S), self._unsent), []
 
     def _in_use(self, requests: dict[str, AdmissionRequest], records: dict[str, PeerRecord],
                 answers: Callable[[PeerRecord], bool]) -> dict[str, str]:

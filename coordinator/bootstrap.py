@@ -29,6 +29,7 @@ from potluck.data import DataError
 from potluck.data.corpus import ShardCorpus, locate
 from potluck.protos.certs import TlsIdentity
 from potluck.protos.config import ConfigError, CoordinatorConfig, RunConfig
+from potluck.protos.dhtguard import run_key
 from potluck.protos.identity import Identity
 from potluck.protos.log import get_logger
 from potluck.protos.records import DataIdentity, Manifest, next_seq
@@ -100,9 +101,11 @@ def manifest(cfg: RunConfig, state: JournalState, info: RunInfo, grpc_address: s
 
 
 def start_node(identity: Identity, identity_path: Path, c: CoordinatorConfig, known: list[str]) -> SwarmNode:
-    """The DHT node the swarm bootstraps from; after a restart, rejoined through ``known`` peers."""
+    """The DHT node the swarm bootstraps from; after a restart, rejoined through ``known`` peers. Its node id is
+    its peers key's: the nearest node to that key, it stores every heartbeat and reads them locally."""
     kwargs = {"coordinator": identity.peer_id, "host": c.host, "port": c.dht_port, "announce_host": c.announce_host,
-              "startup_timeout": c.startup_timeout_s, "identity_path": identity_path}
+              "startup_timeout": c.startup_timeout_s, "identity_path": identity_path,
+              "node_id_source": run_key(identity.peer_id, "peers")}
     try:
         node = SwarmNode(identity, initial_peers=known, **kwargs)  # type: ignore[arg-type]
     except JoinError as err:

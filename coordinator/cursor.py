@@ -30,6 +30,7 @@ Peers reporting the plan they read by would close it.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -209,8 +210,9 @@ class DataCursor:
         probes = [v for v in range(max(rnd.step, step - KEEP_CURSORS), step + KEEP_CURSORS) if round_at(v) is rnd]
         for probe in sorted(probes, key=lambda v: (abs(v - step), -v)):
             votes = list(self._votes.get((probe, rnd.epoch), {}).values())
-            if votes:
-                return {r for r in replicas if 2 * sum(r in v for v in votes) >= len(votes)}
+            if votes:  # (counted once: a thousand votes of a thousand replicas each, scanned per replica, took minutes)
+                counts = Counter(r for v in votes for r in v)
+                return {r for r in replicas if 2 * counts[r] >= len(votes)}
         return set(replicas)
 
     def commit(self, since: int, step: int, round_at: Callable[[int], Round | None]) -> None:

@@ -16,11 +16,10 @@ import signal
 import socket
 import tempfile
 import threading
-import time
 from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 from pydantic import Field
 
@@ -52,6 +51,7 @@ from hivemind.dht import DHT, DHTID
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from potluck.protos.dhtguard import BY_SUBKEY, MAX_TTL_S, RunRecords, run_key
+from potluck.protos.feed import changed_records, store_at, store_many
 
 log = get_logger(__name__)
 
@@ -262,11 +262,11 @@ class SwarmNode:
         key, expires = run_key(self.coordinator, kind), get_dht_time() + ttl
         with self._pipe_lock:  # hivemind's DHT pipe is not safe for concurrent senders
             if subkey is not None and kind in BY_SUBKEY and self.identity.peer_id != self.coordinator:
-                future = self.dht.run_coroutine(partial(_store_at, peer=self.coordinator, key=key, subkey=subkey,
+                future = self.dht.run_coroutine(partial(store_at, peer=self.coordinator, key=key, subkey=subkey,
                                                         value=value, expiration=expires), return_future=True)
             else:
                 future = self.dht.store(key, value, expiration_time=expires, subkey=subkey, return_future=True)
-        return bool(self._wait(future, f"storing the {kind} record")) if wait else future
+        return bool(self.answer(future, f"storing the {kind} record")) if wait else future
 
     def sealed_size(self, record: Any, ttl: float) -> int:
         """Bytes ``record`` takes in the DHT once signed by this node's identity."""
@@ -275,9 +275,9 @@ class SwarmNode:
     def _dht_get(self, kind: str, latest: bool = True) -> Any:
         with self._pipe_lock:
             future = self.dht.get(run_key(self.coordinator, kind), latest=latest, return_future=True)
-        return self._wait(future, f"reading the {kind} records")
+        return self.answer(future, f"reading the {kind} records")
 
-    def _wait(self, future: Any, what: str) -> Any:
+    def answer(self, future: Any, what: str) -> Any:
         """A DHT call's answer; DHTTimeout past ``call_timeout_s`` (a wedged DHT process must not take
         the heartbeat, the coordinator's loop or a shutdown's goodbye with it)."""
         try:
@@ -308,7 +308,7 @@ class SwarmNode:
         """Store many certificates in one DHT call (one search, one store per replica), without waiting:
         the future of whether all were stored. A thousand joiners' answers, one at a time, took minutes."""
         items = [(cert.peer_id, seal(self.identity, cert, ttl)) for cert in certs]
-        fn = partial(_store_many, key=run_key(self.coordinator, "certs"), items=items, expiration=get_dht_time() + ttl)
+        fn = partial(store_many, key=run_key(self.coordinator, "certs"), items=items, expiration=get_dht_time() + ttl)
         with self._pipe_lock:
             return self.dht.run_coroutine(fn, return_future=True)
 
@@ -399,7 +399,7 @@ class SwarmNode:
         key's id as its node id (``node_id_source``): no node is nearer to that key, so every heartbeat
         is stored on it, and reading them costs no message -- a network read of a thousand records of
         6 KB would exceed what one hivemind message carries (4 MiB), and cost as much every time."""
-        fn = partial(_changed_records, key=run_key(self.coordinator, kind), reader=kind, ack=ack, local=local)
+        fn = partial(changed_records, key=run_key(self.coordinator, kind), reader=kind, ack=ack, local=local)
         with self._pipe_lock:
             return self.dht.run_coroutine(fn, return_future=True)
 
@@ -456,138 +456,3 @@ class SwarmNode:
     def _shutdown_at_exit(self) -> None:
         self.shutdown(timeout=1.0)
 
-
-async def _store_at(dht: Any, node: Any, peer: str, key: str, subkey: str, value: Any, expiration: float) -> bool:
-    """Runs in the DHT process: store one subkey of ``key`` on the node of ``peer`` (a peer id), and only there."""
-    from hivemind.p2p import PeerID
-
-    ok = await node.protocol.call_store(PeerID.from_base58(peer), [DHTID.generate(source=key)],
-                                        [node.protocol.serializer.dumps(value)], [expiration], subkeys=[subkey])
-    return bool(ok and ok[0])
-
-
-async def _store_many(dht: Any, node: Any, key: str, items: list[tuple[str, Any]], expiration: float) -> bool:
-    """Runs in the DHT process: store ``items`` (subkey, value) under ``key``, all at once."""
-    if not items:
-        return True
-    ok = await node.store_many([key] * len(items), [v for _, v in items], [expiration] * len(items),
-                               subkeys=[s for s, _ in items])
-    return all(ok.values())
-
-
-def _token(item: Any) -> Any:
-    """What tells one stored record from the next: its expiry and its bytes (hashed once: a stored bytes
-    object keeps its hash) or, for a value already decoded, its signature."""
-    value = item.value
-    if isinstance(value, bytes):
-        return item.expiration_time, len(value), hash(value)
-    return item.expiration_time, value.get("sig") if isinstance(value, dict) else None
-
-
-def _stored(node: Any, key: str) -> dict:
-    """``key``'s dictionary in this node's own storage: {subkey: ValueWithExpiration(encoded bytes, expiry)}."""
-    from hivemind.dht.routing import DHTID
-    from hivemind.dht.storage import DictionaryDHTValue
-
-    found = node.protocol.storage.get(DHTID.generate(source=key))
-    return dict(found.value.items()) if found is not None and isinstance(found.value, DictionaryDHTValue) else {}
-
-
-async def _changed_records(dht: Any, node: Any, key: str, reader: str, ack: int | None,
-                           local: bool = False) -> tuple[int, dict, list, int]:
-    """Runs in the DHT process (see :meth:`SwarmNode.changes`); what a reader acknowledged is kept there."""
-    from hivemind.utils import MSGPackSerializer, ValueWithExpiration
-
-    readers = dht.__dict__.setdefault("_potluck_readers", {})
-    state = readers.setdefault(reader, {"seen": {}, "sent": (0, {})})
-    if ack is None:
-        state["seen"] = {}
-    elif state["sent"][0] == ack:
-        state["seen"] = state["sent"][1]
-    if local:
-        current = _stored(node, key)
-    else:
-        found = await node.get(key, latest=True)
-        current = found.value if found is not None and isinstance(found.value, dict) else {}
-    tokens = {sub: _token(item) for sub, item in current.items() if isinstance(sub, str)}
-    seen = state["seen"]
-    changed = {sub: current[sub] for sub, token in tokens.items() if seen.get(sub) != token}
-    changed.update({sub: item for sub, item in current.items() if not isinstance(sub, str)})  # refused by the reader
-    if local:  # decoded here, only what changed
-        changed = {sub: ValueWithExpiration(MSGPackSerializer.loads(item.value), item.expiration_time)
-                   for sub, item in changed.items()}
-    gone = [sub for sub in seen if sub not in tokens]
-    state["sent"] = (state["sent"][0] + 1, tokens)
-    return state["sent"][0], changed, gone, len(current)
-
-
-class Feed(Generic[_S]):
-    """One kind of per-peer record (``peers``, ``admission``, ``links``), read incrementally, off its reader's loop
-    (one feed per kind and node: the DHT process keeps what each kind's reader acknowledged).
-
-    :meth:`poll` never waits for the DHT: it takes the answer of the read in flight if it has arrived and
-    starts the next one once ``every_s`` has passed since the last began, so a loop that polls every tick
-    pays for the records that changed -- verified and parsed once each -- not for every record every tick.
-    :attr:`records` holds the current valid record of every peer; a record that is refused (forged,
-    expired, malformed) is named in what ``poll`` returns, once, and leaves :attr:`records`.
-    """
-
-    def __init__(self, node: SwarmNode, kind: str, model: type[_S], what: str, every_s: float,
-                 local: bool = False) -> None:
-        self.node, self.kind, self.model, self.what, self.every_s, self.local = node, kind, model, what, every_s, local
-        self.records: dict[str, _S] = {}
-        self.held = 0  # records the DHT holds under the key (refused ones too)
-        self.last_changed = 0  # records the last answer brought
-        self.last_read_s: float | None = None  # how long the last answered read took
-        self._ack: int | None = None
-        self._future: Any = None
-        self._started = -float("inf")
-
-    def poll(self, now: float | None = None) -> tuple[list[str], list[str]]:
-        """``(ids whose record changed or went, refusal reasons)`` from the answer that arrived, if any."""
-        now = time.monotonic() if now is None else now
-        out: tuple[list[str], list[str]] = ([], [])
-        if self._future is not None:
-            if self._future.done():
-                future, self._future = self._future, None
-                try:
-                    out = self._apply(*future.result())
-                    self.last_read_s = now - self._started
-                except Exception as err:  # the DHT child is restarting, say: the next read sends it all again
-                    log.warning("could not read the %s records: %s", self.what, err)
-            elif now - self._started > self.node.call_timeout_s:
-                log.warning("reading the %s records: no answer from the DHT process within %.0f s; asking again",
-                            self.what, self.node.call_timeout_s)
-                self._future.cancel()
-                self._future = None
-        if self._future is None and now - self._started >= self.every_s:
-            self._started, self._future = now, self.node.changes(self.kind, self._ack, self.local)
-        return out
-
-    def read(self) -> tuple[list[str], list[str]]:
-        """Read now and wait for the answer (tests, and readers without a loop)."""
-        if self._future is not None:
-            self._future.cancel()  # never acknowledged: what it would have brought comes again
-            self._future = None
-        self._started = time.monotonic()
-        answer = self.node._wait(self.node.changes(self.kind, self._ack, self.local), f"reading the {self.what} records")
-        self.last_read_s = time.monotonic() - self._started
-        return self._apply(*answer)
-
-    def _apply(self, read: int, changed: dict, gone: list, held: int) -> tuple[list[str], list[str]]:
-        refused: list[str] = []
-        for subkey, item in changed.items():
-            try:
-                if not isinstance(subkey, str):
-                    raise RecordError(f"subkey {subkey!r} is not a peer id")
-                rec = unseal(self.model, item.value, author=subkey)
-                if getattr(rec, "peer_id", subkey) != subkey:
-                    raise RecordError(f"record for {rec.peer_id[-6:]} stored under {subkey[-6:]}")  # type: ignore[attr-defined]
-                self.records[subkey] = rec
-            except RecordError as err:
-                refused.append(f"{self.what} {str(subkey)[-6:]}: {err}")
-                self.records.pop(subkey, None)  # type: ignore[arg-type]
-        for subkey in gone:
-            self.records.pop(subkey, None)
-        self._ack, self.held, self.last_changed = read, held, len(changed)
-        return [s for s in changed if isinstance(s, str)] + list(gone), refused

@@ -433,6 +433,14 @@ def _log_reject(method: str, sender: str, reason: str) -> None:
     log.warning("rejected %s from %s: %s", method, short_id(sender) if sender != "?" else "?", reason)
 
 
+def service_handler(handlers: Handlers, traffic: Traffic, on_reject: Callable[[str, str, str], None] = _log_reject,
+                    mtls: bool = True, revoked: Callable[[str], bool] = lambda peer_id: False,
+                    per_client: int = PER_CLIENT_CALLS, relay: RelayHub | None = None) -> grpc.GenericRpcHandler:
+    """PeerService as a gRPC handler: every request checked (header, sender, revoked peers, per-client calls)
+    before ``handlers`` sees it. :class:`PeerServer` serves it on one port; a server of its own may add it too."""
+    return _rpc_handlers(_Servicer(handlers, traffic, on_reject, mtls, revoked, per_client, relay))
+
+
 class PeerServer:
     """A PeerService gRPC server bound to ``host:port`` (port 0 picks a free one).
 
@@ -463,8 +471,8 @@ class PeerServer:
             interceptors=[netem.server_interceptor()] if netem else None,
             maximum_concurrent_rpcs=4 * workers,  # beyond that, callers are told RESOURCE_EXHAUSTED at once
         )
-        servicer = _Servicer(handlers, traffic, on_reject, tls is not None, revoked, per_client, relay)
-        self.server.add_generic_rpc_handlers((_rpc_handlers(servicer),))
+        self.server.add_generic_rpc_handlers((service_handler(handlers, traffic, on_reject, tls is not None, revoked,
+                                                              per_client, relay),))
         try:
             where = f"{host}:{port}"
             self.port = (self.server.add_secure_port(where, tls.server_credentials()) if tls is not None
