@@ -2,7 +2,7 @@
 of the wall time the training loop spends outside its inner steps (issue 28).
 
 A real swarm (a coordinator and ``--peers`` peer processes: hivemind DHT, gRPC with mutual TLS) trains
-``--preset`` (default ``llama-150m``, seq ``--seq``, 32k vocabulary) on ``--device`` (every peer on the
+``--preset`` (default ``llama-150m``, seq ``--seq``, a 4,096-token vocabulary: what the synthetic source holds, 108M parameters) on ``--device`` (every peer on the
 one GPU), ``--batch`` samples an inner step, H = ``--inner-steps``, ``--outer-steps`` outer steps, each
 peer at its defaults (bf16, compiled layers, the fewest micro-batches that fit), with
 ``diloco.overlap`` when ``--overlap`` is given.
@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--overlap", action="store_true")
     ap.add_argument("--preset", default="llama-150m")
     ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--vocab", type=int, default=4096, help="the synthetic source holds at most 4096 tokens")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--inner-steps", type=int, default=50)
     ap.add_argument("--outer-steps", type=int, default=3)

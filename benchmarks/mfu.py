@@ -53,7 +53,10 @@ def run(args: argparse.Namespace, settings: dict[str, Any]) -> dict:
     scope = settings.pop("potluck.compile_scope", "layer")
     rc = apply_overrides(RunConfig(), {"model.preset": args.preset, "model.vocab_size": args.vocab,
                                        "model.seq_len": args.seq, "train.batch_size": args.batch,
-                                       "train.warmup_steps": 0, **settings})
+                                       "train.warmup_steps": 0, **settings,
+                                       # random tokens are fed below: the run's data is never read (and a synthetic
+                                       # source's table cannot hold a 32k vocabulary)
+                                       "data.source": "shards", "data.path": "(none: random tokens)"})
     torch.manual_seed(0)
     worker = StageWorker(rc, 0, stage_bounds(rc.model, rc.pipeline)[0], device, None, link=None)  # type: ignore[arg-type]
     worker.runner.compile_scope = scope

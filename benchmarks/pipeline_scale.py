@@ -12,10 +12,11 @@ On a CPU both configurations get the box's cores: the unsplit peer ``--threads``
 stage peer ``--threads / 2`` (``--threads`` defaults to the box's cores). With ``--device cuda``
 every peer trains on the one GPU (both stages share it), in the run's default precision (bf16).
 
-Throughput is tokens that entered the model (stage 0) per second of inner steps: the median of the
-stage-0 peer's live ``tokens_per_s`` (its tokens over its inner step's wall time, which holds every
-wait for the pipeline) over the run, and, as a check, tokens over the whole window from the first
-trained token to the end (outer steps included). Start-up stays outside.
+Throughput is tokens that entered the model (stage 0) per second in the steady state: the median over
+the outer steps after the first (which pays compilation and first visits) of each step's tokens over
+the seconds since the step before (``history[].tokens_per_s``: inner and outer steps both count). The
+stage-0 peer's live ``tokens_per_s`` (an average that still carries the first steps) and the whole
+window from the first trained token are printed beside it. Start-up stays outside.
 
 Target (issue #26): pipeline / unsplit >= 0.75 on CPU, >= 0.8 on one GPU.
 
@@ -43,7 +44,7 @@ CPU_MODEL = {"model.d_model": 256, "model.n_layers": 4, "model.n_heads": 4, "mod
 
 def model_settings(args: argparse.Namespace) -> dict[str, Any]:
     if args.preset:
-        return {"model.preset": args.preset, "model.seq_len": args.seq_len or 1024, "model.vocab_size": 32000}
+        return {"model.preset": args.preset, "model.seq_len": args.seq_len or 1024, "model.vocab_size": 4096}
     return {**CPU_MODEL, **({"model.seq_len": args.seq_len} if args.seq_len else {})}
 
 
@@ -84,12 +85,16 @@ def run_swarm(args: argparse.Namespace, workdir: Path, stages: int) -> dict[str,
         swarm.stop()
     assert first is not None
     hist = state["history"]
+    # the steady state: each outer step after the first (which pays compilation and the first visits), its tokens
+    # over the seconds since the step before (inner steps and the outer step both count)
+    rates = [h["tokens_per_s"] for h in hist[1:] if h.get("tokens_per_s")]
     messages = args.inner_steps * args.outer_steps * args.micro_batches
     sent = {k: sum(h["bytes"].get(k, 0) for h in hist) for k in ("activations", "gradients")}
     fp32 = {k: sum(h["bytes_fp32"].get(k, 0) for h in hist) for k in ("activations", "gradients")}
     return {
         "stages": stages, "threads_per_peer": threads,
-        "tokens_per_s": round(statistics.median(live), 1) if live else None,
+        "tokens_per_s": round(statistics.median(rates), 1) if rates else None,
+        "tokens_per_s_live_median": round(statistics.median(live), 1) if live else None,
         "tokens_per_s_window": round((state["run"]["tokens_trained"] - first[1]) / (end - first[0]), 1),
         "live_samples": len(live),
         "bytes_per_activation_message": round(sent["activations"] / messages) if stages > 1 else 0,

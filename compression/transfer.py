@@ -13,12 +13,11 @@ hash equals the advertised one.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +25,8 @@ import grpc
 import torch
 
 from potluck.compression.int8 import RawCodec
+from potluck.compression.statehash import hash_later as hash_in_background
+from potluck.compression.statehash import raw_bytes, tensors_hash
 from potluck.compression.stream import Assembler, WireError, encode_chunks
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.log import get_logger
@@ -43,36 +44,37 @@ class SnapshotUnavailable(RuntimeError):
 
 def byte_chunks(t: torch.Tensor, size: int = HASH_CHUNK) -> Iterator[memoryview]:
     """The raw bytes of ``t`` in blocks of at most ``size``, as views: a contiguous CPU tensor is not copied."""
-    view = t.detach().to("cpu").contiguous().reshape(-1).numpy().data.cast("B")
+    view = raw_bytes(t)
     for k in range(0, len(view), size):
         yield view[k : k + size]
 
 
-def tensors_hash(tensors: dict[str, torch.Tensor]) -> str:
-    """BLAKE2b (128 bits, hex) over names and raw bytes of the tensors, in name order."""
-    h = hashlib.blake2b(digest_size=16)
-    for name in sorted(tensors):
-        h.update(name.encode() + b"\0")
-        for block in byte_chunks(tensors[name]):
-            h.update(block)
-    return h.hexdigest()
-
-
 @dataclass(frozen=True)
 class Snapshot:
+    """``digest`` is the state hash (:mod:`potluck.compression.statehash`), or its computation still
+    under way: read :attr:`hash`, which waits for it."""
+
     tensors: dict[str, torch.Tensor]
     version: int
-    hash: str
+    digest: str | Future[str]
     meta: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def hash(self) -> str:
+        d = self.digest
+        return d if isinstance(d, str) else d.result()
+
     @classmethod
-    def create(cls, tensors: dict[str, torch.Tensor], version: int, meta: dict[str, Any] | None = None) -> Snapshot:
+    def create(cls, tensors: dict[str, torch.Tensor], version: int, meta: dict[str, Any] | None = None,
+               hash_later: bool = False) -> Snapshot:
+        """``hash_later``: hash on the state hasher's thread (the tensors are never written again), so the
+        caller goes on at once and whoever reads :attr:`hash` first waits for what is left of it."""
         flat = {}
         for name, t in tensors.items():
             if t.dim() != 1:
                 raise ValueError(f"snapshot tensor {name!r} must be flat, got shape {tuple(t.shape)}")
             flat[name] = t.detach().to("cpu", torch.float32).contiguous()
-        return cls(flat, version, tensors_hash(flat), dict(meta or {}))
+        return cls(flat, version, hash_in_background(flat) if hash_later else tensors_hash(flat), dict(meta or {}))
 
 
 class SnapshotServer:
@@ -250,7 +252,7 @@ def fetch_snapshot(
     with ThreadPoolExecutor(max_workers=max(1, min(16, len(parts)))) as pool:
         for f in [pool.submit(pull, i) for i in range(len(parts))]:
             f.result()
-    got = tensors_hash(buffers)
+    got = tensors_hash(buffers, like=want_hash)
     if got != want_hash:
         raise SnapshotUnavailable(f"fetched snapshot hashes to {got[:12]}, its sources advertised {want_hash[:12]}")
     try:

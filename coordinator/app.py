@@ -14,10 +14,10 @@ loop applies, so the state below is written by this loop only.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections import deque
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,9 @@ from potluck import __version__
 from potluck.coordinator import bootstrap, history
 from potluck.coordinator.admission import Gatekeeper
 from potluck.coordinator.checkpointer import Checkpointer, Job, Written
+from potluck.coordinator.finishing import Finish
 from potluck.coordinator.health import Health
+from potluck.coordinator.integrity import Integrity
 from potluck.coordinator.journal import JournalError
 from potluck.coordinator.membership import PeerTable, announce
 from potluck.coordinator.placement import PlacementWorker, grid_for, members
@@ -52,7 +54,7 @@ class Coordinator:
         self.cfg, self.exit_when_finished, self.ready_file = cfg, exit_when_finished, ready_file
         set_context(role="coordinator")  # (its id once its identity is loaded, below)
         self.stopping = threading.Event()
-        self._admin: queue.SimpleQueue[str] = queue.SimpleQueue()  # admin requests from the status server
+        self.finish = Finish()  # the run's end: all steps committed, or the admin's request from the status page
         self.events: deque[dict[str, Any]] = deque(maxlen=500)
         self.traffic = Traffic()
         self.journal, self.state = bootstrap.open_journal(cfg)  # checks the run first: a refused one writes nothing
@@ -65,6 +67,8 @@ class Coordinator:
         self.client = PeerClient(self.traffic, tls=self.tls)
         self.pinger = Pinger(self.client, self.run_id, self.id)  # (a decision's pings run off the loop)
         self.checkpointer = Checkpointer.for_run(cfg, self.client, self.run_id, self.id)
+        self.integrity = Integrity.for_run(cfg, self.client, self.run_id, self.id, self.state.trust)
+        self.gate.trusted = self.integrity.trust.eligible  # eviction votes: owners and reporters past probation
         self.placement = PlacementWorker(cfg, cfg.links.search_budget_s)
         self.series, self.health, self._memo = Series(), Health(), history.Memo()  # (memo: step reports folded)
         self.node: Any = None
@@ -73,8 +77,7 @@ class Coordinator:
         self.publisher: Any = None
         self.info = RunInfo(self.run_id, self.id, "", "", time.time(), self.state.finished)
         self.reader: Any = None  # (a Reader of the DHT node, once it runs)
-        self._snapshot: dict[str, Any] = {}
-        self._dirty = False
+        self._snapshot, self._dirty = dict[str, Any](), False
         set_context(role="coordinator", peer_id=self.id)
 
     def run(self) -> int:
@@ -87,7 +90,7 @@ class Coordinator:
                 except DHTTimeout as err:  # a wedged or swamped DHT process: the next tick tries again
                     log.warning("%s", err)
                 self.health.ticked(time.monotonic() - t0)
-                if self.exit_when_finished and self.state.finished and self._drained():
+                if self.exit_when_finished and self.state.finished and self.finish.drained(self.checkpointer, self.table):
                     log.info("run finished; exiting")
                     break
                 self.stopping.wait(max(0.0, self.cfg.coordinator.tick_s - (time.monotonic() - t0)))
@@ -112,7 +115,8 @@ class Coordinator:
         self.grpc = bootstrap.grpc_server(CoordinatorService(self.id, lambda: self.rounds.committed, self.checkpointer),
                                           self.traffic, c, self.tls, self.gate.revoked, self.run_id)
         self.status, self.info.fingerprint = bootstrap.status_server(c, host, lambda: self._snapshot,
-                                                                     {"finish": self._admin_finish})
+                                                                     {"finish": lambda body: self.finish.request(
+                                                                         body, self.rounds.committed)})
         self.info.join_address = bootstrap.join_address(self.node, host, self.id)
         self.info.status_url = f"{'https' if self.info.fingerprint else 'http'}://{host}:{self.status.port}/"
         manifest = bootstrap.manifest(self.cfg, s, self.info, f"{host}:{self.grpc.port}", self.checkpointer.served,
@@ -130,7 +134,7 @@ class Coordinator:
         except OSError as err:
             log.warning("could not save the journal on shutdown: %s", err)
         for stop in filter(None, (self.status and self.status.stop, self.grpc and self.grpc.stop, self.checkpointer.stop,
-                                  self.placement.stop, self.client.close, self.node and self.node.shutdown)):
+                                  self.placement.stop, self.integrity.stop, self.client.close, self.node and self.node.shutdown)):
             try:
                 stop()
             except Exception as err:
@@ -140,16 +144,19 @@ class Coordinator:
 
     def tick(self) -> None:
         now, reader = time.monotonic(), self.reader
-        for reason in reader.poll(now):  # what the DHT reads brought (only the records that changed)
-            self._event("rejected", "", reason)
+        refused = reader.poll(now)  # what the DHT reads brought (only the records that changed), refusals said once
         records, events = self.gate.tick(self.node, reader.peers.records, self.rounds.round_at, self.client,
-                                         (reader.admissions.records, []))
-        for pid, message in events:
-            self._event("evicted" if "evicted" in message else "rejected", pid, message)
+                                         (reader.admissions.records, refused))
+        for kind, pid, message in events:  # (kinds from the admission room, never read off the message's text)
+            self._event(kind, pid, message)
         self.publisher.revoked_changed()
         for kind, pid, message, warn in announce(self.table.update(records, now), self.table, self.cfg):
             self._event(kind, pid, message, warn)
-        for ev in self.rounds.observe(self.table.reports(), now, self.checkpointer.checkpoint()):
+        for pid, message in self.integrity.observe(records, self.rounds.round_at):
+            self._event("audit", pid, message, True)
+        retract = partial(self.rounds.retract, reports=self.table.reports(), checkpoint=self.checkpointer.checkpoint(), now=now)
+        for ev in self.integrity.judge(self.gate.admission.revoke, retract, self._event) + self.rounds.observe(
+                self.table.reports(), now, self.checkpointer.checkpoint()):
             self._on(ev)
         self._checkpoints_done()
         self._maybe_finish(now)
@@ -170,6 +177,7 @@ class Coordinator:
         self._dirty = True
         if isinstance(ev, Committed):
             fault("coordinator.committed", ev.step)
+            self.integrity.committed(self.rounds.round_at(ev.step), ev.step, self.table.reports())
             self.state.known_peers = [m for v in self.table.live() for m in v.record.dht_maddrs[:1]][:16]
             every, v, rnd = self.cfg.coordinator.checkpoint_every, ev.step, self.rounds.round_at(ev.step)
             if every and rnd is not None and (v // every > ev.since // every or v >= self.cfg.diloco.outer_steps):
@@ -177,6 +185,7 @@ class Coordinator:
         elif isinstance(ev, Failed):
             self._event("failed", "", f"round {ev.round.step} (epoch {ev.round.epoch}) failed: {ev.reason}")
         elif isinstance(ev, RolledBack):
+            self.integrity.rolled_back(ev.to_version)
             self.state.history, undone = history.roll_back(self.state.history, ev.to_version)
             self.state.rolled_back = (self.state.rolled_back + undone)[-200:]
             self._event("rollback", "", f"rolled back from step {ev.from_step} to v{ev.to_version} ({ev.source}); "
@@ -193,12 +202,10 @@ class Coordinator:
                 log.warning("checkpoint of v%d not written: %s", done.version, done.reason)
 
     def _maybe_finish(self, now: float) -> None:
-        admin = self._admin.get_nowait() if not self._admin.empty() else None
+        done, admin = self.finish.due(self.cfg, self.rounds, self.table.reports(), now, self.integrity)
         if admin is not None:
             self._event("admin", "", f"run ended by the admin at outer step {self.rounds.committed}{admin}")
-        done = self.rounds.committed >= self.cfg.diloco.outer_steps and self.rounds.settled(
-            now, self.cfg.membership.heartbeat_timeout_s, self.table.reports())
-        if not self.state.finished and (done or admin is not None):
+        if not self.state.finished and done:
             self.state.finished, self._dirty = True, True
             self.publisher.update(finished=True)
             self._event("finished", "", f"run ended at outer step {self.rounds.committed}")
@@ -208,8 +215,7 @@ class Coordinator:
         if (self.state.finished or self.rounds.committed >= self.cfg.diloco.outer_steps
                 or not self.rounds.ready_to_decide(len(live), self.cfg.membership.min_peers, now, self.table.reports())):
             return
-        answered = self.pinger.poll(v.record for v in live)  # None while the pings run (off this loop)
-        if answered is None:
+        if (answered := self.pinger.poll(v.record for v in live)) is None:  # None while the pings run (off this loop)
             return
         records, t0 = answered  # (a decision costs from its first ping to the round published)
         before = {m.peer_id: (m.stage, m.replica) for m in getattr(self.rounds.rounds.get(self.rounds.committed), "members", [])}
@@ -219,7 +225,8 @@ class Coordinator:
         grid, replan = placed
         if replan is not None and any(before.get(pid) != cell for pid, cell in grid.items()):
             self._event("replan", "", replan.describe())
-        r = self.rounds.decide(members(grid, records), now, time.time())
+        cells, audits = self.integrity.roles(members(grid, records), self.rounds)  # owners past probation; audits
+        r = self.rounds.decide(cells, now, time.time(), audits)
         self.publisher.new_plan()
         self._save()  # journaled before anyone can act on it
         self._event("round", "", describe_round(r, before))
@@ -230,7 +237,8 @@ class Coordinator:
         s, r = self.state, self.rounds
         r.prune_hashes()
         s.committed, s.epoch, s.rounds, s.hashes, s.cursors = r.committed, r.epoch, list(r.rounds.values()), r.hashes, r.data.to_json()
-        s.outcomes, s.revoked = [vars(o) for o in r.outcomes], sorted(self.gate.admission.revoked)
+        s.outcomes, s.revoked, s.trust = ([vars(o) for o in r.outcomes], sorted(self.gate.admission.revoked),
+                                          self.integrity.trust.to_json())
         self.journal.save(s)
         self._dirty = False
 
@@ -239,11 +247,3 @@ class Coordinator:
         if kind != "round":
             (log.warning if warn else log.info)("%s%s", f"{short_id(peer)} " if peer else "", message)
 
-    def _admin_finish(self, body: dict) -> dict:
-        """Admin action (on a status server thread): the loop ends the run at the committed step."""
-        reason = str(body.get("reason", ""))[:200]
-        self._admin.put(f": {reason}" if reason else "")
-        return {"finishing": True, "outer_step": self.rounds.committed}
-
-    def _drained(self) -> bool:
-        return not self.checkpointer.busy() and all(v.record.state in ("finished", "left") for v in self.table.live())

@@ -97,7 +97,8 @@ def manifest(cfg: RunConfig, state: JournalState, info: RunInfo, grpc_address: s
                     created_at=state.created_at, coordinator_grpc=grpc_address, status_url=info.status_url,
                     finished=state.finished, seq=next_seq(), checkpoint_every=c.checkpoint_every,
                     checkpoint_version=served.version if served else 0, data=data_identity(cfg),
-                    security="insecure" if c.insecure else "mtls", admission=cfg.admission.mode, ca_pem=ca_pem)
+                    security="insecure" if c.insecure else "mtls", admission=cfg.admission.mode,
+                    pow_bits=cfg.admission.pow_bits if cfg.admission.mode == "open" else 0, ca_pem=ca_pem)
 
 
 def start_node(identity: Identity, identity_path: Path, c: CoordinatorConfig, known: list[str]) -> SwarmNode:

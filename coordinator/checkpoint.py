@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from potluck.compression.statehash import StateHasher
 from potluck.compression.transfer import Snapshot, byte_chunks, tensors_hash
 from potluck.coordinator.journal import write_atomic
 from potluck.protos.log import get_logger
@@ -224,9 +225,9 @@ def _read(path: Path, begin: int, end: int) -> Iterator[bytes]:
 
 def ranges_hash(tensors: dict[str, list[tuple[Path, int, int]]]) -> str:
     """:func:`tensors_hash` of flat tensors each made of byte ranges of files, read in blocks."""
-    h = hashlib.blake2b(digest_size=16)
+    h = StateHasher()
     for name in sorted(tensors):
-        h.update(name.encode() + b"\0")
+        h.tensor(name)
         for path, begin, end in tensors[name]:
             for block in _read(path, begin, end):
                 h.update(block)
@@ -450,7 +451,7 @@ class CheckpointStore:
                 else:
                     tensors[key] = stored[key]
             meta = dict(manifest.get("meta", {}))
-        got = tensors_hash(tensors)
+        got = tensors_hash(tensors, like=manifest["state_hash"])  # (an older version's is BLAKE2b: still read)
         if got != manifest["state_hash"]:
             raise ValueError(f"state hash {got[:12]} does not match the manifest's {manifest['state_hash'][:12]}")
         return Snapshot(tensors, version, got, meta)

@@ -52,6 +52,7 @@ class JournalState(BaseModel):
     checkpoints: list[str] = Field(default_factory=list)
     finished: bool = False
     revoked: list[str] = Field(default_factory=list, description="peers evicted from the run")
+    trust: dict[str, Any] = Field(default_factory=dict, description="verified work per peer (coordinator/trust.py)")
     known_peers: list[str] = Field(default_factory=list, description="DHT addresses of recent peers: "
                                    "a restarted coordinator rejoins the swarm through them")
 

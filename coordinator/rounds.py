@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from potluck.coordinator.cursor import Cursor, DataCursor
 from potluck.protos.config import RunConfig
 from potluck.protos.log import short_id
-from potluck.protos.records import Member, Round
+from potluck.protos.records import Audit, Member, Round
 
 KEEP_ROUNDS = 16
 KEEP_DURATIONS = 8
@@ -278,9 +278,18 @@ class Rounds:
             return f"not committed within {deadline:.0f} s ({self.factor:g}x the measured step time, at least the floor)"
         return ""
 
+    def retract(self, step: int, reason: str, reports: Sequence[Report], checkpoint: Checkpoint | None,
+                now: float) -> list[Event]:
+        """Step ``step`` committed a proven lie (verified reduction): the run goes back to a version before it,
+        whatever came after, and the round running now (if any) fails with it."""
+        rnd = self.pending() or self.rounds.get(step) or self.round_at(step)
+        if rnd is None or step > self.committed:
+            return []
+        return self._fail(rnd, reason, reports, checkpoint, now, ceiling=step - 1)
+
     def _fail(self, rnd: Round, reason: str, reports: Sequence[Report], checkpoint: Checkpoint | None,
-              now: float) -> list[Event]:
-        target, source = self.rollback_target(reports, checkpoint)
+              now: float, ceiling: int | None = None) -> list[Event]:
+        target, source = self.rollback_target(reports, checkpoint, ceiling)
         events: list[Event] = [Failed(rnd, reason)]
         before = self.committed
         for step in [s for s in self.rounds if s > target]:
@@ -303,9 +312,11 @@ class Rounds:
             events.append(RolledBack(before, target, source, self.epoch))
         return events
 
-    def rollback_target(self, reports: Sequence[Report], checkpoint: Checkpoint | None) -> tuple[int, str]:
-        """The newest version at or below the committed one that every stage can be had at, and from where."""
-        for v in range(self.committed, 0, -1):
+    def rollback_target(self, reports: Sequence[Report], checkpoint: Checkpoint | None,
+                        ceiling: int | None = None) -> tuple[int, str]:
+        """The newest version at or below the committed one (and ``ceiling``) that every stage can be had at,
+        and from where."""
+        for v in range(self.committed if ceiling is None else min(ceiling, self.committed), 0, -1):
             if checkpoint is not None and checkpoint.version == v:
                 return v, "checkpoint"
             if all(self._held(stage, v, reports) for stage in range(self.stages)):
@@ -345,15 +356,16 @@ class Rounds:
             return live >= min_peers
         return self.settled(now, reports=reports)
 
-    def decide(self, members: list[Member], now: float, decided_at: float = 0.0) -> Round:
-        """Round ``committed + 1`` with these members (already placed on the grid), in this epoch."""
+    def decide(self, members: list[Member], now: float, decided_at: float = 0.0, audits: Sequence[Audit] = ()) -> Round:
+        """Round ``committed + 1`` with these members (already placed on the grid, shard owners marked), in this
+        epoch, carrying ``audits`` of the step before."""
         step = self.committed + 1
         hashes = [self.canonical(step - 1, s) for s in range(self.stages)]
         stage0 = [(m.peer_id, m.replica) for m in members if m.stage == 0]
         shares, data_next, pool = self.data.assign(self.committed, stage0, self.round_at(self.committed), self.epoch)
         rnd = Round(step=step, members=sorted(members, key=lambda m: (m.stage, m.replica)), base_hash=hashes[0],
                     stages=self.stages, base_hashes=hashes if self.stages > 1 else [], epoch=self.epoch,
-                    decided_at=decided_at, shares=shares, data_next=data_next, pool=pool)
+                    decided_at=decided_at, shares=shares, data_next=data_next, pool=pool, audits=list(audits))
         self.rounds[step] = rnd
         self._started[step] = now
         for old in sorted(self.rounds)[:-KEEP_ROUNDS]:

@@ -39,7 +39,7 @@ class CoordinatorService:
     def _unsupported(self, *_: Any) -> Any:
         raise Rejected(pb.UNSUPPORTED, "the coordinator takes no part in the all-reduce or the pipeline")
 
-    push_contribution = push_result = fetch_result = push_pipe = _unsupported
+    push_contribution = push_result = fetch_result = fetch_inputs = push_pipe = _unsupported
 
 
 def answers(client: PeerClient, run_id: str, me: str, rec: PeerRecord) -> bool:

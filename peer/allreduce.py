@@ -34,13 +34,24 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
+from dataclasses import dataclass
 
 import grpc
 import torch
 
+from potluck.compression.aggregate import (  # noqa: F401 (reduce_mean: re-export)
+    contribution_digest,
+    reduce_mean,
+    result_digest,
+    robust_reduction,
+    tensor_digest,
+)
+from potluck.compression.audit import ResultClaim, Signed
+from potluck.compression.audit import Round as AuditRound
 from potluck.compression.int8 import Codec
 from potluck.compression.stream import Assembler, EncodedStream, WireError
-from potluck.peer.aggregate import reduce_mean, result_digest, robust_reduction, tensor_digest  # noqa: F401 (reduce_mean: re-export)
+from potluck.peer.audit import HeldResult
+from potluck.peer.diloco import host_vector
 from potluck.peer.shards import (
     AllReduceStats,
     Buffers,
@@ -52,7 +63,7 @@ from potluck.peer.shards import (
     shard_bounds,
 )
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.faults import fault
+from potluck.protos.faults import fault, tamper
 from potluck.protos.identity import verify
 from potluck.protos.log import get_logger, short_id
 from potluck.protos.transport import (
@@ -73,7 +84,21 @@ CATCHING_UP = {"joining", "recovering", "waiting"}
 
 
 PING_S = 2.0
+KEEP_STEPS = 3  # steps kept for audits: encoded results and inputs, about 2 bytes a parameter each
 CODEC_WORKERS = 2
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """What a member keeps of the step before the running one: its results and (an owner's) inputs."""
+
+    step: int
+    epoch: int
+    base_hash: str
+    round: RoundInfo
+    results: dict[int, tuple[list[pb.Tensor], Outcome, list[bytes]]]
+    inputs: dict[tuple[int, int], dict[str, Signed]]
+    sent: dict[tuple[int, int], Signed]
 
 
 def _remote_step(err: grpc.RpcError) -> int | None:
@@ -100,8 +125,11 @@ class AllReduce:
         sign: Callable[[bytes], bytes] | None = None,
         clip_factor: float = 4.0,
         reject_below: float | None = -0.1,
+        pinned: bool = False,
     ) -> None:
+        """``pinned``: the mean (which becomes theta_global) in page-locked memory, for a GPU peer's copy."""
         self.run_id, self.me, self.numel, self.codec = run_id, me, numel, codec
+        self.pinned = pinned
         self.sign = sign or (lambda digest: b"")
         self.clip_factor, self.reject_below = clip_factor, reject_below
         self.stopping = stopping or threading.Event()
@@ -114,10 +142,18 @@ class AllReduce:
         self._codec_pool = ThreadPoolExecutor(max_workers=CODEC_WORKERS, thread_name_prefix="codec")
         self._step = -1
         self._epoch = 0
-        self._base_hash = ""
+        self._base_hash: str | Future[str] = ""  # read _base
         self._round: RoundInfo | None = None
         self._contribs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        # each contribution as its sender signed it, kept to show an auditor what a result was averaged from
+        self._inputs: dict[tuple[int, int], dict[str, Signed]] = {}
+        # the last few steps: their results and (an owner's) inputs, for audits of them (an auditor learns of its
+        # audit from the coordinator's next round, which a peer running ahead on the last plan may see late)
+        self._kept: dict[tuple[int, int], _Kept] = {}
+        self._evidence: dict[tuple[int, int, int, int], dict[str, Signed]] = {}  # inputs fetched in an audit
+        self._sent: dict[tuple[int, int], Signed] = {}  # this member's own contributions, as it signed them
         self._closed: set[tuple[int, int]] = set()
+        self._tamper = tamper  # POTLUCK_FAULTS' owner.* points (a test may give one member faults of its own)
         self._results: dict[int, ShardResult] = {}
         self._taken_over: set[int] = set()
         self._pending: list[Future] = []
@@ -127,23 +163,44 @@ class AllReduce:
 
     # ---------------------------------------------------------------- state of the coming step
 
-    def expect(self, step: int, base_hash: str, epoch: int = 0) -> None:
+    def expect(self, step: int, base_hash: str | Future[str], epoch: int = 0) -> None:
         """Accept messages for ``step`` (of ``epoch``), computed from the theta_global whose hash is
-        ``base_hash``; everything held for another step is dropped."""
+        ``base_hash`` (or will be: it is asked for when the first message comes, long after it is
+        computed unless the others' inner phases are shorter than hashing); everything held for
+        another step is dropped."""
         with self._cond:
+            if self._round is not None and step != self._step:  # the step that ends is kept for its audits
+                self._kept[(self._step, self._epoch)] = _Kept(
+                    self._step, self._epoch, self._base, self._round,
+                    {j: (r.chunks, r.outcome, r.digests) for j, r in self._results.items()},
+                    {k: dict(v) for k, v in self._inputs.items()}, dict(self._sent))
+                for old in sorted(self._kept)[:-KEEP_STEPS]:
+                    del self._kept[old]
             self._step, self._base_hash, self._epoch, self._round = step, base_hash, epoch, None
             self._reset()
             self._cond.notify_all()
         if self._out is None:
             # the result becomes the caller's new theta: a fresh vector, whose first writes would cost
             # page faults inside the round (40 ms for 80 MB here); touched now, while the inner phase runs
-            self._out = self._codec_pool.submit(lambda: torch.zeros(self.numel, dtype=torch.float32))
+            # (a pinned one is resident already, and after the first step torch's host allocator reuses one)
+            self._out = self._codec_pool.submit(self._fresh_out)
+
+    def _fresh_out(self) -> torch.Tensor:
+        out = host_vector(self.numel, self.pinned)
+        return out if self.pinned and out.is_pinned() else out.zero_()
+
+    @property
+    def _base(self) -> str:
+        b = self._base_hash
+        return b if isinstance(b, str) else b.result()
 
     def _reset(self) -> None:
         """Forget everything held for the step (under the lock); its buffers serve the next one."""
         self._buffers.give([t for by_sender in self._contribs.values() for s, t in by_sender.items() if s != self.me])
         self._buffers.give([r.values for r in self._results.values()])
         self._contribs.clear()
+        self._inputs.clear()
+        self._sent.clear()
         self._closed.clear()
         self._results.clear()
         self._taken_over.clear()
@@ -165,7 +222,7 @@ class AllReduce:
                     del by_sender[sender]
             for shard, res in list(self._results.items()):
                 try:
-                    self._check_signed(shard, len(info.members), res.digests, res.outcome, info)
+                    self._check_signed(shard, info.shards, res.digests, res.outcome, info)
                 except Rejected as err:
                     log.warning("dropping a result received before the round was known: %s", err.reason)
                     del self._results[shard]
@@ -194,13 +251,13 @@ class AllReduce:
                            f"{self._epoch}", at_step=self._step, at_epoch=self._epoch)
         if self._round is not None and h.sender not in self._round.ids:  # who sends it first, then what
             raise Rejected(pb.NOT_A_MEMBER, f"{short_id(h.sender)} is not a member of step {h.step}")
-        if chunk.base_hash != self._base_hash:
+        if chunk.base_hash != self._base:
             raise Rejected(pb.BASE_MISMATCH, f"base hash mismatch: sender computed from {chunk.base_hash[:12]}, "
-                           f"this peer holds {self._base_hash[:12]}")
+                           f"this peer holds {self._base[:12]}")
         if self._round is not None:
-            if chunk.num_shards != len(self._round.members):
+            if chunk.num_shards != self._round.shards:
                 raise Rejected(pb.BAD_MESSAGE, f"num_shards {chunk.num_shards} but step {h.step} has "
-                               f"{len(self._round.members)} members")
+                               f"{self._round.shards} shards")
         if not 0 <= chunk.shard < chunk.num_shards:
             raise Rejected(pb.BAD_MESSAGE, f"shard {chunk.shard} outside [0, {chunk.num_shards})")
 
@@ -246,11 +303,17 @@ class AllReduce:
             raise
 
     def on_contribution(self, chunks: Iterator[pb.ShardChunk]) -> pb.Ack:
-        first, values, kept, _ = self._receive(chunks)
+        digests: list[bytes] = []
+        first, values, kept, last = self._receive(chunks, digests)
         key = (first.shard, first.attempt)
+        sender = first.header.sender
+        signed = contribution_digest(self.run_id, first.header.step, first.header.epoch, first.shard, first.num_shards,
+                                     first.attempt, first.base_hash, sender, digests)
+        if last.signer != sender or not verify(sender, signed, last.signature):
+            raise Rejected(pb.BAD_IDENTITY, f"contribution of {short_id(sender)} not signed by it", sender)
         with self._cond:
             self._check_header(first)  # the step may have moved on while the stream arrived
-            if self._round is not None and first.attempt == 0 and first.shard != self._round.index:
+            if self._round is not None and first.attempt == 0 and first.shard != self._round.shard:
                 raise Rejected(pb.NOT_OWNER, f"shard {first.shard} is not owned by this peer")
             if key in self._closed or (first.attempt == 0 and first.shard in self._taken_over):
                 raise Rejected(pb.ALREADY_REDUCED, f"shard {first.shard} of step {self._step} is already reduced")
@@ -260,6 +323,7 @@ class AllReduce:
             if self._round is None and sum(len(v) for v in self._contribs.values()) >= MAX_PENDING_SENDERS:
                 raise Rejected(pb.OVERLOADED, "too many contributions before the round is known")
             by_sender[first.header.sender] = values
+            self._inputs.setdefault(key, {})[sender] = Signed(kept, sender, last.signature, digests)
             self._cond.notify_all()
         return pb.Ack(received_bytes=sum(t.ByteSize() for t in kept))
 
@@ -267,12 +331,12 @@ class AllReduce:
         digests: list[bytes] = []
         first, values, kept, last = self._receive(chunks, digests)
         outcome = Outcome(first.attempt, list(first.contributors), list(first.clipped), list(first.rejected),
-                          last.signer, last.signature)
+                          last.signer, last.signature, list(first.inputs), list(first.input_digests))
         with self._cond:
             self._check_header(first)
             shard = first.shard
             if self._round is not None:
-                self._check_signed(shard, len(self._round.members), digests, outcome, self._round)
+                self._check_signed(shard, self._round.shards, digests, outcome, self._round)
             if first.attempt == 0 and shard in self._taken_over:
                 raise Rejected(pb.TAKEN_OVER, f"shard {shard} of step {self._step} was taken over")
             if shard not in self._results:
@@ -286,33 +350,99 @@ class AllReduce:
                       rnd: RoundInfo) -> None:
         """A result must be signed by its shard's owner (attempt 0, also when a backup forwards it) or, after
         a take-over (attempt > 0), by another member: whoever delivers it, nobody can forge one."""
-        owner = rnd.ids[shard] if shard < len(rnd.ids) else ""
+        owners = rnd.shard_owners
+        owner = owners[shard] if shard < len(owners) else ""
         signer = outcome.signer
-        if signer not in rnd.ids or (outcome.attempt == 0) != (signer == owner):
+        if signer not in owners or (outcome.attempt == 0) != (signer == owner):
             raise Rejected(pb.BAD_IDENTITY, f"result of shard {shard} (attempt {outcome.attempt}) signed by "
                            f"{short_id(signer) or 'nobody'}, not by {'its owner' if outcome.attempt == 0 else 'a taker'}")
+        if len(outcome.inputs) != len(outcome.input_digests):
+            raise Rejected(pb.BAD_MESSAGE, f"result of shard {shard} names {len(outcome.inputs)} inputs and "
+                           f"{len(outcome.input_digests)} digests")
         digest = result_digest(self.run_id, self._step, self._epoch, shard, num_shards, outcome.attempt,
-                               self._base_hash, outcome.contributors, outcome.clipped, outcome.rejected, digests)
+                               self._base, outcome.contributors, outcome.clipped, outcome.rejected, digests,
+                               zip(outcome.inputs, outcome.input_digests, strict=True))
         if not verify(signer, digest, outcome.signature):
             raise Rejected(pb.BAD_IDENTITY, f"bad signature on the result of shard {shard} from {short_id(signer)}")
 
     def on_fetch_result(self, request: pb.ResultRequest) -> Iterator[pb.ShardChunk]:
+        """A result of the running step, or of the step before (for an audit of it)."""
+        h = request.header
         with self._cond:
-            if request.header.run_id != self.run_id:
-                raise Rejected(pb.UNKNOWN_RUN, f"unknown run id {request.header.run_id!r}")
-            result = self._results.get(request.shard) if request.header.step == self._step else None
-            if result is None:
-                raise Rejected(pb.NO_STATE, f"no result for shard {request.shard} of step {request.header.step}")
-            hdr = pb.Header(run_id=self.run_id, sender=self.me, step=self._step, epoch=self._epoch)
-            base = self._base_hash
-        yield from self._result_chunks(hdr, request.shard, request.num_shards, base, result.chunks, result.outcome)
+            if h.run_id != self.run_id:
+                raise Rejected(pb.UNKNOWN_RUN, f"unknown run id {h.run_id!r}")
+            found: tuple[list[pb.Tensor], Outcome] | None = None
+            if h.step == self._step and request.shard in self._results:
+                res = self._results[request.shard]
+                found, step, epoch, base = (res.chunks, res.outcome), self._step, self._epoch, self._base
+            elif (k := self._kept.get((h.step, h.epoch))) is not None and request.shard in k.results:
+                chunks, outcome, _ = k.results[request.shard]
+                found, step, epoch, base = (chunks, outcome), k.step, k.epoch, k.base_hash
+            if found is None:
+                raise Rejected(pb.NO_STATE, f"no result for shard {request.shard} of step {h.step}")
+            hdr = pb.Header(run_id=self.run_id, sender=self.me, step=step, epoch=epoch)
+        yield from self._result_chunks(hdr, request.shard, request.num_shards, base, found[0], found[1])
+
+    def on_fetch_inputs(self, request: pb.InputsRequest) -> Iterator[pb.ShardChunk]:
+        """The contributions a shard's result was averaged from, each as its sender signed it: an owner's of the
+        step before (or the running one), or the evidence an audit kept."""
+        h = request.header
+        key = (request.shard, request.attempt)
+        with self._cond:
+            if h.run_id != self.run_id:
+                raise Rejected(pb.UNKNOWN_RUN, f"unknown run id {h.run_id!r}")
+            held: dict[str, Signed] | None = self._evidence.get((h.step, h.epoch, request.shard, request.attempt))
+            base, num_shards = "", request.num_shards
+            if held is None and (k := self._kept.get((h.step, h.epoch))) is not None:
+                held, base, num_shards = k.inputs.get(key), k.base_hash, k.round.shards
+            elif held is None and (h.step, h.epoch) == (self._step, self._epoch) and key in self._closed:
+                held, base = self._inputs.get(key), self._base
+            if held is None:
+                raise Rejected(pb.NO_STATE, f"no inputs of shard {request.shard} of step {h.step} (epoch {h.epoch})")
+        for sender in sorted(set(held) - set(request.skip)):
+            c = held[sender]
+            hdr = pb.Header(run_id=self.run_id, sender=sender, step=h.step, epoch=h.epoch)
+            for i, t in enumerate(c.chunks):
+                chunk = pb.ShardChunk(header=hdr, shard=request.shard, num_shards=num_shards, attempt=request.attempt,
+                                      base_hash=base, tensor=t)
+                if i == len(c.chunks) - 1:
+                    chunk.signer, chunk.signature = c.signer, c.signature
+                yield chunk
+
+    def held_result(self, step: int, epoch: int, shard: int) -> HeldResult | None:
+        """The signed result of ``shard`` of the step before, as this member received it (for an audit)."""
+        with self._cond:
+            k = self._kept.get((step, epoch))
+            if k is None or shard not in k.results:
+                return None
+            chunks, o, digests = k.results[shard]
+            numel = int(chunks[0].shape[0]) if chunks and chunks[0].shape else 0
+            claim = ResultClaim(o.attempt, o.contributors, o.clipped, o.rejected, o.inputs, o.input_digests,
+                                Signed(chunks, o.signer, o.signature, digests))
+            return HeldResult(claim, AuditRound(self.run_id, step, epoch, shard, k.round.shards, k.base_hash, numel))
+
+    def own_input(self, step: int, epoch: int, shard: int, attempt: int) -> Signed | None:
+        """This member's contribution to a shard of a kept step, as it signed it (an auditor need not fetch it)."""
+        with self._cond:
+            k = self._kept.get((step, epoch))
+            if k is None:
+                return None
+            return k.sent.get((shard, attempt)) or k.inputs.get((shard, attempt), {}).get(self.me)
+
+    def keep_evidence(self, step: int, epoch: int, shard: int, attempt: int, inputs: dict[str, Signed]) -> None:
+        """Inputs an audit found a lie with: served to the coordinator (FetchInputs) for its own check."""
+        with self._cond:
+            self._evidence[(step, epoch, shard, attempt)] = inputs
+            for old in sorted(self._evidence)[:-4]:
+                del self._evidence[old]
 
     @staticmethod
     def _result_chunks(hdr: pb.Header, shard: int, num_shards: int, base: str, tensors: list[pb.Tensor],
                        o: Outcome) -> Iterator[pb.ShardChunk]:
         for i, t in enumerate(tensors):
             chunk = pb.ShardChunk(header=hdr, shard=shard, num_shards=num_shards, attempt=o.attempt, base_hash=base,
-                                  contributors=o.contributors, clipped=o.clipped, rejected=o.rejected, tensor=t)
+                                  contributors=o.contributors, clipped=o.clipped, rejected=o.rejected, tensor=t,
+                                  inputs=o.inputs, input_digests=o.input_digests)
             if i == len(tensors) - 1:
                 chunk.signer, chunk.signature = o.signer, o.signature
             yield chunk
@@ -328,11 +458,11 @@ class AllReduce:
         t_start = time.monotonic()
         sent_before = self.client.traffic.snapshot()[0].get("outer", 0)
         with self._cond:
-            if (info.step, info.base_hash) != (self._step, self._base_hash):
-                raise ValueError(f"round {info.step} from {info.base_hash[:12]} but expecting {self._step} from {self._base_hash[:12]}")
+            if (info.step, info.base_hash) != (self._step, self._base):
+                raise ValueError(f"round {info.step} from {info.base_hash[:12]} but expecting {self._step} from {self._base[:12]}")
         self.set_round(info)
         self._pending.clear()
-        n, me = len(info.members), info.index
+        n, me = info.shards, info.shard
         bounds = shard_bounds(self.numel, n, self.codec.align)
         dead: set[str] = set()
         stats = AllReduceStats(step=info.step, members=n)
@@ -355,16 +485,18 @@ class AllReduce:
                 self._cond.notify_all()
             log.info("send to %s failed: %s", short_id(peer.peer_id), rpc_reason(err))
 
-        # 1. reduce: our slice of every shard goes to its owner; our own is kept exact
+        # 1. reduce: our slice of every shard goes to its owner, signed (our own shard's too: encoded and
+        # signed like any other, so what we average is what an auditor can check)
         if delta is not None:
-            for j, peer in enumerate(info.members):
+            for j, owner in enumerate(info.shard_owners):
                 lo, hi = bounds[j]
                 if j == me:
-                    with self._cond:
-                        self._contribs.setdefault((j, 0), {})[self.me] = delta[lo:hi]  # read, never written
+                    self._own_contribution(info, j, 0, delta[lo:hi])
                 else:
-                    self._submit(self._send, "contribution", info, peer, j, 0, delta[lo:hi], on_send_error)
-        self._reduce_shard(info, me, 0, bounds, dead, deadline, stats)
+                    self._submit(self._send, "contribution", info, info.address_of(owner), j, 0, delta[lo:hi],
+                                 on_send_error)
+        if me is not None:
+            self._reduce_shard(info, me, 0, bounds, dead, deadline, stats)
 
         # 2. gather: wait for the other owners' results
         result_deadline = deadline + grace_s
@@ -375,7 +507,7 @@ class AllReduce:
         if ahead and missing:
             raise IncompleteRound(f"step {info.step}: {short_id(ahead[0])} already went past it without this peer")
         for j in missing:
-            dead.add(info.ids[j])
+            dead.add(info.shard_owners[j])
         if missing:
             # a member that learned early that an owner is gone still gives its backup, which may only
             # notice at its own result deadline, the time to take the shard over
@@ -399,6 +531,7 @@ class AllReduce:
             raise IncompleteRound(f"step {info.step}: nobody contributed to shard(s) {empty}; nothing to average")
         stats.clipped = sorted({p for r in results for p in r.outcome.clipped})
         stats.rejected = sorted({p for r in results for p in r.outcome.rejected})
+        stats.flags = {r.outcome.signer: sorted(set(r.outcome.clipped) | set(r.outcome.rejected)) for r in results}
         counted: list[set[str]] = [set(r.outcome.contributors) | set(r.outcome.rejected) for r in results]
         stats.partial = sorted(set().union(*counted) - counted[0].intersection(*counted[1:]))
         named = [p for r in results for p in set(r.outcome.contributors) if p in info.ids]  # in most shards:
@@ -414,15 +547,41 @@ class AllReduce:
         return self._pool.submit(fn, *args)
 
     def _chunks(self, info: RoundInfo, shard: int, attempt: int, tensors: Iterable[pb.Tensor]) -> Iterator[pb.ShardChunk]:
-        """A contribution's chunks."""
+        """A contribution's chunks; the last carries this member's signature over all of them."""
         hdr = pb.Header(run_id=self.run_id, sender=self.me, step=info.step, epoch=info.epoch)
-        for t in tensors:
-            yield pb.ShardChunk(header=hdr, shard=shard, num_shards=len(info.members), attempt=attempt,
-                                base_hash=info.base_hash, tensor=t)
+        tensors = list(tensors)
+        digests: list[bytes] = []
+        for i, t in enumerate(tensors):
+            digests.append(tensor_digest(t))
+            chunk = pb.ShardChunk(header=hdr, shard=shard, num_shards=info.shards, attempt=attempt,
+                                  base_hash=info.base_hash, tensor=t)
+            if i == len(tensors) - 1:
+                chunk.signer, chunk.signature = self.me, self.sign(self._contribution_digest(info, shard, attempt, digests))
+                with self._cond:  # kept: an audit of this shard needs this contribution, and need not fetch it
+                    if (info.step, info.epoch) == (self._step, self._epoch):
+                        self._sent[(shard, attempt)] = Signed(tensors, self.me, chunk.signature, list(digests))
+            yield chunk
+
+    def _contribution_digest(self, info: RoundInfo, shard: int, attempt: int, digests: list[bytes]) -> bytes:
+        return contribution_digest(self.run_id, info.step, info.epoch, shard, info.shards, attempt, info.base_hash,
+                                   self.me, digests)
+
+    def _own_contribution(self, info: RoundInfo, shard: int, attempt: int, values: torch.Tensor) -> None:
+        """This member's slice of a shard it reduces, as any contributor sends it: encoded, signed, decoded."""
+        chunks = list(EncodedStream.of(f"shard{shard}", values, self.codec, self.chunk_bytes, self._codec_pool))
+        digests = [tensor_digest(t) for t in chunks]
+        asm = Assembler(f"shard{shard}", values.numel(), self.codec, out=self._buffers.take(values.numel()))
+        for t in chunks:
+            asm.add(t)
+        signed = Signed(chunks, self.me, self.sign(self._contribution_digest(info, shard, attempt, digests)), digests)
+        with self._cond:
+            self._contribs.setdefault((shard, attempt), {})[self.me] = asm.result()
+            self._inputs.setdefault((shard, attempt), {})[self.me] = signed
+            self._cond.notify_all()
 
     def _results_of(self, info: RoundInfo, shard: int, tensors: list[pb.Tensor], outcome: Outcome) -> Iterator[pb.ShardChunk]:
         hdr = pb.Header(run_id=self.run_id, sender=self.me, step=info.step, epoch=info.epoch)
-        return self._result_chunks(hdr, shard, len(info.members), info.base_hash, tensors, outcome)
+        return self._result_chunks(hdr, shard, info.shards, info.base_hash, tensors, outcome)
 
     def _send(
         self, kind: str, info: RoundInfo, peer: MemberAddr, shard: int, attempt: int, values: torch.Tensor,
@@ -451,7 +610,7 @@ class AllReduce:
     ) -> None:
         """Collect contributions to ``shard``, then average, encode once and distribute the result."""
         t0 = time.monotonic()
-        expected = {m for k, m in enumerate(info.ids) if k != shard or attempt > 0}
+        expected = set(info.ids) - {self.me}  # (our own contribution, if any, is in already)
         next_ping = 0.0
         with self._cond:
             while True:
@@ -471,22 +630,35 @@ class AllReduce:
             self._closed.add((shard, attempt))
             forwarded = self._results.get(shard) if forwarded_ok else None
             got = dict(self._contribs.get((shard, attempt), {}))
+            signed = dict(self._inputs.get((shard, attempt), {}))
         stats.wait_seconds += time.monotonic() - t0
         if forwarded is not None:  # we hold the owner's result already: hand on exactly that (its signature too)
             result_chunks, outcome = forwarded.chunks, forwarded.outcome
         else:
             lo, hi = bounds[shard]
             red = robust_reduction(got, hi - lo, self.clip_factor, self.reject_below)
+            step = info.step
+
+            def mean(a: int, b: int) -> torch.Tensor:  # (a Byzantine owner, in tests: POTLUCK_FAULTS owner.mean)
+                return self._tamper("owner.mean", step, red.mean(a, b), a)
+
+            clipped = red.clipped
+            if self._tamper("owner.flags", step, False) is True:  # an honest mean, with false flags (tests)
+                clipped = sorted(set(red.contributors) - {self.me})
             # summed in float32 and re-quantized a chunk at a time, chunks on the codec workers, each
             # hashed there as soon as it is made
             result_chunks, hashing = [], []
-            for t in EncodedStream(f"shard{shard}", hi - lo, red.mean, self.codec, self.chunk_bytes, self._codec_pool):
+            for t in EncodedStream(f"shard{shard}", hi - lo, mean, self.codec, self.chunk_bytes, self._codec_pool):
                 result_chunks.append(t)
                 hashing.append(self._codec_pool.submit(tensor_digest, t))
-            digest = result_digest(self.run_id, info.step, info.epoch, shard, len(info.members), attempt,
-                                   info.base_hash, red.contributors, red.clipped, red.rejected,
-                                   [f.result() for f in hashing])
-            outcome = Outcome(attempt, red.contributors, red.clipped, red.rejected, self.me, self.sign(digest))
+            inputs = sorted(got)  # what this result was averaged from, each sender's contribution by its digest
+            input_digests = [contribution_digest(self.run_id, info.step, info.epoch, shard, info.shards, attempt,
+                                                 info.base_hash, s, signed[s].digests) for s in inputs]
+            digest = result_digest(self.run_id, info.step, info.epoch, shard, info.shards, attempt,
+                                   info.base_hash, red.contributors, clipped, red.rejected,
+                                   [f.result() for f in hashing], zip(inputs, input_digests, strict=True))
+            outcome = Outcome(attempt, red.contributors, clipped, red.rejected, self.me, self.sign(digest), inputs,
+                              input_digests)
             missing = sorted(set(info.ids) - set(got))
             if len(got) < len(expected):
                 log.info("shard %d of step %d reduced without %s", shard, info.step, ", ".join(short_id(m) for m in missing))
@@ -499,12 +671,12 @@ class AllReduce:
     def _distribute(self, info: RoundInfo, shard: int, chunks: list[pb.Tensor], outcome: Outcome, dead: set[str]) -> None:
         """Backup first, then everyone: nobody can hold a result its shard's backup lacks.
 
-        The backup is the next member in ring order that is there: members whose contribution
-        arrived come first (one that missed the deadline is not waited on again), and each is pinged
-        before the transfer, so a member that froze since costs a ping, not a transfer timeout.
+        The backup is the next owner in ring order that is there (one that may take the shard over:
+        a member on probation never does): owners whose contribution arrived come first (one that missed
+        the deadline is not waited on again), and each is pinged before the transfer, so a member that
+        froze since costs a ping, not a transfer timeout.
         """
-        n = len(info.members)
-        ring = [info.members[(shard + k) % n] for k in range(1, n)]
+        ring = info.ring_after(shard)
         came = set(outcome.contributors) | set(outcome.rejected)
         candidates = [p for p in ring if p.peer_id in came] + [p for p in ring if p.peer_id not in came]
         backup_ok, backup = True, None
@@ -538,7 +710,7 @@ class AllReduce:
         if not backup_ok:
             return
         self._store_own_result(info, shard, chunks, outcome)
-        for peer in ring:
+        for peer in info.members:
             if peer is backup or peer.peer_id in dead or peer.peer_id == self.me:
                 continue
             self._pending.append(self._submit(self._push_result, info, peer, shard, chunks, outcome))
@@ -558,7 +730,7 @@ class AllReduce:
             return True  # it answered, with a refusal: it is there
 
     def _store_own_result(self, info: RoundInfo, shard: int, chunks: list[pb.Tensor], outcome: Outcome) -> None:
-        lo, hi = shard_bounds(self.numel, len(info.members), self.codec.align)[shard]
+        lo, hi = shard_bounds(self.numel, info.shards, self.codec.align)[shard]
         asm = Assembler(f"shard{shard}", hi - lo, self.codec, out=self._buffers.take(hi - lo))
         for t in chunks:
             asm.add(t)
@@ -604,7 +776,7 @@ class AllReduce:
 
     def _wait_results(self, info: RoundInfo, dead: set[str], deadline: float, shards: list[int] | None = None) -> list[int]:
         """Wait for results of ``shards`` (default: all); returns those still missing."""
-        wanted = list(range(len(info.members))) if shards is None else shards
+        wanted = list(range(info.shards)) if shards is None else shards
         with self._cond:
             while True:
                 missing = [j for j in wanted if j not in self._results]
@@ -612,7 +784,7 @@ class AllReduce:
                     return missing
                 if self.stopping.is_set():
                     raise IncompleteRound("stopping")
-                if shards is None and all(info.ids[j] in dead for j in missing):
+                if shards is None and all(info.shard_owners[j] in dead for j in missing):
                     return missing
                 if self._ahead:
                     return missing
@@ -622,22 +794,19 @@ class AllReduce:
         self, info: RoundInfo, shard: int, bounds: list[tuple[int, int]], dead: set[str],
         delta: torch.Tensor | None, deadline: float, stats: AllReduceStats,
     ) -> None:
-        n = len(info.members)
-        backup = next(
-            (info.members[(shard + k) % n] for k in range(1, n) if info.members[(shard + k) % n].peer_id not in dead),
-            None,
-        )
+        backup = next((p for p in info.ring_after(shard) if p.peer_id not in dead), None)
         if backup is None:
             return
         stats.taken_over.append(shard)
         lo, hi = bounds[shard]
+        owner = info.shard_owners[shard]
         if backup.peer_id == self.me:
-            log.info("taking over shard %d of step %d from %s", shard, info.step, short_id(info.ids[shard]))
+            log.info("taking over shard %d of step %d from %s", shard, info.step, short_id(owner))
             with self._cond:
                 self._taken_over.add(shard)
-                if delta is not None:
-                    self._contribs.setdefault((shard, 1), {})[self.me] = delta[lo:hi]
-            self._reduce_shard(info, shard, 1, bounds, dead | {info.ids[shard]}, deadline, stats, forwarded_ok=True)
+            if delta is not None:
+                self._own_contribution(info, shard, 1, delta[lo:hi])
+            self._reduce_shard(info, shard, 1, bounds, dead | {owner}, deadline, stats, forwarded_ok=True)
         elif delta is not None:
             with self._cond:
                 if shard in self._results:

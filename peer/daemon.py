@@ -24,7 +24,6 @@ import threading
 import time
 
 from potluck.compression.transfer import Target
-from potluck.peer.allreduce import RoundInfo
 from potluck.peer.data import DataError
 from potluck.peer.follower import Finish, Follower, Recover, Switch, Train, Wait
 from potluck.peer.joining import Joined, Stopped, join
@@ -98,6 +97,7 @@ class Session:
         self.cfg, self.joined, self.tools, self.telemetry = cfg, joined, tools, telemetry
         self.rc, self.me, self.stopping = tools.rc, tools.me, tools.stopping
         self.follower = Follower(self.me, pipelined=self.rc.pipeline.stages > 1, plan_wait_s=cfg.plan_wait_s)
+        tools.on_audit = telemetry.audited  # audit verdicts ride on this peer's heartbeats
         self.tasklet = Tasklet.build(tools, stage=0)
         self.replica, self.waiting = -1, ""
         self.round_known = False  # the all-reduce knows the coordinator's round for the step in training
@@ -126,13 +126,15 @@ class Session:
                     self._recover(want)
                 case Train(round=rnd, step=step):
                     self._begin(rnd, step)
-                    start = self.tasklet.worker.theta() if self.rc.diloco.overlap else None
+                    start = self.tasklet.worker.start_point() if self.rc.diloco.overlap else None
                     phase = self.tasklet.worker.inner_phase(rnd.data_spans(step, self.replica), self.stopping,
                                                             self._inner_step, step)  # H inner AdamW steps
                     self.telemetry.progress.compute_s += phase.seconds
                     if phase.stalled:
                         log.warning("replica %d stalled at inner step %d: %s; contributing nothing to outer step %d",
                                     self.replica, phase.steps, phase.stalled, step)
+                    if self._found_lie(step):
+                        continue  # the step before holds a lie: commit nothing on it, the coordinator rolls it back
                     self.outer.after_phase(step, phase.seconds, start, phase.interrupted, not phase.stalled)
         if self.completed() and not self.stopping.is_set():
             self.set_state("finished")  # serve the final state until the coordinator has seen it
@@ -149,7 +151,7 @@ class Session:
         seq = self.heartbeat.plan.seq if self.heartbeat.plan else -1
         self.heartbeat.wait_plan(lambda p: p is not None and p.seq > seq, timeout=wait.seconds)
 
-    def _begin(self, rnd: Round, step: int) -> RoundInfo:
+    def _begin(self, rnd: Round, step: int) -> None:
         t, me = self.tasklet, rnd.member(self.me)
         self.replica, self.waiting = me.replica, ""
         self.first_round_at = self.first_round_at or time.time()
@@ -160,11 +162,22 @@ class Session:
         # the coordinator's round for it (not the last plan's): now, or as soon as it arrives (_inner_step)
         self.training = step
         self.round_known = t.learn_round(self.heartbeat.plan, step)
-        return t.round_info(rnd, step)
+        t.auditor.start_for(self.heartbeat.plan, step, self.tools.addresses)
+
+    def _found_lie(self, step: int) -> bool:
+        """Did this peer's audit of the step before find a lie? Then this step is not committed (see Auditor)."""
+        self.tasklet.auditor.start_for(self.heartbeat.plan, step, self.tools.addresses)  # (a round known late)
+        if not self.tasklet.auditor.lied(self.rc.sync.deadline_floor_s):
+            return False
+        self.set_state("waiting")
+        self.tasklet.auditor.await_ruling(self.heartbeat, step, 2 * self.rc.membership.round_timeout_floor_s)
+        return True
 
     def _inner_step(self, i: int, loss: float, seconds: float) -> None:
         rc, t = self.rc, self.tasklet
-        self.round_known = self.round_known or t.learn_round(self.heartbeat.plan, self.training)
+        if not self.round_known:
+            self.round_known = t.learn_round(self.heartbeat.plan, self.training)
+            t.auditor.start_for(self.heartbeat.plan, self.training, self.tools.addresses)
         self.telemetry.inner_step(i, loss, seconds, rc.train.batch_size, rc.train.batch_size * rc.model.seq_len)
         if not self.telemetry.first_step_logged:  # where the time to the first step went, once
             self.telemetry.first_step(self.joined.joined_at, {**self.phases, "to first round": self.first_round_at

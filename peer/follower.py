@@ -26,6 +26,7 @@ No I/O and no clock of its own: the daemon passes ``now`` and carries the action
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from potluck.protos.log import get_logger
@@ -39,10 +40,16 @@ class Held:
     """The committed state a peer holds (see :class:`potluck.peer.states.States`)."""
 
     version: int
-    state_hash: str
+    digest: str | Future[str]  # its state hash, or the hashing still under way (read state_hash)
     stage: int
     epoch: int
     committed_at: float  # when it was committed or adopted (monotonic seconds)
+
+    @property
+    def state_hash(self) -> str:
+        """The held state's hash; only a round that names its base asks for it, and such a round exists
+        only once members reported the hash of this version, so it is there by then (else: waits)."""
+        return self.digest if isinstance(self.digest, str) else self.digest.result()
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ The all-reduce waits for a slow member up to a deadline derived from the measure
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -56,9 +57,17 @@ def outer_step(rc: RunConfig, allreduce: AllReduce, info: RoundInfo, held: Snaps
     s, d = rc.sync, rc.diloco
     wait_s = max(s.deadline_floor_s, s.deadline_factor * inner_seconds)
     mean, stats = allreduce.run(info, delta, wait_s=wait_s, grace_s=max(2.0, 0.25 * wait_s))
-    delta = None  # the step needs only the mean (a fresh vector, which it turns into the new theta)
-    mean_norm = float(mean.norm())
-    new_theta, new_m = nesterov_step(theta, held.tensors["momentum"], mean, d.outer_lr, d.outer_momentum, d.nesterov,
-                                     consume=True)
-    snap = outer_snapshot(new_theta, new_m, info.step, {**meta, "epoch": info.epoch})
+    # the step needs only the mean (a fresh vector, which it turns into the new theta); delta's buffer, read
+    # by nobody once the round is complete, takes the new momentum: no model-sized vector to page in
+    spare, delta = delta, None
+    momentum = held.tensors["momentum"]
+    if spare is None or spare.shape != momentum.shape or spare.dtype != momentum.dtype or not spare.is_contiguous():
+        spare = None
+    mean_norm = float(mean.norm())  # (NaN or Inf if any value is: the step's own check, one pass less)
+    if not math.isfinite(mean_norm):
+        raise ValueError("the averaged pseudo-gradient holds NaN or Inf")
+    new_theta, new_m = nesterov_step(theta, momentum, mean, d.outer_lr, d.outer_momentum, d.nesterov,
+                                     consume=True, momentum_out=spare, checked=True)
+    # hashed on the state hasher's thread: the next inner phase starts meanwhile (who reads the hash waits)
+    snap = outer_snapshot(new_theta, new_m, info.step, {**meta, "epoch": info.epoch}, hash_later=True)
     return OuterResult(snap, stats, mean_norm)

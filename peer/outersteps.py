@@ -28,7 +28,7 @@ import torch
 
 from potluck.compression.transfer import Snapshot
 from potluck.peer.allreduce import IncompleteRound, RoundInfo
-from potluck.peer.diloco import all_finite
+from potluck.peer.diloco import all_finite, host_vector
 from potluck.peer.follower import Action, Held, Train
 from potluck.peer.outer import OuterResult, outer_step, pseudo_gradient
 from potluck.peer.tasklet import Tasklet
@@ -109,7 +109,7 @@ class OuterSteps:
         """Report a committed step (``sync_s``: what it cost the training loop) and evaluate it when due."""
         s, t = self.s, self.s.tasklet
         s.telemetry.outer_step(done.stats, sync_s, done.mean_norm, info.epoch, t.stage, max(s.replica, 0),
-                               done.snapshot.hash, asdict(t.pipeline.traffic) if t.pipeline is not None else None)
+                               done.snapshot.digest, asdict(t.pipeline.traffic) if t.pipeline is not None else None)
         fault("outer.committed", step)
         every = s.rc.data.eval_every
         if every and step % every == 0 and contribute:
@@ -123,12 +123,21 @@ class OuterSteps:
     def _overlapped(self, step: int, inner_seconds: float, start: torch.Tensor, interrupted: bool,
                     contribute: bool) -> None:
         """Land the step in flight, start ``step``'s all-reduce on a thread, and train on from
-        ``theta_global - delta`` while it runs."""
+        ``theta_global - delta`` while it runs.
+
+        What the training loop waits for here is only what the next phase needs: theta_local off the
+        device, ``delta``, and ``theta_global - delta`` onto it (through pinned vectors on a GPU). The
+        all-reduce, the Nesterov step and hashing the new state run on the step's thread and the
+        state hasher's, and the vector loaded here is where the next phase starts (no copy back).
+        """
         t = self.s.tasklet
         theta_local = t.worker.theta()
-        if self.inflight is not None and not self.land():  # (its wait counts as the step before's)
+        landed = self.inflight is not None
+        if landed and not self.land(load=False):  # (its wait counts as the step before's)
             return  # the step before did not commit here: this phase trained from a state the swarm does not hold
         if interrupted:
+            if landed:  # as a landed step leaves the worker: at the committed theta_global
+                t.worker.load(t.states.current.tensors["theta"])
             return
         t0 = time.monotonic()
         delta = pseudo_gradient(start, theta_local) if contribute else None
@@ -138,7 +147,8 @@ class OuterSteps:
         held = t.states.current
         theta = held.tensors["theta"]
         # the committed theta_global plus this member's own progress, until the average of it arrives
-        t.worker.load(theta - delta if delta is not None else theta)
+        t.worker.load(torch.sub(theta, delta, out=host_vector(theta.numel(), t.worker.pinned)) if delta is not None
+                      else theta)
         info = self._resolve(step)
         if info is None:
             log.warning("not a member of step %d after all; discarding its inner steps", step)
@@ -167,8 +177,9 @@ class OuterSteps:
         inf.done = done
         self.s.heartbeat.poke()
 
-    def land(self) -> bool:
-        """Wait for the step in flight; on success the local model is the committed theta_global."""
+    def land(self, load: bool = True) -> bool:
+        """Wait for the step in flight; on success the local model is the committed theta_global (unless
+        not ``load``: the caller loads the parameters itself)."""
         inf, self.inflight = self.inflight, None
         assert inf is not None and inf.thread is not None
         self.s.set_state("syncing")
@@ -178,7 +189,8 @@ class OuterSteps:
             log.warning("%s; recovering state from the other members", inf.error)
             self._fail(inf.step)
             return False
-        self.s.tasklet.worker.load(inf.done.snapshot.tensors["theta"])
+        if load:
+            self.s.tasklet.worker.load(inf.done.snapshot.tensors["theta"])
         set_context(step=inf.step)
         self._committed(inf.step, inf.done, inf.info, inf.blocked_s + time.monotonic() - t0, inf.contributed)
         return True

@@ -43,6 +43,10 @@ class PeerService:
         self._check(request.header)
         return self._allreduce().on_fetch_result(request)
 
+    def fetch_inputs(self, request: pb.InputsRequest) -> Iterator[pb.ShardChunk]:
+        self._check(request.header)
+        return self._allreduce().on_fetch_inputs(request)
+
     def get_state_info(self, request: pb.StateInfoRequest) -> pb.StateInfo:
         self._check(request.header)
         return self._states().get_state_info(request)

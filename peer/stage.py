@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from potluck.peer.data import Dataset, SpanSampler
-from potluck.peer.diloco import flatten_params, load_flat
+from potluck.peer.diloco import flatten_params, host_vector, load_flat
 from potluck.peer.model import build_layers, lm_loss
 from potluck.peer.pipeline import PipelineBroken, PipelineStall
 from potluck.peer.runner import StageRunner
@@ -73,6 +73,8 @@ class StageWorker:
         self.layers = build_layers(rc.model, rc.train.seed, *bounds).to(device)
         self.params = list(self.layers.parameters())
         self.numel = sum(p.numel() for p in self.params)
+        self.pinned = self.device.type == "cuda"  # theta moves to and from the GPU through page-locked vectors
+        self._loaded: torch.Tensor | None = None  # the vector the parameters hold, until a step changes them
         self.runner = StageRunner(self.layers, rc.train, device, rc.pipeline.stages)  # precision, checkpointing, compile
         self.optimizer: torch.optim.Optimizer | None = None  # built on the first inner step (it imports torch._dynamo)
         self.sampler: SpanSampler | None = None
@@ -83,13 +85,22 @@ class StageWorker:
         self.accum = rc.train.grad_accum if isinstance(rc.train.grad_accum, int) else 1
 
     def theta(self) -> torch.Tensor:
-        """theta_local as one flat float32 CPU vector."""
-        return flatten_params(self.params)
+        """theta_local as one flat float32 CPU vector (the caller's to keep or overwrite); from a GPU, one
+        asynchronous copy per parameter into a pinned vector and one wait."""
+        return flatten_params(self.params, out=host_vector(self.numel, self.pinned))
+
+    def start_point(self) -> torch.Tensor:
+        """theta_local as the caller only reads it (where an inner phase starts): the vector last loaded,
+        when no step changed the parameters since (no copy back from the device), else :meth:`theta`."""
+        return self._loaded if self._loaded is not None else self.theta()
 
     def load(self, theta: torch.Tensor, steps_done: int | None = None) -> None:
+        """The parameters from a flat vector, which the caller never writes afterwards (a committed
+        theta_global, or a vector of its own) and may get back from :meth:`start_point`."""
         if self.devices is not None:  # a multi-device peer's other devices load the same
             self.devices.load(self.params, theta, self.steps_done if steps_done is None else steps_done)
         load_flat(self.params, theta)
+        self._loaded = theta if all(p.dtype == torch.float32 for p in self.params) else None  # (else it is cast)
         if steps_done is not None:
             self.steps_done = steps_done
 
@@ -114,6 +125,7 @@ class StageWorker:
         if stopping.is_set():  # building the optimizer may wait seconds for torch._dynamo's import
             return InnerPhase(0, 0.0, interrupted=True)
         self.layers.train()
+        self._loaded = None  # the steps below change the parameters
         t0, h = time.monotonic(), rc.diloco.inner_steps
         fault("inner.start", step)
         for i in range(h):

@@ -45,7 +45,7 @@ class States:
 
     def held(self, stage: int) -> Held:
         c = self.current
-        return Held(c.version, c.hash, stage, self.epoch, self.committed_at)
+        return Held(c.version, c.digest, stage, self.epoch, self.committed_at)
 
     def prev_of(self) -> tuple[int, str]:
         prev = self.server.previous

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -20,6 +20,7 @@ from potluck.compression.transfer import Snapshot
 from potluck.models import sizecheck, stage_bounds
 from potluck.peer import admission
 from potluck.peer.allreduce import AllReduce, MemberAddr, RoundInfo
+from potluck.peer.audit import Auditor
 from potluck.peer.data import Dataset
 from potluck.peer.diloco import outer_snapshot
 from potluck.peer.heartbeat import Heartbeat
@@ -37,7 +38,7 @@ from potluck.protos.identity import Identity
 from potluck.protos.limits import pipe_max_samples
 from potluck.protos.log import get_logger, set_context, short_id
 from potluck.protos.netem import NetEm
-from potluck.protos.records import PeerRecord, Plan, Round
+from potluck.protos.records import AuditReport, PeerRecord, Plan, Round
 from potluck.protos.refusals import log_refusal
 from potluck.protos.transport import PeerClient, PeerServer, RelayedServer, Traffic
 
@@ -70,6 +71,7 @@ class Toolbox:
     maddrs: list[str] = field(default_factory=list)
     threads: list[threading.Thread] = field(default_factory=list)
     devices: Leader | None = None  # this peer's other processes, when torchrun started several (rank 0 speaks for them)
+    on_audit: Callable[[AuditReport], None] = lambda report: None  # where this peer's audit reports go (its record)
 
     @classmethod
     def build(cls, cfg: PeerConfig, joined: Joined, identity: Identity, stopping: threading.Event,
@@ -189,6 +191,7 @@ class Tasklet:
     allreduce: AllReduce
     pipeline: Pipeline | None
     states: States
+    auditor: Auditor
 
     @classmethod
     def build(cls, tools: Toolbox, stage: int) -> Tasklet:
@@ -207,10 +210,14 @@ class Tasklet:
         allreduce = AllReduce(run_id=rc.run_id, me=tools.me, numel=worker.numel, codec=tools.codec, client=tools.client,
                               chunk_bytes=rc.sync.chunk_bytes, rpc_timeout=rc.sync.rpc_timeout_s,
                               ping=tools.ping_member, stopping=tools.stopping, sign=tools.sign,
-                              clip_factor=rc.sync.clip_factor, reject_below=rc.sync.reject_below)
+                              clip_factor=rc.sync.clip_factor, reject_below=rc.sync.reject_below, pinned=worker.pinned)
+        auditor = Auditor(rc.run_id, tools.me, tools.client, tools.codec, rc.sync.chunk_bytes, rc.sync.clip_factor,
+                          rc.sync.reject_below, allreduce.held_result,
+                          lambda a, inputs: allreduce.keep_evidence(a.step, a.epoch, a.shard, a.attempt, inputs),
+                          lambda report: tools.on_audit(report), allreduce.own_input)
         theta0 = worker.theta()
         first = outer_snapshot(theta0, torch.zeros_like(theta0), 0, {**worker.meta(), "epoch": 0})
-        tasklet = cls(tools, stage, worker, allreduce, pipeline, States(rc.run_id, rc.sync.chunk_bytes, first))
+        tasklet = cls(tools, stage, worker, allreduce, pipeline, States(rc.run_id, rc.sync.chunk_bytes, first), auditor)
         tasklet.expect_next()
         return tasklet
 
@@ -219,8 +226,9 @@ class Tasklet:
         self.tools.addresses.update({m.peer_id: m.address for m in rnd.members})  # whom the all-reduce may ping
         cells = rnd.stage_members(self.stage)
         members = tuple(MemberAddr(m.peer_id, m.address) for m in cells)
+        owners = () if all(m.owns for m in cells) else tuple(m.peer_id for m in cells if m.owns)  # probation
         return RoundInfo(step=step, members=members, me=self.tools.me, base_hash=self.states.current.hash,
-                         epoch=rnd.epoch, replicas=tuple(m.replica for m in cells))
+                         epoch=rnd.epoch, replicas=tuple(m.replica for m in cells), owners=owners)
 
     def learn_round(self, plan: Plan | None, step: int) -> bool:
         """Once the coordinator's round for ``step`` is known (it may arrive while this tasklet trains on the
@@ -241,7 +249,7 @@ class Tasklet:
         """Hold ``snap`` as theta_global (committed here or recovered) and train on from it."""
         self.worker.load(snap.tensors["theta"], int(snap.meta.get("inner_steps", self.worker.steps_done)))
         epoch = int(snap.meta.get("epoch", 0))
-        self.states.commit(Snapshot(snap.tensors, snap.version, snap.hash, {**self.worker.meta(), "epoch": epoch}))
+        self.states.commit(replace(snap, meta={**self.worker.meta(), "epoch": epoch}))  # (its hash may still be under way)
         self.expect_next()
         set_context(step=snap.version)
 
@@ -257,9 +265,10 @@ class Tasklet:
     def expect_next(self) -> None:
         """Accept all-reduce messages for the step after the state held (and drop any others)."""
         current = self.states.current
-        self.allreduce.expect(current.version + 1, current.hash, self.states.epoch)
+        self.allreduce.expect(current.version + 1, current.digest, self.states.epoch)
 
     def close(self) -> None:
         self.allreduce.close()
+        self.auditor.close()
         if self.pipeline is not None:
             self.pipeline.close()

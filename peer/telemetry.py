@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,8 +20,9 @@ from potluck import __version__
 from potluck.peer.allreduce import AllReduceStats
 from potluck.peer.progress import ProgressReporter
 from potluck.protos import potluck_pb2 as pb
+from potluck.protos.faults import tamper
 from potluck.protos.log import get_logger, short_id
-from potluck.protos.records import PeerRecord, StepReport, next_seq
+from potluck.protos.records import AuditReport, PeerRecord, StepReport, next_seq
 
 log = get_logger(__name__)
 
@@ -56,6 +59,9 @@ class Telemetry:
         self.progress = Progress()
         self.reporter = ProgressReporter(progress)
         self.steps: deque[StepReport] = deque(maxlen=KEEP_STEPS)
+        self._hashing: dict[int, Future[str]] = {}  # steps whose state hash was still being computed
+        self._lock = threading.Lock()  # steps: written by the training loop, read by the heartbeat
+        self.audits: deque[AuditReport] = deque(maxlen=KEEP_STEPS)  # this peer's latest audit verdicts (its record)
         self.first_step_logged = False
         self._pipe_before: dict[str, int] = {}  # the pipeline's byte counters at the last outer step
         self.error = ""  # why this peer stopped, when it stops on an error it cannot heal (state "failed")
@@ -87,12 +93,18 @@ class Telemetry:
         self.reporter.step(i, p.loss, seconds, tokens)
 
     def outer_step(self, stats: AllReduceStats, seconds: float, mean_norm: float, epoch: int, stage: int, replica: int,
-                   state_hash: str, pipe_total: dict[str, int] | None) -> None:
-        """A committed outer step: its figures, logged and kept for the next heartbeats."""
-        report = StepReport(step=stats.step, epoch=epoch, stage=stage, replica=replica, state_hash=state_hash,
+                   state_hash: str | Future[str], pipe_total: dict[str, int] | None) -> None:
+        """A committed outer step: its figures, logged and kept for the next heartbeats (``state_hash``
+        may still be under way: the record waits for it, never reports it empty)."""
+        done = state_hash if isinstance(state_hash, str) else ""
+        flags = stats.flags
+        if tamper("outer.report", stats.step, False) is True:  # a lying reporter (tests): every owner flagged the others
+            flags = {owner: sorted(set(stats.flags) - {owner, self.peer_id}) for owner in stats.flags}
+        report = StepReport(step=stats.step, epoch=epoch, stage=stage, replica=replica, state_hash=done,
                             outer_s=seconds, allreduce_s=stats.seconds, outer_bytes=stats.bytes_sent, members=stats.members,
                             contributors=min(stats.contributors.values(), default=0), dropped=stats.dropped,
-                            clipped=stats.clipped, rejected=stats.rejected, included=stats.included, t=time.time())
+                            clipped=stats.clipped, rejected=stats.rejected, included=stats.included, flags=flags,
+                            t=time.time())
         p = self.progress
         p.last_outer_s, p.outer_wait_s, p.last_outer_bytes = seconds, stats.wait_seconds, stats.bytes_sent
         p.sync_s += seconds
@@ -100,18 +112,39 @@ class Telemetry:
         if pipe_total is not None:  # the pipeline counts bytes since it started: this step's are the difference
             p.last_pipe = {k: v - self._pipe_before.get(k, 0) for k, v in pipe_total.items()}
             self._pipe_before = dict(pipe_total)
-        self.steps.append(report.model_copy(update={"loss": p.loss, "pipe": dict(p.last_pipe)}))
+        with self._lock:
+            self.steps.append(report.model_copy(update={"loss": p.loss, "pipe": dict(p.last_pipe)}))
+            if not isinstance(state_hash, str):
+                self._hashing[stats.step] = state_hash
         dropped = f", dropped {', '.join(short_id(d) for d in stats.dropped)}" if stats.dropped else ""
         log.info("outer step %d: %d members, %.2f s (all-reduce %.2f s, waited %.2f s for members), sent %.2f MB, "
                  "|mean delta| %.3g, loss %.4f%s", stats.step, stats.members, seconds, stats.seconds, stats.wait_seconds,
                  stats.bytes_sent / 1e6, mean_norm, p.loss or float("nan"), dropped)
 
+    def audited(self, report: AuditReport) -> None:
+        """An audit this peer ran ended: its verdict rides on the next heartbeats (the coordinator acts on a lie)."""
+        self.audits.append(report)
+
     def evaluated(self, version: int, loss: float) -> None:
         log.info("eval loss of v%d: %.4f", version, loss)
         self.progress.eval_loss, self.progress.eval_version = loss, version
-        for i, report in enumerate(self.steps):
-            if report.step == version:
-                self.steps[i] = report.model_copy(update={"eval_loss": loss})
+        with self._lock:
+            for i, report in enumerate(self.steps):
+                if report.step == version:
+                    self.steps[i] = report.model_copy(update={"eval_loss": loss})
+
+    def _recent(self) -> list[StepReport]:
+        """The last steps' reports, every state hash in them computed (waited for outside the lock)."""
+        with self._lock:
+            pending = dict(self._hashing)
+        hashes = {step: f.result() for step, f in pending.items()}
+        with self._lock:
+            for i, report in enumerate(self.steps):
+                if report.step in hashes and not report.state_hash:
+                    self.steps[i] = report.model_copy(update={"state_hash": hashes[report.step]})
+            for step in hashes:
+                self._hashing.pop(step, None)
+            return list(self.steps)
 
     def ping_reply(self, request: pb.PingRequest, version: int) -> pb.PingReply:
         p = self.progress
@@ -140,10 +173,10 @@ class Telemetry:
             hidden_s=p.hidden_s,
             parameters=numel, loss_floor=loss_floor, software=__version__, started_at=self.started_at,
             seq=next_seq(), ts=time.time(), stage=stage, dht_maddrs=maddrs, replica=replica,
-            recent=list(self.steps),
+            recent=self._recent(),
             extras={"outer_wait_s": p.outer_wait_s, "step_time_s": p.step_time_s,
                     **({"pipe": p.last_pipe} if p.last_pipe else {}), **extras},
-            error=self.error[:500],
+            error=self.error[:500], audits=list(self.audits),
         )
 
     def first_step(self, joined_at: float, phases: dict[str, float]) -> None:

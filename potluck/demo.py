@@ -203,7 +203,7 @@ def follow(url: str, cfg: RunConfig, progress: Progress, coord: Any, peers: list
             if h["step"] in printed or h["eval_loss"] is None or h["loss"] is None:
                 continue
             printed.add(h["step"])
-            outer = f", all-reduce {h['outer_s']:.2f} s" if h.get("outer_s") else ""
+            outer = f", outer step {h['outer_s']:.2f} s" if h.get("outer_s") else ""
             progress.line(
                 f"outer step {h['step']:3d}/{cfg.diloco.outer_steps}  train loss {h['loss']:.3f}  "
                 f"eval loss {h['eval_loss']:.3f}  ({h['members']} peers{outer})"

@@ -151,6 +151,11 @@ class SyncConfig(_Section):
     reject_below: float = Field(
         -0.1, ge=-1, le=1, description="robust aggregation: a contribution whose cosine with the others' median is "
         "below this is left out (with 3+ contributors; -1: never)")
+    audit_fraction: float = Field(
+        1.0, ge=0, le=1, description="verified reduction: the share of each step's shard results the coordinator "
+        "has an auditor, picked after the step, recompute from their signed inputs during the next inner phase; a "
+        "result that is not the average of what its owner signed it was averaged from gets the owner evicted and "
+        "the run rolled back to before it (0: no audits)")
 
 
 class PipelineConfig(_Section):
@@ -287,6 +292,12 @@ class AdmissionConfig(_Section):
     max_per_minute: int = Field(120, ge=1, description="new peers admitted a minute at most")
     evict_after: int = Field(3, ge=1, description="a peer clipped or rejected in this many of its last 5 outer steps "
                              "is evicted")
+    probation_steps: int = Field(3, ge=0, description="outer steps a newly admitted peer commits as a member before "
+                                 "it may own a shard, audit one or count in an eviction (until then it trains and "
+                                 "contributes; a stage with no peer past probation lets all its members own shards)")
+    pow_bits: int = Field(0, ge=0, le=32, description="open runs: leading zero bits of sha256(run id, peer id, nonce) "
+                          "a peer must find before it is admitted (20: about a second of a core; each further bit "
+                          "doubles it), so a thousand fresh keys cost real compute")
 
 
 class PeerConfig(_Section):

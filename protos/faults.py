@@ -50,8 +50,14 @@ POINTS = {
     "placement.search": "the coordinator's placement worker starts a search (on its own thread)",
     "shutdown.start": "a peer or the coordinator begins its orderly shutdown (on the main thread)",
     "pipe.send": "a stage sends a pipeline message of an outer step (the oversize action only)",
+    "owner.mean": "an owner's average of its shard, before it is encoded and signed (tamper actions only)",
+    "owner.flags": "an owner's signed outcome: whom it says it clipped (the flag action only)",
+    "outer.report": "a member's step report to the coordinator (the flag action only)",
 }
-TAMPER = ("flip", "nan")
+# tamper actions each point takes: they change a value as a Byzantine peer would send it (see tamper)
+TAMPERS = {"outer.delta": ("flip", "nan", "scale="), "owner.mean": ("shift=", "scale=", "flip", "spike"),
+           "owner.flags": ("flag",), "outer.report": ("flag",)}
+TAMPER = ("flip", "nan", "spike", "flag")
 # actions that change what the code at a point does, once, instead of acting on the process (see injected)
 BEHAVIOURS = {"pipe.send": ("oversize",)}
 
@@ -73,16 +79,19 @@ def parse(spec: str) -> list[Fault]:
             raise FaultSpecError(f"{ENV} entry {item!r} is not point@step:action") from None
         if point not in POINTS:
             raise FaultSpecError(f"{ENV}: unknown point {point!r} (known: {', '.join(sorted(POINTS))})")
-        tampers = action in TAMPER or action.startswith("scale=")
+        tampers = action in TAMPER or action.startswith(("scale=", "shift="))
         if point in BEHAVIOURS or action in {a for acts in BEHAVIOURS.values() for a in acts}:
             if action not in BEHAVIOURS.get(point, ()):
                 raise FaultSpecError(f"{ENV}: {point!r} takes {' or '.join(BEHAVIOURS.get(point, ('no',)))}, "
                                      f"not {action!r}")
         elif not (tampers or action in ("kill", "stop", "exit", "hang") or action.startswith(("sleep=", "spin="))):
             raise FaultSpecError(f"{ENV}: unknown action {action!r}")
-        if tampers != (point == "outer.delta"):  # a tamper changes a tensor; only outer.delta has one
-            raise FaultSpecError(f"{ENV}: {action!r} cannot act at {point!r} (outer.delta takes flip, nan or scale=X;"
-                                 " the other points kill, stop, exit, hang, sleep=S or spin=S)")
+        if tampers != (point in TAMPERS) or (tampers and not any(
+                action == t or (t.endswith("=") and action.startswith(t)) for t in TAMPERS[point])):
+            takes = "; ".join(f"{p} takes {', '.join(a + ('X' if a.endswith('=') else '') for a in acts)}"
+                              for p, acts in TAMPERS.items())
+            raise FaultSpecError(f"{ENV}: {action!r} cannot act at {point!r} ({takes}; the other points kill, stop, "
+                                 "exit, hang, sleep=S or spin=S)")
         try:
             float(action.split("=", 1)[1]) if "=" in action else None
         except ValueError:
@@ -145,9 +154,12 @@ def injected(point: str, step: int | None, action: str) -> bool:
     return True
 
 
-def tamper(point: str, step: int, x: Any) -> Any:
-    """``x`` as a Byzantine peer would send it, if ``POTLUCK_FAULTS`` makes this one (else ``x``)."""
-    for f in _pending:
+def tamper(point: str, step: int, x: Any, offset: int = 0, pending: list[Fault] | None = None) -> Any:
+    """``x`` as a Byzantine peer would send it, if ``POTLUCK_FAULTS`` makes this one (else ``x``); acts at every
+    matching step. ``offset``: where a piece of a vector starts (``spike`` sets the vector's first element to 1e6;
+    ``flag`` returns True, for the caller to name its honest peers). ``pending``: faults of one object instead of
+    the process's (a test's one Byzantine member among honest ones in one process)."""
+    for f in _pending if pending is None else pending:
         if _matches(f, point, step):
             action = f[3]
             if action == "flip":
@@ -156,4 +168,13 @@ def tamper(point: str, step: int, x: Any) -> Any:
                 return x * float("nan")
             if action.startswith("scale="):
                 return x * float(action.split("=", 1)[1])
+            if action.startswith("shift="):
+                return x + float(action.split("=", 1)[1])
+            if action == "spike":
+                if offset == 0 and len(x):
+                    x = x.clone()
+                    x[0] = 1e6
+                return x
+            if action == "flag":
+                return True
     return x

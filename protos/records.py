@@ -84,6 +84,8 @@ class Manifest(_Record):
     data: DataIdentity = Field(default_factory=DataIdentity, description="the identity of the run's data")
     security: Literal["mtls", "insecure"] = Field("mtls", description="peer-to-peer gRPC over mutual TLS, or not")
     admission: Literal["open", "private"] = Field("open", description="'private': joining needs the join token")
+    pow_bits: int = Field(0, ge=0, le=32, description="open runs: the proof of work a new key must bring "
+                          "(potluck.protos.work)")
     ca_pem: str = Field("", description="the run's CA certificate: peers' TLS certificates chain to it")
     seq: int = 0
 
@@ -111,7 +113,17 @@ class StepReport(_Record):
     included: list[int] = Field(default_factory=list, max_length=1024, description="replicas whose contributions "
                                 "this version holds (stage 0: the data cursor returns the others' samples)")
     pipe: dict[str, int] = Field(default_factory=dict, max_length=8, description="pipeline bytes of the step, by kind")
+    flags: dict[str, list[str]] = Field(default_factory=dict, max_length=256, description="each owner's signed "
+                                        "outcome: the contributors it clipped or left out (the coordinator counts "
+                                        "owners, not the members that repeat them)")
     t: float = Field(0.0, description="wall-clock time of the commit")
+
+    @field_validator("flags")
+    @classmethod
+    def _short_flag_lists(cls, v: dict[str, list[str]]) -> dict[str, list[str]]:
+        if any(len(k) > ID_LEN or len(ps) > 256 or any(len(p) > ID_LEN for p in ps) for k, ps in v.items()):
+            raise ValueError("an owner's flags name at most 256 peer ids")
+        return v
 
 
 class PeerRecord(_Record):
@@ -159,6 +171,7 @@ class PeerRecord(_Record):
     ts: float = 0.0
     extras: dict[str, Any] = Field(default_factory=dict, max_length=16)
     error: str = Field("", max_length=TEXT_LEN, description="state failed: why the peer stopped, in one line")
+    audits: list[AuditReport] = Field(default_factory=list, max_length=16, description="its latest audits, newest last")
 
     @field_validator("dht_maddrs")
     @classmethod
@@ -173,8 +186,39 @@ class Member(_Record):
     address: str
     stage: int = Field(0, ge=0, description="the pipeline stage of this member's tasklet")
     replica: int = Field(0, ge=0, description="the replica (pipeline) of this member's tasklet")
+    owns: bool = Field(True, description="owns a shard of its stage's all-reduce (false while on probation: it "
+                       "contributes to every shard and gathers every result, but averages none)")
 
 
+class ShardOf(_Record):
+    """One shard result of an outer step: which step (and epoch), stage and shard, by whom (its owner)."""
+
+    step: int = Field(ge=1)
+    epoch: int = Field(0, ge=0)
+    stage: int = Field(0, ge=0)
+    shard: int = Field(0, ge=0)
+    attempt: int = Field(0, ge=0)
+    owner: str = Field(max_length=ID_LEN)
+
+
+class Audit(ShardOf):
+    """The coordinator's pick, made after the step: ``auditor`` recomputes this shard result from the signed
+    contributions its owner says it averaged."""
+
+    auditor: str = Field(max_length=ID_LEN)
+
+
+class AuditReport(ShardOf):
+    """What an auditor found: ``ok``; ``lie`` (the signed result is not what the signed inputs make, or the
+    inputs shown are not those the result names: a proof the coordinator checks); ``unserved`` (the owner
+    did not show its inputs)."""
+
+    verdict: Literal["ok", "lie", "unserved"]
+    reason: str = Field("", max_length=TEXT_LEN)
+    t: float = 0.0
+
+
+MAX_AUDITS = 256  # audits one round carries at most (a stage of more owners has a random subset audited)
 MAX_POSITION = 1 << 62  # global sample positions: billions of epochs of billions of samples
 MAX_SHARE = 1 << 24  # samples one replica trains on in one outer step
 
@@ -243,6 +287,8 @@ class Round(_Record):
                            "plan read `pool`, then on from it")
     pool: list[tuple[int, int]] = Field(default_factory=list, max_length=256, description="positions handed back "
                                         "and not re-issued at `step`: later steps on this plan read them first")
+    audits: list[Audit] = Field(default_factory=list, max_length=MAX_AUDITS, description="shard results of an earlier "
+                                "step to recompute during this step's inner phase, and by whom")
 
     @model_validator(mode="after")
     def _pool_is_ordered(self) -> Round:
@@ -324,6 +370,8 @@ class AdmissionRequest(_Record):
     run_id: str = Field(max_length=ID_LEN)
     tls_key: str = Field(max_length=1024, description="PEM of the ECDSA P-256 public key to certify")
     proof: str = Field("", max_length=128, description="HMAC of peer id and TLS key under the join token")
+    pow_nonce: int = Field(0, ge=0, description="admission.pow_bits: a nonce making sha256(run id, peer id, nonce) "
+                           "start with that many zero bits")
     ts: float = 0.0
     seq: int = 0
 

@@ -72,6 +72,7 @@ KIND_BY_METHOD = {
     "PushContribution": "outer",
     "PushResult": "outer",
     "FetchResult": "outer",
+    "FetchInputs": "audit",
     "GetStateInfo": "state",
     "FetchState": "state",
     "PushPipe": "pipeline",
@@ -187,6 +188,8 @@ class Handlers(Protocol):
     def push_result(self, chunks: Iterator[pb.ShardChunk]) -> pb.Ack: ...
 
     def fetch_result(self, request: pb.ResultRequest) -> Iterator[pb.ShardChunk]: ...
+
+    def fetch_inputs(self, request: pb.InputsRequest) -> Iterator[pb.ShardChunk]: ...
 
     def get_state_info(self, request: pb.StateInfoRequest) -> pb.StateInfo: ...
 
@@ -419,6 +422,9 @@ class _Servicer:
     def FetchResult(self, request, context):  # noqa: N802
         return self._server_stream("FetchResult", request, context, self.h.fetch_result)
 
+    def FetchInputs(self, request, context):  # noqa: N802
+        return self._server_stream("FetchInputs", request, context, self.h.fetch_inputs)
+
     def GetStateInfo(self, request, context):  # noqa: N802
         return self._unary("GetStateInfo", request, context, self.h.get_state_info)
 
@@ -575,6 +581,12 @@ class PeerClient:
         stub, md = self._route(address, peer)
         return _counted(stub.FetchResult(request, timeout=timeout, metadata=md),
                         lambda n: self.traffic.add_received("outer", n))
+
+    def fetch_inputs(self, address: str, request: pb.InputsRequest, timeout: float, peer: str = "") -> Iterator[pb.ShardChunk]:
+        self.traffic.add_sent("audit", request.ByteSize())
+        stub, md = self._route(address, peer)
+        return _counted(stub.FetchInputs(request, timeout=timeout, metadata=md),
+                        lambda n: self.traffic.add_received("audit", n))
 
     def get_state_info(self, address: str, request: pb.StateInfoRequest, timeout: float, peer: str = "") -> pb.StateInfo:
         self.traffic.add_sent("state", request.ByteSize())

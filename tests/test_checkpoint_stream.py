@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import subprocess
 import sys
 import textwrap
@@ -14,12 +15,14 @@ from typing import Any
 
 import pytest
 import torch
+from blake3 import blake3
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from potluck.compression.transfer import (
     Snapshot,
     SnapshotServer,
+    SnapshotUnavailable,
     Target,
     fetch_snapshot,
     probe_sources,
@@ -73,13 +76,51 @@ def same(got: Snapshot, want: Snapshot) -> bool:
 
 
 def test_tensors_hash_streams_the_same_digest() -> None:
-    """Peers and the coordinator compare these hashes: hashing without copying must not change them."""
+    """Peers and the coordinator compare these hashes: hashing without copying, a block at a time, must
+    not change them; hashes an older version wrote (BLAKE2b) are still verified as such."""
     tensors = {"theta": torch.arange(10, dtype=torch.float32) / 4, "step": torch.tensor(7.0), "none": torch.empty(0),
                "momentum": -torch.arange(6, dtype=torch.float32).reshape(2, 3).t()}  # not contiguous
-    assert tensors_hash(tensors) == "0228bbdd63981bca5e5d31e09a9a4213"  # computed by the copying version
+    legacy = "0228bbdd63981bca5e5d31e09a9a4213"  # computed by the copying BLAKE2b version
+    assert tensors_hash(tensors, like=legacy) == legacy
+    stream = b"".join(n.encode() + b"\0" + tensors[n].contiguous().numpy().tobytes() for n in sorted(tensors))
+    assert tensors_hash(tensors) == "b3:" + blake3(stream).hexdigest(length=16)
     big = {"theta": torch.randn(5 << 20)}  # 20 MiB: more than one block
-    h = hashlib.blake2b(b"theta\0" + big["theta"].numpy().tobytes(), digest_size=16)
-    assert tensors_hash(big) == h.hexdigest()
+    raw = b"theta\0" + big["theta"].numpy().tobytes()
+    assert tensors_hash(big) == "b3:" + blake3(raw).hexdigest(length=16)
+    h = hashlib.blake2b(raw, digest_size=16).hexdigest()
+    assert tensors_hash(big, like=h) == h
+
+
+def test_hashing_survives_a_fork() -> None:
+    """hivemind forks a process to run a DHT node after a coordinator resuming from a checkpoint hashed
+    it: the child must be able to hash too (a hash on BLAKE3's thread pool left the child hung)."""
+    tensors = {"theta": torch.arange(1 << 20, dtype=torch.float32)}
+    want = tensors_hash(tensors)
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    child = ctx.Process(target=lambda: results.put(tensors_hash(tensors)))
+    child.start()
+    child.join(timeout=60)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("hashing hung in a forked child")
+    assert child.exitcode == 0 and results.get(timeout=5) == want
+
+
+def test_a_checkpoint_an_older_version_wrote_still_loads(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Its manifest's hashes are BLAKE2b: they are verified as such (and still catch a changed bit)."""
+    part = next(stage_snapshots(cfg_for("tiny", 1)))
+    old = Snapshot(part.tensors, 3, tensors_hash(part.tensors, like="0" * 32), part.meta)
+    store = CheckpointStore(tmp_path)
+    path = store.write_stages(3, iter([old]), {"run_id": "r"})
+    manifest = json.loads(path.read_text())
+    manifest["state_hash"] = old.hash  # as the older version wrote it
+    path.write_text(json.dumps(manifest))
+    assert store.load(path).hash == old.hash
+    manifest["state_hash"] = old.hash[:-1] + ("0" if old.hash[-1] != "0" else "1")
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="state hash"):
+        store.load(path)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -158,6 +199,31 @@ def fetch_all(client: PeerClient, checkpointer: Checkpointer, stages: int) -> li
                 for s in range(stages)]
     finally:
         server.stop(0)
+
+
+def test_a_download_must_hash_to_what_its_sources_advertise() -> None:
+    """A recovering peer takes a state only if it hashes to the hash agreed on: a source that serves other
+    bits under the honest hash (one value changed) is refused; the honest one, hashed in the background
+    when it was committed, is taken."""
+    gen = torch.Generator().manual_seed(3)
+    honest = Snapshot.create({"theta": torch.randn(50_000, generator=gen), "momentum": torch.randn(50_000, generator=gen)},
+                             4, {"stage": 0}, hash_later=True)
+    forged = Snapshot({k: v.clone() for k, v in honest.tensors.items()}, 4, honest.hash, honest.meta)
+    forged.tensors["momentum"][31_337] = torch.nextafter(forged.tensors["momentum"][31_337], torch.tensor(1e9))
+    client, header = PeerClient(Traffic()), pb.Header(run_id=RUN, sender="peer")
+    served = {"honest": Members([honest]), "forged": Members([forged])}
+    try:
+        def fetch(name: str) -> Snapshot:
+            target = [Target("member-0", f"127.0.0.1:{served[name].servers[0].port}")]
+            return fetch_snapshot(client, header, probe_sources(client, header, target), timeout=10)
+
+        with pytest.raises(SnapshotUnavailable, match="hashes to"):
+            fetch("forged")
+        assert same(fetch("honest"), honest)
+    finally:
+        for members in served.values():
+            members.stop()
+        client.close()
 
 
 def checkpointer(directory, client: PeerClient, cfg: RunConfig) -> Checkpointer:  # type: ignore[no-untyped-def]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from potluck.peer.diloco import flatten_params, load_flat, nesterov_step, outer_snapshot
+from potluck.peer.diloco import CHUNK, flatten_params, load_flat, nesterov_step, outer_snapshot
 
 FIXTURE = Path(__file__).parent / "fixtures" / "outer_step_golden.json"
 
@@ -59,6 +59,22 @@ def test_outer_steps_equal_golden(golden: dict, nesterov: bool) -> None:
         # bit-for-bit: separate float32 ops, no fused multiply-add
         assert theta.tolist() == want["theta"]
         assert momentum.tolist() == want["momentum"]
+
+
+def test_chunked_step_is_the_whole_vector_formula_bit_for_bit() -> None:
+    """A step over several cache-sized chunks, its new momentum written into a given buffer, gives the
+    bits of the plain whole-vector float32 formula (what the golden fixture checks on a short vector)."""
+    gen = torch.Generator().manual_seed(7)
+    n = 2 * CHUNK + 12_345
+    theta, m, d = (torch.randn(n, generator=gen) for _ in range(3))
+    mu, lr = torch.tensor(0.9), torch.tensor(0.7)
+    want_m = torch.mul(m, mu) + d
+    want_theta = theta - torch.mul(d + torch.mul(want_m, mu), lr)
+    out = torch.full((n,), float("nan"))
+    got_theta, got_m = nesterov_step(theta, m, d.clone(), 0.7, 0.9, consume=True, momentum_out=out)
+    assert got_m is out and torch.equal(got_m, want_m) and torch.equal(got_theta, want_theta)
+    got_theta, got_m = nesterov_step(theta, m, d, 0.7, 0.9, nesterov=False)
+    assert torch.equal(got_theta, theta - torch.mul(want_m, lr)) and torch.equal(got_m, want_m)
 
 
 def test_nesterov_matches_torch_sgd() -> None:

@@ -17,6 +17,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from signing import signed
 
 from potluck.compression.int8 import Int8BlockCodec
 from potluck.compression.stream import encode_chunks
@@ -32,7 +33,8 @@ from potluck.protos.identity import Identity
 from potluck.protos.transport import PeerClient, PeerServer, Traffic
 
 RUN, NUMEL, BASE = "fuzz", 1024, "b" * 32
-MEMBERS = [Identity.generate().peer_id for _ in range(3)]
+KEYS = [Identity.generate() for _ in range(3)]
+MEMBERS = [k.peer_id for k in KEYS]
 STRANGER = Identity.generate().peer_id
 EXAMPLES = 320  # per RPC: 7 RPCs, over 2,000 cases in all
 CASES = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
@@ -134,10 +136,13 @@ def mutated(message: object, seed: int) -> bytes:
 
 
 def valid_contribution(sender: str) -> list[pb.ShardChunk]:
-    """Shard 0 (this peer's) of step 1 exactly as a member would send it."""
+    """Shard 0 (this peer's) of step 1 exactly as a member would send it (signed by a member's key)."""
     lo, hi = shard_bounds(NUMEL, len(MEMBERS), Int8BlockCodec(256).align)[0]
-    return [pb.ShardChunk(header=pb.Header(run_id=RUN, sender=sender, step=1), shard=0, num_shards=3, base_hash=BASE,
-                          tensor=t) for t in encode_chunks("shard0", torch.randn(hi - lo), Int8BlockCodec(256), 4096)]
+    chunks = [pb.ShardChunk(header=pb.Header(run_id=RUN, sender=sender, step=1), shard=0, num_shards=3,
+                            base_hash=BASE, tensor=t)
+              for t in encode_chunks("shard0", torch.randn(hi - lo), Int8BlockCodec(256), 4096)]
+    key = next((k for k in KEYS if k.peer_id == sender), None)
+    return signed(chunks, key) if key is not None else chunks
 
 
 @CASES
@@ -165,6 +170,12 @@ def test_push_result(peer: FuzzedPeer, stream: list[pb.ShardChunk], seed: int) -
 @given(st.builds(pb.ResultRequest, header=headers, shard=int32s, num_shards=int32s))
 def test_fetch_result(peer: FuzzedPeer, request: pb.ResultRequest) -> None:
     call(peer, "FetchResult", request, response_stream=True)
+
+
+@CASES
+@given(st.builds(pb.InputsRequest, header=headers, shard=int32s, num_shards=int32s, attempt=int32s))
+def test_fetch_inputs(peer: FuzzedPeer, request: pb.InputsRequest) -> None:
+    call(peer, "FetchInputs", request, response_stream=True)
 
 
 @CASES

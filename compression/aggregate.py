@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from potluck.compression.int8 import Codec
+from potluck.compression.stream import EncodedStream
 from potluck.protos import potluck_pb2 as pb
 
 
@@ -157,13 +159,50 @@ def tensor_digest(t: pb.Tensor) -> bytes:
 
 def result_digest(run_id: str, step: int, epoch: int, shard: int, num_shards: int, attempt: int, base_hash: str,
                   contributors: Iterable[str], clipped: Iterable[str], rejected: Iterable[str],
-                  digests: Iterable[bytes]) -> bytes:
+                  digests: Iterable[bytes], inputs: Iterable[tuple[str, bytes]] = ()) -> bytes:
     """What the reducer of a shard signs: everything a member applies from its result (the
-    :func:`tensor_digest` of each of its chunks, in order)."""
+    :func:`tensor_digest` of each of its chunks, in order), and what it was averaged from: each weighed
+    contribution's sender and :func:`contribution_digest`. Signed over both, a result is a commitment
+    an auditor can hold its author to (:func:`recompute`)."""
     h = hashlib.blake2b(digest_size=32, person=b"potluck-result")
     head = f"{run_id}|{step}|{epoch}|{shard}|{num_shards}|{attempt}|{base_hash}|{','.join(contributors)}|" \
            f"{','.join(clipped)}|{','.join(rejected)}"
     h.update(head.encode())
     for d in digests:
         h.update(d)
+    for sender, d in inputs:
+        h.update(f"|{sender}|".encode())
+        h.update(d)
     return h.digest()
+
+
+def contribution_digest(run_id: str, step: int, epoch: int, shard: int, num_shards: int, attempt: int,
+                        base_hash: str, sender: str, digests: Iterable[bytes]) -> bytes:
+    """What a contributor signs over its slice of a shard: the round it is for and each chunk's
+    :func:`tensor_digest`. An owner cannot pass off another slice as this sender's, and an auditor can
+    check that what the owner shows is what the sender sent."""
+    h = hashlib.blake2b(digest_size=32, person=b"potluck-contrib")
+    h.update(f"{run_id}|{step}|{epoch}|{shard}|{num_shards}|{attempt}|{base_hash}|{sender}".encode())
+    for d in digests:
+        h.update(d)
+    return h.digest()
+
+
+@dataclass(frozen=True)
+class Recomputed:
+    """A shard's result as its inputs make it: the digests of its encoded chunks and who counted how."""
+
+    digests: list[bytes]
+    contributors: list[str]
+    clipped: list[str]
+    rejected: list[str]
+
+
+def recompute(contributions: Mapping[str, torch.Tensor], numel: int, codec: Codec, chunk_bytes: int,
+              name: str, clip_factor: float, reject_below: float | None) -> Recomputed:
+    """What an honest owner of these decoded contributions signs: the robust average, encoded a chunk at a
+    time exactly as :class:`~potluck.compression.stream.EncodedStream` does for the owner. Everything is a
+    deterministic function of the contributions, so any two machines get the same digests."""
+    red = robust_reduction(contributions, numel, clip_factor, reject_below)
+    chunks = EncodedStream(name, numel, red.mean, codec, chunk_bytes)
+    return Recomputed([tensor_digest(t) for t in chunks], red.contributors, red.clipped, red.rejected)
