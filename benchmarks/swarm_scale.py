@@ -40,6 +40,7 @@ import json
 import math
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -59,18 +60,10 @@ TARGETS = {"tick_p99_s": 0.1, "decide_s": 1.0, "snapshot_bytes": 1_000_000, "pag
 
 
 def tree(pid: int) -> list[int]:
-    parent: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(c for c, pp in parent.items() if pp == p)
-    return out
+    """``pid`` and every live process below it."""
+    from potluck.protos.stopping import descendants
+
+    return [pid, *descendants(pid)]
 
 
 def rss(pid: int) -> int:
@@ -78,6 +71,22 @@ def rss(pid: int) -> int:
         return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) ``pid`` has used so far."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def cpu_by_role(root: int) -> dict[str, float]:
+    """CPU seconds of the coordinator's processes: its main process, its DHT process, its p2pd."""
+    procs = tree(root)
+    return {"main": cpu_s(root), "dht": sum(cpu_s(p) for p in procs[1:] if name(p) != "p2pd"),
+            "p2pd": sum(cpu_s(p) for p in procs if name(p) == "p2pd")}
 
 
 def name(pid: int) -> str:
@@ -210,10 +219,12 @@ def run_size(n: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
         t0 = time.time()
         coord_dht = {p for p in tree(coord.pid) if name(p) == "p2pd"}
         wire_start, coord_start = wire.total(), wire.total(coord_dht)
+        cpu_start = cpu_by_role(coord.pid)
         while time.time() - t0 < 60 * a.minutes:
             sample()
             time.sleep(2.0)
         minutes = (time.time() - t0) / 60
+        cpu_end = cpu_by_role(coord.pid)
         sent, _ = wire.total()
         c_sent, c_got = wire.total(coord_dht)
         loads = page_load(url) if a.page_loads else []
@@ -261,6 +272,7 @@ def run_size(n: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
         "snapshot_bytes": size, "snapshot_gzip_bytes": gz,
         "page_load_ms": {"table_best": min((x["table"] for x in loads), default=None),
                          "all_best": min((x["all"] for x in loads), default=None), "loads": loads},
+        "coordinator_cpu_cores": {k: round((cpu_end[k] - cpu_start[k]) / (60 * minutes), 3) for k in cpu_end},
         "rss_bytes": {k: max((s["rss"][k] for s in steady), default=None) for k in ("main", "dht", "p2pd")},
         "dht_bytes_per_peer_per_min": round((sent - wire_start[0]) / n / minutes) if minutes else None,
         "coordinator_dht_bytes_per_min": {"sent": round((c_sent - coord_start[0]) / minutes),
@@ -294,6 +306,7 @@ GROWTH = {
     "snapshot_bytes": lambda r: r["snapshot_bytes"],
     "page_load_table_ms": lambda r: r["page_load_ms"]["table_best"],
     "coordinator_rss_bytes": lambda r: r["rss_bytes"]["main"],
+    "coordinator_cpu_cores": lambda r: sum(r["coordinator_cpu_cores"].values()),
     "dht_bytes_per_peer_per_min": lambda r: r["dht_bytes_per_peer_per_min"],
     "full_network_read_s": lambda r: ((r["baseline"] or {}).get("full_network_read") or {}).get("seconds"),
 }
@@ -303,7 +316,8 @@ def exponents(results: list[dict[str, Any]]) -> dict[str, float | None]:
     """For each figure, b in figure ~ N^b, least squares over the sizes run (None with fewer than 2)."""
     out: dict[str, float | None] = {}
     for key, get in GROWTH.items():
-        pts = [(math.log(r["peers"]), math.log(v)) for r in results if isinstance(v := get(r), int | float) and v > 0]
+        pts = [(math.log(r["peers"]), math.log(v)) for r in results
+               if "error" not in r and isinstance(v := get(r), int | float) and v > 0]
         if len(pts) < 2:
             out[key] = None
             continue
@@ -325,6 +339,7 @@ def main() -> int:
     p.add_argument("--no-page", dest="page_loads", action="store_false", help="skip the Chromium page loads")
     p.add_argument("--workdir", help="keep logs and journals here (default: a temporary folder)")
     a = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # (stops the run's processes on the way out)
     root = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="swarm-scale-"))
     results = []
     for n in [int(x) for x in a.sizes.split(",")]:

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import random
 import time
 from collections.abc import Iterator
 from functools import partial
@@ -24,17 +25,19 @@ from hivemind.utils import get_dht_time
 from rawhttp import raw_request
 
 from potluck.coordinator import history
+from potluck.coordinator.integrity import Integrity
 from potluck.coordinator.membership import PeerTable
 from potluck.coordinator.publisher import Publisher
 from potluck.coordinator.rounds import Rounds
 from potluck.coordinator.service import Pinger
 from potluck.coordinator.snapshot import PEERS_INLINE, RunInfo, Series, build
 from potluck.coordinator.status import StatusServer
-from potluck.protos.config import RunConfig
+from potluck.coordinator.trust import Trust
+from potluck.protos.config import RunConfig, apply_overrides
 from potluck.protos.dhtguard import run_key
 from potluck.protos.feed import Feed, store_at
 from potluck.protos.identity import Identity
-from potluck.protos.records import Manifest, Member, PeerRecord, Round, StepReport, seal
+from potluck.protos.records import MAX_AUDITS, Manifest, Member, PeerRecord, Round, StepReport, seal
 from potluck.protos.swarm import SwarmNode
 from potluck.protos.transport import PeerClient, Traffic
 
@@ -253,3 +256,34 @@ def test_a_decisions_pings_run_off_the_loop() -> None:
         time.sleep(0.05)
     assert answer is not None and answer[0] == [] and answer[1] >= t0
     client.close()
+
+
+def test_a_rounds_audits_stay_within_its_bound_and_draw_as_before() -> None:
+    """Auditors are drawn from a pool sorted once per stage (once per shard was a second at 1,000 owners);
+    the draws are those of the per-shard choice it replaces, and past MAX_AUDITS shards a round carries a
+    random MAX_AUDITS of them (Round.audits' own bound: more made the round invalid)."""
+    cfg = apply_overrides(RunConfig(), {"sync.audit_fraction": 0.5})
+
+    def stage_of(n: int) -> Round:
+        return Round(step=3, members=[Member(peer_id=f"12D3KooW{i:044d}", address="x:1", replica=i) for i in range(n)])
+
+    def before(made: Round, nxt: list[Member], rng: random.Random) -> list[tuple[int, str, str]]:  # the old picker
+        out, ids = [], {m.peer_id for m in nxt}
+        for shard, m in enumerate(made.stage_members(0)):
+            if rng.random() >= 0.5:
+                continue
+            candidates = sorted(p.peer_id for p in made.members if p.peer_id != m.peer_id and p.peer_id in ids)
+            if candidates:
+                out.append((shard, m.peer_id, rng.choice(candidates)))
+        return out
+
+    small = stage_of(9)
+    nxt = small.members[2:]  # two left: they own shards of the step but audit nothing
+    got = Integrity(cfg, Trust(probation_steps=0), rng=random.Random(7)).audits(small, nxt)
+    assert [(a.shard, a.owner, a.auditor) for a in got] == before(small, nxt, random.Random(7)) != []
+    big = stage_of(700)
+    audits = Integrity(apply_overrides(cfg, {"sync.audit_fraction": 1.0}), Trust(probation_steps=0),
+                       rng=random.Random(7)).audits(big, big.members)
+    assert len(audits) == MAX_AUDITS and len({a.shard for a in audits}) == MAX_AUDITS
+    assert all(a.auditor != a.owner for a in audits)
+    Round(step=4, members=big.members, audits=audits)  # a valid round
