@@ -84,12 +84,12 @@ class Coordinator:
         try:
             self.start()
             while not self.stopping.is_set():
-                t0 = time.monotonic()
+                t0, c0 = time.monotonic(), time.thread_time()
                 try:
                     self.tick()
                 except DHTTimeout as err:  # a wedged or swamped DHT process: the next tick tries again
                     log.warning("%s", err)
-                self.health.ticked(time.monotonic() - t0)
+                self.health.ticked(time.monotonic() - t0, time.thread_time() - c0)
                 if self.exit_when_finished and self.state.finished and self.finish.drained(self.checkpointer, self.table):
                     log.info("run finished; exiting")
                     break

@@ -20,6 +20,7 @@ KEEP_TICKS = 1000
 class Health:
     def __init__(self) -> None:
         self.ticks: deque[float] = deque(maxlen=KEEP_TICKS)  # seconds each of the latest ticks took
+        self.tick_cpu: deque[float] = deque(maxlen=KEEP_TICKS)  # ... of the loop thread's CPU
         self.decisions: deque[float] = deque(maxlen=16)  # seconds each of the latest decisions took
         self.count = 0
         self._built = (-float("inf"), 0.0, 0.0)  # (when the snapshot was last built, how long it took, began)
@@ -35,8 +36,11 @@ class Health:
     def snapshot_built(self, now: float) -> None:
         self._built = (now, time.monotonic() - self._built[2], 0.0)
 
-    def ticked(self, seconds: float) -> None:
+    def ticked(self, seconds: float, cpu_seconds: float) -> None:
+        """A tick took ``seconds`` of wall time, ``cpu_seconds`` of the loop thread's CPU (what it costs the
+        machine; the wall time adds whatever else the machine runs)."""
         self.ticks.append(seconds)
+        self.tick_cpu.append(cpu_seconds)
         self.count += 1
 
     def decided(self, seconds: float) -> None:
@@ -44,17 +48,22 @@ class Health:
 
     def section(self, reads: dict[str, Any], peers_held: int) -> dict[str, Any]:
         """The status snapshot's ``coordinator`` object (documented in docs/status-api.md)."""
-        ticks = sorted(self.ticks)
         return {
             "ticks": self.count,
-            "tick_s": {"p50": _quantile(ticks, 0.5), "p99": _quantile(ticks, 0.99), "max": ticks[-1] if ticks else None,
-                       "window": len(ticks)},
+            "tick_s": _spread(self.ticks),
+            "tick_cpu_s": _spread(self.tick_cpu),
             "decide_s": {"last": self.decisions[-1] if self.decisions else None,
                          "max": max(self.decisions) if self.decisions else None, "window": len(self.decisions)},
             "rss_bytes": rss_bytes(),
             "peers_held": peers_held,
             "reads": reads,
         }
+
+
+def _spread(values: deque[float]) -> dict[str, Any]:
+    ordered = sorted(values)
+    return {"p50": _quantile(ordered, 0.5), "p99": _quantile(ordered, 0.99), "max": ordered[-1] if ordered else None,
+            "window": len(ordered)}
 
 
 def _quantile(ordered: list[float], q: float) -> float | None:

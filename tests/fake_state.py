@@ -210,6 +210,7 @@ def make_state(
         "config": {"heartbeat_timeout_s": heartbeat_timeout_s},
         "coordinator": {
             "ticks": 5000 + 7 * steps, "tick_s": {"p50": 0.004, "p99": 0.021, "max": 0.05, "window": 1000},
+            "tick_cpu_s": {"p50": 0.003, "p99": 0.015, "max": 0.04, "window": 1000},
             "decide_s": {"last": 0.12, "max": 0.31, "window": min(16, steps)} if steps else
             {"last": None, "max": None, "window": 0},
             "rss_bytes": 180_000_000 + 40_000 * peers, "peers_held": peers,
