@@ -302,17 +302,27 @@ class Round(_Record):
     def member(self, peer_id: str) -> Member | None:
         """The member ``peer_id``, found in a dict built once per member list (a round of 1,000 members is
         asked once per peer report per coordinator tick: a scan each time was a million comparisons)."""
-        if self._index.source is not self.members or self._index.count != len(self.members):
-            self._index = _MemberIndex(self.members)
-        return self._index.by_id.get(peer_id)
+        return self._members_index().by_id.get(peer_id)
+
+    def _members_index(self) -> _MemberIndex:
+        # (read from pydantic's private dict itself: ``self._index`` goes through BaseModel.__getattr__,
+        # which cost more than the lookup it serves)
+        private = self.__pydantic_private__
+        index = private.get("_index") if private is not None else None
+        if index is None or index.source is not self.members or index.count != len(self.members):
+            index = _MemberIndex(self.members)
+            if private is not None:
+                private["_index"] = index
+        return index
 
     def stage_members(self, stage: int) -> list[Member]:
         return sorted((m for m in self.members if m.stage == stage), key=lambda m: m.replica)
 
     def share_of(self, replica: int) -> Share | None:
-        if self._index.shares is not self.shares or self._index.share_count != len(self.shares):
-            self._index.index_shares(self.shares)
-        return self._index.by_replica.get(replica)
+        index = self._members_index()
+        if index.shares is not self.shares or index.share_count != len(self.shares):
+            index.index_shares(self.shares)
+        return index.by_replica.get(replica)
 
     def data_spans(self, step: int, replica: int) -> list[tuple[int, int]]:
         """The global sample positions ``replica`` trains on at ``step``: this round's share, or, for a later
