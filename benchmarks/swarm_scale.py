@@ -16,7 +16,7 @@ coordinator, with training replaced by a sleep:
   finds them lost) and as many new peers join, through admission.
 
 It measures, per swarm size: the coordinator's tick time (p50/p99 of its last 1,000 ticks, from its
-own status API), the time from the report that completed a step's majority to the commit, the time
+own status API), the time from the last report stored before a step's commit to the commit, the time
 to decide a round, admission throughput during the join burst, the snapshot's size, the status page's
 load time in Chromium, the coordinator's RSS (main process, DHT process, p2pd), and the DHT's bytes
 on the wire per peer per minute (every TCP socket of the run's p2pd daemons, from ``ss``). Baseline
@@ -53,8 +53,8 @@ from typing import Any
 
 LIMITS = ("one box for everything: the coordinator, its DHT node and p2pd, the simulator's workers (their DHT "
           "nodes, p2pd daemons and gRPC servers) and Chromium share its CPUs (2 cores, shared with other work: "
-          "load_avg_1min says how busy it was; the simulator runs at nice 10, below the coordinator, but the other "
-          "work does not), so every wall time here is an upper bound on a coordinator with a "
+          "load_avg_1min says how busy it was; tick_cpu_s is the tick's own CPU, whatever the load), so every "
+          "wall time here is an upper bound on a coordinator with a "
           "machine of its own; the DHT bytes are on loopback (no loss, no latency); runs are minutes, not hours")
 TARGETS = {"tick_p99_s": 0.1, "decide_s": 1.0, "snapshot_bytes": 1_000_000, "page_load_ms": 1000,
            "coordinator_rss_bytes": 1 << 30}
@@ -246,13 +246,12 @@ def run_size(n: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
     reports: dict[int, list[float]] = {}
     for o in outs:
         for step, rows in o["reports"].items():
-            reports.setdefault(int(step), []).extend(t for _, t, _ in rows)
+            reports.setdefault(int(step), []).extend(t for _, _, t in rows)  # (when the DHT had stored it)
     lat = []
-    for step, times in reports.items():
-        if step in history and history[step] >= t0:
-            times.sort()
-            majority = times[math.ceil(len(times) / 2) - 1]
-            lat.append(history[step] - majority)
+    for step, times in reports.items():  # from the last report stored before the commit (the one that made it)
+        before = [t for t in times if t <= history.get(step, 0.0)]
+        if step in history and history[step] >= t0 and before:
+            lat.append(history[step] - max(before))
     adm = [(b - a_) for o in outs for a_, b in o["admissions"] if a_ < t0]
     first = min((a_ for o in outs for a_, _ in o["admissions"]), default=t_start)
     last = max((b for o in outs for a_, b in o["admissions"] if a_ < t0), default=first)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import signal
 import sys
@@ -415,7 +414,6 @@ def main() -> int:
     p.add_argument("--churn", type=float, default=0.1)
     a = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: Path(a.stop_file).touch())
-    os.nice(10)  # (the simulator yields to the coordinator it measures; its DHT process and p2pd inherit it)
     Worker(a).run()
     return 0
 
