@@ -168,7 +168,8 @@ class _DHTProcess(DHT):
         children_die_with_parent(signal.SIGKILL)  # p2pd, started by uvloop's fork + exec
         os.register_at_fork(after_in_child=_leave_foreground_group)  # (the DHT process forks p2pd only)
         signal.signal(signal.SIGTERM, _ignore_sigterm)
-        self._inner_pipe = _WholeMessages(self._inner_pipe)
+        pipe: Any = self.__dict__["_inner_pipe"]  # (hivemind's own, set in DHT.__init__)
+        self._inner_pipe = _WholeMessages(pipe)
         super().run()
 
 
