@@ -26,13 +26,17 @@ _S = TypeVar("_S", bound=BaseModel)
 
 
 async def store_at(dht: Any, node: Any, peer: str, key: str, subkey: str, value: Any, expiration: float) -> bool:
-    """Runs in the DHT process: store one subkey of ``key`` on the node of ``peer`` (a peer id), and only there."""
+    """Runs in the DHT process: store one subkey of ``key`` on the node of ``peer`` (a peer id), and only there.
+    A node that does not take it (the coordinator is away: restarting, say) gets it the usual way, on the
+    key's nearest live nodes, so a heartbeat or a goodbye still lands while the coordinator is gone."""
     from hivemind.dht import DHTID
     from hivemind.p2p import PeerID
 
     ok = await node.protocol.call_store(PeerID.from_base58(peer), [DHTID.generate(source=key)],
                                         [node.protocol.serializer.dumps(value)], [expiration], subkeys=[subkey])
-    return bool(ok and ok[0])
+    if ok and ok[0]:
+        return True
+    return bool(await node.store(key, value, expiration, subkey=subkey))
 
 
 async def store_many(dht: Any, node: Any, key: str, items: list[tuple[str, Any]], expiration: float) -> bool:

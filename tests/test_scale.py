@@ -101,6 +101,18 @@ def test_the_coordinator_reads_only_the_records_that_changed(nodes: tuple[SwarmN
     assert changed == [peers[9].peer_id]  # ... is not lost: the next read brings what changed since the last one taken
 
 
+def test_a_heartbeat_lands_while_the_coordinator_is_away(nodes: tuple[SwarmNode, SwarmNode]) -> None:
+    """Heartbeats go straight to the coordinator's node; when that node does not answer (here: a peer id no
+    node has), the record is stored the usual way, on the key's nearest live nodes (a goodbye after the
+    coordinator stopped was lost)."""
+    a, b = nodes
+    who = Identity.generate()
+    fn = partial(store_at, peer=Identity.generate().peer_id, key=run_key(COORD.peer_id, "peers"), subkey=who.peer_id,
+                 value=beat(who, 5, "left"), expiration=get_dht_time() + 60)
+    assert b.dht.run_coroutine(fn, return_future=True).result(timeout=30)
+    assert a.get_peers()[0][who.peer_id].state == "left"
+
+
 def test_folding_only_what_changed_makes_the_same_history() -> None:
     ids = [f"12D3KooW{c * 44}" for c in "abcdefgh"]
     rounds = {s: Round(step=s, members=[Member(peer_id=p, address="x:1", replica=i) for i, p in enumerate(ids)])
