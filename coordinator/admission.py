@@ -31,6 +31,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from potluck.coordinator.journal import kept_secret
 from potluck.coordinator.service import answers
@@ -78,6 +79,8 @@ class Admission:
         refused: list[str] = []
         while self._recent and now - self._recent[0] > 60.0:
             self._recent.popleft()
+        if len(self.admitted) > 2 * len(requests) + 1000:  # forget expired admissions: churn must not grow it forever
+            self.admitted = {pid: a for pid, a in self.admitted.items() if a.not_after > now}
         for pid, req in sorted(requests.items(), key=lambda kv: kv[1].ts):
             reason = in_use.get(pid) or self._refusal(pid, req)
             if reason:
@@ -163,25 +166,43 @@ class Gatekeeper:
         # of a stage's members, those whose reports count (past probation; all of them while none is)
         self.trusted: Callable[[Sequence[Member]], set[str]] = lambda cells: {m.peer_id for m in cells}
         self._unsent: list[Certificate] = []  # answers reviewed but not stored yet
+        self._sending: tuple[Any, list[Certificate]] | None = None  # (future, answers) of the store in flight
         self._in_use_seen: dict[tuple[str, int], str] = {}  # (peer, request seq) -> why refused ('' if not)
 
     def tick(self, node: SwarmNode, records: dict[str, PeerRecord], round_at: Callable[[int], Round | None],
-             client: PeerClient | None = None) -> tuple[dict[str, PeerRecord], list[tuple[str, str, str]]]:
+             client: PeerClient | None = None, read: tuple[dict[str, AdmissionRequest], list[str]] | None = None,
+             ) -> tuple[dict[str, PeerRecord], list[tuple[str, str, str]]]:
         """Answer admission requests; the records of admitted peers, and events as (kind, peer, message): kind
-        ``rejected`` (admissions refused, heartbeats of strangers ignored) or ``evicted``. ``client`` pings a running process
-        of an identity a new process asks for (without one, nobody is taken for running)."""
-        requests, refused = node.get_admissions()
+        ``rejected`` (admissions refused, heartbeats of strangers ignored) or ``evicted``. ``client`` pings a running
+        process of an identity a new process asks for (without one, nobody is taken for running). ``read``: the
+        requests and refusals already read (the coordinator reads them incrementally); else they are read here."""
+        requests, refused = read if read is not None else node.get_admissions()
         still_there = (lambda rec: answers(client, self.run_id, self.me, rec)) if client is not None else (lambda rec: False)
         certs, events = self.admission.review(requests, in_use=self._in_use(requests, records, still_there))
         self._unsent += certs  # reviewed answers are not reviewed again: each is stored, whatever it takes
-        while self._unsent:  # (a DHTTimeout leaves the rest for the next tick)
-            node.publish_certificate(self._unsent[0], ttl=CERT_TTL_S)
-            self._unsent.pop(0)
+        self._send(node)
         out = [("rejected", "", e) for e in events + refused] + [("evicted", p, m) for p, m in
                                                                   self._evictions(records, round_at)]
         kept = {pid: r for pid, r in records.items() if self.admission.is_admitted(pid)}
         strangers = sorted(set(records) - set(kept) - self.admission.revoked)
         return kept, out + [("rejected", p, "heartbeat ignored: not admitted") for p in strangers[:3]]
+
+    def _send(self, node: SwarmNode) -> None:
+        """Store the answers not stored yet, all in one DHT call the loop does not wait for; a call that did not
+        store them all sends them again on the next tick."""
+        if self._sending is not None:
+            future, batch = self._sending
+            if not future.done():
+                return
+            self._sending = None
+            try:
+                stored = bool(future.result())
+            except Exception:  # (a DHTTimeout, the DHT child restarting: send them again)
+                stored = False
+            if not stored:
+                self._unsent = batch + self._unsent
+        if self._unsent:
+            self._sending, self._unsent = (node.publish_certificates(self._unsent, ttl=CERT_TTL_S), self._unsent), []
 
     def _in_use(self, requests: dict[str, AdmissionRequest], records: dict[str, PeerRecord],
                 answers: Callable[[PeerRecord], bool]) -> dict[str, str]:
@@ -210,27 +231,33 @@ class Gatekeeper:
         proves them false), and reporters on probation (a crowd of fresh keys) do not count. Flagged too often:
         evicted."""
         claims: dict[tuple[int, int, int], dict[str, Counter[tuple[str, ...]]]] = {}
+        trusted: dict[tuple[int, int, int, int], set[str]] = {}  # (round step, epoch, stage, group) -> its trusted reporters
         for rec in records.values():
             if not self.admission.is_admitted(rec.peer_id):
                 continue
             for step in {s.step: s for s in rec.recent}.values():  # one report per reporter and step
                 self._flagged.setdefault(rec.peer_id, {}).setdefault(step.step, False)  # it took part
-                rnd = round_at(step.step)
-                cohort = rnd.cohort(rec.peer_id) if rnd is not None else []  # its group (sync.group_size)
-                if rec.peer_id not in self.trusted(cohort):
+                if (rnd := round_at(step.step)) is None:
                     continue
-                by_owner = claims.setdefault((step.step, step.stage, cohort[0].group), {})
+                if (member := rnd.member(rec.peer_id)) is None:
+                    continue  # (not a member of that round: nothing it reports of it counts)
+                key = (rnd.step, rnd.epoch, step.stage, member.group)
+                if key not in trusted:  # (once per group and call: per record, 1,000 peers made it seconds)
+                    trusted[key] = self.trusted(rnd.cohort(rec.peer_id))  # its group (sync.group_size)
+                if rec.peer_id not in trusted[key]:
+                    continue
+                by_owner = claims.setdefault((step.step, step.stage, key[3]), {})
                 for owner, named in step.flags.items():
                     by_owner.setdefault(owner, Counter())[tuple(sorted(set(named)))] += 1
         for (step, stage, group), by_owner in claims.items():
-            cells = rnd.group_members(stage, group) if (rnd := round_at(step)) is not None else []
+            cells = {m.peer_id for m in rnd.group_members(stage, group)} if (rnd := round_at(step)) is not None else set()
             owners = rnd.shard_owners(stage, group) if rnd is not None else []
             counts: Counter[str] = Counter()
             for owner, versions in by_owner.items():
                 if owner in owners:
                     counts.update(versions.most_common(1)[0][0])
             for pid, n in counts.items():  # (a flagged owner's own shard does not vote on it)
-                if any(m.peer_id == pid for m in cells) and 2 * n > len(set(owners) - {pid}):
+                if pid in cells and 2 * n > len(set(owners) - {pid}):
                     self._flagged.setdefault(pid, {})[step] = True
         out = []
         for pid, steps in self._flagged.items():

@@ -26,20 +26,22 @@ from potluck.coordinator import bootstrap, history
 from potluck.coordinator.admission import Gatekeeper
 from potluck.coordinator.checkpointer import Checkpointer, Job, Written
 from potluck.coordinator.finishing import Finish
+from potluck.coordinator.health import Health
 from potluck.coordinator.integrity import Integrity
 from potluck.coordinator.journal import JournalError
-from potluck.coordinator.membership import PeerTable, announce, read_records
+from potluck.coordinator.membership import PeerTable, announce
 from potluck.coordinator.placement import PlacementWorker, grid_for, members
 from potluck.coordinator.publisher import Publisher
+from potluck.coordinator.reader import Reader
 from potluck.coordinator.rounds import Committed, Failed, RolledBack, Rounds, describe_round
-from potluck.coordinator.service import CoordinatorService, reachable
+from potluck.coordinator.service import CoordinatorService, Pinger
 from potluck.coordinator.snapshot import RunInfo, Series, build
 from potluck.coordinator.status import StatusServer
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.config.section import ConfigError
 from potluck.protos.net.errors import CannotBind
 from potluck.protos.net.identity import Identity
-from potluck.protos.net.swarm import DHTTimeout, JoinError, LinkReport
+from potluck.protos.net.swarm import DHTTimeout, JoinError
 from potluck.protos.net.transport import PeerClient, PeerServer, Traffic
 from potluck.protos.runtime.log import get_logger, set_context, short_id
 from potluck.protos.testkit.faults import fault
@@ -58,37 +60,37 @@ class Coordinator:
         self.traffic = Traffic()
         self.journal, self.state = bootstrap.open_journal(cfg)  # checks the run first: a refused one writes nothing
         self.identity = Identity.load_or_create(Path(c.journal_dir) / "identity.key")
-        self.id = self.identity.peer_id
-        self.run_id = self.state.run_id
+        self.id, self.run_id = self.identity.peer_id, self.state.run_id
         self.table = PeerTable(cfg.membership.heartbeat_timeout_s)
         self.rounds = Rounds.for_run(cfg)
         self.gate = Gatekeeper(cfg, self.run_id, self.id, Path(c.journal_dir), self.state.revoked)
         self.tls = None if c.insecure else self.gate.tls  # gRPC with peers over mutual TLS unless --insecure
         self.client = PeerClient(self.traffic, tls=self.tls)
+        self.pinger = Pinger(self.client, self.run_id, self.id)  # (a decision's pings run off the loop)
         self.checkpointer = Checkpointer.for_run(cfg, self.client, self.run_id, self.id)
         self.integrity = Integrity.for_run(cfg, self.client, self.run_id, self.id, self.state.trust)
         self.gate.trusted = self.integrity.trust.eligible  # eviction votes: owners and reporters past probation
         self.placement = PlacementWorker(cfg, cfg.links.search_budget_s)
-        self.series, self.links = Series(), dict[str, LinkReport]()
+        self.series, self.health, self._memo = Series(), Health(), history.Memo()  # (memo: step reports folded)
         self.node: Any = None
         self.grpc: PeerServer | None = None
         self.status: StatusServer | None = None
         self.publisher: Any = None
         self.info = RunInfo(self.run_id, self.id, "", "", time.time(), self.state.finished)
-        self._snapshot: dict[str, Any] = {}
-        self._dirty, self._links_read_at = False, 0.0
-        self._warned: set[str] = set()
+        self.reader: Any = None  # (a Reader of the DHT node, once it runs)
+        self._snapshot, self._dirty = dict[str, Any](), False
         set_context(role="coordinator", peer_id=self.id)
 
     def run(self) -> int:
         try:
             self.start()
             while not self.stopping.is_set():
-                t0 = time.monotonic()
+                t0, c0 = time.monotonic(), time.thread_time()
                 try:
                     self.tick()
                 except DHTTimeout as err:  # a wedged or swamped DHT process: the next tick tries again
                     log.warning("%s", err)
+                self.health.ticked(time.monotonic() - t0, time.thread_time() - c0)
                 if self.exit_when_finished and self.state.finished and self.finish.drained(self.checkpointer, self.table):
                     log.info("run finished; exiting")
                     break
@@ -109,6 +111,7 @@ class Coordinator:
             self._event("reshard", "", resharded)
             self._save()
         self.node = bootstrap.start_node(self.identity, Path(c.journal_dir) / "identity.key", c, list(s.known_peers))
+        self.reader = Reader(self.node, self.cfg)
         host = bootstrap.public_host(c)
         self.grpc = bootstrap.grpc_server(CoordinatorService(self.id, lambda: self.rounds.committed, self.checkpointer),
                                           self.traffic, c, self.tls, self.gate.revoked, self.run_id)
@@ -132,8 +135,7 @@ class Coordinator:
         except OSError as err:
             log.warning("could not save the journal on shutdown: %s", err)
         for stop in filter(None, (self.status and self.status.stop, self.grpc and self.grpc.stop, self.checkpointer.stop,
-                                  self.placement.stop, self.integrity.stop, self.client.close,
-                                  self.node and self.node.shutdown)):
+                                  self.placement.stop, self.integrity.stop, self.client.close, self.node and self.node.shutdown)):
             try:
                 stop()
             except Exception as err:  # everything else must still be stopped
@@ -142,10 +144,10 @@ class Coordinator:
     # ------------------------------------------------------------------ the loop
 
     def tick(self) -> None:
-        now = time.monotonic()
-        if now - self._links_read_at > 5.0:  # for placement and the status page's heatmap
-            self._links_read_at, self.links = now, self._read(self.node.get_links) or self.links
-        records, events = self.gate.tick(self.node, self._read(self.node.get_peers) or {}, self.rounds.round_at, self.client)
+        now, reader = time.monotonic(), self.reader
+        refused = reader.poll(now)  # what the DHT reads brought (only the records that changed), refusals said once
+        records, events = self.gate.tick(self.node, reader.peers.records, self.rounds.round_at, self.client,
+                                         (reader.admissions.records, refused))
         for kind, pid, message in events:  # (kinds from the admission room, never read off the message's text)
             self._event(kind, pid, message)
         self.publisher.revoked_changed()
@@ -160,14 +162,17 @@ class Coordinator:
         self._checkpoints_done()
         self._maybe_finish(now)
         self._maybe_decide(now)
-        self.state.history, added = history.fold(self.state.history, [v.record for v in self.table.peers.values()],
-                                                 self.rounds.round_at, self.rounds.committed)
+        self.state.history, added = history.fold(self.state.history, self.table.records(changed=True), self.rounds.round_at,
+                                                 self.rounds.committed, memo=self._memo, everyone=self.table.records())
         if added or self._dirty:
             self._save()
         self.publisher.publish(self.rounds.rounds.values())
         self.info.finished, self.info.checkpoint_version = self.state.finished, self.publisher.manifest.checkpoint_version
-        self._snapshot = build(self.info, self.cfg, list(self.table.peers.values()), self.rounds, self.state.history,
-                               self.state.rolled_back, self.events, self.series, self.links)
+        if self.health.snapshot_due(now, added, self.cfg.coordinator.tick_s):
+            self._snapshot = build(self.info, self.cfg, list(self.table.peers.values()), self.rounds, self.state.history,
+                                   self.state.rolled_back, self.events, self.series, reader.links.records,
+                                   health=self.health.section(reader.stats(), len(self.table.peers)))
+            self.health.snapshot_built(now)
 
     def _on(self, ev: object) -> None:
         self._dirty = True
@@ -198,8 +203,7 @@ class Coordinator:
                 log.warning("checkpoint of v%d not written: %s", done.version, done.reason)
 
     def _maybe_finish(self, now: float) -> None:
-        done, admin = self.finish.due(self.cfg, self.rounds, self.table.reports(), now)
-        done = done and self.integrity.audited_to_the_end(self.rounds.round_at, self.rounds.committed)
+        done, admin = self.finish.due(self.cfg, self.rounds, self.table.reports(), now, self.integrity)
         if admin is not None:
             self._event("admin", "", f"run ended by the admin at outer step {self.rounds.committed}{admin}")
         if not self.state.finished and done:
@@ -212,9 +216,11 @@ class Coordinator:
         if (self.state.finished or self.rounds.committed >= self.cfg.diloco.outer_steps
                 or not self.rounds.ready_to_decide(len(live), self.cfg.membership.min_peers, now, self.table.reports())):
             return
-        records = reachable(self.client, self.run_id, self.id, [v.record for v in live])
+        if (answered := self.pinger.poll(v.record for v in live)) is None:  # None while the pings run (off this loop)
+            return
+        records, t0 = answered  # (a decision costs from its first ping to the round published)
         before = {m.peer_id: (m.stage, m.replica) for m in getattr(self.rounds.rounds.get(self.rounds.committed), "members", [])}
-        placed = grid_for(self.cfg, records, stages, before, self.links, self.placement)
+        placed = grid_for(self.cfg, records, stages, before, self.reader.links.records, self.placement)
         if placed is None:
             return  # not one whole pipeline yet, or the search still runs off this loop
         grid, replan = placed
@@ -225,23 +231,17 @@ class Coordinator:
         self.publisher.new_plan()
         self._save()  # journaled before anyone can act on it
         self._event("round", "", describe_round(r, before))
+        self.health.decided(time.monotonic() - t0)
         fault("coordinator.decided", r.step)
 
     def _save(self) -> None:
         s, r = self.state, self.rounds
         r.prune_hashes()
         s.committed, s.epoch, s.rounds, s.hashes, s.cursors = r.committed, r.epoch, list(r.rounds.values()), r.hashes, r.data.to_json()
-        s.outcomes, s.revoked = [vars(o) for o in r.outcomes], sorted(self.gate.admission.revoked)
-        s.trust = self.integrity.trust.to_json()
+        s.outcomes, s.revoked, s.trust = ([vars(o) for o in r.outcomes], sorted(self.gate.admission.revoked),
+                                          self.integrity.trust.to_json())
         self.journal.save(s)
         self._dirty = False
-
-    def _read(self, get: Any) -> dict:
-        """Records from the DHT, with an event for each new reason some were refused (forged, stale, malformed)."""
-        records, reasons = read_records(get, self._warned)
-        for reason in reasons:
-            self._event("rejected", "", reason)
-        return records
 
     def _event(self, kind: str, peer: str, message: str, warn: bool = False) -> None:
         self.events.append({"t": time.time(), "kind": kind, "peer": peer, "message": message})

@@ -31,6 +31,7 @@ from potluck.protos.config.runcheck import file_identity, markov_identity, non_p
 from potluck.protos.config.runconfig import CoordinatorConfig, RunConfig
 from potluck.protos.config.section import ConfigError
 from potluck.protos.net.certs import TlsIdentity
+from potluck.protos.net.dhtguard import run_key
 from potluck.protos.net.identity import Identity
 from potluck.protos.net.relay import RelayHub
 from potluck.protos.net.servicer import Handlers
@@ -103,7 +104,8 @@ def manifest(cfg: RunConfig, state: JournalState, info: RunInfo, grpc_address: s
 
 
 def start_node(identity: Identity, identity_path: Path, c: CoordinatorConfig, known: list[str]) -> SwarmNode:
-    """The DHT node the swarm bootstraps from; after a restart, rejoined through ``known`` peers.
+    """The DHT node the swarm bootstraps from; after a restart, rejoined through ``known`` peers. Its node id is
+    its peers key's: the nearest node to that key, it stores every heartbeat and reads them locally.
 
     Bounded as a whole by ``startup_timeout_s``: a rejoin that fails leaves the rest of it to starting a
     new swarm, and a start that does not end in time is a JoinError (the coordinator exits with it)."""
@@ -115,7 +117,8 @@ def start_node(identity: Identity, identity_path: Path, c: CoordinatorConfig, kn
             raise JoinError(f"could not start a DHT node within coordinator.startup_timeout_s = "
                             f"{c.startup_timeout_s:g} s; on a slow machine raise it")
         return SwarmNode(identity, initial_peers=peers, coordinator=identity.peer_id, host=c.host, port=c.dht_port,
-                         announce_host=c.announce_host, startup_timeout=left, identity_path=identity_path)
+                         announce_host=c.announce_host, startup_timeout=left, identity_path=identity_path,
+                         node_id_source=run_key(identity.peer_id, "peers"))
 
     try:
         node = start(known)

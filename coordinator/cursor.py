@@ -30,6 +30,7 @@ Peers reporting the plan they read by would close it.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -213,13 +214,15 @@ class DataCursor:
         probes = [v for v in range(max(rnd.step, step - KEEP_CURSORS), step + KEEP_CURSORS) if round_at(v) is rnd]
         for probe in sorted(probes, key=lambda v: (abs(v - step), -v)):
             votes = self._votes.get((probe, rnd.epoch), {})
-            if votes:
-                kept = set()
-                for r in replicas:
-                    mine = [v for p, v in votes.items() if group_of.get(p, 0) == replica_group.get(r, 0)]
-                    if 2 * sum(r in v for v in mine) >= len(mine):
-                        kept.add(r)
-                return kept
+            if votes:  # (counted once per group: a thousand votes of a thousand replicas each, scanned per replica, took minutes)
+                counts: dict[int, Counter[int]] = {}
+                voters: Counter[int] = Counter()
+                for p, v in votes.items():
+                    g = group_of.get(p, 0)
+                    voters[g] += 1
+                    counts.setdefault(g, Counter()).update(v)
+                return {r for r in replicas
+                        if 2 * counts.get(replica_group.get(r, 0), Counter())[r] >= voters[replica_group.get(r, 0)]}
         return set(replicas)
 
     def commit(self, since: int, step: int, round_at: Callable[[int], Round | None]) -> None:

@@ -27,9 +27,14 @@ class Finish:
         """Nothing left to do after the end: no checkpoint being written, every live peer finished or gone."""
         return not checkpointer.busy() and all(v.record.state in ("finished", "left") for v in table.live())
 
-    def due(self, cfg: RunConfig, rounds: Rounds, reports: Sequence[Report], now: float) -> tuple[bool, str | None]:
-        """Whether the run is over now, and the admin's reason if the admin ended it (None if not)."""
+    def due(self, cfg: RunConfig, rounds: Rounds, reports: Sequence[Report], now: float,
+            integrity: Any = None) -> tuple[bool, str | None]:
+        """Whether the run is over now, and the admin's reason if the admin ended it (None if not). With
+        ``integrity`` (the coordinator's), a run is over only once its committed steps are audited too."""
         admin = self._admin.get_nowait() if not self._admin.empty() else None
         done = rounds.committed >= cfg.diloco.outer_steps and rounds.settled(now, cfg.membership.heartbeat_timeout_s,
                                                                             reports)
-        return done or admin is not None, admin
+        over = done or admin is not None
+        if over and integrity is not None:
+            over = integrity.audited_to_the_end(rounds.round_at, rounds.committed)
+        return over, admin

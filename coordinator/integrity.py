@@ -19,6 +19,7 @@ admitted peer is trusted with, and acts on proof that it abused it:
 
 from __future__ import annotations
 
+import bisect
 import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from potluck.coordinator.verifier import Accusation, Ruling, Verifier
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.net.transport import PeerClient
 from potluck.protos.runtime.log import short_id
-from potluck.protos.wire.records import Audit, AuditReport, Member, PeerRecord, Round, ShardOf
+from potluck.protos.wire.records import MAX_AUDITS, Audit, AuditReport, Member, PeerRecord, Round, ShardOf
 
 
 @dataclass(frozen=True)
@@ -80,15 +81,20 @@ class Integrity:
         next_ids = {m.peer_id for m in members}
         out = []
         for stage, group, cells in groups_of(made):
-            eligible = self.trust.eligible(cells)
-            for shard, owner in enumerate(made.shard_owners(stage, group)):
+            owners = made.shard_owners(stage, group)
+            # who holds the result: its group in that round; who will be around to check it: of the next one
+            pool = sorted(p for p in self.trust.eligible(cells) if p in next_ids)  # (sorted once, not per shard)
+            for shard, owner in enumerate(owners):
                 if self.rng.random() >= fraction:
                     continue
-                # who holds the result: its group in that round; who will be around to check it: of the next one
-                candidates = sorted(p for p in eligible if p != owner and p in next_ids)
-                if candidates:
+                at = bisect.bisect_left(pool, owner)
+                mine = at < len(pool) and pool[at] == owner  # the candidates are the pool without the owner
+                if len(pool) > mine:
+                    i = self.rng.randrange(len(pool) - mine)  # (draws as rng.choice of the candidates would)
                     out.append(Audit(step=made.step, epoch=made.epoch, stage=stage, group=group, shard=shard,
-                                     owner=owner, auditor=self.rng.choice(candidates)))
+                                     owner=owner, auditor=pool[i + 1 if mine and i >= at else i]))
+        if len(out) > MAX_AUDITS:  # (a round carries at most that many: past it, a random subset of the shards)
+            out = sorted(self.rng.sample(out, MAX_AUDITS), key=lambda a: (a.stage, a.shard))
         return out
 
     # ------------------------------------------------------------------ what auditors report

@@ -153,6 +153,9 @@ class Rounds:
 
     def round_at(self, step: int) -> Round | None:
         """The round that applied to ``step``: the latest decided at or before it (peers use the last plan)."""
+        exact = self.rounds.get(step)  # (the usual case, asked thousands of times a tick at 1,000 peers)
+        if exact is not None:
+            return exact
         best = max((s for s in self.rounds if s <= step), default=None)
         return self.rounds[best] if best is not None else None
 
@@ -247,6 +250,7 @@ class Rounds:
     def _learn_included(self, reports: Sequence[Report]) -> None:
         """Which replicas' samples each coming version holds, as the stage-0 members of its round say
         (the round's own record says who is in stage 0, not the report)."""
+        shared: dict[int, set[int]] = {}  # round step -> the replicas it gave a share (once per round, not per vote)
         for r in reports:
             for step, epoch, included in r.included:
                 made_by = self.round_at(step)
@@ -254,7 +258,10 @@ class Rounds:
                     continue
                 cell = made_by.member(r.peer_id)
                 if cell is not None and cell.stage == 0 and epoch == made_by.epoch == self.epoch:
-                    self.data.vote(step, epoch, r.peer_id, [i for i in included if made_by.share_of(i) is not None])
+                    known = shared.get(made_by.step)
+                    if known is None:
+                        known = shared[made_by.step] = {s.replica for s in made_by.shares}
+                    self.data.vote(step, epoch, r.peer_id, [i for i in included if i in known])
 
     def _note_progress(self, reports: Sequence[Report], now: float) -> None:
         for r in reports:

@@ -10,6 +10,8 @@ Routes (documented for users in docs/status-api.md)::
     GET  /                        the status page (static/index.html; plain JS, no CDN, no build step)
     GET  /static/<file>           the page's files, from this package's static/ folder only
     GET  /api/v1/state            the snapshot as JSON (schema: static/state.schema.json)
+    GET  /api/v1/peers            every peer's row, a page at a time, filtered and sorted (the snapshot
+                                  holds the most telling 200 of a bigger swarm)
     GET  /api/v1/events           Server-Sent Events: "state" whenever the snapshot changes, "ping" otherwise
     GET  /metrics                 Prometheus text format (coordinator/metrics.py)
     GET  /healthz                 "ok"
@@ -58,6 +60,7 @@ from urllib.parse import unquote
 
 from potluck.coordinator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from potluck.coordinator.metrics import render as render_metrics
+from potluck.coordinator.peerpage import peer_page_rows, peer_query
 from potluck.protos.net.errors import bind_error
 from potluck.protos.runtime.log import get_logger
 
@@ -99,12 +102,31 @@ def _finite(obj: Any) -> Any:
 
 
 class _Encoded:
-    """One snapshot encoded once, shared by every request until the coordinator builds the next."""
+    """One snapshot encoded once, shared by every request until the coordinator builds the next.
 
-    def __init__(self, key: tuple[int, Any], body: bytes, snap: dict[str, Any]) -> None:
-        self.key, self.body, self.snap = key, body, snap
+    Top-level keys starting with ``_`` are the coordinator's, not the API's (``_peers``: every peer's row,
+    which ``/api/v1/peers`` pages through and ``/metrics`` reports)."""
+
+    def __init__(self, key: tuple[int, Any], snap: dict[str, Any]) -> None:
+        self.key, self.snap = key, snap
+        self.body = dumps({k: v for k, v in snap.items() if not k.startswith("_")})
         self._gz: bytes | None = None
         self._metrics: bytes | None = None
+        self._orders: dict[tuple[str, str, str], list[dict[str, Any]]] = {}  # (sort, state, q) -> rows
+        self._lock = threading.Lock()
+
+    def peers(self, sort: str, state: str, q: str) -> list[dict[str, Any]]:
+        """Every peer's row that ``state`` and ``q`` select, in ``sort`` order (kept for the next page's request)."""
+        key = (sort, state, q)
+        with self._lock:
+            rows = self._orders.get(key)
+        if rows is None:
+            rows = peer_page_rows(self.snap.get("_peers", self.snap.get("peers") or []), sort, state, q)
+            with self._lock:
+                if len(self._orders) >= 16:
+                    self._orders.clear()
+                self._orders[key] = rows
+        return rows
 
     @property
     def gz(self) -> bytes:
@@ -367,7 +389,7 @@ class StatusServer:
         key = (id(snap), snap.get("generated_at"))
         with self._cache_lock:
             if self._cache is None or self._cache.key != key:
-                self._cache = _Encoded(key, dumps(snap), snap)
+                self._cache = _Encoded(key, snap)
             return self._cache
 
     def stop(self) -> None:
@@ -406,6 +428,8 @@ def _handler(server: StatusServer) -> type[BaseHTTPRequestHandler]:
                 self._static("favicon.svg")
             elif path == "/api/v1/state":
                 self._state()
+            elif path == "/api/v1/peers":
+                self._peers()
             elif path == "/api/v1/events":
                 self._stream()
             elif path == "/metrics":
@@ -421,7 +445,7 @@ def _handler(server: StatusServer) -> type[BaseHTTPRequestHandler]:
             path = self.path.split("?", 1)[0]
             if path.startswith("/api/v1/admin/"):
                 self._admin(path[len("/api/v1/admin/"):])
-            elif path in ("/", "/api/v1/state", "/api/v1/events", "/metrics", "/healthz"):
+            elif path in ("/", "/api/v1/state", "/api/v1/peers", "/api/v1/events", "/metrics", "/healthz"):
                 self._json(405, {"error": f"{path} is read with GET"}, extra={"Allow": "GET"})
             else:
                 self._json(404, {"error": f"no such endpoint: {path}"})
@@ -448,6 +472,30 @@ def _handler(server: StatusServer) -> type[BaseHTTPRequestHandler]:
                 self._send(200, "application/json", enc.gz, extra={"Content-Encoding": "gzip", "Vary": "Accept-Encoding"})
             else:
                 self._send(200, "application/json", enc.body, extra={"Vary": "Accept-Encoding"})
+
+        def _peers(self) -> None:
+            """A page of every peer's row: ``?offset=0&limit=50&sort=-tokens_per_s&state=live&q=text``."""
+            try:
+                query = peer_query(self.path.split("?", 1)[1] if "?" in self.path else "")
+            except ValueError as err:
+                self._json(400, {"error": str(err)})
+                return
+            enc = server.encoded()
+            if enc is None:
+                self._json(503, {"error": "the coordinator has not built its first snapshot yet"},
+                           extra={"Retry-After": "1"})
+                return
+            rows = enc.peers(query["sort"], query["state"], query["q"])
+            offset, limit = query["offset"], query["limit"]
+            body = dumps({"api": API, "generated_at": enc.snap.get("generated_at"), "total": len(rows),
+                          "known": len(enc.snap.get("_peers", enc.snap.get("peers") or [])), "offset": offset,
+                          "limit": limit, "sort": query["sort"], "state": query["state"], "q": query["q"],
+                          "peers": rows[offset:offset + limit]})
+            if self._accepts_gzip():
+                self._send(200, "application/json", gzip.compress(body, compresslevel=5),
+                           extra={"Content-Encoding": "gzip", "Vary": "Accept-Encoding"})
+            else:
+                self._send(200, "application/json", body, extra={"Vary": "Accept-Encoding"})
 
         def _metrics(self) -> None:
             enc = server.encoded()
@@ -573,3 +621,4 @@ def _handler(server: StatusServer) -> type[BaseHTTPRequestHandler]:
             log.debug("http: " + format, *args)
 
     return Handler
+

@@ -7,7 +7,7 @@ each peer's) therefore runs :class:`RunRecords` as its hivemind record validator
 on every read, and refuses:
 
 * keys that are not this run's (``potluck/<coordinator id>/...``): junk anywhere is not kept;
-* values over ``MAX_RECORD_BYTES``;
+* values over ``MAX_RECORD_BYTES`` (the coordinator's plan: ``MAX_PLAN_BYTES``);
 * records not signed by their author: the coordinator for its manifest, plan and certificates, the
   peer named by the subkey for its heartbeat, link report and admission request;
 * records that would outlive their own signed expiry (``_expires`` inside the signed body) or
@@ -30,6 +30,9 @@ from potluck.protos.config.runconfig import MAX_RECORD_TTL_S
 from potluck.protos.net.identity import verify
 
 MAX_RECORD_BYTES = 64 << 10
+# The plan lists every member of its rounds: ~170 bytes a member, so 1,000 members make ~170 KB a round.
+# Only the coordinator signs it; hivemind carries up to 4 MiB in a message.
+MAX_PLAN_BYTES = 1 << 20
 MAX_TTL_S = MAX_RECORD_TTL_S
 SKEW_S = 5.0
 
@@ -59,8 +62,9 @@ class RunRecords(RecordValidatorBase):
         kind = self._kinds.get(record.key)
         if kind is None:
             return "not one of this run's keys"
-        if len(record.value) > MAX_RECORD_BYTES:
-            return f"{len(record.value)} bytes, more than {MAX_RECORD_BYTES}"
+        limit = MAX_PLAN_BYTES if kind == "plan" else MAX_RECORD_BYTES
+        if len(record.value) > limit:
+            return f"{len(record.value)} bytes, more than {limit}"
         if record.expiration_time > get_dht_time() + MAX_TTL_S + SKEW_S:
             return f"asks to live {record.expiration_time - get_dht_time():.0f} s, more than {MAX_TTL_S:.0f} s"
         try:

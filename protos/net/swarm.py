@@ -18,6 +18,7 @@ import socket
 import tempfile
 import threading
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -49,10 +50,11 @@ os.environ.setdefault("GOLOG_LOG_LEVEL", "error")
 os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
 
 from hivemind.dht import DHT, DHTID
-from hivemind.utils import get_dht_time
+from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.mpfuture import MPFuture
 
-from potluck.protos.net.dhtguard import MAX_TTL_S, RunRecords, run_key
+from potluck.protos.feed import changed_records, store_at, store_many
+from potluck.protos.net.dhtguard import BY_SUBKEY, MAX_TTL_S, RunRecords, run_key
 
 log = get_logger(__name__)
 
@@ -123,6 +125,31 @@ def _leave_foreground_group() -> None:
         pass
 
 
+class _WholeMessages:
+    """The DHT process's end of its command pipe, read one whole message at a time.
+
+    uvloop watches the pipe, which makes it non-blocking, and hivemind reads a command as soon as any
+    byte of it is there. Python's ``Connection`` writes a message of more than 16 KB as a header, then a
+    body: a read between the two failed ("Resource temporarily unavailable"), the next took the body for
+    a header, and the DHT process died ("Ran out of input") -- a plan of 4 rounds of 30 members was
+    enough. Here a read blocks until its message is whole (the body follows its header at once)."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+
+    def recv(self) -> Any:
+        fd = self._conn.fileno()
+        was = os.get_blocking(fd)
+        os.set_blocking(fd, True)
+        try:
+            return self._conn.recv()
+        finally:
+            os.set_blocking(fd, was)
+
+    def __getattr__(self, name: str) -> Any:  # poll, fileno, close: the connection's own
+        return getattr(self._conn, name)
+
+
 class _DHTProcess(DHT):
     """hivemind's DHT process, tied to the process that starts it.
 
@@ -149,6 +176,8 @@ class _DHTProcess(DHT):
         os.register_at_fork(after_in_child=_leave_foreground_group)  # (the DHT process forks p2pd only)
         signal.signal(signal.SIGTERM, _ignore_sigterm)
         fault("dht.start", self.start_number)  # (in the DHT process: a hang here is a start that never ends)
+        pipe: Any = self.__dict__["_inner_pipe"]  # (hivemind's own, set in DHT.__init__)
+        self._inner_pipe = _WholeMessages(pipe)
         super().run()
 
 
@@ -198,6 +227,7 @@ class SwarmNode:
         startup_timeout: float = 60.0,
         client_mode: bool = False,
         identity_path: str | Path | None = None,
+        node_id_source: str | None = None,
     ) -> None:
         # p2pd binds with SO_REUSEPORT, so it would share a taken port silently; refuse it here instead
         check_port_free("DHT port", host, port, "--dht-port")
@@ -227,7 +257,8 @@ class SwarmNode:
             # node, not a second one beside a ghost of itself, and a node that pings a copy of a running peer
             # back (another machine, the same key) hears the id it expects and lets it on to admission, which
             # tells it to use its own key (a random id failed that ping as "can't access this node ... firewall")
-            node_id=DHTID.generate(source=identity.peer_id),
+            # (the coordinator's is its peers key's own id instead, see :meth:`changes`)
+            node_id=DHTID.generate(source=node_id_source or identity.peer_id),
         )
         # multiprocessing's own exit hook would join the DHT process forever (it ignores SIGTERM);
         # ours is registered later, so it runs first
@@ -257,21 +288,30 @@ class SwarmNode:
     def maddrs(self) -> list[str]:
         return [str(m) for m in self.dht.get_visible_maddrs()]
 
-    def _store(self, kind: str, record: Any, ttl: float, subkey: str | None = None) -> bool:
+    def _store(self, kind: str, record: Any, ttl: float, subkey: str | None = None, wait: bool = True) -> Any:
+        """True if stored; with ``wait=False``, the future of that answer (the caller does not wait for the DHT)."""
         if not 0 < ttl <= MAX_TTL_S:  # every node's validator would refuse it: say so here, not with a silent False
             raise ValueError(f"a {kind} record asks to live {ttl:.0f} s; records live (0, {MAX_TTL_S:.0f}] s")
         value = seal(self.identity, record, ttl)
+        key, expires = run_key(self.coordinator, kind), get_dht_time() + ttl
         with self._pipe_lock:  # hivemind's DHT pipe is not safe for concurrent senders
-            future = self.dht.store(run_key(self.coordinator, kind), value, expiration_time=get_dht_time() + ttl,
-                                    subkey=subkey, return_future=True)
-        return bool(self._wait(future, f"storing the {kind} record"))
+            if subkey is not None and kind in BY_SUBKEY and self.identity.peer_id != self.coordinator:
+                future = self.dht.run_coroutine(partial(store_at, peer=self.coordinator, key=key, subkey=subkey,
+                                                        value=value, expiration=expires), return_future=True)
+            else:
+                future = self.dht.store(key, value, expiration_time=expires, subkey=subkey, return_future=True)
+        return bool(self.answer(future, f"storing the {kind} record")) if wait else future
+
+    def sealed_size(self, record: Any, ttl: float) -> int:
+        """Bytes ``record`` takes in the DHT once signed by this node's identity."""
+        return len(MSGPackSerializer.dumps(seal(self.identity, record, ttl)))
 
     def _dht_get(self, kind: str, latest: bool = True) -> Any:
         with self._pipe_lock:
             future = self.dht.get(run_key(self.coordinator, kind), latest=latest, return_future=True)
-        return self._wait(future, f"reading the {kind} records")
+        return self.answer(future, f"reading the {kind} records")
 
-    def _wait(self, future: Any, what: str) -> Any:
+    def answer(self, future: Any, what: str) -> Any:
         """A DHT call's answer; DHTTimeout past ``call_timeout_s`` (a wedged DHT process must not take
         the heartbeat, the coordinator's loop or a shutdown's goodbye with it)."""
         try:
@@ -281,15 +321,15 @@ class SwarmNode:
 
     # -- the coordinator's records (it signs them; everyone reads them)
 
-    def publish_manifest(self, manifest: Manifest, ttl: float) -> bool:
-        return self._store("manifest", manifest, ttl)
+    def publish_manifest(self, manifest: Manifest, ttl: float, wait: bool = True) -> Any:
+        return self._store("manifest", manifest, ttl, wait=wait)
 
     def get_manifest(self, min_seq: int = 0) -> Manifest | None:
         found = self._dht_get("manifest")
         return None if found is None else unseal(Manifest, found.value, author=self.coordinator, min_seq=min_seq)
 
-    def publish_plan(self, plan: Plan, ttl: float) -> bool:
-        return self._store("plan", plan, ttl)
+    def publish_plan(self, plan: Plan, ttl: float, wait: bool = True) -> Any:
+        return self._store("plan", plan, ttl, wait=wait)
 
     def get_plan(self, min_seq: int = 0) -> Plan | None:
         found = self._dht_get("plan")
@@ -297,6 +337,14 @@ class SwarmNode:
 
     def publish_certificate(self, cert: Certificate, ttl: float) -> bool:
         return self._store("certs", cert, ttl, subkey=cert.peer_id)
+
+    def publish_certificates(self, certs: list[Certificate], ttl: float) -> Any:
+        """Store many certificates in one DHT call (one search, one store per replica), without waiting:
+        the future of whether all were stored. A thousand joiners' answers, one at a time, took minutes."""
+        items = [(cert.peer_id, seal(self.identity, cert, ttl)) for cert in certs]
+        fn = partial(store_many, key=run_key(self.coordinator, "certs"), items=items, expiration=get_dht_time() + ttl)
+        with self._pipe_lock:
+            return self.dht.run_coroutine(fn, return_future=True)
 
     def get_certificate(self, peer_id: str) -> Certificate | None:
         """The coordinator's answer to ``peer_id``'s admission request, if any (RecordError if forged)."""
@@ -314,12 +362,14 @@ class SwarmNode:
     def publish_peer(self, record: PeerRecord, ttl: float) -> bool:
         """Store this peer's heartbeat; it expires after ``ttl`` seconds unless refreshed. A stored record
         wins by its expiry, so a later one must not ask for a shorter ``ttl`` (every node would refuse it).
-        Returns once every replica answered (hivemind's default), so a goodbye is out before shutdown.
+        Returns once the coordinator's node answered, so a goodbye is out before shutdown.
 
-        hivemind reports the answer of the replica that answered *last*, and a replica that another node's
-        read had already copied this very record to answers "not stored" (it holds one as new): a record
-        stored everywhere read as refused ("heartbeat not stored in the DHT" in clean runs). So a refusal
-        is checked by reading the record back: True if the DHT holds this one or a newer one."""
+        Like the other records one peer writes under one key (link reports, admission requests), it is
+        stored straight on the coordinator's DHT node, the key's nearest (see :meth:`changes`), not through
+        a search for the nearest nodes: hivemind's search asks each node it passes for the key's value,
+        and a node answers with the whole dictionary -- every peer's record, megabytes at a thousand
+        peers, for each heartbeat of each peer (and past 4 MiB the answer fails, and the store with it).
+        A refusal is checked by reading the record back: True if the DHT holds this one or a newer one."""
         if self._store("peers", self._own(record), ttl, subkey=record.peer_id):
             return True
         held = self.get_peers()[0].get(record.peer_id)
@@ -370,6 +420,22 @@ class SwarmNode:
             except RecordError as err:
                 refused.append(f"{what} {str(subkey)[-6:]}: {err}")
         return records, refused
+
+    def changes(self, kind: str, ack: int | None, local: bool = False) -> Any:
+        """Start reading the ``kind`` records (stored one per peer) that changed since the read ``ack``
+        acknowledged (None: all of them); returns a future of ``(read id, {subkey: item}, [gone subkeys], held)``.
+
+        The DHT process does the read and compares each record's expiry and signature with what it last
+        sent this reader and was acknowledged: only what changed crosses the pipe, to be verified and
+        parsed here. An answer that never arrives is not acknowledged, so the next read sends it again.
+
+        ``local``: read this node's own storage, not the network. The coordinator's node has its peers
+        key's id as its node id (``node_id_source``): no node is nearer to that key, so every heartbeat
+        is stored on it, and reading them costs no message -- a network read of a thousand records of
+        6 KB would exceed what one hivemind message carries (4 MiB), and cost as much every time."""
+        fn = partial(changed_records, key=run_key(self.coordinator, kind), reader=kind, ack=ack, local=local)
+        with self._pipe_lock:
+            return self.dht.run_coroutine(fn, return_future=True)
 
     def shutdown(self, timeout: float = 3.0) -> None:
         """Stop the DHT process and its ``p2pd``; returns within about ``timeout`` + 1 s, whatever their state.
@@ -424,3 +490,4 @@ class SwarmNode:
 
     def _shutdown_at_exit(self) -> None:
         self.shutdown(timeout=1.0)
+

@@ -28,7 +28,15 @@ import time
 from enum import StrEnum
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from potluck.protos.net.identity import Identity, verify
 
@@ -246,6 +254,7 @@ class AuditReport(ShardOf):
     t: float = 0.0
 
 
+MAX_AUDITS = 256  # audits one round carries at most (a stage of more owners has a random subset audited)
 MAX_POSITION = 1 << 62  # global sample positions: billions of epochs of billions of samples
 MAX_SHARE = 1 << 24  # samples one replica trains on in one outer step
 
@@ -268,6 +277,30 @@ class Share(_Record):
         if sum(b - a for a, b in self.spans) != self.count:
             raise ValueError(f"the spans hold {sum(b - a for a, b in self.spans)} positions, not count = {self.count}")
         return self
+
+
+class _MemberIndex:
+    """A round's members by id (and shares by replica): a cache, not state, so any two compare equal (a
+    round's equality is its fields'). It remembers the lists it indexes, so a copy given others rebuilds it."""
+
+    __slots__ = ("source", "count", "by_id", "shares", "share_count", "by_replica")
+
+    def __init__(self, members: list[Member] | None = None) -> None:
+        self.source, self.count, self.by_id = members, len(members or ()), dict[str, Member]()
+        for m in members or ():
+            self.by_id.setdefault(m.peer_id, m)  # the first, as a scan would find
+        self.shares: list[Share] | None = None
+        self.share_count, self.by_replica = 0, dict[int, Share]()
+
+    def index_shares(self, shares: list[Share]) -> None:
+        self.shares, self.share_count, self.by_replica = shares, len(shares), {}
+        for s in shares:
+            self.by_replica.setdefault(s.replica, s)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _MemberIndex)
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 class Round(_Record):
@@ -293,7 +326,7 @@ class Round(_Record):
     groups: list[GroupBase] = Field(default_factory=list, max_length=MAX_GROUPS, description="grouped averaging: "
                                     "per (stage, group) of the members, the state the group starts from; empty: "
                                     "each stage's members average as one group from `base_hashes`")
-    audits: list[Audit] = Field(default_factory=list, max_length=256, description="shard results of an earlier "
+    audits: list[Audit] = Field(default_factory=list, max_length=MAX_AUDITS, description="shard results of an earlier "
                                 "step to recompute during this step's inner phase, and by whom")
 
     @model_validator(mode="after")
@@ -326,9 +359,23 @@ class Round(_Record):
         if any(g.version >= self.step for g in self.groups):
             raise ValueError(f"a group's base state must be a version before step {self.step}")
         return self
+    _index: _MemberIndex = PrivateAttr(default_factory=lambda: _MemberIndex())
 
     def member(self, peer_id: str) -> Member | None:
-        return next((m for m in self.members if m.peer_id == peer_id), None)
+        """The member ``peer_id``, found in a dict built once per member list (a round of 1,000 members is
+        asked once per peer report per coordinator tick: a scan each time was a million comparisons)."""
+        return self._members_index().by_id.get(peer_id)
+
+    def _members_index(self) -> _MemberIndex:
+        # (read from pydantic's private dict itself: ``self._index`` goes through BaseModel.__getattr__,
+        # which cost more than the lookup it serves)
+        private = self.__pydantic_private__
+        index = private.get("_index") if private is not None else None
+        if index is None or index.source is not self.members or index.count != len(self.members):
+            index = _MemberIndex(self.members)
+            if private is not None:
+                private["_index"] = index
+        return index
 
     def stage_members(self, stage: int) -> list[Member]:
         return sorted((m for m in self.members if m.stage == stage), key=lambda m: m.replica)
@@ -357,7 +404,10 @@ class Round(_Record):
         return next((g for g in self.groups if (g.stage, g.group) == (stage, group)), None)
 
     def share_of(self, replica: int) -> Share | None:
-        return next((s for s in self.shares if s.replica == replica), None)
+        index = self._members_index()
+        if index.shares is not self.shares or index.share_count != len(self.shares):
+            index.index_shares(self.shares)
+        return index.by_replica.get(replica)
 
     def data_spans(self, step: int, replica: int) -> list[tuple[int, int]]:
         """The global sample positions ``replica`` trains on at ``step``: this round's share, or, for a later
