@@ -357,8 +357,8 @@ class Worker:
 
         from hivemind.utils import MSGPackSerializer, get_dht_time
 
-        from potluck.protos.feed import store_at
         from potluck.protos.net.dhtguard import run_key
+        from potluck.protos.net.feed import store_at
         from potluck.protos.wire.records import seal
 
         value = seal(p.identity, record, ttl)

@@ -106,9 +106,8 @@ class Coordinator:
         c, s = self.cfg.coordinator, self.state
         self.rounds.restore(s.committed, s.epoch, s.rounds, s.hashes, s.outcomes, time.monotonic(), s.cursors)
         self.checkpointer.start()
-        resharded = bootstrap.resume_layout(self.rounds, self.checkpointer.served, self.state, self.cfg)
-        if resharded:  # resumed with another stage count: the run continues from the newest checkpoint
-            self._event("reshard", "", resharded)
+        if resharded := bootstrap.resume_layout(self.rounds, self.checkpointer.served, self.state, self.cfg):
+            self._event("reshard", "", resharded)  # another stage count: on from the newest checkpoint
             self._save()
         self.node = bootstrap.start_node(self.identity, Path(c.journal_dir) / "identity.key", c, list(s.known_peers))
         self.reader = Reader(self.node, self.cfg)

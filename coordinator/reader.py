@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from potluck.protos.config.runconfig import RunConfig
-from potluck.protos.feed import Feed
+from potluck.protos.net.feed import Feed
 from potluck.protos.net.swarm import LinkReport, SwarmNode
 from potluck.protos.wire.records import AdmissionRequest, PeerRecord
 

@@ -35,8 +35,8 @@ from potluck.coordinator.status import StatusServer
 from potluck.coordinator.trust import Trust
 from potluck.protos.config.files import apply_overrides
 from potluck.protos.config.runconfig import RunConfig
-from potluck.protos.feed import Feed, store_at
 from potluck.protos.net.dhtguard import run_key
+from potluck.protos.net.feed import Feed, store_at
 from potluck.protos.net.identity import Identity
 from potluck.protos.net.swarm import SwarmNode
 from potluck.protos.net.transport import PeerClient, Traffic

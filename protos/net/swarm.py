@@ -53,8 +53,8 @@ from hivemind.dht import DHT, DHTID
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.mpfuture import MPFuture
 
-from potluck.protos.feed import changed_records, store_at, store_many
 from potluck.protos.net.dhtguard import BY_SUBKEY, MAX_TTL_S, RunRecords, run_key
+from potluck.protos.net.feed import changed_records, store_at, store_many
 
 log = get_logger(__name__)
 
