@@ -190,7 +190,8 @@ class Worker:
         self._ask(p, now)
 
     def _ask(self, p: SimPeer, now: float) -> None:
-        from potluck.protos.wire.records import AdmissionRequest, next_seq
+        from potluck.protos.wire.envelope import next_seq
+        from potluck.protos.wire.records import AdmissionRequest
 
         req = AdmissionRequest(peer_id=p.id, run_id=self.manifest.run_id, tls_key=p.tls.public_pem.decode(),
                                ts=time.time(), seq=next_seq())
@@ -218,7 +219,8 @@ class Worker:
 
     def _certificates(self, found: Any, now: float) -> None:
         from potluck.protos.net.certs import CertError
-        from potluck.protos.wire.records import Certificate, RecordError, unseal
+        from potluck.protos.wire.envelope import RecordError, unseal
+        from potluck.protos.wire.records import Certificate
 
         items = found.value if found is not None and isinstance(found.value, dict) else {}
         for pid, p in list(self.waiting.items()):
@@ -251,7 +253,8 @@ class Worker:
     # ---------------------------------------------------------------- rounds and "training"
 
     def _plan(self, found: Any, now: float) -> None:
-        from potluck.protos.wire.records import Plan, RecordError, unseal
+        from potluck.protos.wire.envelope import RecordError, unseal
+        from potluck.protos.wire.records import Plan
 
         if found is None:
             return
@@ -298,7 +301,8 @@ class Worker:
             p.sent += 2 * self.params
 
     def _beats(self, now: float) -> None:
-        from potluck.protos.wire.records import PeerRecord, next_seq
+        from potluck.protos.wire.envelope import next_seq
+        from potluck.protos.wire.records import PeerRecord
 
         for p in self.peers.values():
             if len(self.inflight) >= 48 and p.state != "left":
@@ -359,7 +363,7 @@ class Worker:
 
         from potluck.protos.net.dhtguard import run_key
         from potluck.protos.net.feed import store_at
-        from potluck.protos.wire.records import seal
+        from potluck.protos.wire.envelope import seal
 
         value = seal(p.identity, record, ttl)
         size, sent = len(MSGPackSerializer.dumps(value)), time.time()

@@ -38,7 +38,8 @@ from potluck.protos.net.servicer import Handlers
 from potluck.protos.net.swarm import JoinError, SwarmNode, guess_reachable_host, host_of_multiaddr
 from potluck.protos.net.transport import PeerServer, Traffic
 from potluck.protos.runtime.log import get_logger
-from potluck.protos.wire.records import DataIdentity, Manifest, next_seq
+from potluck.protos.wire.envelope import next_seq
+from potluck.protos.wire.records import DataIdentity, Manifest
 from potluck.protos.wire.refusals import log_refusal
 
 log = get_logger(__name__)

@@ -18,7 +18,8 @@ from typing import Any
 from potluck.protos.net.dhtguard import MAX_PLAN_BYTES
 from potluck.protos.net.swarm import SwarmNode
 from potluck.protos.runtime.log import get_logger
-from potluck.protos.wire.records import Manifest, Plan, Round, next_seq
+from potluck.protos.wire.envelope import next_seq
+from potluck.protos.wire.records import Manifest, Plan, Round
 
 log = get_logger(__name__)
 

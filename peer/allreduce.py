@@ -60,8 +60,8 @@ from potluck.peer.shards import (
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.runtime.log import get_logger, short_id
 from potluck.protos.testkit.faults import fault
-from potluck.protos.wire.records import CATCHING_UP, NOT_PARTICIPATING, PeerState
 from potluck.protos.wire.refusals import is_silent, is_unreachable, refusal_of, refused, rpc_reason
+from potluck.protos.wire.states import CATCHING_UP, NOT_PARTICIPATING, PeerState
 
 log = get_logger(__name__)
 

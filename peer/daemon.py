@@ -41,7 +41,8 @@ from potluck.protos.net.swarm import JoinError
 from potluck.protos.runtime.log import get_logger, set_context
 from potluck.protos.testkit.faults import fault
 from potluck.protos.testkit.netem import TopologyError
-from potluck.protos.wire.records import PeerRecord, PeerState, Round
+from potluck.protos.wire.records import PeerRecord, Round
+from potluck.protos.wire.states import PeerState
 
 log = get_logger(__name__)
 

@@ -15,7 +15,8 @@ from collections.abc import Callable
 
 from potluck.protos.net.swarm import SwarmNode
 from potluck.protos.runtime.log import get_logger
-from potluck.protos.wire.records import Manifest, PeerRecord, Plan, RecordError
+from potluck.protos.wire.envelope import RecordError
+from potluck.protos.wire.records import Manifest, PeerRecord, Plan
 
 log = get_logger(__name__)
 

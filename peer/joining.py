@@ -44,7 +44,8 @@ from potluck.protos.net.swarm import (
     parse_join_address,
 )
 from potluck.protos.runtime.log import get_logger, short_id
-from potluck.protos.wire.records import DataIdentity, Manifest, RecordError
+from potluck.protos.wire.envelope import RecordError
+from potluck.protos.wire.records import DataIdentity, Manifest
 
 log = get_logger(__name__)
 

@@ -39,7 +39,7 @@ from potluck.protos import potluck_pb2 as pb
 from potluck.protos.net.swarm import LinkReport, LinkStat
 from potluck.protos.net.transport import PeerClient
 from potluck.protos.runtime.log import get_logger, short_id
-from potluck.protos.wire.records import next_seq
+from potluck.protos.wire.envelope import next_seq
 from potluck.protos.wire.refusals import rpc_reason
 
 log = get_logger(__name__)

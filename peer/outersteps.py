@@ -34,7 +34,7 @@ from potluck.peer.outer import OuterResult, outer_step, pseudo_gradient
 from potluck.peer.tasklet import Tasklet
 from potluck.protos.runtime.log import get_logger, set_context
 from potluck.protos.testkit.faults import fault
-from potluck.protos.wire.records import PeerState
+from potluck.protos.wire.states import PeerState
 
 if TYPE_CHECKING:
     from potluck.peer.daemon import Session

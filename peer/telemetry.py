@@ -22,7 +22,9 @@ from potluck.peer.progress import ProgressReporter
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.runtime.log import get_logger, short_id
 from potluck.protos.testkit.faults import tamper
-from potluck.protos.wire.records import AuditReport, PeerRecord, PeerState, StepReport, next_seq
+from potluck.protos.wire.envelope import next_seq
+from potluck.protos.wire.records import AuditReport, PeerRecord, StepReport
+from potluck.protos.wire.states import PeerState
 
 log = get_logger(__name__)
 

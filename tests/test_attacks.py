@@ -31,7 +31,8 @@ from potluck.protos.net.dhtguard import MAX_RECORD_BYTES, run_key
 from potluck.protos.net.identity import Identity
 from potluck.protos.net.swarm import SwarmNode, parse_join_address
 from potluck.protos.net.transport import PeerClient, Traffic
-from potluck.protos.wire.records import ENVELOPE_VERSION, PeerRecord, Plan, seal
+from potluck.protos.wire.envelope import ENVELOPE_VERSION, seal
+from potluck.protos.wire.records import PeerRecord, Plan
 from potluck.protos.wire.refusals import refusal_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

@@ -22,7 +22,7 @@ from potluck.protos.net.identity import Identity
 from potluck.protos.net.swarm import SwarmNode
 from potluck.protos.net.transport import PeerClient, PeerServer, Traffic
 from potluck.protos.testkit.netem import NetEm, Topology, TopologyError
-from potluck.protos.wire.records import seal
+from potluck.protos.wire.envelope import seal
 from potluck.protos.wire.refusals import Rejected
 
 DELAY_MS, MBPS = 40.0, 50.0

@@ -16,17 +16,8 @@ from potluck.protos.net.identity import (
     public_key_from_peer_id,
     verify,
 )
-from potluck.protos.wire.records import (
-    ENVELOPE_VERSION,
-    Manifest,
-    Member,
-    PeerRecord,
-    Plan,
-    RecordError,
-    Round,
-    seal,
-    unseal,
-)
+from potluck.protos.wire.envelope import ENVELOPE_VERSION, RecordError, seal, unseal
+from potluck.protos.wire.records import Manifest, Member, PeerRecord, Plan, Round
 
 
 def test_generated_code_is_up_to_date() -> None:

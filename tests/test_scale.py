@@ -40,7 +40,8 @@ from potluck.protos.net.feed import Feed, store_at
 from potluck.protos.net.identity import Identity
 from potluck.protos.net.swarm import SwarmNode
 from potluck.protos.net.transport import PeerClient, Traffic
-from potluck.protos.wire.records import MAX_AUDITS, Manifest, Member, PeerRecord, Round, StepReport, seal
+from potluck.protos.wire.envelope import seal
+from potluck.protos.wire.records import MAX_AUDITS, Manifest, Member, PeerRecord, Round, StepReport
 
 COORD = Identity.generate()
 

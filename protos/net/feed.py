@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from pydantic import BaseModel
 
 from potluck.protos.runtime.log import get_logger
-from potluck.protos.wire.records import RecordError, unseal
+from potluck.protos.wire.envelope import RecordError, unseal
 
 if TYPE_CHECKING:
     from potluck.protos.net.swarm import SwarmNode

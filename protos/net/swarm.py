@@ -30,17 +30,8 @@ from potluck.protos.net.join import JoinError, parse_join_address  # noqa: F401 
 from potluck.protos.runtime.log import get_logger
 from potluck.protos.runtime.stopping import children_die_with_parent, die_with_parent, kill_tree
 from potluck.protos.testkit.faults import fault
-from potluck.protos.wire.records import (
-    AdmissionRequest,
-    Certificate,
-    Manifest,
-    PeerRecord,
-    Plan,
-    RecordError,
-    _Record,
-    seal,
-    unseal,
-)
+from potluck.protos.wire.envelope import Record, RecordError, seal, unseal
+from potluck.protos.wire.records import AdmissionRequest, Certificate, Manifest, PeerRecord, Plan
 
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
 os.environ.setdefault("GOLOG_LOG_LEVEL", "error")
@@ -63,7 +54,7 @@ log = get_logger(__name__)
 DHT_CALL_TIMEOUT_S = 15.0
 
 
-class LinkStat(_Record):
+class LinkStat(Record):
     """What a peer measured of its link to one other peer (``None``: not measured yet)."""
 
     rtt_ms: float | None = Field(default=None, ge=0, description="round-trip time of a small RPC")
@@ -72,7 +63,7 @@ class LinkStat(_Record):
     ts: float = Field(default=0.0, description="wall-clock time of the newest sample")
 
 
-class LinkReport(_Record):
+class LinkReport(Record):
     """A peer's measurements of its links, ``potluck/<run_id>/links`` subkey = its peer id.
 
     ``links[q]`` describes the link from ``peer_id`` to ``q`` (the direction a probe's payload and
@@ -85,7 +76,7 @@ class LinkReport(_Record):
     links: dict[str, LinkStat] = Field(default_factory=dict)
 
 
-_S = TypeVar("_S", bound=_Record)
+_S = TypeVar("_S", bound=Record)
 
 
 def guess_reachable_host(target_host: str | None = None) -> str:

@@ -1,12 +1,6 @@
-"""DHT record types: what the coordinator and peers publish, and how a reader checks them.
-
-Every value in the DHT is a signed envelope ``{"v": 1, "by": <author id>, "body": <json>, "sig": ...}``.
-A reader accepts it only if the signature matches the author's key (which is inside the author's
-peer id, see :mod:`potluck.protos.net.identity`), the author is who the key belongs to (the coordinator
-for the manifest and plans, the subkey's peer for a peer record), and the record is not older than
-one already seen from the same author. Bodies are parsed tolerantly, like Petals' ``ServerInfo``:
-required fields first, unknown fields ignored, missing optional fields defaulted, so a newer writer
-does not crash an older reader; anything else is a :class:`RecordError` with the reason.
+"""DHT record types: what the coordinator and peers publish (each in the signed envelope of
+:mod:`potluck.protos.wire.envelope`, parsed tolerantly like Petals' ``ServerInfo``: unknown fields
+ignored, missing optional ones defaulted).
 
 Keys (one DHT per run, bootstrapped by its coordinator and named by its id, see
 :func:`potluck.protos.net.dhtguard.run_key`; every node of the run refuses anything else):
@@ -16,68 +10,28 @@ Keys (one DHT per run, bootstrapped by its coordinator and named by its id, see
 * ``potluck/<coordinator>/peers``: one subkey per peer id, :class:`PeerRecord`, refreshed as a heartbeat.
 * ``potluck/<coordinator>/admission`` and ``.../certs``: a peer's :class:`AdmissionRequest` and the
   coordinator's :class:`Certificate` answer, one subkey per peer id.
-
-Every body carries ``_expires`` (wall-clock seconds), signed with it: a record is refused after it,
-and no DHT node keeps a record longer (so a genuine old record cannot be replayed to live on).
 """
 
 from __future__ import annotations
 
-import json
-import time
-from enum import StrEnum
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     PrivateAttr,
-    ValidationError,
     field_validator,
     model_validator,
 )
 
-from potluck.protos.net.identity import Identity, verify
+from potluck.protos.wire.envelope import Record
+from potluck.protos.wire.states import PeerState
 
-ENVELOPE_VERSION = 2
-MAX_CLOCK_SKEW_S = 300.0
 NAME_LEN, ADDRESS_LEN, HASH_LEN, ID_LEN, TEXT_LEN = 64, 256, 128, 64, 512
 MAX_GROUPS = 1 << 14  # averaging groups of one stage
 
-class PeerState(StrEnum):
-    """What a peer is doing: one vocabulary for its records, its telemetry and pings, the all-reduce's view of
-    a member, the coordinator and the page (the values are what the JSON and the page show)."""
-
-    JOINING = "joining"  # admitted, loading or fetching its first state
-    RECOVERING = "recovering"  # fetching a newer state after it missed or failed a step
-    TRAINING = "training"  # inner steps
-    SYNCING = "syncing"  # the outer step (all-reduce)
-    WAITING = "waiting"  # holding a state, waiting for a round that names it
-    LEFT = "left"  # said goodbye
-    LOST = "lost"  # the coordinator stopped hearing from it (never in a peer's own record)
-    FINISHED = "finished"  # the run ended and this peer saw it
-    FAILED = "failed"  # stopped on an error it cannot heal (its record's ``error`` says which)
 
 
-# a member that will not contribute to the running step (yet): the all-reduce stops waiting for it, unless
-# it is only catching up to the round's base state (then it is waited for within the grace period)
-NOT_PARTICIPATING = frozenset({PeerState.JOINING, PeerState.RECOVERING, PeerState.LEFT, PeerState.WAITING})
-CATCHING_UP = frozenset({PeerState.JOINING, PeerState.RECOVERING, PeerState.WAITING})
-
-
-class RecordError(ValueError):
-    """A DHT value that is malformed, forged, or older than one already accepted."""
-
-
-class _Record(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-_R = TypeVar("_R", bound=_Record)
-
-
-class DataIdentity(_Record):
+class DataIdentity(Record):
     """Which data a run trains on, so that a peer can tell its own copy is the same (see protos/runcheck)."""
 
     source: str = Field("", description="'bytes', 'markov', 'shards' or 'hf'; '' from a coordinator that did not say")
@@ -89,7 +43,7 @@ class DataIdentity(_Record):
     tokenizer_sha256: str = Field("", max_length=64, description="shards: the tokenizer's definition, hashed")
 
 
-class Manifest(_Record):
+class Manifest(Record):
     """What a run is: its id, its config, and where the coordinator can be reached."""
 
     run_id: str
@@ -110,7 +64,7 @@ class Manifest(_Record):
     seq: int = 0
 
 
-class StepReport(_Record):
+class StepReport(Record):
     """One outer step as a member lived it; a peer's last few ride on every heartbeat, so the
     coordinator can fill in its history even for steps it was not there to see."""
 
@@ -146,7 +100,7 @@ class StepReport(_Record):
         return v
 
 
-class PeerRecord(_Record):
+class PeerRecord(Record):
     """A peer's heartbeat: where it listens, what it is doing, what it contributes."""
 
     peer_id: str = Field(max_length=ID_LEN)
@@ -201,7 +155,7 @@ class PeerRecord(_Record):
         return v
 
 
-class Member(_Record):
+class Member(Record):
     peer_id: str
     address: str
     stage: int = Field(0, ge=0, description="the pipeline stage of this member's tasklet")
@@ -213,7 +167,7 @@ class Member(_Record):
                        "contributes to every shard and gathers every result, but averages none)")
 
 
-class GroupBase(_Record):
+class GroupBase(Record):
     """The state the members of one averaging group start a grouped outer step from: a version of their
     stage they all hold (or fetch), so that averaging their differing states needs only small differences
     from it (see :mod:`potluck.coordinator.groups`). ``hash`` '' means each member's own current state."""
@@ -224,7 +178,7 @@ class GroupBase(_Record):
     hash: str = Field("", max_length=HASH_LEN)
 
 
-class ShardOf(_Record):
+class ShardOf(Record):
     """One shard result of an outer step: which step (and epoch), stage and shard, by whom (its owner)."""
 
     step: int = Field(ge=1)
@@ -259,7 +213,7 @@ MAX_POSITION = 1 << 62  # global sample positions: billions of epochs of billion
 MAX_SHARE = 1 << 24  # samples one replica trains on in one outer step
 
 
-class Share(_Record):
+class Share(Record):
     """The samples one stage-0 replica trains on in the round's step: spans of global positions (see
     :mod:`potluck.data.order`), handed out by the coordinator's data cursor (:mod:`potluck.coordinator.cursor`)."""
 
@@ -303,7 +257,7 @@ class _MemberIndex:
     __hash__ = None  # type: ignore[assignment]
 
 
-class Round(_Record):
+class Round(Record):
     """The tasklet grid of one outer step and the state each stage must start from.
 
     ``members`` are sorted by (stage, replica); the members of one stage, in replica order, are the
@@ -440,7 +394,7 @@ class Round(_Record):
         return self.base_hash if stage == 0 else ""
 
 
-class Plan(_Record):
+class Plan(Record):
     """The coordinator's decisions for the coming outer steps; the newest round at or below a step wins."""
 
     seq: int
@@ -458,7 +412,7 @@ class Plan(_Record):
         return best
 
 
-class AdmissionRequest(_Record):
+class AdmissionRequest(Record):
     """A peer asking to take part: its fresh TLS key to certify, and for a private run a token proof."""
 
     peer_id: str = Field(max_length=ID_LEN)
@@ -471,7 +425,7 @@ class AdmissionRequest(_Record):
     seq: int = 0
 
 
-class Certificate(_Record):
+class Certificate(Record):
     """The coordinator's answer to an admission request: a certificate, or why there is none."""
 
     peer_id: str = Field(max_length=ID_LEN)
@@ -480,51 +434,3 @@ class Certificate(_Record):
     request_seq: int = Field(0, description="the request this answers (a refusal of an older one does not count)")
     not_after: float = 0.0
     seq: int = 0
-
-
-def seal(identity: Identity, record: BaseModel, ttl: float) -> dict[str, Any]:
-    """Sign a record for the DHT; it is refused everywhere ``ttl`` seconds from now."""
-    data = {**record.model_dump(mode="json"), "_expires": time.time() + ttl}
-    body = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
-    return {"v": ENVELOPE_VERSION, "by": identity.peer_id, "body": body, "sig": identity.sign(body)}
-
-
-def unseal(model: type[_R], value: Any, *, author: str, min_seq: int = 0) -> _R:
-    """Check and parse a DHT value; raises RecordError saying why it was refused.
-
-    ``author`` is the peer id that must have signed it; ``min_seq`` the newest ``seq`` already
-    accepted from that author (an older one is stale and refused).
-    """
-    if not isinstance(value, dict):
-        raise RecordError(f"not a signed record (got {type(value).__name__})")
-    if value.get("v") != ENVELOPE_VERSION:
-        raise RecordError(f"unsupported record envelope version {value.get('v')!r}")
-    by, body, sig = value.get("by"), value.get("body"), value.get("sig")
-    if not isinstance(body, bytes) or not isinstance(sig, bytes) or not isinstance(by, str):
-        raise RecordError("record envelope lacks by/body/sig")
-    if by != author:
-        raise RecordError(f"record signed by {by[-6:]} but must come from {author[-6:]}")
-    if not verify(author, body, sig):
-        raise RecordError(f"bad signature on a record claiming to come from {author[-6:]}")
-    try:
-        data = json.loads(body)
-        expires = data.get("_expires") if isinstance(data, dict) else None
-        if not isinstance(expires, int | float) or expires < time.time() - MAX_CLOCK_SKEW_S:
-            raise RecordError(f"{model.__name__} has expired (or carries no signed expiry)")
-        record = model.model_validate(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise RecordError(f"record body is not JSON: {err}") from None
-    except ValidationError as err:
-        raise RecordError(f"malformed {model.__name__}: {err.errors()[0]['msg']} at {err.errors()[0]['loc']}") from None
-    seq = getattr(record, "seq", 0)
-    if seq < min_seq:
-        raise RecordError(f"stale {model.__name__} (seq {seq} < {min_seq} already seen)")
-    ts = getattr(record, "ts", 0.0)
-    if ts and ts > time.time() + MAX_CLOCK_SKEW_S:
-        raise RecordError(f"{model.__name__} is dated {ts - time.time():.0f} s in the future")
-    return record
-
-
-def next_seq() -> int:
-    """A sequence number that grows across restarts of the same author (wall-clock microseconds)."""
-    return time.time_ns() // 1000
