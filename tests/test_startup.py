@@ -22,8 +22,9 @@ from swarm import LocalSwarm
 
 from potluck.coordinator import bootstrap
 from potluck.protos.config.runconfig import CoordinatorConfig
+from potluck.protos.net.dhtprocess import dht_starts, free_locks_of_the_dead
 from potluck.protos.net.identity import Identity
-from potluck.protos.net.swarm import JoinError, SwarmNode, dht_starts, free_locks_of_the_dead
+from potluck.protos.net.swarm import JoinError, SwarmNode
 from potluck.protos.testkit import faults
 
 GONE = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWQd1pWYU4h2xEZJ8dygHJQKu5bR1R2CDX5s8cCyGaVyF6"  # nobody listens on port 9
