@@ -24,7 +24,8 @@ import pytest
 from fake_state import make_state
 from rawhttp import raw_request
 
-from potluck.coordinator.status import Limits, StatusServer
+from potluck.coordinator.httpserver import Limits
+from potluck.coordinator.status import StatusServer
 from potluck.coordinator.status_tls import status_tls
 from potluck.protos.config.files import apply_overrides
 from potluck.protos.config.runconfig import RunConfig
