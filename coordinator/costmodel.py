@@ -5,7 +5,7 @@ The job is cut into ``S`` pipeline stages, each replicated ``R`` times (data par
 whose row ``g`` is a *group*, the ``R`` devices that hold the same layers and all-reduce their
 gradients. A row index is only a label. Which group runs stage 0, 1, ... is decided here, by the
 cheapest open path through the groups, and so is which device of the next group each replica's
-activations go to (the matchings along that path). :class:`Plan` holds the result in stage order.
+activations go to (the matchings along that path). :class:`Placement` holds the result in stage order.
 
 Units. Delays are milliseconds, bandwidths gigabits per second, payloads (``activation_gb`` =
 ``c_pp``, ``gradient_gb`` = ``c_dp``) gigabytes, every cost seconds. Sending ``c`` gigabytes over a
@@ -211,7 +211,7 @@ def _nonnegative(value: Any, name: str) -> float:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Placement:
     """An assignment with its cost, in stage order: ``stage_groups[s][r] == pipelines[r][s]``."""
 
     cost: float
@@ -272,7 +272,7 @@ class CostModel:
         assert score is not None  # no bound, no pruning
         return score.cost
 
-    def plan(self, assignment: np.ndarray | Sequence[Sequence[int]]) -> Plan:
+    def plan(self, assignment: np.ndarray | Sequence[Sequence[int]]) -> Placement:
         return self._plan(canonical(check_assignment(self.topology, assignment)))
 
     def score(self, groups: Groups, bound: float | None = None, smooth: float = 0.0) -> Score | None:
@@ -329,7 +329,7 @@ class CostModel:
             sums = self.dp_link.take(idx, axis=0).take(idx, axis=1).sum(axis=1)
         return power_mean(sums), 0.0 if self.stage_time is None else power_mean(self.stage_time[idx])
 
-    def _plan(self, groups: Groups) -> Plan:
+    def _plan(self, groups: Groups) -> Placement:
         """The full plan; not counted as an evaluation (a search calls it once, for its result)."""
         dist, _ = self._pair_matrix(groups)
         terms = [self._group_terms(g) for g in groups]
@@ -347,7 +347,7 @@ class CostModel:
             for chain in chains:
                 chain.append(groups[b][nxt[src[chain[-1]]]])
         stage_groups = [[chain[s] for chain in chains] for s in range(len(order))]
-        return Plan(cost=float(cost), dp_cost=float(dp), pp_cost=pp, compute_cost=compute,
+        return Placement(cost=float(cost), dp_cost=float(dp), pp_cost=pp, compute_cost=compute,
                     migration_cost=migration, order=[int(g) for g in order], stage_groups=stage_groups,
                     pipelines=chains)
 
@@ -443,6 +443,6 @@ def canonical(assignment: np.ndarray) -> list[tuple[int, ...]]:
 
 def plan_cost(topology: Topology, assignment: np.ndarray | Sequence[Sequence[int]],
               previous: np.ndarray | Sequence[Sequence[int]] | None = None,
-              migration_weight: float = 0.0) -> Plan:
+              migration_weight: float = 0.0) -> Placement:
     """One-shot :meth:`CostModel.plan` (a search should keep one :class:`CostModel` instead)."""
     return CostModel(topology, previous, migration_weight).plan(assignment)

@@ -94,7 +94,7 @@ Event = Committed | Failed | RolledBack
 
 
 @dataclass
-class Outcome:
+class RoundOutcome:
     """How a round that did not commit ended (journaled, shown on the status page)."""
 
     step: int
@@ -119,7 +119,7 @@ class Rounds:
     epoch: int = 0
     rounds: dict[int, Round] = field(default_factory=dict)
     hashes: dict[int, dict[int, str]] = field(default_factory=dict)  # stage -> version -> hash
-    outcomes: list[Outcome] = field(default_factory=list)
+    outcomes: list[RoundOutcome] = field(default_factory=list)
     _started: dict[int, float] = field(default_factory=dict)  # step -> when decided (or restored)
     _committed_at: float | None = None
     _durations: deque = field(default_factory=lambda: deque(maxlen=KEEP_DURATIONS))
@@ -175,7 +175,7 @@ class Rounds:
         self.data.restore(cursors, committed)
         self.rounds = {r.step: r for r in rounds}
         self.hashes = {s: dict(v) for s, v in hashes.items()}
-        self.outcomes = [Outcome(**o) for o in outcomes]
+        self.outcomes = [RoundOutcome(**o) for o in outcomes]
         self._started = {step: now for step in self.rounds}
         self._committed_at = now
         self._fresh_start = not self.rounds
@@ -317,7 +317,7 @@ class Rounds:
         self.data.roll_back(target, checkpoint.cursor if checkpoint is not None and checkpoint.version == target else None)
         self._committed_at = now
         self._fresh_start = True
-        self.outcomes.append(Outcome(rnd.step, rnd.epoch, reason, len(rnd.members), target, self.wall()))
+        self.outcomes.append(RoundOutcome(rnd.step, rnd.epoch, reason, len(rnd.members), target, self.wall()))
         self.outcomes = self.outcomes[-KEEP_ROUNDS:]
         if target < before:
             events.append(RolledBack(before, target, source, self.epoch))

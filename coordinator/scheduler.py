@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from potluck.coordinator.costmodel import CostModel, Plan, Score, Topology, canonical
+from potluck.coordinator.costmodel import CostModel, Placement, Score, Topology, canonical
 from potluck.coordinator.layouts import (  # noqa: F401  (places, segments_layout: for callers)
     Groups,
     blocks_layout,
@@ -65,7 +65,7 @@ SEED_SHARE = 0.25  # of a time budget, at most, for evaluating start layouts (a 
 
 @dataclass(frozen=True)
 class SearchResult:
-    plan: Plan
+    plan: Placement
     evaluations: int
     seconds: float
     evals_to_best: int

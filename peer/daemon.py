@@ -40,7 +40,7 @@ from potluck.protos.net.identity import Identity
 from potluck.protos.net.swarm import JoinError
 from potluck.protos.runtime.log import get_logger, set_context
 from potluck.protos.testkit.faults import fault
-from potluck.protos.testkit.netem import TopologyError
+from potluck.protos.testkit.netem import NetemTopologyError
 from potluck.protos.wire.records import PeerRecord, Round
 from potluck.protos.wire.states import PeerState
 
@@ -75,7 +75,7 @@ class Peer:
         except Stopped:
             log.info("stopped before joining the run")
             return 0
-        except (JoinError, ConfigError, TopologyError, DataError, CannotBind) as err:
+        except (JoinError, ConfigError, NetemTopologyError, DataError, CannotBind) as err:
             log.error("%s", err)
             return 2
         except PipelineBroken as err:

@@ -30,13 +30,13 @@ POINTS = {"kill": "inner.mid", "stop": "allreduce.reduced", "kill-all": "outer.s
 
 
 @dataclass
-class Plan:
+class ChaosPlan:
     """Which fault hits which peer slot (or the coordinator) at which step."""
 
     faults: list[tuple[int, str, int]] = field(default_factory=list)  # (step, kind, slot)
 
     @classmethod
-    def seeded(cls, seed: int) -> Plan:
+    def seeded(cls, seed: int) -> ChaosPlan:
         rng = random.Random(seed)
         kinds = ["kill", "stop", "coordinator", "kill-all", *rng.choices(["kill", "stop", "coordinator"], k=2)]
         rng.shuffle(kinds)
@@ -68,7 +68,7 @@ def logged_step(swarm) -> int:  # type: ignore[no-untyped-def]
 
 
 def test_a_seeded_fault_schedule_over_twenty_steps(swarm) -> None:  # type: ignore[no-untyped-def]
-    plan = Plan.seeded(SEED)
+    plan = ChaosPlan.seeded(SEED)
     BY_HAND.clear()
     print("fault schedule:", plan.faults)
     cfg = {**CONFIG, "coordinator.dht_port": free_port()}

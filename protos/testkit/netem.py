@@ -18,7 +18,7 @@ message in flight, not once per message in sequence. Each server models the link
 serves, so links are pairwise (a peer pushing to ten peers at once gets the full rate to each; no
 shared uplink), and calls that two peers make to each other use separate pipes.
 
-Topology file (JSON); ``delay_ms`` and ``bandwidth_mbps`` are either square matrices in the order
+NetemTopology file (JSON); ``delay_ms`` and ``bandwidth_mbps`` are either square matrices in the order
 of ``regions`` or nested dicts ``{from: {to: value}}`` where a missing ``(a, b)`` falls back to
 ``(b, a)``; ``peers`` optionally maps peer names or start indices to regions::
 
@@ -56,7 +56,7 @@ _MIN_SLICE = 4096
 _READ_AHEAD = 8  # client-stream messages read ahead of the handler, to time-stamp their arrival
 
 
-class TopologyError(ValueError):
+class NetemTopologyError(ValueError):
     """A topology file that cannot describe a network; the message says where and why."""
 
 
@@ -65,7 +65,7 @@ class LinkSpec(NamedTuple):
     bytes_per_s: float
 
 
-class Topology:
+class NetemTopology:
     """Regions and the directed links between them; validated on construction."""
 
     def __init__(self, regions: list[str], delay_ms: list[list[float]], bandwidth_mbps: list[list[float]],
@@ -76,50 +76,50 @@ class Topology:
         self.peers = dict(peers or {})
         for name, region in self.peers.items():
             if region not in self._index:
-                raise TopologyError(f"{source}: peer {name!r} is placed in unknown region {region!r} "
+                raise NetemTopologyError(f"{source}: peer {name!r} is placed in unknown region {region!r} "
                                     f"(regions: {', '.join(self.regions)})")
 
     @classmethod
-    def from_dict(cls, data: Any, source: str = "topology") -> Topology:
+    def from_dict(cls, data: Any, source: str = "topology") -> NetemTopology:
         if not isinstance(data, dict):
-            raise TopologyError(f"{source}: expected a JSON object, got {type(data).__name__}")
+            raise NetemTopologyError(f"{source}: expected a JSON object, got {type(data).__name__}")
         for field in ("delay_ms", "bandwidth_mbps"):
             if field not in data:
-                raise TopologyError(f"{source}: missing {field!r}")
+                raise NetemTopologyError(f"{source}: missing {field!r}")
         regions = data.get("regions")
         if regions is None and isinstance(data["delay_ms"], dict):
             regions = list(data["delay_ms"])
         if not isinstance(regions, list) or not regions or not all(isinstance(r, str) and r for r in regions):
-            raise TopologyError(f"{source}: 'regions' must be a non-empty list of region names")
+            raise NetemTopologyError(f"{source}: 'regions' must be a non-empty list of region names")
         if len(set(regions)) != len(regions):
-            raise TopologyError(f"{source}: duplicate region names in {regions}")
+            raise NetemTopologyError(f"{source}: duplicate region names in {regions}")
         delay = _square(data["delay_ms"], regions, "delay_ms", source)
         bandwidth = _square(data["bandwidth_mbps"], regions, "bandwidth_mbps", source)
         for i, a in enumerate(regions):
             for j, b in enumerate(regions):
                 if delay[i][j] < 0:
-                    raise TopologyError(f"{source}: delay_ms[{a}][{b}] = {delay[i][j]:g}; delays must be >= 0")
+                    raise NetemTopologyError(f"{source}: delay_ms[{a}][{b}] = {delay[i][j]:g}; delays must be >= 0")
                 if bandwidth[i][j] <= 0:
-                    raise TopologyError(f"{source}: bandwidth_mbps[{a}][{b}] = {bandwidth[i][j]:g}; "
+                    raise NetemTopologyError(f"{source}: bandwidth_mbps[{a}][{b}] = {bandwidth[i][j]:g}; "
                                         "bandwidth must be > 0")
         peers = data.get("peers", {})
         if not isinstance(peers, dict):
-            raise TopologyError(f"{source}: 'peers' must map peer names or indices to regions")
+            raise NetemTopologyError(f"{source}: 'peers' must map peer names or indices to regions")
         return cls(regions, delay, bandwidth, {str(k): v for k, v in peers.items()}, source)
 
     @classmethod
-    def from_file(cls, path: str | Path) -> Topology:
+    def from_file(cls, path: str | Path) -> NetemTopology:
         try:
             data = json.loads(Path(path).read_text())
         except OSError as err:
-            raise TopologyError(f"cannot read topology file {path}: {err.strerror or err}") from None
+            raise NetemTopologyError(f"cannot read topology file {path}: {err.strerror or err}") from None
         except json.JSONDecodeError as err:
-            raise TopologyError(f"topology file {path} is not valid JSON: {err}") from None
+            raise NetemTopologyError(f"topology file {path} is not valid JSON: {err}") from None
         return cls.from_dict(data, source=str(path))
 
     def check_region(self, region: str) -> str:
         if region not in self._index:
-            raise TopologyError(f"{self.source}: unknown region {region!r} (regions: {', '.join(self.regions)})")
+            raise NetemTopologyError(f"{self.source}: unknown region {region!r} (regions: {', '.join(self.regions)})")
         return region
 
     def region_of(self, peer: str | int) -> str | None:
@@ -133,7 +133,7 @@ class Topology:
 
 def _number(value: Any, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise TopologyError(f"{where} = {value!r} is not a finite number")
+        raise NetemTopologyError(f"{where} = {value!r} is not a finite number")
     return float(value)
 
 
@@ -143,20 +143,20 @@ def _square(value: Any, regions: list[str], field: str, source: str) -> list[lis
     if isinstance(value, list):
         if len(value) != n or not all(isinstance(row, list) and len(row) == n for row in value):
             shape = [len(row) if isinstance(row, list) else "?" for row in value]
-            raise TopologyError(f"{source}: {field} must be a {n}x{n} matrix (one row and column per region "
+            raise NetemTopologyError(f"{source}: {field} must be a {n}x{n} matrix (one row and column per region "
                                 f"{regions}), got rows of lengths {shape}")
         return [[_number(v, f"{source}: {field}[{regions[i]}][{regions[j]}]") for j, v in enumerate(row)]
                 for i, row in enumerate(value)]
     if not isinstance(value, dict):
-        raise TopologyError(f"{source}: {field} must be a matrix or a dict {{from: {{to: value}}}}")
+        raise NetemTopologyError(f"{source}: {field} must be a matrix or a dict {{from: {{to: value}}}}")
     for a, row in value.items():
         if a not in regions:
-            raise TopologyError(f"{source}: {field} names unknown region {a!r} (regions: {', '.join(regions)})")
+            raise NetemTopologyError(f"{source}: {field} names unknown region {a!r} (regions: {', '.join(regions)})")
         if not isinstance(row, dict):
-            raise TopologyError(f"{source}: {field}[{a}] must be a dict {{to: value}}")
+            raise NetemTopologyError(f"{source}: {field}[{a}] must be a dict {{to: value}}")
         for b in row:
             if b not in regions:
-                raise TopologyError(f"{source}: {field}[{a}] names unknown region {b!r} "
+                raise NetemTopologyError(f"{source}: {field}[{a}] names unknown region {b!r} "
                                     f"(regions: {', '.join(regions)})")
     out = []
     for a in regions:
@@ -164,7 +164,7 @@ def _square(value: Any, regions: list[str], field: str, source: str) -> list[lis
         for b in regions:
             v = value.get(a, {}).get(b, value.get(b, {}).get(a))
             if v is None:
-                raise TopologyError(f"{source}: {field} has no value for {a} -> {b} (nor {b} -> {a})")
+                raise NetemTopologyError(f"{source}: {field} has no value for {a} -> {b} (nor {b} -> {a})")
             row.append(_number(v, f"{source}: {field}[{a}][{b}]"))
         out.append(row)
     return out
@@ -221,7 +221,7 @@ class NetEm:
     its peers keep for it (a random id by default).
     """
 
-    def __init__(self, topology: Topology, region: str, node: str | None = None) -> None:
+    def __init__(self, topology: NetemTopology, region: str, node: str | None = None) -> None:
         self.topology = topology
         self.region = topology.check_region(region)
         self.node = node or secrets.token_hex(8)
@@ -232,12 +232,12 @@ class NetEm:
     @classmethod
     def from_file(cls, path: str | Path, region: str = "", peer: str | int | None = None) -> NetEm:
         """Load a topology; the region is ``region`` if given, else the one the file gives ``peer``."""
-        topology = Topology.from_file(path)
+        topology = NetemTopology.from_file(path)
         if not region and peer is not None:
             region = topology.region_of(peer) or ""
         if not region:
             who = f"peer {peer!r} is not in its 'peers' map" if peer is not None else "no region was given"
-            raise TopologyError(f"{path}: {who}; set the peer's region to one of {', '.join(topology.regions)}")
+            raise NetemTopologyError(f"{path}: {who}; set the peer's region to one of {', '.join(topology.regions)}")
         return cls(topology, region)
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
