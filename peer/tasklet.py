@@ -133,10 +133,17 @@ class Toolbox:
         return plan is not None and peer_id in plan.revoked
 
     def _keep_admitted(self) -> None:
-        """Re-ask for admission every minute (a restarted coordinator re-admits from these requests, and
-        renews certificates at half their life) and adopt a renewed certificate when it comes."""
+        """Re-ask for admission every minute (the coordinator renews certificates at half their life), and at
+        once when the coordinator publishes a new manifest: a restarted coordinator holds no admission request
+        (they are stored on its own DHT node) and ignores this peer's heartbeats until it has one. Adopt a
+        renewed certificate when it comes."""
         j = self.joined
-        while not self.stopping.wait(RENEW_CHECK_S):
+        asked_at, seen = time.monotonic(), j.manifest.seq
+        while not self.stopping.wait(1.0):
+            manifest = self.heartbeat.manifest if self.heartbeat is not None else j.manifest
+            if manifest.seq == seen and time.monotonic() - asked_at < RENEW_CHECK_S:
+                continue
+            asked_at, seen = time.monotonic(), manifest.seq
             try:
                 admission.request(j.node, j.manifest, self.me, j.tls, j.token_proof)
                 admission.take(j.node, j.manifest, self.me, j.tls)
