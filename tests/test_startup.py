@@ -8,7 +8,6 @@ process) and the coordinator must end with one line within the start-up timeout.
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
 import signal
@@ -62,22 +61,16 @@ def test_without_the_fault_the_same_path_starts_a_new_swarm(tmp_path: Path) -> N
 
 
 @pytest.mark.slow
-def test_a_restarted_coordinator_whose_dht_start_hangs_exits_with_one_line(swarm: LocalSwarm) -> None:
-    swarm.start_coordinator()  # a real run: its journal, its identity
-    swarm.procs.stop(timeout=10)
-    journal = swarm.workdir / "journal" / "journal.json"
-    state = json.loads(journal.read_text())
-    state["known_peers"] = [GONE]  # the peers it knew are gone
-    journal.write_text(json.dumps(state))
+def test_a_coordinator_whose_dht_start_hangs_exits_with_one_line(swarm: LocalSwarm) -> None:
+    """The real process: its DHT start hangs (inside the DHT process); it exits 2 with one ERROR line, no
+    traceback, within its start-up bound (the start after a failed rejoin is the in-process test above)."""
     timeout_s = 10.0
-    cfg = {"coordinator.startup_timeout_s": timeout_s}
     t0 = time.monotonic()
     with pytest.raises(Exception, match="exited with code 2"):
-        swarm.start_coordinator(cfg, env={faults.ENV: "dht.start@2:hang"})
+        swarm.start_coordinator({"coordinator.startup_timeout_s": timeout_s}, env={faults.ENV: "dht.start@1:hang"})
     took = time.monotonic() - t0
     assert took < timeout_s + 20.0, f"the coordinator took {took:.1f} s to give up (start-up bound {timeout_s} s)"
     log = (swarm.workdir / "logs" / "coordinator.log").read_text()
-    assert "none of the 1 peers known from the journal answered" in log
     errors = [line for line in log.splitlines() if line[9:14] == "ERROR"]  # "HH:MM:SS ERROR ..."
     assert len(errors) == 1 and "not ready within" in errors[0], log[-3000:]
     assert "Traceback" not in log
