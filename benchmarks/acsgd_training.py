@@ -34,7 +34,7 @@ from potluck.compression.acsgd import AcsgdConfig, AcsgdMessage, AcsgdReceiver, 
 from potluck.compression.actcodec import ActCodec, Packet
 from potluck.peer.data import Dataset, ShardSampler
 from potluck.peer.model import build_layers, forward_layers, lm_loss
-from potluck.protos.config import DataConfig, ModelConfig
+from potluck.protos.config.runconfig import DataConfig, ModelConfig
 
 
 class Boundary:

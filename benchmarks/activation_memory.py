@@ -35,7 +35,7 @@ import json, resource, sys, time
 import torch
 from potluck.models import build_stage, lm_loss
 from potluck.peer.runner import StageRunner
-from potluck.protos.config import ModelConfig, TrainConfig
+from potluck.protos.config.runconfig import ModelConfig, TrainConfig
 a = json.loads(sys.argv[1])
 torch.manual_seed(0)
 device = torch.device(a["device"])

@@ -44,9 +44,9 @@ def _member(idx: int, args: argparse.Namespace, ca_path: str, conn, barrier) -> 
     from potluck.compression.int8 import make_codec
     from potluck.peer.allreduce import AllReduce, MemberAddr, RoundInfo
     from potluck.protos import potluck_pb2 as pb
-    from potluck.protos.certs import CertificateAuthority, TlsIdentity
-    from potluck.protos.identity import Identity
-    from potluck.protos.transport import PeerClient, PeerServer, Traffic
+    from potluck.protos.net.certs import CertificateAuthority, TlsIdentity
+    from potluck.protos.net.identity import Identity
+    from potluck.protos.net.transport import PeerClient, PeerServer, Traffic
 
     torch.set_num_threads(args.threads)
     identity = Identity.generate()
@@ -99,7 +99,7 @@ def ours(args: argparse.Namespace) -> dict:
     barrier = ctx.Barrier(args.peers)
     with tempfile.TemporaryDirectory(prefix="potluck-ca-") as tmp:
         ca_path = str(Path(tmp) / "ca.key")
-        from potluck.protos.certs import CertificateAuthority
+        from potluck.protos.net.certs import CertificateAuthority
         CertificateAuthority.load_or_create(Path(ca_path), "bench")
         pipes = [ctx.Pipe() for _ in range(args.peers)]
         procs = [ctx.Process(target=_member, args=(k, args, ca_path, pipes[k][1], barrier), daemon=True)

@@ -30,8 +30,9 @@ from pathlib import Path
 
 from potluck.cli import build_parser
 from potluck.coordinator.journal import Journal, JournalState
-from potluck.protos.config import RunConfig, apply_overrides, dump_toml
-from potluck.protos.identity import Identity
+from potluck.protos.config.files import apply_overrides, dump_toml
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.net.identity import Identity
 
 TARGET_S = 0.5
 USAGE_TARGET_S = 1.0

@@ -28,10 +28,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from potluck.compression.aggregate import Reduction
 from potluck.compression.int8 import Encoded, make_codec
 from potluck.compression.stream import EncodedStream
 from potluck.kernels.quant import dequantize_rows, quantize_rows
-from potluck.peer.aggregate import Reduction
 
 BLOCK = 2048
 CHUNK_BYTES = 1 << 20

@@ -101,7 +101,7 @@ def training_tokens_per_s(shards: ShardSet, steps: int) -> float:
     import torch
 
     from potluck.models import build_stage, forward_layers, lm_loss
-    from potluck.protos.config import ModelConfig
+    from potluck.protos.config.runconfig import ModelConfig
 
     cfg = ModelConfig(family="llama", preset="llama-20m", vocab_size=shards.tokenizer.vocab_size, seq_len=SEQ)
     layers = build_stage(cfg, 0)

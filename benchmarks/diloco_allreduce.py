@@ -34,14 +34,15 @@ from pathlib import Path
 
 import torch
 
-from potluck.compression.int8 import make_codec
+from potluck.compression.int8 import Codec, make_codec
 from potluck.local import LocalSwarm
 from potluck.peer.allreduce import AllReduce, MemberAddr, RoundInfo
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.certs import CertificateAuthority, TlsIdentity
-from potluck.protos.config import RunConfig, apply_overrides
-from potluck.protos.identity import Identity
-from potluck.protos.transport import PeerClient, PeerServer, Traffic
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.net.certs import CertificateAuthority, TlsIdentity
+from potluck.protos.net.identity import Identity
+from potluck.protos.net.transport import PeerClient, PeerServer, Traffic
 
 
 def run_swarm(args: argparse.Namespace, workdir: Path, insecure: bool = False) -> dict:
@@ -78,8 +79,13 @@ def run_swarm(args: argparse.Namespace, workdir: Path, insecure: bool = False) -
         swarm.stop()
 
 
-class _Member:
-    def __init__(self, numel: int, codec: str = "raw", ca: CertificateAuthority | None = None) -> None:
+class Member:
+    """A member of an in-process all-reduce, as a peer holds one: its own gRPC server (with mutual TLS when
+    ``ca`` certifies it), client and :class:`~potluck.peer.allreduce.AllReduce`; ``step`` is the step it
+    averages (asked about another member, it says it is syncing that one)."""
+
+    def __init__(self, numel: int, codec: str | Codec = "raw", ca: CertificateAuthority | None = None,
+                 rpc_timeout: float = 60.0) -> None:
         identity = Identity.generate()
         self.id = identity.peer_id
         self.traffic = Traffic()
@@ -88,10 +94,10 @@ class _Member:
             tls = TlsIdentity.generate()
             tls.adopt(ca.issue(self.id, tls.public_pem, 3600), ca.cert_pem, self.id)
         self.client = PeerClient(self.traffic, tls=tls)
-        self.step = 1  # the step being averaged: a member asked about the other says it is syncing that one
-        self.ar = AllReduce(run_id="bench", me=self.id, numel=numel, codec=make_codec(codec), client=self.client,
-                            chunk_bytes=1 << 20, rpc_timeout=60, sign=identity.sign,
-                            ping=lambda pid, t: pb.PingReply(state="syncing", version=self.step - 1))
+        self.step = 1
+        self.ar = AllReduce(run_id="bench", me=self.id, numel=numel, client=self.client, chunk_bytes=1 << 20,
+                            codec=make_codec(codec) if isinstance(codec, str) else codec, rpc_timeout=rpc_timeout,
+                            sign=identity.sign, ping=lambda pid, t: pb.PingReply(state="syncing", version=self.step - 1))
         self.ar.expect(1, "base")
         self.server = PeerServer(self, self.traffic, host="127.0.0.1", port=0, tls=tls)
         self.address = f"127.0.0.1:{self.server.port}"
@@ -102,14 +108,19 @@ class _Member:
     def push_result(self, chunks):  # type: ignore[no-untyped-def]
         return self.ar.on_result(chunks)
 
+    def close(self) -> None:
+        self.server.stop(0.1)
+        self.ar.close()
+        self.client.close()
+
 
 def fp32_allreduce_bytes(numel: int) -> tuple[float, float]:
     """Bytes each of 2 members sends in an fp32 all-reduce of ``numel`` floats, and its seconds."""
-    members = [_Member(numel), _Member(numel)]
+    members = [Member(numel), Member(numel)]
     order = sorted(members, key=lambda m: m.id)
     out: dict[str, tuple] = {}
 
-    def go(m: _Member) -> None:
+    def go(m: Member) -> None:
         info = RoundInfo(1, tuple(MemberAddr(x.id, x.address) for x in order), m.id, "base")
         out[m.id] = m.ar.run(info, torch.randn(numel), wait_s=60)
 
@@ -119,17 +130,16 @@ def fp32_allreduce_bytes(numel: int) -> tuple[float, float]:
     for t in threads:
         t.join()
     for m in members:
-        m.server.stop(0.1)
-        m.ar.close()
+        m.close()
     return statistics.mean(out[m.id][1].bytes_sent for m in members), max(out[m.id][1].seconds for m in members)
 
 
-def _allreduce_round(members: list[_Member], step: int, numel: int) -> float:
+def _allreduce_round(members: list[Member], step: int, numel: int) -> float:
     """One all-reduce of a random vector among ``members``; the slowest member's seconds."""
     order = sorted(members, key=lambda m: m.id)
     seconds: dict[str, float] = {}
 
-    def go(m: _Member) -> None:
+    def go(m: Member) -> None:
         info = RoundInfo(step, tuple(MemberAddr(x.id, x.address) for x in order), m.id, "base")
         stats = m.ar.run(info, torch.randn(numel), wait_s=60)[1]
         # the figure is worth something only if every shard averaged both members' contributions
@@ -155,8 +165,8 @@ def security_cost(numel: int, rounds: int) -> tuple[float, float]:
     import potluck.peer.allreduce as allreduce_module
 
     ca = CertificateAuthority.load_or_create(Path(tempfile.mkdtemp(prefix="potluck-ca-")) / "ca.key", "bench")
-    secure = [_Member(numel, "int8", ca) for _ in range(2)]
-    plain = [_Member(numel, "int8") for _ in range(2)]
+    secure = [Member(numel, "int8", ca) for _ in range(2)]
+    plain = [Member(numel, "int8") for _ in range(2)]
     for m in plain:
         m.ar.sign, m.ar.clip_factor, m.ar.reject_below = (lambda digest: b""), 0.0, None
     verify = allreduce_module.verify
@@ -171,9 +181,7 @@ def security_cost(numel: int, rounds: int) -> tuple[float, float]:
                 allreduce_module.verify = verify
     finally:
         for m in secure + plain:
-            m.server.stop(0.1)
-            m.ar.close()
-            m.client.close()
+            m.close()
     return statistics.median(times["secure"][1:]), statistics.median(times["plain"][1:])
 
 

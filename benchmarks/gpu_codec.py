@@ -53,7 +53,7 @@ def main() -> None:
         print(json.dumps({"benchmark": "gpu_codec", "measured": False, "reason": "no CUDA device on this machine"}))
         return
     os.environ.setdefault("POTLUCK_TRITON", "force")  # errors surface instead of a silent torch fallback
-    from potluck.compression.int8 import _quantize_blocks
+    from potluck.compression.int8 import quantize_blocks
     from potluck.kernels import device as kd
     from potluck.kernels.quant import quantize_channels
     from potluck.kernels.triton_channels import channel_scales
@@ -69,7 +69,7 @@ def main() -> None:
     def torch_quantize() -> tuple[torch.Tensor, torch.Tensor]:  # the CPU path's operations, on this device
         codes = torch.empty(n_full, dtype=torch.int8, device=dev)
         scales = torch.empty(n_full // args.block, device=dev)
-        _quantize_blocks(x[:n_full].view(-1, args.block), codes.view(-1, args.block), scales)
+        quantize_blocks(x[:n_full].view(-1, args.block), codes.view(-1, args.block), scales)
         return codes, scales
 
     codes, scales = kd.int8_quantize(x, args.block)
@@ -114,7 +114,7 @@ def main() -> None:
 def check_against_cpu(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, act: torch.Tensor,
                       buf: torch.Tensor, args: argparse.Namespace) -> dict[str, object]:
     """The kernels' outputs against the CPU codec on the same inputs: equal, or how many elements differ."""
-    from potluck.compression.int8 import _quantize_blocks
+    from potluck.compression.int8 import quantize_blocks
     from potluck.kernels import device as kd
     from potluck.kernels.quant import dequantize_channels, pack_bits, quantize_channels
 
@@ -122,7 +122,7 @@ def check_against_cpu(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     xc = x[:n_full].cpu()
     ref_codes = torch.empty(n_full, dtype=torch.int8)
     ref_scales = torch.empty(n_full // args.block)
-    _quantize_blocks(xc.view(-1, args.block), ref_codes.view(-1, args.block), ref_scales)
+    quantize_blocks(xc.view(-1, args.block), ref_codes.view(-1, args.block), ref_scales)
     got_codes, got_scales = codes[:n_full].cpu(), scales[: n_full // args.block].cpu()
     a, m = act.cpu(), buf.cpu()
     q, s = quantize_channels(a - m, 4)

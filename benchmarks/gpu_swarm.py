@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 from potluck.local import LocalSwarm, SwarmError
-from potluck.protos.config import RunConfig, apply_overrides
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import RunConfig
 
 
 def main() -> None:

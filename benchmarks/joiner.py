@@ -30,7 +30,9 @@ import tempfile
 from pathlib import Path
 
 from potluck.local import LocalSwarm
-from potluck.protos.config import RunConfig, apply_overrides
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.runtime.stopping import descendants
 
 FIRST = re.compile(r"first training step ([\d.]+) s after the process started \(([\d.]+) s after joining")
 
@@ -44,18 +46,7 @@ def threads_of(pids: list[int]) -> list[int]:
     """Every thread of ``pids`` and of their descendants (Linux nice values are per thread; a
     peer's DHT runs in a child process, and p2pd in another). With autogroup scheduling the
     session's group weight counts too, so :func:`main` sets that as well."""
-    parent: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    tree, todo = set(), list(pids)
-    while todo:
-        pid = todo.pop()
-        if pid not in tree:
-            tree.add(pid)
-            todo.extend(child for child, ppid in parent.items() if ppid == pid)
+    tree = {p for pid in pids for p in (pid, *descendants(pid))}
     tids = []
     for pid in tree:
         try:

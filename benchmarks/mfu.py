@@ -47,7 +47,8 @@ def peak_tflops(name: str) -> float | None:
 def run(args: argparse.Namespace, settings: dict[str, Any]) -> dict:
     from potluck.models import stage_bounds
     from potluck.peer.stage import StageWorker
-    from potluck.protos.config import RunConfig, apply_overrides
+    from potluck.protos.config.files import apply_overrides
+    from potluck.protos.config.runconfig import RunConfig
 
     device = torch.device(args.device)
     scope = settings.pop("potluck.compile_scope", "layer")

@@ -34,7 +34,8 @@ SETTINGS = {"model.d_model": 192, "model.n_layers": 4, "model.n_heads": 4, "mode
 
 
 def run_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from potluck.protos.config import RunConfig, apply_overrides
+    from potluck.protos.config.files import apply_overrides
+    from potluck.protos.config.runconfig import RunConfig
     return apply_overrides(RunConfig(), {**SETTINGS, "diloco.inner_steps": args.steps, "train.batch_size": args.batch})
 
 

@@ -54,9 +54,10 @@ from potluck.peer.stage import StageWorker
 from potluck.peer.states import States
 from potluck.peer.tasklet import Tasklet
 from potluck.peer.telemetry import Telemetry
-from potluck.protos.config import RunConfig, apply_overrides
-from potluck.protos.records import Member, Round
-from potluck.protos.transport import PeerClient, Traffic
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.net.transport import PeerClient, Traffic
+from potluck.protos.wire.records import Member, Round
 
 RUN, ME = "outer-bench", "bench"
 LEGACY = "0" * 32  # a BLAKE2b hash: tensors_hash(..., like=LEGACY) is main's hash, byte for byte
@@ -107,7 +108,7 @@ def session(rc: RunConfig, device: torch.device, pinned: bool | None = None) -> 
     theta0 = worker.theta()
     states = States(RUN, rc.sync.chunk_bytes, outer_snapshot(theta0, torch.zeros_like(theta0), 0, {"epoch": 0}))
     t = Tasklet(SimpleNamespace(addresses={}, me=ME), 0, worker, allreduce(rc, worker.numel, worker.pinned), None,  # type: ignore[arg-type]
-                states)
+                states, None)  # type: ignore[arg-type] (no auditor: one member audits nobody)
     t.expect_next()
     s = SimpleNamespace(rc=rc, tasklet=t, replica=0, cfg=SimpleNamespace(plan_wait_s=1.0),
                         telemetry=Telemetry(ME, "bench", 0.0, progress="off"), over=lambda: False,

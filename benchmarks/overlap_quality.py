@@ -49,7 +49,8 @@ from potluck.local import LocalSwarm, SwarmError
 from potluck.models import stage_bounds
 from potluck.peer.data import Dataset
 from potluck.peer.stage import StageWorker
-from potluck.protos.config import RunConfig, apply_overrides
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import RunConfig
 
 
 def run_config(args: argparse.Namespace, **overrides: object) -> RunConfig:

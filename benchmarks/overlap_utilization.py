@@ -2,7 +2,7 @@
 
 A real swarm (coordinator + peer processes, hivemind DHT, gRPC with mutual TLS) of ``--peers`` peers,
 S = 1, H = ``--inner-steps``, the ~2.1M-parameter model of ``diloco_allreduce.py``, every link between
-two peers emulated at ``--mbps`` and ``--delay-ms`` one way by the transport (:mod:`potluck.protos.netem`).
+two peers emulated at ``--mbps`` and ``--delay-ms`` one way by the transport (:mod:`potluck.protos.testkit.netem`).
 The same run is made twice, blocking (``diloco.overlap = false``) and overlapped (``true``), in the
 order given by ``--order``. Compute utilization is the coordinator's ``compute_utilization``: the share
 of the peers' wall time spent in inner steps, ``sum(compute_s) / sum(compute_s + sync_s)``, where
@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 from potluck.local import LocalSwarm
-from potluck.protos.config import RunConfig, apply_overrides
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import RunConfig
 
 
 def run_swarm(args: argparse.Namespace, workdir: Path, overlap: bool) -> dict:

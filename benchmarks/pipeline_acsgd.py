@@ -36,9 +36,10 @@ from potluck.peer.data import Dataset, ShardSampler
 from potluck.peer.model import build_layers, lm_loss
 from potluck.peer.pipeline import Neighbour, Pipeline
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.config import RunConfig, apply_overrides
-from potluck.protos.identity import Identity
-from potluck.protos.transport import PeerClient, PeerServer, Traffic
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.net.identity import Identity
+from potluck.protos.net.transport import PeerClient, PeerServer, Traffic
 
 VARIANTS = {
     "fp32": {"pipeline.compression": "none", "pipeline.grad_bits": None},

@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from potluck.local import LocalSwarm, SwarmError
-from potluck.protos.config import RunConfig, apply_overrides
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import RunConfig
 
 CPU_MODEL = {"model.d_model": 256, "model.n_layers": 4, "model.n_heads": 4, "model.seq_len": 128}
 

@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 
 from potluck.local import LocalSwarm
-from potluck.protos.config import RunConfig, apply_overrides
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import RunConfig
 
 PEERS = 4
 ATTACKS = {"x1000": "scale=1000", "sign-flip": "flip", "nan": "nan"}

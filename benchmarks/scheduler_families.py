@@ -42,8 +42,17 @@ The families (device ids shuffled, so that no layout can lean on their order; ms
 Sizes of 8 devices or fewer get tiny job shapes, solved exactly. A full run at the defaults takes
 days; ``--quick`` is the CI smoke run (under a minute).
 
+``--scale`` (issue #30): volunteer swarms of 256, 512 and 1,024 devices, job shapes of 2-16 stages
+using 50-100 % of the devices (:func:`scale_job_shape`), instance ``i`` of a size from family
+``SCALE_FAMILIES[i % 3]`` (volunteers, world, regions), 2 per size by default (about 12 minutes),
+the reference 10 budgets long. The search under test runs in a child process, which reports its
+peak RSS growth (``search_rss_growth_mb``) and its CPU seconds. One JSON line per size, with the
+baselines (greedy seeds, blocks layout) measured in the same run. ``--clock cpu`` counts budgets in
+CPU seconds, for a box shared with other work, where 10 wall seconds can be a fraction of a core.
+
     python benchmarks/scheduler_families.py [--families spot_mix,world] [--seeds 10]
         [--sizes 8,16,32,64,128] [--budget 10] [--long-factor 100] [--quick]
+    python benchmarks/scheduler_families.py --scale [--sizes 256,512,1024] [--seeds 2] [--clock cpu]
 """
 
 from __future__ import annotations
@@ -54,12 +63,15 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from pathlib import Path
+from typing import Any
 
 import numpy as np
+from scheduler_swarms import FAMILIES, SCALE_FROM, Instance, Swarm, generate, job_shape, scale_job_shape  # noqa: F401  (benchmarks/ is on the path of a script run from it)
 
 from potluck.coordinator.costmodel import CostModel, Topology, canonical, plan_cost
 from potluck.coordinator.scheduler import (
@@ -77,193 +89,8 @@ EXACT_LIMIT = 20_000  # assignments; one evaluation is some 50 us
 MAX_RESTARTS = 6  # of the reference's evolutionary runs; small instances stall in milliseconds
 RANDOM_EVALS = 20_000  # random search's share ends at this or at its time, whichever comes first
 SOLVED = 1e-9  # relative cost difference below which two plans count as equally good
-
-# in-box GPU links (NVLink to PCIe) and a datacenter fabric between boxes
-BOX_DELAY_MS, BOX_GBPS = 0.01, (200.0, 2400.0)
-FABRIC_DELAY_MS, FABRIC_GBPS = 0.05, (100.0, 200.0)
-KM_PER_MS = 200.0  # light in fibre
-ROUTE_FACTOR = 1.5  # fibre paths are longer than great circles
-
-
-# ------------------------------------------------------------------ generators
-
-
-def _boxes(rng: np.random.Generator, devices: int, sizes: tuple[int, ...],
-           weights: tuple[float, ...]) -> np.ndarray:
-    """Box label of each device: boxes of sizes drawn from ``sizes`` until the devices run out."""
-    label, box, d = np.empty(devices, dtype=int), 0, 0
-    while d < devices:
-        size = min(int(rng.choice(sizes, p=np.asarray(weights) / sum(weights))), devices - d)
-        label[d:d + size] = box
-        box, d = box + 1, d + size
-    return label
-
-
-def _split(rng: np.random.Generator, devices: int, parts: int) -> np.ndarray:
-    """Part label of each device; parts of random sizes, each of at least 2 devices."""
-    cuts = np.sort(rng.choice(np.arange(2, devices - 1, 2), parts - 1, replace=False))
-    label = np.zeros(devices, dtype=int)
-    for c in cuts:
-        label[c:] += 1
-    return label
-
-
-def _overlay(delay: np.ndarray, gbps: np.ndarray, label: np.ndarray, delay_ms: np.ndarray,
-             link_gbps: np.ndarray) -> None:
-    """Links between two devices of the same label take that label's delay and bandwidth."""
-    same = label[:, None] == label[None, :]
-    delay[same] = np.broadcast_to(delay_ms[label][:, None], delay.shape)[same]
-    gbps[same] = np.broadcast_to(link_gbps[label][:, None], gbps.shape)[same]
-
-
-def _jitter(rng: np.random.Generator, m: np.ndarray, amount: float) -> np.ndarray:
-    """Symmetric multiplicative noise, as measured links have: no two links tie exactly."""
-    noise = np.triu(rng.uniform(-amount, amount, m.shape), 1)
-    return m * (1 + noise + noise.T)
-
-
-def _boxed(rng: np.random.Generator, delay: np.ndarray, gbps: np.ndarray, box: np.ndarray) -> None:
-    """GPUs of the same box (any labels) talk over NVLink or PCIe, one bandwidth per box."""
-    labels, box = np.unique(box, return_inverse=True)
-    _overlay(delay, gbps, box, np.full(len(labels), BOX_DELAY_MS), rng.uniform(*BOX_GBPS, len(labels)))
-
-
-def _fabric(rng: np.random.Generator, devices: int) -> tuple[np.ndarray, np.ndarray]:
-    delay = _jitter(rng, np.full((devices, devices), FABRIC_DELAY_MS), 0.05)
-    return delay, _jitter(rng, np.full((devices, devices), rng.uniform(*FABRIC_GBPS)), 0.05)
-
-
-def _globe(rng: np.random.Generator, points: int) -> np.ndarray:
-    """Great-circle distances (km) between random points of the inhabited latitudes."""
-    lat = np.radians(rng.uniform(-45, 65, points))
-    lon = np.radians(rng.uniform(-180, 180, points))
-    xyz = np.stack([np.cos(lat) * np.cos(lon), np.cos(lat) * np.sin(lon), np.sin(lat)], axis=1)
-    return 6371.0 * np.arccos(np.clip(xyz @ xyz.T, -1.0, 1.0))
-
-
-def _geo_delay(km: np.ndarray) -> np.ndarray:
-    return ROUTE_FACTOR * km / KM_PER_MS
-
-
-class Swarm(NamedTuple):
-    """What a family generator draws: links, GPU speeds (``None``: all alike) and ``places``, label
-    arrays from the finest level up (boxes, then data centres or regions): the structure it built,
-    which the reference's hand-made layouts use and the search under test never sees."""
-
-    delay_ms: np.ndarray
-    bandwidth_gbps: np.ndarray
-    compute: np.ndarray | None
-    places: list[np.ndarray]
-
-
-def datacenter(devices: int, rng: np.random.Generator) -> Swarm:
-    delay, gbps = _fabric(rng, devices)
-    box = np.arange(devices) // min(8, devices // 2)  # tiny ones: two boxes
-    _boxed(rng, delay, gbps, box)
-    return Swarm(delay, gbps, None, [box])
-
-
-def spot_mix(devices: int, rng: np.random.Generator) -> Swarm:
-    box = np.arange(devices)  # a single GPU is a box of one
-    in_boxes = rng.uniform(0.25, 0.6) * devices  # share of the GPUs that sit in multi-GPU boxes
-    d = 0
-    while (size := int(rng.choice([2, 4, 8], p=[0.2, 0.3, 0.5]))) and d + size <= in_boxes:
-        box[d:d + size] = d
-        d += size
-    delay = np.full((devices, devices), rng.uniform(10.0, 50.0))
-    gbps = np.full((devices, devices), rng.uniform(0.5, 5.0))
-    _boxed(rng, delay, gbps, box)
-    return Swarm(delay, gbps, None, [box])
-
-
-def two_dc(devices: int, rng: np.random.Generator) -> Swarm:
-    dc = (np.arange(devices) >= int(devices * rng.uniform(0.3, 0.7))).astype(int)
-    delay = _jitter(rng, np.full((devices, devices), rng.uniform(5.0, 40.0)), 0.05)
-    gbps = _jitter(rng, np.full((devices, devices), rng.uniform(5.0, 40.0)), 0.05)
-    fabric_delay, fabric_gbps = _fabric(rng, devices)
-    same = dc[:, None] == dc[None, :]
-    delay[same], gbps[same] = fabric_delay[same], fabric_gbps[same]
-    box = np.concatenate([np.arange((dc == k).sum()) // 8 + 1000 * k for k in (0, 1)])
-    _boxed(rng, delay, gbps, box)
-    return Swarm(delay, gbps, None, [box, dc])
-
-
-def regions(devices: int, rng: np.random.Generator) -> Swarm:
-    k = int(rng.integers(3, 7))
-    region = _split(rng, devices, min(k, devices // 2))
-    count = region.max() + 1
-    pair_delay = np.triu(rng.uniform(20.0, 150.0, (count, count)), 1)
-    pair_gbps = np.triu(rng.uniform(0.2, 2.0, (count, count)), 1)
-    delay = _jitter(rng, (pair_delay + pair_delay.T)[region][:, region], 0.05)
-    gbps = _jitter(rng, (pair_gbps + pair_gbps.T)[region][:, region], 0.05)
-    _overlay(delay, gbps, region, rng.uniform(1.0, 5.0, count), rng.uniform(2.0, 10.0, count))
-    box = _boxes(rng, devices, (1, 2, 4, 8), (3, 2, 2, 1)) * 1000 + region  # no box straddles two regions
-    _boxed(rng, delay, gbps, box)
-    return Swarm(delay, gbps, None, [box, region])
-
-
-def world(devices: int, rng: np.random.Generator) -> Swarm:
-    site = _boxes(rng, devices, (1, 2, 4, 8), (4, 2, 2, 1))
-    sites = site.max() + 1
-    km = _globe(rng, sites)
-    uplink = np.exp(rng.uniform(np.log(1.0), np.log(10.0), sites))
-    site_gbps = np.minimum(uplink[:, None], uplink[None, :]) / (1 + km / 10_000.0)  # TCP slows with RTT
-    delay = _jitter(rng, (2.0 + _geo_delay(km))[site][:, site], 0.05)
-    gbps = _jitter(rng, site_gbps[site][:, site], 0.05)
-    _boxed(rng, delay, gbps, site)
-    speed = rng.choice([0.7, 1.0, 1.5, 2.0], sites)  # one GPU model per site
-    return Swarm(delay, gbps, speed[site], [site])
-
-
-def volunteers(devices: int, rng: np.random.Generator) -> Swarm:
-    access_gbps = np.clip(np.exp(rng.normal(np.log(0.3), 0.8, devices)), 0.02, 10.0)
-    access_ms = rng.uniform(2.0, 40.0, devices)
-    delay = access_ms[:, None] + access_ms[None, :] + _geo_delay(_globe(rng, devices))
-    gbps = np.minimum(access_gbps[:, None], access_gbps[None, :])
-    return Swarm(delay, gbps, np.exp(rng.uniform(np.log(0.3), np.log(3.0), devices)), [])
-
-
-FAMILIES: dict[str, Callable[[int, np.random.Generator], Swarm]] = {
-    "datacenter": datacenter, "spot_mix": spot_mix, "two_dc": two_dc, "regions": regions, "world": world,
-    "volunteers": volunteers}
-
-
-def job_shape(devices: int, rng: np.random.Generator) -> tuple[int, int]:
-    """``(S, R)``: ``S * R <= devices``, half the time all of them when some shape fits exactly.
-    8 devices or fewer get tiny shapes that leave devices over, so the exact optimum is enumerable."""
-    if devices <= 8:
-        shapes = [(s, r) for s, r in ((2, 2), (2, 3), (3, 2)) if s * r <= devices - 2] or [(2, 2)]
-    else:
-        shapes = [(s, r) for s in range(2, 9) for r in range(2, 17) if devices // 2 <= s * r <= devices]
-        full = [(s, r) for s, r in shapes if s * r == devices]
-        fewer = [(s, r) for s, r in shapes if s * r < devices]
-        shapes = full if full and (not fewer or rng.random() < 0.5) else fewer
-    s, r = shapes[int(rng.integers(len(shapes)))]
-    return s, r
-
-
-class Instance(NamedTuple):
-    topology: Topology
-    places: list[np.ndarray]  # as in :class:`Swarm`, in the topology's (shuffled) device ids
-
-
-def generate(family: str, devices: int, seed: int) -> Instance:
-    """One instance: the family's links, a job shape and payloads, device ids shuffled."""
-    rng = np.random.default_rng([seed, devices, list(FAMILIES).index(family)])
-    swarm = FAMILIES[family](devices, rng)
-    stages, replicas = job_shape(devices, rng)
-    perm = rng.permutation(devices)
-    delay = swarm.delay_ms[np.ix_(perm, perm)]
-    np.fill_diagonal(delay, 0.0)
-    topology = Topology(delay_ms=delay, bandwidth_gbps=swarm.bandwidth_gbps[np.ix_(perm, perm)],
-                        stages=stages, replicas=replicas, activation_gb=float(rng.uniform(0.05, 0.4)),
-                        gradient_gb=float(rng.uniform(0.2, 2.0)), outer_every=int(rng.choice([1, 10, 50])),
-                        compute=None if swarm.compute is None else swarm.compute[perm], stage_seconds=0.5)
-    return Instance(topology, [label[perm] for label in swarm.places])
-
-
-# ------------------------------------------------------------------ references
-
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+SCALE_FAMILIES = ("volunteers", "world", "regions")  # --scale: instance i of a size is of family i % 3
 
 def assignment_count(t: Topology) -> int:
     """Ways to pick ``S * R`` devices and split them into ``S`` unordered groups of ``R``."""
@@ -315,7 +142,8 @@ def placed_layouts(t: Topology, places: list[np.ndarray]) -> list[Groups]:
     return out
 
 
-def descend(model: CostModel, groups: Groups, deadline: float, rng: np.random.Generator) -> float:
+def descend(model: CostModel, groups: Groups, deadline: float, rng: np.random.Generator,
+            clock: Callable[[], float] = time.perf_counter) -> float:
     """First-improvement descent on the cost alone: swap two devices of two groups, or one device
     with an unused one, in random order, until no swap helps or time is up. Returns the cost."""
     s, r = model.topology.stages, model.topology.replicas
@@ -323,13 +151,13 @@ def descend(model: CostModel, groups: Groups, deadline: float, rng: np.random.Ge
     unused = np.setdiff1d(np.arange(model.topology.devices), flat)
     best = model.evaluate(flat)
     improved = True
-    while improved and time.perf_counter() < deadline:
+    while improved and clock() < deadline:
         improved = False
         cells = [(g, i) for g in range(s) for i in range(r)]
         partners = cells + [(-1, u) for u in range(len(unused))]
         swaps = itertools.product(rng.permutation(cells).tolist(), rng.permutation(partners).tolist())
         for (g, i), (h, j) in swaps:
-            if h == g or time.perf_counter() >= deadline:
+            if h == g or clock() >= deadline:
                 continue
             trial = flat.copy()
             if h < 0:
@@ -345,14 +173,15 @@ def descend(model: CostModel, groups: Groups, deadline: float, rng: np.random.Ge
     return best
 
 
-def long_reference(instance: Instance, seconds: float, seed: int) -> tuple[dict[str, float], int]:
+def long_reference(instance: Instance, seconds: float, seed: int,
+                   clock: Callable[[], float] = time.perf_counter) -> tuple[dict[str, float], int]:
     """The best cost of each method within ``seconds`` in all, and how many evolutionary runs.
 
     A tenth of the time goes to the hand-made layouts (each built layout evaluated, the best few
     then polished by :func:`descend`), a tenth to random search, the rest to evolutionary runs.
     """
     t = instance.topology
-    start, model, rng = time.perf_counter(), CostModel(t), np.random.default_rng(seed + 1)
+    start, model, rng = clock(), CostModel(t), np.random.default_rng(seed + 1)
     starts = [canonical(blocks_layout(t)), *greedy_seeds(model)]
     found = {"greedy": min(model.evaluate(np.array(g)) for g in starts)}
     placed = sorted(placed_layouts(t, instance.places), key=lambda g: model.evaluate(np.array(g)))
@@ -360,18 +189,18 @@ def long_reference(instance: Instance, seconds: float, seed: int) -> tuple[dict[
         found["placed"] = model.evaluate(np.array(placed[0]))
         for groups in placed[:3]:
             polish = start + seconds / 10 * (placed.index(groups) + 1) / 3
-            found["placed"] = min(found["placed"], descend(model, groups, polish, rng))
+            found["placed"] = min(found["placed"], descend(model, groups, polish, rng, clock))
     found["random"] = random_search(t, seed=seed + 1, budget_evals=RANDOM_EVALS, budget_seconds=seconds / 10,
-                                    model=model).plan.cost
+                                    model=model, clock=clock).plan.cost
     variants: list[tuple[str, dict[str, Any]]] = [
         ("evolutionary", {}), ("evolutionary_no_greedy", {"greedy": False}),
         ("evolutionary_patient", {"population": 20, "stall_generations": 30})]
     deadline = start + seconds
     restarts = 0
-    while restarts < MAX_RESTARTS and (left := deadline - time.perf_counter()) > 0.01:
+    while restarts < MAX_RESTARTS and (left := deadline - clock()) > 0.01:
         name, kwargs = variants[restarts % len(variants)]
         run = evolutionary_search(t, seed=seed + 1000 + restarts, budget_seconds=min(left, seconds * 0.3),
-                                  model=model, **kwargs)
+                                  model=model, clock=clock, **kwargs)
         found[name] = min(found.get(name, math.inf), run.plan.cost)
         restarts += 1
     return found, restarts
@@ -441,19 +270,135 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+# ------------------------------------------------------------------ scale (--scale)
+
+
+def _rss_mb(field: str) -> float | None:
+    """``VmRSS`` (now) or ``VmHWM`` (peak) of this process in MB, from ``/proc`` (``None`` elsewhere)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def search_child(family: str, devices: int, seed: int, budget: float, clock: str) -> dict[str, Any]:
+    """The search under test, as ``potluck schedule`` runs it, in a fresh process of its own: its
+    memory is not mixed with the reference's caches, and the peak RSS is reset (``clear_refs``) after
+    the instance is built, so ``rss_peak_mb - rss_before_mb`` is what the search itself added."""
+    t = generate(family, devices, seed).topology
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+        reset = True
+    except OSError:
+        reset = False
+    before, cpu = _rss_mb("VmRSS"), time.process_time()
+    run = evolutionary_search(t, seed=seed, budget_seconds=budget, clock=CLOCKS[clock])
+    return {"cpu_seconds": round(time.process_time() - cpu, 3), "cost": run.plan.cost, "evaluations": run.evaluations, "evals_to_best": run.evals_to_best,
+            "seconds": round(run.seconds, 3), "stopped": run.stopped, "generations": run.generations,
+            "restarts": run.restarts, "rss_before_mb": before, "rss_peak_mb": _rss_mb("VmHWM"),
+            "peak_reset": reset}
+
+
+def measure_scale(family: str, devices: int, seed: int, budget: float, long_factor: float,
+                  clock: str) -> dict[str, Any]:
+    """One large instance: the search under test in a child process (:func:`search_child`), then the
+    reference (:func:`long_reference`, ``long_factor`` budgets) here; the baselines are the blocks
+    layout and the greedy seeds, evaluated in the same run."""
+    done = subprocess.run([sys.executable, __file__, "--search-child", family, str(devices), str(seed), str(budget),
+                           "--clock", clock],
+                          capture_output=True, text=True, check=True)
+    child = json.loads(done.stdout.strip().splitlines()[-1])
+    instance = generate(family, devices, seed)
+    t = instance.topology
+    found, restarts = long_reference(instance, budget * long_factor, seed, CLOCKS[clock])
+    method = min(found, key=lambda k: found[k])
+    cost = child["cost"]
+    reference = min(cost, found[method])
+    growth = None if child["rss_peak_mb"] is None else child["rss_peak_mb"] - child["rss_before_mb"]
+    return {"family": family, "devices": devices, "seed": seed, "stages": t.stages, "replicas": t.replicas,
+            "outer_every": t.outer_every, "cost": cost, "reference": reference, "regret": cost / reference - 1,
+            "reference_method": method if found[method] <= cost else "short_run",
+            "greedy_regret": found["greedy"] / reference - 1,
+            "blocks_over_search": CostModel(t).evaluate(blocks_layout(t)) / cost,
+            "reference_restarts": restarts, "search_rss_growth_mb": growth,
+            **{k: child[k] for k in ("evaluations", "evals_to_best", "seconds", "cpu_seconds", "stopped", "generations",
+                                     "restarts", "rss_peak_mb", "peak_reset")}}
+
+
+def summarize_scale(devices: int, rows: list[dict[str, Any]], budget: float, long_factor: float,
+                    clock: str) -> dict[str, Any]:
+    """The JSON line of one size."""
+    regret = [r["regret"] for r in rows]
+    growth = [r["search_rss_growth_mb"] for r in rows if r["search_rss_growth_mb"] is not None]
+    return {
+        "benchmark": "scheduler_families", "mode": "scale", "devices": devices, "instances": len(rows),
+        "clock": clock, "budget_seconds": budget, "reference_seconds": budget * long_factor,
+        "mean_regret": statistics.fmean(regret), "worst_regret": max(regret),
+        "meets_worst_target": max(regret) <= TARGET_WORST,
+        "greedy_mean_regret": statistics.fmean(r["greedy_regret"] for r in rows),
+        "greedy_worst_regret": max(r["greedy_regret"] for r in rows),
+        "blocks_over_search_min": min(r["blocks_over_search"] for r in rows),
+        "search_seconds_max": max(r["seconds"] for r in rows),
+        "search_cpu_seconds_min": min(r["cpu_seconds"] for r in rows),
+        "search_rss_growth_mb_max": max(growth) if growth else None,
+        "search_rss_peak_mb_max": max((r["rss_peak_mb"] or 0.0) for r in rows),
+        "median_evaluations": statistics.median(r["evaluations"] for r in rows),
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
+        "rows": [{k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items() if k != "devices"}
+                 for r in rows],
+    }
+
+
+def main_scale(sizes: list[int], instances: int, budget: float, long_factor: float, clock: str) -> None:
+    """One JSON line per size; instance ``i`` of a size is of family ``SCALE_FAMILIES[i % 3]``, seed ``i``."""
+    for devices in sizes:
+        rows = []
+        for i in range(instances):
+            family = SCALE_FAMILIES[i % len(SCALE_FAMILIES)]
+            row = measure_scale(family, devices, i, budget, long_factor, clock)
+            rows.append(row)
+            print(f"[scheduler_families scale {family} n={devices} seed={i}] S={row['stages']} R={row['replicas']} "
+                  f"regret={row['regret']:.4f} greedy_regret={row['greedy_regret']:.4f} "
+                  f"evals={row['evaluations']} rss+={row['search_rss_growth_mb']}", file=sys.stderr, flush=True)
+        print(json.dumps(summarize_scale(devices, rows, budget, long_factor, clock)), flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--families", default=",".join(FAMILIES),
                    help="comma-separated, of: " + ", ".join(FAMILIES))
-    p.add_argument("--seeds", type=int, default=10)
-    p.add_argument("--sizes", default="8,16,32,64,128", help="device counts, comma-separated")
+    p.add_argument("--seeds", type=int, default=None, help="instances per size and family (--scale: per size); "
+                   "default 10 (--scale: 2)")
+    p.add_argument("--sizes", default=None, help="device counts, comma-separated; default 8,16,32,64,128 "
+                   "(--scale: 256,512,1024)")
     p.add_argument("--budget", type=float, default=10.0, help="seconds for the search under test")
-    p.add_argument("--long-factor", type=float, default=100.0, help="the reference gets this many budgets")
+    p.add_argument("--long-factor", type=float, default=None,
+                   help="the reference gets this many budgets; default 100 (--scale: 10)")
     p.add_argument("--quick", action="store_true",
                    help="CI smoke run: 2 seeds, budget 0.2 s, long factor 10, sizes 8,16")
+    p.add_argument("--scale", action="store_true",
+                   help="volunteer swarms: one JSON line per size, with the search's memory")
+    p.add_argument("--clock", choices=list(CLOCKS), default="wall",
+                   help="what --budget counts (--scale): wall seconds, or CPU seconds of this process")
+    p.add_argument("--search-child", nargs=4, metavar=("FAMILY", "DEVICES", "SEED", "BUDGET"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.search_child:
+        family, devices, seed, budget = args.search_child
+        print(json.dumps(search_child(family, int(devices), int(seed), float(budget), args.clock)))
+        return
     if args.quick:
         args.seeds, args.budget, args.long_factor, args.sizes = 2, 0.2, 10.0, "8,16"
+    if args.scale:
+        sizes = [int(s) for s in (args.sizes or "256,512,1024").split(",")]
+        if min(sizes) < SCALE_FROM:
+            p.error(f"--scale: every size must be >= {SCALE_FROM} devices")
+        main_scale(sizes, args.seeds or 2, args.budget, args.long_factor or 10.0, args.clock)
+        return
+    args.seeds, args.long_factor = args.seeds or 10, args.long_factor or 100.0
+    args.sizes = args.sizes or "8,16,32,64,128"
     families = [f.strip() for f in args.families.split(",") if f.strip()]
     unknown = sorted(set(families) - set(FAMILIES))
     if unknown:

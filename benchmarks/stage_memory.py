@@ -33,7 +33,7 @@ TARGET = 1.5
 PRELUDE = """
 import json, resource, sys
 import torch
-from potluck.protos.config import ModelConfig, PipelineConfig
+from potluck.protos.config.runconfig import ModelConfig, PipelineConfig
 from potluck.models import build_stage, stage_bounds
 args = json.loads(sys.argv[1])
 cfg = ModelConfig(preset=args["preset"], vocab_size=256, seq_len=args["seq"])

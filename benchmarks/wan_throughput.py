@@ -3,7 +3,7 @@
 A real swarm (coordinator + 4 peer processes, hivemind DHT, gRPC with mutual TLS) as a grid of
 S = 2 stages x R = 2 replicas (two pipelines, ``--micro-batches`` micro-batches per inner step)
 trains the ~2.1M-parameter model of ``overlap_utilization.py`` (d_model 240, 3 blocks, seq 64, batch
-16), every link between two peers emulated by the transport (:mod:`potluck.protos.netem`) at
+16), every link between two peers emulated by the transport (:mod:`potluck.protos.testkit.netem`) at
 ``--mbps`` and ``--delay-ms`` one way. Placement is ``sticky``: all links are alike, so a re-plan
 could only move tasklets for nothing. Two configurations, one swarm each, in ``--order``:
 
@@ -67,7 +67,8 @@ from pathlib import Path
 from typing import Any
 
 from potluck.local import LocalSwarm, SwarmError
-from potluck.protos.config import RunConfig, apply_overrides
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import RunConfig
 
 PEERS, STAGES = 4, 2
 

@@ -131,12 +131,12 @@ class Int8BlockCodec:
         codes = torch.empty(n, dtype=torch.int8)
         scales = torch.empty(self._blocks(n), dtype=torch.float32)
         if full:  # whole blocks in place, no padded copy of the vector
-            _quantize_blocks(x[:full].view(-1, bs), codes[:full].view(-1, bs), scales[: full // bs])
+            quantize_blocks(x[:full].view(-1, bs), codes[:full].view(-1, bs), scales[: full // bs])
         if full < n:  # the last, partial block, padded with zeros (which change neither its scale nor its codes)
             tail = torch.zeros(1, bs)
             tail[0, : n - full] = x[full:]
             tail_codes = torch.empty(1, bs, dtype=torch.int8)
-            _quantize_blocks(tail, tail_codes, scales[-1:])
+            quantize_blocks(tail, tail_codes, scales[-1:])
             codes[full:] = tail_codes[0, : n - full]
         return codes, scales
 
@@ -191,7 +191,7 @@ class Int8BlockCodec:
         return codes, scales
 
 
-def _quantize_blocks(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
+def quantize_blocks(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
     """:func:`~potluck.kernels.quant.quantize_rows` at 8 bits, written into ``codes`` and ``scales``.
 
     The same operations (absmax / 127, divide, round half to even, clamp), in fewer passes over

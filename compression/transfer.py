@@ -29,8 +29,9 @@ from potluck.compression.statehash import hash_later as hash_in_background
 from potluck.compression.statehash import raw_bytes, tensors_hash
 from potluck.compression.stream import Assembler, WireError, encode_chunks
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.log import get_logger
-from potluck.protos.transport import PeerClient, Rejected, rpc_reason
+from potluck.protos.net.transport import PeerClient
+from potluck.protos.runtime.log import get_logger
+from potluck.protos.wire.refusals import Rejected, rpc_reason
 
 log = get_logger(__name__)
 

@@ -4,7 +4,7 @@ A peer asks to be admitted with a record signed by its identity key (``potluck/<
 admission``, subkey its peer id) that names a fresh TLS key and, for a private run, proves it
 knows the join token (an HMAC of its peer id and TLS key under the token; the token never travels).
 The coordinator's :class:`Admission` reads those requests, applies the run's policy and answers
-each admitted peer with a certificate for that TLS key (:mod:`potluck.protos.certs`), stored under
+each admitted peer with a certificate for that TLS key (:mod:`potluck.protos.net.certs`), stored under
 ``potluck/<coordinator>/certs``. Certificates are short-lived and renewed while the peer keeps
 heartbeating; an evicted peer gets none, and its id goes on the plan's revocation list, so every
 peer refuses its calls at once.
@@ -28,18 +28,20 @@ from __future__ import annotations
 import hmac
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from potluck.coordinator.journal import kept_secret
 from potluck.coordinator.service import answers
-from potluck.protos.certs import CertError, CertificateAuthority, TlsIdentity, fingerprint, token_proof
-from potluck.protos.config import RunConfig
-from potluck.protos.log import get_logger, short_id
-from potluck.protos.records import AdmissionRequest, Certificate, PeerRecord, Round
-from potluck.protos.swarm import SwarmNode
-from potluck.protos.transport import PeerClient
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.net.certs import CertError, CertificateAuthority, TlsIdentity, fingerprint, token_proof
+from potluck.protos.net.swarm import SwarmNode
+from potluck.protos.net.transport import PeerClient
+from potluck.protos.runtime.log import get_logger, short_id
+from potluck.protos.wire import work
+from potluck.protos.wire.records import AdmissionRequest, Certificate, Member, PeerRecord, Round
 
 log = get_logger(__name__)
 
@@ -60,6 +62,7 @@ class Admission:
     allow: frozenset[str] = frozenset()
     lifetime_s: float = 6 * 3600.0
     max_per_minute: int = 120
+    pow_bits: int = 0  # open runs: the proof of work a new key must bring (potluck.protos.wire.work)
     admitted: dict[str, Admitted] = field(default_factory=dict)
     revoked: set[str] = field(default_factory=set)
     _recent: deque = field(default_factory=deque)  # wall times of recent new admissions
@@ -76,6 +79,8 @@ class Admission:
         refused: list[str] = []
         while self._recent and now - self._recent[0] > 60.0:
             self._recent.popleft()
+        if len(self.admitted) > 2 * len(requests) + 1000:  # forget expired admissions: churn must not grow it forever
+            self.admitted = {pid: a for pid, a in self.admitted.items() if a.not_after > now}
         for pid, req in sorted(requests.items(), key=lambda kv: kv[1].ts):
             reason = in_use.get(pid) or self._refusal(pid, req)
             if reason:
@@ -112,7 +117,12 @@ class Admission:
             return "evicted from this run"
         if req.run_id != self.run_id:
             return f"asks for run {req.run_id[:32]!r}"
-        if self.mode == "open" or pid in self.allow:
+        if pid in self.allow:
+            return ""
+        if self.mode == "open":
+            if self.pow_bits and work.zero_bits(self.run_id, pid, req.pow_nonce) < self.pow_bits:
+                return (f"this open run asks a new key for a proof of work of {self.pow_bits} bits "
+                        "(admission.pow_bits), and the request has none: upgrade potluck")
             return ""
         if self.token and hmac.compare_digest(req.proof, token_proof(self.token, self.run_id, pid, req.tls_key)):
             return ""
@@ -150,28 +160,49 @@ class Gatekeeper:
         self.tls.adopt(self.ca.issue(me, self.tls.public_pem, 30 * 86400.0), self.ca.cert_pem, me)
         self.token = join_token(journal_dir) if a.mode == "private" else ""
         self.admission = Admission(self.ca, run_id, a.mode, self.token, frozenset(a.allow), a.cert_lifetime_s,
-                                   a.max_per_minute, revoked=set(revoked))
+                                   a.max_per_minute, revoked=set(revoked), pow_bits=a.pow_bits)
         self.evict_after = a.evict_after
-        self._flagged: dict[str, dict[int, bool]] = {}  # peer -> step -> clipped or rejected by some owner
+        self._flagged: dict[str, dict[int, bool]] = {}  # peer -> step -> clipped or rejected by most owners
+        # of a stage's members, those whose reports count (past probation; all of them while none is)
+        self.trusted: Callable[[Sequence[Member]], set[str]] = lambda cells: {m.peer_id for m in cells}
         self._unsent: list[Certificate] = []  # answers reviewed but not stored yet
+        self._sending: tuple[Any, list[Certificate]] | None = None  # (future, answers) of the store in flight
         self._in_use_seen: dict[tuple[str, int], str] = {}  # (peer, request seq) -> why refused ('' if not)
 
     def tick(self, node: SwarmNode, records: dict[str, PeerRecord], round_at: Callable[[int], Round | None],
-             client: PeerClient | None = None) -> tuple[dict[str, PeerRecord], list[tuple[str, str]]]:
-        """Answer admission requests; the records of admitted peers, and events as (peer, message):
-        admissions refused, evictions, heartbeats of strangers ignored. ``client`` pings a running process
-        of an identity a new process asks for (without one, nobody is taken for running)."""
-        requests, refused = node.get_admissions()
+             client: PeerClient | None = None, read: tuple[dict[str, AdmissionRequest], list[str]] | None = None,
+             ) -> tuple[dict[str, PeerRecord], list[tuple[str, str, str]]]:
+        """Answer admission requests; the records of admitted peers, and events as (kind, peer, message): kind
+        ``rejected`` (admissions refused, heartbeats of strangers ignored) or ``evicted``. ``client`` pings a running
+        process of an identity a new process asks for (without one, nobody is taken for running). ``read``: the
+        requests and refusals already read (the coordinator reads them incrementally); else they are read here."""
+        requests, refused = read if read is not None else node.get_admissions()
         still_there = (lambda rec: answers(client, self.run_id, self.me, rec)) if client is not None else (lambda rec: False)
         certs, events = self.admission.review(requests, in_use=self._in_use(requests, records, still_there))
         self._unsent += certs  # reviewed answers are not reviewed again: each is stored, whatever it takes
-        while self._unsent:  # (a DHTTimeout leaves the rest for the next tick)
-            node.publish_certificate(self._unsent[0], ttl=CERT_TTL_S)
-            self._unsent.pop(0)
-        out = [("", e) for e in events + refused] + self._evictions(records, round_at)
+        self._send(node)
+        out = [("rejected", "", e) for e in events + refused] + [("evicted", p, m) for p, m in
+                                                                  self._evictions(records, round_at)]
         kept = {pid: r for pid, r in records.items() if self.admission.is_admitted(pid)}
         strangers = sorted(set(records) - set(kept) - self.admission.revoked)
-        return kept, out + [(p, "heartbeat ignored: not admitted") for p in strangers[:3]]
+        return kept, out + [("rejected", p, "heartbeat ignored: not admitted") for p in strangers[:3]]
+
+    def _send(self, node: SwarmNode) -> None:
+        """Store the answers not stored yet, all in one DHT call the loop does not wait for; a call that did not
+        store them all sends them again on the next tick."""
+        if self._sending is not None:
+            future, batch = self._sending
+            if not future.done():
+                return
+            self._sending = None
+            try:
+                stored = bool(future.result())
+            except Exception:  # (a DHTTimeout, the DHT child restarting: send them again)
+                stored = False
+            if not stored:
+                self._unsent = batch + self._unsent
+        if self._unsent:
+            self._sending, self._unsent = (node.publish_certificates(self._unsent, ttl=CERT_TTL_S), self._unsent), []
 
     def _in_use(self, requests: dict[str, AdmissionRequest], records: dict[str, PeerRecord],
                 answers: Callable[[PeerRecord], bool]) -> dict[str, str]:
@@ -192,21 +223,41 @@ class Gatekeeper:
         return out
 
     def _evictions(self, records: dict[str, PeerRecord], round_at: Callable[[int], Round | None]) -> list[tuple[str, str]]:
-        """Owners sign whom they clipped or rejected, and every member of a stage applies the same results, so
-        names the same peers in its step report. A peer counts as flagged in a step only when most of its
-        stage's members name it: one liar cannot get honest peers evicted. Flagged too often: evicted."""
-        named: dict[tuple[int, int], Counter[str]] = {}
+        """Each owner signs whom it clipped or left out, and every member reports each owner's list as it received
+        it (``StepReport.flags``). A peer counts as flagged in a step only when most of the *owners* it
+        averaged with (its stage's; its group's, with ``sync.group_size``) flagged it, each owner's list as most
+        trusted reporters of that group give it: owners are counted, not the
+        members that repeat them, so one owner's false flags are never a majority (and an audit of its shard
+        proves them false), and reporters on probation (a crowd of fresh keys) do not count. Flagged too often:
+        evicted."""
+        claims: dict[tuple[int, int, int], dict[str, Counter[tuple[str, ...]]]] = {}
+        trusted: dict[tuple[int, int, int, int], set[str]] = {}  # (round step, epoch, stage, group) -> its trusted reporters
         for rec in records.values():
             if not self.admission.is_admitted(rec.peer_id):
                 continue
-            for step in {s.step: s for s in rec.recent}.values():  # one vote per reporter and step
+            for step in {s.step: s for s in rec.recent}.values():  # one report per reporter and step
                 self._flagged.setdefault(rec.peer_id, {}).setdefault(step.step, False)  # it took part
-                named.setdefault((step.step, step.stage), Counter()).update(set(step.clipped) | set(step.rejected))
-        for (step, stage), counts in named.items():
-            rnd = round_at(step)
-            members = {m.peer_id for m in rnd.members if m.stage == stage} if rnd is not None else set()
-            for pid, n in counts.items():
-                if pid in members and 2 * n > len(members):
+                if (rnd := round_at(step.step)) is None:
+                    continue
+                if (member := rnd.member(rec.peer_id)) is None:
+                    continue  # (not a member of that round: nothing it reports of it counts)
+                key = (rnd.step, rnd.epoch, step.stage, member.group)
+                if key not in trusted:  # (once per group and call: per record, 1,000 peers made it seconds)
+                    trusted[key] = self.trusted(rnd.cohort(rec.peer_id))  # its group (sync.group_size)
+                if rec.peer_id not in trusted[key]:
+                    continue
+                by_owner = claims.setdefault((step.step, step.stage, key[3]), {})
+                for owner, named in step.flags.items():
+                    by_owner.setdefault(owner, Counter())[tuple(sorted(set(named)))] += 1
+        for (step, stage, group), by_owner in claims.items():
+            cells = {m.peer_id for m in rnd.group_members(stage, group)} if (rnd := round_at(step)) is not None else set()
+            owners = rnd.shard_owners(stage, group) if rnd is not None else []
+            counts: Counter[str] = Counter()
+            for owner, versions in by_owner.items():
+                if owner in owners:
+                    counts.update(versions.most_common(1)[0][0])
+            for pid, n in counts.items():  # (a flagged owner's own shard does not vote on it)
+                if pid in cells and 2 * n > len(set(owners) - {pid}):
                     self._flagged.setdefault(pid, {})[step] = True
         out = []
         for pid, steps in self._flagged.items():
@@ -215,7 +266,7 @@ class Gatekeeper:
             recent = [steps[s] for s in sorted(steps)[-RECENT_STEPS:]]
             if sum(recent) >= self.evict_after and pid not in self.admission.revoked:
                 self.admission.revoke(pid)
-                out.append((pid, f"evicted: most members of its stage clipped or left out its update "
+                out.append((pid, f"evicted: most owners of its stage clipped or left out its update "
                                  f"in {sum(recent)} of its last {len(recent)} outer steps"))
         return out
 

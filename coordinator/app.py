@@ -14,10 +14,10 @@ loop applies, so the state below is written by this loop only.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections import deque
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,21 +25,26 @@ from potluck import __version__
 from potluck.coordinator import bootstrap, history
 from potluck.coordinator.admission import Gatekeeper
 from potluck.coordinator.checkpointer import Checkpointer, Job, Written
+from potluck.coordinator.finishing import Finish
+from potluck.coordinator.health import Health
+from potluck.coordinator.integrity import Integrity
 from potluck.coordinator.journal import JournalError
 from potluck.coordinator.membership import PeerTable, announce
 from potluck.coordinator.placement import PlacementWorker, grid_for, members
 from potluck.coordinator.publisher import Publisher
+from potluck.coordinator.reader import Reader
 from potluck.coordinator.rounds import Committed, Failed, RolledBack, Rounds, describe_round
-from potluck.coordinator.service import CoordinatorService, reachable
+from potluck.coordinator.service import CoordinatorService, Pinger
 from potluck.coordinator.snapshot import RunInfo, Series, build
 from potluck.coordinator.status import StatusServer
-from potluck.protos.config import ConfigError, RunConfig
-from potluck.protos.errors import CannotBind
-from potluck.protos.faults import fault
-from potluck.protos.identity import Identity
-from potluck.protos.log import get_logger, set_context, short_id
-from potluck.protos.swarm import DHTTimeout, LinkReport
-from potluck.protos.transport import PeerClient, PeerServer, Traffic
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.config.section import ConfigError
+from potluck.protos.net.errors import CannotBind
+from potluck.protos.net.identity import Identity
+from potluck.protos.net.swarm import DHTTimeout, JoinError
+from potluck.protos.net.transport import PeerClient, PeerServer, Traffic
+from potluck.protos.runtime.log import get_logger, set_context, short_id
+from potluck.protos.testkit.faults import fault
 
 log = get_logger(__name__)
 
@@ -50,46 +55,48 @@ class Coordinator:
         self.cfg, self.exit_when_finished, self.ready_file = cfg, exit_when_finished, ready_file
         set_context(role="coordinator")  # (its id once its identity is loaded, below)
         self.stopping = threading.Event()
-        self._admin: queue.SimpleQueue[str] = queue.SimpleQueue()  # admin requests from the status server
+        self.finish = Finish()  # the run's end: all steps committed, or the admin's request from the status page
         self.events: deque[dict[str, Any]] = deque(maxlen=500)
         self.traffic = Traffic()
         self.journal, self.state = bootstrap.open_journal(cfg)  # checks the run first: a refused one writes nothing
         self.identity = Identity.load_or_create(Path(c.journal_dir) / "identity.key")
-        self.id = self.identity.peer_id
-        self.run_id = self.state.run_id
+        self.id, self.run_id = self.identity.peer_id, self.state.run_id
         self.table = PeerTable(cfg.membership.heartbeat_timeout_s)
         self.rounds = Rounds.for_run(cfg)
         self.gate = Gatekeeper(cfg, self.run_id, self.id, Path(c.journal_dir), self.state.revoked)
         self.tls = None if c.insecure else self.gate.tls  # gRPC with peers over mutual TLS unless --insecure
         self.client = PeerClient(self.traffic, tls=self.tls)
+        self.pinger = Pinger(self.client, self.run_id, self.id)  # (a decision's pings run off the loop)
         self.checkpointer = Checkpointer.for_run(cfg, self.client, self.run_id, self.id)
+        self.integrity = Integrity.for_run(cfg, self.client, self.run_id, self.id, self.state.trust)
+        self.gate.trusted = self.integrity.trust.eligible  # eviction votes: owners and reporters past probation
         self.placement = PlacementWorker(cfg, cfg.links.search_budget_s)
-        self.series, self.links = Series(), dict[str, LinkReport]()
+        self.series, self.health, self._memo = Series(), Health(), history.Memo()  # (memo: step reports folded)
         self.node: Any = None
         self.grpc: PeerServer | None = None
         self.status: StatusServer | None = None
         self.publisher: Any = None
         self.info = RunInfo(self.run_id, self.id, "", "", time.time(), self.state.finished)
-        self._snapshot: dict[str, Any] = {}
-        self._dirty, self._links_read_at = False, 0.0
-        self._warned: set[str] = set()
+        self.reader: Any = None  # (a Reader of the DHT node, once it runs)
+        self._snapshot, self._dirty = dict[str, Any](), False
         set_context(role="coordinator", peer_id=self.id)
 
     def run(self) -> int:
         try:
             self.start()
             while not self.stopping.is_set():
-                t0 = time.monotonic()
+                t0, c0 = time.monotonic(), time.thread_time()
                 try:
                     self.tick()
                 except DHTTimeout as err:  # a wedged or swamped DHT process: the next tick tries again
                     log.warning("%s", err)
-                if self.exit_when_finished and self.state.finished and self._drained():
+                self.health.ticked(time.monotonic() - t0, time.thread_time() - c0)
+                if self.exit_when_finished and self.state.finished and self.finish.drained(self.checkpointer, self.table):
                     log.info("run finished; exiting")
                     break
                 self.stopping.wait(max(0.0, self.cfg.coordinator.tick_s - (time.monotonic() - t0)))
             return 0
-        except (ConfigError, JournalError, CannotBind) as err:
+        except (ConfigError, JournalError, CannotBind, JoinError) as err:
             log.error("%s", err)
             return 2
         finally:
@@ -99,16 +106,17 @@ class Coordinator:
         c, s = self.cfg.coordinator, self.state
         self.rounds.restore(s.committed, s.epoch, s.rounds, s.hashes, s.outcomes, time.monotonic(), s.cursors)
         self.checkpointer.start()
-        resharded = bootstrap.resume_layout(self.rounds, self.checkpointer.served, self.state, self.cfg)
-        if resharded:  # resumed with another stage count: the run continues from the newest checkpoint
-            self._event("reshard", "", resharded)
+        if resharded := bootstrap.resume_layout(self.rounds, self.checkpointer.served, self.state, self.cfg):
+            self._event("reshard", "", resharded)  # another stage count: on from the newest checkpoint
             self._save()
         self.node = bootstrap.start_node(self.identity, Path(c.journal_dir) / "identity.key", c, list(s.known_peers))
+        self.reader = Reader(self.node, self.cfg)
         host = bootstrap.public_host(c)
         self.grpc = bootstrap.grpc_server(CoordinatorService(self.id, lambda: self.rounds.committed, self.checkpointer),
                                           self.traffic, c, self.tls, self.gate.revoked, self.run_id)
         self.status, self.info.fingerprint = bootstrap.status_server(c, host, lambda: self._snapshot,
-                                                                     {"finish": self._admin_finish})
+                                                                     {"finish": lambda body: self.finish.request(
+                                                                         body, self.rounds.committed)})
         self.info.join_address = bootstrap.join_address(self.node, host, self.id)
         self.info.status_url = f"{'https' if self.info.fingerprint else 'http'}://{host}:{self.status.port}/"
         manifest = bootstrap.manifest(self.cfg, s, self.info, f"{host}:{self.grpc.port}", self.checkpointer.served,
@@ -126,42 +134,50 @@ class Coordinator:
         except OSError as err:
             log.warning("could not save the journal on shutdown: %s", err)
         for stop in filter(None, (self.status and self.status.stop, self.grpc and self.grpc.stop, self.checkpointer.stop,
-                                  self.placement.stop, self.client.close, self.node and self.node.shutdown)):
+                                  self.placement.stop, self.integrity.stop, self.client.close, self.node and self.node.shutdown)):
             try:
                 stop()
-            except Exception as err:
-                log.debug("stopping: %s", err)
+            except Exception as err:  # everything else must still be stopped
+                log.warning("stopping the coordinator: one part did not stop cleanly (%s); stopping the rest", err)
 
     # ------------------------------------------------------------------ the loop
 
     def tick(self) -> None:
-        now = time.monotonic()
-        if now - self._links_read_at > 5.0:  # for placement and the status page's heatmap
-            self._links_read_at, self.links = now, self._read(self.node.get_links) or self.links
-        records, events = self.gate.tick(self.node, self._read(self.node.get_peers) or {}, self.rounds.round_at, self.client)
-        for pid, message in events:
-            self._event("evicted" if "evicted" in message else "rejected", pid, message)
+        now, reader = time.monotonic(), self.reader
+        refused = reader.poll(now)  # what the DHT reads brought (only the records that changed), refusals said once
+        records, events = self.gate.tick(self.node, reader.peers.records, self.rounds.round_at, self.client,
+                                         (reader.admissions.records, refused))
+        for kind, pid, message in events:  # (kinds from the admission room, never read off the message's text)
+            self._event(kind, pid, message)
         self.publisher.revoked_changed()
         for kind, pid, message, warn in announce(self.table.update(records, now), self.table, self.cfg):
             self._event(kind, pid, message, warn)
-        for ev in self.rounds.observe(self.table.reports(), now, self.checkpointer.checkpoint()):
+        for pid, message in self.integrity.observe(records, self.rounds.round_at):
+            self._event("audit", pid, message, True)
+        retract = partial(self.rounds.retract, reports=self.table.reports(), checkpoint=self.checkpointer.checkpoint(), now=now)
+        for ev in self.integrity.judge(self.gate.admission.revoke, retract, self._event) + self.rounds.observe(
+                self.table.reports(), now, self.checkpointer.checkpoint()):
             self._on(ev)
         self._checkpoints_done()
         self._maybe_finish(now)
         self._maybe_decide(now)
-        self.state.history, added = history.fold(self.state.history, [v.record for v in self.table.peers.values()],
-                                                 self.rounds.round_at, self.rounds.committed)
+        self.state.history, added = history.fold(self.state.history, self.table.records(changed=True), self.rounds.round_at,
+                                                 self.rounds.committed, memo=self._memo, everyone=self.table.records())
         if added or self._dirty:
             self._save()
         self.publisher.publish(self.rounds.rounds.values())
         self.info.finished, self.info.checkpoint_version = self.state.finished, self.publisher.manifest.checkpoint_version
-        self._snapshot = build(self.info, self.cfg, list(self.table.peers.values()), self.rounds, self.state.history,
-                               self.state.rolled_back, self.events, self.series, self.links)
+        if self.health.snapshot_due(now, added, self.cfg.coordinator.tick_s):
+            self._snapshot = build(self.info, self.cfg, list(self.table.peers.values()), self.rounds, self.state.history,
+                                   self.state.rolled_back, self.events, self.series, reader.links.records,
+                                   health=self.health.section(reader.stats(), len(self.table.peers)))
+            self.health.snapshot_built(now)
 
     def _on(self, ev: object) -> None:
         self._dirty = True
         if isinstance(ev, Committed):
             fault("coordinator.committed", ev.step)
+            self.integrity.committed(self.rounds.round_at(ev.step), ev.step, self.table.reports())
             self.state.known_peers = [m for v in self.table.live() for m in v.record.dht_maddrs[:1]][:16]
             every, v, rnd = self.cfg.coordinator.checkpoint_every, ev.step, self.rounds.round_at(ev.step)
             if every and rnd is not None and (v // every > ev.since // every or v >= self.cfg.diloco.outer_steps):
@@ -169,6 +185,7 @@ class Coordinator:
         elif isinstance(ev, Failed):
             self._event("failed", "", f"round {ev.round.step} (epoch {ev.round.epoch}) failed: {ev.reason}")
         elif isinstance(ev, RolledBack):
+            self.integrity.rolled_back(ev.to_version)
             self.state.history, undone = history.roll_back(self.state.history, ev.to_version)
             self.state.rolled_back = (self.state.rolled_back + undone)[-200:]
             self._event("rollback", "", f"rolled back from step {ev.from_step} to v{ev.to_version} ({ev.source}); "
@@ -185,12 +202,10 @@ class Coordinator:
                 log.warning("checkpoint of v%d not written: %s", done.version, done.reason)
 
     def _maybe_finish(self, now: float) -> None:
-        admin = self._admin.get_nowait() if not self._admin.empty() else None
+        done, admin = self.finish.due(self.cfg, self.rounds, self.table.reports(), now, self.integrity)
         if admin is not None:
             self._event("admin", "", f"run ended by the admin at outer step {self.rounds.committed}{admin}")
-        done = self.rounds.committed >= self.cfg.diloco.outer_steps and self.rounds.settled(
-            now, self.cfg.membership.heartbeat_timeout_s, self.table.reports())
-        if not self.state.finished and (done or admin is not None):
+        if not self.state.finished and done:
             self.state.finished, self._dirty = True, True
             self.publisher.update(finished=True)
             self._event("finished", "", f"run ended at outer step {self.rounds.committed}")
@@ -200,50 +215,35 @@ class Coordinator:
         if (self.state.finished or self.rounds.committed >= self.cfg.diloco.outer_steps
                 or not self.rounds.ready_to_decide(len(live), self.cfg.membership.min_peers, now, self.table.reports())):
             return
-        records = reachable(self.client, self.run_id, self.id, [v.record for v in live])
+        if (answered := self.pinger.poll(v.record for v in live)) is None:  # None while the pings run (off this loop)
+            return
+        records, t0 = answered  # (a decision costs from its first ping to the round published)
         before = {m.peer_id: (m.stage, m.replica) for m in getattr(self.rounds.rounds.get(self.rounds.committed), "members", [])}
-        placed = grid_for(self.cfg, records, stages, before, self.links, self.placement)
+        placed = grid_for(self.cfg, records, stages, before, self.reader.links.records, self.placement)
         if placed is None:
             return  # not one whole pipeline yet, or the search still runs off this loop
         grid, replan = placed
         if replan is not None and any(before.get(pid) != cell for pid, cell in grid.items()):
             self._event("replan", "", replan.describe())
-        r = self.rounds.decide(members(grid, records), now, time.time())
+        cells, audits = self.integrity.roles(members(grid, records), self.rounds)  # owners past probation; audits
+        r = self.rounds.decide(cells, now, time.time(), self.table.reports(), audits)
         self.publisher.new_plan()
         self._save()  # journaled before anyone can act on it
         self._event("round", "", describe_round(r, before))
+        self.health.decided(time.monotonic() - t0)
         fault("coordinator.decided", r.step)
 
     def _save(self) -> None:
         s, r = self.state, self.rounds
         r.prune_hashes()
         s.committed, s.epoch, s.rounds, s.hashes, s.cursors = r.committed, r.epoch, list(r.rounds.values()), r.hashes, r.data.to_json()
-        s.outcomes, s.revoked = [vars(o) for o in r.outcomes], sorted(self.gate.admission.revoked)
+        s.outcomes, s.revoked, s.trust = ([vars(o) for o in r.outcomes], sorted(self.gate.admission.revoked),
+                                          self.integrity.trust.to_json())
         self.journal.save(s)
         self._dirty = False
-
-    def _read(self, get: Any) -> dict:
-        """Records from the DHT, with an event for each new reason some were refused (forged, stale, malformed)."""
-        try:
-            records, refused = get()
-        except Exception as err:  # the DHT child is restarting, say: try again next tick
-            log.warning("could not read the DHT: %s", err)
-            return {}
-        for reason in dict.fromkeys(r for r in refused if r not in self._warned):  # (new ones, in order)
-            self._warned.add(reason)
-            self._event("rejected", "", reason)
-        return records
 
     def _event(self, kind: str, peer: str, message: str, warn: bool = False) -> None:
         self.events.append({"t": time.time(), "kind": kind, "peer": peer, "message": message})
         if kind != "round":
             (log.warning if warn else log.info)("%s%s", f"{short_id(peer)} " if peer else "", message)
 
-    def _admin_finish(self, body: dict) -> dict:
-        """Admin action (on a status server thread): the loop ends the run at the committed step."""
-        reason = str(body.get("reason", ""))[:200]
-        self._admin.put(f": {reason}" if reason else "")
-        return {"finishing": True, "outer_step": self.rounds.committed}
-
-    def _drained(self) -> bool:
-        return not self.checkpointer.busy() and all(v.record.state in ("finished", "left") for v in self.table.live())

@@ -27,16 +27,20 @@ from potluck.coordinator.status import StatusServer
 from potluck.coordinator.status_tls import status_tls
 from potluck.data import DataError
 from potluck.data.corpus import ShardCorpus, locate
-from potluck.protos.certs import TlsIdentity
-from potluck.protos.config import ConfigError, CoordinatorConfig, RunConfig
-from potluck.protos.identity import Identity
-from potluck.protos.log import get_logger
-from potluck.protos.records import DataIdentity, Manifest, next_seq
-from potluck.protos.refusals import log_refusal
-from potluck.protos.relay import RelayHub
-from potluck.protos.runcheck import file_identity, markov_identity, non_public
-from potluck.protos.swarm import JoinError, SwarmNode, guess_reachable_host, host_of_multiaddr
-from potluck.protos.transport import Handlers, PeerServer, Traffic
+from potluck.protos.config.runcheck import file_identity, markov_identity, non_public
+from potluck.protos.config.runconfig import CoordinatorConfig, RunConfig
+from potluck.protos.config.section import ConfigError
+from potluck.protos.net.certs import TlsIdentity
+from potluck.protos.net.dhtguard import run_key
+from potluck.protos.net.identity import Identity
+from potluck.protos.net.relay import RelayHub
+from potluck.protos.net.servicer import Handlers
+from potluck.protos.net.swarm import JoinError, SwarmNode, guess_reachable_host, host_of_multiaddr
+from potluck.protos.net.transport import PeerServer, Traffic
+from potluck.protos.runtime.log import get_logger
+from potluck.protos.wire.envelope import next_seq
+from potluck.protos.wire.records import DataIdentity, Manifest
+from potluck.protos.wire.refusals import log_refusal
 
 log = get_logger(__name__)
 
@@ -96,20 +100,34 @@ def manifest(cfg: RunConfig, state: JournalState, info: RunInfo, grpc_address: s
                     created_at=state.created_at, coordinator_grpc=grpc_address, status_url=info.status_url,
                     finished=state.finished, seq=next_seq(), checkpoint_every=c.checkpoint_every,
                     checkpoint_version=served.version if served else 0, data=data_identity(cfg),
-                    security="insecure" if c.insecure else "mtls", admission=cfg.admission.mode, ca_pem=ca_pem)
+                    security="insecure" if c.insecure else "mtls", admission=cfg.admission.mode,
+                    pow_bits=cfg.admission.pow_bits if cfg.admission.mode == "open" else 0, ca_pem=ca_pem)
 
 
 def start_node(identity: Identity, identity_path: Path, c: CoordinatorConfig, known: list[str]) -> SwarmNode:
-    """The DHT node the swarm bootstraps from; after a restart, rejoined through ``known`` peers."""
-    kwargs = {"coordinator": identity.peer_id, "host": c.host, "port": c.dht_port, "announce_host": c.announce_host,
-              "startup_timeout": c.startup_timeout_s, "identity_path": identity_path}
+    """The DHT node the swarm bootstraps from; after a restart, rejoined through ``known`` peers. Its node id is
+    its peers key's: the nearest node to that key, it stores every heartbeat and reads them locally.
+
+    Bounded as a whole by ``startup_timeout_s``: a rejoin that fails leaves the rest of it to starting a
+    new swarm, and a start that does not end in time is a JoinError (the coordinator exits with it)."""
+    deadline = time.monotonic() + c.startup_timeout_s
+
+    def start(peers: list[str]) -> SwarmNode:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise JoinError(f"could not start a DHT node within coordinator.startup_timeout_s = "
+                            f"{c.startup_timeout_s:g} s; on a slow machine raise it")
+        return SwarmNode(identity, initial_peers=peers, coordinator=identity.peer_id, host=c.host, port=c.dht_port,
+                         announce_host=c.announce_host, startup_timeout=left, identity_path=identity_path,
+                         node_id_source=run_key(identity.peer_id, "peers"))
+
     try:
-        node = SwarmNode(identity, initial_peers=known, **kwargs)  # type: ignore[arg-type]
+        node = start(known)
     except JoinError as err:
         if not known:
             raise
         log.warning("none of the %d peers known from the journal answered (%s); starting a new swarm", len(known), err)
-        return SwarmNode(identity, **kwargs)  # type: ignore[arg-type]
+        return start([])
     if known:
         log.info("rejoined the swarm through %d peers known from the journal", len(known))
     return node

@@ -23,11 +23,9 @@ checkpoint with a clear log line when a file is missing, truncated or corrupted.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import math
-import os
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -36,20 +34,27 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from potluck.compression.statehash import StateHasher
 from potluck.compression.transfer import Snapshot, byte_chunks, tensors_hash
 from potluck.coordinator.journal import write_atomic
-from potluck.protos.log import get_logger
+from potluck.coordinator.tensorfile import (
+    CHUNK,
+    Layout,
+    file_sha256,
+    float_view,
+    map_file,
+    ranges_hash,
+    read_range,
+    tensor_ranges,
+    write_safetensors,
+)
+from potluck.protos.runtime.log import get_logger
 
 log = get_logger(__name__)
 
 FORMAT = "potluck-checkpoint-v2"
 FORMAT_V1 = "potluck-checkpoint-v1"
 KEYS = ("theta", "momentum")  # their order in a stage file; the state hash takes them by name
-CHUNK = 16 << 20
 STAGE_KEYS = {"stage", "file", "sha256", "hash", "layers", "layout", "theta", "momentum"}
-
-Layout = list[tuple[str, list[int]]]
 
 
 def split_by_layout(flat: torch.Tensor, layout: list[tuple[str, list[int]]]) -> dict[str, torch.Tensor]:
@@ -132,75 +137,6 @@ def slice_stage(whole: Snapshot, start: int, stop: int, stage: int) -> Snapshot:
     return Snapshot(tensors, whole.version, tensors_hash(tensors), meta)
 
 
-# ---------------------------------------------------------------------- safetensors, streamed
-
-
-def write_safetensors(path: Path, entries: Layout, blocks: Iterable[bytes | memoryview],
-                      metadata: dict[str, str]) -> tuple[str, int]:
-    """Write float32 tensors ``entries`` (name, shape), whose bytes are ``blocks`` concatenated, as the
-    safetensors file ``path``; returns its SHA-256 and where its data starts.
-
-    Nothing is buffered beyond one block: the header is known from the shapes, then the blocks go
-    straight to a temporary file, which is fsynced and renamed over ``path``.
-    """
-    head: dict[str, Any] = {"__metadata__": metadata}
-    size = 0
-    for name, shape in entries:
-        n = 4 * math.prod(shape)
-        head[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [size, size + n]}
-        size += n
-    raw = json.dumps(head, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # data 8-aligned, as safetensors writes it: float32 views map in place
-    digest = hashlib.sha256()
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            written = -len(raw) - 8
-            for block in itertools.chain([len(raw).to_bytes(8, "little"), raw], blocks):
-                digest.update(block)
-                f.write(block)
-                written += len(block)
-            if written != size:
-                raise ValueError(f"{path.name}: {written} bytes of tensor data, its header says {size}")
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return digest.hexdigest(), 8 + len(raw)
-
-
-def tensor_ranges(path: Path) -> dict[str, tuple[int, int]]:
-    """The byte range, in the file, of every float32 tensor of the safetensors file ``path``."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        try:
-            head = json.loads(f.read(n))
-        except ValueError as err:
-            raise ValueError(f"{path.name} has no readable safetensors header: {err}") from None
-    out = {}
-    for name, info in head.items():
-        if name == "__metadata__":
-            continue
-        begin, end = info["data_offsets"]
-        if info["dtype"] != "F32" or (8 + n + begin) % 4 or end < begin:
-            raise ValueError(f"{path.name}: {name} is not float32 data that maps in place")
-        out[name] = (8 + n + begin, 8 + n + end)
-    return out
-
-
-def map_file(path: Path) -> torch.Tensor:
-    """The file as float32 values, memory-mapped: pages are read when touched, and a write would stay
-    private to this process (``MAP_PRIVATE``), never reaching the file."""
-    return torch.from_file(str(path), shared=False, size=path.stat().st_size // 4, dtype=torch.float32)
-
-
-def _view(flat: torch.Tensor, begin: int, end: int, name: str) -> torch.Tensor:
-    if begin % 4 or end % 4 or not 0 <= begin <= end <= 4 * flat.numel():
-        raise ValueError(f"byte range [{begin}, {end}) of {name} is not float32 data inside the file")
-    return flat[begin // 4 : end // 4]
-
-
 def map_stage(path: Path, entry: dict[str, Any], version: int, meta: dict[str, Any]) -> Snapshot:
     """The stage that ``entry`` (of a manifest's ``stages``) describes, its flat ``theta`` and
     ``momentum`` memory-mapped from ``path``: nothing is read until a peer fetches a range of it."""
@@ -208,38 +144,8 @@ def map_stage(path: Path, entry: dict[str, Any], version: int, meta: dict[str, A
     tensors = {}
     for key in KEYS:
         begin, end = entry[key]
-        tensors[key] = _view(flat, begin, end, path.name)
+        tensors[key] = float_view(flat, begin, end, path.name)
     return Snapshot(tensors, version, entry["hash"], meta)
-
-
-def _read(path: Path, begin: int, end: int) -> Iterator[bytes]:
-    with open(path, "rb") as f:
-        f.seek(begin)
-        while begin < end:
-            block = f.read(min(CHUNK, end - begin))
-            if not block:
-                raise ValueError(f"{path.name} ends at byte {begin}, before {end}")
-            begin += len(block)
-            yield block
-
-
-def ranges_hash(tensors: dict[str, list[tuple[Path, int, int]]]) -> str:
-    """:func:`tensors_hash` of flat tensors each made of byte ranges of files, read in blocks."""
-    h = StateHasher()
-    for name in sorted(tensors):
-        h.tensor(name)
-        for path, begin, end in tensors[name]:
-            for block in _read(path, begin, end):
-                h.update(block)
-    return h.hexdigest()
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _stem(path: Path) -> str:
@@ -248,6 +154,11 @@ def _stem(path: Path) -> str:
 
 
 class CheckpointStore:
+    """The checkpoints in ``directory`` (the newest ``keep`` of them kept). Its state is the directory: it
+    holds nothing in memory between calls. In a coordinator the :class:`~potluck.coordinator.checkpointer.
+    Checkpointer` owns it and is its only writer; the files themselves live in
+    :mod:`potluck.coordinator.tensorfile`'s format."""
+
     def __init__(self, directory: str | Path, keep: int = 3) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -335,7 +246,7 @@ class CheckpointStore:
             "version": snap.version,
             "state_hash": snap.hash,
             "file": data_path.name,
-            "file_sha256": _sha256(data_path),
+            "file_sha256": file_sha256(data_path),
             "tensors": sorted(snap.tensors),
             "layout": layout,
             "meta": snap.meta,
@@ -397,7 +308,7 @@ class CheckpointStore:
     def _check(path: Path, sha256: str) -> None:
         if not path.exists():
             raise ValueError(f"{path.name} is missing")
-        digest = _sha256(path)
+        digest = file_sha256(path)
         if digest != sha256:
             raise ValueError(f"{path.name} is corrupted or truncated (sha256 {digest[:12]}, expected {sha256[:12]})")
 
@@ -424,7 +335,7 @@ class CheckpointStore:
             for stored, name, shape in names:
                 if stored not in ranges:
                     raise ValueError(f"{path.name} has no tensor {stored!r}")
-                t = _view(flat, *ranges[stored], path.name)
+                t = float_view(flat, *ranges[stored], path.name)
                 yield name, t if shape is None else t.view(shape)
 
     def load(self, manifest_path: Path) -> Snapshot:
@@ -503,7 +414,7 @@ class CheckpointStore:
         self.split_dir.mkdir(exist_ok=True)
         path = self.split_dir / file
         entries = [(f"{key}/{n}", sh) for key in KEYS for n, sh in mine]
-        blocks = itertools.chain.from_iterable(_read(*ranges[name]) for name, _ in entries)
+        blocks = itertools.chain.from_iterable(read_range(*ranges[name]) for name, _ in entries)
         _, start = write_safetensors(path, entries, blocks, {"format": FORMAT, "version": str(version),
                                                              "stage": str(meta["stage"])})
         size = 4 * sum(math.prod(sh) for _, sh in mine)

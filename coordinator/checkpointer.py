@@ -31,10 +31,11 @@ from potluck.coordinator.cursor import Cursor
 from potluck.coordinator.rounds import Checkpoint
 from potluck.models import stage_bounds
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.config import RunConfig
-from potluck.protos.log import get_logger
-from potluck.protos.records import Round
-from potluck.protos.transport import PeerClient, Rejected
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.net.transport import PeerClient
+from potluck.protos.runtime.log import get_logger
+from potluck.protos.wire.records import Round
+from potluck.protos.wire.refusals import Rejected
 
 log = get_logger(__name__)
 

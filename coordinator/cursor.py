@@ -8,7 +8,7 @@ version, because a version *is* a set of samples trained on:
 
 * **deciding** round ``v``: each stage-0 replica gets ``count`` free positions (H inner steps x
   batch), the pool's first, then the frontier's. The spans ride in the signed round record
-  (:class:`~potluck.protos.records.Share`); steps after ``v`` that peers run on the same plan while the
+  (:class:`~potluck.protos.wire.records.Share`); steps after ``v`` that peers run on the same plan while the
   coordinator is away take consecutive spans from the round's ``data_next`` (:meth:`Round.data_spans`);
 * **committing** ``v``: the cursor of ``v`` is the cursor of ``v - 1`` without every span step ``v``
   handed out, plus the spans of replicas whose contributions are *not* in version ``v`` (dead,
@@ -30,12 +30,13 @@ Peers reporting the plan they read by would close it.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from potluck.protos.log import get_logger
-from potluck.protos.records import Round, Share
+from potluck.protos.runtime.log import get_logger
+from potluck.protos.wire.records import Round, Share
 
 log = get_logger(__name__)
 
@@ -203,14 +204,25 @@ class DataCursor:
     def included(self, rnd: Round, step: int, round_at: Callable[[int], Round | None]) -> set[int]:
         """The replicas of ``rnd`` whose samples version ``step`` holds: all but those a strict majority
         of the round's voting stage-0 members leave out (a tie keeps a replica: its samples count as
-        trained, so one liar cannot make honest samples repeat). With no vote for the step (peers ran
-        ahead more steps than their reports remember), the nearest step run on the same round answers."""
+        trained, so one liar cannot make honest samples repeat). With grouped averaging only the members
+        of a replica's own group vote on it (the others' versions never held it). With no vote for the
+        step (peers ran ahead more steps than their reports remember), the nearest step run on the same
+        round answers."""
         replicas = [s.replica for s in rnd.shares]
+        group_of = {m.peer_id: m.group for m in rnd.members if m.stage == 0}
+        replica_group = {m.replica: m.group for m in rnd.members if m.stage == 0}
         probes = [v for v in range(max(rnd.step, step - KEEP_CURSORS), step + KEEP_CURSORS) if round_at(v) is rnd]
         for probe in sorted(probes, key=lambda v: (abs(v - step), -v)):
-            votes = list(self._votes.get((probe, rnd.epoch), {}).values())
-            if votes:
-                return {r for r in replicas if 2 * sum(r in v for v in votes) >= len(votes)}
+            votes = self._votes.get((probe, rnd.epoch), {})
+            if votes:  # (counted once per group: a thousand votes of a thousand replicas each, scanned per replica, took minutes)
+                counts: dict[int, Counter[int]] = {}
+                voters: Counter[int] = Counter()
+                for p, v in votes.items():
+                    g = group_of.get(p, 0)
+                    voters[g] += 1
+                    counts.setdefault(g, Counter()).update(v)
+                return {r for r in replicas
+                        if 2 * counts.get(replica_group.get(r, 0), Counter())[r] >= voters[replica_group.get(r, 0)]}
         return set(replicas)
 
     def commit(self, since: int, step: int, round_at: Callable[[int], Round | None]) -> None:

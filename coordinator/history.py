@@ -1,6 +1,6 @@
 """The run's history: one entry per committed outer step, folded from what the members reported.
 
-Every heartbeat carries the peer's last few :class:`~potluck.protos.records.StepReport`\\ s, so an
+Every heartbeat carries the peer's last few :class:`~potluck.protos.wire.records.StepReport`\\ s, so an
 entry fills in from the members' own accounts of the step -- also for steps committed while the
 coordinator was away. :func:`fold` is pure and idempotent: folding the same reports twice changes
 nothing, and a member counts once per step however often it repeats itself.
@@ -8,6 +8,13 @@ nothing, and a member counts once per step however often it repeats itself.
 Only a member of the round that produced a step, in that round's epoch, speaks for it. When a
 rollback undoes steps, :func:`roll_back` moves their entries out of the history (into the journal's
 ``rolled_back`` list, marked), so the history holds exactly one outcome per step.
+
+What a fold costs does not grow with the run's history: only the newest ``KEEP_DETAIL`` entries
+still take reports (older ones are final), and a record that did not change need not be folded
+again (``memo`` remembers the reports already folded, so the coordinator hands over the records
+that changed since its last tick). Per-member maps (``state_hashes``, ``stages``, ``tasklets``)
+are kept for steps of at most ``MAP_MEMBERS`` members; every entry has ``hash_counts``, the same
+story in a size that does not grow with the swarm.
 """
 
 from __future__ import annotations
@@ -16,85 +23,113 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from potluck.protos.records import PeerRecord, Round, StepReport
+from potluck.protos.wire.records import PeerRecord, Round, StepReport
 
 KEEP_ENTRIES = 2000
 KEEP_DETAIL = 16  # entries that keep each member's report (older ones only need their totals)
+MAP_MEMBERS = 64  # steps of more members keep hash_counts, not one map entry per member
 KINDS = ("activations", "gradients", "outer")
+Memo = dict[tuple[str, int], StepReport]  # (peer, step) -> the report last folded in
+_DEFAULTS = StepReport(step=0).model_dump(mode="json")
 
 
 def new_entry(step: int, rnd: Round | None, now: float | None = None) -> dict[str, Any]:
     return {
         "step": step, "t": time.time() if now is None else now, "epoch": rnd.epoch if rnd else 0,
         "members": len(rnd.members) if rnd else 0, "loss": None, "eval_loss": None, "outer_s": None, "allreduce_s": None,
-        "state_hashes": {}, "stages": {}, "tasklets": {}, "dropped": [], "clipped": [], "rejected": [],
+        "state_hashes": {}, "stages": {}, "tasklets": {}, "hash_counts": {}, "dropped": [], "clipped": [], "rejected": [],
         "contributors": None,
         "bytes": dict.fromkeys(KINDS, 0), "bytes_fp32": dict.fromkeys(KINDS, 0), "_peers": {},
     }
 
 
 def fold(history: list[dict[str, Any]], records: Iterable[PeerRecord], round_at: Callable[[int], Round | None],
-         committed: int, now: float | None = None) -> tuple[list[dict[str, Any]], bool]:
-    """The history with the members' step reports folded in; also whether an entry was added."""
-    by_step = {h["step"]: h for h in history}
-    start = max(1, max(by_step, default=0) + 1)
-    added = False
-    for step in range(start, committed + 1):
-        by_step[step] = new_entry(step, round_at(step), now)
-        added = True
+         committed: int, now: float | None = None, memo: Memo | None = None,
+         everyone: Iterable[PeerRecord] | None = None) -> tuple[list[dict[str, Any]], bool]:
+    """The history with the members' step reports folded in; also whether an entry was added.
+
+    ``memo`` (the caller's, kept across calls) skips reports already folded: with it, a caller may pass
+    only the records that changed since its last call, and ``everyone`` (all current records), which
+    are folded instead when an entry is added -- a report that came before its step committed rides
+    on a record that may never change again (a goodbye)."""
+    last = history[-1]["step"] if history else 0
+    added = committed > last
+    if added:
+        history = history + [new_entry(step, round_at(step), now) for step in range(max(1, last + 1), committed + 1)]
+        records = records if everyone is None else everyone
+    by_step = {h["step"]: h for h in history[-KEEP_DETAIL:] if "_peers" in h}
+    sizes: dict[tuple[int, int, int], int] = {}  # (round step, stage, group) -> members of that group
     touched: set[int] = set()
     for rec in records:
         for report in rec.recent:
             entry = by_step.get(report.step)
+            if entry is None or report.step > committed:
+                continue
+            key = (rec.peer_id, report.step)
+            seen = memo.get(key) if memo is not None else None
+            if seen is not None and rec.peer_id in entry["_peers"] and seen.__dict__ == report.__dict__:
+                continue  # (the fields alone, compared in C: a model's == costs several times more)
             rnd = round_at(report.step)
-            if entry is None or report.step > committed or rnd is None or report.epoch != rnd.epoch:
+            member = rnd.member(rec.peer_id) if rnd is not None and report.epoch == rnd.epoch else None
+            if rnd is None or member is None:
                 continue
-            member = rnd.member(rec.peer_id)
-            if member is None or "_peers" not in entry:
-                continue
-            entry["_peers"][rec.peer_id] = {**report.model_dump(mode="json"), "parameters": rec.parameters,
-                                            "n": len(rnd.stage_members(member.stage))}
+            size = sizes.get((rnd.step, member.stage, member.group))
+            if size is None:  # (its averaging group's members: the stage's, without sync.group_size)
+                size = sizes[(rnd.step, member.stage, member.group)] = len(rnd.group_members(member.stage, member.group))
+            entry["_peers"][rec.peer_id] = {**report.model_dump(mode="json"), "parameters": rec.parameters, "n": size}
+            if memo is not None:
+                memo[key] = report
             touched.add(report.step)
     for step in touched:
         _aggregate(by_step[step])
-    out = sorted(by_step.values(), key=lambda h: h["step"])[-KEEP_ENTRIES:]
-    for h in out[:-KEEP_DETAIL]:
-        h.pop("_peers", None)
-    return out, added
+    if added:
+        history = history[-KEEP_ENTRIES:]
+        for h in history[-KEEP_DETAIL - (committed - last):-KEEP_DETAIL]:  # the entries that just left the window
+            h.pop("_peers", None)
+        if memo is not None:
+            oldest = history[-KEEP_DETAIL]["step"] if len(history) >= KEEP_DETAIL else 0
+            for key in [k for k in memo if k[1] < oldest]:
+                del memo[key]
+    return history, added
 
 
 def _aggregate(entry: dict[str, Any]) -> None:
     """Recompute an entry's totals from its members' reports (so repeating a report is harmless)."""
-    peers: dict[str, dict[str, Any]] = entry["_peers"]
-    reports = {pid: StepReport.model_validate(p) for pid, p in peers.items()}
-    entry["state_hashes"] = {pid: r.state_hash for pid, r in reports.items()}
-    entry["stages"] = {pid: r.stage for pid, r in reports.items()}
-    entry["tasklets"] = {pid: [r.stage, r.replica] for pid, r in reports.items()}
-    losses = [r.loss for r in reports.values() if r.loss is not None]
+    peers = {pid: {**_DEFAULTS, **r} for pid, r in entry["_peers"].items()}  # (reports journaled by older versions)
+    counts: dict[str, dict[str, int]] = {}
+    for r in peers.values():
+        if r["state_hash"]:
+            by_hash = counts.setdefault(str(r["stage"]), {})
+            by_hash[r["state_hash"]] = by_hash.get(r["state_hash"], 0) + 1
+    entry["hash_counts"] = counts
+    small = max(entry.get("members") or 0, len(peers)) <= MAP_MEMBERS
+    entry["state_hashes"] = {pid: r["state_hash"] for pid, r in peers.items()} if small else {}
+    entry["stages"] = {pid: r["stage"] for pid, r in peers.items()} if small else {}
+    entry["tasklets"] = {pid: [r["stage"], r["replica"]] for pid, r in peers.items()} if small else {}
+    losses = [r["loss"] for r in peers.values() if r["loss"] is not None]
     entry["loss"] = sum(losses) / len(losses) if losses else None
-    entry["eval_loss"] = next((r.eval_loss for r in reports.values() if r.eval_loss is not None), None)
-    entry["outer_s"] = max((r.outer_s for r in reports.values()), default=None)
-    entry["allreduce_s"] = max((r.allreduce_s for r in reports.values()), default=None)
-    entry["dropped"] = sorted({d for r in reports.values() for d in r.dropped})
-    entry["clipped"] = sorted({d for r in reports.values() for d in r.clipped})
-    entry["rejected"] = sorted({d for r in reports.values() for d in r.rejected})
-    entry["contributors"] = min((r.contributors for r in reports.values()), default=None)
+    entry["eval_loss"] = next((r["eval_loss"] for r in peers.values() if r["eval_loss"] is not None), None)
+    entry["outer_s"] = max((r["outer_s"] for r in peers.values()), default=None)
+    entry["allreduce_s"] = max((r["allreduce_s"] for r in peers.values()), default=None)
+    for kind in ("dropped", "clipped", "rejected"):
+        entry[kind] = sorted({d for r in peers.values() for d in r[kind]})
+    entry["contributors"] = min((r["contributors"] for r in peers.values()), default=None)
     entry["bytes"] = dict.fromkeys(KINDS, 0)
     entry["bytes_fp32"] = dict.fromkeys(KINDS, 0)
     by_stage: dict[str, dict[str, Any]] = {}
-    for pid, r in reports.items():
-        entry["bytes"]["outer"] += r.outer_bytes
-        n, params = peers[pid].get("n", 1), peers[pid].get("parameters", 0)
+    for r in peers.values():
+        entry["bytes"]["outer"] += r["outer_bytes"]
+        n, params = r.get("n", 1), r.get("parameters", 0)
         if n > 1:  # what a ring all-reduce of fp32 would have sent from this member
             entry["bytes_fp32"]["outer"] += int(2 * (n - 1) / n * 4 * params)
-        if not r.pipe:
+        if not r["pipe"]:
             continue
-        per = by_stage.setdefault(str(r.stage), {"activations": 0, "activations_fp32": 0, "gradients": 0,
-                                                 "gradients_fp32": 0, "losses": []})
-        if r.loss is not None:
-            per["losses"].append(r.loss)
+        per = by_stage.setdefault(str(r["stage"]), {"activations": 0, "activations_fp32": 0, "gradients": 0,
+                                                    "gradients_fp32": 0, "losses": []})
+        if r["loss"] is not None:
+            per["losses"].append(r["loss"])
         for kind in ("activations", "gradients"):
-            sent, fp32 = int(r.pipe.get(kind, 0)), int(r.pipe.get(kind + "_fp32", 0))
+            sent, fp32 = int(r["pipe"].get(kind, 0)), int(r["pipe"].get(kind + "_fp32", 0))
             entry["bytes"][kind] += sent
             entry["bytes_fp32"][kind] += fp32
             per[kind] += sent
@@ -115,3 +150,12 @@ def roll_back(history: list[dict[str, Any]], to_version: int) -> tuple[list[dict
 def public(entry: dict[str, Any]) -> dict[str, Any]:
     """An entry as the status page shows it (private bookkeeping dropped)."""
     return {k: v for k, v in entry.items() if not k.startswith("_")}
+
+
+def journaled(entry: dict[str, Any]) -> dict[str, Any]:
+    """An entry as the journal keeps it: the members' reports of a step of more than ``MAP_MEMBERS`` members
+    stay in memory only (1,000 members would make every journal write megabytes); after a restart that
+    entry keeps the totals it had."""
+    if "_peers" in entry and (entry.get("members") or 0) > MAP_MEMBERS:
+        return {k: v for k, v in entry.items() if k != "_peers"}
+    return entry

@@ -16,11 +16,15 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from potluck.protos.config import ConfigError, RunConfig, known_fields_only, parse_config
-from potluck.protos.records import Round
+from potluck.coordinator.history import journaled
+from potluck.protos.config.files import known_fields_only, parse_config
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.config.section import ConfigError
+from potluck.protos.wire.records import Round
 
 JOURNAL_VERSION = 2
 KEEP_ROUNDS = 16
+KEEP_MEMBERS = 4096
 # What a resumed run may change: how the model is laid out and how peers are managed, not what is
 # trained (model, data, optimizers, codec) -- a universal checkpoint re-splits into any stage count.
 RESUMABLE_SECTIONS = {"pipeline", "membership", "links", "diloco"}
@@ -50,6 +54,7 @@ class JournalState(BaseModel):
     checkpoints: list[str] = Field(default_factory=list)
     finished: bool = False
     revoked: list[str] = Field(default_factory=list, description="peers evicted from the run")
+    trust: dict[str, Any] = Field(default_factory=dict, description="verified work per peer (coordinator/trust.py)")
     known_peers: list[str] = Field(default_factory=list, description="DHT addresses of recent peers: "
                                    "a restarted coordinator rejoins the swarm through them")
 
@@ -146,6 +151,20 @@ class Journal:
         return read_journal(self.dir)
 
     def save(self, state: JournalState) -> None:
-        state.rounds = sorted(state.rounds, key=lambda r: r.step)[-KEEP_ROUNDS:]
+        state.rounds = kept_rounds(state.rounds)
         state.v = JOURNAL_VERSION
-        write_atomic(self.path, json.dumps(state.model_dump(mode="json"), indent=1).encode())
+        data = state.model_dump(mode="json")
+        data["history"] = [journaled(h) for h in data["history"]]  # (a big step's members' reports stay in memory)
+        write_atomic(self.path, json.dumps(data, indent=1).encode())
+
+
+def kept_rounds(rounds: list[Round]) -> list[Round]:
+    """The newest ``KEEP_ROUNDS`` rounds, fewer when they are big: at most ``KEEP_MEMBERS`` members in all (a
+    round of 1,000 members is ~170 KB of journal, rewritten at every commit), never fewer than 2 (the pending
+    round and the one before it, which a resumed run needs)."""
+    kept: list[Round] = []
+    for r in sorted(rounds, key=lambda r: r.step, reverse=True)[:KEEP_ROUNDS]:
+        if len(kept) >= 2 and sum(len(k.members) for k in kept) + len(r.members) > KEEP_MEMBERS:
+            break
+        kept.append(r)
+    return kept[::-1]

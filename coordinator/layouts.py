@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 from scipy.sparse import csr_matrix
@@ -26,20 +27,41 @@ def random_groups(topology: Topology, rng: np.random.Generator) -> Groups:
     return canonical(rng.permutation(topology.devices)[: s * r].reshape(s, r))
 
 
+def nearest_first(rows: np.ndarray, size: int) -> np.ndarray:
+    """``np.argsort(rows, axis=1, kind="stable")[:, :size]`` in linear time per row: partition, then
+    keep, of the entries tied with the ``size``-th smallest, the first ones (as a stable sort would)."""
+    if size >= rows.shape[1]:
+        return np.argsort(rows, axis=1, kind="stable")[:, :size]
+    kth = np.partition(rows, size - 1, axis=1)[:, size - 1:size]
+    below, tied = rows < kth, rows == kth
+    keep = below | (tied & (np.cumsum(tied, axis=1) <= size - below.sum(axis=1, keepdims=True)))
+    cols = np.nonzero(keep)[1].reshape(len(rows), size)  # ascending index within each row
+    order = np.argsort(np.take_along_axis(rows, cols, axis=1), axis=1, kind="stable")
+    return np.take_along_axis(cols, order, axis=1)
+
+
 def _clusters(link: np.ndarray, count: int, size: int) -> list[list[int]]:
     """``count`` disjoint clusters of ``size`` close devices: each time, the device whose
-    ``size - 1`` nearest free neighbours are closest, with those neighbours, in nearest-first order."""
+    ``size - 1`` nearest free neighbours are closest, with those neighbours, in nearest-first order.
+
+    A device's nearest free neighbours change only when one of them is taken, so each round
+    re-ranks just those devices (by partial sorts), not all ``N`` of them."""
     free = np.ones(len(link), dtype=bool)
+    near = nearest_first(link, size)  # column 0 is the device itself
+    spread = np.take_along_axis(link, near, axis=1).sum(axis=1)
     out = []
     for _ in range(count):
-        idx = np.flatnonzero(free)
-        sub = link[np.ix_(idx, idx)]
-        near = np.argsort(sub, axis=1, kind="stable")[:, :size]  # column 0 is the device itself
-        spread = np.take_along_axis(sub, near, axis=1).sum(axis=1)
-        seed = int(spread.argmin())
-        members = [int(idx[k]) for k in near[seed]]
+        seed = int(np.where(free, spread, np.inf).argmin())
+        members = [int(k) for k in near[seed]]
         free[members] = False
         out.append(members)
+        idx = np.flatnonzero(free)
+        stale = np.flatnonzero(free & np.isin(near, members).any(axis=1))
+        if len(stale) and len(idx) >= size:  # fewer free devices than ``size``: no round follows
+            sub = link[np.ix_(stale, idx)]
+            order = nearest_first(sub, size)
+            near[stale] = idx[order]
+            spread[stale] = np.take_along_axis(sub, order, axis=1).sum(axis=1)
     return out
 
 
@@ -90,18 +112,76 @@ def segment_seeds(model: CostModel) -> list[Groups]:
     replica's hop, so it is fast only if every replica crosses it inside a place. For each grouping
     (:func:`places`) and segment length ``k``: cut every pipeline into ``k`` consecutive stages at the
     same boundaries and put each segment inside one place where one fits (smallest place first, and
-    largest first; after the first, places in the same larger place as the last one come first);
-    plus one stage group per place, for all-reduces that stay inside."""
-    t = model.topology
-    out: list[Groups] = []
+    largest first; after the first, places in the same larger place as the last one come first), and
+    pipeline by pipeline (:func:`chained_layout`); plus one stage group per place, for all-reduces
+    that stay inside. The levels take turns in the list, each with its pipeline-by-pipeline layouts
+    first: a search short of time evaluates the list's head only."""
+    return list(iter_segment_seeds(model))
+
+
+def iter_segment_seeds(model: CostModel) -> Iterator[Groups]:
+    """:func:`segment_seeds` built as they are needed: a search out of time never builds the rest."""
     found = places(model.pp_link)
-    labels = [_labels(members, t.devices) for members in found]
-    for level, members in enumerate(found):
-        parents = [tuple(int(lab[m[0]]) for lab in labels[level + 1:]) for m in members]
-        for near, smallest in itertools.product((None, parents), (True, False)):
-            out += [segments_layout(t, members, k, smallest, parents=near) for k in range(1, t.stages + 1)]
-            out.append(segments_layout(t, members, 1, smallest, by_group=True, parents=near))
-    return list({tuple(g): g for g in out}.values())
+    labels = [_labels(members, model.topology.devices) for members in found]
+    yield from _take_turns([_level_seeds(model, found, labels, level) for level in range(len(found))])
+
+
+def _take_turns(levels: list[Iterable[Groups]]) -> Iterator[Groups]:
+    """Level by level in turn (so that a search short of time tries every level), without repeats."""
+    seen: set[tuple[tuple[int, ...], ...]] = set()
+    for turn in itertools.zip_longest(*levels):
+        for groups in turn:
+            if groups is not None and tuple(groups) not in seen:
+                seen.add(tuple(groups))
+                yield groups
+
+
+def _level_seeds(model: CostModel, found: list[list[list[int]]], labels: list[np.ndarray],
+                 level: int) -> Iterator[Groups]:
+    t, members = model.topology, found[level]
+    parents = [tuple(int(lab[m[0]]) for lab in labels[level + 1:]) for m in members]
+    for smallest in (False, True):
+        for k in range(t.stages, 0, -1):
+            yield chained_layout(t, members, k, smallest, model.pp_link)
+    for near, smallest in itertools.product((None, parents), (True, False)):
+        for k in range(1, t.stages + 1):
+            yield segments_layout(t, members, k, smallest, parents=near)
+        yield segments_layout(t, members, 1, smallest, by_group=True, parents=near)
+
+
+def chained_layout(t: Topology, members: list[list[int]], k: int, smallest: bool, link: np.ndarray) -> Groups:
+    """Like :func:`segments_layout`, but pipeline by pipeline: a pipeline's first segment goes to the
+    smallest (or largest) place it fits in, each later one to the fitting place closest to the one
+    before it (by ``link`` between their first devices): the same place while it still has room. So
+    a pipeline spans few places, and its hops between places are short ones, which
+    :func:`segments_layout` (every pipeline's first segment, then every second one) does not see."""
+    free = [list(m) for m in members]
+    left = np.array([len(f) for f in free])
+    head = np.array([m[0] for m in members])
+    gap = link[np.ix_(head, head)]
+    np.fill_diagonal(gap, 0.0)
+    sizes = [min(k, t.stages - b) for b in range(0, t.stages, k)]
+    chains: list[list[int]] = []
+    for _ in range(t.replicas):
+        chain: list[int] = []
+        prev = -1
+        for size in sizes:
+            fits = np.flatnonzero(left >= size)
+            if len(fits):
+                room = left[fits] if smallest else -left[fits]
+                i = int(fits[np.lexsort((room,) if prev < 0 else (room, gap[prev, fits]))[0]])
+                chain += free[i][:size]
+                del free[i][:size]
+                left[i] -= size
+                prev = i
+            else:  # no place holds the whole segment: take from the fullest ones
+                for _ in range(size):
+                    j = int(left.argmax())
+                    chain.append(free[j].pop(0))
+                    left[j] -= 1
+                prev = j
+        chains.append(chain)
+    return canonical(np.array(chains).T)
 
 
 def _labels(members: list[list[int]], devices: int) -> np.ndarray:
@@ -117,24 +197,28 @@ def segments_layout(t: Topology, members: list[list[int]], k: int, smallest: boo
     fits; ``parents[i]`` names the larger places that hold place ``i`` (finest first), and a segment
     goes to a place sharing the most of them with the last place used before any other."""
     free = [list(m) for m in members]
-    family = parents or [()] * len(free)
+    left = np.array([len(f) for f in free])
+    # near[i] = how many larger places place i shares with the last place used; the tie-breaks of
+    # the choice below (most shared, then smallest or largest, then first) as one sortable key
+    family = np.array(parents, dtype=np.int64).reshape(len(free), -1) if parents else np.zeros((len(free), 0))
+    near = np.zeros(len(free), dtype=np.int64)
+    weight = 2 * (max(left.max(initial=0), 1) + 1)
     rows, length, count = (t.stages, t.replicas, 1) if by_group else (t.replicas, k, -(-t.stages // k))
     chains: list[list[int]] = [[] for _ in range(rows)]
-    last: tuple[int, ...] = ()
-
-    def near(i: int) -> int:  # larger places shared with the last place used
-        return sum(a == b for a, b in zip(family[i], last, strict=False))
-
     for block in range(count):
         size = length if by_group else min(k, t.stages - block * k)
         for chain in chains:
-            fits = [i for i, f in enumerate(free) if len(f) >= size]
-            if fits:
-                i = min(fits, key=lambda i: (-near(i), len(free[i]) if smallest else -len(free[i])))
+            key = np.where(left >= size, -near * weight + (left if smallest else -left), np.iinfo(np.int64).max)
+            i = int(key.argmin())
+            if left[i] >= size:
                 chain += free[i][:size]
                 del free[i][:size]
-                last = family[i]
+                left[i] -= size
+                if family.shape[1]:
+                    near = (family == family[i]).sum(axis=1)
             else:  # no place holds the whole segment: take from the fullest ones
                 for _ in range(size):
-                    chain.append(max(free, key=len).pop(0))
+                    j = int(left.argmax())
+                    chain.append(free[j].pop(0))
+                    left[j] -= 1
     return canonical(np.array(chains) if by_group else np.array(chains).T)

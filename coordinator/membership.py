@@ -7,6 +7,11 @@ when a record with a higher ``seq`` last arrived) and it has not said goodbye (s
 :meth:`PeerTable.update` folds fresh records in and returns what changed (joined, left, lost, back)
 for the event log. What the peers *do* -- the rounds they run -- is
 :mod:`potluck.coordinator.rounds`' business; this table only knows who is there.
+
+What it costs each tick is a few comparisons per peer: a peer's :class:`Report` is rebuilt only when
+its record changes, :attr:`PeerTable.changed` names the views an update changed (for folds that need
+only those), and a swarm that churns does not grow it without end: past ``keep_gone`` departed
+peers, those gone longest are forgotten (one that comes back is a newcomer again).
 """
 
 from __future__ import annotations
@@ -16,11 +21,12 @@ from dataclasses import dataclass
 
 from potluck.coordinator.rounds import Report
 from potluck.models import sizecheck
-from potluck.protos.config import RunConfig
-from potluck.protos.records import PeerRecord
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.wire.records import PeerRecord
 
 GONE_STATES = {"left", "finished", "failed"}
 WORK_KINDS = ("outer", "state", "pipeline")  # bytes that show a peer is working (probes do not)
+KEEP_GONE = 1000  # departed peers remembered (for the page's table) at most
 
 
 @dataclass
@@ -30,13 +36,20 @@ class PeerView:
     last_seen: float  # our monotonic clock when a newer record (higher seq) last arrived
     lost: bool = False
     left: bool = False
+    _report: tuple[PeerRecord, bool, bool, Report] | None = None  # the report, and what it was made of
 
     @property
     def live(self) -> bool:
         return not self.lost and not self.left
 
     def report(self) -> Report:
-        """The record as the round lifecycle sees it."""
+        """The record as the round lifecycle sees it (made again only when the record or liveness changed)."""
+        cached = self._report
+        if cached is None or cached[0] is not self.record or cached[1] != self.lost or cached[2] != self.left:
+            self._report = cached = (self.record, self.lost, self.left, self._make_report())
+        return cached[3]
+
+    def _make_report(self) -> Report:
         r = self.record
         moved = sum(int(r.bytes_sent.get(k, 0)) + int(r.bytes_received.get(k, 0)) for k in WORK_KINDS)
         # a peer that finished the run still holds (and serves) the final state until it stops heartbeating:
@@ -51,9 +64,10 @@ class PeerView:
 class PeerTable:
     """Peers by id; all times are ``time.monotonic()``."""
 
-    def __init__(self, heartbeat_timeout_s: float) -> None:
-        self.timeout = heartbeat_timeout_s
+    def __init__(self, heartbeat_timeout_s: float, keep_gone: int = KEEP_GONE) -> None:
+        self.timeout, self.keep_gone = heartbeat_timeout_s, keep_gone
         self.peers: dict[str, PeerView] = {}
+        self.changed: list[PeerView] = []  # the views whose record the last update changed
 
     def update(self, records: dict[str, PeerRecord], now: float | None = None) -> list[tuple[str, str]]:
         """Merge fresh records; returns events ``(kind, peer_id)``: joined, left, lost, back.
@@ -63,11 +77,14 @@ class PeerTable:
         heartbeats again (restarted with its key) is back, like one that was lost."""
         now = time.monotonic() if now is None else now
         events: list[tuple[str, str]] = []
+        self.changed = []
         for pid, rec in records.items():
             view = self.peers.get(pid)
             if view is None:
                 self.peers[pid] = view = PeerView(rec, now, now)
                 events.append(("joined", pid))
+            elif view.record is rec:
+                continue  # the same record as last time (an incremental reader hands the whole view every tick)
             elif rec.seq > view.record.seq:
                 view.record, view.last_seen = rec, now
                 if (view.lost or view.left) and rec.state not in GONE_STATES:
@@ -75,18 +92,33 @@ class PeerTable:
                     events.append(("back", pid))
             else:
                 continue
+            self.changed.append(view)
             if rec.state in GONE_STATES and not view.left:
                 view.left = True
                 events.append(("failed" if rec.state == "failed" else "left", pid))
+        gone = 0
         for pid, view in self.peers.items():
             if not view.lost and now - view.last_seen > self.timeout:
                 view.lost = True  # (one that said goodbye is not reported lost, but no longer counts as there)
                 if not view.left:
                     events.append(("lost", pid))
+            gone += not view.live
+        if gone > self.keep_gone:
+            self._forget(gone - self.keep_gone)
         return events
+
+    def _forget(self, n: int) -> None:
+        """Forget the ``n`` peers gone longest (their records stopped first)."""
+        oldest = sorted((v.last_seen, pid) for pid, v in self.peers.items() if not v.live)[:n]
+        for _, pid in oldest:
+            del self.peers[pid]
 
     def live(self) -> list[PeerView]:
         return [v for v in self.peers.values() if v.live]
+
+    def records(self, changed: bool = False) -> list[PeerRecord]:
+        """Every peer's record, or only those the last update changed."""
+        return [v.record for v in (self.changed if changed else self.peers.values())]
 
     def reports(self) -> list[Report]:
         return [v.report() for v in self.peers.values()]

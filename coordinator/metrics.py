@@ -76,7 +76,7 @@ def families(state: Mapping[str, Any]) -> list[Family]:
     """Every ``potluck_*`` family for one snapshot (see docs/status-api.md for the list)."""
     run = state.get("run") or {}
     model = run.get("model") or {}
-    peers = state.get("peers") or []
+    peers = state.get("_peers") or state.get("peers") or []  # every peer, also past the page's inline rows
     grid = state.get("grid") or {}
     history = state.get("history") or []
     out: list[Family] = []
@@ -114,6 +114,15 @@ def families(state: Mapping[str, Any]) -> list[Family]:
           run.get("last_allreduce_s"))
     gauge("potluck_waiting", "1 while the run is waiting (see waiting_reason in /api/v1/state)",
           int(bool(run.get("waiting_reason"))))
+
+    health = state.get("coordinator") or {}
+    ticks = gauge("potluck_coordinator_tick_seconds", "a tick of the coordinator's loop, over its latest 1,000")
+    for q, key in (("0.5", "p50"), ("0.99", "p99"), ("1", "max")):
+        ticks.add((health.get("tick_s") or {}).get(key), quantile=q)
+    gauge("potluck_coordinator_decide_seconds", "the latest decision of a round (pings, placement, publishing)",
+          (health.get("decide_s") or {}).get("last"))
+    gauge("potluck_coordinator_resident_memory_bytes", "resident memory of the coordinator's main process",
+          health.get("rss_bytes"))
 
     by_state = gauge("potluck_peers", "known peers by state")
     counts = {s: 0 for s in PEER_STATES}

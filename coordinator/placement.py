@@ -25,11 +25,11 @@ import numpy as np
 
 from potluck.coordinator.costmodel import CostModel, Topology, TopologyError
 from potluck.coordinator.scheduler import evolutionary_search
-from potluck.protos.config import RunConfig
-from potluck.protos.faults import fault
-from potluck.protos.log import get_logger
-from potluck.protos.records import Member, PeerRecord
-from potluck.protos.swarm import LinkReport
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.net.swarm import LinkReport
+from potluck.protos.runtime.log import get_logger
+from potluck.protos.testkit.faults import fault
+from potluck.protos.wire.records import Member, PeerRecord
 
 log = get_logger(__name__)
 

@@ -2,7 +2,7 @@
 
 ``potluck coordinator`` runs :func:`preflight` right after reading its config, before torch, hivemind
 or gRPC load and before its journal directory is touched, so a run that cannot work is refused in one
-line in well under a second: a corpus its peers could not train on (:func:`~potluck.protos.runcheck.check_run`),
+line in well under a second: a corpus its peers could not train on (:func:`~potluck.protos.config.runcheck.check_run`),
 a model no peer could hold (:mod:`~potluck.models.sizecheck`), a journal directory that holds
 another run (:func:`~potluck.coordinator.journal.changed_sections`). The coordinator runs it again when
 it opens the run (:func:`potluck.coordinator.bootstrap.open_journal`), where it logs what it found.
@@ -15,8 +15,8 @@ from pathlib import Path
 
 from potluck.coordinator.journal import changed_sections, read_journal
 from potluck.models import sizecheck
-from potluck.protos.config import RunConfig
-from potluck.protos.runcheck import check_run
+from potluck.protos.config.runcheck import check_run
+from potluck.protos.config.runconfig import RunConfig
 
 
 @dataclass

@@ -3,6 +3,10 @@
 Both records expire (``RECORD_TTL_S``) unless refreshed, so a coordinator that is gone stops
 speaking for the run by itself; a change (a new round, a checkpoint, the end of the run) is
 published at once, and everything is refreshed every ``REFRESH_S``.
+
+The plan carries the newest ``PLAN_ROUNDS`` rounds that fit in one record (``MAX_PLAN_BYTES``):
+each round lists all its members, so a big swarm's plan holds fewer of them (at 1,000 members one
+round is ~170 KB), and a round too big to publish at all is said in the log, once.
 """
 
 from __future__ import annotations
@@ -11,8 +15,13 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from potluck.protos.records import Manifest, Plan, Round, next_seq
-from potluck.protos.swarm import SwarmNode
+from potluck.protos.net.dhtguard import MAX_PLAN_BYTES
+from potluck.protos.net.swarm import SwarmNode
+from potluck.protos.runtime.log import get_logger
+from potluck.protos.wire.envelope import next_seq
+from potluck.protos.wire.records import Manifest, Plan, Round
+
+log = get_logger(__name__)
 
 RECORD_TTL_S, REFRESH_S, PLAN_ROUNDS = 60.0, 15.0, 4
 
@@ -24,6 +33,8 @@ class Publisher:
         self.revoked = revoked  # peers evicted (the admission room's set): on the plan, so every peer refuses them
         self._revoked_published: set[str] = set(revoked)
         self._published_at = 0.0
+        self._too_big = 0  # the step of the round last said to be too big to publish
+        self._pending: list[tuple[str, Any]] = []  # (record, future) of stores the loop did not wait for
 
     def update(self, **fields: Any) -> None:
         """Change the manifest (a new ``seq``, so readers take it) and publish it now."""
@@ -43,12 +54,43 @@ class Publisher:
 
     def publish(self, rounds: Iterable[Round]) -> None:
         """Store manifest and plan if something changed or they are due for a refresh."""
+        self._check()
         now = time.monotonic()
         if now - self._published_at < REFRESH_S:
             return
         self._published_at = now
-        self.node.publish_manifest(self.manifest, ttl=RECORD_TTL_S)
+        wait = self.manifest.finished  # (a finished run's last word is out before it may exit; else the loop goes on)
+        self._pending.append(("manifest", self.node.publish_manifest(self.manifest, ttl=RECORD_TTL_S, wait=wait)))
         recent = sorted(rounds, key=lambda r: r.step)[-PLAN_ROUNDS:]
-        if recent:
-            self.node.publish_plan(Plan(seq=self.plan_seq, rounds=recent, ts=time.time(), revoked=sorted(self.revoked)),
-                                   ttl=RECORD_TTL_S)
+        plan = self.fitting(recent)
+        if plan is not None:
+            self._pending.append(("plan", self.node.publish_plan(plan, ttl=RECORD_TTL_S, wait=wait)))
+
+    def _check(self) -> None:
+        """A store that failed is published again at once (the next tick)."""
+        pending, self._pending = self._pending, []
+        for what, answer in pending:
+            if hasattr(answer, "done") and not answer.done():
+                self._pending.append((what, answer))
+                continue
+            try:
+                stored = bool(answer.result() if hasattr(answer, "result") else answer)
+            except Exception as err:  # (a DHT call that timed out, say)
+                log.warning("the %s record was not stored (%s); publishing again", what, err)
+                stored = False
+            if not stored:
+                self._published_at = 0.0
+
+    def fitting(self, recent: list[Round]) -> Plan | None:
+        """The plan of the newest of ``recent`` that fit in one record; None (said once) when the newest alone
+        does not: peers then keep the plan they have."""
+        for k in range(len(recent), 0, -1):
+            plan = Plan(seq=self.plan_seq, rounds=recent[-k:], ts=time.time(), revoked=sorted(self.revoked))
+            size = self.node.sealed_size(plan, RECORD_TTL_S)
+            if size <= MAX_PLAN_BYTES:
+                return plan
+        if recent and self._too_big != recent[-1].step:
+            self._too_big = recent[-1].step
+            log.error("the round of step %d (%d members) makes a plan of %d bytes, more than a DHT record may hold "
+                      "(%d): it is not published", recent[-1].step, len(recent[-1].members), size, MAX_PLAN_BYTES)
+        return None

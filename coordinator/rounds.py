@@ -34,10 +34,11 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from potluck.coordinator import groups
 from potluck.coordinator.cursor import Cursor, DataCursor
-from potluck.protos.config import RunConfig
-from potluck.protos.log import short_id
-from potluck.protos.records import Member, Round
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.runtime.log import short_id
+from potluck.protos.wire.records import Audit, Member, Round
 
 KEEP_ROUNDS = 16
 KEEP_DURATIONS = 8
@@ -93,7 +94,7 @@ Event = Committed | Failed | RolledBack
 
 
 @dataclass
-class Outcome:
+class RoundOutcome:
     """How a round that did not commit ended (journaled, shown on the status page)."""
 
     step: int
@@ -113,11 +114,12 @@ class Rounds:
     factor: float = 4.0
     settle_s: float = 1.0
     grace_s: float = 8.0
+    group_size: int = 0  # sync.group_size: > 0 averages each stage in groups (members then hold several hashes)
     committed: int = 0
     epoch: int = 0
     rounds: dict[int, Round] = field(default_factory=dict)
     hashes: dict[int, dict[int, str]] = field(default_factory=dict)  # stage -> version -> hash
-    outcomes: list[Outcome] = field(default_factory=list)
+    outcomes: list[RoundOutcome] = field(default_factory=list)
     _started: dict[int, float] = field(default_factory=dict)  # step -> when decided (or restored)
     _committed_at: float | None = None
     _durations: deque = field(default_factory=lambda: deque(maxlen=KEEP_DURATIONS))
@@ -130,7 +132,8 @@ class Rounds:
     def for_run(cls, cfg: RunConfig) -> Rounds:
         m = cfg.membership
         return cls(stages=cfg.pipeline.stages, floor_s=m.round_timeout_floor_s, factor=m.round_timeout_factor,
-                   grace_s=m.heartbeat_timeout_s, data=DataCursor(cfg.diloco.inner_steps * cfg.train.batch_size))
+                   grace_s=m.heartbeat_timeout_s, group_size=cfg.sync.group_size,
+                   data=DataCursor(cfg.diloco.inner_steps * cfg.train.batch_size))
 
     # ------------------------------------------------------------------ views
 
@@ -144,11 +147,15 @@ class Rounds:
         return latest if latest is not None and latest.step > self.committed else None
 
     def canonical(self, version: int, stage: int = 0) -> str:
-        """The hash of ``version`` of ``stage`` every member must hold ('' if unknown: version 0, say)."""
+        """The hash of ``version`` of ``stage`` every member must hold ('' if unknown: version 0, say). With
+        grouped averaging each group holds its own: this is the one most members hold (checkpoints take it)."""
         return self.hashes.get(stage, {}).get(version, "")
 
     def round_at(self, step: int) -> Round | None:
         """The round that applied to ``step``: the latest decided at or before it (peers use the last plan)."""
+        exact = self.rounds.get(step)  # (the usual case, asked thousands of times a tick at 1,000 peers)
+        if exact is not None:
+            return exact
         best = max((s for s in self.rounds if s <= step), default=None)
         return self.rounds[best] if best is not None else None
 
@@ -168,7 +175,7 @@ class Rounds:
         self.data.restore(cursors, committed)
         self.rounds = {r.step: r for r in rounds}
         self.hashes = {s: dict(v) for s, v in hashes.items()}
-        self.outcomes = [Outcome(**o) for o in outcomes]
+        self.outcomes = [RoundOutcome(**o) for o in outcomes]
         self._started = {step: now for step in self.rounds}
         self._committed_at = now
         self._fresh_start = not self.rounds
@@ -243,6 +250,7 @@ class Rounds:
     def _learn_included(self, reports: Sequence[Report]) -> None:
         """Which replicas' samples each coming version holds, as the stage-0 members of its round say
         (the round's own record says who is in stage 0, not the report)."""
+        shared: dict[int, set[int]] = {}  # round step -> the replicas it gave a share (once per round, not per vote)
         for r in reports:
             for step, epoch, included in r.included:
                 made_by = self.round_at(step)
@@ -250,7 +258,10 @@ class Rounds:
                     continue
                 cell = made_by.member(r.peer_id)
                 if cell is not None and cell.stage == 0 and epoch == made_by.epoch == self.epoch:
-                    self.data.vote(step, epoch, r.peer_id, [i for i in included if made_by.share_of(i) is not None])
+                    known = shared.get(made_by.step)
+                    if known is None:
+                        known = shared[made_by.step] = {s.replica for s in made_by.shares}
+                    self.data.vote(step, epoch, r.peer_id, [i for i in included if i in known])
 
     def _note_progress(self, reports: Sequence[Report], now: float) -> None:
         for r in reports:
@@ -278,9 +289,18 @@ class Rounds:
             return f"not committed within {deadline:.0f} s ({self.factor:g}x the measured step time, at least the floor)"
         return ""
 
+    def retract(self, step: int, reason: str, reports: Sequence[Report], checkpoint: Checkpoint | None,
+                now: float) -> list[Event]:
+        """Step ``step`` committed a proven lie (verified reduction): the run goes back to a version before it,
+        whatever came after, and the round running now (if any) fails with it."""
+        rnd = self.pending() or self.rounds.get(step) or self.round_at(step)
+        if rnd is None or step > self.committed:
+            return []
+        return self._fail(rnd, reason, reports, checkpoint, now, ceiling=step - 1)
+
     def _fail(self, rnd: Round, reason: str, reports: Sequence[Report], checkpoint: Checkpoint | None,
-              now: float) -> list[Event]:
-        target, source = self.rollback_target(reports, checkpoint)
+              now: float, ceiling: int | None = None) -> list[Event]:
+        target, source = self.rollback_target(reports, checkpoint, ceiling)
         events: list[Event] = [Failed(rnd, reason)]
         before = self.committed
         for step in [s for s in self.rounds if s > target]:
@@ -297,15 +317,17 @@ class Rounds:
         self.data.roll_back(target, checkpoint.cursor if checkpoint is not None and checkpoint.version == target else None)
         self._committed_at = now
         self._fresh_start = True
-        self.outcomes.append(Outcome(rnd.step, rnd.epoch, reason, len(rnd.members), target, self.wall()))
+        self.outcomes.append(RoundOutcome(rnd.step, rnd.epoch, reason, len(rnd.members), target, self.wall()))
         self.outcomes = self.outcomes[-KEEP_ROUNDS:]
         if target < before:
             events.append(RolledBack(before, target, source, self.epoch))
         return events
 
-    def rollback_target(self, reports: Sequence[Report], checkpoint: Checkpoint | None) -> tuple[int, str]:
-        """The newest version at or below the committed one that every stage can be had at, and from where."""
-        for v in range(self.committed, 0, -1):
+    def rollback_target(self, reports: Sequence[Report], checkpoint: Checkpoint | None,
+                        ceiling: int | None = None) -> tuple[int, str]:
+        """The newest version at or below the committed one (and ``ceiling``) that every stage can be had at,
+        and from where."""
+        for v in range(self.committed if ceiling is None else min(ceiling, self.committed), 0, -1):
             if checkpoint is not None and checkpoint.version == v:
                 return v, "checkpoint"
             if all(self._held(stage, v, reports) for stage in range(self.stages)):
@@ -313,14 +335,24 @@ class Rounds:
         return 0, "theta_0"
 
     def _held(self, stage: int, version: int, reports: Sequence[Report]) -> bool:
-        want = self.canonical(version, stage)
+        """Some live member of ``stage`` holds ``version``: at the canonical hash, or with grouped averaging
+        at any hash of the run's line (its newest state made in the epoch of the round that made it)."""
+        want = "" if self.group_size else self.canonical(version, stage)
         for r in reports:
             if not r.live or r.stage != stage:
+                continue
+            if self.group_size and not self._on_line(r):
                 continue
             for v, h in ((r.version, r.state_hash), (r.prev_version, r.prev_hash)):
                 if v == version and h and (not want or h == want):
                     return True
         return False
+
+    def _on_line(self, r: Report) -> bool:
+        """``r``'s newest state was made in the epoch of the round that made it (or is theta_0): neither
+        it nor the one before it is of an abandoned epoch."""
+        made_by = self.round_at(r.version)
+        return r.version == 0 or made_by is None or r.epoch == made_by.epoch
 
     # ------------------------------------------------------------------ deciding
 
@@ -345,20 +377,38 @@ class Rounds:
             return live >= min_peers
         return self.settled(now, reports=reports)
 
-    def decide(self, members: list[Member], now: float, decided_at: float = 0.0) -> Round:
-        """Round ``committed + 1`` with these members (already placed on the grid), in this epoch."""
+    def decide(self, members: list[Member], now: float, decided_at: float = 0.0, reports: Sequence[Report] = (),
+               audits: Sequence[Audit] = ()) -> Round:
+        """Round ``committed + 1`` with these members (already placed on the grid, shard owners marked), in this
+        epoch, carrying ``audits`` of the step before. With grouped averaging each stage's members are split
+        into groups, each with the base state it starts from (:mod:`potluck.coordinator.groups`, from what
+        ``reports`` say the members hold), and no stage-wide base hash is named: the groups of the step before
+        hold different ones."""
         step = self.committed + 1
-        hashes = [self.canonical(step - 1, s) for s in range(self.stages)]
+        hashes = [self.canonical(step - 1, s) if not self.group_size else "" for s in range(self.stages)]
+        members, bases = groups.assign(members, step, self.group_size, self._holdings(reports, members))
         stage0 = [(m.peer_id, m.replica) for m in members if m.stage == 0]
         shares, data_next, pool = self.data.assign(self.committed, stage0, self.round_at(self.committed), self.epoch)
         rnd = Round(step=step, members=sorted(members, key=lambda m: (m.stage, m.replica)), base_hash=hashes[0],
                     stages=self.stages, base_hashes=hashes if self.stages > 1 else [], epoch=self.epoch,
-                    decided_at=decided_at, shares=shares, data_next=data_next, pool=pool)
+                    decided_at=decided_at, shares=shares, data_next=data_next, pool=pool, groups=bases,
+                    audits=list(audits))
         self.rounds[step] = rnd
         self._started[step] = now
         for old in sorted(self.rounds)[:-KEEP_ROUNDS]:
             del self.rounds[old]
         return rnd
+
+    def _holdings(self, reports: Sequence[Report], members: Sequence[Member]) -> dict[str, list[groups.Holding]]:
+        """The states each live member holds of the stage it is placed on (its newest and the one before),
+        of the run's line: its newest made in the epoch of the round that made it (or version 0)."""
+        stage = {m.peer_id: m.stage for m in members}
+        out: dict[str, list[groups.Holding]] = {}
+        for r in reports:
+            if not r.live or stage.get(r.peer_id) != r.stage or not self._on_line(r):
+                continue
+            out[r.peer_id] = [(r.version, r.state_hash)] + ([(r.prev_version, r.prev_hash)] if r.prev_version >= 0 else [])
+        return out
 
     def reshard(self, stages: int, checkpoint: Checkpoint, now: float) -> None:
         """Resume with another number of stages from ``checkpoint`` (re-split into ``stages``): every

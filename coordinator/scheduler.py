@@ -7,14 +7,17 @@ memetic algorithm, as in Yuan et al. (NeurIPS 2022):
 1. a population from the blocks layout, two greedy seeds (one pipeline per cluster of close
    devices; one group per cluster), *structured seeds* (:func:`segment_seeds`: pipeline segments
    kept inside the places -- boxes, data centers, regions -- read off the links at several
-   thresholds) and random assignments; half the places go to the cheapest, half to the cheapest on
-   the smoothed objective, and both of those are descended first;
+   thresholds, every pipeline's first segment first or pipeline by pipeline) and random
+   assignments; half the places go to the cheapest, half to the cheapest on the smoothed
+   objective, and both of those are descended first (the cheapest first). Start layouts are built
+   as they are evaluated, for at most ``SEED_SHARE`` of a time budget: at 1,024 devices each one
+   costs tens of milliseconds, and there can be a hundred;
 2. each generation, children of two tournament-picked parents: a group-wise crossover (align the
    parents' group labels by overlap, take each group from either parent, drop duplicates, refill
    to exactly ``R`` devices per group), a few random swaps, then local search;
 3. local search cycles through pairs of groups Kernighan-Lin style, trying device swaps between
-   the two (and with unused devices), keeping each one that lowers ``cost + smooth * soft``, until
-   a whole cycle brings no improvement;
+   the two (and with unused devices; at most ``PAIR_SWAPS`` a visit, as ``R = 100`` makes 10,000),
+   keeping each one that lowers ``cost + smooth * soft``, until a whole cycle brings no improvement;
 4. a child replaces the worst member if it is better and new;
 5. after ``stall_generations`` generations without a new best, a *restart*: the next structured
    seed not descended yet (or, once they are used up, the best plan kicked by random swaps) is
@@ -37,27 +40,32 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from potluck.coordinator.costmodel import CostModel, Plan, Score, Topology, canonical
+from potluck.coordinator.costmodel import CostModel, Placement, Score, Topology, canonical
 from potluck.coordinator.layouts import (  # noqa: F401  (places, segments_layout: for callers)
     Groups,
     blocks_layout,
     greedy_seeds,
+    iter_segment_seeds,
     places,
     random_groups,
     segment_seeds,
     segments_layout,
 )
 
+PAIR_SWAPS = 1024  # per visit of a pair of groups in the local search: all of them up to R = 32
+SEED_SHARE = 0.25  # of a time budget, at most, for evaluating start layouts (a 1,024-device one costs ~0.1 s)
+
 
 @dataclass(frozen=True)
 class SearchResult:
-    plan: Plan
+    plan: Placement
     evaluations: int
     seconds: float
     evals_to_best: int
@@ -92,11 +100,13 @@ def better(a: Score, b: Score, smooth: float = 0.0) -> bool:
 class _Run:
     """Budget bookkeeping around one :class:`CostModel`; remembers the cheapest assignment seen."""
 
-    def __init__(self, model: CostModel, budget_seconds: float | None, budget_evals: int | None) -> None:
+    def __init__(self, model: CostModel, budget_seconds: float | None, budget_evals: int | None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         if budget_seconds is None and budget_evals is None:
             raise ValueError("give a time budget, an evaluation budget or both")
         self.model = model
-        self.start = time.perf_counter()
+        self.clock = clock
+        self.start = clock()
         self.deadline = math.inf if budget_seconds is None else self.start + budget_seconds
         self.max_evals = math.inf if budget_evals is None else budget_evals
         self.first_eval = model.evaluations
@@ -109,7 +119,7 @@ class _Run:
         return self.model.evaluations - self.first_eval
 
     def exhausted(self) -> bool:
-        return self.evaluations >= self.max_evals or time.perf_counter() >= self.deadline
+        return self.evaluations >= self.max_evals or self.clock() >= self.deadline
 
     def score(self, groups: Groups, bound: float | None = None, smooth: float = 0.0) -> Score | None:
         s = self.model.score(groups, bound, smooth)
@@ -126,7 +136,7 @@ class _Run:
 
     def result(self, stopped: str, generations: int = 0, restarts: int = 0, starts: int = 0) -> SearchResult:
         assert self.best is not None
-        seconds = time.perf_counter() - self.start
+        seconds = self.clock() - self.start
         plan = self.model.plan(np.array(self.best[1]))
         return SearchResult(plan=plan, evaluations=self.evaluations, seconds=seconds,
                             evals_to_best=self.evals_to_best, stopped=stopped, generations=generations,
@@ -219,7 +229,10 @@ def local_search(run: _Run, groups: Groups, score: Score, rng: np.random.Generat
 
 
 def _swaps(n: int, m: int, rng: np.random.Generator) -> list[tuple[int, int]]:
-    flat = rng.permutation(n * m)
+    """The swaps between two sides of ``n`` and ``m`` devices in random order; at most ``PAIR_SWAPS``
+    of them, so that with large groups (``R * R`` swaps a pair) one visit does not spend the whole
+    budget on one pair while the others (and the unused devices) wait."""
+    flat = rng.permutation(n * m)[:PAIR_SWAPS]
     return [(int(f) // m, int(f) % m) for f in flat]
 
 
@@ -231,23 +244,37 @@ def evolutionary_search(topology: Topology, *, seed: int = 0, budget_seconds: fl
                         stall_generations: int = 10, stall_restarts: int = 5, mutation_swaps: int = 2,
                         smooth: float = 1.0,
                         local_search_evals: int | None = None, greedy: bool = True,
-                        model: CostModel | None = None) -> SearchResult:
+                        model: CostModel | None = None,
+                        clock: Callable[[], float] = time.perf_counter) -> SearchResult:
     """DT-FM's hybrid genetic algorithm; see the module docstring.
 
     Children descend ``cost + smooth * soft`` (see :class:`Score`): the soft term keeps the
     bottleneck plateaus from stopping the descent early. The best assignment is always judged
     by ``cost`` alone, and once the search stalls, the best gets a final descent on ``cost``.
-    ``model`` lets a caller pass a :class:`CostModel` with a previous plan and migration weight.
+    ``model`` lets a caller pass a :class:`CostModel` with a previous plan and migration weight;
+    ``clock`` is what ``budget_seconds`` counts (``time.process_time``: CPU seconds, which a box
+    shared with other work does not steal).
     """
     model = model or CostModel(topology)
     rng = np.random.default_rng(seed)
-    run = _Run(model, budget_seconds, budget_evals)
-    seeds = [canonical(blocks_layout(topology))] + (greedy_seeds(model) + segment_seeds(model) if greedy else [])
-    seeds += [random_groups(topology, rng) for _ in range(max(0, population - len(seeds)))]
+    run = _Run(model, budget_seconds, budget_evals, clock)
+    # Start layouts are built as they are evaluated: with SEED_SHARE of the time spent, the rest are
+    # never built (at 1,024 devices, building them all can take longer than the search's budget).
+    # The blocks layout and the greedy seeds are evaluated whatever the budget: a search starved of
+    # CPU (a busy coordinator) returns at worst the greedy layout, not the blocks layout.
+    seed_until = math.inf if budget_seconds is None else run.start + SEED_SHARE * budget_seconds
+    floor = 3 if greedy else 1
     pop: list[tuple[Score, Groups]] = []
-    for groups in seeds:
-        if run.exhausted() and pop:
+    built = 0
+    for groups in _start_layouts(model, greedy):
+        if built >= floor and (run.exhausted() or run.clock() >= seed_until):
             break
+        built += 1
+        pop.append((run.exact(groups), groups))
+    for _ in range(max(0, population - built)):
+        if run.exhausted():
+            break
+        groups = random_groups(topology, rng)
         pop.append((run.exact(groups), groups))
     seeded = run.evaluations
     # The structured seeds compete for the population's places: half go to the cheapest, half to
@@ -257,7 +284,7 @@ def evolutionary_search(topology: Topology, *, seed: int = 0, budget_seconds: fl
     keep = max(population, 2)
     pop = list({tuple(g): (sc, g) for sc, g in by_cost[: keep // 2] + by_key[: keep - keep // 2]}.values())
     pop += [p for p in by_key if all(p[1] != g for _, g in pop)][: keep - len(pop)]
-    for start in {tuple(by_key[0][1]): by_key[0], tuple(by_cost[0][1]): by_cost[0]}.values():
+    for start in {tuple(by_cost[0][1]): by_cost[0], tuple(by_key[0][1]): by_key[0]}.values():
         if run.exhausted():
             break
         groups, score = local_search(run, start[1], start[0], rng, smooth, local_search_evals)
@@ -299,6 +326,14 @@ def evolutionary_search(topology: Topology, *, seed: int = 0, budget_seconds: fl
     return run.result(stopped, generations, restarts, seeded)
 
 
+def _start_layouts(model: CostModel, greedy: bool) -> Iterator[Groups]:
+    """The blocks layout, then (with ``greedy``) the greedy and the structured seeds, built lazily."""
+    yield canonical(blocks_layout(model.topology))
+    if greedy:
+        yield from greedy_seeds(model)
+        yield from iter_segment_seeds(model)
+
+
 def _restart(run: _Run, pop: list[tuple[Score, Groups]], starts: list[Groups], rng: np.random.Generator,
              smooth: float, descent_smooth: float, local_search_evals: int | None) -> None:
     """Descend (on ``cost + descent_smooth * soft``) from the next unused start, or from the best plan
@@ -328,11 +363,12 @@ def _tournament(pop: list[tuple[Score, Groups]], rng: np.random.Generator,
 
 
 def random_search(topology: Topology, *, seed: int = 0, budget_evals: int | None = 1000,
-                  budget_seconds: float | None = None, model: CostModel | None = None) -> SearchResult:
+                  budget_seconds: float | None = None, model: CostModel | None = None,
+                  clock: Callable[[], float] = time.perf_counter) -> SearchResult:
     """Baseline: uniformly random assignments, keep the cheapest."""
     model = model or CostModel(topology)
     rng = np.random.default_rng(seed)
-    run = _Run(model, budget_seconds, budget_evals)
+    run = _Run(model, budget_seconds, budget_evals, clock)
     run.exact(random_groups(topology, rng))
     while not run.exhausted():
         assert run.best is not None

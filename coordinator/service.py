@@ -7,6 +7,7 @@ pipeline RPCs are refused as ``UNSUPPORTED``.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,8 +17,9 @@ import grpc
 
 from potluck.coordinator.checkpointer import Checkpointer
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.records import PeerRecord
-from potluck.protos.transport import PeerClient, Rejected
+from potluck.protos.net.transport import PeerClient
+from potluck.protos.wire.records import PeerRecord
+from potluck.protos.wire.refusals import Rejected
 
 PING_TIMEOUT_S = 2.0
 
@@ -38,7 +40,7 @@ class CoordinatorService:
     def _unsupported(self, *_: Any) -> Any:
         raise Rejected(pb.UNSUPPORTED, "the coordinator takes no part in the all-reduce or the pipeline")
 
-    push_contribution = push_result = fetch_result = push_pipe = _unsupported
+    push_contribution = push_result = fetch_result = fetch_inputs = push_pipe = _unsupported
 
 
 def answers(client: PeerClient, run_id: str, me: str, rec: PeerRecord) -> bool:
@@ -68,3 +70,38 @@ def reachable(client: PeerClient, run_id: str, me: str, records: Iterable[PeerRe
     with ThreadPoolExecutor(max_workers=min(32, len(records))) as pool:
         ok = {pid for pid in pool.map(ping, records) if pid}
     return [r for r in records if r.peer_id in ok]
+
+
+class Pinger:
+    """:func:`reachable`, off the coordinator's loop: a round's decision needs every live peer pinged (a
+    thousand of them, some over new TLS connections, take seconds), and the loop must not stop for it.
+
+    :meth:`poll` starts pinging the peers it is given and returns None until the answers are in, then
+    the peers that answered and when the pings began (a decision's cost counts from there); answers
+    older than ``max_age_s`` are not used, the peers are pinged again."""
+
+    def __init__(self, client: PeerClient, run_id: str, me: str, max_age_s: float = 10.0) -> None:
+        self.client, self.run_id, self.me, self.max_age_s = client, run_id, me, max_age_s
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._answer: tuple[list[PeerRecord], float, float] | None = None  # (reachable, began, ended)
+
+    def poll(self, records: Iterable[PeerRecord]) -> tuple[list[PeerRecord], float] | None:
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                return None
+            answer, self._answer = self._answer, None
+            if answer is not None and time.monotonic() - answer[2] <= self.max_age_s:
+                return answer[0], answer[1]
+            self._thread = threading.Thread(target=self._ping, args=(list(records), time.monotonic()), name="pinger",
+                                            daemon=True)
+            self._thread.start()
+            return None
+
+    def _ping(self, records: list[PeerRecord], began: float) -> None:
+        try:
+            ok = reachable(self.client, self.run_id, self.me, records)
+        except Exception:  # (a bug here must not stop decisions: nobody answered, ask again)
+            ok = []
+        with self._lock:
+            self._answer = (ok, began, time.monotonic())

@@ -15,17 +15,23 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from potluck.coordinator.health import Health
 from potluck.coordinator.history import public
 from potluck.coordinator.membership import PeerView
 from potluck.coordinator.rounds import Rounds
 from potluck.coordinator.status import API
 from potluck.models import entry_costs
-from potluck.protos.config import ModelConfig, RunConfig
-from potluck.protos.log import short_id
-from potluck.protos.relay import VIA
-from potluck.protos.swarm import LinkReport
+from potluck.protos.config.runconfig import ModelConfig, RunConfig
+from potluck.protos.net.relay import VIA
+from potluck.protos.net.swarm import LinkReport
+from potluck.protos.runtime.log import short_id
 
 GONE = ("lost", "left", "finished")
+PEERS_INLINE = 200  # past this many known peers, `peers` holds the most telling ones; /api/v1/peers pages through all
+LINKS_PEERS = 64  # the links matrix covers at most this many peers (the first by tasklet): N x N does not scale
+# which peers an operator looks at first when not all fit (lower first): the ones that stopped, then the ones
+# the run counts on, then the ones that said goodbye
+_ATTENTION = {"failed": 0, "lost": 1, "left": 3, "finished": 3}
 
 
 @dataclass
@@ -89,6 +95,7 @@ def step_rates(entries: Sequence[dict[str, Any]], cfg: RunConfig) -> list[dict[s
     out, prev = [], None
     for h in entries:
         entry = public(h)
+        entry.setdefault("hash_counts", {})  # (entries journaled by older versions)
         stage0 = sum(1 for s in (h.get("stages") or {}).values() if s == 0) or h["members"] // max(1, cfg.pipeline.stages)
         entry["tokens"] = stage0 * per_replica
         dt = h["t"] - prev["t"] if prev is not None and h["step"] == prev["step"] + 1 else 0.0
@@ -118,9 +125,28 @@ def perplexity(loss: float | None) -> float | None:
     return math.exp(loss) if loss is not None and loss < 700 else None
 
 
+def inline_peers(peers: list[dict[str, Any]], limit: int = PEERS_INLINE) -> list[dict[str, Any]]:
+    """Every row when there are at most ``limit``; else the ``limit`` most telling (failed, lost, live, then the
+    ones that left), each class in order of first appearance, and the result in that order too."""
+    if len(peers) <= limit:
+        return peers
+    chosen = sorted(range(len(peers)), key=lambda i: (_ATTENTION.get(peers[i]["state"], 2), i))[:limit]
+    return [peers[i] for i in sorted(chosen)]
+
+
+def peers_summary(peers: Sequence[dict[str, Any]], shown: int) -> dict[str, Any]:
+    by_state: dict[str, int] = {}
+    for p in peers:
+        by_state[p["state"]] = by_state.get(p["state"], 0) + 1
+    return {"total": len(peers), "shown": shown, "truncated": shown < len(peers), "by_state": by_state,
+            "live": sum(n for st, n in by_state.items() if st not in (*GONE, "failed"))}
+
+
 def build(run: RunInfo, cfg: RunConfig, views: Sequence[PeerView], rounds: Rounds, history: Sequence[dict[str, Any]],
           rolled_back: Sequence[dict[str, Any]], events: Sequence[dict[str, Any]], series: Series,
-          links: Mapping[str, LinkReport], now: float | None = None) -> dict[str, Any]:
+          links: Mapping[str, LinkReport], now: float | None = None, health: dict[str, Any] | None = None,
+          ) -> dict[str, Any]:
+    """The snapshot; its ``_peers`` (every peer's row, for /api/v1/peers and /metrics) is not part of the JSON."""
     now = time.monotonic() if now is None else now
     current = rounds.latest
     tasklet_of = {m.peer_id: {"stage": m.stage, "replica": m.replica} for m in current.members} if current else {}
@@ -173,18 +199,23 @@ def build(run: RunInfo, cfg: RunConfig, views: Sequence[PeerView], rounds: Round
         "rolled_back": step_rates(rolled_back[-50:], cfg),
         "failed_rounds": [vars(o) if not isinstance(o, dict) else o for o in rounds.outcomes[-50:]],
         "series": list(series.samples),
-        "peers": peers,
+        "peers": (shown := inline_peers(peers)),
+        "peers_summary": peers_summary(peers, len(shown)),
         # a finished run keeps showing the links its peers measured last
         "links": links_state(links, [p for p in peers if p["state"] not in ("lost", "left")]),
         "events": list(events)[-200:],
         "config": {"heartbeat_timeout_s": cfg.membership.heartbeat_timeout_s},
+        "coordinator": health or Health().section({}, len(views)),
+        "_peers": peers,
     }
 
 
 def links_state(reports: Mapping[str, LinkReport], live: list[dict[str, Any]]) -> dict[str, Any]:
-    """Measured links among ``live`` peers, ordered by tasklet (stage, replica) so pipelines sit together."""
+    """Measured links among ``live`` peers, ordered by tasklet (stage, replica) so pipelines sit together; the
+    first ``LINKS_PEERS`` of them (a thousand peers would make two matrices of a million cells)."""
     ids = [p["id"] for p in sorted(live, key=lambda p: (p["tasklet"] is None, (p["tasklet"] or {}).get("stage", 0),
                                                          (p["tasklet"] or {}).get("replica", 0), p["id"]))]
+    ids = ids[:LINKS_PEERS]
     if not reports or not ids:
         return {"peers": [], "rtt_ms": [], "bandwidth_mbps": []}
 

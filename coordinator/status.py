@@ -10,6 +10,8 @@ Routes (documented for users in docs/status-api.md)::
     GET  /                        the status page (static/index.html; plain JS, no CDN, no build step)
     GET  /static/<file>           the page's files, from this package's static/ folder only
     GET  /api/v1/state            the snapshot as JSON (schema: static/state.schema.json)
+    GET  /api/v1/peers            every peer's row, a page at a time, filtered and sorted (the snapshot
+                                  holds the most telling 200 of a bigger swarm)
     GET  /api/v1/events           Server-Sent Events: "state" whenever the snapshot changes, "ping" otherwise
     GET  /metrics                 Prometheus text format (coordinator/metrics.py)
     GET  /healthz                 "ok"
@@ -20,14 +22,7 @@ button); without one the server is read-only. Admin calls need a header a browse
 cross-site without a CORS preflight, which this server does not answer, so a page elsewhere cannot
 trigger them with a visitor's browser.
 
-What a client can hold is bounded (:class:`Limits`), since the page is public: a connection that
-has sent nothing waits in a selector, not on a thread, and is closed after ``idle_s`` (the longest
-waiting goes first when ``max_waiting`` are open); one that speaks gets a worker thread, at most
-``max_connections`` at once (the next is answered 503 and closed), and must deliver its whole
-request, TLS handshake included, within ``request_s`` however slowly it trickles in (slowloris).
-A live stream gives its worker slot back (streams have their own cap), and from then on only
-writes, each bounded by ``write_s``. One request per connection (HTTP/1.0), so no keep-alive
-connection idles on a thread either.
+What a client can hold is bounded: see :mod:`potluck.coordinator.httpserver`.
 
 With ``tls`` the server speaks HTTPS only, so the admin token never crosses the network in clear;
 :func:`potluck.coordinator.status_tls.status_tls` builds the context from the operator's files or a self-signed certificate kept
@@ -42,30 +37,28 @@ import io
 import json
 import math
 import re
-import selectors
 import socket
 import ssl
 import threading
 import time
 import zlib
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
+from potluck.coordinator.httpserver import MAX_BODY, GuardedHTTPServer, Limits, RequestReader, Slot
 from potluck.coordinator.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from potluck.coordinator.metrics import render as render_metrics
-from potluck.protos.errors import bind_error
-from potluck.protos.log import get_logger
+from potluck.coordinator.peerpage import peer_page_rows, peer_query
+from potluck.protos.net.errors import bind_error
+from potluck.protos.runtime.log import get_logger
 
 log = get_logger(__name__)
 
 API = "potluck.status/v1"
 STATIC_DIR = Path(__file__).resolve().with_name("static")
-MAX_BODY = 64 * 1024
 _STATIC_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _ACTION_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
 _TYPES = {
@@ -99,12 +92,31 @@ def _finite(obj: Any) -> Any:
 
 
 class _Encoded:
-    """One snapshot encoded once, shared by every request until the coordinator builds the next."""
+    """One snapshot encoded once, shared by every request until the coordinator builds the next.
 
-    def __init__(self, key: tuple[int, Any], body: bytes, snap: dict[str, Any]) -> None:
-        self.key, self.body, self.snap = key, body, snap
+    Top-level keys starting with ``_`` are the coordinator's, not the API's (``_peers``: every peer's row,
+    which ``/api/v1/peers`` pages through and ``/metrics`` reports)."""
+
+    def __init__(self, key: tuple[int, Any], snap: dict[str, Any]) -> None:
+        self.key, self.snap = key, snap
+        self.body = dumps({k: v for k, v in snap.items() if not k.startswith("_")})
         self._gz: bytes | None = None
         self._metrics: bytes | None = None
+        self._orders: dict[tuple[str, str, str], list[dict[str, Any]]] = {}  # (sort, state, q) -> rows
+        self._lock = threading.Lock()
+
+    def peers(self, sort: str, state: str, q: str) -> list[dict[str, Any]]:
+        """Every peer's row that ``state`` and ``q`` select, in ``sort`` order (kept for the next page's request)."""
+        key = (sort, state, q)
+        with self._lock:
+            rows = self._orders.get(key)
+        if rows is None:
+            rows = peer_page_rows(self.snap.get("_peers", self.snap.get("peers") or []), sort, state, q)
+            with self._lock:
+                if len(self._orders) >= 16:
+                    self._orders.clear()
+                self._orders[key] = rows
+        return rows
 
     @property
     def gz(self) -> bytes:
@@ -118,195 +130,6 @@ class _Encoded:
         if self._metrics is None:
             self._metrics = render_metrics(self.snap).encode()
         return self._metrics
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one client may hold of the status server, and for how long.
-
-    ``max_connections`` requests are read and answered at once, each on a worker thread; ``max_waiting``
-    connections that have sent nothing yet wait on no thread at all (the longest waiting is closed
-    to make room), each closed after ``idle_s``. A request must arrive whole, TLS handshake included,
-    within ``request_s`` of getting a worker; one response write (or stream event) may take ``write_s``
-    for a client that reads slowly. Live streams are capped by ``StatusServer(max_streams=...)``.
-    """
-
-    max_connections: int = 64
-    max_waiting: int = 256  # each an open file of the coordinator's process, which needs files for its own work
-    idle_s: float = 5.0
-    request_s: float = 10.0
-    write_s: float = 30.0
-
-
-# Answered to a connection beyond max_connections, without a thread and without parsing its request.
-_BUSY_BODY = b"busy: retry in a second\n"
-_BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Type: text/plain; charset=utf-8\r\n"
-         b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY))
-
-
-class _Slot:
-    """One worker slot, given back once: when the connection ends, or earlier when it becomes a stream."""
-
-    def __init__(self, pool: threading.BoundedSemaphore) -> None:
-        self._pool, self._held = pool, True
-
-    def release(self) -> None:
-        if self._held:
-            self._held = False
-            self._pool.release()
-
-
-class _RequestReader(io.RawIOBase):
-    """The socket as the handler reads it: every read must come before the request's deadline.
-
-    A per-read timeout alone lets a client that sends one byte a second hold a thread forever;
-    here each read waits at most ``min(idle_s, time left)``, and none starts after the deadline.
-    Writes keep the socket's ``write_s`` timeout, restored after each read.
-    """
-
-    def __init__(self, sock: socket.socket, deadline: float, limits: Limits) -> None:
-        super().__init__()
-        self._sock, self._deadline, self._limits = sock, deadline, limits
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buf: Any) -> int:
-        left = self._deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"the request did not arrive within {self._limits.request_s:g} s")
-        self._sock.settimeout(min(self._limits.idle_s, left))
-        try:
-            return self._sock.recv_into(buf)
-        finally:
-            self._sock.settimeout(self._limits.write_s)
-
-
-_Waiting = OrderedDict[socket.socket, tuple[float, Any]]  # connection -> (idle deadline, client address)
-
-
-class _HTTPServer(ThreadingHTTPServer):
-    """Accepts in one thread (:meth:`serve`) and gives a worker thread only to a connection that spoke."""
-
-    daemon_threads = True
-    request_queue_size = 256  # the listen backlog: a burst of connections waits in the kernel, not refused
-
-    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], limits: Limits,
-                 tls: ssl.SSLContext | None) -> None:
-        self.limits, self.tls = limits, tls
-        self._handler: Callable[..., BaseHTTPRequestHandler] = handler  # takes the slot and deadline too
-        self._workers = threading.BoundedSemaphore(limits.max_connections)
-        self._wake_r, self._wake_w = socket.socketpair()  # before binding: a failed bind calls server_close
-        super().__init__(address, handler)
-
-    def serve(self) -> None:
-        """The accept loop: parks new connections until they send something, closes the idle ones."""
-        self.socket.setblocking(False)
-        sel = selectors.DefaultSelector()
-        sel.register(self.socket, selectors.EVENT_READ)
-        sel.register(self._wake_r, selectors.EVENT_READ)
-        waiting: _Waiting = OrderedDict()  # arrival order, so the oldest deadline is first
-        try:
-            while True:
-                timeout = max(0.0, next(iter(waiting.values()))[0] - time.monotonic()) if waiting else None
-                for key, _ in sel.select(timeout):
-                    if key.fileobj is self._wake_r:
-                        return
-                    if key.fileobj is self.socket:
-                        self._accept(sel, waiting)
-                    elif key.data in waiting:  # not dropped by an _accept earlier in this batch
-                        sel.unregister(key.data)
-                        self._dispatch(key.data, waiting.pop(key.data)[1])
-                now = time.monotonic()
-                while waiting and next(iter(waiting.values()))[0] <= now:
-                    self._drop(sel, waiting, next(iter(waiting)))
-        except Exception:
-            log.exception("status http: the accept loop failed; the status page is down")
-        finally:
-            for sock in list(waiting):
-                self._drop(sel, waiting, sock)
-            sel.close()
-
-    def wake(self) -> None:
-        """Ends :meth:`serve` (from any thread)."""
-        try:
-            self._wake_w.send(b"x")
-        except OSError:
-            pass  # already stopped
-
-    def server_close(self) -> None:
-        super().server_close()
-        self._wake_r.close()
-        self._wake_w.close()
-
-    def _accept(self, sel: selectors.BaseSelector, waiting: _Waiting) -> None:
-        for _ in range(64):  # then back to select: a flood of new connections must not starve those that spoke
-            try:
-                conn, addr = self.socket.accept()
-            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
-                return
-            except OSError as err:  # out of files (EMFILE): free one, or the listener would wake us in a loop
-                log.warning("status http: cannot accept a connection: %s", err)
-                if waiting:
-                    self._drop(sel, waiting, next(iter(waiting)))
-                else:
-                    time.sleep(0.05)
-                return
-            waiting[conn] = (time.monotonic() + self.limits.idle_s, addr)
-            sel.register(conn, selectors.EVENT_READ, data=conn)
-            if len(waiting) > self.limits.max_waiting:
-                self._drop(sel, waiting, next(iter(waiting)))
-
-    def _drop(self, sel: selectors.BaseSelector, waiting: _Waiting, sock: socket.socket) -> None:
-        del waiting[sock]
-        sel.unregister(sock)
-        sock.close()
-
-    def _dispatch(self, conn: socket.socket, addr: Any) -> None:
-        try:
-            if conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
-                conn.close()  # it connected and left (a port scan, a browser's unused preconnect)
-                return
-        except BlockingIOError:
-            pass
-        except OSError:
-            conn.close()
-            return
-        if not self._workers.acquire(blocking=False):
-            self._refuse(conn)
-            return
-        try:
-            threading.Thread(target=self._work, args=(conn, addr), name="status-http-conn", daemon=True).start()
-        except RuntimeError:  # the process cannot start another thread
-            self._workers.release()
-            self._refuse(conn)
-
-    def _refuse(self, conn: socket.socket) -> None:
-        """503 and close, without blocking: the request is drained first so the close is not a reset."""
-        try:
-            conn.setblocking(False)
-            if self.tls is None:  # a TLS client would take plain bytes for a broken handshake: just close
-                conn.recv(MAX_BODY)
-                conn.send(_BUSY)
-        except OSError:
-            pass
-        self.shutdown_request(conn)
-
-    def _work(self, conn: socket.socket, addr: Any) -> None:
-        slot, deadline = _Slot(self._workers), time.monotonic() + self.limits.request_s
-        try:
-            if self.tls is not None:  # here, not in the accept loop: a handshake that never ends costs its own thread only
-                conn.settimeout(self.limits.request_s)  # for the whole handshake, not per read
-                conn = self.tls.wrap_socket(conn, server_side=True)
-            self._handler(conn, addr, self, slot, deadline)
-        except Exception:
-            self.handle_error(conn, addr)
-        finally:
-            self.shutdown_request(conn)
-            slot.release()
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        log.debug("status http: error serving %s", client_address, exc_info=True)
 
 
 class StatusServer:
@@ -346,7 +169,7 @@ class StatusServer:
         self._cache: _Encoded | None = None
 
         try:
-            self.httpd = _HTTPServer((host, port), _handler(self), limits, tls)
+            self.httpd = GuardedHTTPServer((host, port), _handler(self), limits, tls)
         except OSError as err:
             raise bind_error(err, "status port", host, port, "--status-port", "coordinator.status_port") from None
         self.host, self.tls = host, tls
@@ -367,7 +190,7 @@ class StatusServer:
         key = (id(snap), snap.get("generated_at"))
         with self._cache_lock:
             if self._cache is None or self._cache.key != key:
-                self._cache = _Encoded(key, dumps(snap), snap)
+                self._cache = _Encoded(key, snap)
             return self._cache
 
     def stop(self) -> None:
@@ -383,7 +206,7 @@ def _handler(server: StatusServer) -> type[BaseHTTPRequestHandler]:
         server_version = "potluck-status"
         sys_version = ""
 
-        def __init__(self, request: socket.socket, client_address: Any, httpd: _HTTPServer, slot: _Slot,
+        def __init__(self, request: socket.socket, client_address: Any, httpd: GuardedHTTPServer, slot: Slot,
                      deadline: float) -> None:
             self.slot, self.deadline, self.limits = slot, deadline, httpd.limits
             super().__init__(request, client_address, httpd)  # serves the request
@@ -392,7 +215,7 @@ def _handler(server: StatusServer) -> type[BaseHTTPRequestHandler]:
             super().setup()
             self.connection.settimeout(self.limits.write_s)
             self.rfile.close()  # the plain socket file: reads go through the request's deadline instead
-            self.rfile = io.BufferedReader(_RequestReader(self.connection, self.deadline, self.limits))
+            self.rfile = io.BufferedReader(RequestReader(self.connection, self.deadline, self.limits))
 
         # ---------------------------------------------------------------- routing
 
@@ -406,6 +229,8 @@ def _handler(server: StatusServer) -> type[BaseHTTPRequestHandler]:
                 self._static("favicon.svg")
             elif path == "/api/v1/state":
                 self._state()
+            elif path == "/api/v1/peers":
+                self._peers()
             elif path == "/api/v1/events":
                 self._stream()
             elif path == "/metrics":
@@ -421,7 +246,7 @@ def _handler(server: StatusServer) -> type[BaseHTTPRequestHandler]:
             path = self.path.split("?", 1)[0]
             if path.startswith("/api/v1/admin/"):
                 self._admin(path[len("/api/v1/admin/"):])
-            elif path in ("/", "/api/v1/state", "/api/v1/events", "/metrics", "/healthz"):
+            elif path in ("/", "/api/v1/state", "/api/v1/peers", "/api/v1/events", "/metrics", "/healthz"):
                 self._json(405, {"error": f"{path} is read with GET"}, extra={"Allow": "GET"})
             else:
                 self._json(404, {"error": f"no such endpoint: {path}"})
@@ -448,6 +273,30 @@ def _handler(server: StatusServer) -> type[BaseHTTPRequestHandler]:
                 self._send(200, "application/json", enc.gz, extra={"Content-Encoding": "gzip", "Vary": "Accept-Encoding"})
             else:
                 self._send(200, "application/json", enc.body, extra={"Vary": "Accept-Encoding"})
+
+        def _peers(self) -> None:
+            """A page of every peer's row: ``?offset=0&limit=50&sort=-tokens_per_s&state=live&q=text``."""
+            try:
+                query = peer_query(self.path.split("?", 1)[1] if "?" in self.path else "")
+            except ValueError as err:
+                self._json(400, {"error": str(err)})
+                return
+            enc = server.encoded()
+            if enc is None:
+                self._json(503, {"error": "the coordinator has not built its first snapshot yet"},
+                           extra={"Retry-After": "1"})
+                return
+            rows = enc.peers(query["sort"], query["state"], query["q"])
+            offset, limit = query["offset"], query["limit"]
+            body = dumps({"api": API, "generated_at": enc.snap.get("generated_at"), "total": len(rows),
+                          "known": len(enc.snap.get("_peers", enc.snap.get("peers") or [])), "offset": offset,
+                          "limit": limit, "sort": query["sort"], "state": query["state"], "q": query["q"],
+                          "peers": rows[offset:offset + limit]})
+            if self._accepts_gzip():
+                self._send(200, "application/json", gzip.compress(body, compresslevel=5),
+                           extra={"Content-Encoding": "gzip", "Vary": "Accept-Encoding"})
+            else:
+                self._send(200, "application/json", body, extra={"Vary": "Accept-Encoding"})
 
         def _metrics(self) -> None:
             enc = server.encoded()
@@ -573,3 +422,4 @@ def _handler(server: StatusServer) -> type[BaseHTTPRequestHandler]:
             log.debug("http: " + format, *args)
 
     return Handler
+

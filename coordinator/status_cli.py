@@ -68,9 +68,28 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "json", False):
         print(json.dumps(state, indent=2))
         return 0
+    want = getattr(args, "peers", 20)
+    if (state.get("peers_summary") or {}).get("truncated") and (want <= 0 or want > len(state.get("peers") or [])):
+        try:  # the snapshot holds the most telling 200 of a bigger swarm: the rest come a page at a time
+            state["peers"] = all_peers(url, getattr(args, "timeout", 5.0), getattr(args, "fingerprint", None))
+        except StatusUnavailable as err:
+            print(f"potluck status: {err}; showing the snapshot's {len(state['peers'])} peers", file=sys.stderr)
     colour = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
-    print(summary(state, peers=getattr(args, "peers", 20), colour=colour))
+    print(summary(state, peers=want, colour=colour))
     return 0
+
+
+def all_peers(url: str, timeout: float, fingerprint: str | None = None) -> list[dict[str, Any]]:
+    """Every peer's row from ``/api/v1/peers``, a page of 500 at a time, in order of first appearance."""
+    rows: list[dict[str, Any]] = []
+    base = url.removesuffix("/api/v1/state") + "/api/v1/peers"
+    while True:
+        page = parse(fetch(f"{base}?offset={len(rows)}&limit=500", timeout, fingerprint), base)
+        if not isinstance(page.get("peers"), list) or not isinstance(page.get("total"), int):
+            raise StatusUnavailable(f"{base} did not return a page of peers")
+        rows += page["peers"]
+        if not page["peers"] or len(rows) >= page["total"]:
+            return rows
 
 
 # ---------------------------------------------------------------------- fetching
@@ -245,14 +264,16 @@ def summary(state: dict[str, Any], peers: int = 20, colour: bool = False) -> str
     def paint(text: str, code: str) -> str:
         return f"{code}{text}{_RESET}" if colour and code else text
 
-    live = [p for p in table if p["state"] not in ("lost", "left", "finished", "failed")]
-    lost = sum(1 for p in table if p["state"] == "lost")
+    counted = state.get("peers_summary") or {}  # (the whole table, when the snapshot holds only part of it)
+    live = counted.get("live", sum(1 for p in table if p["state"] not in ("lost", "left", "finished", "failed")))
+    lost = (counted.get("by_state") or {}).get("lost", sum(1 for p in table if p["state"] == "lost"))
+    known = counted.get("total", len(table))
     badge = "  " + paint("FINISHED", "\x1b[35;1m") if run.get("finished") else ""
     lines = [
         f"run {run['run_id']} · outer step {run['outer_step']}/{run['outer_steps_total']} · "
         f"inner step {run['inner_step']}/{run['inner_steps_per_outer']}{badge}",
         f"model {si(model.get('parameters'))} params · grid {run['stages']} stage(s) x {run['replicas']} replica(s) · "
-        f"{len(live)} live peers" + (f", {lost} lost" if lost else "") + f", {len(table)} known",
+        f"{live} live peers" + (f", {lost} lost" if lost else "") + f", {known} known",
     ]
     loss = f"loss {_num(run.get('loss'), 3)} · eval {_num(run.get('eval_loss'), 3)}"
     if run.get("loss_floor") is not None:

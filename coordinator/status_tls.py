@@ -10,7 +10,7 @@ import os
 import ssl
 from pathlib import Path
 
-from potluck.protos.log import get_logger
+from potluck.protos.runtime.log import get_logger
 
 log = get_logger(__name__)
 
@@ -32,7 +32,7 @@ def status_tls(cert_file: str | None, key_file: str | None, self_signed: bool, d
     from cryptography import x509
     from cryptography.hazmat.primitives import serialization
 
-    from potluck.protos.config import ConfigError
+    from potluck.protos.config.section import ConfigError
 
     if self_signed and (cert_file or key_file):
         raise ConfigError("status TLS: a self-signed certificate or the given files, not both")

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from potluck.protos.log import get_logger
+from potluck.protos.runtime.log import get_logger
 
 log = get_logger(__name__)
 ENV = "POTLUCK_TRITON"

@@ -94,6 +94,24 @@ def _quantize_tile(v, s, noise_ptr, seed, i, mask, QMAX: tl.constexpr, NOISE: tl
 
 
 @triton.jit
+def _codes(x_ptr, xo, m_ptr, mo, s, noise_ptr, seed, i, mask, out_ptr, QMAX: tl.constexpr, HAS_M: tl.constexpr,
+           NOISE: tl.constexpr, WANT_OUT: tl.constexpr):
+    """The int32 codes of ``x - m`` at offsets ``xo`` / ``mo`` (any shape) with scales ``s``; writes the
+    reconstruction (``m + q * s``, or ``q * s``) at flat indices ``i`` when asked."""
+    v = tl.load(x_ptr + xo, mask=mask, other=0.0).to(tl.float32)
+    if HAS_M:
+        m = tl.load(m_ptr + mo, mask=mask, other=0.0).to(tl.float32)
+        v = v - m
+    q = _quantize_tile(v, s, noise_ptr, seed, i, mask, QMAX, NOISE)
+    if WANT_OUT:
+        d = q * s
+        if HAS_M:
+            d = m + d
+        tl.store(out_ptr + i, d, mask=mask)
+    return q.to(tl.int32)
+
+
+@triton.jit
 def _tile_kernel(x_ptr, sxr, sxc, m_ptr, smr, smc, scales_ptr, noise_ptr, seed, rows, cols, packed_ptr, out_ptr,
                  BITS: tl.constexpr, QMAX: tl.constexpr, HAS_M: tl.constexpr, NOISE: tl.constexpr,
                  WANT_OUT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
@@ -102,19 +120,10 @@ def _tile_kernel(x_ptr, sxr, sxc, m_ptr, smr, smc, scales_ptr, noise_ptr, seed, 
     r = tl.program_id(1).to(tl.int64) * BR + tl.arange(0, BR).to(tl.int64)
     c = tl.program_id(0).to(tl.int64) * BC + tl.arange(0, BC).to(tl.int64)
     mask = (r[:, None] < rows) & (c[None, :] < cols)
-    v = tl.load(x_ptr + r[:, None] * sxr + c[None, :] * sxc, mask=mask, other=0.0).to(tl.float32)
-    if HAS_M:
-        m = tl.load(m_ptr + r[:, None] * smr + c[None, :] * smc, mask=mask, other=0.0).to(tl.float32)
-        v = v - m
     s = tl.load(scales_ptr + c, mask=c < cols, other=0.0)[None, :]
     i = r[:, None] * cols + c[None, :]
-    q = _quantize_tile(v, s, noise_ptr, seed, i, mask, QMAX, NOISE)
-    if WANT_OUT:
-        d = q * s
-        if HAS_M:
-            d = m + d
-        tl.store(out_ptr + i, d, mask=mask)
-    qi = q.to(tl.int32)
+    qi = _codes(x_ptr, r[:, None] * sxr + c[None, :] * sxc, m_ptr, r[:, None] * smr + c[None, :] * smc, s, noise_ptr,
+                seed, i, mask, out_ptr, QMAX, HAS_M, NOISE, WANT_OUT)
     if BITS == 8:
         tl.store(packed_ptr + i, (qi & 0xFF).to(tl.uint8), mask=mask)
     else:
@@ -140,18 +149,9 @@ def _pack_kernel(x_ptr, sxr, sxc, m_ptr, smr, smc, scales_ptr, noise_ptr, seed, 
     mask = i < numel
     r = i // cols
     c = i - r * cols
-    v = tl.load(x_ptr + r * sxr + c * sxc, mask=mask, other=0.0).to(tl.float32)
-    if HAS_M:
-        m = tl.load(m_ptr + r * smr + c * smc, mask=mask, other=0.0).to(tl.float32)
-        v = v - m
     s = tl.load(scales_ptr + c, mask=mask, other=0.0)
-    q = _quantize_tile(v, s, noise_ptr, seed, i, mask, QMAX, NOISE)
-    if WANT_OUT:
-        d = q * s
-        if HAS_M:
-            d = m + d
-        tl.store(out_ptr + i, d, mask=mask)
-    qi = q.to(tl.int32)
+    qi = _codes(x_ptr, r * sxr + c * sxc, m_ptr, r * smr + c * smc, s, noise_ptr, seed, i, mask, out_ptr, QMAX, HAS_M,
+                NOISE, WANT_OUT)
     if BITS == 8:
         tl.store(packed_ptr + i, (qi & 0xFF).to(tl.uint8), mask=mask)
     else:

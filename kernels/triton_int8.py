@@ -12,7 +12,7 @@ kernel here returns the same bits, codes *and* scales, on every input the refere
   where the reference rounds twice.
 
 The owner's reduction (:func:`mean_requantize`) decodes N contributions block by block, sums
-them in float32 in the order given (the sender-id order of :mod:`potluck.peer.aggregate`), divides
+them in float32 in the order given (the sender-id order of :mod:`potluck.compression.aggregate`), divides
 by N and re-quantizes, without writing the float32 mean anywhere.
 
 Import this module only where ``triton`` imports (:mod:`potluck.kernels.device` checks).

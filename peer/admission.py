@@ -12,20 +12,22 @@ from __future__ import annotations
 import threading
 import time
 
-from potluck.protos.certs import CertError, TlsIdentity
-from potluck.protos.log import get_logger
-from potluck.protos.records import AdmissionRequest, Manifest, RecordError, next_seq
-from potluck.protos.swarm import DHTTimeout, JoinError, SwarmNode
+from potluck.protos.net.certs import CertError, TlsIdentity
+from potluck.protos.net.swarm import DHTTimeout, JoinError, SwarmNode
+from potluck.protos.runtime.log import get_logger
+from potluck.protos.wire import work
+from potluck.protos.wire.envelope import RecordError, next_seq
+from potluck.protos.wire.records import AdmissionRequest, Manifest
 
 log = get_logger(__name__)
 
 REQUEST_TTL_S = 120.0
 
 
-def request(node: SwarmNode, manifest: Manifest, peer_id: str, tls: TlsIdentity, proof: str) -> int:
+def request(node: SwarmNode, manifest: Manifest, peer_id: str, tls: TlsIdentity, proof: str, nonce: int = 0) -> int:
     """Store (or refresh) this peer's admission request; returns its ``seq``."""
     req = AdmissionRequest(peer_id=peer_id, run_id=manifest.run_id, tls_key=tls.public_pem.decode(), proof=proof,
-                           ts=time.time(), seq=next_seq())
+                           pow_nonce=nonce, ts=time.time(), seq=next_seq())
     node.request_admission(req, ttl=REQUEST_TTL_S)
     return req.seq
 
@@ -36,10 +38,15 @@ def admit(node: SwarmNode, manifest: Manifest, peer_id: str, tls: TlsIdentity, p
     or timeout. On return ``tls`` holds a checked certificate."""
     deadline = time.monotonic() + timeout_s
     asked_at, seqs = 0.0, set()
+    nonce = 0
+    if manifest.pow_bits and not proof:  # an open run's price of a fresh key (potluck.protos.wire.work)
+        t0 = time.monotonic()
+        nonce = work.solve(manifest.run_id, peer_id, manifest.pow_bits, stopping)
+        log.info("proof of work for admission (%d bits) done in %.1f s", manifest.pow_bits, time.monotonic() - t0)
     while time.monotonic() < deadline and not stopping.is_set():
         try:
             if time.monotonic() - asked_at > 5.0:
-                seqs.add(request(node, manifest, peer_id, tls, proof))
+                seqs.add(request(node, manifest, peer_id, tls, proof, nonce))
                 asked_at = time.monotonic()
             adopted, refusal = take(node, manifest, peer_id, tls, seqs)
         except DHTTimeout as err:  # the DHT process is slow to answer: ask again until the deadline

@@ -23,26 +23,26 @@ import importlib
 import threading
 import time
 
-from potluck.compression.transfer import Target
 from potluck.peer.data import DataError
 from potluck.peer.follower import Finish, Follower, Recover, Switch, Train, Wait
 from potluck.peer.joining import Joined, Stopped, join
 from potluck.peer.keyfile import load_identity
 from potluck.peer.multidevice import Leader
 from potluck.peer.outersteps import OuterSteps
-from potluck.peer.pipeline import PipelineBroken
-from potluck.peer.recovery import recover
+from potluck.peer.piperound import PipelineBroken
 from potluck.peer.tasklet import Tasklet, Toolbox
 from potluck.peer.telemetry import Telemetry
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.config import ConfigError, PeerConfig
-from potluck.protos.errors import CannotBind
-from potluck.protos.faults import fault
-from potluck.protos.identity import Identity
-from potluck.protos.log import get_logger, set_context
-from potluck.protos.netem import TopologyError
-from potluck.protos.records import PeerRecord, Round
-from potluck.protos.swarm import JoinError
+from potluck.protos.config.runconfig import PeerConfig
+from potluck.protos.config.section import ConfigError
+from potluck.protos.net.errors import CannotBind
+from potluck.protos.net.identity import Identity
+from potluck.protos.net.swarm import JoinError
+from potluck.protos.runtime.log import get_logger, set_context
+from potluck.protos.testkit.faults import fault
+from potluck.protos.testkit.netem import NetemTopologyError
+from potluck.protos.wire.records import PeerRecord, Round
+from potluck.protos.wire.states import PeerState
 
 log = get_logger(__name__)
 
@@ -75,7 +75,7 @@ class Peer:
         except Stopped:
             log.info("stopped before joining the run")
             return 0
-        except (JoinError, ConfigError, TopologyError, DataError, CannotBind) as err:
+        except (JoinError, ConfigError, NetemTopologyError, DataError, CannotBind) as err:
             log.error("%s", err)
             return 2
         except PipelineBroken as err:
@@ -97,6 +97,7 @@ class Session:
         self.cfg, self.joined, self.tools, self.telemetry = cfg, joined, tools, telemetry
         self.rc, self.me, self.stopping = tools.rc, tools.me, tools.stopping
         self.follower = Follower(self.me, pipelined=self.rc.pipeline.stages > 1, plan_wait_s=cfg.plan_wait_s)
+        tools.on_audit = telemetry.audited  # audit verdicts ride on this peer's heartbeats
         self.tasklet = Tasklet.build(tools, stage=0)
         self.replica, self.waiting = -1, ""
         self.round_known = False  # the all-reduce knows the coordinator's round for the step in training
@@ -132,9 +133,11 @@ class Session:
                     if phase.stalled:
                         log.warning("replica %d stalled at inner step %d: %s; contributing nothing to outer step %d",
                                     self.replica, phase.steps, phase.stalled, step)
+                    if self._found_lie(step):
+                        continue  # the step before holds a lie: commit nothing on it, the coordinator rolls it back
                     self.outer.after_phase(step, phase.seconds, start, phase.interrupted, not phase.stalled)
         if self.completed() and not self.stopping.is_set():
-            self.set_state("finished")  # serve the final state until the coordinator has seen it
+            self.set_state(PeerState.FINISHED)  # serve the final state until the coordinator has seen it
             self.heartbeat.await_confirmation(self.tasklet.states.current.version, self.stopping)
         log.info("done at version %d", self.tasklet.states.current.version)
 
@@ -144,7 +147,7 @@ class Session:
         if wait.reason != self.waiting:
             log.info("%s", wait.reason)
             self.waiting = wait.reason
-        self.set_state("waiting")
+        self.set_state(PeerState.WAITING)
         seq = self.heartbeat.plan.seq if self.heartbeat.plan else -1
         self.heartbeat.wait_plan(lambda p: p is not None and p.seq > seq, timeout=wait.seconds)
 
@@ -153,23 +156,41 @@ class Session:
         self.replica, self.waiting = me.replica, ""
         self.first_round_at = self.first_round_at or time.time()
         set_context(step=step)
-        self.set_state("training")
+        self.set_state(PeerState.TRAINING)
         self.telemetry.begin_inner(step, self.rc.diloco.inner_steps, self.tools.device)
         t.begin(rnd, step, self.replica)
         # the coordinator's round for it (not the last plan's): now, or as soon as it arrives (_inner_step)
-        self.training = step
-        self.round_known = t.learn_round(self.heartbeat.plan, step)
+        self.training, self.round_known = step, False
+        self._learn_round()
+
+    def _found_lie(self, step: int) -> bool:
+        """Did this peer's audit of the step before find a lie? Then this step is not committed (see Auditor)."""
+        (a := self.tasklet.auditor).start_for(self.heartbeat.plan, step, self.tools.addresses)  # (a round known late)
+        if lied := a.lied(self.rc.sync.deadline_floor_s):
+            self.set_state(PeerState.WAITING)
+            a.await_ruling(self.heartbeat, step, 2 * self.rc.membership.round_timeout_floor_s)
+        return lied
 
     def _inner_step(self, i: int, loss: float, seconds: float) -> None:
-        rc, t = self.rc, self.tasklet
-        self.round_known = self.round_known or t.learn_round(self.heartbeat.plan, self.training)
+        rc = self.rc
+        self._learn_round()
         self.telemetry.inner_step(i, loss, seconds, rc.train.batch_size, rc.train.batch_size * rc.model.seq_len)
         if not self.telemetry.first_step_logged:  # where the time to the first step went, once
             self.telemetry.first_step(self.joined.joined_at, {**self.phases, "to first round": self.first_round_at
                                       - self.ready_at, "of which state download": self.recovered_s})
 
+    def _learn_round(self) -> None:
+        """Once the coordinator's round for the step in training is known (at its start, or while it trains on
+        the last plan's), tell the all-reduce; with grouped averaging, fetch the group's base if not held."""
+        if self.round_known:
+            return
+        t, plan = self.tasklet, self.heartbeat.plan
+        self.round_known = t.learn_round(plan, self.training)
+        if self.round_known and self.rc.sync.group_size:
+            t.fetch_base(plan, self.training, self.heartbeat.manifest)
+
     def _recover(self, want: Recover) -> None:
-        self.set_state("recovering")
+        self.set_state(PeerState.RECOVERING)
         t, t0 = self.tasklet, time.monotonic()
         if want.version == 0:  # the run went back to theta_0: every peer builds it from the run's seed
             log.info("%s: starting over from theta_0", want.reason)
@@ -179,9 +200,7 @@ class Session:
         if own is not None:
             log.info("%s: back to this peer's own v%d", want.reason, own.version)
             return t.adopt(own)
-        m = self.heartbeat.manifest
-        snap = recover(self.tools, t.stage, t.worker.numel, want, t.states.current.version, self.heartbeat.plan,
-                       Target(m.coordinator, m.coordinator_grpc) if m.coordinator_grpc else None)
+        snap = t.fetch(want, self.heartbeat.plan, self.heartbeat.manifest)
         if snap is None:
             self.heartbeat.wait_plan(lambda p: False, timeout=0.25)
             return
@@ -203,13 +222,14 @@ class Session:
     def close(self) -> None:
         fault("shutdown.start")
         self.outer.close()
-        self.set_state("failed" if self.telemetry.error else "finished" if self.completed() else "left", poke=False)
+        self.set_state(PeerState.FAILED if self.telemetry.error else PeerState.FINISHED if self.completed()
+                       else PeerState.LEFT, poke=False)
         self.heartbeat.stop(goodbye=self.record())
         self.tools.close(self.tasklet)
 
     # ------------------------------------------------------------------ what this peer reports
 
-    def set_state(self, state: str, poke: bool = True) -> None:
+    def set_state(self, state: PeerState, poke: bool = True) -> None:
         if self.telemetry.set_state(state) and poke:
             self.heartbeat.poke()
 

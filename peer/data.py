@@ -23,8 +23,8 @@ import torch
 from potluck.data import DataError
 from potluck.data.corpus import ShardCorpus, locate
 from potluck.data.order import sample_ids
-from potluck.protos.config import BYTE_VOCAB, MAX_MARKOV_ENTRIES, DataConfig, ModelConfig
-from potluck.protos.runcheck import min_corpus_bytes
+from potluck.protos.config.runcheck import min_corpus_bytes
+from potluck.protos.config.runconfig import BYTE_VOCAB, MAX_MARKOV_ENTRIES, DataConfig, ModelConfig
 
 EVAL_ID_OFFSET = 1 << 40  # eval sample ids live far above training ids
 
@@ -33,7 +33,7 @@ class MarkovSource:
     """A random order-``k`` Markov chain; ``sample(i)`` is ``seq_len + 1`` tokens for id ``i``.
 
     Peers check that they draw the run's samples through a hash of the parameters
-    (:func:`potluck.protos.runcheck.markov_identity`): a change to how samples are drawn from them
+    (:func:`potluck.protos.config.runcheck.markov_identity`): a change to how samples are drawn from them
     must bump ``MARKOV_GENERATOR`` there.
     """
 
@@ -185,7 +185,7 @@ class Dataset:
 
 class SpanSampler:
     """The sample ids one replica trains on in one outer step: the coordinator's spans of global
-    positions (:class:`~potluck.protos.records.Share`) through the run's order (:mod:`potluck.data.order`).
+    positions (:class:`~potluck.protos.wire.records.Share`) through the run's order (:mod:`potluck.data.order`).
     """
 
     def __init__(self, spans: list[tuple[int, int]], num_samples: int, seed: int, count: int) -> None:

@@ -29,8 +29,8 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from potluck.protos.log import get_logger
-from potluck.protos.records import Plan, Round
+from potluck.protos.runtime.log import get_logger
+from potluck.protos.wire.records import Plan, Round
 
 log = get_logger(__name__)
 

@@ -13,9 +13,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from potluck.protos.log import get_logger
-from potluck.protos.records import Manifest, PeerRecord, Plan, RecordError
-from potluck.protos.swarm import SwarmNode
+from potluck.protos.net.swarm import SwarmNode
+from potluck.protos.runtime.log import get_logger
+from potluck.protos.wire.envelope import RecordError
+from potluck.protos.wire.records import Manifest, PeerRecord, Plan
 
 log = get_logger(__name__)
 
@@ -38,6 +39,7 @@ class Heartbeat(threading.Thread):
         self._poke = threading.Event()
         self._halt = threading.Event()
         self._warned: set[str] = set()
+        self._read_failures = 0  # DHT reads failed in a row (the first of a streak is warned)
 
     @property
     def plan(self) -> Plan | None:
@@ -83,7 +85,7 @@ class Heartbeat(threading.Thread):
                 if not self.node.publish_peer(goodbye, ttl=self.ttl_s):
                     log.warning("goodbye record not stored in the DHT")
             except Exception as err:
-                log.debug("goodbye record not stored: %s", err)
+                log.warning("goodbye record not stored (%s): the coordinator finds this peer lost, not finished", err)
         with self._cond:
             self._cond.notify_all()
 
@@ -116,9 +118,15 @@ class Heartbeat(threading.Thread):
                 self._warned.add(str(err))
                 log.warning("ignoring a DHT record: %s", err)
             return
-        except Exception as err:
-            log.debug("DHT read failed: %s", err)
+        except Exception as err:  # warned once a streak: the next poll (poll_s) tries again
+            self._read_failures += 1
+            if self._read_failures == 1:
+                log.warning("reading the plan from the DHT failed (%s); this peer keeps the plan it has and "
+                            "retries", err)
             return
+        if self._read_failures:
+            log.info("reading the plan from the DHT works again (after %d failures)", self._read_failures)
+            self._read_failures = 0
         with self._cond:
             if plan is not None and (self._plan is None or plan.seq > self._plan.seq):
                 self._plan = plan

@@ -29,13 +29,13 @@ import torch
 from potluck.data import DataError
 from potluck.data.corpus import locate
 from potluck.peer import admission
-from potluck.protos.certs import TlsIdentity, token_proof
-from potluck.protos.config import ConfigError, PeerConfig, RunConfig, known_fields_only, parse_config
-from potluck.protos.identity import Identity
-from potluck.protos.log import get_logger, short_id
-from potluck.protos.records import DataIdentity, Manifest, RecordError
-from potluck.protos.runcheck import file_identity, markov_identity, non_public
-from potluck.protos.swarm import (
+from potluck.protos.config.files import known_fields_only, parse_config
+from potluck.protos.config.runcheck import file_identity, markov_identity, non_public
+from potluck.protos.config.runconfig import PeerConfig, RunConfig
+from potluck.protos.config.section import ConfigError
+from potluck.protos.net.certs import TlsIdentity, token_proof
+from potluck.protos.net.identity import Identity
+from potluck.protos.net.swarm import (
     DHTTimeout,
     JoinError,
     SwarmNode,
@@ -43,6 +43,9 @@ from potluck.protos.swarm import (
     host_of_multiaddr,
     parse_join_address,
 )
+from potluck.protos.runtime.log import get_logger, short_id
+from potluck.protos.wire.envelope import RecordError
+from potluck.protos.wire.records import DataIdentity, Manifest
 
 log = get_logger(__name__)
 

@@ -11,7 +11,7 @@ import fcntl
 from pathlib import Path
 from typing import IO
 
-from potluck.protos.identity import Identity, IdentityError
+from potluck.protos.net.identity import Identity, IdentityError
 
 DEFAULT = "~/.potluck/peer.key"
 _held: list[IO[str]] = []  # the locks this process holds, for its whole life

@@ -15,7 +15,7 @@ Probing is bounded, so that hundreds of peers joining at once do not start an al
 each round probes at most ``max_probes_per_period`` peers, picked among those never measured
 (in random order, so joiners do not all pick the same victim) and then the stalest; and every
 peer gets at most ``budget_bytes_per_min`` of probe bytes (both directions, as
-:class:`~potluck.protos.transport.Traffic` counts them) in any minute. A bandwidth that an
+:class:`~potluck.protos.net.transport.Traffic` counts them) in any minute. A bandwidth that an
 observation keeps fresh is not probed at all; only its RTT is.
 
 Figures are merged as an exponentially weighted moving average, so one noisy sample moves them
@@ -36,10 +36,11 @@ import grpc
 from pydantic import BaseModel, ConfigDict, Field
 
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.log import get_logger, short_id
-from potluck.protos.records import next_seq
-from potluck.protos.swarm import LinkReport, LinkStat
-from potluck.protos.transport import PeerClient, rpc_reason
+from potluck.protos.net.swarm import LinkReport, LinkStat
+from potluck.protos.net.transport import PeerClient
+from potluck.protos.runtime.log import get_logger, short_id
+from potluck.protos.wire.envelope import next_seq
+from potluck.protos.wire.refusals import rpc_reason
 
 log = get_logger(__name__)
 

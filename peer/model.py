@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 from potluck.models import build_stage, entries, lm_loss
 from potluck.models import forward_layers as _forward
-from potluck.protos.config import ModelConfig
+from potluck.protos.config.runconfig import ModelConfig
 
 __all__ = ["Model", "TinyGPT", "load_named", "build_layers", "forward_layers", "lm_loss", "num_layers"]
 

@@ -54,8 +54,9 @@ from torch import nn
 from potluck.peer.data import Dataset
 from potluck.peer.diloco import flatten_params, load_flat
 from potluck.peer.stage import Batch, StageWorker
-from potluck.protos.config import ConfigError, RunConfig
-from potluck.protos.log import get_logger, set_context
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.config.section import ConfigError
+from potluck.protos.runtime.log import get_logger, set_context
 
 log = get_logger(__name__)
 
@@ -225,7 +226,7 @@ class DeviceGroup:
         try:
             dist.destroy_process_group()
         except Exception as err:  # a member already gone: nothing left to tear down in order
-            log.debug("destroying the process group: %s", err)
+            log.warning("could not destroy this peer's process group in order (%s); its processes end anyway", err)
         # the last reference to the command group: its threads are joined now. Left to the interpreter's
         # teardown, one of them may release its last work then, need the GIL, and abort the process
         self.commands = None

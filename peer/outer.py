@@ -6,6 +6,18 @@
     mean         <- all-reduce(delta)                   (int8 over gRPC; every member gets the same bits)
     theta_global <- Nesterov(theta_global, mean)        (lr 0.7, momentum 0.9 by default)
 
+With grouped averaging (``sync.group_size``, :mod:`potluck.coordinator.groups`) the members of a group
+hold different states (each the result of the group it averaged with last), so a group averages whole
+outer steps, not only pseudo-gradients::
+
+    theta_i', m_i' <- Nesterov(theta_i, m_i, delta_i)                         (each member, its own state)
+    theta', m'     <- base + all-reduce([theta_i' - base.theta, m_i' - base.m])   (int8, 2x the vector)
+
+Nesterov is linear, so this is one outer step on the group's mean state, mean momentum and mean
+pseudo-gradient. ``base`` is a state every member of the group holds bit for bit (its GroupBase,
+usually the group's common result of two steps before), so what travels is small differences, and
+every member adds the same mean to the same base: the group ends bit-identical.
+
 The all-reduce waits for a slow member up to a deadline derived from the measured inner phase
 (``deadline_factor`` x its duration, at least ``deadline_floor_s``), never a constant.
 """
@@ -20,9 +32,9 @@ import torch
 from potluck.compression.transfer import Snapshot
 from potluck.peer.allreduce import AllReduce, AllReduceStats, RoundInfo
 from potluck.peer.diloco import all_finite, nesterov_step, outer_snapshot
-from potluck.protos.config import RunConfig
-from potluck.protos.faults import fault, tamper
-from potluck.protos.log import get_logger
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.runtime.log import get_logger
+from potluck.protos.testkit.faults import fault, tamper
 
 log = get_logger(__name__)
 
@@ -41,9 +53,10 @@ def pseudo_gradient(start: torch.Tensor, theta_local: torch.Tensor) -> torch.Ten
 
 
 def outer_step(rc: RunConfig, allreduce: AllReduce, info: RoundInfo, held: Snapshot, delta: torch.Tensor | None,
-               inner_seconds: float, meta: dict) -> OuterResult:
+               inner_seconds: float, meta: dict, base: Snapshot | None = None) -> OuterResult:
     """Average this member's pseudo-gradient ``delta`` with the stage's other members and take the outer
-    step from ``held`` (None: nothing valid to contribute; the member still takes the step).
+    step from ``held`` (None: nothing valid to contribute; the member still takes the step). With a
+    ``base`` (grouped averaging), average whole outer steps as differences from it instead (see the module).
 
     Raises :class:`~potluck.peer.allreduce.IncompleteRound` when the step cannot be committed.
     """
@@ -56,6 +69,8 @@ def outer_step(rc: RunConfig, allreduce: AllReduce, info: RoundInfo, held: Snaps
         delta = tamper("outer.delta", info.step, delta)  # a Byzantine peer, in the attack tests only
     s, d = rc.sync, rc.diloco
     wait_s = max(s.deadline_floor_s, s.deadline_factor * inner_seconds)
+    if base is not None:
+        return _grouped(rc, allreduce, info, held, base, delta, wait_s, meta)
     mean, stats = allreduce.run(info, delta, wait_s=wait_s, grace_s=max(2.0, 0.25 * wait_s))
     # the step needs only the mean (a fresh vector, which it turns into the new theta); delta's buffer, read
     # by nobody once the round is complete, takes the new momentum: no model-sized vector to page in
@@ -70,4 +85,38 @@ def outer_step(rc: RunConfig, allreduce: AllReduce, info: RoundInfo, held: Snaps
                                      consume=True, momentum_out=spare, checked=True)
     # hashed on the state hasher's thread: the next inner phase starts meanwhile (who reads the hash waits)
     snap = outer_snapshot(new_theta, new_m, info.step, {**meta, "epoch": info.epoch}, hash_later=True)
+    return OuterResult(snap, stats, mean_norm)
+
+
+def grouped_contribution(held: Snapshot, base: Snapshot, delta: torch.Tensor, lr: float, mu: float,
+                         nesterov: bool) -> torch.Tensor:
+    """``[theta' - base.theta, m' - base.m]``: this member's own outer step from its own state, as a
+    difference from the group's base (one vector of twice the stage's parameters)."""
+    theta, momentum = held.tensors["theta"], held.tensors["momentum"]
+    new_theta, new_m = nesterov_step(theta, momentum, delta, lr, mu, nesterov)
+    n = theta.numel()
+    out = torch.empty(2 * n, dtype=torch.float32)
+    torch.sub(new_theta, base.tensors["theta"], out=out[:n])
+    torch.sub(new_m, base.tensors["momentum"], out=out[n:])
+    return out
+
+
+def _grouped(rc: RunConfig, allreduce: AllReduce, info: RoundInfo, held: Snapshot, base: Snapshot,
+             delta: torch.Tensor | None, wait_s: float, meta: dict) -> OuterResult:
+    """The grouped outer step (see the module): every member of the group adds the same mean to the same base."""
+    if base.hash != info.base_hash:
+        raise ValueError(f"base state {base.hash[:12]} is not the round's {info.base_hash[:12]}")
+    d = rc.diloco
+    contribution = grouped_contribution(held, base, delta, d.outer_lr, d.outer_momentum, d.nesterov) \
+        if delta is not None else None
+    delta = None
+    mean, stats = allreduce.run(info, contribution, wait_s=wait_s, grace_s=max(2.0, 0.25 * wait_s))
+    contribution = None
+    n = held.tensors["theta"].numel()
+    if not all_finite(mean):
+        raise ValueError("the averaged outer step holds NaN or Inf")
+    new_theta = torch.add(base.tensors["theta"], mean[:n])
+    new_m = torch.add(base.tensors["momentum"], mean[n:])
+    mean_norm = float(mean[:n].norm())
+    snap = outer_snapshot(new_theta, new_m, info.step, {**meta, "epoch": info.epoch})
     return OuterResult(snap, stats, mean_norm)

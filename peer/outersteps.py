@@ -32,8 +32,9 @@ from potluck.peer.diloco import all_finite, host_vector
 from potluck.peer.follower import Action, Held, Train
 from potluck.peer.outer import OuterResult, outer_step, pseudo_gradient
 from potluck.peer.tasklet import Tasklet
-from potluck.protos.faults import fault
-from potluck.protos.log import get_logger, set_context
+from potluck.protos.runtime.log import get_logger, set_context
+from potluck.protos.testkit.faults import fault
+from potluck.protos.wire.states import PeerState
 
 if TYPE_CHECKING:
     from potluck.peer.daemon import Session
@@ -89,7 +90,7 @@ class OuterSteps:
 
     def _blocking(self, step: int, inner_seconds: float, contribute: bool) -> None:
         s = self.s
-        s.set_state("syncing")
+        s.set_state(PeerState.SYNCING)
         t0, t = time.monotonic(), s.tasklet
         info = self._resolve(step)
         if info is None:
@@ -98,7 +99,7 @@ class OuterSteps:
         held = t.states.current
         delta = pseudo_gradient(held.tensors["theta"], t.worker.theta()) if contribute else None
         try:
-            done = outer_step(s.rc, t.allreduce, info, held, delta, inner_seconds, t.worker.meta())
+            done = outer_step(s.rc, t.allreduce, info, held, delta, inner_seconds, t.worker.meta(), self._base(info))
         except IncompleteRound as err:
             log.warning("%s; recovering state from the other members", err)
             return self._fail(step)
@@ -153,18 +154,23 @@ class OuterSteps:
         if info is None:
             log.warning("not a member of step %d after all; discarding its inner steps", step)
             return self._fail(step)
+        try:
+            base = self._base(info)
+        except IncompleteRound as err:
+            log.warning("%s; recovering state from the other members", err)
+            return self._fail(step)
         inf = InFlight(step, info, contributed=delta is not None)
-        inf.thread = threading.Thread(target=self._run, args=(inf, t, held, delta, inner_seconds, t.worker.meta()),
+        inf.thread = threading.Thread(target=self._run, args=(inf, t, held, delta, inner_seconds, t.worker.meta(), base),
                                       name=f"outer-{step}", daemon=True)
         inf.thread.start()
         self.inflight = inf
         inf.blocked_s = time.monotonic() - t0
 
     def _run(self, inf: InFlight, t: Tasklet, held: Snapshot, delta: torch.Tensor | None, inner_seconds: float,
-             meta: dict) -> None:
+             meta: dict, base: Snapshot | None) -> None:
         """The outer step on its own thread: commit as soon as it is done, so the swarm sees the version."""
         try:
-            done = outer_step(self.s.rc, t.allreduce, inf.info, held, delta, inner_seconds, meta)
+            done = outer_step(self.s.rc, t.allreduce, inf.info, held, delta, inner_seconds, meta, base)
         except IncompleteRound as err:
             inf.error = str(err)
             return
@@ -182,7 +188,7 @@ class OuterSteps:
         not ``load``: the caller loads the parameters itself)."""
         inf, self.inflight = self.inflight, None
         assert inf is not None and inf.thread is not None
-        self.s.set_state("syncing")
+        self.s.set_state(PeerState.SYNCING)
         t0 = time.monotonic()
         inf.thread.join()
         if inf.done is None:
@@ -207,7 +213,22 @@ class OuterSteps:
         plan = s.heartbeat.wait_plan(lambda p: p is not None and any(r.step == step for r in p.rounds),
                                      timeout=s.cfg.plan_wait_s)
         rnd = s.follower.resolve(plan, step, s.tasklet.stage, s.tasklet.states.current.hash)
-        return s.tasklet.round_info(rnd, step) if rnd is not None else None
+        if rnd is None:
+            return None
+        info = s.tasklet.round_info(rnd, step)
+        s.tasklet.ready(info)
+        return info
+
+    def _base(self, info: RoundInfo) -> Snapshot | None:
+        """Grouped averaging: the state this member's group starts from (None: averaging pseudo-gradients
+        from the state held). Raises :class:`IncompleteRound` if this member holds it not."""
+        if not self.s.rc.sync.group_size:
+            return None
+        base = self.s.tasklet.base(info.base_hash)
+        if base is None:
+            raise IncompleteRound(f"step {info.step}: this peer does not hold its group's base state "
+                                  f"{info.base_hash[:12]}")
+        return base
 
     def _fail(self, step: int) -> None:
         """This peer did not commit ``step``: drop the round's messages and recover before going on."""

@@ -5,7 +5,7 @@ message may be that large, and none needs to be. :class:`Outbound` is an encoded
 sender holds it: the :class:`~potluck.protos.potluck_pb2.PipeMessage` with its bulk fields left
 empty (the *head*: run, sender, step, kind, sample ids, versions, packet shapes and modes) and those
 fields' bytes beside it, in the order of :data:`BODY`. :meth:`Outbound.chunks` yields the head,
-then the body in pieces of at most :data:`~potluck.protos.limits.PIPE_CHUNK_BYTES`; gRPC's flow control paces the
+then the body in pieces of at most :data:`~potluck.protos.wire.limits.PIPE_CHUNK_BYTES`; gRPC's flow control paces the
 generator, so a slow receiver holds the sender to the pieces in flight, never a second copy.
 
 :func:`receive` is the other side. It reads the head and hands it, with the sizes it declares, to
@@ -16,8 +16,8 @@ packets it returns are views into that buffer (no second copy), and nothing is d
 whole body has arrived: AC-SGD's buffers move once per whole message or not at all.
 
 The head is the one part whose size grows with the run (its sample ids and versions): its bound,
-:func:`potluck.protos.limits.pipe_head_bound`, is checked against the transport's cap when the run is checked
-(:mod:`potluck.protos.runcheck`), not at step 1.
+:func:`potluck.protos.wire.limits.pipe_head_bound`, is checked against the transport's cap when the run is checked
+(:mod:`potluck.protos.config.runcheck`), not at step 1.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 from potluck.compression.actcodec import Packet
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.limits import PIPE_CHUNK_BYTES
-from potluck.protos.transport import Rejected
+from potluck.protos.wire.limits import PIPE_CHUNK_BYTES
+from potluck.protos.wire.refusals import Rejected
 
 BODY = ("labels", "first.scales", "first.payload", "delta.scales", "delta.payload")
 

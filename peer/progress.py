@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
 
-from potluck.protos.log import get_logger
+from potluck.protos.runtime.log import get_logger
 
 log = get_logger(__name__)
 
@@ -88,7 +88,7 @@ def fmt_rate(per_s: float) -> str:
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class ProgressSnapshot:
     """Where an inner phase stands after a step."""
 
     done: int  # inner steps done in this phase
@@ -110,19 +110,19 @@ class Snapshot:
         return f"{self.loss:.3f}" if self.loss is not None and math.isfinite(self.loss) else "-"
 
 
-def describe(s: Snapshot) -> str:
+def describe(s: ProgressSnapshot) -> str:
     """The log line of a phase in progress."""
     return (f"inner step {s.done}/{s.total}, loss {s.loss_text()}, {fmt_rate(s.tokens_per_s)} tokens/s, "
             f"ETA {fmt_clock(s.eta_s)}")
 
 
-def describe_end(s: Snapshot, seconds: float) -> str:
+def describe_end(s: ProgressSnapshot, seconds: float) -> str:
     """The log line of a finished phase."""
     return (f"inner phase done: {s.done}/{s.total} steps in {fmt_duration(seconds)}, loss {s.loss_text()}, "
             f"{fmt_rate(s.tokens_per_s)} tokens/s")
 
 
-def render_bar(s: Snapshot, outer: int) -> str:
+def render_bar(s: ProgressSnapshot, outer: int) -> str:
     """The bar's one line, for outer step ``outer``; what matters most comes first, as a narrow terminal
     cuts the end off."""
     full = min(BAR_CELLS, BAR_CELLS * s.done // max(s.total, 1))
@@ -206,7 +206,7 @@ class ProgressReporter:
     def step(self, i: int, loss: float | None, seconds: float, tokens: int) -> None:
         """Inner step ``i`` (0-based) of the phase took ``seconds`` and trained on ``tokens`` tokens."""
         self.times.add(seconds)
-        snap = Snapshot(i + 1, self.total, loss, self.times.mean(), tokens)
+        snap = ProgressSnapshot(i + 1, self.total, loss, self.times.mean(), tokens)
         end = snap.done >= snap.total
         if not self.estimated and (self.times.warmed >= ESTIMATE_AFTER or end):
             self.estimated = True

@@ -22,9 +22,9 @@ from potluck.compression.transfer import (
 )
 from potluck.peer.follower import Recover
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.log import get_logger
-from potluck.protos.records import Plan
-from potluck.protos.transport import PeerClient
+from potluck.protos.net.transport import PeerClient
+from potluck.protos.runtime.log import get_logger
+from potluck.protos.wire.records import Plan
 
 if TYPE_CHECKING:
     from potluck.peer.tasklet import Toolbox

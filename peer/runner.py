@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from potluck.peer.model import forward_layers
-from potluck.protos.config import TrainConfig
-from potluck.protos.log import get_logger
+from potluck.protos.config.runconfig import TrainConfig
+from potluck.protos.runtime.log import get_logger
 
 log = get_logger(__name__)
 

@@ -15,7 +15,7 @@ from potluck.compression.transfer import SnapshotServer
 from potluck.peer.allreduce import AllReduce
 from potluck.peer.pipeline import Pipeline
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.transport import Rejected
+from potluck.protos.wire.refusals import Rejected
 
 
 class PeerService:
@@ -42,6 +42,10 @@ class PeerService:
     def fetch_result(self, request: pb.ResultRequest) -> Iterator[pb.ShardChunk]:
         self._check(request.header)
         return self._allreduce().on_fetch_result(request)
+
+    def fetch_inputs(self, request: pb.InputsRequest) -> Iterator[pb.ShardChunk]:
+        self._check(request.header)
+        return self._allreduce().on_fetch_inputs(request)
 
     def get_state_info(self, request: pb.StateInfoRequest) -> pb.StateInfo:
         self._check(request.header)

@@ -32,6 +32,7 @@ class RoundInfo:
     base_hash: str  # hash of the state every member computes its delta from
     epoch: int = 0  # the coordinator's epoch of the round (a failed round's stragglers are refused)
     replicas: tuple[int, ...] = ()  # each member's replica in the round (default: its position)
+    owners: tuple[str, ...] = ()  # the members that own a shard, in shard order (default: every member)
 
     def replica_of(self, peer_id: str) -> int:
         k = self.ids.index(peer_id)
@@ -42,8 +43,27 @@ class RoundInfo:
         return [m.peer_id for m in self.members]
 
     @property
-    def index(self) -> int:
-        return self.ids.index(self.me)
+    def shard_owners(self) -> list[str]:
+        """Shard ``j``'s owner is ``shard_owners[j]``: members past probation (all of them by default)."""
+        return list(self.owners) if self.owners else self.ids
+
+    @property
+    def shards(self) -> int:
+        return len(self.shard_owners)
+
+    @property
+    def shard(self) -> int | None:
+        """The shard this member owns, or None (on probation: it contributes and gathers only)."""
+        owners = self.shard_owners
+        return owners.index(self.me) if self.me in owners else None
+
+    def address_of(self, peer_id: str) -> MemberAddr:
+        return next(m for m in self.members if m.peer_id == peer_id)
+
+    def ring_after(self, shard: int) -> list[MemberAddr]:
+        """The owners after shard ``shard``'s, in ring order: its backups (a backup may take the shard over)."""
+        owners = self.shard_owners
+        return [self.address_of(owners[(shard + k) % len(owners)]) for k in range(1, len(owners))]
 
 
 def shard_bounds(numel: int, parts: int, align: int) -> list[tuple[int, int]]:
@@ -68,6 +88,8 @@ class Outcome:
     rejected: list[str] = field(default_factory=list)
     signer: str = ""
     signature: bytes = b""
+    inputs: list[str] = field(default_factory=list)  # every contribution weighed (contributors and rejected), sorted
+    input_digests: list[bytes] = field(default_factory=list)  # and each one's contribution digest
 
 
 @dataclass
@@ -91,6 +113,7 @@ class AllReduceStats:
     partial: list[str] = field(default_factory=list)  # contributors counted in some shards but not all
     clipped: list[str] = field(default_factory=list)  # contributors some owner scaled down
     rejected: list[str] = field(default_factory=list)  # contributors some owner left out
+    flags: dict[str, list[str]] = field(default_factory=dict)  # each owner's (signer's) clipped and rejected
     included: list[int] = field(default_factory=list)  # replicas whose contributions the result holds (any shard)
 
 

@@ -19,12 +19,12 @@ from torch import nn
 from potluck.peer.data import Dataset, SpanSampler
 from potluck.peer.diloco import flatten_params, host_vector, load_flat
 from potluck.peer.model import build_layers, lm_loss
-from potluck.peer.pipeline import PipelineBroken, PipelineStall
+from potluck.peer.piperound import PipelineBroken, PipelineStall
 from potluck.peer.runner import StageRunner
-from potluck.protos.config import RunConfig
-from potluck.protos.faults import fault
-from potluck.protos.limits import EVAL_BATCH
-from potluck.protos.log import get_logger
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.runtime.log import get_logger
+from potluck.protos.testkit.faults import fault
+from potluck.protos.wire.limits import EVAL_BATCH
 
 log = get_logger(__name__)
 

@@ -9,6 +9,7 @@ rollback has overtaken it.
 
 from __future__ import annotations
 
+import threading
 import time
 
 from potluck.compression.transfer import Snapshot, SnapshotServer
@@ -16,21 +17,38 @@ from potluck.peer.follower import Held
 
 
 class States:
+    """The outer-step thread commits (:meth:`commit`, :meth:`reset`); the heartbeat and RPC threads read.
+    ``_lock`` guards ``current`` and ``committed_at`` together: a reader sees one commit, never the
+    snapshot of one and the time or epoch of another. (The server has its own lock.)"""
+
     def __init__(self, run_id: str, chunk_bytes: int, first: Snapshot) -> None:
         self.server = SnapshotServer(run_id, chunk_bytes)
-        self.current = first
-        self.committed_at = time.monotonic()
+        self._lock = threading.Lock()
+        self._current, self._committed_at = first, time.monotonic()
         self.server.publish(first)
+
+    @property
+    def current(self) -> Snapshot:
+        with self._lock:
+            return self._current
+
+    @property
+    def committed_at(self) -> float:
+        with self._lock:
+            return self._committed_at
 
     def commit(self, snap: Snapshot) -> None:
         """Hold ``snap`` from now on (the one it replaces stays served if older)."""
-        self.current, self.committed_at = snap, time.monotonic()
-        self.server.publish(snap)
+        with self._lock:
+            self._current, self._committed_at = snap, time.monotonic()
+            self.server.publish(snap)
 
     def reset(self, snap: Snapshot) -> None:
         """Hold only ``snap`` (a new stage's theta_0: nothing held before belongs to it)."""
-        self.server.publish(None)
-        self.commit(snap)
+        with self._lock:
+            self.server.publish(None)
+            self._current, self._committed_at = snap, time.monotonic()
+            self.server.publish(snap)
 
     def previous(self, version: int, state_hash: str) -> Snapshot | None:
         """The previous snapshot, if it is ``version`` at ``state_hash`` (a rollback of one step)."""
@@ -44,8 +62,9 @@ class States:
         return int(self.current.meta.get("epoch", 0))
 
     def held(self, stage: int) -> Held:
-        c = self.current
-        return Held(c.version, c.digest, stage, self.epoch, self.committed_at)
+        with self._lock:
+            c, at = self._current, self._committed_at
+        return Held(c.version, c.digest, stage, int(c.meta.get("epoch", 0)), at)
 
     def prev_of(self) -> tuple[int, str]:
         prev = self.server.previous

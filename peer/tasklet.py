@@ -11,35 +11,39 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from potluck.compression.int8 import Codec, make_codec
-from potluck.compression.transfer import Snapshot
+from potluck.compression.transfer import Snapshot, Target
 from potluck.models import sizecheck, stage_bounds
 from potluck.peer import admission
 from potluck.peer.allreduce import AllReduce, MemberAddr, RoundInfo
+from potluck.peer.audit import Auditor
 from potluck.peer.data import Dataset
 from potluck.peer.diloco import outer_snapshot
+from potluck.peer.follower import Recover
 from potluck.peer.heartbeat import Heartbeat
 from potluck.peer.joining import Joined, device_memory, pick_device
 from potluck.peer.links import LinkConfig, LinkProber
 from potluck.peer.multidevice import Leader
 from potluck.peer.pipeline import Neighbour, Pipeline
+from potluck.peer.recovery import recover
 from potluck.peer.service import PeerService
 from potluck.peer.stage import StageWorker
 from potluck.peer.states import States
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.certs import TlsIdentity
-from potluck.protos.config import PeerConfig, RunConfig
-from potluck.protos.identity import Identity
-from potluck.protos.limits import pipe_max_samples
-from potluck.protos.log import get_logger, set_context, short_id
-from potluck.protos.netem import NetEm
-from potluck.protos.records import PeerRecord, Plan, Round
-from potluck.protos.refusals import log_refusal
-from potluck.protos.transport import PeerClient, PeerServer, RelayedServer, Traffic
+from potluck.protos.config.runconfig import PeerConfig, RunConfig
+from potluck.protos.net.certs import TlsIdentity
+from potluck.protos.net.identity import Identity
+from potluck.protos.net.transport import PeerClient, PeerServer, RelayedServer, Traffic
+from potluck.protos.runtime.log import get_logger, set_context, short_id
+from potluck.protos.testkit.netem import NetEm
+from potluck.protos.wire.limits import pipe_max_samples
+from potluck.protos.wire.records import AuditReport, Manifest, PeerRecord, Plan, Round
+from potluck.protos.wire.refusals import log_refusal
 
 log = get_logger(__name__)
 
@@ -70,6 +74,7 @@ class Toolbox:
     maddrs: list[str] = field(default_factory=list)
     threads: list[threading.Thread] = field(default_factory=list)
     devices: Leader | None = None  # this peer's other processes, when torchrun started several (rank 0 speaks for them)
+    on_audit: Callable[[AuditReport], None] = lambda report: None  # where this peer's audit reports go (its record)
 
     @classmethod
     def build(cls, cfg: PeerConfig, joined: Joined, identity: Identity, stopping: threading.Event,
@@ -128,15 +133,24 @@ class Toolbox:
         return plan is not None and peer_id in plan.revoked
 
     def _keep_admitted(self) -> None:
-        """Re-ask for admission every minute (a restarted coordinator re-admits from these requests, and
-        renews certificates at half their life) and adopt a renewed certificate when it comes."""
+        """Re-ask for admission every minute (the coordinator renews certificates at half their life), and at
+        once when the coordinator publishes a new manifest: a restarted coordinator holds no admission request
+        (they are stored on its own DHT node) and ignores this peer's heartbeats until it has one. Adopt a
+        renewed certificate when it comes."""
         j = self.joined
-        while not self.stopping.wait(RENEW_CHECK_S):
+        asked_at, seen = time.monotonic(), j.manifest.seq
+        while not self.stopping.wait(1.0):
+            manifest = self.heartbeat.manifest if self.heartbeat is not None else j.manifest
+            if manifest.seq == seen and time.monotonic() - asked_at < RENEW_CHECK_S:
+                continue
+            asked_at, seen = time.monotonic(), manifest.seq
             try:
                 admission.request(j.node, j.manifest, self.me, j.tls, j.token_proof)
                 admission.take(j.node, j.manifest, self.me, j.tls)
             except Exception as err:  # the coordinator may be away: the certificate lasts hours
-                log.debug("admission refresh failed: %s", err)
+                log.warning("could not renew admission (%s); the certificate is good until %s, then this peer is "
+                            "refused", err, time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(j.tls.not_after)) if j.tls is not None
+                            else "ever (an insecure run)")
 
     def announce(self, numel: int, phases: dict[str, float]) -> None:
         rc = self.rc
@@ -163,7 +177,8 @@ class Toolbox:
                     self.links.probe_round(peers)
                     node.publish_links(self.links.report(), ttl=max(60.0, 3 * period))
             except Exception as err:  # measuring links must never take the peer down
-                log.debug("link measurement round failed: %s", err)
+                log.warning("measuring links failed (%s); placement uses the links this peer reported before, if any",
+                            err)
 
     def ping_member(self, peer_id: str, timeout: float) -> pb.PingReply:
         request = pb.PingRequest(header=pb.Header(run_id=self.rc.run_id, sender=self.me), sent_at=time.time())
@@ -176,7 +191,7 @@ class Toolbox:
             try:
                 stop()
             except Exception as err:  # everything else must still be stopped
-                log.debug("closing: %s", err)
+                log.warning("closing the peer: one part did not stop cleanly (%s); stopping the rest", err)
         for thread in self.threads[1:]:
             thread.join(timeout=2.0)
 
@@ -189,6 +204,10 @@ class Tasklet:
     allreduce: AllReduce
     pipeline: Pipeline | None
     states: States
+    auditor: Auditor
+    fetched_base: Snapshot | None = None  # a group's base state this member did not hold (grouped averaging)
+    expected: tuple[int, str | Future[str]] = (0, "")  # the (step, base hash) the all-reduce expects
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
     def build(cls, tools: Toolbox, stage: int) -> Tasklet:
@@ -204,33 +223,96 @@ class Tasklet:
         worker = StageWorker(rc, stage, tools.bounds[stage], tools.device, tools.data, pipeline)
         if tools.devices is not None:
             tools.devices.attach(worker)  # the other processes build the same worker and hold its theta
-        allreduce = AllReduce(run_id=rc.run_id, me=tools.me, numel=worker.numel, codec=tools.codec, client=tools.client,
+        # grouped averaging averages theta and momentum (as differences from the group's base): twice the vector
+        numel = worker.numel * (2 if rc.sync.group_size else 1)
+        allreduce = AllReduce(run_id=rc.run_id, me=tools.me, numel=numel, codec=tools.codec, client=tools.client,
                               chunk_bytes=rc.sync.chunk_bytes, rpc_timeout=rc.sync.rpc_timeout_s,
                               ping=tools.ping_member, stopping=tools.stopping, sign=tools.sign,
                               clip_factor=rc.sync.clip_factor, reject_below=rc.sync.reject_below, pinned=worker.pinned)
+        auditor = Auditor(rc.run_id, tools.me, tools.client, tools.codec, rc.sync.chunk_bytes, rc.sync.clip_factor,
+                          rc.sync.reject_below, allreduce.held_result,
+                          lambda a, inputs: allreduce.keep_evidence(a.step, a.epoch, a.shard, a.attempt, inputs),
+                          lambda report: tools.on_audit(report), allreduce.own_input)
         theta0 = worker.theta()
         first = outer_snapshot(theta0, torch.zeros_like(theta0), 0, {**worker.meta(), "epoch": 0})
-        tasklet = cls(tools, stage, worker, allreduce, pipeline, States(rc.run_id, rc.sync.chunk_bytes, first))
+        tasklet = cls(tools, stage, worker, allreduce, pipeline, States(rc.run_id, rc.sync.chunk_bytes, first), auditor)
         tasklet.expect_next()
         return tasklet
 
     def round_info(self, rnd: Round, step: int) -> RoundInfo:
-        """What the all-reduce of ``step`` needs of ``rnd``: this stage's members, from the state held."""
+        """What the all-reduce of ``step`` needs of ``rnd``: the members this one averages with (its group of
+        its stage; the whole stage unless ``sync.group_size``) and the state they all start from."""
         self.tools.addresses.update({m.peer_id: m.address for m in rnd.members})  # whom the all-reduce may ping
-        cells = rnd.stage_members(self.stage)
+        me = rnd.member(self.tools.me)
+        cells = rnd.group_members(self.stage, me.group if me is not None else 0)
         members = tuple(MemberAddr(m.peer_id, m.address) for m in cells)
-        return RoundInfo(step=step, members=members, me=self.tools.me, base_hash=self.states.current.hash,
-                         epoch=rnd.epoch, replicas=tuple(m.replica for m in cells))
+        owners = () if all(m.owns for m in cells) else tuple(m.peer_id for m in cells if m.owns)  # probation
+        return RoundInfo(step=step, members=members, me=self.tools.me, base_hash=self.base_hash(rnd, step),
+                         epoch=rnd.epoch, replicas=tuple(m.replica for m in cells), owners=owners)
+
+    def base_hash(self, rnd: Round, step: int) -> str:
+        """The hash of the state this member's group starts ``step`` from: the state held, or with grouped
+        averaging the base the round names for the group. A step run on an older round (the coordinator is
+        away) keeps that round's groups: when its step has this step's parity, rows or diagonals, the step two
+        before had them too, and their common state is the one before the held one (what the all-reduce
+        expects by default); otherwise this member's group is the one it has just averaged with."""
+        me = rnd.member(self.tools.me)
+        if not self.tools.rc.sync.group_size or me is None:
+            return self.states.current.hash
+        if rnd.step == step:
+            named = rnd.group_base(self.stage, me.group)
+            return named.hash if named is not None and named.hash else self.states.current.hash
+        prev = self.states.server.previous
+        if rnd.step % 2 == step % 2 and prev is not None and prev.version == step - 2:
+            return prev.hash
+        return self.states.current.hash
+
+    def base(self, base_hash: str) -> Snapshot | None:
+        """The held state (newest, the one before it, or one fetched for a group) hashing to ``base_hash``."""
+        return next((s for s in (self.states.current, self.states.server.previous, self.fetched_base)
+                     if s is not None and s.hash == base_hash), None)
+
+    def ready(self, info: RoundInfo) -> bool:
+        """Have the all-reduce expect ``info``'s step from its base and know its members. False while it still
+        expects another step (the step before is in flight, with ``diloco.overlap``)."""
+        with self.lock:
+            if self.expected[0] != info.step:
+                return False
+            held = self.expected[1]
+            if (held if isinstance(held, str) else held.result()) != info.base_hash:  # a group's base, not the held
+                self.allreduce.expect(info.step, info.base_hash, self.states.epoch)
+                self.expected = (info.step, info.base_hash)
+        return self.allreduce.set_round(info)
 
     def learn_round(self, plan: Plan | None, step: int) -> bool:
         """Once the coordinator's round for ``step`` is known (it may arrive while this tasklet trains on the
         last plan's), tell the all-reduce: members that finish sooner are checked against it at once, and a
-        stranger is refused as one instead of held until the outer step. True if it was."""
+        stranger is refused as one instead of held until the outer step. True if it was.
+        The audits that rounds up to ``step`` give this peer start too (see :class:`Auditor`)."""
+        self.auditor.start_for(plan, step, self.tools.addresses)
         rnd = plan.round_for(step) if plan is not None else None
         cell = rnd.member(self.tools.me) if rnd is not None and rnd.step == step else None
         if rnd is None or cell is None or cell.stage != self.stage:
             return False
-        return self.allreduce.set_round(self.round_info(rnd, step))
+        return self.ready(self.round_info(rnd, step))
+
+    def fetch_base(self, plan: Plan | None, step: int, manifest: Manifest) -> None:
+        """Grouped averaging: fetch the base state the round of ``step`` names for this member's group, if this
+        member does not hold it (it joined, or its group changed with the membership), while the group serves it."""
+        rnd = plan.round_for(step) if plan is not None else None
+        cell = rnd.member(self.tools.me) if rnd is not None and rnd.step == step else None
+        named = rnd.group_base(self.stage, cell.group) if rnd is not None and cell is not None else None
+        if rnd is None or named is None or self.base(base_hash := self.base_hash(rnd, step)) is not None:
+            return
+        want = Recover(named.version, base_hash, f"the base state of group {named.group} in step {step}")
+        if (snap := self.fetch(want, plan, manifest)) is not None:
+            log.info("fetched v%d (%s): %s", snap.version, snap.hash[:12], want.reason)
+            self.fetched_base = snap
+
+    def fetch(self, want: Recover, plan: Plan | None, manifest: Manifest) -> Snapshot | None:
+        """The state ``want`` names, from the members of the plan's rounds or the coordinator's checkpoint."""
+        coordinator = Target(manifest.coordinator, manifest.coordinator_grpc) if manifest.coordinator_grpc else None
+        return recover(self.tools, self.stage, self.worker.numel, want, self.states.current.version, plan, coordinator)
 
     def replace(self, stage: int) -> Tasklet:
         """A fresh tasklet of ``stage`` (at theta_0) in place of this one."""
@@ -255,11 +337,22 @@ class Tasklet:
                                   Neighbour(nxt.peer_id, nxt.address) if nxt else None, epoch=rnd.epoch)
 
     def expect_next(self) -> None:
-        """Accept all-reduce messages for the step after the state held (and drop any others)."""
-        current = self.states.current
-        self.allreduce.expect(current.version + 1, current.digest, self.states.epoch)
+        """Accept all-reduce messages for the step after the state held (and drop any others), computed from
+        the state held or, with grouped averaging, from the one before it: the base the coordinator names
+        for a group whose members averaged together two steps before (every group, while the membership
+        holds; a round that names another is adopted when it arrives, :meth:`ready`). The hash may still be
+        under way (see :class:`~potluck.compression.transfer.Snapshot`)."""
+        with self.lock:
+            current, prev = self.states.current, self.states.server.previous
+            grouped = self.tools.rc.sync.group_size and prev is not None and prev.version == current.version - 1
+            base = prev.digest if grouped and prev is not None else current.digest
+            self.allreduce.expect(current.version + 1, base, self.states.epoch)
+            self.expected = (current.version + 1, base)
+            if self.fetched_base is not None and self.fetched_base.version < current.version - 1:
+                self.fetched_base = None  # no group starts from it any more
 
     def close(self) -> None:
         self.allreduce.close()
+        self.auditor.close()
         if self.pipeline is not None:
             self.pipeline.close()

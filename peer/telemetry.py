@@ -20,8 +20,11 @@ from potluck import __version__
 from potluck.peer.allreduce import AllReduceStats
 from potluck.peer.progress import ProgressReporter
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.log import get_logger, short_id
-from potluck.protos.records import PeerRecord, StepReport, next_seq
+from potluck.protos.runtime.log import get_logger, short_id
+from potluck.protos.testkit.faults import tamper
+from potluck.protos.wire.envelope import next_seq
+from potluck.protos.wire.records import AuditReport, PeerRecord, StepReport
+from potluck.protos.wire.states import PeerState
 
 log = get_logger(__name__)
 
@@ -32,7 +35,7 @@ KEEP_STEPS = 8
 class Progress:
     """The moving parts of a peer's record."""
 
-    state: str = "joining"
+    state: PeerState = PeerState.JOINING
     inner_step: int = 0
     inner_steps: int = 0  # H of the current outer step
     loss: float | None = None
@@ -60,17 +63,18 @@ class Telemetry:
         self.steps: deque[StepReport] = deque(maxlen=KEEP_STEPS)
         self._hashing: dict[int, Future[str]] = {}  # steps whose state hash was still being computed
         self._lock = threading.Lock()  # steps: written by the training loop, read by the heartbeat
+        self.audits: deque[AuditReport] = deque(maxlen=KEEP_STEPS)  # this peer's latest audit verdicts (its record)
         self.first_step_logged = False
         self._pipe_before: dict[str, int] = {}  # the pipeline's byte counters at the last outer step
         self.error = ""  # why this peer stopped, when it stops on an error it cannot heal (state "failed")
 
-    def set_state(self, state: str) -> bool:
+    def set_state(self, state: PeerState) -> bool:
         """Change the reported state; True if it changed (the caller heartbeats at once)."""
         p = self.progress
         if state == p.state:
             return False
         p.state = state
-        if state != "training":
+        if state != PeerState.TRAINING:
             p.inner_step = 0
             self.reporter.clear()
         return True
@@ -95,10 +99,14 @@ class Telemetry:
         """A committed outer step: its figures, logged and kept for the next heartbeats (``state_hash``
         may still be under way: the record waits for it, never reports it empty)."""
         done = state_hash if isinstance(state_hash, str) else ""
+        flags = stats.flags
+        if tamper("outer.report", stats.step, False) is True:  # a lying reporter (tests): every owner flagged the others
+            flags = {owner: sorted(set(stats.flags) - {owner, self.peer_id}) for owner in stats.flags}
         report = StepReport(step=stats.step, epoch=epoch, stage=stage, replica=replica, state_hash=done,
                             outer_s=seconds, allreduce_s=stats.seconds, outer_bytes=stats.bytes_sent, members=stats.members,
                             contributors=min(stats.contributors.values(), default=0), dropped=stats.dropped,
-                            clipped=stats.clipped, rejected=stats.rejected, included=stats.included, t=time.time())
+                            clipped=stats.clipped, rejected=stats.rejected, included=stats.included, flags=flags,
+                            t=time.time())
         p = self.progress
         p.last_outer_s, p.outer_wait_s, p.last_outer_bytes = seconds, stats.wait_seconds, stats.bytes_sent
         p.sync_s += seconds
@@ -114,6 +122,10 @@ class Telemetry:
         log.info("outer step %d: %d members, %.2f s (all-reduce %.2f s, waited %.2f s for members), sent %.2f MB, "
                  "|mean delta| %.3g, loss %.4f%s", stats.step, stats.members, seconds, stats.seconds, stats.wait_seconds,
                  stats.bytes_sent / 1e6, mean_norm, p.loss or float("nan"), dropped)
+
+    def audited(self, report: AuditReport) -> None:
+        """An audit this peer ran ended: its verdict rides on the next heartbeats (the coordinator acts on a lie)."""
+        self.audits.append(report)
 
     def evaluated(self, version: int, loss: float) -> None:
         log.info("eval loss of v%d: %.4f", version, loss)
@@ -138,7 +150,7 @@ class Telemetry:
 
     def ping_reply(self, request: pb.PingRequest, version: int) -> pb.PingReply:
         p = self.progress
-        left = max(0, p.inner_steps - p.inner_step) if p.state == "training" else 0
+        left = max(0, p.inner_steps - p.inner_step) if p.state == PeerState.TRAINING else 0
         padding = b"\0" * max(0, min(request.reply_bytes, 64 << 10))  # no amplifier: at most 64 KiB back
         return pb.PingReply(peer_id=self.peer_id, state=p.state, version=version, inner_step=p.inner_step,
                             eta_s=left * p.step_time_s, sent_at=request.sent_at, padding=padding)
@@ -166,7 +178,7 @@ class Telemetry:
             recent=self._recent(),
             extras={"outer_wait_s": p.outer_wait_s, "step_time_s": p.step_time_s,
                     **({"pipe": p.last_pipe} if p.last_pipe else {}), **extras},
-            error=self.error[:500],
+            error=self.error[:500], audits=list(self.audits),
         )
 
     def first_step(self, joined_at: float, phases: dict[str, float]) -> None:

@@ -20,7 +20,7 @@ import sys
 from typing import Any, NoReturn
 
 from potluck import __version__
-from potluck.protos.stopping import DIE_WITH_ENV, die_with_launcher
+from potluck.protos.runtime.stopping import DIE_WITH_ENV, die_with_launcher
 
 DESCRIPTION = "Train one transformer on GPUs that volunteers lend over the internet."
 
@@ -78,7 +78,8 @@ def _overrides(pairs: list[str]) -> dict[str, Any]:
 
 
 def _run_config(args: argparse.Namespace, extra: dict[str, Any]) -> Any:
-    from potluck.protos.config import ConfigError, apply_overrides, load_config
+    from potluck.protos.config.files import apply_overrides, load_config
+    from potluck.protos.config.section import ConfigError
 
     try:
         cfg = load_config(args.config)
@@ -103,15 +104,15 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     cfg = _run_config(args, extra)
     from potluck.coordinator.journal import JournalError
     from potluck.coordinator.preflight import preflight
-    from potluck.protos.config import ConfigError
+    from potluck.protos.config.section import ConfigError
 
     try:  # what refuses a run (no corpus, too big, another run's journal): before torch, hivemind or any write
         preflight(cfg)
     except (ConfigError, JournalError) as err:
         raise UsageError(str(err)) from None
     from potluck.coordinator.app import Coordinator
-    from potluck.protos.identity import IdentityError
-    from potluck.protos.stopping import install_stop_handlers
+    from potluck.protos.net.identity import IdentityError
+    from potluck.protos.runtime.stopping import install_stop_handlers
 
     try:  # opening the run (journal, keys, data) refuses what cannot work, in one line
         coordinator = Coordinator(cfg, exit_when_finished=args.exit_when_finished, ready_file=args.ready_file)
@@ -128,7 +129,7 @@ _PEER_FLAGS = {"port": "--grpc-port"}
 def cmd_peer(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from potluck.protos.config import PeerConfig
+    from potluck.protos.config.runconfig import PeerConfig
 
     fields = {k: getattr(args, k) for k in ("join", "host", "port", "dht_port", "announce_host", "device", "name",
                                              "threads", "dht_client", "relay", "startup_timeout_s", "plan_wait_s", "netem", "region",
@@ -139,8 +140,8 @@ def cmd_peer(args: argparse.Namespace) -> int:
     except ValidationError as err:
         raise UsageError("; ".join(_flag_error(e) for e in err.errors())) from None
     # checked before torch and hivemind load and before the DHT node starts: a mistake is one line, at once
-    from potluck.protos.identity import IdentityError
-    from potluck.protos.join import JoinError, parse_join_address
+    from potluck.protos.net.identity import IdentityError
+    from potluck.protos.net.join import JoinError, parse_join_address
 
     try:
         parse_join_address(cfg.join)
@@ -155,7 +156,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
         except IdentityError as err:
             raise UsageError(str(err)) from None
     from potluck.peer import multidevice
-    from potluck.protos.config import ConfigError
+    from potluck.protos.config.section import ConfigError
 
     try:  # under torchrun, one process per device: they form their group here (rank 0 is the peer)
         group = multidevice.start(cfg.device)
@@ -164,7 +165,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
     if group is not None and not group.leads:
         return multidevice.Helper(group, cfg.threads).run()
     from potluck.peer.daemon import Peer
-    from potluck.protos.stopping import install_stop_handlers
+    from potluck.protos.runtime.stopping import install_stop_handlers
 
     leader = multidevice.Leader(group) if group is not None else None
     try:
@@ -184,7 +185,7 @@ def _flag_error(error: Any) -> str:
     return f"{flag} {error['input']!r}: {msg}" if field else msg
 
 
-def _demo_grid(stages: int, replicas: int | None, peers: int | None) -> tuple[int, int | None]:
+def demo_grid(stages: int, replicas: int | None, peers: int | None) -> tuple[int, int | None]:
     """(peers, replicas) for ``potluck demo``: a pipeline run has exactly stages x replicas peers."""
     for flag, value in (("--stages", stages), ("--replicas", replicas), ("--peers", peers)):
         if value is not None and value < 1:
@@ -207,7 +208,7 @@ def _demo_grid(stages: int, replicas: int | None, peers: int | None) -> tuple[in
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    args.peers, args.replicas = _demo_grid(args.stages, args.replicas, args.peers)
+    args.peers, args.replicas = demo_grid(args.stages, args.replicas, args.peers)
     from potluck.demo import run_demo
 
     return run_demo(args)

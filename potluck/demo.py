@@ -24,7 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from potluck.local import LocalSwarm, SwarmError, get_state
-from potluck.protos.config import ConfigError, RunConfig, apply_overrides, load_config
+from potluck.protos.config.files import apply_overrides, load_config
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.config.section import ConfigError
 
 DEMO_DEFAULTS = {
     "run_id": "demo",

@@ -8,7 +8,7 @@ or, with torch alone::
 
     >>> import torch
     >>> from potluck.peer.model import Model
-    >>> from potluck.protos.config import ModelConfig
+    >>> from potluck.protos.config.runconfig import ModelConfig
     >>> sd = torch.load("model.pt")
     >>> model = Model(ModelConfig(**sd["config"])); model.load_state_dict(sd["model"])
 
@@ -56,7 +56,7 @@ def load_lines(path: str, tokens: str = "bytes") -> list[str]:
         lines = ["from potluck.export import load_model", f"model = load_model({quoted})",
                  "# or with safetensors and torch alone (the model config is in the file's metadata):",
                  "import json", "from safetensors import safe_open", "from safetensors.torch import load_file",
-                 "from potluck.peer.model import Model", "from potluck.protos.config import ModelConfig",
+                 "from potluck.peer.model import Model", "from potluck.protos.config.runconfig import ModelConfig",
                  f'with safe_open({quoted}, framework="pt") as f:',
                  '    config = json.loads(f.metadata()["config"])',
                  "model = Model(ModelConfig(**config))", f"model.load_state_dict(load_file({quoted}))"]
@@ -64,7 +64,7 @@ def load_lines(path: str, tokens: str = "bytes") -> list[str]:
     elif path.endswith(".pt"):
         lines = ["from potluck.export import load_model", f"model = load_model({quoted})",
                  "# or with torch alone:", "import torch", "from potluck.peer.model import Model",
-                 "from potluck.protos.config import ModelConfig", f"sd = torch.load({quoted})",
+                 "from potluck.protos.config.runconfig import ModelConfig", f"sd = torch.load({quoted})",
                  'model = Model(ModelConfig(**sd["config"]))', 'model.load_state_dict(sd["model"])']
         vocab = "model.cfg.vocab_size"
     else:
@@ -134,7 +134,7 @@ def read_model(journal_dir: str | Path, step: int | None = None) -> tuple[dict[s
     manifest["data"] = {"source": data.get("source", "markov")}
     if data.get("source") in ("shards", "hf"):  # the tokenizer its shards were made with, where this machine has it
         from potluck.data.corpus import tokenizer_folder
-        from potluck.protos.config import DataConfig
+        from potluck.protos.config.runconfig import DataConfig
 
         found = tokenizer_folder(DataConfig.model_validate(data))
         manifest["data"]["tokenizer"] = "hf" if found else "bytes"
@@ -185,7 +185,7 @@ def export_checkpoint(journal_dir: str | Path, out: str | Path | None = None, st
     try:
         if folder:
             from potluck.models.hub import write_folder
-            from potluck.protos.config import ModelConfig
+            from potluck.protos.config.runconfig import ModelConfig
 
             cfg = ModelConfig.model_validate(config)
             if cfg.family == "tiny":
@@ -234,7 +234,7 @@ def load_model(path: str | Path) -> Model:
     import torch  # here, not at module level: ``potluck --help`` must not wait for torch
 
     from potluck.peer.model import Model
-    from potluck.protos.config import ModelConfig
+    from potluck.protos.config.runconfig import ModelConfig
 
     path = Path(path)
     if path.suffix == ".safetensors":

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from potluck.procs import ProcessGroup
-from potluck.protos.config import RunConfig, dump_toml
+from potluck.protos.config.files import dump_toml
+from potluck.protos.config.runconfig import RunConfig
 
 
 class SwarmError(RuntimeError):

@@ -8,7 +8,7 @@ an ``atexit`` hook, so neither an exception nor Ctrl+C leaves daemons behind (hi
 
 Neither runs when this process is SIGKILLed, so each child also gets SIGTERM from the kernel when
 its parent dies (Linux's parent-death signal): it stops politely, and its own watchdog
-(:mod:`potluck.protos.stopping`) makes sure it is gone within its grace period.
+(:mod:`potluck.protos.runtime.stopping`) makes sure it is gone within its grace period.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
-from potluck.protos.stopping import DIE_WITH_ENV
+from potluck.protos.runtime.stopping import DIE_WITH_ENV
 
 
 def _killpg(pgid: int, sig: int) -> None:

@@ -119,7 +119,7 @@ class PingReply(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., inner_step: _Optional[int] = ..., eta_s: _Optional[float] = ..., sent_at: _Optional[float] = ..., padding: _Optional[bytes] = ...) -> None: ...
 
 class ShardChunk(_message.Message):
-    __slots__ = ("header", "shard", "num_shards", "attempt", "base_hash", "contributors", "tensor", "clipped", "rejected", "signer", "signature")
+    __slots__ = ("header", "shard", "num_shards", "attempt", "base_hash", "contributors", "tensor", "clipped", "rejected", "signer", "signature", "inputs", "input_digests")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,8 @@ class ShardChunk(_message.Message):
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     SIGNER_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     header: Header
     shard: int
     num_shards: int
@@ -142,7 +144,23 @@ class ShardChunk(_message.Message):
     rejected: _containers.RepeatedScalarFieldContainer[str]
     signer: str
     signature: bytes
-    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., attempt: _Optional[int] = ..., base_hash: _Optional[str] = ..., contributors: _Optional[_Iterable[str]] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., clipped: _Optional[_Iterable[str]] = ..., rejected: _Optional[_Iterable[str]] = ..., signer: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    inputs: _containers.RepeatedScalarFieldContainer[str]
+    input_digests: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., attempt: _Optional[int] = ..., base_hash: _Optional[str] = ..., contributors: _Optional[_Iterable[str]] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., clipped: _Optional[_Iterable[str]] = ..., rejected: _Optional[_Iterable[str]] = ..., signer: _Optional[str] = ..., signature: _Optional[bytes] = ..., inputs: _Optional[_Iterable[str]] = ..., input_digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class InputsRequest(_message.Message):
+    __slots__ = ("header", "shard", "num_shards", "attempt", "skip")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    SKIP_FIELD_NUMBER: _ClassVar[int]
+    header: Header
+    shard: int
+    num_shards: int
+    attempt: int
+    skip: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., attempt: _Optional[int] = ..., skip: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("received_bytes", "handler_s")

@@ -54,6 +54,11 @@ class PeerServiceStub:
                 request_serializer=potluck_dot_protos_dot_potluck__pb2.ResultRequest.SerializeToString,
                 response_deserializer=potluck_dot_protos_dot_potluck__pb2.ShardChunk.FromString,
                 _registered_method=True)
+        self.FetchInputs = channel.unary_stream(
+                '/potluck.v1.PeerService/FetchInputs',
+                request_serializer=potluck_dot_protos_dot_potluck__pb2.InputsRequest.SerializeToString,
+                response_deserializer=potluck_dot_protos_dot_potluck__pb2.ShardChunk.FromString,
+                _registered_method=True)
         self.GetStateInfo = channel.unary_unary(
                 '/potluck.v1.PeerService/GetStateInfo',
                 request_serializer=potluck_dot_protos_dot_potluck__pb2.StateInfoRequest.SerializeToString,
@@ -101,7 +106,16 @@ class PeerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def FetchResult(self, request, context):
-        """A member that missed an owner's result asks another member for its copy.
+        """A member that missed an owner's result asks another member for its copy (also of the round before, for
+        an audit of it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchInputs(self, request, context):
+        """Verified reduction: the signed contributions a shard's result was averaged from, as their senders signed
+        them, for the auditor the coordinator picked (and, from that auditor, for the coordinator).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -155,6 +169,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
             'FetchResult': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchResult,
                     request_deserializer=potluck_dot_protos_dot_potluck__pb2.ResultRequest.FromString,
+                    response_serializer=potluck_dot_protos_dot_potluck__pb2.ShardChunk.SerializeToString,
+            ),
+            'FetchInputs': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchInputs,
+                    request_deserializer=potluck_dot_protos_dot_potluck__pb2.InputsRequest.FromString,
                     response_serializer=potluck_dot_protos_dot_potluck__pb2.ShardChunk.SerializeToString,
             ),
             'GetStateInfo': grpc.unary_unary_rpc_method_handler(
@@ -285,6 +304,33 @@ class PeerService:
             target,
             '/potluck.v1.PeerService/FetchResult',
             potluck_dot_protos_dot_potluck__pb2.ResultRequest.SerializeToString,
+            potluck_dot_protos_dot_potluck__pb2.ShardChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchInputs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/potluck.v1.PeerService/FetchInputs',
+            potluck_dot_protos_dot_potluck__pb2.InputsRequest.SerializeToString,
             potluck_dot_protos_dot_potluck__pb2.ShardChunk.FromString,
             options,
             channel_credentials,

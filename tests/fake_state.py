@@ -7,7 +7,9 @@ events and links look like a run that has trained ``steps`` outer steps. A run o
 has lived through one failed round: two steps were rolled back and re-run in epoch 1. Owners clip
 or reject a member's update now and then, and the peers' ``clipped``/``rejected`` counts agree with
 the history. Per-member maps (``state_hashes``, ``stages``, ``tasklets``) fill only the newest
-``detail`` entries, so 1,000 peers stay light; the coordinator keeps them on every entry.
+``detail`` entries of steps of at most 64 members (the coordinator's rule: no step of more), and
+every entry has ``hash_counts``. Past 200 peers, ``peers`` holds the most telling 200 and ``_peers``
+all of them, as the coordinator's snapshot does (``/api/v1/peers`` pages through ``_peers``).
 Deterministic per seed.
 """
 
@@ -17,6 +19,8 @@ import math
 import random
 import time
 from typing import Any
+
+from potluck.coordinator.snapshot import inline_peers, peers_summary
 
 _B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
 KINDS = ("activations", "gradients", "outer")
@@ -199,10 +203,22 @@ def make_state(
         "rolled_back": rolled_back,
         "failed_rounds": failed_rounds,
         "series": series,
-        "peers": table,
+        "peers": (shown := inline_peers(table)),
+        "peers_summary": peers_summary(table, len(shown)),
         "links": {"peers": link_ids, "rtt_ms": rtt, "bandwidth_mbps": bw},
         "events": events,
         "config": {"heartbeat_timeout_s": heartbeat_timeout_s},
+        "coordinator": {
+            "ticks": 5000 + 7 * steps, "tick_s": {"p50": 0.004, "p99": 0.021, "max": 0.05, "window": 1000},
+            "tick_cpu_s": {"p50": 0.003, "p99": 0.015, "max": 0.04, "window": 1000},
+            "decide_s": {"last": 0.12, "max": 0.31, "window": min(16, steps)} if steps else
+            {"last": None, "max": None, "window": 0},
+            "rss_bytes": 180_000_000 + 40_000 * peers, "peers_held": peers,
+            "reads": {"peers": {"records": n_live, "changed": n_live // 5, "read_s": 0.03},
+                      "admission": {"records": n_live, "changed": 0, "read_s": 0.01},
+                      "links": {"records": len(link_ids), "changed": 0, "read_s": 0.01}},
+        },
+        **({"_peers": table} if len(shown) < len(table) else {}),
     }
 
 
@@ -216,8 +232,10 @@ def _robust(entry: dict[str, Any], epoch: int, cells: list[dict[str, Any]], stag
     per_stage = len(cells) // max(1, stages)
     out = {**entry, "epoch": epoch, "dropped": dropped, "clipped": clipped, "rejected": rejected,
            "contributors": max(1, per_stage - len(dropped) - len(rejected)) if cells else None,
-           "state_hashes": {}, "stages": {}, "tasklets": {}}
-    if detail:
+           "state_hashes": {}, "stages": {}, "tasklets": {},
+           "hash_counts": {str(st): {f"{v:04x}{st:04x}" * 2: sum(c["stage"] == st for c in cells)}
+                           for st in sorted({c["stage"] for c in cells})}}
+    if detail and len(cells) <= 64:
         out["state_hashes"] = {c["peer"]: f"{v:04x}{c['stage']:04x}" * 2 for c in cells}
         out["stages"] = {c["peer"]: c["stage"] for c in cells}
         out["tasklets"] = {c["peer"]: [c["stage"], c["replica"]] for c in cells}

@@ -13,7 +13,8 @@ from typing import Any
 
 from potluck import local
 from potluck.procs import ProcessGroup
-from potluck.protos.config import RunConfig, apply_overrides
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import RunConfig
 
 TEST_CONFIG = {
     "run_id": "test",

@@ -1,22 +1,30 @@
 """The coordinator's admission policy and evictions (coordinator/admission.py), without a swarm.
 
 Real keys and certificates throughout: the CA issues X.509 certificates that the peers' TLS side
-(:class:`potluck.protos.certs.TlsIdentity`) must accept, and refusals are what a peer is told.
+(:class:`potluck.protos.net.certs.TlsIdentity`) must accept, and refusals are what a peer is told.
 """
 
 from __future__ import annotations
 
 import tempfile
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 
 from potluck.coordinator.admission import RECENT_STEPS, Admission, Gatekeeper
-from potluck.protos.certs import CertError, CertificateAuthority, TlsIdentity, check_certificate, token_proof
-from potluck.protos.config import RunConfig, apply_overrides
-from potluck.protos.identity import Identity
-from potluck.protos.records import AdmissionRequest, Member, PeerRecord, Round, StepReport
-from potluck.protos.swarm import DHTTimeout
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.net.certs import (
+    CertError,
+    CertificateAuthority,
+    TlsIdentity,
+    check_certificate,
+    token_proof,
+)
+from potluck.protos.net.identity import Identity
+from potluck.protos.net.swarm import DHTTimeout
+from potluck.protos.wire.records import AdmissionRequest, Member, PeerRecord, Round, StepReport
 
 RUN, T0 = "adm", 1_000_000.0
 
@@ -115,11 +123,22 @@ class _Node:
     def get_admissions(self) -> tuple[dict, list[str]]:
         return self.requests, []
 
-    def publish_certificate(self, cert: object, ttl: float) -> None:
-        self.published.append(cert)
+    def publish_certificates(self, certs: list[object], ttl: float) -> Future:
+        self.published += certs
+        return done(True)
 
 
-def test_eviction_needs_most_of_a_stage_so_one_liar_cannot_evict_honest_peers(tmp_path: Path) -> None:
+def done(result: object) -> Future:
+    """A DHT call's future that has already answered."""
+    f: Future = Future()
+    f.set_result(result)
+    return f
+
+
+def test_eviction_needs_most_owners_so_one_liar_cannot_evict_honest_peers(tmp_path: Path) -> None:
+    """Every member reports each owner's signed flags as it received them; the liar, an owner, names both honest
+    owners over an honest mean (and lies in its own report too). Owners are counted, not the members repeating
+    them: the poisoner, flagged by both honest owners, is evicted; nobody the liar names is."""
     cfg = apply_overrides(RunConfig(), {"admission.evict_after": 3})
     gate = Gatekeeper(cfg, RUN, Identity.generate().peer_id, tmp_path, [])
     asks = {name: asking() for name in ("a", "b", "liar", "poisoner")}
@@ -127,19 +146,19 @@ def test_eviction_needs_most_of_a_stage_so_one_liar_cannot_evict_honest_peers(tm
     ids = {name: pid for name, (pid, _, _) in asks.items()}
     rounds = {s: Round(step=s, members=[Member(peer_id=p, address="x:1", replica=i) for i, p in
                                         enumerate(sorted(ids.values()))]) for s in range(1, RECENT_STEPS + 1)}
+    signed = {ids["a"]: [ids["poisoner"]], ids["b"]: [ids["poisoner"]], ids["liar"]: [ids["a"], ids["b"]],
+              ids["poisoner"]: []}
 
-    def record(name: str, flagged: list[str]) -> PeerRecord:
-        steps = [StepReport(step=s, clipped=flagged) for s in range(1, RECENT_STEPS + 1)]
+    def record(name: str, flags: dict[str, list[str]]) -> PeerRecord:
+        steps = [StepReport(step=s, flags=flags) for s in range(1, RECENT_STEPS + 1)]
         return PeerRecord(peer_id=ids[name], address="x:1", recent=steps)
 
-    # the liar names both honest peers (and a stranger) in every step; the three others name the poisoner
-    records = {ids["liar"]: record("liar", [ids["a"], ids["b"], "12D3KooWnobody"])}
-    for name in ("a", "b", "poisoner"):
-        records[ids[name]] = record(name, [ids["poisoner"]])
+    records = {ids[n]: record(n, signed) for n in ("a", "b", "poisoner")}
+    records[ids["liar"]] = record("liar", {o: [ids["a"], ids["b"], "12D3KooWnobody"] for o in signed})
     kept, events = gate.tick(node, records, rounds.get)  # type: ignore[arg-type]
     assert set(kept) == set(ids.values()) - {ids["poisoner"]}  # all four admitted on this tick, one evicted at once
-    evicted = [(pid, msg) for pid, msg in events if "evicted" in msg]
-    assert evicted == [(ids["poisoner"], evicted[0][1])] and "most members" in evicted[0][1]
+    evicted = [(pid, msg) for kind, pid, msg in events if kind == "evicted"]
+    assert evicted == [(ids["poisoner"], evicted[0][1])] and "most owners" in evicted[0][1]
     assert gate.revoked(ids["poisoner"]) and not gate.revoked(ids["a"]) and not gate.revoked(ids["b"])
     kept, _ = gate.tick(node, records, rounds.get)  # type: ignore[arg-type]
     assert ids["poisoner"] not in kept  # its heartbeats no longer count, and it gets no certificate
@@ -153,21 +172,23 @@ class _SlowNode(_Node):
         super().__init__(requests)
         self.stalls = stalls
 
-    def publish_certificate(self, cert: object, ttl: float) -> None:
+    def publish_certificates(self, certs: list[object], ttl: float) -> Future:
         if self.stalls:
             self.stalls -= 1
-            raise DHTTimeout("storing the certs record: no answer from the DHT process within 15 s")
-        super().publish_certificate(cert, ttl)
+            f: Future = Future()
+            f.set_exception(DHTTimeout("storing the certs record: no answer from the DHT process within 15 s"))
+            return f
+        return super().publish_certificates(certs, ttl)
 
 
 def test_a_certificate_the_dht_did_not_take_is_stored_on_a_later_tick(tmp_path: Path) -> None:
     """An admission is decided once; if storing its certificate times out, the next tick stores it
-    (it used to be lost until the certificate's half-life, leaving the peer waiting)."""
+    (it used to be lost until the certificate's half-life, leaving the peer waiting). The loop never
+    waits for the store: all answers of a tick go in one DHT call, checked on the next tick."""
     gate = Gatekeeper(RunConfig(), RUN, Identity.generate().peer_id, tmp_path, [])
     asks = [asking() for _ in range(2)]
     node = _SlowNode({pid: req for pid, _, req in asks}, stalls=1)
-    with pytest.raises(DHTTimeout):
-        gate.tick(node, {}, lambda s: None)
+    gate.tick(node, {}, lambda s: None)
     assert node.published == []
     gate.tick(node, {}, lambda s: None)
     assert sorted(c.peer_id for c in node.published) == sorted(pid for pid, _, _ in asks)  # type: ignore[attr-defined]
@@ -179,7 +200,7 @@ def test_heartbeats_of_peers_never_admitted_are_ignored(tmp_path: Path) -> None:
     gate = Gatekeeper(RunConfig(), RUN, Identity.generate().peer_id, tmp_path, [])
     pid = Identity.generate().peer_id
     kept, events = gate.tick(_Node({}), {pid: PeerRecord(peer_id=pid, address="x:1", version=5000)}, lambda s: None)
-    assert kept == {} and events == [(pid, "heartbeat ignored: not admitted")]
+    assert kept == {} and events == [("rejected", pid, "heartbeat ignored: not admitted")]
 
 
 def test_a_restarted_peer_waits_past_the_certificate_of_its_previous_tls_key(ca: CertificateAuthority) -> None:
@@ -188,7 +209,7 @@ def test_a_restarted_peer_waits_past_the_certificate_of_its_previous_tls_key(ca:
     from types import SimpleNamespace
 
     from potluck.peer.admission import take
-    from potluck.protos.records import Certificate
+    from potluck.protos.wire.records import Certificate
 
     pid, old, new = Identity.generate().peer_id, TlsIdentity.generate(), TlsIdentity.generate()
     manifest = SimpleNamespace(ca_pem=ca.cert_pem.decode())
@@ -237,7 +258,7 @@ def test_a_second_live_process_of_one_identity_is_refused_and_a_restart_is_not(t
     told = node.published[-1]
     assert told.refused and told.request_seq == 2 and "--identity FILE" in told.refused and "10.0.0.1:5000" in told.refused
     assert "\n" not in told.refused and alive.asked == ["10.0.0.1:5000"] and pid in kept
-    assert any("not admitted" in msg for _, msg in events)
+    assert any("not admitted" in msg for _, _, msg in events)
     gate.tick(node, {pid: running}, lambda s: None, alive)  # type: ignore[arg-type]
     assert alive.asked == ["10.0.0.1:5000"] and len(node.published) == 2  # each request is looked at, and answered, once
     node.requests = {pid: first.model_copy(update={"seq": 3, "ts": T0 + 2})}  # the running one re-asks: nothing new
@@ -253,3 +274,49 @@ def test_a_second_live_process_of_one_identity_is_refused_and_a_restart_is_not(t
     node.requests = {pid: AdmissionRequest(peer_id=pid, run_id=RUN, tls_key=later.public_pem.decode(), ts=T0 + 4, seq=5)}
     gate.tick(node, {pid: running.model_copy(update={"state": "left"})}, lambda s: None, alive)  # type: ignore[arg-type]
     assert node.published[-1].cert_pem and node.published[-1].request_seq == 5 and len(alive.asked) == 1
+
+
+def test_reporters_on_probation_do_not_count(tmp_path: Path) -> None:
+    """A crowd of fresh keys reporting that every owner flagged an honest peer moves nothing: only the
+    reports of members past probation are read (here: 'a' alone is trusted, and it reports the truth)."""
+    cfg = apply_overrides(RunConfig(), {"admission.evict_after": 3})
+    gate = Gatekeeper(cfg, RUN, Identity.generate().peer_id, tmp_path, [])
+    asks = {name: asking() for name in ("a", "s1", "s2", "s3")}
+    node = _Node({pid: req for pid, _, req in asks.values()})
+    ids = {name: pid for name, (pid, _, _) in asks.items()}
+    gate.trusted = lambda cells: {ids["a"]}
+    rounds = {s: Round(step=s, members=[Member(peer_id=p, address="x:1", replica=i, owns=p == ids["a"])
+                                        for i, p in enumerate(sorted(ids.values()))])
+              for s in range(1, RECENT_STEPS + 1)}
+    truth = {ids["a"]: []}
+    records = {ids["a"]: PeerRecord(peer_id=ids["a"], address="x:1",
+                                    recent=[StepReport(step=s, flags=truth) for s in range(1, RECENT_STEPS + 1)])}
+    for n in ("s1", "s2", "s3"):
+        lie = {ids["a"]: [ids["a"]]}
+        records[ids[n]] = PeerRecord(peer_id=ids[n], address="x:1",
+                                     recent=[StepReport(step=s, flags=lie) for s in range(1, RECENT_STEPS + 1)])
+    for _ in range(2):
+        kept, events = gate.tick(node, records, rounds.get)  # type: ignore[arg-type]
+    assert not [e for e in events if e[0] == "evicted"] and not gate.revoked(ids["a"])
+
+
+def test_an_open_run_can_ask_fresh_keys_for_a_proof_of_work(tmp_path: Path) -> None:
+    """admission.pow_bits: a request without the work (or with work for another key or run) is refused in one
+    line; with it, admitted. The work is bound to the run and the key."""
+    from potluck.protos.wire import work
+
+    gate = Gatekeeper(apply_overrides(RunConfig(), {"admission.pow_bits": 12}), RUN, Identity.generate().peer_id,
+                      tmp_path, [])
+    (lazy, _, lazy_req), (worker, _, worker_req), (thief, _, thief_req) = asking(), asking(), asking()
+    nonce = work.solve(RUN, worker, 12)
+    assert work.zero_bits(RUN, worker, nonce) >= 12
+    while work.zero_bits(RUN, thief, nonce) >= 12:  # (one key in 4096 would pass with this nonce: not this one)
+        thief, _, thief_req = asking()
+    worker_req = worker_req.model_copy(update={"pow_nonce": nonce})
+    thief_req = thief_req.model_copy(update={"pow_nonce": nonce})  # another key's work
+    certs, refused = gate.admission.review({lazy: lazy_req, worker: worker_req, thief: thief_req})
+    by = {c.peer_id: c for c in certs}
+    assert by[worker].cert_pem and not by[worker].refused
+    for pid in (lazy, thief):
+        assert not by[pid].cert_pem and "proof of work of 12 bits" in by[pid].refused
+    assert len(refused) == 2

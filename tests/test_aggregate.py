@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from potluck.peer.aggregate import reduce_mean, robust_mean
+from potluck.compression.aggregate import reduce_mean, robust_mean
 
 
 def numpy_reference(xs: dict[str, np.ndarray], clip_factor: float, reject_below: float | None) -> tuple[np.ndarray, set, set]:
@@ -65,7 +65,7 @@ def test_every_group_size_matches_the_numpy_reference_across_chunks(n: int, atta
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The center of each member (the others' lower median) comes from one sort per chunk, or the smaller
     of the other two when three contribute; statistics add up over chunks of any size."""
-    import potluck.peer.aggregate as aggregate
+    import potluck.compression.aggregate as aggregate
 
     monkeypatch.setattr(aggregate, "CHUNK", 100)  # 512 elements: five full chunks and a partial one
     xs = honest(n, seed=n)

@@ -11,14 +11,16 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from signing import signed
 
+from potluck.compression.aggregate import result_digest, tensor_digest
 from potluck.compression.int8 import Int8BlockCodec
 from potluck.compression.stream import encode_chunks
-from potluck.peer.aggregate import result_digest, tensor_digest
 from potluck.peer.allreduce import AllReduce, IncompleteRound, MemberAddr, Outcome, RoundInfo, shard_bounds
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.identity import Identity
-from potluck.protos.transport import STATUS_OF, PeerClient, PeerServer, Traffic, refusal_of
+from potluck.protos.net.identity import Identity
+from potluck.protos.net.transport import PeerClient, PeerServer, Traffic
+from potluck.protos.wire.refusals import STATUS_OF, refusal_of
 
 RUN, NUMEL, BLOCK = "test-run", 10_000, 256
 BASE = "b" * 32
@@ -86,12 +88,13 @@ def round_for(ms: list[Member], me: Member, addresses: dict[str, str] | None = N
     return RoundInfo(step=step, members=tuple(MemberAddr(m.id, addrs[m.id]) for m in order), me=me.id, base_hash=BASE)
 
 
-def run_all(ms: list[Member], deltas: dict[str, torch.Tensor], wait_s: float, skip: set[str] = frozenset()):  # type: ignore[no-untyped-def]
+def run_all(ms: list[Member], deltas: dict[str, torch.Tensor], wait_s: float, skip: set[str] = frozenset(),  # type: ignore[no-untyped-def]
+            step: int = 1):
     out: dict[str, object] = {}
 
     def go(m: Member) -> None:
         try:
-            out[m.id] = m.ar.run(round_for(ms, m), deltas[m.id], wait_s=wait_s, grace_s=1.0)
+            out[m.id] = m.ar.run(round_for(ms, m, step=step), deltas[m.id], wait_s=wait_s, grace_s=1.0)
         except Exception as err:
             out[m.id] = err
 
@@ -274,7 +277,13 @@ def test_stopping_interrupts_the_wait(members: list[Member]) -> None:
 # ----------------------------------------------------------------------------- bad input
 
 
-def chunks_for(target: Member, sender: str, **over) -> Iterator[pb.ShardChunk]:  # type: ignore[no-untyped-def]
+def chunks_for(target: Member, sender: str, identity: Identity | None = None, **over) -> list[pb.ShardChunk]:  # type: ignore[no-untyped-def]
+    """A contribution as ``sender`` would send it, signed with ``identity`` (unsigned without one)."""
+    out = list(_chunks_for(target, sender, **over))
+    return signed(out, identity) if identity is not None else out
+
+
+def _chunks_for(target: Member, sender: str, **over) -> Iterator[pb.ShardChunk]:  # type: ignore[no-untyped-def]
     shard = over.pop("shard", 0)
     num_shards = over.pop("num_shards", 3)
     lo, hi = shard_bounds(NUMEL, 3, BLOCK)[shard]
@@ -313,6 +322,8 @@ def NAN_SCALES(scales: bytes) -> bytes:  # noqa: N802 (used like a constant in t
         ({"tensor": {"payload": b"\x01\x02"}}, pb.BAD_MESSAGE, "payload"),
         ({"tensor": {"codec": "raw"}}, pb.BAD_MESSAGE, "codec"),
         ({"shard": 1}, pb.NOT_OWNER, "not owned"),
+        ({"unsigned": True}, pb.BAD_IDENTITY, "not signed by it"),
+        ({"forged": True}, pb.BAD_IDENTITY, "not signed by it"),
     ],
 )
 def test_bad_contribution_is_rejected_and_changes_nothing(members: list[Member], over, refusal, match) -> None:  # type: ignore[no-untyped-def]
@@ -320,10 +331,16 @@ def test_bad_contribution_is_rejected_and_changes_nothing(members: list[Member],
     target, sender = order[0], order[1]
     target.ar.set_round(round_for(members, target))
     sender_id = over.pop("sender", sender.id)
+    identity = sender.identity
     if sender_id == "stranger":
-        sender_id = Identity.generate().peer_id
+        identity = Identity.generate()
+        sender_id = identity.peer_id
+    unsigned = over.pop("unsigned", False)
+    if over.pop("forged", False):
+        identity = Identity.generate()  # another key signs it
+    chunks = chunks_for(target, sender_id, None if unsigned else identity, **over)
     with pytest.raises(grpc.RpcError) as err:
-        sender.client.push_contribution(target.address, chunks_for(target, sender_id, **over), timeout=5)
+        sender.client.push_contribution(target.address, iter(chunks), timeout=5)
     info = refusal_of(err.value)  # the protocol's reason, and the gRPC status documented for it
     assert info is not None and info.code == refusal and err.value.code() == STATUS_OF[refusal]
     assert match in err.value.details()

@@ -26,12 +26,14 @@ from potluck.local import LocalSwarm, SwarmError
 from potluck.peer import admission
 from potluck.procs import ProcessGroup
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.certs import TlsIdentity
-from potluck.protos.dhtguard import MAX_RECORD_BYTES, run_key
-from potluck.protos.identity import Identity
-from potluck.protos.records import ENVELOPE_VERSION, PeerRecord, Plan, seal
-from potluck.protos.swarm import SwarmNode, parse_join_address
-from potluck.protos.transport import PeerClient, Traffic, refusal_of
+from potluck.protos.net.certs import TlsIdentity
+from potluck.protos.net.dhtguard import MAX_RECORD_BYTES, run_key
+from potluck.protos.net.identity import Identity
+from potluck.protos.net.swarm import SwarmNode, parse_join_address
+from potluck.protos.net.transport import PeerClient, Traffic
+from potluck.protos.wire.envelope import ENVELOPE_VERSION, seal
+from potluck.protos.wire.records import PeerRecord, Plan
+from potluck.protos.wire.refusals import refusal_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

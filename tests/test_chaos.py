@@ -1,7 +1,7 @@
 """Chaos: a seeded schedule of faults at named points over a 20-step run, and the run still ends well.
 
 Each fault hits an exact point of an exact outer step (``POTLUCK_FAULTS``, see
-:mod:`potluck.protos.faults`): a peer killed half way through its inner steps, a peer frozen right
+:mod:`potluck.protos.testkit.faults`): a peer killed half way through its inner steps, a peer frozen right
 after reducing its shard (and thawed two steps later), the coordinator killed right after it saw a
 step committed (and restarted once the peers went on without it), and every peer killed as it enters
 an outer step (new peers take over). The run must finish with every step in its history exactly
@@ -30,13 +30,13 @@ POINTS = {"kill": "inner.mid", "stop": "allreduce.reduced", "kill-all": "outer.s
 
 
 @dataclass
-class Plan:
+class ChaosPlan:
     """Which fault hits which peer slot (or the coordinator) at which step."""
 
     faults: list[tuple[int, str, int]] = field(default_factory=list)  # (step, kind, slot)
 
     @classmethod
-    def seeded(cls, seed: int) -> Plan:
+    def seeded(cls, seed: int) -> ChaosPlan:
         rng = random.Random(seed)
         kinds = ["kill", "stop", "coordinator", "kill-all", *rng.choices(["kill", "stop", "coordinator"], k=2)]
         rng.shuffle(kinds)
@@ -68,7 +68,7 @@ def logged_step(swarm) -> int:  # type: ignore[no-untyped-def]
 
 
 def test_a_seeded_fault_schedule_over_twenty_steps(swarm) -> None:  # type: ignore[no-untyped-def]
-    plan = Plan.seeded(SEED)
+    plan = ChaosPlan.seeded(SEED)
     BY_HAND.clear()
     print("fault schedule:", plan.faults)
     cfg = {**CONFIG, "coordinator.dht_port": free_port()}

@@ -34,14 +34,15 @@ from potluck.coordinator.checkpoint import (
     consolidate,
     slice_stage,
     split_by_layout,
-    tensor_ranges,
 )
 from potluck.coordinator.checkpointer import Checkpointer, Job, Written
 from potluck.coordinator.service import CoordinatorService
+from potluck.coordinator.tensorfile import tensor_ranges
 from potluck.models import build_stage, stage_bounds
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.config import RunConfig, apply_overrides
-from potluck.protos.transport import PeerClient, PeerServer, Traffic
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.net.transport import PeerClient, PeerServer, Traffic
 
 RUN = "ckpt-run"
 FAMILIES: dict[str, dict[str, Any]] = {

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from potluck.cli import UsageError, _demo_grid, build_parser
-from potluck.protos.identity import Identity, IdentityError, public_key_from_peer_id
+from potluck.cli import UsageError, build_parser, demo_grid
+from potluck.protos.net.identity import Identity, IdentityError, public_key_from_peer_id
 
 COMMANDS = ["demo", "coordinator", "peer", "status", "schedule", "export", "generate", "data"]
 PEER_ID = Identity.generate().peer_id
@@ -156,10 +156,10 @@ def test_renamed_flags_keep_their_old_spelling_hidden(tmp_path: Path) -> None:
     (1, 3, None, (3, 3)),
 ])
 def test_demo_grid(stages: int, replicas: int | None, peers: int | None, grid: tuple[int, int | None]) -> None:
-    assert _demo_grid(stages, replicas, peers) == grid
+    assert demo_grid(stages, replicas, peers) == grid
 
 
 @pytest.mark.parametrize(("stages", "replicas", "peers"), [(2, None, 3), (3, None, 2), (2, 2, 5), (1, 3, 2), (1, 0, None)])
 def test_demo_grid_refuses_peers_that_do_not_fill_it(stages: int, replicas: int | None, peers: int | None) -> None:
     with pytest.raises(UsageError):
-        _demo_grid(stages, replicas, peers)
+        demo_grid(stages, replicas, peers)

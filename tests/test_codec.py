@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from potluck.compression.aggregate import reduce_mean
 from potluck.compression.int8 import CodecError, Encoded, Int8BlockCodec, RawCodec, make_codec
 from potluck.compression.stream import Assembler, WireError, encode_chunks
-from potluck.peer.aggregate import reduce_mean
 from potluck.peer.allreduce import shard_bounds
 from potluck.protos import potluck_pb2 as pb
 

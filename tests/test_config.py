@@ -8,16 +8,15 @@ import tomllib
 
 import pytest
 
-from potluck.protos.config import (
-    ConfigError,
-    PeerConfig,
-    RunConfig,
+from potluck.protos.config.files import (
     apply_overrides,
     dump_toml,
     known_fields_only,
     load_config,
     parse_config,
 )
+from potluck.protos.config.runconfig import PeerConfig, RunConfig
+from potluck.protos.config.section import ConfigError
 
 
 def test_defaults_are_valid_and_round_trip_through_toml() -> None:
@@ -41,6 +40,8 @@ def test_robust_aggregation_can_be_switched_off_in_a_run_file() -> None:
         ({"model": {"d_model": 30, "n_heads": 4}}, "model"),
         ({"model": {"width": 3}}, "model.width: unknown field"),
         ({"sync": {"codec": "zstd"}}, "sync.codec"),
+        ({"sync": {"group_size": 1}}, "sync.group_size: group_size 1: a group must hold at least 2 members"),
+        ({"sync": {"group_size": -2}}, "sync.group_size"),
         ({"data": {"source": "bytes"}}, "data"),
         ({"membership": {"heartbeat_s": 5, "heartbeat_timeout_s": 6}}, "membership"),
         # records outliving what every DHT node accepts (300 s) would be refused, silently, at every heartbeat
@@ -136,7 +137,8 @@ def test_fp32_gradients_survive_a_run_file() -> None:
 
 def test_an_unknown_field_says_which_was_meant() -> None:
     """A typo, or a field of another section: the name meant, in the one line (issue 27)."""
-    from potluck.protos.config import ConfigError, parse_config
+    from potluck.protos.config.files import parse_config
+    from potluck.protos.config.section import ConfigError
 
     with pytest.raises(ConfigError) as err:
         parse_config({"diloco": {"inner_step": 3}, "modle": {}, "train": {"outer_steps": 2}, "data": {"zzz": 1}})

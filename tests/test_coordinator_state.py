@@ -83,7 +83,8 @@ def test_checkpoints_consolidate_stages_and_re_split_into_any_number(tmp_path) -
 
     from potluck.coordinator.checkpoint import CheckpointStore, consolidate, slice_stage
     from potluck.models import stage_bounds
-    from potluck.protos.config import RunConfig, apply_overrides
+    from potluck.protos.config.files import apply_overrides
+    from potluck.protos.config.runconfig import RunConfig
 
     def cfg_for(stages: int):  # type: ignore[no-untyped-def]
         return apply_overrides(RunConfig(), {"model.n_layers": 2, "model.d_model": 32, "model.n_heads": 2,

@@ -27,7 +27,7 @@ from potluck.coordinator.rounds import Checkpoint, Failed, Rounds
 from potluck.data import DataError
 from potluck.data.order import permute, permute_one, sample_ids
 from potluck.peer.data import SpanSampler
-from potluck.protos.records import PeerRecord, Round, Share, StepReport
+from potluck.protos.wire.records import PeerRecord, Round, Share, StepReport
 
 # ---------------------------------------------------------------------- the order
 
@@ -92,7 +92,7 @@ def test_a_vote_counts_only_from_the_rounds_stage_0_and_only_for_the_coming_step
     """A stage-1 member cannot say which replicas' samples a version holds, a vote for a step far ahead
     is not kept, and a version far ahead folds in bounded time."""
     from potluck.coordinator.rounds import KEEP_ROUNDS, Report
-    from potluck.protos.records import Member
+    from potluck.protos.wire.records import Member
 
     r = Rounds(stages=2, data=DataCursor(4))
     rnd = r.decide([Member(peer_id=p, address="a:1", stage=s, replica=0) for p, s in (("a", 0), ("b", 1))], 0.0)

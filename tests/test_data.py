@@ -8,7 +8,7 @@ import torch
 
 from potluck.peer.data import EVAL_ID_OFFSET, DataError, Dataset, MarkovSource
 from potluck.peer.model import TinyGPT, build_layers, lm_loss, num_layers
-from potluck.protos.config import DataConfig, ModelConfig
+from potluck.protos.config.runconfig import DataConfig, ModelConfig
 
 
 def test_samples_are_a_pure_function_of_their_id() -> None:

@@ -21,8 +21,10 @@ from potluck.data.prepare import prepare
 from potluck.data.tokenizer import load_tokenizer
 from potluck.peer.data import EVAL_ID_OFFSET, Dataset
 from potluck.peer.joining import with_local_data
-from potluck.protos.config import ConfigError, RunConfig, parse_config
-from potluck.protos.records import DataIdentity
+from potluck.protos.config.files import parse_config
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.config.section import ConfigError
+from potluck.protos.wire.records import DataIdentity
 
 SMALL = {"model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 32},
          "diloco": {"inner_steps": 3, "outer_steps": 3}, "train": {"batch_size": 4}}
@@ -173,7 +175,7 @@ def served(corpus: dict[str, Path]) -> Iterator[str]:
 def test_a_swarm_trains_on_shards_from_a_folder_and_a_url(corpus: dict[str, Path], served: str, tmp_path: Path,
                                                           procs) -> None:  # type: ignore[no-untyped-def]
     from potluck.local import LocalSwarm
-    from potluck.protos.config import apply_overrides
+    from potluck.protos.config.files import apply_overrides
 
     cfg = apply_overrides(run_config(corpus["bpe"], tmp_path), {
         "coordinator.host": "127.0.0.1", "coordinator.dht_port": 0, "coordinator.grpc_port": 0,

@@ -16,10 +16,11 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from potluck.peer.heartbeat import Heartbeat
 from potluck.peer.joining import await_manifest
-from potluck.protos.dhtguard import MAX_RECORD_BYTES, RunRecords, run_key
-from potluck.protos.identity import Identity
-from potluck.protos.records import ENVELOPE_VERSION, Manifest, PeerRecord, seal
-from potluck.protos.swarm import DHTTimeout, SwarmNode
+from potluck.protos.net.dhtguard import MAX_RECORD_BYTES, RunRecords, run_key
+from potluck.protos.net.identity import Identity
+from potluck.protos.net.swarm import DHTTimeout, SwarmNode
+from potluck.protos.wire.envelope import ENVELOPE_VERSION, seal
+from potluck.protos.wire.records import Manifest, PeerRecord
 
 COORD, PEER, MALLORY = Identity.generate(), Identity.generate(), Identity.generate()
 

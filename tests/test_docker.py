@@ -40,8 +40,8 @@ from potluck.coordinator.status import StatusServer
 from potluck.coordinator.status_cli import state_url
 from potluck.local import get_state, wait_for
 from potluck.procs import ProcessGroup
-from potluck.protos.config import PeerConfig, RunConfig
-from potluck.protos.identity import Identity
+from potluck.protos.config.runconfig import PeerConfig, RunConfig
+from potluck.protos.net.identity import Identity
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKERFILE = REPO / "docker" / "Dockerfile"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from potluck.protos.faults import FaultSpecError, _matches, parse
+from potluck.protos.testkit.faults import FaultSpecError, matches, parse
 
 
 def test_specs_parse_into_point_step_action() -> None:
@@ -18,7 +18,7 @@ def test_specs_parse_into_point_step_action() -> None:
 def test_spin_keeps_the_thread_busy_for_its_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
     import time
 
-    from potluck.protos import faults
+    from potluck.protos.testkit import faults
 
     monkeypatch.setattr(faults, "_pending", parse("placement.search@*:spin=0.2"))
     t0, c0 = time.monotonic(), time.thread_time()
@@ -45,7 +45,7 @@ def test_specs_that_cannot_act_are_refused(spec: str, message: str) -> None:
 
 def test_steps_match_exactly_any_or_from_n_on() -> None:
     exact, later, anywhere = parse("inner.mid@3:kill,inner.mid@3+:kill,inner.mid@*:kill")
-    assert [_matches(exact, "inner.mid", s) for s in (2, 3, 4)] == [False, True, False]
-    assert [_matches(later, "inner.mid", s) for s in (2, 3, 4, None)] == [False, True, True, False]
-    assert [_matches(anywhere, "inner.mid", s) for s in (0, 9, None)] == [True, True, True]
-    assert not _matches(exact, "outer.start", 3)
+    assert [matches(exact, "inner.mid", s) for s in (2, 3, 4)] == [False, True, False]
+    assert [matches(later, "inner.mid", s) for s in (2, 3, 4, None)] == [False, True, True, False]
+    assert [matches(anywhere, "inner.mid", s) for s in (0, 9, None)] == [True, True, True]
+    assert not matches(exact, "outer.start", 3)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from potluck.peer.follower import Finish, Follower, Held, Recover, Switch, Train, Wait
-from potluck.protos.records import Member, Plan, Round
+from potluck.protos.wire.records import Member, Plan, Round
 
 ME = "me"
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from signing import signed
 
 from potluck.compression.int8 import Int8BlockCodec
 from potluck.compression.stream import encode_chunks
@@ -27,12 +28,14 @@ from potluck.peer.pipeline import Neighbour, Pipeline
 from potluck.peer.pipewire import outbound
 from potluck.peer.service import PeerService
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.config import RunConfig, apply_overrides
-from potluck.protos.identity import Identity
-from potluck.protos.transport import PeerClient, PeerServer, Traffic
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.net.identity import Identity
+from potluck.protos.net.transport import PeerClient, PeerServer, Traffic
 
 RUN, NUMEL, BASE = "fuzz", 1024, "b" * 32
-MEMBERS = [Identity.generate().peer_id for _ in range(3)]
+KEYS = [Identity.generate() for _ in range(3)]
+MEMBERS = [k.peer_id for k in KEYS]
 STRANGER = Identity.generate().peer_id
 EXAMPLES = 320  # per RPC: 7 RPCs, over 2,000 cases in all
 CASES = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
@@ -64,7 +67,7 @@ class FuzzedPeer:
 
     def unchanged(self) -> bool:
         return (self.allreduce.pending_contributions() == 0 and self.allreduce.result_count() == 0
-                and self.states.current is self.snap and not self.pipeline._round.mail)
+                and self.states.current is self.snap and not self.pipeline.inbox.current().mail)
 
     def close(self) -> None:
         self.channel.close()
@@ -134,10 +137,13 @@ def mutated(message: object, seed: int) -> bytes:
 
 
 def valid_contribution(sender: str) -> list[pb.ShardChunk]:
-    """Shard 0 (this peer's) of step 1 exactly as a member would send it."""
+    """Shard 0 (this peer's) of step 1 exactly as a member would send it (signed by a member's key)."""
     lo, hi = shard_bounds(NUMEL, len(MEMBERS), Int8BlockCodec(256).align)[0]
-    return [pb.ShardChunk(header=pb.Header(run_id=RUN, sender=sender, step=1), shard=0, num_shards=3, base_hash=BASE,
-                          tensor=t) for t in encode_chunks("shard0", torch.randn(hi - lo), Int8BlockCodec(256), 4096)]
+    chunks = [pb.ShardChunk(header=pb.Header(run_id=RUN, sender=sender, step=1), shard=0, num_shards=3,
+                            base_hash=BASE, tensor=t)
+              for t in encode_chunks("shard0", torch.randn(hi - lo), Int8BlockCodec(256), 4096)]
+    key = next((k for k in KEYS if k.peer_id == sender), None)
+    return signed(chunks, key) if key is not None else chunks
 
 
 @CASES
@@ -165,6 +171,12 @@ def test_push_result(peer: FuzzedPeer, stream: list[pb.ShardChunk], seed: int) -
 @given(st.builds(pb.ResultRequest, header=headers, shard=int32s, num_shards=int32s))
 def test_fetch_result(peer: FuzzedPeer, request: pb.ResultRequest) -> None:
     call(peer, "FetchResult", request, response_stream=True)
+
+
+@CASES
+@given(st.builds(pb.InputsRequest, header=headers, shard=int32s, num_shards=int32s, attempt=int32s))
+def test_fetch_inputs(peer: FuzzedPeer, request: pb.InputsRequest) -> None:
+    call(peer, "FetchInputs", request, response_stream=True)
 
 
 @CASES
@@ -207,7 +219,7 @@ def test_the_server_is_still_up_afterwards(peer: FuzzedPeer) -> None:
 
 
 def test_a_message_that_does_not_parse_is_refused_as_bad_message(peer: FuzzedPeer) -> None:
-    from potluck.protos.transport import refusal_of
+    from potluck.protos.wire.refusals import refusal_of
 
     rpc = peer.channel.unary_unary("/potluck.v1.PeerService/Ping", request_serializer=lambda b: b,
                                    response_deserializer=lambda b: b)
@@ -224,7 +236,7 @@ def test_a_members_crafted_scale_is_refused_not_decoded_to_inf(peer: FuzzedPeer,
     a member's (the sender is a member here) crafted contribution is refused as a bad message."""
     import struct
 
-    from potluck.protos.transport import refusal_of
+    from potluck.protos.wire.refusals import refusal_of
 
     good = valid_contribution(MEMBERS[1])
     crafted = [pb.ShardChunk() for _ in good]

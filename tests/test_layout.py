@@ -23,10 +23,15 @@ ALLOWED = {
 FOLDER_OF = {"protos": "protos", "kernels": "kernels", "compression": "compression", "peer": "peer",
              "coordinator": "coordinator", "models": "models", "data": "data"}
 PATH_OF = {"models": "potluck/models", "data": "potluck/data"}
+ROOMS_OF_PROTOS = ("wire", "net", "config", "runtime", "testkit")
 
 
 def modules(folder: str) -> list[Path]:
-    return sorted(p for p in (ROOT / PATH_OF.get(folder, folder)).glob("*.py") if not p.name.endswith(("_pb2.py", "_pb2_grpc.py")))
+    """The folder's modules, its rooms' too (``protos/net/...``); not the packages nested as folders of their own
+    (``potluck/models``), nor generated code."""
+    base = ROOT / PATH_OF.get(folder, folder)
+    rooms = [d for d in base.iterdir() if d.is_dir() and (d / "__init__.py").exists() and d.name not in PATH_OF]
+    return sorted(p for d in [base, *rooms] for p in d.glob("*.py") if not p.name.endswith(("_pb2.py", "_pb2_grpc.py")))
 
 
 def potluck_imports(path: Path) -> set[str]:
@@ -42,6 +47,19 @@ def potluck_imports(path: Path) -> set[str]:
             if parts[0] == "potluck":
                 out.add(FOLDER_OF.get(parts[1], "potluck") if len(parts) > 1 else "potluck")
     return out
+
+
+def test_protos_is_rooms_each_with_its_map() -> None:
+    """protos/ holds the protocol and its generated code; everything else lives in a room whose __init__ says
+    what each of its modules holds."""
+    loose = sorted(p.name for p in (ROOT / "protos").glob("*.py")
+                   if p.name not in ("__init__.py", "generate.py") and not p.name.endswith(("_pb2.py", "_pb2_grpc.py")))
+    assert not loose, f"modules outside a room of protos/: {loose}"
+    for room in ROOMS_OF_PROTOS:
+        doc = ast.get_docstring(ast.parse((ROOT / "protos" / room / "__init__.py").read_text())) or ""
+        named = {p.stem for p in (ROOT / "protos" / room).glob("*.py") if p.name != "__init__.py"}
+        missing = sorted(m for m in named if f"``{m}``" not in doc)
+        assert not missing, f"protos/{room}/__init__.py does not say what {missing} hold"
 
 
 @pytest.mark.parametrize("folder", FOLDERS)
@@ -82,4 +100,31 @@ def first_set_outside_init(path: Path) -> list[str]:
 @pytest.mark.parametrize("folder", ["peer", "coordinator"])
 def test_no_attribute_is_first_set_outside_init(folder: str) -> None:
     bad = [f"{p.name}: {b}" for p in modules(folder) for b in first_set_outside_init(p)]
+    assert not bad, bad
+
+
+MAX_LINES = 450
+TRACKED = ("protos", "kernels", "compression", "peer", "coordinator", "potluck", "tests", "benchmarks")
+
+
+def python_files() -> list[Path]:
+    """Every Python file of the repo's own code, tests and benchmarks, but generated protobuf code."""
+    return sorted(p for folder in TRACKED for p in (ROOT / folder).rglob("*.py")
+                  if ".venv" not in p.parts and not p.name.endswith(("_pb2.py", "_pb2_grpc.py")))
+
+
+def test_no_file_is_over_450_lines() -> None:
+    """A file past this has a seam a newcomer must find first: split it there."""
+    long = [f"{p.relative_to(ROOT)}: {n}" for p in python_files() if (n := len(p.read_text().splitlines())) > MAX_LINES]
+    assert not long, long
+
+
+def test_no_private_name_is_imported_across_modules() -> None:
+    """``from potluck.x import _name`` reaches into another room's inside: give the name a public one instead."""
+    bad = []
+    for p in python_files():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("potluck"):
+                bad += [f"{p.relative_to(ROOT)}: {node.module}.{a.name}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
     assert not bad, bad

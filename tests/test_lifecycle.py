@@ -1,6 +1,6 @@
 """The failures that used to stop a run forever, driven at exact steps in real processes.
 
-Faults are injected at named points (``POTLUCK_FAULTS``, :mod:`potluck.protos.faults`), not by
+Faults are injected at named points (``POTLUCK_FAULTS``, :mod:`potluck.protos.testkit.faults`), not by
 polling for a random moment: every peer of a round dies half way through its inner steps, a backup
 freezes right after reducing its shard, everything is killed and resumed with another stage count.
 """

@@ -17,12 +17,13 @@ import pytest
 
 from potluck.peer.links import Bursts, LinkConfig, LinkProber, LinkReport, LinkStat
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.dhtguard import run_key
-from potluck.protos.identity import Identity
-from potluck.protos.netem import NetEm, Topology, TopologyError
-from potluck.protos.records import seal
-from potluck.protos.swarm import SwarmNode
-from potluck.protos.transport import PeerClient, PeerServer, Rejected, Traffic
+from potluck.protos.net.dhtguard import run_key
+from potluck.protos.net.identity import Identity
+from potluck.protos.net.swarm import SwarmNode
+from potluck.protos.net.transport import PeerClient, PeerServer, Traffic
+from potluck.protos.testkit.netem import NetEm, NetemTopology, NetemTopologyError
+from potluck.protos.wire.envelope import seal
+from potluck.protos.wire.refusals import Rejected
 
 DELAY_MS, MBPS = 40.0, 50.0
 BYTES_PER_S = MBPS * 1e6 / 8
@@ -55,7 +56,7 @@ class Peer:
 
 @pytest.fixture(scope="module")
 def net() -> Iterator[dict]:
-    topo = Topology.from_dict(TOPOLOGY)
+    topo = NetemTopology.from_dict(TOPOLOGY)
     servers = {name: PeerServer(Peer(), Traffic(), host="127.0.0.1", netem=NetEm(topo, region))
                for name, region in (("us", "us"), ("eu", "eu"))}
     client = PeerClient(Traffic(), netem=NetEm(topo, "eu"))
@@ -155,8 +156,8 @@ def test_untagged_clients_are_not_emulated(net: dict) -> None:
     ({"delay_ms": None}, "must be a matrix or a dict"),
 ])
 def test_bad_topologies_are_rejected_with_the_reason(change: dict, match: str) -> None:
-    with pytest.raises(TopologyError, match=match):
-        Topology.from_dict({**TOPOLOGY, **change}, source="topo.json")
+    with pytest.raises(NetemTopologyError, match=match):
+        NetemTopology.from_dict({**TOPOLOGY, **change}, source="topo.json")
 
 
 def test_topology_file_and_region_choice(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -165,15 +166,15 @@ def test_topology_file_and_region_choice(tmp_path) -> None:  # type: ignore[no-u
     assert NetEm.from_file(path, region="eu").region == "eu"
     assert NetEm.from_file(path, peer="peer-1").region == "us"
     assert NetEm.from_file(path, peer=2).region == "eu"
-    assert Topology.from_file(path).link("us", "eu") == (DELAY_MS / 1e3, BYTES_PER_S)
-    with pytest.raises(TopologyError, match="unknown region 'asia'"):
+    assert NetemTopology.from_file(path).link("us", "eu") == (DELAY_MS / 1e3, BYTES_PER_S)
+    with pytest.raises(NetemTopologyError, match="unknown region 'asia'"):
         NetEm.from_file(path, region="asia")
-    with pytest.raises(TopologyError, match="peer 'peer-9' is not in its 'peers' map"):
+    with pytest.raises(NetemTopologyError, match="peer 'peer-9' is not in its 'peers' map"):
         NetEm.from_file(path, peer="peer-9")
-    with pytest.raises(TopologyError, match="cannot read topology file"):
+    with pytest.raises(NetemTopologyError, match="cannot read topology file"):
         NetEm.from_file(tmp_path / "missing.json", region="eu")
     path.write_text("{not json")
-    with pytest.raises(TopologyError, match="not valid JSON"):
+    with pytest.raises(NetemTopologyError, match="not valid JSON"):
         NetEm.from_file(path, region="eu")
 
 

@@ -13,7 +13,9 @@ from test_pipeline import config, make_stages, run_steps, train_unsplit  # noqa:
 
 from potluck.models import build_stage, entry_costs, forward_layers, partition, stage_bounds
 from potluck.peer.data import Dataset, in_run_order
-from potluck.protos.config import ConfigError, ModelConfig, PipelineConfig, RunConfig, apply_overrides
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import ModelConfig, PipelineConfig, RunConfig
+from potluck.protos.config.section import ConfigError
 
 transformers = pytest.importorskip("transformers")
 

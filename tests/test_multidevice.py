@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from test_swarm import hashes_agree
 
-from potluck.protos.stopping import descendants
+from potluck.protos.runtime.stopping import descendants
 
 pytestmark = pytest.mark.slow
 

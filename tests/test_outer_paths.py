@@ -27,9 +27,10 @@ from potluck.peer.stage import StageWorker
 from potluck.peer.states import States
 from potluck.peer.tasklet import Tasklet
 from potluck.peer.telemetry import Telemetry
-from potluck.protos.config import RunConfig, apply_overrides
-from potluck.protos.records import Member, Round
-from potluck.protos.transport import PeerClient, Traffic
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.net.transport import PeerClient, Traffic
+from potluck.protos.wire.records import Member, Round
 
 RUN, ME = "paths", "me"
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
@@ -56,7 +57,7 @@ def session(rc: RunConfig, device: str) -> SimpleNamespace:
     worker = StageWorker(rc, 0, bounds, torch.device(device), Dataset(rc.data, rc.model), None)
     theta0 = worker.theta()
     states = States(RUN, rc.sync.chunk_bytes, outer_snapshot(theta0, torch.zeros_like(theta0), 0, {"epoch": 0}))
-    t = Tasklet(SimpleNamespace(addresses={}, me=ME), 0, worker, allreduce(rc, worker.numel, worker.pinned), None, states)  # type: ignore[arg-type]
+    t = Tasklet(SimpleNamespace(addresses={}, me=ME, rc=rc), 0, worker, allreduce(rc, worker.numel, worker.pinned), None, states, None)  # type: ignore[arg-type]
     t.expect_next()
     s = SimpleNamespace(rc=rc, tasklet=t, replica=0, cfg=SimpleNamespace(plan_wait_s=1.0),
                         telemetry=Telemetry(ME, "test", 0.0, progress="off"), over=lambda: False,

@@ -16,13 +16,16 @@ from potluck.compression.actcodec import ActCodec
 from potluck.models import stage_bounds
 from potluck.peer.data import Dataset, SpanSampler, in_run_order
 from potluck.peer.model import build_layers, forward_layers, lm_loss
-from potluck.peer.pipeline import Neighbour, Pipeline, PipelineStall
+from potluck.peer.pipeline import Neighbour, Pipeline
+from potluck.peer.piperound import PipelineStall
 from potluck.peer.pipewire import outbound
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.config import ConfigError, RunConfig, apply_overrides
-from potluck.protos.identity import Identity
-from potluck.protos.netem import NetEm, Topology
-from potluck.protos.transport import PeerClient, PeerServer, Traffic
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.config.section import ConfigError
+from potluck.protos.net.identity import Identity
+from potluck.protos.net.transport import PeerClient, PeerServer, Traffic
+from potluck.protos.testkit.netem import NetEm, NetemTopology
 
 RUN = "pipe-test"
 
@@ -261,7 +264,7 @@ def test_bad_activation_messages_are_rejected_and_change_no_buffer(make_stages, 
         stages[0].client.push_pipe(stages[1].address, outbound(msg).chunks(), timeout=10)
     assert match in err.value.details()
     assert receiver.buffer.digest() == before
-    assert not stages[1].pipe._round.mail  # nothing queued for training
+    assert not stages[1].pipe.inbox.current().mail  # nothing queued for training
 
 
 def test_the_ack_says_how_long_the_receiver_held_a_message(make_stages) -> None:
@@ -331,7 +334,7 @@ def test_a_step_pays_the_round_trip_once_not_once_per_micro_batch(make_stages, s
     costs about one crossing each way (0.4 s), not one acknowledged round trip per micro-batch and
     direction (4 x 0.4 s x 2 = 3.2 s, as when each push waited for the one before it)."""
     delay_s = 0.2
-    topology = Topology.from_dict({"regions": ["wan"], "delay_ms": [[delay_s * 1000]], "bandwidth_mbps": [[1000]]})
+    topology = NetemTopology.from_dict({"regions": ["wan"], "delay_ms": [[delay_s * 1000]], "bandwidth_mbps": [[1000]]})
     cfg = config(**{"pipeline.micro_batches": 4, "pipeline.schedule": schedule, "pipeline.in_flight": 0})
     stages = make_stages(cfg, lambda: NetEm(topology, "wan"))
     data, sampler = Dataset(cfg.data, cfg.model), in_run_order(cfg.data.num_samples, 0)
@@ -359,7 +362,7 @@ def test_a_sample_twice_in_one_step_reaches_the_buffers_in_order(make_stages) ->
     """Micro-batches overlap on the wire; one holding a sample still on the wire in the one before waits
     for it, so the AC-SGD buffers see that sample's two updates in order on both sides (out of order,
     the second would be refused or, worse, decoded against the wrong base)."""
-    topology = Topology.from_dict({"regions": ["wan"], "delay_ms": [[50]], "bandwidth_mbps": [[1000]]})
+    topology = NetemTopology.from_dict({"regions": ["wan"], "delay_ms": [[50]], "bandwidth_mbps": [[1000]]})
     cfg = config(**{"pipeline.compression": "acsgd", "pipeline.bits": 2})
     data = Dataset(cfg.data, cfg.model)
     stages = make_stages(cfg, lambda: NetEm(topology, "wan"))

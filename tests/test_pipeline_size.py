@@ -2,7 +2,7 @@
 
 Before messages were cut into pieces, such a run retried its first micro-batch forever. Here it trains
 its outer steps, evaluates every version through the pipeline, and ends bit-identical to the same run
-(same seed) sending every message's body whole (the knobs of potluck.protos.limits raise the cap for
+(same seed) sending every message's body whole (the knobs of potluck.protos.wire.limits raise the cap for
 that reference run alone): cutting a message into pieces changes no bit, compressed or not.
 
 The model is as wide as the llama-1b preset (d_model 2048) and 1024 tokens long, with no blocks (an
@@ -16,7 +16,7 @@ from collections import defaultdict
 
 import pytest
 
-from potluck.protos.limits import CHUNK_ENV, MAX_ENV, MAX_MESSAGE_BYTES
+from potluck.protos.wire.limits import CHUNK_ENV, MAX_ENV, MAX_MESSAGE_BYTES
 
 pytestmark = pytest.mark.slow
 

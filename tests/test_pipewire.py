@@ -22,13 +22,17 @@ import grpc
 import pytest
 import torch
 
-from potluck.peer.pipeline import Neighbour, Pipeline, PipelineBroken, _Outgoing
+from potluck.peer.pipeline import Neighbour, Pipeline
+from potluck.peer.piperound import PipelineBroken
+from potluck.peer.pipesend import Outgoing
 from potluck.peer.pipewire import Outbound
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.config import ConfigError, RunConfig, apply_overrides
-from potluck.protos.limits import MAX_MESSAGE_BYTES, PIPE_CHUNK_BYTES
-from potluck.protos.runcheck import check_run
-from potluck.protos.transport import PeerClient, PeerServer, Traffic
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runcheck import check_run
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.config.section import ConfigError
+from potluck.protos.net.transport import PeerClient, PeerServer, Traffic
+from potluck.protos.wire.limits import MAX_MESSAGE_BYTES, PIPE_CHUNK_BYTES
 
 RUN = "wire-test"
 # a 1B-class micro-batch: 4 samples x 2048 tokens x d_model 2048 (the llama-1b preset's width)
@@ -74,10 +78,10 @@ def pair(cfg: RunConfig) -> tuple[Host, Host]:
 
 def forward(a: Host, ids: list[int], acts: torch.Tensor, micro: int = 0) -> Outbound:
     """Stage 0's encoding of one forward micro-batch (its AC-SGD buffer moves, as when it sends it)."""
-    r = a.pipe._round
-    assert r is not None and r.next is not None
+    r = a.pipe.inbox.current()
+    assert r.next is not None
     labels = torch.randint(0, a.cfg.model.vocab_size, (len(ids), a.cfg.model.seq_len))
-    return a.pipe._encode(_Outgoing(r, r.next, "forward", 0, micro, ids, acts, labels, 0.0))
+    return a.pipe.sends._encode(Outgoing(r, r.next, "forward", 0, micro, ids, acts, labels, 0.0))
 
 
 @pytest.fixture
@@ -101,7 +105,7 @@ def measure(cfg: RunConfig) -> dict:
         Path("/proc/self/clear_refs").write_text("5")
         a.client.push_pipe(b.address, msg.chunks(), timeout=300, peer=b.id)
         peak, after = _hwm(), _rss()
-        _, got, _ = b.pipe._round.mail.pop(("forward", 0, 0))  # type: ignore[union-attr]
+        got = b.pipe.inbox.current().mail.pop(("forward", 0, 0)).acts  # type: ignore[union-attr]
         out[visit] = {
             "message_bytes": msg.nbytes, "activation_fp32_bytes": x.numel() * 4,
             "transient_bytes": peak - after, "kept_bytes": after - before,
@@ -164,10 +168,10 @@ def test_a_message_that_breaks_off_changes_nothing(hosts: list[Host]) -> None:
     with pytest.raises(grpc.RpcError):
         a.client.push_pipe(b.address, cut(), timeout=30, peer=b.id)
     assert b.pipe.receiver.buffer.digest() == before  # type: ignore[union-attr]
-    assert not b.pipe._round.mail  # type: ignore[union-attr]
+    assert not b.pipe.inbox.current().mail
     # the same message, whole, is then taken
     a.client.push_pipe(b.address, msg.chunks(), timeout=30, peer=b.id)
-    assert ("forward", 0, 0) in b.pipe._round.mail  # type: ignore[union-attr]
+    assert ("forward", 0, 0) in b.pipe.inbox.current().mail
     assert a.pipe.sender.buffer.digest() == b.pipe.receiver.buffer.digest()  # type: ignore[union-attr]
 
 
@@ -208,7 +212,7 @@ def test_a_bad_head_or_body_is_refused_and_changes_nothing(hosts: list[Host], ca
         a.client.push_pipe(b.address, iter(chunks), timeout=10, peer=b.id)
     assert match in err.value.details(), err.value.details()
     assert b.pipe.receiver.buffer.digest() == before  # type: ignore[union-attr]
-    assert not b.pipe._round.mail  # type: ignore[union-attr]
+    assert not b.pipe.inbox.current().mail
 
 
 def test_a_send_that_can_never_succeed_breaks_the_round_and_tells_the_neighbour_at_once(hosts: list[Host]) -> None:
@@ -217,18 +221,17 @@ def test_a_send_that_can_never_succeed_breaks_the_round_and_tells_the_neighbour_
     cfg = config(**{"pipeline.pipe_timeout_s": 30.0})
     a, b = pair(cfg)
     hosts += [a, b]
-    b.pipe._check_sizes = lambda head, sizes: (_ for _ in ()).throw(  # type: ignore[method-assign]
-        __import__("potluck.protos.transport", fromlist=["Rejected"]).Rejected(pb.BAD_MESSAGE, "never this one"))
-    r = a.pipe._round
-    assert r is not None
-    a.pipe._send(r, "forward", 0, 0, [0, 1], torch.randn(2, 16, 32), labels=torch.zeros(2, 16, dtype=torch.long))
+    b.pipe.inbox._check_sizes = lambda head, sizes: (_ for _ in ()).throw(  # type: ignore[method-assign]
+        __import__("potluck.protos.wire.refusals", fromlist=["Rejected"]).Rejected(pb.BAD_MESSAGE, "never this one"))
+    r = a.pipe.inbox.current()
+    a.pipe.sends.send(r, "forward", 0, 0, [0, 1], torch.randn(2, 16, 32), labels=torch.zeros(2, 16, dtype=torch.long))
     with pytest.raises(PipelineBroken, match="never this one"):
-        a.pipe._flush(r)
+        a.pipe.sends.flush(r)
     got: dict[str, BaseException] = {}
 
     def wait() -> None:
         try:
-            b.pipe._take(b.pipe._round, "forward", 0, 0, timeout=30)  # type: ignore[arg-type]
+            b.pipe.inbox.take(b.pipe.inbox.current(), "forward", 0, 0, timeout=30)
         except BaseException as err:
             got["err"] = err
 
@@ -253,7 +256,7 @@ if __name__ == "__main__" and sys.argv[1:] == ["measure"]:
 def test_a_slow_receiver_holds_the_sender_to_a_few_encoded_messages(hosts: list[Host]) -> None:
     """16 micro-batches for a receiver that takes none for now: the sender encodes ENCODED_AHEAD of them (those
     on the wire and one ready) and waits, instead of holding all 16 encoded; all 16 arrive once it takes them."""
-    from potluck.peer.pipeline import ENCODED_AHEAD
+    from potluck.peer.pipesend import ENCODED_AHEAD
 
     cfg = config(**{"train.batch_size": 32, "pipeline.micro_batches": 16, "pipeline.pipe_timeout_s": 30.0})
     a, b = pair(cfg)
@@ -261,18 +264,17 @@ def test_a_slow_receiver_holds_the_sender_to_a_few_encoded_messages(hosts: list[
     gate = threading.Event()
     take = b.push_pipe
     b.push_pipe = lambda chunks: (gate.wait(30), take(chunks))[1]  # type: ignore[method-assign]
-    r = a.pipe._round
-    assert r is not None
+    r = a.pipe.inbox.current()
     for k in range(16):
-        a.pipe._send(r, "forward", 0, k, [2 * k, 2 * k + 1], torch.randn(2, 16, 32),
+        a.pipe.sends.send(r, "forward", 0, k, [2 * k, 2 * k + 1], torch.randn(2, 16, 32),
                      labels=torch.zeros(2, 16, dtype=torch.long))
     deadline = time.monotonic() + 20
-    while a.pipe.encoded_peak < ENCODED_AHEAD and time.monotonic() < deadline:
+    while a.pipe.sends.encoded_peak < ENCODED_AHEAD and time.monotonic() < deadline:
         time.sleep(0.02)  # polling a condition, with a deadline
-    assert a.pipe.encoded_peak == ENCODED_AHEAD
-    assert a.pipe._encoders["forward"]._work_queue.qsize() > 0  # the rest wait unencoded
+    assert a.pipe.sends.encoded_peak == ENCODED_AHEAD
+    assert a.pipe.sends._encoders["forward"]._work_queue.qsize() > 0  # the rest wait unencoded
     gate.set()
-    a.pipe._flush(r)
-    assert a.pipe.encoded_peak == ENCODED_AHEAD
-    assert len(b.pipe._round.mail) == 16  # type: ignore[union-attr]
+    a.pipe.sends.flush(r)
+    assert a.pipe.sends.encoded_peak == ENCODED_AHEAD
+    assert len(b.pipe.inbox.current().mail) == 16
     assert a.pipe.sender.buffer.digest() == b.pipe.receiver.buffer.digest()  # type: ignore[union-attr]

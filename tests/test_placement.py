@@ -9,9 +9,10 @@ import pytest
 
 from potluck.coordinator import placement
 from potluck.coordinator.placement import PlacementWorker, Request, grid_for
-from potluck.protos.config import RunConfig, apply_overrides
-from potluck.protos.records import PeerRecord
-from potluck.protos.swarm import LinkReport, LinkStat
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.net.swarm import LinkReport, LinkStat
+from potluck.protos.wire.records import PeerRecord
 
 IDS = ["a" * 8, "b" * 8, "c" * 8, "d" * 8]
 

@@ -22,7 +22,9 @@ from potluck.peer.pipewire import Outbound
 from potluck.peer.runner import StageRunner, resolve_precision
 from potluck.peer.stage import StageWorker
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.config import ConfigError, RunConfig, apply_overrides, parse_config
+from potluck.protos.config.files import apply_overrides, parse_config
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.config.section import ConfigError
 
 BASE = {
     "model.d_model": 32, "model.n_layers": 2, "model.n_heads": 2, "model.seq_len": 32,
@@ -319,7 +321,7 @@ def pipeline_losses(precision: str, steps: int = 4) -> tuple[list[float], list[s
         pipe = Pipeline(run_id=cfg.run_id, me=f"peer{s}", stage=s, stages=2, model=cfg.model, cfg=cfg.pipeline,
                         client=net, num_samples=cfg.data.num_samples)  # type: ignore[arg-type]
         net.pipes[f"addr{s}"] = pipe
-        pipe._encode = recording(pipe._encode, sent)  # type: ignore[method-assign]
+        pipe.sends._encode = recording(pipe.sends._encode, sent)  # type: ignore[method-assign]
         pipes.append(pipe)
         workers.append(StageWorker(cfg, s, bounds, torch.device("cpu"), data, pipe))
     for s, pipe in enumerate(pipes):

@@ -23,7 +23,7 @@ from potluck.peer.progress import (
     BAR_EVERY_S,
     MODES,
     ProgressReporter,
-    Snapshot,
+    ProgressSnapshot,
     StepTimes,
     describe,
     fmt_clock,
@@ -95,7 +95,7 @@ def test_eta_and_speed_by_hand() -> None:
     for s in (2.0, 0.5, 0.7, 0.6):  # the first one pays for warm-up and is left out
         times.add(s)
     assert times.warmed == 3 and times.mean() == pytest.approx(0.6)
-    snap = Snapshot(done=4, total=10, loss=3.14159, seconds_per_step=times.mean(), tokens_per_step=1200)
+    snap = ProgressSnapshot(done=4, total=10, loss=3.14159, seconds_per_step=times.mean(), tokens_per_step=1200)
     assert snap.eta_s == pytest.approx(6 * 0.6)  # 6 steps left at 0.6 s
     assert snap.tokens_per_s == pytest.approx(2000.0)
     assert describe(snap) == "inner step 4/10, loss 3.142, 2k tokens/s, ETA 0:04"
@@ -117,8 +117,8 @@ def test_formats() -> None:
     assert [fmt_duration(s) for s in (0.0123, 1.43, 5, 41, 192, 5400)] == [
         "0.012 s", "1.4 s", "5 s", "41 s", "3.2 min", "1.5 h"]
     assert [fmt_rate(r) for r in (812, 18234, 1_350_000)] == ["812", "18.2k", "1.35M"]
-    assert Snapshot(1, 2, float("nan"), 1.0, 1).loss_text() == "-"
-    assert Snapshot(1, 2, None, 0.0, 1).tokens_per_s == 0.0
+    assert ProgressSnapshot(1, 2, float("nan"), 1.0, 1).loss_text() == "-"
+    assert ProgressSnapshot(1, 2, None, 0.0, 1).tokens_per_s == 0.0
 
 
 # ---------------------------------------------------------------------- lines: logs and files

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from potluck.protos import generate
-from potluck.protos.identity import (
+from potluck.protos.net.identity import (
     Identity,
     IdentityError,
     b58decode,
@@ -16,17 +16,8 @@ from potluck.protos.identity import (
     public_key_from_peer_id,
     verify,
 )
-from potluck.protos.records import (
-    ENVELOPE_VERSION,
-    Manifest,
-    Member,
-    PeerRecord,
-    Plan,
-    RecordError,
-    Round,
-    seal,
-    unseal,
-)
+from potluck.protos.wire.envelope import ENVELOPE_VERSION, RecordError, seal, unseal
+from potluck.protos.wire.records import Manifest, Member, PeerRecord, Plan, Round
 
 
 def test_generated_code_is_up_to_date() -> None:

@@ -13,32 +13,25 @@ unchecked.
 * ``toml``: a run file, loaded by :func:`load_config` and passed by :func:`check_run` as a coordinator
   started in the sandbox would; one whose first line names a file (``# examples/run.toml``) must be
   that file, byte for byte.
-* ``python``: it compiles and its imports resolve; the slow test runs it on a model it trained.
+* ``python``: it compiles and its imports resolve; :mod:`test_readme_runs` runs it on a model it trained.
 
 Inline code that reads as a command (``potluck ...``, ``python -m ...``), a flag (``--host ...``)
 or a config field (``data.path``, ``admission.mode = "private"``) is checked the same way. The slow
-test trains the README's first run with a real coordinator and peer, then runs the README's status,
-export and Python lines against it.
+tests, which train the README's runs with a real coordinator and peers and run its status, export and
+Python lines against them, are in :mod:`test_readme_runs`; what both read of the README, in :mod:`readme`.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
-import contextlib
 import importlib
 import importlib.util
-import io
-import json
-import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import tomllib
-from collections.abc import Iterator
-from dataclasses import dataclass
 from importlib.metadata import packages_distributions
 from pathlib import Path
 from typing import Annotated, Any
@@ -47,95 +40,31 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from pydantic import BaseModel, TypeAdapter, ValidationError
+from readme import (
+    BASH,
+    BLOCKS,
+    REPO,
+    TEXT,
+    Block,
+    commands,
+    inline_code,
+    parse,
+    potluck_exe,
+    subparsers,
+)
 
-from potluck.cli import UsageError, build_parser
+from potluck.cli import UsageError
 from potluck.coordinator import bootstrap
-from potluck.local import LocalSwarm, wait_for
-from potluck.procs import ProcessGroup
-from potluck.protos.config import RunConfig, apply_overrides, load_config
-from potluck.protos.identity import Identity
-from potluck.protos.runcheck import check_run
+from potluck.protos.config.files import apply_overrides, load_config
+from potluck.protos.config.runcheck import check_run
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.net.identity import Identity
 
-REPO = Path(__file__).resolve().parent.parent
-README = REPO / "README.md"
 CI = REPO / ".ci" / "run"
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
-PEER_ID = Identity.generate().peer_id  # a real coordinator id for the README's "12D3KooW..." placeholders
-
-
-@dataclass(frozen=True)
-class Block:
-    lang: str
-    text: str
-    line: int  # of the opening fence, 1-based
-
-    def __str__(self) -> str:
-        return f"README.md:{self.line} ({self.lang or 'no language'})"
-
-
-def fenced_blocks(markdown: str) -> list[Block]:
-    """Every fenced block (``` or ~~~, indented or not), its text dedented by its fence's indent."""
-    out: list[Block] = []
-    lines = markdown.splitlines()
-    i = 0
-    while i < len(lines):
-        m = re.match(r"^( *)(`{3,}|~{3,})\s*(\S*)", lines[i])
-        if not m:
-            i += 1
-            continue
-        indent, fence, lang = len(m[1]), m[2], m[3]
-        end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == fence), None)
-        assert end is not None, f"README.md:{i + 1}: a fenced block that is never closed"
-        out.append(Block(lang, "".join(line[indent:] + "\n" for line in lines[i + 1:end]), i + 1))
-        i = end + 1
-    return out
-
-
-def prose(markdown: str) -> str:
-    """The README without its fenced blocks (blank lines in their place)."""
-    kept, fence = [], None
-    for line in markdown.splitlines():
-        opening = re.match(r"^ *(`{3,}|~{3,})", line)
-        if fence is None and opening:
-            fence = opening[1]
-        elif fence is not None and line.strip() == fence:
-            fence = None
-        elif fence is None:
-            kept.append(line)
-            continue
-        kept.append("")
-    return "\n".join(kept)
-
-
-def inline_code(markdown: str) -> list[str]:
-    return [" ".join(m[1].split()) for m in re.finditer(r"(?<!`)`([^`]+)`(?!`)", prose(markdown))]
-
-
-def commands(script: str) -> list[list[str]]:
-    """The commands of a bash block, each as its argv: lines joined at ``\\``, comments dropped, split at ``&&``."""
-    out: list[list[str]] = []
-    for line in script.replace("\\\n", " ").splitlines():
-        lex = shlex.shlex(line, posix=True, punctuation_chars=True)
-        lex.whitespace_split = True
-        words = list(lex)
-        while words:
-            cut = words.index("&&") if "&&" in words else len(words)
-            out.append(words[:cut])
-            words = words[cut + 1:]
-    return [c for c in out if c]
-
-
-TEXT = README.read_text()
-BLOCKS = fenced_blocks(TEXT)
-BASH = [argv for b in BLOCKS if b.lang == "bash" for argv in commands(b.text)]
 
 
 # ---------------------------------------------------------------------- what the commands name
-
-
-def fill(arg: str) -> str:
-    """A README argument with its placeholders filled: a join address gets a port and a real id."""
-    return arg.replace("/tcp/PORT/", "/tcp/31337/").replace("/p2p/12D3KooW...", f"/p2p/{PEER_ID}")
 
 
 class Launched(Exception):
@@ -144,25 +73,6 @@ class Launched(Exception):
     def __init__(self, what: Any) -> None:
         super().__init__("launched")
         self.what = what
-
-
-def subparsers() -> dict[str, argparse.ArgumentParser]:
-    return next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
-
-
-def parse(argv: list[str]) -> argparse.Namespace:
-    """``potluck ARGV`` through potluck's own parser; an unknown flag, a missing value or a flag's old,
-    hidden spelling fails the test."""
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            args = build_parser().parse_args([fill(a) for a in argv])
-    except SystemExit:
-        pytest.fail(f"potluck {shlex.join(argv)}: {err.getvalue().strip()}")
-    flags = subparsers()[args.command]._option_string_actions
-    hidden = [a for a in argv if a.split("=")[0] in flags and flags[a.split("=")[0]].help == argparse.SUPPRESS]
-    assert not hidden, f"potluck {shlex.join(argv)}: {hidden} is not in its --help (an old spelling?)"
-    return args
 
 
 def run_potluck(argv: list[str], sandbox: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
@@ -392,7 +302,7 @@ def test_the_sections_work_in_the_order_written(tmp_path: Path, monkeypatch: pyt
     an export must read a journal an earlier coordinator wrote, of a model that form can hold, and
     ``generate --model`` a folder an earlier export wrote."""
     from potluck.coordinator.journal import Journal, JournalError
-    from potluck.protos.config import ConfigError
+    from potluck.protos.config.section import ConfigError
 
     root = clone(tmp_path)
     journals: dict[Path, RunConfig] = {}
@@ -464,14 +374,6 @@ def test_dev_extras_hold_what_the_tests_import() -> None:
                and not {canonicalize_name(d) for d in dists.get(top, [])} & have}
     assert not missing, f"imported by tests but in neither dependencies nor the dev extras: {missing}"
 
-
-def potluck_exe() -> str:
-    """The ``potluck`` console script that ``pip install -e .`` puts next to this Python."""
-    exe = shutil.which("potluck", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
-    assert exe, "no potluck command: run 'pip install -e .' (the README's first command)"
-    return exe
-
-
 SUBCOMMANDS = sorted({argv[1] for argv in BASH if argv[0] == "potluck"}
                      | {code.split()[1] for code in CHECKED_INLINE if code.startswith("potluck ")})
 
@@ -480,126 +382,3 @@ SUBCOMMANDS = sorted({argv[1] for argv in BASH if argv[0] == "potluck"}
 def test_the_installed_command_answers(sub: str, tmp_path: Path) -> None:
     done = subprocess.run([potluck_exe(), sub, "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.startswith(f"usage: potluck {sub}"), done.stderr
-
-
-# ---------------------------------------------------------------------- the first run, for real
-
-
-def readme_command(*head: str, having: str | None = None, lacking: str | None = None) -> list[str]:
-    found = [argv for argv in BASH if argv[:len(head)] == list(head)
-             and (having is None or having in argv) and (lacking is None or lacking not in argv)]
-    assert len(found) == 1, f"the README should show one '{' '.join(head)}' command, it shows {found}"
-    return found[0]
-
-
-@contextlib.contextmanager
-def logs_on_failure(swarm: LocalSwarm) -> Iterator[None]:
-    try:
-        yield
-    except BaseException:
-        swarm.dump_logs()
-        raise
-
-
-@pytest.mark.slow
-def test_the_first_run_trains_and_its_model_loads(procs: ProcessGroup, tmp_path: Path) -> None:
-    cfg = load_config(REPO / "examples" / "run.toml")
-    # What a test must change, and nothing else: this machine only, any free ports, and the journal in
-    # tmp_path, where the README's `potluck export --journal-dir potluck-run` finds it.
-    cfg = apply_overrides(cfg, {"coordinator.host": "127.0.0.1", "coordinator.dht_port": 0, "coordinator.grpc_port": 0,
-                                "coordinator.status_port": 0, "coordinator.journal_dir": str(tmp_path / "potluck-run")})
-    swarm = LocalSwarm(tmp_path / "swarm", procs)
-    with logs_on_failure(swarm):
-        ready = swarm.start_coordinator(cfg)
-        swarm.start_peer()  # the README's `potluck peer --join ADDRESS`, with its own key in tmp_path
-        swarm.wait_state(lambda s: s["run"]["outer_step"] >= 1, 120, "the first outer step")
-        swarm.wait_state(lambda s: s["run"]["finished"], 120, f"all {cfg.diloco.outer_steps} outer steps")
-        final = tmp_path / "potluck-run" / "checkpoints" / f"ckpt-{cfg.diloco.outer_steps:06d}.json"
-        swarm.wait_for(final.exists, 30, f"the final checkpoint {final.name}")
-
-        status = readme_command("potluck", "status", lacking="--fingerprint")
-        status = [potluck_exe(), *status[1:-1], ready["status_url"]]  # the README's address is a public one
-        done = subprocess.run(status, cwd=tmp_path, capture_output=True, text=True, timeout=60)
-        assert done.returncode == 0 and "first-run" in done.stdout, done.stdout + done.stderr
-
-        export = [potluck_exe(), *readme_command("potluck", "export", lacking="model-hf")[1:]]
-        done = subprocess.run(export, cwd=tmp_path, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stdout + done.stderr
-        for block in (b for b in BLOCKS if b.lang == "python" and "model-hf" not in b.text):
-            done = subprocess.run([sys.executable, "-c", block.text], cwd=tmp_path, capture_output=True, text=True,
-                                  timeout=120)
-            assert done.returncode == 0, f"{block}:\n{done.stderr}"
-
-
-@pytest.mark.slow
-def test_the_real_model_section_trains_exports_and_generates(procs: ProcessGroup, tmp_path: Path) -> None:
-    """"Train a real model", shortened to 2 outer steps of 2 inner steps and split into 2 stages: the
-    exported Hugging Face folder loads with from_pretrained and gives the run's own eval loss (1e-4)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from potluck.peer.data import Dataset
-
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_bytes(b"".join(p.read_bytes() for p in [README, *sorted((REPO / "docs").glob("*.md"))]))
-    cfg = load_config(REPO / "examples" / "llama-20m.toml")
-    coordinator = parse(readme_command("potluck", "coordinator", having="examples/llama-20m.toml")[1:])
-    journal = tmp_path / coordinator.journal_dir  # the README's, where its export reads
-    cfg = apply_overrides(cfg, {"coordinator.host": "127.0.0.1", "coordinator.dht_port": 0, "coordinator.grpc_port": 0,
-                                "coordinator.status_port": 0, "coordinator.journal_dir": str(journal),
-                                "data.path": str(corpus), "diloco.inner_steps": 2, "diloco.outer_steps": 2,
-                                "train.batch_size": 2, "pipeline.stages": 2, "pipeline.balance": "params",
-                                "membership.min_peers": 2})
-    swarm = LocalSwarm(tmp_path / "swarm", procs)
-    with logs_on_failure(swarm):
-        swarm.start_coordinator(cfg)
-        swarm.start_peer()
-        swarm.start_peer()
-        state = swarm.wait_state(lambda s: s["run"]["finished"] and s["history"][-1]["eval_loss"] is not None,
-                                 300, "2 outer steps of the 2-stage llama-20m run")
-        final = journal / "checkpoints" / "ckpt-000002.json"
-        swarm.wait_for(final.exists, 60, f"the final checkpoint {final.name}")
-        export = [potluck_exe(), *readme_command("potluck", "export", having="model-hf")[1:]]
-        done = subprocess.run(export, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stdout + done.stderr
-        generate = [potluck_exe(), *readme_command("potluck", "generate")[1:], "--max-new-tokens", "8"]
-        done = subprocess.run(generate, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0 and done.stdout.startswith("Peers find each other"), done.stdout + done.stderr
-        for block in (b for b in BLOCKS if b.lang == "python" and "model-hf" in b.text):
-            done = subprocess.run([sys.executable, "-c", block.text], cwd=tmp_path, capture_output=True, text=True,
-                                  timeout=300)
-            assert done.returncode == 0, f"{block}:\n{done.stderr}"
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model-hf").eval()
-    data = Dataset(cfg.data, cfg.model)
-    ids = data.eval_ids()
-    with torch.no_grad():
-        total = sum(float(torch.nn.functional.cross_entropy(model(x).logits.flatten(0, 1), y.flatten())) * len(c)
-                    for c in (ids[k:k + 64] for k in range(0, len(ids), 64)) for x, y in [data.batch(c)])
-    assert total / len(ids) == pytest.approx(state["history"][-1]["eval_loss"], abs=1e-4)
-
-
-@pytest.mark.slow
-def test_a_self_signed_status_page_reads_with_the_printed_fingerprint(procs: ProcessGroup, tmp_path: Path) -> None:
-    """The README's HTTPS lines: a coordinator with a self-signed status page prints its fingerprint, and
-    `potluck status https://... --fingerprint ...` reads the page with it (and refuses it without)."""
-    argv = readme_command("potluck", "coordinator", having="self-signed")
-    argv = [str(REPO / a) if a.endswith(".toml") else a for a in argv[1:]]
-    ready, log = tmp_path / "ready.json", tmp_path / "coordinator.log"
-    coord = procs.spawn_potluck([*argv, "--journal-dir", str(tmp_path / "potluck-run"), "--ready-file", str(ready)], log)
-    try:
-        wait_for(lambda: ready.exists() or coord.poll() is not None, 120, "the coordinator's ready file")
-        assert coord.poll() is None, log.read_text()
-        url = json.loads(ready.read_text())["status_url"]
-        printed = re.search(r"status TLS: +SHA-256 ([0-9A-F:]{95})", log.read_text())
-        assert url.startswith("https://") and printed, log.read_text()
-        status = readme_command("potluck", "status", having="--fingerprint")
-        status = [potluck_exe(), *status[1:]]
-        status[status.index("--fingerprint") + 1] = printed[1]
-        status[[a.startswith("https://") for a in status].index(True)] = url
-        done = subprocess.run(status, cwd=tmp_path, capture_output=True, text=True, timeout=60)
-        assert done.returncode == 0 and "first-run" in done.stdout, done.stdout + done.stderr
-        unpinned = subprocess.run(status[:status.index("--fingerprint")], cwd=tmp_path, capture_output=True,
-                                  text=True, timeout=60)
-        assert unpinned.returncode != 0 and "certificate" in unpinned.stderr, unpinned.stdout + unpinned.stderr
-    finally:
-        procs.stop()

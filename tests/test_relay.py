@@ -11,18 +11,11 @@ import grpc
 import pytest
 
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.certs import CertificateAuthority, TlsIdentity
-from potluck.protos.identity import Identity
-from potluck.protos.relay import RelayHub, relayed_address
-from potluck.protos.transport import (
-    PeerClient,
-    PeerServer,
-    Rejected,
-    RelayedServer,
-    Traffic,
-    is_unreachable,
-    refusal_of,
-)
+from potluck.protos.net.certs import CertificateAuthority, TlsIdentity
+from potluck.protos.net.identity import Identity
+from potluck.protos.net.relay import RelayHub, relayed_address
+from potluck.protos.net.transport import PeerClient, PeerServer, RelayedServer, Traffic
+from potluck.protos.wire.refusals import Rejected, is_unreachable, refusal_of
 
 RUN = "relay-test"
 

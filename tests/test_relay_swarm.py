@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from test_swarm import hashes_agree
 
-from potluck.protos.relay import VIA
+from potluck.protos.net.relay import VIA
 
 pytestmark = pytest.mark.slow
 

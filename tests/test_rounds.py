@@ -8,7 +8,7 @@ from potluck.coordinator.history import fold, roll_back
 from potluck.coordinator.membership import PeerTable
 from potluck.coordinator.placement import members, sticky_placement
 from potluck.coordinator.rounds import Checkpoint, Committed, Failed, RolledBack, Rounds
-from potluck.protos.records import PeerRecord, StepReport
+from potluck.protos.wire.records import PeerRecord, StepReport
 
 TIMEOUT = 5.0
 
@@ -44,7 +44,7 @@ class Swarm:
         prev = self.rounds.rounds.get(self.rounds.committed)
         before = {m.peer_id: (m.stage, m.replica) for m in prev.members} if prev else {}
         grid = sticky_placement(ids, s, len(ids) // s, before)
-        return self.rounds.decide(members(grid, [v.record for v in live]), self.now)
+        return self.rounds.decide(members(grid, [v.record for v in live]), self.now, reports=self.table.reports())
 
 
 def test_first_round_waits_for_min_peers_then_admits_all_sorted() -> None:
@@ -293,3 +293,53 @@ def test_a_rolled_back_step_leaves_the_history_and_its_rerun_takes_its_place() -
     stale = rec("a", 2, h="new2", epoch=1, recent=[report(2, "old2", 1.0, epoch=0), report(2, "new2", 0.9, epoch=1)])
     hist, _ = fold(kept, [stale], s.rounds.round_at, s.rounds.committed)
     assert [h["step"] for h in hist] == [1, 2] and hist[1]["state_hashes"] == {"a": "new2"} and hist[1]["epoch"] == 1
+
+
+def test_grouped_rounds_name_each_groups_base_and_no_stage_hash() -> None:
+    """sync.group_size: the members of a step hold their groups' different results; the next round names,
+    per group, the state its members all hold (their common result of two steps before), not one hash."""
+    s = Swarm()
+    s.rounds.group_size = 2
+    ids = "abcd"
+    s.tick(0, *(rec(p, 0, h="t0") for p in ids))
+    r1 = s.decide()
+    assert [m.group for m in r1.members] == [0, 0, 1, 1] and r1.base_hash == ""
+    assert [(g.group, g.version, g.hash) for g in r1.groups] == [(0, 0, "t0"), (1, 0, "t0")]
+    row = {"a": "r0", "b": "r0", "c": "r1", "d": "r1"}  # each group's result of step 1
+    events = s.tick(2, *(rec(p, 1, "training", row[p], prev=(0, "t0")) for p in ids))
+    assert [type(e) for e in events] == [Committed] and s.rounds.canonical(1) in ("r0", "r1")
+    s.tick(4, *(rec(p, 1, "training", row[p], prev=(0, "t0")) for p in ids))
+    r2 = s.decide()
+    assert [m.group for m in r2.members] == [0, 1, 1, 0]  # diagonals: one member of each row
+    assert [(g.version, g.hash) for g in r2.groups] == [(0, "t0"), (0, "t0")]
+    diag = {"a": "d0", "d": "d0", "b": "d1", "c": "d1"}
+    s.tick(6, *(rec(p, 2, "training", diag[p], prev=(1, row[p])) for p in ids))
+    s.tick(8, *(rec(p, 2, "training", diag[p], prev=(1, row[p])) for p in ids))
+    r3 = s.decide()
+    assert [(g.version, g.hash) for g in r3.groups] == [(1, "r0"), (1, "r1")]  # rows again: their step-1 results
+    # the round fails with only c left, whose group's v2 is not the hash most members held: the run goes on
+    # from it (any group's state is the run's), not back to theta_0
+    events = s.tick(100, rec("c", 2, "syncing", "d1", prev=(1, "r1")))
+    assert [type(e) for e in events] == [Failed] and s.rounds.committed == 2
+    s.rounds.hashes[0].update({2: "d0", 1: "r0"})  # (what most members held, as a restarted journal says)
+    assert s.rounds.rollback_target(s.table.reports(), None) == (2, "live peers")
+    s.rounds.group_size = 0  # (one group: d1 is a member's diverged state, and nobody holds d0)
+    assert s.rounds.rollback_target(s.table.reports(), None) == (0, "theta_0")
+
+
+def test_grouped_data_votes_count_within_the_replicas_group() -> None:
+    """A grouped version holds only its group's replicas: each member votes for those, and the others'
+    samples must not go back to the pool for lack of their votes."""
+    s = Swarm()
+    s.rounds.group_size = 2
+    s.tick(0, *(rec(p, 0, h="t0") for p in "abcd"))
+    r = s.decide()
+    group = {m.peer_id: m.group for m in r.members}
+    mine = {p: tuple(m.replica for m in r.members if m.group == group[p]) for p in "abcd"}
+    for p in "abcd":
+        s.rounds.data.vote(1, 0, p, mine[p])
+    assert s.rounds.data.included(r, 1, s.rounds.round_at) == {0, 1, 2, 3}
+    s.rounds.data.vote(1, 0, "a", ())  # a says its own group's replica 1 is not in; b still says it is: a tie keeps
+    assert s.rounds.data.included(r, 1, s.rounds.round_at) == {0, 1, 2, 3}
+    s.rounds.data.vote(1, 0, "b", (1,))
+    assert s.rounds.data.included(r, 1, s.rounds.round_at) == {1, 2, 3}

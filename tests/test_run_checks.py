@@ -23,9 +23,11 @@ from potluck.coordinator import bootstrap
 from potluck.coordinator.journal import Journal, JournalError
 from potluck.peer.data import DataError
 from potluck.peer.joining import warn_unreachable, with_local_data
-from potluck.protos.config import ConfigError, CoordinatorConfig, RunConfig, apply_overrides, parse_config
-from potluck.protos.records import DataIdentity
-from potluck.protos.runcheck import check_run, file_identity, min_corpus_bytes, non_public
+from potluck.protos.config.files import apply_overrides, parse_config
+from potluck.protos.config.runcheck import check_run, file_identity, min_corpus_bytes, non_public
+from potluck.protos.config.runconfig import CoordinatorConfig, RunConfig
+from potluck.protos.config.section import ConfigError
+from potluck.protos.wire.records import DataIdentity
 
 README_RUN = """\
 run_id = "my-run"

@@ -29,8 +29,8 @@ import pytest
 from swarm import LocalSwarm, run_config
 
 from potluck.procs import ProcessGroup, group_alive
-from potluck.protos.config import dump_toml
-from potluck.protos.stopping import descendants
+from potluck.protos.config.files import dump_toml
+from potluck.protos.runtime.stopping import descendants
 
 pytestmark = pytest.mark.slow
 
@@ -136,7 +136,7 @@ def has_children(proc: subprocess.Popen) -> bool:
 
 STUCK = """
 import ctypes, multiprocessing, subprocess, sys, threading, time
-from potluck.protos.stopping import children_die_with_parent, install_stop_handlers
+from potluck.protos.runtime.stopping import children_die_with_parent, install_stop_handlers
 stopping = threading.Event()
 install_stop_handlers(stopping, grace_s=1.0)
 children_die_with_parent()

@@ -23,7 +23,9 @@ from potluck.models.sizecheck import (
     peer_note,
     stage_entries,
 )
-from potluck.protos.config import ConfigError, RunConfig, apply_overrides
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.config.section import ConfigError
 
 
 def run(**over: object) -> RunConfig:
@@ -103,7 +105,7 @@ def test_a_peer_is_told_when_its_device_is_too_small() -> None:
 
 
 def test_the_estimate_loads_no_torch() -> None:
-    code = ("import sys; from potluck.models.sizecheck import check_size; from potluck.protos.config import RunConfig;"
+    code = ("import sys; from potluck.models.sizecheck import check_size; from potluck.protos.config.runconfig import RunConfig;"
             " check_size(RunConfig()); print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=Path.home())
     assert done.stdout == "False\n", done.stderr

@@ -115,7 +115,8 @@ def test_thousand_peers_render_fast_and_paginate(page: Page, errors: list[str], 
         first_page = rows.first.get_attribute("data-peer-id")
         page.click("[data-testid=page-next]")
         assert info.get_attribute("data-page") == "2"
-        assert rows.first.get_attribute("data-peer-id") == state["peers"][50]["id"] != first_page
+        page.wait_for_function(f"document.querySelector('[data-testid=peer-row]').dataset.peerId === '{state['_peers'][50]['id']}'")
+        assert rows.first.get_attribute("data-peer-id") == state["_peers"][50]["id"] != first_page
 
         cells = page.locator("[data-testid=grid-cell]")
         assert cells.count() == 4 * state["grid"]["replicas"]

@@ -24,9 +24,12 @@ import pytest
 from fake_state import make_state
 from rawhttp import raw_request
 
-from potluck.coordinator.status import Limits, StatusServer
+from potluck.coordinator.httpserver import Limits
+from potluck.coordinator.status import StatusServer
 from potluck.coordinator.status_tls import status_tls
-from potluck.protos.config import ConfigError, RunConfig, apply_overrides
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.config.section import ConfigError
 
 TOKEN = "s3cret-token"
 STATE = make_state(6, stages=2, steps=5)

@@ -26,12 +26,12 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from potluck.compression.acsgd import AcsgdConfig, AcsgdSender
 from potluck.compression.actcodec import ActCodec
+from potluck.compression.aggregate import Reduction, reduce_mean
 from potluck.compression.int8 import CodecError, Encoded, Int8BlockCodec
 from potluck.kernels import device
 from potluck.kernels.quant import dequantize_channels, pack_bits, quantize_channels
 from potluck.kernels.triton_channels import quantize_pack
 from potluck.kernels.triton_int8 import dequantize_blocks, mean_requantize, quantize_blocks
-from potluck.peer.aggregate import Reduction, reduce_mean
 
 SIZES = (0, 1, 7, 2047, 2049, 10007)
 # the interpreter computes in numpy, which warns where a refused NaN/Inf block is divided or multiplied

@@ -15,8 +15,8 @@ import pytest
 
 from potluck.procs import ProcessGroup
 from potluck.protos import potluck_pb2 as pb
-from potluck.protos.errors import CannotBind, PortInUse, check_port_free
-from potluck.protos.identity import Identity
+from potluck.protos.net.errors import CannotBind, PortInUse, check_port_free
+from potluck.protos.net.identity import Identity
 
 # ---------------------------------------------------------------------- ports in use
 
@@ -65,7 +65,7 @@ class Pong:
 
 
 def test_grpc_server_refuses_a_port_in_use_even_by_another_grpc_server(held_port: int) -> None:
-    from potluck.protos.transport import PeerClient, PeerServer, Traffic
+    from potluck.protos.net.transport import PeerClient, PeerServer, Traffic
 
     with pytest.raises(PortInUse, match=f"gRPC port {held_port} on 127.0.0.1 is in use.*--grpc-port"):
         PeerServer(Pong(), Traffic(), "127.0.0.1", held_port)  # type: ignore[arg-type]
@@ -84,7 +84,7 @@ def test_grpc_server_refuses_a_port_in_use_even_by_another_grpc_server(held_port
 
 
 def test_dht_node_refuses_a_port_in_use_before_starting_hivemind(held_port: int) -> None:
-    from potluck.protos.swarm import SwarmNode
+    from potluck.protos.net.swarm import SwarmNode
 
     with pytest.raises(PortInUse, match=f"DHT port {held_port} on 127.0.0.1 is in use.*--dht-port"):
         SwarmNode(Identity.generate(), coordinator=COORD, host="127.0.0.1", port=held_port)
@@ -93,7 +93,7 @@ def test_dht_node_refuses_a_port_in_use_before_starting_hivemind(held_port: int)
 @pytest.mark.slow
 def test_dht_node_refuses_the_port_of_another_dht_node() -> None:
     """p2pd binds with SO_REUSEPORT: without the check a second node listened on the same port."""
-    from potluck.protos.swarm import SwarmNode
+    from potluck.protos.net.swarm import SwarmNode
 
     first = SwarmNode(Identity.generate(), coordinator=COORD, host="127.0.0.1")
     try:
@@ -111,7 +111,7 @@ def test_dht_node_refuses_the_port_of_another_dht_node() -> None:
 def run_file(tmp_path: Path) -> Path:
     from swarm import run_config
 
-    from potluck.protos.config import dump_toml
+    from potluck.protos.config.files import dump_toml
 
     path = tmp_path / "run.toml"
     path.write_text(dump_toml(run_config(journal=tmp_path / "journal")))
@@ -171,7 +171,8 @@ print(rc, ",".join(heavy) or "-")
 def mistake(tmp_path: Path, name: str) -> list[str]:
     """One of issue 27's usage mistakes (8-9 s each, after torch, hivemind and a DHT node), set up in tmp_path."""
     from potluck.coordinator.journal import Journal, JournalState
-    from potluck.protos.config import RunConfig, apply_overrides, dump_toml
+    from potluck.protos.config.files import apply_overrides, dump_toml
+    from potluck.protos.config.runconfig import RunConfig
 
     run = tmp_path / "run.toml"
     run.write_text(dump_toml(RunConfig(run_id="first-run")))
@@ -225,7 +226,7 @@ def write_checkpoint(journal: Path, version: int = 5, family: str = "tiny", data
     from potluck.compression.transfer import Snapshot
     from potluck.coordinator.checkpoint import CheckpointStore
     from potluck.peer.model import TinyGPT
-    from potluck.protos.config import ModelConfig
+    from potluck.protos.config.runconfig import ModelConfig
 
     cfg = ModelConfig(family=family, d_model=16, n_layers=2, n_heads=2, seq_len=8, vocab_size=256 if data == "bytes" else 32)
     model = TinyGPT(cfg, seed=7)

@@ -3,6 +3,9 @@
 // Data comes from the coordinator's snapshot (GET api/v1/state, schema in state.schema.json):
 // live over Server-Sent Events (api/v1/events) with polling as the fallback. Peer names are
 // volunteers' text: everything is written with textContent, never parsed as HTML.
+// Past 200 peers the snapshot holds only the most telling ones (peers_summary.truncated): the table
+// then asks the server for the page it shows (GET api/v1/peers, sorted and filtered there), one
+// request at a time, again whenever a new snapshot arrives.
 // Times in the snapshot are on the coordinator's clock; ages shown here are computed from the
 // snapshot plus the local time elapsed since it arrived, so a skewed browser clock does not matter.
 "use strict";
@@ -24,6 +27,8 @@
     mode: "connecting", lostSince: null, lastError: "", stream: null, streamFailures: 0, lastMessageAt: 0,
     pollTimer: null, sortKey: null, sortDir: 1, pageNo: 0, pageSize: 50, filter: "", eventsKey: "",
     lastSeenCells: [], sizes: {},
+    // server-side paging (a truncated snapshot): the rows of the last answer, the query it answered, one in flight
+    remote: false, remoteRows: [], remoteTotal: 0, remoteQuery: null, remoteBusy: false, remoteAgain: false,
   };
   window.potluck = page; // for tests and the curious
 
@@ -210,11 +215,13 @@
     setText("st-model", ["parameters", m.family && m.family !== "tiny" && m.family, m.n_layers && m.n_layers + " layers", m.d_model && "d " + m.d_model,
       m.seq_len && "seq " + m.seq_len].filter(Boolean).join(" · "));
     setText("st-grid", r.stages + " × " + r.replicas);
-    const counts = {};
-    for (const p of s.peers) counts[p.state] = (counts[p.state] || 0) + 1;
-    const live = s.peers.filter((p) => !GONE.has(p.state)).length;
+    const sum = s.peers_summary;
+    const counts = sum ? sum.by_state : {};
+    if (!sum) for (const p of s.peers) counts[p.state] = (counts[p.state] || 0) + 1;
+    const live = sum ? sum.live : s.peers.filter((p) => !GONE.has(p.state)).length;
+    const known = sum ? sum.total : s.peers.length;
     setText("st-peers", live + " live");
-    setText("st-peers-sub", (counts.lost ? counts.lost + " lost · " : "") + s.peers.length + " known");
+    setText("st-peers-sub", (counts.lost ? counts.lost + " lost · " : "") + known + " known");
     setText("st-tokens", si(r.tokens_trained));
     const d = r.data || {};
     setText("st-tps", si(r.tokens_per_s) + " tokens/s" + (d.epoch !== null && d.epoch !== undefined
@@ -435,16 +442,62 @@
     return peers.map(({ p }) => p);
   }
 
+  // The query for the page the table shows, as api/v1/peers takes it.
+  function remoteQuery() {
+    const sort = page.sortKey ? (page.sortDir < 0 ? "-" : "") + page.sortKey : "first_seen";
+    return "offset=" + page.pageNo * page.pageSize + "&limit=" + page.pageSize + "&sort=" + encodeURIComponent(sort) +
+      (page.filter.trim() ? "&q=" + encodeURIComponent(page.filter.trim().slice(0, 128)) : "");
+  }
+
+  // Ask the server for the shown page (one request at a time; a newer need is served right after it).
+  async function fetchPeers() {
+    if (page.remoteBusy) { page.remoteAgain = true; return; }
+    page.remoteBusy = true;
+    const query = remoteQuery();
+    let ok = false;
+    try {
+      const r = await fetch("api/v1/peers?" + query, { cache: "no-store" });
+      if (r.ok) {
+        const answer = await r.json();
+        page.remoteRows = answer.peers || [];
+        page.remoteTotal = answer.total || 0;
+        page.remoteQuery = query;
+        const pages = Math.max(1, Math.ceil(page.remoteTotal / page.pageSize));
+        if (page.pageNo > pages - 1) { page.pageNo = pages - 1; page.remoteAgain = true; }
+        drawPeers();
+        if (page.firstTableMs === null) page.firstTableMs = performance.now();
+        ok = true;
+      } else {
+        page.lastError = "HTTP " + r.status + " from api/v1/peers";
+      }
+    } catch (err) {
+      page.lastError = "api/v1/peers: " + err;
+    } finally {
+      page.remoteBusy = false;
+    }
+    // again at once if the table changed meanwhile (a click, a new snapshot); after an error, at the next snapshot
+    const again = page.remoteAgain || (page.remote && remoteQuery() !== page.remoteQuery);
+    page.remoteAgain = false;
+    if (ok && again) fetchPeers();
+  }
+
   function renderPeers() {
+    if (!page.state) return;
+    if (page.remote) fetchPeers(); // the rows come from the server: drawn when they arrive
+    drawPeers();
+  }
+
+  function drawPeers() {
     const s = page.state;
     if (!s) return;
     for (const th of $("peers-head").children) {
       th.setAttribute("aria-sort", th.dataset.sort === page.sortKey ? (page.sortDir > 0 ? "ascending" : "descending") : "none");
     }
-    const all = visiblePeers();
-    const pages = Math.max(1, Math.ceil(all.length / page.pageSize));
+    const all = page.remote ? null : visiblePeers();
+    const total = page.remote ? page.remoteTotal : all.length;
+    const pages = Math.max(1, Math.ceil(total / page.pageSize));
     page.pageNo = Math.min(page.pageNo, pages - 1);
-    const rows = all.slice(page.pageNo * page.pageSize, (page.pageNo + 1) * page.pageSize);
+    const rows = page.remote ? page.remoteRows : all.slice(page.pageNo * page.pageSize, (page.pageNo + 1) * page.pageSize);
     const body = $("peers-body");
     const frag = document.createDocumentFragment();
     page.lastSeenCells = [];
@@ -470,18 +523,20 @@
     }
     body.replaceChildren(frag);
     if (!rows.length) {
-      const tr = el("tr"), td = el("td", "empty", s.peers.length ? "no peer matches the filter" : "no peers yet");
+      const empty = page.remote && page.remoteQuery === null ? "loading peers…"
+        : s.peers.length ? "no peer matches the filter" : "no peers yet";
+      const tr = el("tr"), td = el("td", "empty", empty);
       td.colSpan = COLUMNS.length; tr.appendChild(td); body.appendChild(tr);
     }
     renderAges();
-    const from = all.length ? page.pageNo * page.pageSize + 1 : 0;
+    const from = total ? page.pageNo * page.pageSize + 1 : 0;
     setText("page-info", "page " + (page.pageNo + 1) + " of " + pages + " · " + from + "–" +
-      (page.pageNo * page.pageSize + rows.length) + " of " + all.length + " peers");
+      (page.pageNo * page.pageSize + rows.length) + " of " + total + " peers");
     $("page-info").dataset.page = String(page.pageNo + 1);
     $("page-info").dataset.pages = String(pages);
     $("page-prev").disabled = page.pageNo === 0;
     $("page-next").disabled = page.pageNo >= pages - 1;
-    setText("peers-hint", s.peers.length + " known");
+    setText("peers-hint", (s.peers_summary ? s.peers_summary.total : s.peers.length) + " known");
   }
 
   // ------------------------------------------------------------------ links heatmap
@@ -644,8 +699,9 @@
     const t0 = performance.now();
     measure(); // every size read happens before the first DOM write: one layout, not one per chart
     renderHeader(s);
+    page.remote = !!(s.peers_summary && s.peers_summary.truncated);
     renderPeers();
-    if (page.firstTableMs === null) page.firstTableMs = performance.now();
+    if (page.firstTableMs === null && !page.remote) page.firstTableMs = performance.now();
     renderGrid(s);
     renderCharts(s);
     renderLinks(s);

@@ -22,8 +22,8 @@ import numpy as np
 
 from potluck.data import DataError
 from potluck.data.shards import ShardSet, check_file
-from potluck.protos.config import DataConfig, ModelConfig
-from potluck.protos.records import DataIdentity
+from potluck.protos.config.runconfig import DataConfig, ModelConfig
+from potluck.protos.wire.records import DataIdentity
 
 EVAL = "eval"
 

@@ -21,11 +21,14 @@ from typing import Any
 import numpy as np
 
 from potluck.data import DataError
+from potluck.protos.runtime.log import get_logger
 
 BYTES_SPEC = "bytes"
 BYTES_SHA256 = hashlib.sha256(b"potluck-bytes-v1").hexdigest()
 # tried in order when the tokenizer's own config names no EOS token
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
+
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -212,6 +215,7 @@ def _from_hub(repo_id: str) -> Tokenizer:
         try:
             config = Path(hf_hub_download(repo_id, "tokenizer_config.json"))
             tok = HFTokenizer(tok.tok, repo_id, tok.info.sha256, _eos_id(tok.tok, config), tok.definition)
-        except Exception:  # no config: the EOS candidates were already tried
-            pass
+        except Exception as err:  # no config: the EOS candidates were already tried
+            log.warning("tokenizer %s: no tokenizer_config.json (%s) and no EOS among the usual names; documents "
+                        "are joined without an end-of-document token", repo_id, err)
     return tok

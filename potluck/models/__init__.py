@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from potluck.protos.config import ModelConfig, PipelineConfig
+    from potluck.protos.config.runconfig import ModelConfig, PipelineConfig
 
 
 class ModelSpec(Protocol):
@@ -68,7 +68,7 @@ def entries(cfg: ModelConfig) -> int:
 
 @functools.lru_cache(maxsize=16)
 def _spec(key: str) -> ModelSpec:
-    from potluck.protos.config import ModelConfig
+    from potluck.protos.config.runconfig import ModelConfig
 
     cfg = ModelConfig.model_validate_json(key)
     if cfg.family == "tiny":
@@ -180,7 +180,7 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=16)
 def _costs(key: str, by: str) -> tuple[float, ...]:
-    from potluck.protos.config import ModelConfig
+    from potluck.protos.config.runconfig import ModelConfig
 
     cfg = ModelConfig.model_validate_json(key)
     spec, out = spec_for(cfg), []

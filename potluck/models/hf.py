@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from potluck.protos.config import ModelConfig
-from potluck.protos.hfconfig import hf_config, transformers_module
-from potluck.protos.log import get_logger
+from potluck.protos.config.hfconfig import hf_config, transformers_module
+from potluck.protos.config.runconfig import ModelConfig
+from potluck.protos.runtime.log import get_logger
 
 log = get_logger(__name__)
 

@@ -19,7 +19,7 @@ import torch
 
 from potluck.models import entries, spec_for
 from potluck.models.hf import hf_name
-from potluck.protos.config import ModelConfig
+from potluck.protos.config.runconfig import ModelConfig
 
 WEIGHTS, CONFIG, POTLUCK = "model.safetensors", "config.json", "potluck.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",

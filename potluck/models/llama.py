@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from potluck.models.native import NativeSpec
-from potluck.protos.config import ModelConfig
+from potluck.protos.config.runconfig import ModelConfig
 
 
 class RMSNorm(nn.Module):

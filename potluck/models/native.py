@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from potluck.protos.config import ModelConfig
+from potluck.protos.config.runconfig import ModelConfig
 
 
 class NativeSpec:

@@ -29,7 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from potluck.protos.config import ConfigError, ModelConfig, RunConfig
+from potluck.protos.config.runconfig import ModelConfig, RunConfig
+from potluck.protos.config.section import ConfigError
 
 BYTES_PER_PARAM = 32  # weight 4 + gradient 4 + AdamW 8 + outer state 8 + the previous outer state 8
 ACT_BYTES = 4  # activations counted in fp32

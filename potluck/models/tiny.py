@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from potluck.models.native import NativeSpec
-from potluck.protos.config import ModelConfig
+from potluck.protos.config.runconfig import ModelConfig
 
 
 class Embedding(nn.Module):

@@ -1,0 +1,208 @@
+"""How a shard's owner averages its members' contributions, robustly: the math, no network.
+
+An owner holds every contributor's slice of its shard, decoded to float32. A plain mean lets one
+member move everyone's parameters as far as it likes (x1000 moved honest peers ~1650x a normal
+step), so by default the owner:
+
+1. **Rejects** a contribution that points against the others (cosine with the coordinate-wise
+   median of the *other* contributions below ``reject_below``), when at least three contribute:
+   a sign-flipped update is a poisoner's cheapest attack and has an ordinary norm.
+2. **Clips** every remaining contribution to ``clip_factor`` x the lower median of their norms
+   (Karimireddy et al. 2021 clip around a center; the median norm is the center's scale here): a
+   scaled-up update counts like a large honest one, never more.
+3. Averages what is left in float32, in sender-id order.
+
+Everything is a deterministic function of the decoded contributions, so an owner's result does not
+depend on arrival order, and the members (who all apply the owner's one re-quantized result) stay
+bit-identical. With one or two contributors there is no majority to measure against: a run of two
+peers is only bounded by the codec's value limit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from potluck.compression.int8 import Codec
+from potluck.compression.stream import EncodedStream
+from potluck.protos import potluck_pb2 as pb
+
+
+@dataclass
+class Reduced:
+    mean: torch.Tensor
+    contributors: list[str]  # those averaged (clipped ones included)
+    clipped: list[str] = field(default_factory=list)
+    rejected: list[str] = field(default_factory=list)
+
+
+CHUNK = 1 << 16  # elements per pass over the contributions: 256 KB of each, so a pass stays in cache
+
+
+@dataclass
+class Reduction:
+    """Who counts in an owner's average and how much: decided from whole-shard statistics, applied
+    a chunk at a time by :meth:`mean`, so the owner can encode chunk ``i`` of the result (and send
+    it) before chunk ``i + 1`` is summed. Every element of the mean depends only on that element of
+    the contributions and the per-sender scales, so any chunking gives the same bits."""
+
+    contributions: Mapping[str, torch.Tensor]
+    contributors: list[str]  # kept, in sender-id order: the order of the float32 sum
+    clipped: list[str]
+    rejected: list[str]
+    scales: dict[str, torch.Tensor]  # float32 factor for each clipped contributor
+
+    def mean(self, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of the average, summed in float32 in sender-id order."""
+        acc = torch.zeros(hi - lo, dtype=torch.float32)
+        for s in self.contributors:
+            x = self.contributions[s][lo:hi].float()
+            acc += x * self.scales[s] if s in self.scales else x
+        if self.contributors:
+            acc /= len(self.contributors)
+        return acc
+
+    def reduced(self, numel: int) -> Reduced:
+        return Reduced(self.mean(0, numel), self.contributors, self.clipped, self.rejected)
+
+
+def reduce_mean(contributions: Mapping[str, torch.Tensor], numel: int) -> torch.Tensor:
+    """Mean of decoded contributions, summed in float32 in sender-id order (so it is reproducible).
+
+    Quantized codes are never summed: each contribution is decoded first, so nothing can wrap or
+    lose the scale of another member's block.
+    """
+    return Reduction(contributions, sorted(contributions), [], [], {}).mean(0, numel)
+
+
+def robust_mean(contributions: Mapping[str, torch.Tensor], numel: int, clip_factor: float = 4.0,
+                reject_below: float | None = -0.1) -> Reduced:
+    """The owner's average: reject opposed contributions, clip the rest, average (see the module)."""
+    return robust_reduction(contributions, numel, clip_factor, reject_below).reduced(numel)
+
+
+def robust_reduction(contributions: Mapping[str, torch.Tensor], numel: int, clip_factor: float = 4.0,
+                     reject_below: float | None = -0.1) -> Reduction:
+    """Decide who is rejected and who clipped from one chunked pass over the contributions."""
+    senders = sorted(contributions)
+    reject = reject_below is not None and len(senders) >= 3
+    sq, dots, centers = _statistics([contributions[s] for s in senders], numel, reject)
+    rejected: list[str] = []
+    if reject:
+        for i, s in enumerate(senders):
+            na, nb = math.sqrt(sq[i]), math.sqrt(centers[i])
+            # nothing to compare (a stalled member's zeros, an all-zero center): not opposed
+            if na > 0.0 and nb > 0.0 and dots[i] / (na * nb) < reject_below:  # type: ignore[operator]
+                rejected.append(s)
+        if len(rejected) * 2 >= len(senders):
+            rejected = []  # no majority agrees on a direction: keep everyone (clipping still bounds them)
+    kept = [s for s in senders if s not in rejected]
+    clipped: list[str] = []
+    scales: dict[str, torch.Tensor] = {}
+    if clip_factor > 0 and len(kept) >= 2:
+        norms = [math.sqrt(sq[senders.index(s)]) for s in kept]
+        bound = clip_factor * sorted(norms)[(len(kept) - 1) // 2]  # the lower median
+        for s, n in zip(kept, norms, strict=True):
+            if n > bound:
+                scales[s] = torch.tensor(bound / n, dtype=torch.float32)
+                clipped.append(s)
+    return Reduction(contributions, kept, clipped, rejected, scales)
+
+
+def _statistics(xs: list[torch.Tensor], numel: int, centers_too: bool) -> tuple[list[float], list[float], list[float]]:
+    """Per contribution: its squared norm and, if asked, its dot product with the coordinate-wise lower
+    median of the *others* and that center's squared norm, accumulated over chunks in float64.
+
+    One sort per chunk gives every member's center: with ``x_i`` at rank ``r`` of its column, the
+    others' lower median (index ``m = (n - 2) // 2`` of the n - 1 others) is the column's value at
+    ``m + 1`` if ``r <= m``, else at ``m`` (ties give the same value either way). With three
+    contributions the center is simply the smaller of the other two.
+    """
+    n = len(xs)
+    sq, dots, csq = [0.0] * n, [0.0] * n, [0.0] * n
+    m = (n - 2) // 2
+    for lo in range(0, numel, CHUNK):
+        hi = min(numel, lo + CHUNK)
+        chunk = [x[lo:hi].float() for x in xs]
+        for i, x in enumerate(chunk):
+            sq[i] += float(torch.dot(x, x))
+        if not centers_too:
+            continue
+        if n == 3:
+            centers = [torch.minimum(chunk[1], chunk[2]), torch.minimum(chunk[0], chunk[2]),
+                       torch.minimum(chunk[0], chunk[1])]
+        else:
+            values, order = torch.stack(chunk).sort(dim=0)
+            low = order[: m + 1]
+            centers = [torch.where((low == i).any(dim=0), values[m + 1], values[m]) for i in range(n)]
+        for i, (x, c) in enumerate(zip(chunk, centers, strict=True)):
+            dots[i] += float(torch.dot(x, c))
+            csq[i] += float(torch.dot(c, c))
+    return sq, dots, csq
+
+
+def tensor_digest(t: pb.Tensor) -> bytes:
+    """One chunk of a result, every field, lengths first (no serialized copy of the payload just to hash
+    it). Chunks are hashed where they are made, on the codec workers, or as they arrive, while the next
+    one is on the wire: a signed result is one short hash over these, not one long pass at the end."""
+    h = hashlib.blake2b(digest_size=32, person=b"potluck-chunk")
+    h.update(f"|{t.name}|{t.dtype}|{list(t.shape)}|{t.codec}|{t.offset}|{t.numel}|{t.bits}|{len(t.scales)}|"
+             f"{len(t.payload)}|".encode())
+    h.update(t.scales)
+    h.update(t.payload)
+    return h.digest()
+
+
+def result_digest(run_id: str, step: int, epoch: int, shard: int, num_shards: int, attempt: int, base_hash: str,
+                  contributors: Iterable[str], clipped: Iterable[str], rejected: Iterable[str],
+                  digests: Iterable[bytes], inputs: Iterable[tuple[str, bytes]] = ()) -> bytes:
+    """What the reducer of a shard signs: everything a member applies from its result (the
+    :func:`tensor_digest` of each of its chunks, in order), and what it was averaged from: each weighed
+    contribution's sender and :func:`contribution_digest`. Signed over both, a result is a commitment
+    an auditor can hold its author to (:func:`recompute`)."""
+    h = hashlib.blake2b(digest_size=32, person=b"potluck-result")
+    head = f"{run_id}|{step}|{epoch}|{shard}|{num_shards}|{attempt}|{base_hash}|{','.join(contributors)}|" \
+           f"{','.join(clipped)}|{','.join(rejected)}"
+    h.update(head.encode())
+    for d in digests:
+        h.update(d)
+    for sender, d in inputs:
+        h.update(f"|{sender}|".encode())
+        h.update(d)
+    return h.digest()
+
+
+def contribution_digest(run_id: str, step: int, epoch: int, shard: int, num_shards: int, attempt: int,
+                        base_hash: str, sender: str, digests: Iterable[bytes]) -> bytes:
+    """What a contributor signs over its slice of a shard: the round it is for and each chunk's
+    :func:`tensor_digest`. An owner cannot pass off another slice as this sender's, and an auditor can
+    check that what the owner shows is what the sender sent."""
+    h = hashlib.blake2b(digest_size=32, person=b"potluck-contrib")
+    h.update(f"{run_id}|{step}|{epoch}|{shard}|{num_shards}|{attempt}|{base_hash}|{sender}".encode())
+    for d in digests:
+        h.update(d)
+    return h.digest()
+
+
+@dataclass(frozen=True)
+class Recomputed:
+    """A shard's result as its inputs make it: the digests of its encoded chunks and who counted how."""
+
+    digests: list[bytes]
+    contributors: list[str]
+    clipped: list[str]
+    rejected: list[str]
+
+
+def recompute(contributions: Mapping[str, torch.Tensor], numel: int, codec: Codec, chunk_bytes: int,
+              name: str, clip_factor: float, reject_below: float | None) -> Recomputed:
+    """What an honest owner of these decoded contributions signs: the robust average, encoded a chunk at a
+    time exactly as :class:`~potluck.compression.stream.EncodedStream` does for the owner. Everything is a
+    deterministic function of the contributions, so any two machines get the same digests."""
+    red = robust_reduction(contributions, numel, clip_factor, reject_below)
+    chunks = EncodedStream(name, numel, red.mean, codec, chunk_bytes)
+    return Recomputed([tensor_digest(t) for t in chunks], red.contributors, red.clipped, red.rejected)

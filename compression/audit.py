@@ -1,0 +1,150 @@
+"""Verified reduction: is a shard's signed result the average of the signed contributions it names?
+
+Robust aggregation (:mod:`potluck.compression.aggregate`) bounds what a *contributor* can do; it
+cannot check the *owner* that averages a shard, whose result every member applies. After BTARD
+(Gorbunov et al. 2021, "Secure Distributed Training at Scale"), every piece is signed by its author:
+
+* a contributor signs its slice (:func:`~potluck.compression.aggregate.contribution_digest` over each
+  encoded chunk), so nobody can pass off other values as its contribution;
+* the owner signs its result together with the list of contributions it weighed, each by sender and
+  digest (:func:`~potluck.compression.aggregate.result_digest`), before anyone knows who will check it;
+* an auditor the coordinator picks after the step gets those contributions (from the owner, who must
+  keep them, or from anyone who holds them: the signatures make the holder irrelevant) and
+  recomputes the result (:func:`check`).
+
+A mismatch is a proof: the owner's signature over a result, and its contributors' signatures over
+inputs that do not make that result. Any machine can check it with this module alone; the
+coordinator does before it evicts anyone (an accusation that does not check out costs the accuser
+its place instead). Everything here is a pure function of bytes: no network, no clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from potluck.compression.aggregate import contribution_digest, recompute, result_digest, tensor_digest
+from potluck.compression.int8 import Codec
+from potluck.compression.stream import Assembler, WireError
+from potluck.protos import potluck_pb2 as pb
+from potluck.protos.net.identity import verify
+from potluck.protos.runtime.log import short_id
+
+
+@dataclass(frozen=True)
+class Signed:
+    """A contribution or a result as its author sent it: the encoded chunks and the signature."""
+
+    chunks: list[pb.Tensor]
+    signer: str
+    signature: bytes
+    digests: list[bytes] = field(default_factory=list)  # each chunk's tensor_digest (computed if empty)
+
+    def chunk_digests(self) -> list[bytes]:
+        return self.digests or [tensor_digest(t) for t in self.chunks]
+
+
+@dataclass(frozen=True)
+class ResultClaim:
+    """What an owner signed about a shard: who it averaged, how, and from which contributions."""
+
+    attempt: int
+    contributors: list[str]
+    clipped: list[str]
+    rejected: list[str]
+    inputs: list[str]
+    input_digests: list[bytes]
+    result: Signed
+
+
+@dataclass(frozen=True)
+class Round:
+    """The round a shard belongs to, as every member signed for it."""
+
+    run_id: str
+    step: int
+    epoch: int
+    shard: int
+    num_shards: int
+    base_hash: str
+    numel: int  # elements of the shard
+
+
+class Unverifiable(ValueError):
+    """The material does not allow a verdict (a signature that is not its author's, a result that is not
+    the owner's): nobody is proven to have lied by it."""
+
+
+def result_signed(rnd: Round, claim: ResultClaim) -> bool:
+    digest = result_digest(rnd.run_id, rnd.step, rnd.epoch, rnd.shard, rnd.num_shards, claim.attempt, rnd.base_hash,
+                           claim.contributors, claim.clipped, claim.rejected, claim.result.chunk_digests(),
+                           zip(claim.inputs, claim.input_digests, strict=True))
+    return verify(claim.result.signer, digest, claim.result.signature)
+
+
+def input_digest(rnd: Round, attempt: int, sender: str, contribution: Signed) -> bytes:
+    return contribution_digest(rnd.run_id, rnd.step, rnd.epoch, rnd.shard, rnd.num_shards, attempt, rnd.base_hash,
+                               sender, contribution.chunk_digests())
+
+
+def check(rnd: Round, claim: ResultClaim, inputs: Mapping[str, Signed], codec: Codec, chunk_bytes: int,
+          clip_factor: float, reject_below: float | None) -> str:
+    """'' if the signed result is what its signed inputs make; else what the owner lied about, in one line.
+
+    Raises :class:`Unverifiable` when the material proves nothing: the result is not signed by who it
+    says, or an input's signature is not its sender's (a forgery by whoever handed it over)."""
+    if len(claim.inputs) != len(claim.input_digests) or sorted(claim.inputs) != list(claim.inputs):
+        return "its result names its inputs out of order or without their digests"
+    if not result_signed(rnd, claim):
+        raise Unverifiable(f"the result of shard {rnd.shard} is not signed by {short_id(claim.result.signer)}")
+    named = dict(zip(claim.inputs, claim.input_digests, strict=True))
+    if set(claim.contributors) | set(claim.rejected) != set(named) or set(claim.contributors) & set(claim.rejected):
+        return "the contributors and rejected it names are not the inputs it signed for"
+    decoded: dict[str, torch.Tensor] = {}
+    for sender, digest in named.items():
+        got = inputs.get(sender)
+        if got is None:
+            raise Unverifiable(f"no contribution of {short_id(sender)} to shard {rnd.shard} to check")
+        if got.signer != sender or not verify(sender, input_digest(rnd, claim.attempt, sender, got), got.signature):
+            raise Unverifiable(f"the contribution shown as {short_id(sender)}'s is not signed by it")
+        if input_digest(rnd, claim.attempt, sender, got) != digest:
+            return f"it signed for another contribution of {short_id(sender)} than the one it shows"
+        try:
+            asm = Assembler(f"shard{rnd.shard}", rnd.numel, codec)
+            for t in got.chunks:
+                asm.add(t)
+            decoded[sender] = asm.result()
+        except WireError as err:
+            return f"it averaged a contribution of {short_id(sender)} that does not decode: {err}"
+    honest = recompute({s: decoded[s] for s in named}, rnd.numel, codec, chunk_bytes, f"shard{rnd.shard}",
+                       clip_factor, reject_below)
+    lies = []
+    for what, said, made in (("contributors", claim.contributors, honest.contributors),
+                             ("clipped", claim.clipped, honest.clipped), ("rejected", claim.rejected, honest.rejected)):
+        if sorted(said) != sorted(made):
+            lies.append(f"it named {', '.join(map(short_id, sorted(said))) or 'nobody'} as {what}; its inputs make "
+                        f"{', '.join(map(short_id, sorted(made))) or 'nobody'}")
+    got_digests = claim.result.chunk_digests()
+    if got_digests != honest.digests:
+        wrong = [k for k, (a, b) in enumerate(zip(got_digests, honest.digests, strict=False)) if a != b]
+        lies.append(f"its result is not the average of its signed inputs (chunk {wrong[0] if wrong else 0} of "
+                    f"{len(honest.digests)} differs{'' if len(got_digests) == len(honest.digests) else ', and their number'})")
+    return "; ".join(lies)
+
+
+def decode_streams(chunks: Sequence[pb.ShardChunk]) -> dict[str, Signed]:
+    """Contributions as they arrive from FetchInputs: each sender's chunks in order, its signature on the last."""
+    out: dict[str, Signed] = {}
+    pieces: dict[str, list[pb.Tensor]] = {}
+    for c in chunks:
+        sender = c.header.sender
+        if sender in out:
+            raise Unverifiable(f"a second contribution of {short_id(sender)} in one answer")
+        pieces.setdefault(sender, []).append(c.tensor)
+        if c.signature:
+            out[sender] = Signed(pieces.pop(sender), c.signer, c.signature)
+    if pieces:
+        raise Unverifiable(f"unsigned contributions of {', '.join(map(short_id, pieces))}")
+    return out

@@ -1,0 +1,82 @@
+"""How the coordinator itself is doing: the cost of its tick and decisions, and its memory.
+
+At a thousand peers these are the figures that say whether the coordinator's machine keeps up
+(``benchmarks/swarm_scale.py`` reads them from the status API): a tick that takes longer than
+``tick_s`` delays every commit it sees, and a coordinator whose memory grows with the run's length
+would not last a long run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import deque
+from typing import Any
+
+KEEP_TICKS = 1000
+
+
+class Health:
+    def __init__(self) -> None:
+        self.ticks: deque[float] = deque(maxlen=KEEP_TICKS)  # seconds each of the latest ticks took
+        self.tick_cpu: deque[float] = deque(maxlen=KEEP_TICKS)  # ... of the loop thread's CPU
+        self.decisions: deque[float] = deque(maxlen=16)  # seconds each of the latest decisions took
+        self.count = 0
+        self._built = (-float("inf"), 0.0, 0.0)  # (when the snapshot was last built, how long it took, began)
+
+    def snapshot_due(self, now: float, changed: bool, every_s: float) -> bool:
+        """Build the status snapshot now? At most every ``every_s``, and rarely enough that building it takes at
+        most a tenth of the loop (a big swarm's costs more); at once when ``changed`` (a step was committed)."""
+        due = changed or now - self._built[0] >= max(every_s, 10 * self._built[1])
+        if due:
+            self._built = (self._built[0], self._built[1], time.monotonic())
+        return due
+
+    def snapshot_built(self, now: float) -> None:
+        self._built = (now, time.monotonic() - self._built[2], 0.0)
+
+    def ticked(self, seconds: float, cpu_seconds: float) -> None:
+        """A tick took ``seconds`` of wall time, ``cpu_seconds`` of the loop thread's CPU (what it costs the
+        machine; the wall time adds whatever else the machine runs)."""
+        self.ticks.append(seconds)
+        self.tick_cpu.append(cpu_seconds)
+        self.count += 1
+
+    def decided(self, seconds: float) -> None:
+        self.decisions.append(seconds)
+
+    def section(self, reads: dict[str, Any], peers_held: int) -> dict[str, Any]:
+        """The status snapshot's ``coordinator`` object (documented in docs/status-api.md)."""
+        return {
+            "ticks": self.count,
+            "tick_s": _spread(self.ticks),
+            "tick_cpu_s": _spread(self.tick_cpu),
+            "decide_s": {"last": self.decisions[-1] if self.decisions else None,
+                         "max": max(self.decisions) if self.decisions else None, "window": len(self.decisions)},
+            "rss_bytes": rss_bytes(),
+            "peers_held": peers_held,
+            "reads": reads,
+        }
+
+
+def _spread(values: deque[float]) -> dict[str, Any]:
+    ordered = sorted(values)
+    return {"p50": _quantile(ordered, 0.5), "p99": _quantile(ordered, 0.99), "max": ordered[-1] if ordered else None,
+            "window": len(ordered)}
+
+
+def _quantile(ordered: list[float], q: float) -> float | None:
+    """The ``q`` quantile of sorted values, nearest rank (None when there are none)."""
+    if not ordered:
+        return None
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def rss_bytes() -> int | None:
+    """This process's resident memory now (Linux; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None

@@ -1,0 +1,271 @@
+"""gRPC plumbing of a peer: the PeerService server, a client with channel reuse, byte accounting.
+
+The transport knows nothing about training: the server hands each RPC to a :class:`Handlers`
+object (the daemon), the client moves protobuf messages. What it adds is what every RPC needs the
+same way: deliberate message size limits, counting every byte sent and received by kind (the
+figures the logs, ``/metrics`` and the status page show), and turning a handler's
+:class:`~potluck.protos.wire.refusals.Rejected` into a gRPC status with a clear reason, logged once on the
+receiving side. How each call is checked is :mod:`potluck.protos.net.servicer`'s; what a refusal is,
+:mod:`potluck.protos.wire.refusals`'.
+
+With a :class:`~potluck.protos.net.certs.TlsIdentity`, both sides run mutual TLS with certificates
+from the run's CA: the server learns who calls from the client certificate and refuses a message
+whose ``header.sender`` says otherwise (or whose sender was evicted), and the client names the
+peer id it means to reach, so a reply can only come from that key. Every client identity (a
+certificate's peer id, else a remote host) may hold at most ``per_client`` calls at once, so an
+idle or slow client cannot occupy the server's threads; connections are closed after an hour.
+
+Given a :class:`~potluck.protos.testkit.netem.NetEm`, server and client also play an emulated wide-area
+network (delay and bandwidth per region pair) through gRPC interceptors, so every RPC, present and
+future, crosses it; without one no interceptor is installed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from concurrent import futures
+
+import grpc
+
+from potluck.protos import potluck_pb2 as pb
+from potluck.protos import potluck_pb2_grpc as pb_grpc
+from potluck.protos.net.certs import TlsIdentity
+from potluck.protos.net.errors import check_port_free, explain_bind_failure
+from potluck.protos.net.relay import TARGET_KEY, RelayClient, RelayHub, relayed_address, split_address
+from potluck.protos.net.servicer import Handlers, Servicer, counted, parser_for, rpc_handlers
+from potluck.protos.runtime.log import get_logger, short_id
+from potluck.protos.testkit.netem import NetEm
+from potluck.protos.wire.limits import MAX_MESSAGE_BYTES
+from potluck.protos.wire.refusals import REFUSAL_KEY
+
+log = get_logger(__name__)
+
+PER_CLIENT_CALLS = 12
+SERVER_OPTIONS = [
+    ("grpc.max_connection_age_ms", 3_600_000),  # long-lived idle streams end, whatever a client does
+    ("grpc.max_connection_age_grace_ms", 600_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+    # clients ping every 20 s (CHANNEL_OPTIONS) to keep long streams alive, a relay tunnel idle for minutes among
+    # them: accept that, where gRPC's default (one ping in 5 minutes) would answer GOAWAY "too many pings"
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+]
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.enable_retries", 0),
+]
+
+
+class Traffic:
+    """Thread-safe byte counters by kind (``outer``, ``state``, ``probe``, ...) and direction."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.sent: dict[str, int] = defaultdict(int)
+        self.received: dict[str, int] = defaultdict(int)
+        self.rejected: dict[str, int] = defaultdict(int)
+
+    def add_sent(self, kind: str, n: int) -> None:
+        with self._lock:
+            self.sent[kind] += n
+
+    def add_received(self, kind: str, n: int) -> None:
+        with self._lock:
+            self.received[kind] += n
+
+    def add_rejected(self, reason_kind: str) -> None:
+        with self._lock:
+            self.rejected[reason_kind] += 1
+
+    def snapshot(self) -> tuple[dict[str, int], dict[str, int]]:
+        with self._lock:
+            return dict(self.sent), dict(self.received)
+
+
+def _log_reject(method: str, sender: str, reason: str) -> None:
+    log.warning("rejected %s from %s: %s", method, short_id(sender) if sender != "?" else "?", reason)
+
+
+def service_handler(handlers: Handlers, traffic: Traffic, on_reject: Callable[[str, str, str], None] = _log_reject,
+                    mtls: bool = True, revoked: Callable[[str], bool] = lambda peer_id: False,
+                    per_client: int = PER_CLIENT_CALLS, relay: RelayHub | None = None) -> grpc.GenericRpcHandler:
+    """PeerService as a gRPC handler: every request checked (header, sender, revoked peers, per-client calls)
+    before ``handlers`` sees it. :class:`PeerServer` serves it on one port; a server of its own may add it too."""
+    return rpc_handlers(Servicer(handlers, traffic, on_reject, mtls, revoked, per_client, relay))
+
+
+class PeerServer:
+    """A PeerService gRPC server bound to ``host:port`` (port 0 picks a free one).
+
+    With ``netem``, calls from clients tagged with a region are delayed and paced as the emulated
+    network says; each call then holds its worker thread while it waits.
+    """
+
+    def __init__(
+        self,
+        handlers: Handlers,
+        traffic: Traffic,
+        host: str = "0.0.0.0",
+        port: int = 0,
+        workers: int = 64,
+        on_reject: Callable[[str, str, str], None] = _log_reject,
+        netem: NetEm | None = None,
+        tls: TlsIdentity | None = None,
+        revoked: Callable[[str], bool] = lambda peer_id: False,
+        per_client: int = PER_CLIENT_CALLS,
+        relay: RelayHub | None = None,
+    ) -> None:
+        # gRPC sets SO_REUSEPORT by default: a second server on a taken port would bind silently and
+        # get a share of its connections. Probe first (a clear error), and bind without it.
+        check_port_free("gRPC port", host, port, "--grpc-port")
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
+            options=[*CHANNEL_OPTIONS, *SERVER_OPTIONS, ("grpc.so_reuseport", 0)],
+            interceptors=[netem.server_interceptor()] if netem else None,
+            maximum_concurrent_rpcs=4 * workers,  # beyond that, callers are told RESOURCE_EXHAUSTED at once
+        )
+        self.server.add_generic_rpc_handlers((service_handler(handlers, traffic, on_reject, tls is not None, revoked,
+                                                              per_client, relay),))
+        try:
+            where = f"{host}:{port}"
+            self.port = (self.server.add_secure_port(where, tls.server_credentials()) if tls is not None
+                         else self.server.add_insecure_port(where))
+        except RuntimeError:  # newer grpcio raises where older ones returned 0
+            self.port = 0
+        if self.port == 0:
+            self.server.stop(None)
+            raise explain_bind_failure("gRPC port", host, port, "--grpc-port")
+        self.server.start()
+
+    def stop(self, grace: float = 1.0) -> None:
+        self.server.stop(grace).wait(grace + 1.0)
+
+
+class RelayedServer:
+    """What a peer that accepts no connections runs instead of a :class:`PeerServer`: no port, one
+    outbound tunnel to a relay, over which it serves the same handlers (see :mod:`potluck.protos.net.relay`).
+    ``address`` is what it announces."""
+
+    def __init__(self, handlers: Handlers, traffic: Traffic, client: PeerClient, relay_address: str, relay_id: str,
+                 run_id: str, me: str, revoked: Callable[[str], bool] = lambda peer_id: False,
+                 on_reject: Callable[[str, str, str], None] = _log_reject) -> None:
+        servicer = Servicer(handlers, traffic, on_reject, client.tls is not None, revoked, PER_CLIENT_CALLS)
+        self.address, self.port = relayed_address(relay_address, relay_id), 0
+        self.tunnel = RelayClient(lambda frames: client.open_relay(relay_address, relay_id, frames), servicer, parser_for,
+                                  run_id, me, REFUSAL_KEY)
+        self.tunnel.start()
+
+    def stop(self, grace: float = 1.0) -> None:
+        self.tunnel.stop()
+
+
+class PeerClient:
+    """Calls other peers' PeerService; one channel per address (and peer id), reused across calls.
+
+    With ``tls``, every call names the peer id it means to reach (``peer``): the channel checks the
+    server's certificate is that peer's, so a reply can only come from its key. With ``netem``,
+    every call is tagged with this process's region, for the receiver to emulate.
+    """
+
+    def __init__(self, traffic: Traffic, netem: NetEm | None = None, tls: TlsIdentity | None = None) -> None:
+        self.traffic, self.tls = traffic, tls
+        self._tag = netem.client_interceptor() if netem else None
+        self._lock = threading.Lock()
+        self._stubs: dict[tuple[str, str, int], pb_grpc.PeerServiceStub] = {}
+        self._channels: dict[tuple[str, str, int], grpc.Channel] = {}
+
+    def stub(self, address: str, peer: str = "") -> pb_grpc.PeerServiceStub:
+        return self._route(address, peer)[0]
+
+    def _route(self, address: str, peer: str) -> tuple[pb_grpc.PeerServiceStub, tuple[tuple[str, str], ...]]:
+        """The stub for ``address`` and the metadata a call needs: a relayed peer (its address names a
+        relay, see :mod:`potluck.protos.net.relay`) is reached through the relay's channel, the call tagged
+        with the peer it is meant for; TLS then checks the relay's certificate."""
+        where, via = split_address(address)
+        tls = self.tls
+        name = via or peer
+        if tls is not None and not name:
+            raise ValueError(f"a call to {address} over TLS must name the peer id it is meant for")
+        key = (where, name if tls is not None else "", tls.generation if tls is not None else 0)
+        with self._lock:
+            stub = self._stubs.get(key)
+            if stub is None:
+                if tls is not None:
+                    options = [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", name.lower())]
+                    channel = grpc.secure_channel(where, tls.channel_credentials(), options=options)
+                else:
+                    channel = grpc.insecure_channel(where, options=CHANNEL_OPTIONS)
+                if self._tag is not None:
+                    channel = grpc.intercept_channel(channel, self._tag)
+                self._channels[key] = channel
+                stub = self._stubs[key] = pb_grpc.PeerServiceStub(channel)
+        return stub, (((TARGET_KEY, peer),) if via else ())
+
+    def open_relay(self, address: str, relay: str, frames: Iterator[pb.RelayFrame]) -> Iterator[pb.RelayFrame]:
+        """Open a relay tunnel to ``relay`` at ``address`` (see :class:`RelayedServer`)."""
+        return counted(self.stub(address, relay).Relay(counted(frames, lambda n: self.traffic.add_sent("relay", n))),
+                        lambda n: self.traffic.add_received("relay", n))
+
+    def ping(self, address: str, request: pb.PingRequest, timeout: float, peer: str = "") -> pb.PingReply:
+        self.traffic.add_sent("probe", request.ByteSize())
+        stub, md = self._route(address, peer)
+        reply = stub.Ping(request, timeout=timeout, metadata=md)
+        self.traffic.add_received("probe", reply.ByteSize())
+        return reply
+
+    def push_contribution(self, address: str, chunks: Iterable[pb.ShardChunk], timeout: float, peer: str = "") -> pb.Ack:
+        stub, md = self._route(address, peer)
+        return stub.PushContribution(counted(chunks, lambda n: self.traffic.add_sent("outer", n)), timeout=timeout,
+                                     metadata=md)
+
+    def push_result(self, address: str, chunks: Iterable[pb.ShardChunk], timeout: float, peer: str = "") -> pb.Ack:
+        stub, md = self._route(address, peer)
+        return stub.PushResult(counted(chunks, lambda n: self.traffic.add_sent("outer", n)), timeout=timeout,
+                               metadata=md)
+
+    def fetch_result(self, address: str, request: pb.ResultRequest, timeout: float, peer: str = "") -> Iterator[pb.ShardChunk]:
+        self.traffic.add_sent("outer", request.ByteSize())
+        stub, md = self._route(address, peer)
+        return counted(stub.FetchResult(request, timeout=timeout, metadata=md),
+                        lambda n: self.traffic.add_received("outer", n))
+
+    def fetch_inputs(self, address: str, request: pb.InputsRequest, timeout: float, peer: str = "") -> Iterator[pb.ShardChunk]:
+        self.traffic.add_sent("audit", request.ByteSize())
+        stub, md = self._route(address, peer)
+        return counted(stub.FetchInputs(request, timeout=timeout, metadata=md),
+                        lambda n: self.traffic.add_received("audit", n))
+
+    def get_state_info(self, address: str, request: pb.StateInfoRequest, timeout: float, peer: str = "") -> pb.StateInfo:
+        self.traffic.add_sent("state", request.ByteSize())
+        stub, md = self._route(address, peer)
+        info = stub.GetStateInfo(request, timeout=timeout, metadata=md)
+        self.traffic.add_received("state", info.ByteSize())
+        return info
+
+    def fetch_state(self, address: str, request: pb.StateRequest, timeout: float, peer: str = "") -> Iterator[pb.StateChunk]:
+        self.traffic.add_sent("state", request.ByteSize())
+        stub, md = self._route(address, peer)
+        return counted(stub.FetchState(request, timeout=timeout, metadata=md),
+                        lambda n: self.traffic.add_received("state", n))
+
+    def push_pipe(self, address: str, chunks: Iterable[pb.PipeChunk], timeout: float, peer: str = "") -> pb.Ack:
+        """One pipeline message as a stream of pieces (see :mod:`potluck.peer.pipewire`); gRPC's flow control
+        paces ``chunks``, so a slow receiver holds the sender to the pieces in flight."""
+        stub, md = self._route(address, peer)
+        ack = stub.PushPipe(counted(chunks, lambda n: self.traffic.add_sent("pipeline", n)), timeout=timeout,
+                            metadata=md)
+        self.traffic.add_received("pipeline", ack.ByteSize())
+        return ack
+
+    def close(self) -> None:
+        with self._lock:
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
+            self._stubs.clear()
+

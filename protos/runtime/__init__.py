@@ -1,0 +1,5 @@
+"""A process's life: logging with its context, and stopping it and its children in order.
+
+- ``stopping``: Stopping a potluck process: politely on the first signal, for sure within a bound
+- ``log``: One logger for every potluck process
+"""

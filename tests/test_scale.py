@@ -1,0 +1,303 @@
+"""What keeps the coordinator's cost flat as the swarm grows (issue 30); the figures at 1,000 peers are
+``benchmarks/swarm_scale.py``'s, these check the behaviours with real DHT nodes and tens of peers.
+
+* the DHT process survives calls of more than 16 KB (a plan of 4 rounds of 30 members killed it);
+* heartbeats go straight to the coordinator's node, which reads only the records that changed;
+* the history fold, given only what changed, makes the same history as given everything;
+* a snapshot of a big swarm holds 200 peers and does not grow with the swarm; the rest page through
+  ``/api/v1/peers``, which refuses a bad query with a clear 400;
+* the plan holds the newest rounds that fit in a record, the membership table forgets the longest
+  gone, and a decision's pings do not hold up the loop.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
+
+import pytest
+from fake_state import make_state
+from hivemind.utils import get_dht_time
+from rawhttp import raw_request
+
+from potluck.coordinator import history
+from potluck.coordinator.integrity import Integrity
+from potluck.coordinator.membership import PeerTable
+from potluck.coordinator.publisher import Publisher
+from potluck.coordinator.rounds import Rounds
+from potluck.coordinator.service import Pinger
+from potluck.coordinator.snapshot import PEERS_INLINE, RunInfo, Series, build
+from potluck.coordinator.status import StatusServer
+from potluck.coordinator.trust import Trust
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.net.dhtguard import run_key
+from potluck.protos.net.feed import Feed, store_at
+from potluck.protos.net.identity import Identity
+from potluck.protos.net.swarm import SwarmNode
+from potluck.protos.net.transport import PeerClient, Traffic
+from potluck.protos.wire.envelope import seal
+from potluck.protos.wire.records import MAX_AUDITS, Manifest, Member, PeerRecord, Round, StepReport
+
+COORD = Identity.generate()
+
+
+async def _echo_size(dht: Any, node: Any, blob: bytes) -> int:
+    return len(blob)
+
+
+@pytest.fixture(scope="module")
+def nodes() -> Iterator[tuple[SwarmNode, SwarmNode]]:
+    """The coordinator's node (its id is its peers key's, as bootstrap makes it) and a peer's."""
+    a = SwarmNode(COORD, coordinator=COORD.peer_id, host="127.0.0.1", node_id_source=run_key(COORD.peer_id, "peers"))
+    b = SwarmNode(Identity.generate(), coordinator=COORD.peer_id, initial_peers=a.maddrs, host="127.0.0.1")
+    try:
+        yield a, b
+    finally:
+        b.shutdown()
+        a.shutdown()
+
+
+def test_the_dht_process_takes_calls_of_more_than_16_kb(nodes: tuple[SwarmNode, SwarmNode]) -> None:
+    """Python sends a message over 16 KB as a header, then a body; hivemind read the header alone, took the
+    body for the next header and its DHT process died. Twenty calls of 200 KB each now all arrive."""
+    a, _ = nodes
+    for i in range(20):
+        blob = bytes([i]) * 200_000
+        assert a.dht.run_coroutine(partial(_echo_size, blob=blob), return_future=True).result(timeout=15) == len(blob)
+    assert a.dht.is_alive()
+
+
+def beat(who: Identity, seq: int, state: str = "training") -> dict:
+    return seal(who, PeerRecord(peer_id=who.peer_id, address="127.0.0.1:1", state=state, seq=seq), 60)
+
+
+def test_the_coordinator_reads_only_the_records_that_changed(nodes: tuple[SwarmNode, SwarmNode]) -> None:
+    a, b = nodes
+    peers = [Identity.generate() for _ in range(30)]
+    key = run_key(COORD.peer_id, "peers")
+
+    def store(who: Identity, seq: int, state: str = "training") -> None:  # what SwarmNode.publish_peer does
+        fn = partial(store_at, peer=COORD.peer_id, key=key, subkey=who.peer_id, value=beat(who, seq, state),
+                     expiration=get_dht_time() + 60)
+        assert b.dht.run_coroutine(fn)
+
+    for who in peers:
+        store(who, 1)
+    feed = Feed(a, "peers", PeerRecord, "peer record", every_s=0.0, local=True)
+    changed, refused = feed.read()
+    assert len(changed) == 30 and not refused and feed.last_changed == 30 and len(feed.records) == 30
+    assert feed.read() == ([], []) and feed.last_changed == 0  # nothing changed: nothing crosses, nothing re-verified
+    store(peers[3], 2, "left")
+    store(peers[7], 2)
+    changed, _ = feed.read()
+    assert sorted(changed) == sorted([peers[3].peer_id, peers[7].peer_id]) and feed.last_changed == 2
+    assert feed.records[peers[3].peer_id].state == "left" and feed.records[peers[7].peer_id].seq == 2
+    a.changes("peers", feed._ack, local=True).result(timeout=15)  # an answer the reader never took ...
+    store(peers[9], 3)
+    changed, _ = feed.read()
+    assert changed == [peers[9].peer_id]  # ... is not lost: the next read brings what changed since the last one taken
+
+
+def test_a_heartbeat_lands_while_the_coordinator_is_away(nodes: tuple[SwarmNode, SwarmNode]) -> None:
+    """Heartbeats go straight to the coordinator's node; when that node does not answer (here: a peer id no
+    node has), the record is stored the usual way, on the key's nearest live nodes (a goodbye after the
+    coordinator stopped was lost)."""
+    a, b = nodes
+    who = Identity.generate()
+    fn = partial(store_at, peer=Identity.generate().peer_id, key=run_key(COORD.peer_id, "peers"), subkey=who.peer_id,
+                 value=beat(who, 5, "left"), expiration=get_dht_time() + 60)
+    assert b.dht.run_coroutine(fn, return_future=True).result(timeout=30)
+    assert a.get_peers()[0][who.peer_id].state == "left"
+
+
+def test_folding_only_what_changed_makes_the_same_history() -> None:
+    ids = [f"12D3KooW{c * 44}" for c in "abcdefgh"]
+    rounds = {s: Round(step=s, members=[Member(peer_id=p, address="x:1", replica=i) for i, p in enumerate(ids)])
+              for s in range(1, 8)}
+    round_at = partial(lambda r, s: r.get(min(s, 7)), rounds)
+
+    def rec(pid: str, v: int) -> PeerRecord:
+        return PeerRecord(peer_id=pid, address="x:1", version=v, seq=v,
+                          recent=[StepReport(step=s, state_hash=f"h{s}", loss=2.0 + s / 10, outer_bytes=10)
+                                  for s in range(max(1, v - 3), v + 1)])
+
+    whole: list[dict] = []
+    part: list[dict] = []
+    memo: history.Memo = {}
+    last: dict[str, PeerRecord] = {}
+    for v in range(1, 8):
+        now = {pid: rec(pid, v) for pid in ids[: 4 + v % 4]}  # a few fall silent and come back
+        changed = [r for pid, r in now.items() if last.get(pid) != r]
+        last.update(now)
+        whole, _ = history.fold(whole, list(last.values()), round_at, v, now=float(v))
+        part, _ = history.fold(part, changed, round_at, v, now=float(v), memo=memo, everyone=list(last.values()))
+    assert json.dumps(part, sort_keys=True) == json.dumps(whole, sort_keys=True)
+    assert part[-1]["hash_counts"] == {"0": {"h7": 7}} and part[-1]["state_hashes"]  # (8 members: maps kept)
+
+
+def big_snapshot(n: int, steps: int = 6) -> dict[str, Any]:
+    """The coordinator's own fold and build for ``n`` peers in one stage, all members of every round."""
+    ids = [f"12D3KooW{i:044d}" for i in range(n)]
+    cfg, table, rounds = RunConfig(), PeerTable(8.0), Rounds(stages=1)
+    members = [Member(peer_id=p, address=f"10.0.0.1:{i}", replica=i) for i, p in enumerate(ids)]
+    hist: list[dict] = []
+    for v in range(1, steps + 1):
+        rounds.decide(members, now=float(v), decided_at=float(v))
+        recs = {p: PeerRecord(peer_id=p, address=f"10.0.0.1:{i}", state="training", version=v, seq=v,
+                              state_hash=f"h{v}", replica=i, tokens_per_s=float(i),
+                              recent=[StepReport(step=v, state_hash=f"h{v}", loss=3.0, replica=i, members=n)])
+                for i, p in enumerate(ids)}
+        table.update(recs, now=float(v))
+        rounds.observe(table.reports(), now=float(v))
+        hist, _ = history.fold(hist, table.records(), rounds.round_at, rounds.committed, now=float(v))
+    return build(RunInfo("run", "12D3coord", "/ip4/1", "http://x/", 0.0, False), cfg, list(table.peers.values()),
+                 rounds, hist, [], [], Series(), {}, now=float(steps))
+
+
+def api_bytes(snap: dict[str, Any]) -> int:
+    return len(json.dumps({k: v for k, v in snap.items() if not k.startswith("_")}))
+
+
+def test_a_big_swarms_snapshot_holds_200_peers_and_does_not_grow_with_it() -> None:
+    small, big = big_snapshot(300), big_snapshot(600)
+    assert big["peers_summary"] == {"total": 600, "shown": PEERS_INLINE, "truncated": True,
+                                    "by_state": {"training": 600}, "live": 600}
+    assert len(big["peers"]) == PEERS_INLINE and len(big["_peers"]) == 600
+    entry = big["history"][-1]
+    assert entry["state_hashes"] == {} and entry["hash_counts"] == {"0": {"h6": 600}}  # past 64 members: counts
+    # what grows with the swarm is the round and its grid (a cell per member), not the peers or the history
+    per_member = (api_bytes(big) - api_bytes(small)) / 300
+    assert per_member < 400, per_member
+    assert api_bytes(big) < 1_000_000
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[StatusServer, dict[str, Any]]]:
+    state = make_state(300, steps=12, seed=5)
+    srv = StatusServer("127.0.0.1", 0, lambda: state)
+    try:
+        yield srv, state
+    finally:
+        srv.stop()
+
+
+def get(srv: StatusServer, path: str) -> tuple[int, Any]:
+    code, _, body = raw_request(srv.port, "GET", path)
+    return code, json.loads(body)
+
+
+def test_the_peers_api_pages_sorts_and_filters_every_peer(server: tuple[StatusServer, dict[str, Any]]) -> None:
+    srv, state = server
+    everyone = state["_peers"]
+    assert state["peers_summary"]["truncated"] and len(everyone) == 300
+    code, page = get(srv, "/api/v1/peers?offset=250&limit=100")
+    assert code == 200 and page["total"] == page["known"] == 300
+    assert [p["id"] for p in page["peers"]] == [p["id"] for p in everyone[250:]]
+    _, fast = get(srv, "/api/v1/peers?sort=-tokens_per_s&limit=5")
+    assert [p["tokens_per_s"] for p in fast["peers"]] == sorted((p["tokens_per_s"] for p in everyone), reverse=True)[:5]
+    _, lost = get(srv, "/api/v1/peers?state=lost&limit=500")
+    assert lost["total"] == sum(p["state"] == "lost" for p in everyone) > 0
+    assert all(p["state"] == "lost" for p in lost["peers"])
+    named = everyone[123]
+    _, found = get(srv, f"/api/v1/peers?q={named['id'][-10:].lower()}")
+    assert [p["id"] for p in found["peers"]] == [named["id"]]
+
+
+@pytest.mark.parametrize("query,says", [
+    ("limit=0", "limit must be a whole number from 1 to 500"),
+    ("limit=ten", "limit must be a whole number"),
+    ("offset=-1", "offset must be a whole number"),
+    ("sort=fastest", "sort must be one of"),
+    ("state=asleep", "state must be live, gone or one of"),
+    ("page=2", "unknown parameter 'page'"),
+    ("limit=5&limit=6", "'limit' given more than once"),
+    ("q=" + "x" * 129, "at most 128 characters"),
+])
+def test_a_bad_peers_query_is_a_clear_400(server: tuple[StatusServer, dict[str, Any]], query: str, says: str) -> None:
+    srv, _ = server
+    code, body = get(srv, "/api/v1/peers?" + query)
+    assert code == 400 and says in body["error"], body
+
+
+def test_the_plan_holds_the_newest_rounds_that_fit_and_says_when_none_does(monkeypatch: pytest.MonkeyPatch,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    class Node:
+        identity = COORD
+
+        def sealed_size(self, record: Any, ttl: float) -> int:
+            return len(json.dumps(seal(COORD, record, ttl)["body"].decode()))
+
+    monkeypatch.setattr("potluck.coordinator.publisher.MAX_PLAN_BYTES", 64 << 10)
+    pub = Publisher(Node(), Manifest(run_id="r", coordinator=COORD.peer_id, config={}), set())  # type: ignore[arg-type]
+
+    def rounds(n: int) -> list[Round]:
+        return [Round(step=s, members=[Member(peer_id=f"12D3KooW{i:044d}", address=f"10.0.0.1:{i}", replica=i)
+                                       for i in range(n)]) for s in range(1, 5)]
+
+    assert [r.step for r in pub.fitting(rounds(30)).rounds] == [1, 2, 3, 4]  # type: ignore[union-attr]
+    assert [r.step for r in pub.fitting(rounds(200)).rounds] == [3, 4]  # type: ignore[union-attr]
+    assert pub.fitting(rounds(700)) is None
+    assert "makes a plan of" in caplog.text and "it is not published" in caplog.text
+
+
+def test_the_membership_table_forgets_the_longest_gone_past_its_bound() -> None:
+    table = PeerTable(heartbeat_timeout_s=5.0, keep_gone=3)
+    ids = [f"p{i}" for i in range(10)]
+    table.update({p: PeerRecord(peer_id=p, address="x:1", seq=1) for p in ids}, now=0.0)
+    for k in range(6):  # six fall silent, one a second
+        table.update({q: PeerRecord(peer_id=q, address="x:1", seq=2 + k) for q in ids if q not in ids[: k + 1]},
+                     now=1.0 + k)
+    table.update({q: PeerRecord(peer_id=q, address="x:1", seq=20) for q in ids[6:]}, now=11.5)
+    assert sorted(table.peers) == sorted(ids[3:])  # the live four, and the three that went last
+    assert [v.record.peer_id for v in table.changed] == ids[6:]
+
+
+def test_a_decisions_pings_run_off_the_loop() -> None:
+    client = PeerClient(Traffic())
+    pinger = Pinger(client, "run", "me")
+    recs = [PeerRecord(peer_id=f"p{i}", address="127.0.0.1:1", seq=1) for i in range(3)]  # nobody listens there
+    t0 = time.monotonic()
+    assert pinger.poll(recs) is None and time.monotonic() - t0 < 0.5  # it does not wait for the answers
+    deadline = time.monotonic() + 30
+    answer = None
+    while answer is None and time.monotonic() < deadline:
+        answer = pinger.poll(recs)
+        time.sleep(0.05)
+    assert answer is not None and answer[0] == [] and answer[1] >= t0
+    client.close()
+
+
+def test_a_rounds_audits_stay_within_its_bound_and_draw_as_before() -> None:
+    """Auditors are drawn from a pool sorted once per stage (once per shard was a second at 1,000 owners);
+    the draws are those of the per-shard choice it replaces, and past MAX_AUDITS shards a round carries a
+    random MAX_AUDITS of them (Round.audits' own bound: more made the round invalid)."""
+    cfg = apply_overrides(RunConfig(), {"sync.audit_fraction": 0.5})
+
+    def stage_of(n: int) -> Round:
+        return Round(step=3, members=[Member(peer_id=f"12D3KooW{i:044d}", address="x:1", replica=i) for i in range(n)])
+
+    def before(made: Round, nxt: list[Member], rng: random.Random) -> list[tuple[int, str, str]]:  # the old picker
+        out, ids = [], {m.peer_id for m in nxt}
+        for shard, m in enumerate(made.stage_members(0)):
+            if rng.random() >= 0.5:
+                continue
+            candidates = sorted(p.peer_id for p in made.members if p.peer_id != m.peer_id and p.peer_id in ids)
+            if candidates:
+                out.append((shard, m.peer_id, rng.choice(candidates)))
+        return out
+
+    small = stage_of(9)
+    nxt = small.members[2:]  # two left: they own shards of the step but audit nothing
+    got = Integrity(cfg, Trust(probation_steps=0), rng=random.Random(7)).audits(small, nxt)
+    assert [(a.shard, a.owner, a.auditor) for a in got] == before(small, nxt, random.Random(7)) != []
+    big = stage_of(700)
+    audits = Integrity(apply_overrides(cfg, {"sync.audit_fraction": 1.0}), Trust(probation_steps=0),
+                       rng=random.Random(7)).audits(big, big.members)
+    assert len(audits) == MAX_AUDITS and len({a.shard for a in audits}) == MAX_AUDITS
+    assert all(a.auditor != a.owner for a in audits)
+    Round(step=4, members=big.members, audits=audits)  # a valid round

@@ -1,0 +1,142 @@
+"""The scheduler at volunteer scale: start layouts that keep whole pipelines inside places and hop to
+the nearest place, partial sorts that agree with numpy's stable sort, a search that never spends more
+than a quarter of its time on start layouts (a clock that ticks per call makes that exact), and the
+``--scale`` mode of ``benchmarks/scheduler_families.py``."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+from test_scheduler_families import sf  # the benchmark module, loaded from its file
+
+from potluck.coordinator.costmodel import CostModel, Topology, check_assignment
+from potluck.coordinator.layouts import (
+    chained_layout,
+    greedy_seeds,
+    iter_segment_seeds,
+    nearest_first,
+    segment_seeds,
+)
+from potluck.coordinator.scheduler import SEED_SHARE, evolutionary_search
+
+
+def _sites(sizes: list[int], km_apart: float = 1000.0, seed: int = 0) -> tuple[Topology, np.ndarray]:
+    """Sites on a line, ``km_apart`` each from the next: fast inside a site, slower with distance."""
+    site = np.repeat(np.arange(len(sizes)), sizes)
+    rng = np.random.default_rng(seed)
+    gap = np.abs(site[:, None] - site[None, :]) * km_apart / 200.0
+    delay = np.where(site[:, None] == site[None, :], 0.01, 2.0 + gap) * (1 + 0.01 * rng.random((len(site),) * 2))
+    delay = (delay + delay.T) / 2
+    np.fill_diagonal(delay, 0.0)
+    gbps = np.where(site[:, None] == site[None, :], 400.0, 1.0)
+    return Topology(delay_ms=delay, bandwidth_gbps=gbps, stages=4, replicas=5, activation_gb=0.1,
+                    gradient_gb=0.5, outer_every=50), site
+
+
+def test_chained_layout_keeps_each_pipeline_in_one_site_when_it_fits() -> None:
+    """Five 4-stage pipelines, sites of 8, 8, 4 and 2 GPUs: pipeline by pipeline, largest site first,
+    every whole pipeline lands inside one site (two each in the 8s, one in the 4); the
+    every-pipeline-first placement (segments_layout) does the same only by the tie-breaks' luck."""
+    t, site = _sites([8, 8, 4, 2])
+    members = [np.flatnonzero(site == s).tolist() for s in range(4)]
+    groups = chained_layout(t, members, t.stages, False, CostModel(t).pp_link)
+    flat = check_assignment(t, groups)
+    plan = CostModel(t).plan(flat)
+    assert all(len({int(site[d]) for d in p}) == 1 for p in plan.pipelines)
+
+
+def test_chained_layout_hops_to_the_nearest_site() -> None:
+    """2-stage segments, sites of 2 GPUs on a line: a pipeline's second segment goes to the site
+    nearest its first (distance 1), never across the line."""
+    t, site = _sites([2] * 10)
+    members = [np.flatnonzero(site == s).tolist() for s in range(10)]
+    groups = chained_layout(t, members, 2, True, CostModel(t).pp_link)
+    plan = CostModel(t).plan(check_assignment(t, groups))
+    for p in plan.pipelines:
+        hops = [abs(int(site[a]) - int(site[b])) for a, b in itertools.pairwise(p)]
+        assert max(hops) <= 1, (p, hops)
+
+
+def test_segment_seeds_are_the_lazy_ones_and_valid() -> None:
+    inst = sf.generate("regions", 128, 1)
+    model = CostModel(inst.topology)
+    seeds = segment_seeds(model)
+    assert seeds == list(iter_segment_seeds(model))
+    assert len({tuple(g) for g in seeds}) == len(seeds)
+    for groups in seeds:
+        check_assignment(inst.topology, groups)
+
+
+def test_nearest_is_numpys_stable_argsort() -> None:
+    """The partial sort behind the greedy clusters picks the same neighbours, in the same order, as a
+    stable full sort, ties included (spot_mix swarms are full of exactly equal links)."""
+    rng = np.random.default_rng(3)
+    for trial in range(200):
+        rows = rng.integers(1, 12)
+        cols = rng.integers(1, 30)
+        x = rng.integers(0, 3, (rows, cols)).astype(float) if trial % 2 else rng.random((rows, cols))
+        size = int(rng.integers(1, cols + 1))
+        want = np.argsort(x, axis=1, kind="stable")[:, :size]
+        assert np.array_equal(nearest_first(x, size), want)
+
+
+class TickClock:
+    """A clock that advances ``step`` seconds every time it is read: a time budget becomes a count
+    of reads, the same on any box."""
+
+    def __init__(self, step: float) -> None:
+        self.now, self.step, self.reads = 0.0, step, 0
+
+    def __call__(self) -> float:
+        self.now += self.step
+        self.reads += 1
+        return self.now
+
+
+def test_start_layouts_get_at_most_a_quarter_of_the_time() -> None:
+    """A 256-device swarm with dozens of start layouts: with a time budget, evaluating them stops once
+    SEED_SHARE of it is gone (the rest are never built), and the search still returns a plan no worse
+    than the blocks layout and the greedy seeds it evaluated first."""
+    inst = sf.generate("regions", 256, 2)
+    t = inst.topology
+    total = len(list(iter_segment_seeds(CostModel(t)))) + 3
+    clock = TickClock(0.01)
+    result = evolutionary_search(t, seed=0, budget_seconds=1.0, clock=clock)
+    assert 3 <= result.start_evaluations < total
+    assert result.start_evaluations <= SEED_SHARE / 0.01 + 1
+    model = CostModel(t)
+    assert result.plan.cost <= min(model.evaluate(np.array(g)) for g in greedy_seeds(model)) + 1e-12
+
+
+def test_a_starved_search_still_returns_the_greedy_layout() -> None:
+    """A clock already past the budget at its first read (a coordinator starved of CPU): the blocks
+    layout and the two greedy seeds are evaluated anyway, and the cheapest of them comes back."""
+    t = sf.generate("volunteers", 128, 0).topology
+    result = evolutionary_search(t, seed=0, budget_seconds=1.0, clock=TickClock(100.0))
+    assert result.start_evaluations == 3 and result.stopped == "seconds"
+    model = CostModel(t)
+    assert result.plan.cost == pytest.approx(min(model.evaluate(np.array(g)) for g in greedy_seeds(model)), rel=1e-12)
+
+
+def test_scale_job_shapes_use_half_the_devices_or_more() -> None:
+    for devices in (256, 512, 1024):
+        for seed in range(20):
+            s, r = sf.scale_job_shape(devices, np.random.default_rng(seed))
+            assert 2 <= s <= 16 and devices // 2 - s < s * r <= devices
+
+
+def test_scale_mode_prints_one_json_line_per_size(capsys: pytest.CaptureFixture[str]) -> None:
+    """Budgets in CPU seconds (the child process gets the clock too): the figure a shared box can give."""
+    sf.main(["--scale", "--sizes", "256", "--seeds", "1", "--budget", "0.05", "--long-factor", "2",
+             "--clock", "cpu"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1
+    out = json.loads(lines[0])
+    assert out["mode"] == "scale" and out["devices"] == 256 and out["instances"] == 1 and out["clock"] == "cpu"
+    assert out["worst_regret"] >= 0 and out["greedy_worst_regret"] >= 0  # 50 ms may not reach the greedy seeds
+    row = out["rows"][0]
+    assert row["family"] == "volunteers" and row["stages"] * row["replicas"] >= 128
+    assert row["rss_peak_mb"] is None or row["rss_peak_mb"] > 0
