@@ -26,6 +26,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
+from typing import Any
 
 import grpc
 
@@ -229,16 +230,17 @@ class PeerClient:
                                metadata=md)
 
     def fetch_result(self, address: str, request: pb.ResultRequest, timeout: float, peer: str = "") -> Iterator[pb.ShardChunk]:
-        self.traffic.add_sent("outer", request.ByteSize())
-        stub, md = self._route(address, peer)
-        return counted(stub.FetchResult(request, timeout=timeout, metadata=md),
-                        lambda n: self.traffic.add_received("outer", n))
+        return self._streamed("FetchResult", "outer", address, request, timeout, peer)
 
     def fetch_inputs(self, address: str, request: pb.InputsRequest, timeout: float, peer: str = "") -> Iterator[pb.ShardChunk]:
-        self.traffic.add_sent("audit", request.ByteSize())
+        return self._streamed("FetchInputs", "audit", address, request, timeout, peer)
+
+    def _streamed(self, method: str, kind: str, address: str, request: Any, timeout: float, peer: str) -> Iterator[Any]:
+        """A call answered by a stream: the request's bytes and every reply's counted as ``kind``."""
+        self.traffic.add_sent(kind, request.ByteSize())
         stub, md = self._route(address, peer)
-        return counted(stub.FetchInputs(request, timeout=timeout, metadata=md),
-                        lambda n: self.traffic.add_received("audit", n))
+        return counted(getattr(stub, method)(request, timeout=timeout, metadata=md),
+                       lambda n: self.traffic.add_received(kind, n))
 
     def get_state_info(self, address: str, request: pb.StateInfoRequest, timeout: float, peer: str = "") -> pb.StateInfo:
         self.traffic.add_sent("state", request.ByteSize())
