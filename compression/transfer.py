@@ -148,10 +148,19 @@ class SnapshotServer:
 
 def stage_of(info: pb.StateInfo) -> int:
     """The pipeline stage a served state belongs to (its meta says; 0 for single-stage runs, -1 if garbled)."""
+    return _meta_int(info, "stage", -1)
+
+
+def epoch_of(info: pb.StateInfo) -> int:
+    """The epoch a served state was made in (its meta says; 0 if it names none, -1 if garbled)."""
+    return _meta_int(info, "epoch", -1)
+
+
+def _meta_int(info: pb.StateInfo, key: str, garbled: int) -> int:
     try:
-        return int(json.loads(info.meta_json or "{}").get("stage", 0))
+        return int(json.loads(info.meta_json or "{}").get(key, 0))
     except (ValueError, TypeError, AttributeError):
-        return -1
+        return garbled
 
 
 @dataclass(frozen=True)

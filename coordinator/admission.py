@@ -46,6 +46,9 @@ from potluck.protos.wire.records import AdmissionRequest, Certificate, Member, P
 log = get_logger(__name__)
 
 
+JOURNAL_ADMISSIONS_S = 5.0
+
+
 @dataclass
 class Admitted:
     tls_fingerprint: str
@@ -67,6 +70,34 @@ class Admission:
     revoked: set[str] = field(default_factory=set)
     _recent: deque = field(default_factory=deque)  # wall times of recent new admissions
     _answered: dict[str, int] = field(default_factory=dict)  # peer -> seq of the request last refused
+    changed: bool = False  # admitted changed since the journal last took it (see journaled)
+    journaled_at: float = 0.0  # (time.monotonic())
+    on_revoke: Callable[[str], None] = lambda peer_id: None  # (the coordinator's table forgets it at once)
+
+    def journal_due(self, every_s: float = JOURNAL_ADMISSIONS_S) -> bool:
+        """Admissions changed and were last journaled ``every_s`` ago: a join burst of 1,000 peers is a journal
+        write every few seconds, not every tick (one admitted in between and lost asks again: see peer/tasklet.py)."""
+        return self.changed and time.monotonic() - self.journaled_at >= every_s
+
+    def journaled(self, now: float | None = None) -> dict[str, dict[str, Any]]:
+        """The admissions still valid, as the journal keeps them (and the change taken)."""
+        now = time.time() if now is None else now
+        self.changed, self.journaled_at = False, time.monotonic()
+        return {pid: vars(a).copy() for pid, a in self.admitted.items() if a.not_after > now and pid not in self.revoked}
+
+    def restore(self, journaled: dict[str, dict[str, Any]], now: float | None = None) -> int:
+        """Take back the admissions a journal kept (a restarted coordinator: its peers' certificates, signed by
+        the same CA, are still good); expired, revoked or unreadable ones are dropped. How many were taken."""
+        now = time.time() if now is None else now
+        for pid, a in journaled.items():
+            try:
+                kept = Admitted(str(a["tls_fingerprint"]), float(a["not_after"]), float(a["issued_at"]))
+            except (KeyError, TypeError, ValueError):
+                log.warning("journal: admission of %s unreadable; it asks again", short_id(pid))
+                continue
+            if kept.not_after > now and pid not in self.revoked:
+                self.admitted[pid] = kept
+        return len(self.admitted)
 
     def review(self, requests: dict[str, AdmissionRequest], now: float | None = None,
                in_use: dict[str, str] | None = None) -> tuple[list[Certificate], list[str]]:
@@ -108,6 +139,7 @@ class Admission:
                 self._recent.append(now)
                 log.info("admitted %s", short_id(pid))
             self.admitted[pid] = Admitted(fp, now + self.lifetime_s, now)
+            self.changed = True
             out.append(Certificate(peer_id=pid, cert_pem=cert.decode(), not_after=now + self.lifetime_s,
                                    request_seq=req.seq, seq=int(now * 1e6)))
         return out, refused
@@ -141,6 +173,8 @@ class Admission:
     def revoke(self, peer_id: str) -> None:
         self.revoked.add(peer_id)
         self.admitted.pop(peer_id, None)
+        self.changed = True
+        self.on_revoke(peer_id)
 
 
 CERT_TTL_S = 300.0  # the certificate records in the DHT (peers re-ask every minute; see peer/admission.py)
@@ -152,7 +186,8 @@ class Gatekeeper:
     membership to admitted peers, and evicts a peer most of whose recent steps were clipped or rejected
     (as the owners that averaged them report)."""
 
-    def __init__(self, cfg: RunConfig, run_id: str, me: str, journal_dir: Path, revoked: list[str]) -> None:
+    def __init__(self, cfg: RunConfig, run_id: str, me: str, journal_dir: Path, revoked: list[str],
+                 admitted: dict[str, dict[str, Any]] | None = None) -> None:
         a = cfg.admission
         self.run_id, self.me = run_id, me
         self.ca = CertificateAuthority.load_or_create(journal_dir / "ca.key", me)
@@ -161,6 +196,8 @@ class Gatekeeper:
         self.token = join_token(journal_dir) if a.mode == "private" else ""
         self.admission = Admission(self.ca, run_id, a.mode, self.token, frozenset(a.allow), a.cert_lifetime_s,
                                    a.max_per_minute, revoked=set(revoked), pow_bits=a.pow_bits)
+        if admitted and self.admission.restore(admitted):
+            log.info("%d peers still admitted from the journal", len(self.admission.admitted))
         self.evict_after = a.evict_after
         self._flagged: dict[str, dict[int, bool]] = {}  # peer -> step -> clipped or rejected by most owners
         # of a stage's members, those whose reports count (past probation; all of them while none is)

@@ -29,11 +29,11 @@ from potluck.coordinator.finishing import Finish
 from potluck.coordinator.health import Health
 from potluck.coordinator.integrity import Integrity
 from potluck.coordinator.journal import JournalError
-from potluck.coordinator.membership import PeerTable, announce
+from potluck.coordinator.membership import PeerTable, announce, describe_round
 from potluck.coordinator.placement import PlacementWorker, grid_for, members
 from potluck.coordinator.publisher import Publisher
 from potluck.coordinator.reader import Reader
-from potluck.coordinator.rounds import Committed, Failed, RolledBack, Rounds, describe_round
+from potluck.coordinator.rounds import Committed, Failed, RolledBack, Rounds
 from potluck.coordinator.service import CoordinatorService, Pinger
 from potluck.coordinator.snapshot import RunInfo, Series, build
 from potluck.coordinator.status import StatusServer
@@ -61,9 +61,9 @@ class Coordinator:
         self.journal, self.state = bootstrap.open_journal(cfg)  # checks the run first: a refused one writes nothing
         self.identity = Identity.load_or_create(Path(c.journal_dir) / "identity.key")
         self.id, self.run_id = self.identity.peer_id, self.state.run_id
-        self.table = PeerTable(cfg.membership.heartbeat_timeout_s)
-        self.rounds = Rounds.for_run(cfg)
-        self.gate = Gatekeeper(cfg, self.run_id, self.id, Path(c.journal_dir), self.state.revoked)
+        self.table, self.rounds = PeerTable(cfg.membership.heartbeat_timeout_s), Rounds.for_run(cfg)
+        self.gate = Gatekeeper(cfg, self.run_id, self.id, Path(c.journal_dir), self.state.revoked, self.state.admitted)
+        self.gate.admission.on_revoke = self.table.evict  # (an evicted peer is in no round decided after it)
         self.tls = None if c.insecure else self.gate.tls  # gRPC with peers over mutual TLS unless --insecure
         self.client = PeerClient(self.traffic, tls=self.tls)
         self.pinger = Pinger(self.client, self.run_id, self.id)  # (a decision's pings run off the loop)
@@ -111,6 +111,7 @@ class Coordinator:
             self._save()
         self.node = bootstrap.start_node(self.identity, Path(c.journal_dir) / "identity.key", c, list(s.known_peers))
         self.reader = Reader(self.node, self.cfg)
+        self.rounds.resumed(time.monotonic())  # (the node's start took its time: the journaled round's grace starts now)
         host = bootstrap.public_host(c)
         self.grpc = bootstrap.grpc_server(CoordinatorService(self.id, lambda: self.rounds.committed, self.checkpointer),
                                           self.traffic, c, self.tls, self.gate.revoked, self.run_id)
@@ -140,8 +141,6 @@ class Coordinator:
             except Exception as err:  # everything else must still be stopped
                 log.warning("stopping the coordinator: one part did not stop cleanly (%s); stopping the rest", err)
 
-    # ------------------------------------------------------------------ the loop
-
     def tick(self) -> None:
         now, reader = time.monotonic(), self.reader
         refused = reader.poll(now)  # what the DHT reads brought (only the records that changed), refusals said once
@@ -163,7 +162,7 @@ class Coordinator:
         self._maybe_decide(now)
         self.state.history, added = history.fold(self.state.history, self.table.records(changed=True), self.rounds.round_at,
                                                  self.rounds.committed, memo=self._memo, everyone=self.table.records())
-        if added or self._dirty:
+        if added or self._dirty or self.gate.admission.journal_due():  # (admissions: every few seconds at most)
             self._save()
         self.publisher.publish(self.rounds.rounds.values())
         self.info.finished, self.info.checkpoint_version = self.state.finished, self.publisher.manifest.checkpoint_version
@@ -178,7 +177,7 @@ class Coordinator:
         if isinstance(ev, Committed):
             fault("coordinator.committed", ev.step)
             self.integrity.committed(self.rounds.round_at(ev.step), ev.step, self.table.reports())
-            self.state.known_peers = [m for v in self.table.live() for m in v.record.dht_maddrs[:1]][:16]
+            self.state.known_peers = bootstrap.known_peers([v.record for v in self.table.live()], self.state.known_peers)
             every, v, rnd = self.cfg.coordinator.checkpoint_every, ev.step, self.rounds.round_at(ev.step)
             if every and rnd is not None and (v // every > ev.since // every or v >= self.cfg.diloco.outer_steps):
                 self.checkpointer.want(Job.of(rnd, v, self.rounds.canonical, self.rounds.data.cursor(v)))
@@ -188,8 +187,7 @@ class Coordinator:
             self.integrity.rolled_back(ev.to_version)
             self.state.history, undone = history.roll_back(self.state.history, ev.to_version)
             self.state.rolled_back = (self.state.rolled_back + undone)[-200:]
-            self._event("rollback", "", f"rolled back from step {ev.from_step} to v{ev.to_version} ({ev.source}); "
-                        f"epoch {ev.epoch}")
+            self._event("rollback", "", f"rolled back from step {ev.from_step} to v{ev.to_version} ({ev.source}); epoch {ev.epoch}")
 
     def _checkpoints_done(self) -> None:
         for done in self.checkpointer.results():
@@ -215,7 +213,8 @@ class Coordinator:
         if (self.state.finished or self.rounds.committed >= self.cfg.diloco.outer_steps
                 or not self.rounds.ready_to_decide(len(live), self.cfg.membership.min_peers, now, self.table.reports())):
             return
-        if (answered := self.pinger.poll(v.record for v in live)) is None:  # None while the pings run (off this loop)
+        answered = self.pinger.poll((v.record for v in live), self.table.at_work(self.rounds.committed, self.rounds.epoch))
+        if answered is None:  # (while the pings run, off this loop)
             return
         records, t0 = answered  # (a decision costs from its first ping to the round published)
         before = {m.peer_id: (m.stage, m.replica) for m in getattr(self.rounds.rounds.get(self.rounds.committed), "members", [])}
@@ -239,6 +238,7 @@ class Coordinator:
         s.committed, s.epoch, s.rounds, s.hashes, s.cursors = r.committed, r.epoch, list(r.rounds.values()), r.hashes, r.data.to_json()
         s.outcomes, s.revoked, s.trust = ([vars(o) for o in r.outcomes], sorted(self.gate.admission.revoked),
                                           self.integrity.trust.to_json())
+        s.admitted = self.gate.admission.journaled()
         self.journal.save(s)
         self._dirty = False
 

@@ -39,7 +39,7 @@ from potluck.protos.net.swarm import JoinError, SwarmNode, guess_reachable_host,
 from potluck.protos.net.transport import PeerServer, Traffic
 from potluck.protos.runtime.log import get_logger
 from potluck.protos.wire.envelope import next_seq
-from potluck.protos.wire.records import DataIdentity, Manifest
+from potluck.protos.wire.records import DataIdentity, Manifest, PeerRecord
 from potluck.protos.wire.refusals import log_refusal
 
 log = get_logger(__name__)
@@ -102,6 +102,12 @@ def manifest(cfg: RunConfig, state: JournalState, info: RunInfo, grpc_address: s
                     checkpoint_version=served.version if served else 0, data=data_identity(cfg),
                     security="insecure" if c.insecure else "mtls", admission=cfg.admission.mode,
                     pow_bits=cfg.admission.pow_bits if cfg.admission.mode == "open" else 0, ca_pem=ca_pem)
+
+
+def known_peers(live: list[PeerRecord], before: list[str], keep: int = 16) -> list[str]:
+    """The DHT addresses a restarted coordinator rejoins through: the live peers' first, then those known before
+    (one of them may be back; the live ones alone shrink to whoever was admitted after the last restart)."""
+    return list(dict.fromkeys([m for rec in live for m in rec.dht_maddrs[:1]] + before))[:keep]
 
 
 def start_node(identity: Identity, identity_path: Path, c: CoordinatorConfig, known: list[str]) -> SwarmNode:

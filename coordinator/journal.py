@@ -57,6 +57,9 @@ class JournalState(BaseModel):
     trust: dict[str, Any] = Field(default_factory=dict, description="verified work per peer (coordinator/trust.py)")
     known_peers: list[str] = Field(default_factory=list, description="DHT addresses of recent peers: "
                                    "a restarted coordinator rejoins the swarm through them")
+    admitted: dict[str, dict[str, Any]] = Field(default_factory=dict, description="peer -> its admission "
+                                                "(TLS key fingerprint, not_after, issued_at): a restarted "
+                                                "coordinator takes its peers' heartbeats at once")
 
     @field_validator("hashes", mode="before")
     @classmethod

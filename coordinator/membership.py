@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from potluck.coordinator.rounds import Report
 from potluck.models import sizecheck
 from potluck.protos.config.runconfig import RunConfig
-from potluck.protos.wire.records import PeerRecord
+from potluck.protos.runtime.log import short_id
+from potluck.protos.wire.records import PeerRecord, Round
 
 GONE_STATES = {"left", "finished", "failed"}
 WORK_KINDS = ("outer", "state", "pipeline")  # bytes that show a peer is working (probes do not)
@@ -107,6 +108,13 @@ class PeerTable:
             self._forget(gone - self.keep_gone)
         return events
 
+    def evict(self, peer_id: str) -> None:
+        """An evicted peer no longer counts as there, from now: not at its last heartbeat's timeout (a round
+        decided in between would name it; its heartbeats are not read again)."""
+        view = self.peers.get(peer_id)
+        if view is not None:
+            view.lost = True
+
     def _forget(self, n: int) -> None:
         """Forget the ``n`` peers gone longest (their records stopped first)."""
         oldest = sorted((v.last_seen, pid) for pid, v in self.peers.items() if not v.live)[:n]
@@ -115,6 +123,12 @@ class PeerTable:
 
     def live(self) -> list[PeerView]:
         return [v for v in self.peers.values() if v.live]
+
+    def at_work(self, version: int, epoch: int) -> set[str]:
+        """Live peers whose record says they hold ``version`` made in ``epoch`` (they just averaged or fetched
+        it with their peers): proof enough that they answer, without a ping of the coordinator's own."""
+        return {pid for pid, v in self.peers.items() if v.live and version > 0 and v.record.version == version
+                and v.record.epoch == epoch}
 
     def records(self, changed: bool = False) -> list[PeerRecord]:
         """Every peer's record, or only those the last update changed."""
@@ -143,3 +157,13 @@ def announce(events: list[tuple[str, str]], table: PeerTable, cfg: RunConfig) ->
         if small:
             out.append(("memory", pid, small, True))
     return out
+
+
+def describe_round(rnd: Round, before: dict[str, tuple[int, int]]) -> str:
+    """The event-log line for a decision: its grid, epoch, and who was admitted or left out."""
+    ids = {m.peer_id for m in rnd.members}
+    joined, dropped = sorted(ids - set(before)), sorted(set(before) - ids)
+    changes = (f"; admitted {', '.join(map(short_id, joined))}" if joined and rnd.step > 1 else "") + (
+        f"; without {', '.join(map(short_id, dropped))}" if dropped else "")
+    shape = f" ({rnd.stages} stages x {len(rnd.members) // rnd.stages} replicas)" if rnd.stages > 1 else ""
+    return f"step {rnd.step}: {len(rnd.members)} members{shape}, epoch {rnd.epoch}{changes}"

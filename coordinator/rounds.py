@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from potluck.coordinator import groups
 from potluck.coordinator.cursor import Cursor, DataCursor
 from potluck.protos.config.runconfig import RunConfig
-from potluck.protos.runtime.log import short_id
 from potluck.protos.wire.records import Audit, Member, Round
 
 KEEP_ROUNDS = 16
@@ -105,6 +104,9 @@ class RoundOutcome:
     t: float = 0.0
 
 
+REGATHER = 3  # heartbeat timeouts for peers to gather again (after a restart: restore; a failure: ready_to_decide)
+
+
 @dataclass
 class Rounds:
     """Committed step, decided rounds, canonical hashes and the epoch of a run."""
@@ -121,10 +123,12 @@ class Rounds:
     hashes: dict[int, dict[int, str]] = field(default_factory=dict)  # stage -> version -> hash
     outcomes: list[RoundOutcome] = field(default_factory=list)
     _started: dict[int, float] = field(default_factory=dict)  # step -> when decided (or restored)
+    _restored: set[int] = field(default_factory=set)  # journaled rounds not decided by this process
     _committed_at: float | None = None
     _durations: deque = field(default_factory=lambda: deque(maxlen=KEEP_DURATIONS))
     _progress: dict[str, tuple[tuple, float]] = field(default_factory=dict)  # peer -> (signature, since)
     _fresh_start: bool = True  # no round is running after a failure (or ever): wait for min_peers
+    _failed_at: float | None = None  # when the last round failed (the wait for min_peers after it is bounded)
     wall: Callable[[], float] = time.time  # wall-clock stamps for the journal (every decision uses ``now``)
     data: DataCursor = field(default_factory=lambda: DataCursor(per_replica=1))  # who trains on which samples
 
@@ -169,14 +173,15 @@ class Rounds:
 
     def restore(self, committed: int, epoch: int, rounds: Iterable[Round], hashes: dict[int, dict[int, str]],
                 outcomes: Iterable[dict], now: float, cursors: dict | None = None) -> None:
-        """Resume from a journal. A journaled pending round gets ``grace_s`` for its members to show
-        up and a fresh deadline, counted from now."""
+        """Resume from a journal. A journaled pending round gets ``REGATHER`` times ``grace_s`` for its members to show
+        up and a fresh deadline, from now or :meth:`resumed` (their DHT nodes must find the coordinator's new one)."""
         self.committed, self.epoch = committed, epoch
         self.data.restore(cursors, committed)
         self.rounds = {r.step: r for r in rounds}
         self.hashes = {s: dict(v) for s, v in hashes.items()}
         self.outcomes = [RoundOutcome(**o) for o in outcomes]
         self._started = {step: now for step in self.rounds}
+        self._restored = set(self.rounds)
         self._committed_at = now
         self._fresh_start = not self.rounds
         latest = max(self.rounds, default=None)
@@ -185,6 +190,14 @@ class Rounds:
             shares, data_next, pool = self.data.assign(rnd.step - 1, [(m.peer_id, m.replica) for m in rnd.members
                                                                       if m.stage == 0])
             self.rounds[rnd.step] = rnd.model_copy(update={"shares": shares, "data_next": data_next, "pool": pool})
+
+    def resumed(self, now: float) -> None:
+        """The restarted coordinator serves from ``now``: the journaled rounds' clocks start here (a DHT that
+        took seconds to start must not eat the members' grace)."""
+        for step in self._restored:
+            if step in self._started:
+                self._started[step] = now
+        self._committed_at = now
 
     def observe(self, reports: Sequence[Report], now: float, checkpoint: Checkpoint | None = None) -> list[Event]:
         """Fold the peers' latest reports in: commits, canonical hashes, and failure of the pending round."""
@@ -276,7 +289,7 @@ class Rounds:
         started = self._started.setdefault(rnd.step, now)
         age = now - started
         live = {r.peer_id for r in reports if r.live}
-        if age >= self.grace_s:
+        if age >= self.grace_s * (REGATHER if rnd.step in self._restored else 1):
             for stage in range(rnd.stages):
                 if not any(m.peer_id in live for m in rnd.stage_members(stage)):
                     return f"stage {stage} lost all its members" if rnd.stages > 1 else "every member is gone"
@@ -315,7 +328,7 @@ class Rounds:
         self.epoch += 1
         self.committed = target
         self.data.roll_back(target, checkpoint.cursor if checkpoint is not None and checkpoint.version == target else None)
-        self._committed_at = now
+        self._committed_at, self._failed_at = now, now
         self._fresh_start = True
         self.outcomes.append(RoundOutcome(rnd.step, rnd.epoch, reason, len(rnd.members), target, self.wall()))
         self.outcomes = self.outcomes[-KEEP_ROUNDS:]
@@ -369,12 +382,13 @@ class Rounds:
 
     def ready_to_decide(self, live: int, min_peers: int, now: float, reports: Sequence[Report] = ()) -> bool:
         """Time to decide round ``committed + 1``? Never while one is running; a fresh start (the first
-        round, or the first after a failure) waits for ``min_peers``; otherwise the committed round
-        must have settled."""
+        round, or the first after a failure) waits for ``min_peers`` -- after a failure for ``REGATHER`` heartbeat
+        timeouts at most, then goes on with whoever is live (an evicted liar or a peer gone for good must not
+        stall the run); otherwise the committed round must have settled."""
         if self.pending() is not None or live < max(1, self.stages):
             return False
         if self._fresh_start:
-            return live >= min_peers
+            return live >= min_peers or (self._failed_at is not None and now - self._failed_at >= REGATHER * self.grace_s)
         return self.settled(now, reports=reports)
 
     def decide(self, members: list[Member], now: float, decided_at: float = 0.0, reports: Sequence[Report] = (),
@@ -434,12 +448,3 @@ class Rounds:
             for v in [v for v in by_version if v not in keep]:
                 del by_version[v]
 
-
-def describe_round(rnd: Round, before: dict[str, tuple[int, int]]) -> str:
-    """The event-log line for a decision: its grid, epoch, and who was admitted or left out."""
-    ids = {m.peer_id for m in rnd.members}
-    joined, dropped = sorted(ids - set(before)), sorted(set(before) - ids)
-    changes = (f"; admitted {', '.join(map(short_id, joined))}" if joined and rnd.step > 1 else "") + (
-        f"; without {', '.join(map(short_id, dropped))}" if dropped else "")
-    shape = f" ({rnd.stages} stages x {len(rnd.members) // rnd.stages} replicas)" if rnd.stages > 1 else ""
-    return f"step {rnd.step}: {len(rnd.members)} members{shape}, epoch {rnd.epoch}{changes}"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -86,22 +86,24 @@ class Pinger:
         self._thread: threading.Thread | None = None
         self._answer: tuple[list[PeerRecord], float, float] | None = None  # (reachable, began, ended)
 
-    def poll(self, records: Iterable[PeerRecord]) -> tuple[list[PeerRecord], float] | None:
+    def poll(self, records: Iterable[PeerRecord], proven: Collection[str] = ()) -> tuple[list[PeerRecord], float] | None:
+        """``proven``: peers whose own reports just showed them at work (they averaged or fetched the committed
+        step, and heartbeat): they are not pinged again. At 1,000 members that leaves the newcomers."""
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 return None
             answer, self._answer = self._answer, None
             if answer is not None and time.monotonic() - answer[2] <= self.max_age_s:
                 return answer[0], answer[1]
-            self._thread = threading.Thread(target=self._ping, args=(list(records), time.monotonic()), name="pinger",
-                                            daemon=True)
+            self._thread = threading.Thread(target=self._ping, args=(list(records), set(proven), time.monotonic()),
+                                            name="pinger", daemon=True)
             self._thread.start()
             return None
 
-    def _ping(self, records: list[PeerRecord], began: float) -> None:
+    def _ping(self, records: list[PeerRecord], proven: set[str], began: float) -> None:
         try:
-            ok = reachable(self.client, self.run_id, self.me, records)
+            ok = {r.peer_id for r in reachable(self.client, self.run_id, self.me, [r for r in records if r.peer_id not in proven])}
         except Exception:  # (a bug here must not stop decisions: nobody answered, ask again)
-            ok = []
+            ok = set()
         with self._lock:
-            self._answer = (ok, began, time.monotonic())
+            self._answer = ([r for r in records if r.peer_id in ok or r.peer_id in proven], began, time.monotonic())

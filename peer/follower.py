@@ -73,6 +73,7 @@ class Recover:
     version: int | None  # None: any version newer than the one held
     state_hash: str  # '' when any hash the sources agree on will do
     reason: str
+    epoch: int = 0  # with version None: made in this epoch or a later one (not the state of an abandoned epoch)
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,8 @@ class Follower:
                            f"v{latest.step - 1}, this peer holds v{held.version}")
         if self._failed is not None and self._failed[0] == step:
             if now - self._failed[1] < self.plan_wait_s:
-                return Recover(None, "", f"step {step} failed here; fetching it from a member that committed it")
+                return Recover(None, "", f"step {step} failed here; fetching it from a member that committed it",
+                               latest.epoch)
             self._failed = None  # nobody got past it: run it again
         if latest.step == step:
             if base and base != held.state_hash:
@@ -124,13 +126,19 @@ class Follower:
             return Wait(f"waiting for the coordinator's round for step {step}", 0.5)
         return Train(latest, step)
 
-    def resolve(self, plan: Plan | None, step: int, stage: int, held_hash: str) -> Round | None:
+    def resolve(self, plan: Plan | None, step: int, stage: int, held_hash: str, epoch: int) -> Round | None:
         """The round whose members average ``step`` with this peer: the coordinator's round for it if
         decided, else the last plan's (it is away). None if this peer is not in it, or not from the
-        state it holds (its delta would not fit: it must recover instead)."""
+        state it holds (its delta would not fit: it must recover instead), or if the last plan is of a newer
+        ``epoch`` than the state held: the run was rolled back past it while it trained, and training on
+        would carry the abandoned epoch's state into the new one."""
         current = plan.round_for(step) if plan else None
         me = current.member(self.me) if current else None
         if current is None or me is None or me.stage != stage:
+            return None
+        if current.epoch > epoch and current.step != step:
+            log.warning("the run was rolled back to v%d (epoch %d) while this peer trained step %d of epoch %d: "
+                        "discarding it", current.step - 1, current.epoch, step, epoch)
             return None
         if current.step != step:
             log.warning("no decision from the coordinator for step %d; using the members of step %d", step, current.step)

@@ -94,7 +94,8 @@ class OuterSteps:
         t0, t = time.monotonic(), s.tasklet
         info = self._resolve(step)
         if info is None:
-            log.warning("not a member of step %d after all; discarding its inner steps", step)
+            log.warning("step %d is not this peer's to commit (not a member after all, or rolled back); discarding "
+                        "its inner steps", step)
             return self._fail(step)
         held = t.states.current
         delta = pseudo_gradient(held.tensors["theta"], t.worker.theta()) if contribute else None
@@ -152,7 +153,8 @@ class OuterSteps:
                       else theta)
         info = self._resolve(step)
         if info is None:
-            log.warning("not a member of step %d after all; discarding its inner steps", step)
+            log.warning("step %d is not this peer's to commit (not a member after all, or rolled back); discarding "
+                        "its inner steps", step)
             return self._fail(step)
         try:
             base = self._base(info)
@@ -212,7 +214,8 @@ class OuterSteps:
         s = self.s
         plan = s.heartbeat.wait_plan(lambda p: p is not None and any(r.step == step for r in p.rounds),
                                      timeout=s.cfg.plan_wait_s)
-        rnd = s.follower.resolve(plan, step, s.tasklet.stage, s.tasklet.states.current.hash)
+        held = s.tasklet.states.current
+        rnd = s.follower.resolve(plan, step, s.tasklet.stage, held.hash, int(held.meta.get("epoch", 0)))
         if rnd is None:
             return None
         info = s.tasklet.round_info(rnd, step)

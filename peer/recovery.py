@@ -17,6 +17,7 @@ from potluck.compression.transfer import (
     SnapshotUnavailable,
     Source,
     Target,
+    epoch_of,
     fetch_snapshot,
     probe_sources,
 )
@@ -36,8 +37,8 @@ def find_sources(client: PeerClient, header: pb.Header, targets: Sequence[Target
                  held_version: int) -> list[Source]:
     """The sources serving the wanted state, all at one (version, hash): the newest most agree on."""
     probed = probe_sources(client, header, targets, stage=stage, version=want.version)
-    if want.version is None:
-        fits = [s for s in probed if s.info.version > held_version]
+    if want.version is None:  # (peers still on an abandoned epoch serve newer versions of it: not those)
+        fits = [s for s in probed if s.info.version > held_version and epoch_of(s.info) >= want.epoch]
     else:
         fits = [s for s in probed if s.info.version == want.version
                 and (not want.state_hash or s.info.state_hash == want.state_hash)]

@@ -7,6 +7,7 @@ Real keys and certificates throughout: the CA issues X.509 certificates that the
 from __future__ import annotations
 
 import tempfile
+import time
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from potluck.protos.net.certs import (
 from potluck.protos.net.identity import Identity
 from potluck.protos.net.swarm import DHTTimeout
 from potluck.protos.wire.records import AdmissionRequest, Member, PeerRecord, Round, StepReport
+from potluck.protos.wire.states import PeerState
 
 RUN, T0 = "adm", 1_000_000.0
 
@@ -203,6 +205,29 @@ def test_heartbeats_of_peers_never_admitted_are_ignored(tmp_path: Path) -> None:
     assert kept == {} and events == [("rejected", pid, "heartbeat ignored: not admitted")]
 
 
+def test_a_restarted_coordinator_keeps_its_admissions_and_drops_what_it_must_not(tmp_path: Path) -> None:
+    """Admissions are journaled: a restarted coordinator takes its peers' heartbeats at once (their certificates,
+    signed by the same CA, are still good) instead of ignoring them until each asks again. An expired, revoked or
+    unreadable entry is not taken back."""
+    me, t0 = Identity.generate().peer_id, time.time()  # (the restart reads the clock)
+    first = Gatekeeper(RunConfig(), RUN, me, tmp_path, [])
+    asks = [asking() for _ in range(3)]
+    first.admission.review({pid: req for pid, _, req in asks}, now=t0)
+    assert first.admission.changed
+    first.admission.revoke(asks[2][0])
+    kept = first.admission.journaled(now=t0 + 1)
+    assert sorted(kept) == sorted(pid for pid, _, _ in asks[:2]) and not first.admission.changed
+    kept["stale"] = {**kept[asks[0][0]], "not_after": t0}  # expired
+    kept["garbled"] = {"tls_fingerprint": "x"}  # (a journal edited by hand)
+    again = Gatekeeper(RunConfig(), RUN, me, tmp_path, [asks[1][0]], kept)  # asks[1] was evicted since
+    now = t0 + 2
+    assert again.admission.is_admitted(asks[0][0], now) and not again.admission.is_admitted(asks[1][0], now)
+    assert not again.admission.is_admitted("stale", now) and not again.admission.is_admitted("garbled", now)
+    again_req = asks[0][2]  # its next renewal request (same TLS key, fresh): nothing to answer
+    assert again.admission.review({asks[0][0]: again_req}, now=now) == ([], [])
+    assert not again.admission.new_process(asks[0][0], again_req)
+
+
 def test_a_restarted_peer_waits_past_the_certificate_of_its_previous_tls_key(ca: CertificateAuthority) -> None:
     """The DHT still holds the certificate issued to the identity's previous process (another TLS key):
     that is a delay until the coordinator answers the new request, not a refusal."""
@@ -272,7 +297,7 @@ def test_a_second_live_process_of_one_identity_is_refused_and_a_restart_is_not(t
     # a restart after a goodbye (Ctrl+C, SIGTERM): nobody is asked
     later = TlsIdentity.generate()
     node.requests = {pid: AdmissionRequest(peer_id=pid, run_id=RUN, tls_key=later.public_pem.decode(), ts=T0 + 4, seq=5)}
-    gate.tick(node, {pid: running.model_copy(update={"state": "left"})}, lambda s: None, alive)  # type: ignore[arg-type]
+    gate.tick(node, {pid: running.model_copy(update={"state": PeerState.LEFT})}, lambda s: None, alive)  # type: ignore[arg-type]
     assert node.published[-1].cert_pem and node.published[-1].request_seq == 5 and len(alive.asked) == 1
 
 

@@ -21,6 +21,7 @@ from potluck.protos.net.identity import Identity
 from potluck.protos.net.swarm import DHTTimeout, SwarmNode
 from potluck.protos.wire.envelope import ENVELOPE_VERSION, seal
 from potluck.protos.wire.records import Manifest, PeerRecord
+from potluck.protos.wire.states import PeerState
 
 COORD, PEER, MALLORY = Identity.generate(), Identity.generate(), Identity.generate()
 
@@ -136,7 +137,7 @@ def test_a_goodbye_right_after_a_heartbeat_reaches_the_coordinator() -> None:
             assert time.monotonic() < deadline, "the heartbeat never reached the coordinator's node"
             time.sleep(0.1)
         beat.poke()  # one more heartbeat, then the goodbye at once
-        beat.stop(goodbye=training.model_copy(update={"state": "finished", "seq": time.time_ns()}))
+        beat.stop(goodbye=training.model_copy(update={"state": PeerState.FINISHED, "seq": time.time_ns()}))
         records, refused = a.get_peers()
         assert not refused and records[PEER.peer_id].state == "finished"
     finally:

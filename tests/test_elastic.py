@@ -45,6 +45,8 @@ def test_coordinator_kill_and_restart_loses_no_outer_step(swarm) -> None:  # typ
         "the run to finish after the restart")
     steps = [h["step"] for h in state["history"]]
     assert steps == list(range(1, 11)), steps
+    after = (swarm.logs / "coordinator.log").read_text().rsplit("resuming run", 1)[-1]
+    assert "not admitted" not in after and "] admitted " not in after, after  # its admissions were journaled
     assert all(len(set(h["state_hashes"].values())) == 1 for h in state["history"] if h["state_hashes"])
     assert state["history"][-1]["eval_loss"] < state["history"][0]["eval_loss"]
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from potluck.compression.transfer import Target
 from potluck.peer.follower import Finish, Follower, Held, Recover, Switch, Train, Wait
+from potluck.peer.recovery import find_sources
+from potluck.protos import potluck_pb2 as pb
 from potluck.protos.wire.records import Member, Plan, Round
 
 ME = "me"
@@ -78,7 +81,37 @@ def test_a_failed_step_is_fetched_from_others_then_run_again() -> None:
 
 def test_resolve_picks_the_explicit_round_or_the_last_plans_members() -> None:
     f = follower()
-    assert f.resolve(plan(rnd(4, base="h3")), 4, 0, "h3") == rnd(4, base="h3")
-    assert f.resolve(plan(rnd(4, base="h3")), 6, 0, "h5") == rnd(4, base="h3")  # coordinator away
-    assert f.resolve(plan(rnd(4, base="h3")), 4, 0, "other") is None  # not from the state it holds
-    assert f.resolve(plan(rnd(4, members=("x", "y"))), 4, 0, "h3") is None  # not a member
+    assert f.resolve(plan(rnd(4, base="h3")), 4, 0, "h3", 0) == rnd(4, base="h3")
+    assert f.resolve(plan(rnd(4, base="h3")), 6, 0, "h5", 0) == rnd(4, base="h3")  # coordinator away
+    assert f.resolve(plan(rnd(4, base="h3")), 4, 0, "other", 0) is None  # not from the state it holds
+    assert f.resolve(plan(rnd(4, members=("x", "y"))), 4, 0, "h3", 0) is None  # not a member
+
+
+def test_a_rollback_that_lands_while_a_step_trains_is_not_trained_on() -> None:
+    """The plan's newest round is the rerun of step 1 in epoch 1 (a proven lie was undone) while this peer,
+    still on epoch 0, trained step 4 on the last plan: it must not average step 4 with that round's members
+    (two honest peers did, and carried the abandoned epoch's state into the new one, untrained, to the end)."""
+    f = follower()
+    rerun = rnd(1, epoch=1)
+    assert f.resolve(plan(rerun), 4, 0, "h3", 0) is None
+    assert isinstance(f.next(plan(rerun), held(3), 0.0), Recover)  # and next it recovers v0
+    assert f.resolve(plan(rerun), 1, 0, "h0", 0) == rerun  # the rerun itself, from a state it holds: joins
+    assert f.resolve(plan(rerun), 5, 0, "h4", 1) == rerun  # its own epoch's last plan: the coordinator is away
+
+
+def test_a_step_that_failed_here_is_not_fetched_from_peers_still_on_an_abandoned_epoch() -> None:
+    """After a rollback, peers that have not seen it yet serve newer versions of the abandoned epoch: a step that
+    failed here is fetched only from states of the plan's epoch (a peer fetched v3 of epoch 0 again and again)."""
+    f = follower()
+    f.failed(1, now=0.0)
+    want = f.next(plan(rnd(1, epoch=1)), held(0, epoch=1), 1.0)
+    assert isinstance(want, Recover) and want.version is None and want.epoch == 1
+    served = {"old": pb.StateInfo(version=3, state_hash="a", meta_json='{"epoch": 0}'),
+              "new": pb.StateInfo(version=1, state_hash="b", meta_json='{"epoch": 1}')}
+
+    class Client:
+        def get_state_info(self, address: str, request: pb.StateInfoRequest, timeout: float, peer: str = "") -> pb.StateInfo:
+            return served[peer]
+
+    targets = [Target("old", "old:1"), Target("new", "new:1")]
+    assert [s.target.peer_id for s in find_sources(Client(), pb.Header(), targets, 0, want, 0)] == ["new"]  # type: ignore[arg-type]

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from potluck.coordinator.admission import Gatekeeper
 from potluck.coordinator.history import fold, roll_back
 from potluck.coordinator.membership import PeerTable
 from potluck.coordinator.placement import members, sticky_placement
-from potluck.coordinator.rounds import Checkpoint, Committed, Failed, RolledBack, Rounds
+from potluck.coordinator.rounds import REGATHER, Checkpoint, Committed, Failed, RolledBack, Rounds
+from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.wire.records import PeerRecord, StepReport
 
 TIMEOUT = 5.0
@@ -86,6 +90,19 @@ def test_goodbye_evicts_at_once() -> None:
     assert ("left", "a") in events and t.live() == []
 
 
+def test_an_evicted_peer_is_in_no_round_decided_after_its_eviction(tmp_path: Path) -> None:
+    """Evicting a peer takes it out of the table at once, not at its last heartbeat's timeout: a round decided
+    in between named it (a liar proven at step 1 was a member, and a shard owner, of the rerun of step 1)."""
+    s = Swarm(min_peers=3)
+    gate = Gatekeeper(RunConfig(), "run", "coordinator-id", tmp_path, [])
+    gate.admission.on_revoke = s.table.evict
+    now = run_to(s, 1)
+    gate.admission.revoke("c")  # (its heartbeats stop reaching the table: the gate no longer passes them)
+    assert sorted(v.record.peer_id for v in s.table.live()) == ["a", "b"]
+    assert "c" not in {m.peer_id for m in s.decide().members}  # type: ignore[attr-defined]
+    assert s.table.update({}, now=now + 1) == []  # and it is not reported lost later on top of evicted
+
+
 def test_a_peer_that_said_goodbye_and_heartbeats_again_is_back() -> None:
     """A volunteer's Ctrl+C, then the same key again: the goodbye used to keep the id out for good."""
     t = PeerTable(heartbeat_timeout_s=100)
@@ -153,6 +170,25 @@ def test_every_member_of_the_pending_round_dies_so_it_fails_and_the_run_resumes_
     assert [o.step for o in s.rounds.outcomes] == [4]
 
 
+def test_after_a_failure_the_run_waits_for_min_peers_a_bounded_time_then_goes_on_with_whoever_is_live() -> None:
+    """An evicted liar (or a peer gone for good) leaves fewer live peers than ``min_peers``: the run waits
+    ``REGATHER`` heartbeat timeouts for others to come, then goes on with the peers it has (it used to wait
+    forever). The first round of a run waits for ``min_peers`` without a bound: that is the operator's ask."""
+    s = Swarm(min_peers=3)
+    assert not s.rounds.ready_to_decide(2, 3, 10_000.0)  # never a first round with fewer
+    now = run_to(s, 3)
+    s.decide()
+    lie = s.rounds.retract(2, "a proven lie", s.table.reports(), None, now + 0.5)  # (the coordinator's check)
+    assert [type(e) for e in lie][:1] == [Failed] and s.rounds.committed == 0  # (nobody holds v1: theta_0)
+    for t in (now + 1, now + 0.5 + REGATHER * TIMEOUT - 0.5):
+        s.tick(t, *(rec(p, 0, "waiting") for p in "ab"))  # c was the liar: evicted, silent
+        assert not s.rounds.ready_to_decide(2, 3, t, s.table.reports()), t
+    t = now + 0.5 + REGATHER * TIMEOUT
+    s.tick(t, *(rec(p, 0, "waiting") for p in "ab"))
+    r = s.decide()
+    assert (r.step, r.epoch, sorted(m.peer_id for m in r.members)) == (1, 1, ["a", "b"])
+
+
 def test_a_journaled_pending_round_of_peers_that_never_come_back_fails_after_a_restart() -> None:
     s = Swarm()
     run_to(s, 3)
@@ -160,9 +196,11 @@ def test_a_journaled_pending_round_of_peers_that_never_come_back_fails_after_a_r
     journal = (s.rounds.committed, s.rounds.epoch, list(s.rounds.rounds.values()), s.rounds.hashes, [])
     restarted = Swarm()
     restarted.rounds.restore(*journal, now=100.0)
+    restarted.rounds.resumed(107.0)  # its DHT took 7 s to start: the members' grace counts from here
     assert restarted.rounds.pending() is not None and restarted.rounds.pending().step == 4
-    assert restarted.tick(100.0 + TIMEOUT - 1, rec("x")) == []  # its members may still show up
-    events = restarted.tick(100.0 + TIMEOUT + 0.5, rec("x"))
+    grace = REGATHER * TIMEOUT  # (their DHT nodes must find the coordinator's new one first)
+    assert restarted.tick(107.0 + grace - 1, rec("x")) == []  # its members may still show up
+    events = restarted.tick(107.0 + grace + 0.5, rec("x"))
     assert any(isinstance(e, Failed) for e in events)
     # nobody holds v3 and there is no checkpoint: every peer can rebuild theta_0
     back = next(e for e in events if isinstance(e, RolledBack))

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
+import grpc
 import pytest
 from fake_state import make_state
 from hivemind.utils import get_dht_time
@@ -270,6 +271,32 @@ def test_a_decisions_pings_run_off_the_loop() -> None:
         time.sleep(0.05)
     assert answer is not None and answer[0] == [] and answer[1] >= t0
     client.close()
+
+
+def test_a_decision_pings_only_the_peers_its_reports_do_not_show_at_work() -> None:
+    """Members whose records hold the committed step of this epoch just averaged (or fetched) it with their peers:
+    a decision pings the others only (at 1,000 members, the newcomers: pinging all took 3-6 s). A peer at an older
+    version or of another epoch is pinged like a stranger."""
+    table = PeerTable(heartbeat_timeout_s=60.0)
+    recs = {p: PeerRecord(peer_id=p, address="127.0.0.1:1", seq=1, version=v, epoch=e)  # nobody listens there
+            for p, v, e in (("a", 7, 2), ("b", 7, 2), ("old", 6, 2), ("other-epoch", 7, 1), ("new", 0, 0))}
+    table.update(recs, now=0.0)
+    proven = table.at_work(7, 2)
+    assert proven == {"a", "b"} and table.at_work(0, 0) == set()  # (version 0 proves nothing: anyone holds it)
+    pinged: list[str] = []
+
+    class Client:
+        def ping(self, address: str, request: object, timeout: float, peer: str = "") -> object:
+            pinged.append(peer)
+            raise grpc.RpcError()
+
+    pinger = Pinger(Client(), "run", "me")  # type: ignore[arg-type]
+    deadline, answer = time.monotonic() + 30, None
+    while answer is None and time.monotonic() < deadline:
+        answer = pinger.poll(recs.values(), proven)
+        time.sleep(0.02)
+    assert answer is not None and sorted(r.peer_id for r in answer[0]) == ["a", "b"]
+    assert sorted(pinged) == ["new", "old", "other-epoch"]
 
 
 def test_a_rounds_audits_stay_within_its_bound_and_draw_as_before() -> None:

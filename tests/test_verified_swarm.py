@@ -35,15 +35,7 @@ def fresh(swarm, tmp_path: Path, name: str) -> None:  # type: ignore[no-untyped-
     swarm.__init__(swarm.procs, tmp_path / name)
 
 
-# Known regression, not hidden: since the coordinator's incremental reads (#30) were merged, the honest peers
-# of this run do not go on after the rollback to v0 (seen 2026-11-26: two of them wait at step 3 on the old
-# round; the run "finishes" untrained, eval loss 4.14 against 2.41). It passed on the #29 branch alone.
-# Not run until fixed, so that it does not cost CI two 300 s timeouts; the stop note says so.
-REGRESSION = pytest.mark.xfail(run=False, strict=True, reason="a lying owner's rollback does not resume the honest "
-                               "peers since #30's coordinator reads (see the comment above)")
-
-
-@pytest.mark.parametrize("lie", [pytest.param("shift=0.5", marks=REGRESSION), pytest.param("spike", marks=REGRESSION)])
+@pytest.mark.parametrize("lie", ["shift=0.5", "spike"])
 def test_a_lying_owner_is_proven_evicted_and_its_steps_undone(swarm, tmp_path: Path, lie: str) -> None:  # type: ignore[no-untyped-def]
     """The owner of a shard shifts its mean by 0.5 (or sets one coordinate to 1e6) at every step. Its auditor
     finds the first lie during the next step, the coordinator checks the evidence itself, evicts the owner and
