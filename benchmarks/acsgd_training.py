@@ -32,7 +32,7 @@ from torch import nn
 
 from potluck.compression.acsgd import AcsgdConfig, AcsgdMessage, AcsgdReceiver, AcsgdSender, make_grad_codec
 from potluck.compression.actcodec import ActCodec, Packet
-from potluck.peer.data import Dataset, ShardSampler
+from potluck.peer.data import Dataset, in_run_order
 from potluck.peer.model import build_layers, forward_layers, lm_loss
 from potluck.protos.config.runconfig import DataConfig, ModelConfig
 
@@ -97,7 +97,7 @@ def finetune(start: nn.ModuleList, data: Dataset, name: str, args: argparse.Name
     layers = copy.deepcopy(start)
     stage0, stage1 = layers[: args.cut], layers[args.cut :]
     opt = torch.optim.AdamW(layers.parameters(), lr=args.lr)
-    sampler = ShardSampler(args.samples, 0, 1, seed=1)
+    sampler = in_run_order(args.samples, 1, args.steps * args.batch)  # (epoch after epoch, each in its own order)
     boundary = Boundary(name)
     first_epoch_steps = -(-args.samples // args.batch)
     act_bytes_epoch1 = 0

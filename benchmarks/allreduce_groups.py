@@ -26,17 +26,15 @@ owner's result push to its backup timed out and the all-reduce went wrong (see t
 
 from __future__ import annotations
 
-import argparse
 import json
-import signal
 import statistics
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 import torch
+from benchargs import bench_parser
 from diloco_allreduce import Member  # (benchmarks/ is on the path of a script run from it)
 
 from potluck.compression.int8 import Int8BlockCodec
@@ -103,8 +101,7 @@ def measure(members: int, group_size: int, numel: int, block: int, rounds: int, 
 
 
 def main() -> None:
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--sizes", default="8,32,64", help="members R, comma-separated")
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--numel", type=int, default=1 << 16, help="float32 values each member averages")

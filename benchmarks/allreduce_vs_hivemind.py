@@ -22,7 +22,6 @@ import argparse
 import hashlib
 import json
 import multiprocessing as mp
-import signal
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+from benchargs import bench_parser
 
 HERE = Path(__file__).resolve().parent
 
@@ -144,8 +144,7 @@ def hivemind(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--numel", type=int, default=20_000_000)
     parser.add_argument("--peers", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per trial, after one warm-up round")

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import statistics
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from benchargs import bench_parser
 
 from potluck.compression.int8 import Codec, make_codec
 from potluck.local import LocalSwarm
@@ -186,9 +186,7 @@ def security_cost(numel: int, rounds: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    # a SIGTERM (e.g. from `timeout`) unwinds through ProcessGroup's cleanup instead of orphaning the swarm
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--outer-steps", type=int, default=4)
     parser.add_argument("--inner-steps", type=int, default=50)
     parser.add_argument("--security-rounds", type=int, default=8, help="all-reduce rounds each way (0: skip)")

@@ -26,12 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import signal
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchargs import bench_parser, swarm_arguments
 
 from potluck.local import LocalSwarm, SwarmError
 from potluck.protos.config.files import apply_overrides
@@ -105,17 +106,9 @@ def logged_evals(logs: Path, version: int) -> list[float]:
 
 
 def main() -> None:
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--peers", type=int, default=16)
+    parser = bench_parser(__doc__)
+    swarm_arguments(parser, peers=16, outer_steps=10)
     parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--inner-steps", type=int, default=50)
-    parser.add_argument("--outer-steps", type=int, default=10)
-    parser.add_argument("--batch", type=int, default=16, help="train.batch_size of each peer")
-    parser.add_argument("--d-model", type=int, default=64)
-    parser.add_argument("--n-layers", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per peer")
     parser.add_argument("--deadline-floor", type=float, default=120.0,
                         help="sync.deadline_floor_s: generous, so no member of an overloaded box is dropped")
     parser.add_argument("--order", choices=["grouped-first", "full-first"], default="grouped-first")

@@ -23,11 +23,11 @@ import argparse
 import json
 import os
 import re
-import signal
 import statistics
-import sys
 import tempfile
 from pathlib import Path
+
+from benchargs import bench_parser
 
 from potluck.local import LocalSwarm
 from potluck.protos.config.files import apply_overrides
@@ -57,8 +57,7 @@ def threads_of(pids: list[int]) -> list[int]:
 
 
 def main() -> None:
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--joiners", type=int, default=3, help="joiners started one after another")
     parser.add_argument("--shared-cpu", action="store_true", help="do not lower the other peers' CPU priority")
     parser.add_argument("--workdir", help="keep the run's logs here (default: a temporary directory)")

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 import tempfile
 import threading
@@ -44,6 +43,7 @@ import time
 from pathlib import Path
 
 import torch
+from benchargs import bench_parser, swarm_arguments
 
 from potluck.local import LocalSwarm, SwarmError
 from potluck.models import stage_bounds
@@ -129,17 +129,8 @@ def run_sync(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    # a SIGTERM (e.g. from `timeout`) unwinds through ProcessGroup's cleanup instead of orphaning the swarm
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--peers", type=int, default=4)
-    parser.add_argument("--inner-steps", type=int, default=50)
-    parser.add_argument("--outer-steps", type=int, default=10)
-    parser.add_argument("--batch", type=int, default=16, help="train.batch_size of each peer")
-    parser.add_argument("--d-model", type=int, default=64)
-    parser.add_argument("--n-layers", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0, help="train.seed and data.seed (model init, data, order)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of the in-process sync run")
+    parser = bench_parser(__doc__)
+    swarm_arguments(parser, peers=4, outer_steps=10)
     parser.add_argument("--order", choices=["blocking-first", "overlap-first"], default="overlap-first")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds each swarm run may take")
     args = parser.parse_args()

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchargs import bench_parser, swarm_arguments
 
 from potluck.local import LocalSwarm
 from potluck.protos.config.files import apply_overrides
@@ -75,11 +76,8 @@ def run_swarm(args: argparse.Namespace, workdir: Path, overlap: bool) -> dict:
 
 
 def main() -> None:
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--peers", type=int, default=4)
-    parser.add_argument("--inner-steps", type=int, default=50)
-    parser.add_argument("--outer-steps", type=int, default=5)
+    parser = bench_parser(__doc__)
+    swarm_arguments(parser, peers=4, outer_steps=5, model=False)
     parser.add_argument("--mbps", type=float, default=100.0)
     parser.add_argument("--delay-ms", type=float, default=50.0)
     parser.add_argument("--order", choices=["blocking-first", "overlap-first"], default="blocking-first")

@@ -21,18 +21,16 @@ better than direct quantization at the same bits.
 
 from __future__ import annotations
 
-import argparse
 import json
-import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator
 
 import torch
+from benchargs import bench_parser
 
 from potluck.models import stage_bounds
-from potluck.peer.data import Dataset, ShardSampler
+from potluck.peer.data import Dataset, in_run_order
 from potluck.peer.model import build_layers, lm_loss
 from potluck.peer.pipeline import Neighbour, Pipeline
 from potluck.protos import potluck_pb2 as pb
@@ -77,7 +75,7 @@ def train(cfg: RunConfig, data: Dataset, steps: int, epoch_steps: int) -> dict:
     a, b = stages
     a.pipe.begin_round(1, 0, None, Neighbour(b.id, b.address))
     b.pipe.begin_round(1, 0, Neighbour(a.id, a.address), None)
-    sampler = ShardSampler(cfg.data.num_samples, 0, 1, cfg.data.seed)
+    sampler = in_run_order(cfg.data.num_samples, cfg.data.seed, steps * cfg.train.batch_size)
     marks: dict[str, dict] = {}
     errors: list[BaseException] = []
 
@@ -136,8 +134,7 @@ def mean_loss(layers: list, data: Dataset, ids: list[int]) -> float:
 
 
 def main() -> None:
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--steps", type=int, default=320)
     parser.add_argument("--samples", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=32)

@@ -28,13 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from benchargs import bench_parser
 
 from potluck.local import LocalSwarm, SwarmError
 from potluck.protos.config.files import apply_overrides
@@ -105,8 +106,7 @@ def run_swarm(args: argparse.Namespace, workdir: Path, stages: int) -> dict[str,
 
 
 def main() -> None:
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--preset", default=None, help="a Llama preset (e.g. llama-150m) instead of the CPU model")
     parser.add_argument("--seq-len", type=int, default=0)

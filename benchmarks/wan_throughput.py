@@ -58,13 +58,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from benchargs import bench_parser
 
 from potluck.local import LocalSwarm, SwarmError
 from potluck.protos.config.files import apply_overrides
@@ -150,9 +151,7 @@ def run_swarm(args: argparse.Namespace, workdir: Path, settings: dict[str, Any],
 
 
 def main() -> None:
-    # a SIGTERM (e.g. from `timeout`) unwinds through ProcessGroup's cleanup instead of orphaning the swarm
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--inner-steps", type=int, default=50, help="H of the potluck run")
     parser.add_argument("--outer-steps", type=int, default=2, help="outer steps of the potluck run")
     parser.add_argument("--baseline-steps", type=int, default=50,

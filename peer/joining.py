@@ -30,7 +30,7 @@ from potluck.data import DataError
 from potluck.data.corpus import locate
 from potluck.peer import admission
 from potluck.protos.config.files import known_fields_only, parse_config
-from potluck.protos.config.runcheck import file_identity, markov_identity, non_public
+from potluck.protos.config.runcheck import checked_identity, markov_identity, non_public
 from potluck.protos.config.runconfig import PeerConfig, RunConfig
 from potluck.protos.config.section import ConfigError
 from potluck.protos.net.certs import TlsIdentity, token_proof
@@ -145,12 +145,8 @@ def with_local_data(config: RunConfig, run_data: DataIdentity, data_path: str | 
     fix = "get the run's corpus and pass --data-path FILE" + (
         "" if data_path or Path(d.path).expanduser().is_absolute()
         else f" (without it, data.path is looked up in this peer's working directory {os.getcwd()})")
-    if not path.is_file():
-        raise DataError(f"no corpus at {path}: this peer needs {theirs}; {fix}")
-    try:
-        mine = file_identity(path)
-    except OSError as err:
-        raise DataError(f"cannot read the corpus at {path}: {err.strerror or err}") from None
+    mine = checked_identity(path, DataError, f"no corpus at {path}: this peer needs {theirs}; {fix}",
+                            lambda why: f"cannot read the corpus at {path}: {why}")
     if not run_data.sha256:
         log.warning("the coordinator did not publish its corpus's sha256: cannot check that %s is the run's corpus", path)
     elif (mine.sha256, mine.size) != (run_data.sha256, run_data.size):

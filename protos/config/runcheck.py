@@ -19,6 +19,7 @@ import functools
 import hashlib
 import ipaddress
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,12 +57,8 @@ def check_run(cfg: RunConfig) -> RunCheck:
     if not path.exists():
         raise ConfigError(f"{named}: no such file (looked for {path.absolute()}); set data.path to the text file to "
                           "train on (a relative path is read from the coordinator's working directory)")
-    if not path.is_file():
-        raise ConfigError(f"{named}: {path.absolute()} is not a file; set data.path to the text file to train on")
-    try:
-        data = file_identity(path)
-    except OSError as err:
-        raise ConfigError(f"{named}: cannot read {path.absolute()} ({err.strerror or err})") from None
+    data = checked_identity(path, ConfigError, f"{named}: {path.absolute()} is not a file; set data.path to the text file "
+                            "to train on", lambda why: f"{named}: cannot read {path.absolute()} ({why})")
     seq_len, held_out = cfg.model.seq_len, cfg.data.eval_samples
     need = min_corpus_bytes(seq_len, held_out)
     if data.size < need:
@@ -100,6 +97,17 @@ def file_identity(path: Path) -> DataIdentity:
     st = path.stat()
     return DataIdentity(source="bytes", sha256=_sha256(str(path.resolve()), st.st_size, st.st_mtime_ns),
                         size=st.st_size)
+
+
+def checked_identity(path: Path, error: type[Exception], not_a_file: str, unreadable: Callable[[str], str]) -> DataIdentity:
+    """:func:`file_identity` of a file that must be there: else ``error`` saying ``not_a_file``, or what
+    ``unreadable`` makes of why it could not be read."""
+    if not path.is_file():
+        raise error(not_a_file)
+    try:
+        return file_identity(path)
+    except OSError as err:
+        raise error(unreadable(str(err.strerror or err))) from None
 
 
 @functools.lru_cache(maxsize=8)

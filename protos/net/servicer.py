@@ -11,6 +11,7 @@ themselves (a port, or a relay tunnel) are :mod:`potluck.protos.net.transport`'s
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import defaultdict
@@ -23,7 +24,7 @@ from google.protobuf.message import DecodeError, Message
 
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.net.certs import peer_of
-from potluck.protos.net.relay import METHODS, TARGET_KEY, RelayError, RelayHub
+from potluck.protos.net.relay import METHODS, TARGET_KEY, Method, RelayError, RelayHub
 from potluck.protos.runtime.log import get_logger, short_id
 from potluck.protos.wire.refusals import REFUSAL_KEY, Rejected
 
@@ -276,27 +277,20 @@ class Servicer:
         context.set_trailing_metadata(((REFUSAL_KEY, r.info().SerializeToString()),))
         context.abort(r.code, r.reason)
 
-    def Ping(self, request, context):  # noqa: N802 (gRPC names)
-        return self._unary("Ping", request, context, self.h.ping)
 
-    def PushContribution(self, request_iterator, context):  # noqa: N802
-        return self._client_stream("PushContribution", request_iterator, context, self.h.push_contribution)
+def _served(method: Method) -> Callable:
+    """PeerService's ``method`` as gRPC (or a relay tunnel) calls it on a :class:`Servicer`: served the way its
+    streaming says, by the handler of its snake_case name (``PushContribution``: ``Handlers.push_contribution``)."""
+    serve = (Servicer._client_stream if method.client_streaming else
+             Servicer._server_stream if method.server_streaming else Servicer._unary)
+    handler = re.sub(r"(?<!^)(?=[A-Z])", "_", method.name).lower()
 
-    def PushResult(self, request_iterator, context):  # noqa: N802
-        return self._client_stream("PushResult", request_iterator, context, self.h.push_result)
+    def call(self: Servicer, request: object, context: grpc.ServicerContext) -> object:
+        return serve(self, method.name, request, context, getattr(self.h, handler))  # type: ignore[arg-type]
 
-    def FetchResult(self, request, context):  # noqa: N802
-        return self._server_stream("FetchResult", request, context, self.h.fetch_result)
+    call.__name__ = call.__qualname__ = method.name
+    return call
 
-    def FetchInputs(self, request, context):  # noqa: N802
-        return self._server_stream("FetchInputs", request, context, self.h.fetch_inputs)
 
-    def GetStateInfo(self, request, context):  # noqa: N802
-        return self._unary("GetStateInfo", request, context, self.h.get_state_info)
-
-    def FetchState(self, request, context):  # noqa: N802
-        return self._server_stream("FetchState", request, context, self.h.fetch_state)
-
-    def PushPipe(self, request_iterator, context):  # noqa: N802
-        return self._client_stream("PushPipe", request_iterator, context, self.h.push_pipe)
-
+for _method in METHODS.values():  # every method of the service but Relay (the servicer's own, above)
+    setattr(Servicer, _method.name, _served(_method))

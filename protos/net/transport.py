@@ -213,21 +213,13 @@ class PeerClient:
                         lambda n: self.traffic.add_received("relay", n))
 
     def ping(self, address: str, request: pb.PingRequest, timeout: float, peer: str = "") -> pb.PingReply:
-        self.traffic.add_sent("probe", request.ByteSize())
-        stub, md = self._route(address, peer)
-        reply = stub.Ping(request, timeout=timeout, metadata=md)
-        self.traffic.add_received("probe", reply.ByteSize())
-        return reply
+        return self._unary("Ping", "probe", address, request, timeout, peer)
 
     def push_contribution(self, address: str, chunks: Iterable[pb.ShardChunk], timeout: float, peer: str = "") -> pb.Ack:
-        stub, md = self._route(address, peer)
-        return stub.PushContribution(counted(chunks, lambda n: self.traffic.add_sent("outer", n)), timeout=timeout,
-                                     metadata=md)
+        return self._pushed("PushContribution", "outer", address, chunks, timeout, peer)
 
     def push_result(self, address: str, chunks: Iterable[pb.ShardChunk], timeout: float, peer: str = "") -> pb.Ack:
-        stub, md = self._route(address, peer)
-        return stub.PushResult(counted(chunks, lambda n: self.traffic.add_sent("outer", n)), timeout=timeout,
-                               metadata=md)
+        return self._pushed("PushResult", "outer", address, chunks, timeout, peer)
 
     def fetch_result(self, address: str, request: pb.ResultRequest, timeout: float, peer: str = "") -> Iterator[pb.ShardChunk]:
         return self._streamed("FetchResult", "outer", address, request, timeout, peer)
@@ -235,33 +227,38 @@ class PeerClient:
     def fetch_inputs(self, address: str, request: pb.InputsRequest, timeout: float, peer: str = "") -> Iterator[pb.ShardChunk]:
         return self._streamed("FetchInputs", "audit", address, request, timeout, peer)
 
+    def get_state_info(self, address: str, request: pb.StateInfoRequest, timeout: float, peer: str = "") -> pb.StateInfo:
+        return self._unary("GetStateInfo", "state", address, request, timeout, peer)
+
+    def fetch_state(self, address: str, request: pb.StateRequest, timeout: float, peer: str = "") -> Iterator[pb.StateChunk]:
+        return self._streamed("FetchState", "state", address, request, timeout, peer)
+
+    def push_pipe(self, address: str, chunks: Iterable[pb.PipeChunk], timeout: float, peer: str = "") -> pb.Ack:
+        """One pipeline message as a stream of pieces (see :mod:`potluck.peer.pipewire`); gRPC's flow control
+        paces ``chunks``, so a slow receiver holds the sender to the pieces in flight."""
+        return self._pushed("PushPipe", "pipeline", address, chunks, timeout, peer)
+
+    # Every call's bytes are counted under its kind (Traffic), whichever of gRPC's three shapes it has.
+
+    def _unary(self, method: str, kind: str, address: str, request: Any, timeout: float, peer: str) -> Any:
+        self.traffic.add_sent(kind, request.ByteSize())
+        stub, md = self._route(address, peer)
+        reply = getattr(stub, method)(request, timeout=timeout, metadata=md)
+        self.traffic.add_received(kind, reply.ByteSize())
+        return reply
+
     def _streamed(self, method: str, kind: str, address: str, request: Any, timeout: float, peer: str) -> Iterator[Any]:
-        """A call answered by a stream: the request's bytes and every reply's counted as ``kind``."""
+        """A call answered by a stream."""
         self.traffic.add_sent(kind, request.ByteSize())
         stub, md = self._route(address, peer)
         return counted(getattr(stub, method)(request, timeout=timeout, metadata=md),
                        lambda n: self.traffic.add_received(kind, n))
 
-    def get_state_info(self, address: str, request: pb.StateInfoRequest, timeout: float, peer: str = "") -> pb.StateInfo:
-        self.traffic.add_sent("state", request.ByteSize())
+    def _pushed(self, method: str, kind: str, address: str, chunks: Iterable[Any], timeout: float, peer: str) -> pb.Ack:
+        """A stream of pieces answered once."""
         stub, md = self._route(address, peer)
-        info = stub.GetStateInfo(request, timeout=timeout, metadata=md)
-        self.traffic.add_received("state", info.ByteSize())
-        return info
-
-    def fetch_state(self, address: str, request: pb.StateRequest, timeout: float, peer: str = "") -> Iterator[pb.StateChunk]:
-        self.traffic.add_sent("state", request.ByteSize())
-        stub, md = self._route(address, peer)
-        return counted(stub.FetchState(request, timeout=timeout, metadata=md),
-                        lambda n: self.traffic.add_received("state", n))
-
-    def push_pipe(self, address: str, chunks: Iterable[pb.PipeChunk], timeout: float, peer: str = "") -> pb.Ack:
-        """One pipeline message as a stream of pieces (see :mod:`potluck.peer.pipewire`); gRPC's flow control
-        paces ``chunks``, so a slow receiver holds the sender to the pieces in flight."""
-        stub, md = self._route(address, peer)
-        ack = stub.PushPipe(counted(chunks, lambda n: self.traffic.add_sent("pipeline", n)), timeout=timeout,
-                            metadata=md)
-        self.traffic.add_received("pipeline", ack.ByteSize())
+        ack = getattr(stub, method)(counted(chunks, lambda n: self.traffic.add_sent(kind, n)), timeout=timeout, metadata=md)
+        self.traffic.add_received(kind, ack.ByteSize())
         return ack
 
     def close(self) -> None:
