@@ -29,7 +29,6 @@ import re
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from benchargs import bench_parser, swarm_arguments
@@ -65,15 +64,8 @@ def run_swarm(args: argparse.Namespace, workdir: Path, group_size: int) -> dict:
         peers = [p for p in state["peers"] if p["version"] == steps and p["eval_loss"] is not None]
         return bool(state["run"]["finished"] and len(peers) == args.peers) or not swarm.alive()
 
-    try:
-        swarm.start_coordinator(run_config(args, group_size, workdir / "journal"))
-        t0 = time.monotonic()
-        for _ in range(args.peers):
-            swarm.start_peer()
-        state = swarm.wait_state(done, args.timeout, "the run to finish and every member to evaluate its state")
-        wall = time.monotonic() - t0
-    finally:
-        swarm.stop()
+    state, wall = swarm.run_to_end(run_config(args, group_size, workdir / "journal"), args.peers, done, args.timeout,
+                                   "the run to finish and every member to evaluate its state")
     hist = state["history"]
     evals, inner = logged_evals(swarm.logs, steps), logged_inner_steps(swarm.logs)
     if not evals:

@@ -80,15 +80,7 @@ def run_swarm(args: argparse.Namespace, workdir: Path, overlap: bool) -> dict:
                 raise SwarmError(f"every peer exited before the run finished:\n{swarm.tail('peer-0')}")
         return bool(state["run"]["finished"] and hist and hist[-1]["eval_loss"] is not None)
 
-    try:
-        swarm.start_coordinator(cfg)
-        t0 = time.monotonic()
-        for _ in range(args.peers):
-            swarm.start_peer()
-        state = swarm.wait_state(done, args.timeout, "the run to finish and evaluate its final state")
-        wall = time.monotonic() - t0
-    finally:
-        swarm.stop()
+    state, wall = swarm.run_to_end(cfg, args.peers, done, args.timeout, "the run to finish and evaluate its final state")
     hist = state["history"]
     return {
         "final_eval_loss": round(hist[-1]["eval_loss"], 4),

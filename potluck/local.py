@@ -88,6 +88,20 @@ class LocalSwarm:
         self.peers.append(proc)
         return proc
 
+    def run_to_end(self, cfg: RunConfig, peers: int, done: Callable[[dict[str, Any]], Any], timeout: float,
+                   what: str) -> tuple[dict[str, Any], float]:
+        """A whole run (the benchmarks'): the coordinator, ``peers`` peers, the state once ``done`` holds, every
+        process stopped whatever happened; the state and the seconds from the first peer's start."""
+        try:
+            self.start_coordinator(cfg)
+            t0 = time.monotonic()
+            for _ in range(peers):
+                self.start_peer()
+            state = self.wait_state(done, timeout, what)
+            return state, time.monotonic() - t0
+        finally:
+            self.stop()
+
     def key(self, idx: int) -> Path:
         """The identity file of the ``idx``-th peer started (``keys/peer-<idx>.key``)."""
         return self.workdir / "keys" / f"peer-{idx}.key"
