@@ -42,6 +42,7 @@ from potluck.protos.net.transport import PeerClient
 from potluck.protos.runtime.log import get_logger, short_id
 from potluck.protos.wire import work
 from potluck.protos.wire.records import AdmissionRequest, Certificate, Member, PeerRecord, Round
+from potluck.protos.wire.states import SAID_GOODBYE
 
 log = get_logger(__name__)
 
@@ -252,7 +253,7 @@ class Gatekeeper:
             key = (pid, req.seq)
             if key not in self._in_use_seen:
                 rec = records.get(pid)  # the running process's record, if it still heartbeats and said no goodbye
-                live = rec is not None and rec.state not in ("left", "finished") and rec.started_at < req.ts
+                live = rec is not None and rec.state not in SAID_GOODBYE and rec.started_at < req.ts
                 self._in_use_seen[key] = in_use_message(pid, rec) if rec is not None and live and answers(rec) else ""
             if self._in_use_seen[key]:
                 out[pid] = self._in_use_seen[key]

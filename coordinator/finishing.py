@@ -10,6 +10,7 @@ from typing import Any
 
 from potluck.coordinator.rounds import Report, Rounds
 from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.wire.states import SAID_GOODBYE
 
 
 class Finish:
@@ -25,7 +26,7 @@ class Finish:
     @staticmethod
     def drained(checkpointer: Any, table: Any) -> bool:
         """Nothing left to do after the end: no checkpoint being written, every live peer finished or gone."""
-        return not checkpointer.busy() and all(v.record.state in ("finished", "left") for v in table.live())
+        return not checkpointer.busy() and all(v.record.state in SAID_GOODBYE for v in table.live())
 
     def due(self, cfg: RunConfig, rounds: Rounds, reports: Sequence[Report], now: float,
             integrity: Any = None) -> tuple[bool, str | None]:

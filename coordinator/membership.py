@@ -24,8 +24,8 @@ from potluck.models import sizecheck
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.runtime.log import short_id
 from potluck.protos.wire.records import PeerRecord, Round
+from potluck.protos.wire.states import GONE, PeerState
 
-GONE_STATES = {"left", "finished", "failed"}
 WORK_KINDS = ("outer", "state", "pipeline")  # bytes that show a peer is working (probes do not)
 KEEP_GONE = 1000  # departed peers remembered (for the page's table) at most
 
@@ -88,15 +88,15 @@ class PeerTable:
                 continue  # the same record as last time (an incremental reader hands the whole view every tick)
             elif rec.seq > view.record.seq:
                 view.record, view.last_seen = rec, now
-                if (view.lost or view.left) and rec.state not in GONE_STATES:
+                if (view.lost or view.left) and rec.state not in GONE:
                     view.lost = view.left = False
                     events.append(("back", pid))
             else:
                 continue
             self.changed.append(view)
-            if rec.state in GONE_STATES and not view.left:
+            if rec.state in GONE and not view.left:
                 view.left = True
-                events.append(("failed" if rec.state == "failed" else "left", pid))
+                events.append(("failed" if rec.state == PeerState.FAILED else "left", pid))
         gone = 0
         for pid, view in self.peers.items():
             if not view.lost and now - view.last_seen > self.timeout:

@@ -13,9 +13,9 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from potluck.coordinator.metrics import PEER_STATES
+from potluck.protos.wire.states import ABSENT
 
 PAGE_MAX = 500
-_GONE = ("lost", "left", "finished", "failed")
 _INF = float("inf")
 # sort keys, as the page's table columns sort (docs/status-api.md); "first_seen" is the order of first appearance
 SORTS: dict[str, Callable[[dict[str, Any]], Any]] = {
@@ -76,7 +76,7 @@ def peer_page_rows(peers: list[dict[str, Any]], sort: str, state: str, q: str) -
     text = q.strip().lower()
 
     def selected(p: dict[str, Any]) -> bool:
-        if state in ("live", "gone") and (p["state"] in _GONE) != (state == "gone"):
+        if state in ("live", "gone") and (p["state"] in ABSENT) != (state == "gone"):
             return False
         if state not in ("", "live", "gone") and p["state"] != state:
             return False

@@ -20,6 +20,7 @@ from potluck.protos import potluck_pb2 as pb
 from potluck.protos.net.transport import PeerClient
 from potluck.protos.wire.records import PeerRecord
 from potluck.protos.wire.refusals import Rejected
+from potluck.protos.wire.states import SAID_GOODBYE
 
 PING_TIMEOUT_S = 2.0
 
@@ -50,7 +51,7 @@ def answers(client: PeerClient, run_id: str, me: str, rec: PeerRecord) -> bool:
         reply = client.ping(rec.address, request, PING_TIMEOUT_S, peer=rec.peer_id)
     except grpc.RpcError:
         return False
-    return reply.peer_id == rec.peer_id and reply.state not in ("left", "finished")
+    return reply.peer_id == rec.peer_id and reply.state not in SAID_GOODBYE
 
 
 def reachable(client: PeerClient, run_id: str, me: str, records: Iterable[PeerRecord]) -> list[PeerRecord]:

@@ -25,13 +25,14 @@ from potluck.protos.config.runconfig import ModelConfig, RunConfig
 from potluck.protos.net.relay import VIA
 from potluck.protos.net.swarm import LinkReport
 from potluck.protos.runtime.log import short_id
+from potluck.protos.wire.states import ABSENT, SAID_GOODBYE, PeerState
 
-GONE = ("lost", "left", "finished")
+_SILENT = SAID_GOODBYE | {PeerState.LOST}  # (a failed peer still shows its error among the live ones)
 PEERS_INLINE = 200  # past this many known peers, `peers` holds the most telling ones; /api/v1/peers pages through all
 LINKS_PEERS = 64  # the links matrix covers at most this many peers (the first by tasklet): N x N does not scale
 # which peers an operator looks at first when not all fit (lower first): the ones that stopped, then the ones
 # the run counts on, then the ones that said goodbye
-_ATTENTION = {"failed": 0, "lost": 1, "left": 3, "finished": 3}
+_ATTENTION = {PeerState.FAILED: 0, PeerState.LOST: 1, PeerState.LEFT: 3, PeerState.FINISHED: 3}
 
 
 @dataclass
@@ -57,8 +58,8 @@ class Series:
     def sample(self, peers: Sequence[dict[str, Any]], now: float) -> None:
         if self.samples and now - self.samples[-1]["t"] < self.every_s:
             return
-        live = [p for p in peers if p["state"] not in GONE]
-        tps = sum(p["tokens_per_s"] for p in live if p["state"] == "training")
+        live = [p for p in peers if p["state"] not in _SILENT]
+        tps = sum(p["tokens_per_s"] for p in live if p["state"] == PeerState.TRAINING)
         self.samples.append({"t": now, "tokens_per_s": tps, "live_peers": len(live)})
 
 
@@ -73,7 +74,7 @@ def peer_rows(views: Sequence[PeerView], tasklet_of: Mapping[str, dict[str, int]
     for view in sorted(views, key=lambda v: v.first_seen):
         r = view.record
         rows.append({
-            "id": r.peer_id, "short_id": short_id(r.peer_id), "name": r.name, "state": "lost" if view.lost and not view.left else r.state,
+            "id": r.peer_id, "short_id": short_id(r.peer_id), "name": r.name, "state": PeerState.LOST if view.lost and not view.left else r.state,
             "address": r.address, "device": r.device, "device_name": r.device_name, "memory_gb": r.memory_gb,
             "tasklet": tasklet_of.get(r.peer_id), "version": r.version, "inner_step": r.inner_step, "loss": r.loss,
             "eval_loss": r.eval_loss, "tokens_per_s": r.tokens_per_s, "tokens_total": r.tokens_total,
@@ -82,7 +83,7 @@ def peer_rows(views: Sequence[PeerView], tasklet_of: Mapping[str, dict[str, int]
             "compute_s": r.compute_s, "sync_s": r.sync_s, "hidden_s": r.hidden_s, "relayed": VIA in r.address,
             "clipped": flagged["clipped"].get(r.peer_id, 0),
             "rejected": flagged["rejected"].get(r.peer_id, 0),
-            "error": r.error if r.state == "failed" else "",
+            "error": r.error if r.state == PeerState.FAILED else "",
         })
     return rows
 
@@ -139,7 +140,7 @@ def peers_summary(peers: Sequence[dict[str, Any]], shown: int) -> dict[str, Any]
     for p in peers:
         by_state[p["state"]] = by_state.get(p["state"], 0) + 1
     return {"total": len(peers), "shown": shown, "truncated": shown < len(peers), "by_state": by_state,
-            "live": sum(n for st, n in by_state.items() if st not in (*GONE, "failed"))}
+            "live": sum(n for st, n in by_state.items() if st not in ABSENT)}
 
 
 def build(run: RunInfo, cfg: RunConfig, views: Sequence[PeerView], rounds: Rounds, history: Sequence[dict[str, Any]],
@@ -153,13 +154,13 @@ def build(run: RunInfo, cfg: RunConfig, views: Sequence[PeerView], rounds: Round
     stages = current.stages if current else cfg.pipeline.stages
     replicas = len(current.members) // stages if current else 0
     peers = peer_rows(views, tasklet_of, now, history)
-    live = [p for p in peers if p["state"] not in GONE]
+    live = [p for p in peers if p["state"] not in _SILENT]
     series.sample(peers, time.time())
     last = next((h for h in reversed(history) if h["loss"] is not None), None)
     last_eval = next((h for h in reversed(history) if h["eval_loss"] is not None), None)
     records = [v.record for v in views]
     compute, sync = sum(r.compute_s for r in records), sum(r.sync_s for r in records)
-    training = [p for p in live if p["state"] == "training"]
+    training = [p for p in live if p["state"] == PeerState.TRAINING]
     by_id = {p["id"]: p for p in peers}
     m = cfg.model
     return {
@@ -191,7 +192,7 @@ def build(run: RunInfo, cfg: RunConfig, views: Sequence[PeerView], rounds: Round
         "grid": {
             "stages": stages, "replicas": replicas,
             "cells": [{"stage": mb.stage, "replica": mb.replica, "peer": mb.peer_id,
-                       "state": by_id[mb.peer_id]["state"] if mb.peer_id in by_id else "lost"}
+                       "state": by_id[mb.peer_id]["state"] if mb.peer_id in by_id else PeerState.LOST}
                       for mb in current.members] if current else [],
         },
         "round": current.model_dump(mode="json") if current else None,
@@ -202,7 +203,7 @@ def build(run: RunInfo, cfg: RunConfig, views: Sequence[PeerView], rounds: Round
         "peers": (shown := inline_peers(peers)),
         "peers_summary": peers_summary(peers, len(shown)),
         # a finished run keeps showing the links its peers measured last
-        "links": links_state(links, [p for p in peers if p["state"] not in ("lost", "left")]),
+        "links": links_state(links, [p for p in peers if p["state"] not in (PeerState.LOST, PeerState.LEFT)]),
         "events": list(events)[-200:],
         "config": {"heartbeat_timeout_s": cfg.membership.heartbeat_timeout_s},
         "coordinator": health or Health().section({}, len(views)),

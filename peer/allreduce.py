@@ -217,11 +217,11 @@ class AllReduce(ShardInbox):
                                               peer=peer.peer_id)
                 return True
             except grpc.RpcError as err:
-                at, info_r = _remote_step(err), refusal_of(err)
+                at, refused = _remote_step(err), refusal_of(err)
                 # the owner is behind, or at this step but not yet holding its base (a member re-assigned to
                 # this stage still holds its old stage's state until it fetched this one)
-                behind = (at is not None and at < info.step) or (info_r is not None and (
-                    (info_r.code == pb.WRONG_EPOCH and info_r.at_epoch < info.epoch) or info_r.code == pb.BASE_MISMATCH))
+                behind = (at is not None and at < info.step) or (refused is not None and (
+                    (refused.code == pb.WRONG_EPOCH and refused.at_epoch < info.epoch) or refused.code == pb.BASE_MISMATCH))
                 if behind and time.monotonic() < rnd.catch_up_until and not self.stopping.wait(0.2):
                     continue  # the owner is still fetching this round's base state: try again shortly
                 on_error(peer, err)

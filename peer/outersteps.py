@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -37,9 +37,29 @@ from potluck.protos.testkit.faults import fault
 from potluck.protos.wire.states import PeerState
 
 if TYPE_CHECKING:
-    from potluck.peer.daemon import Session
+    from potluck.peer.follower import Follower
+    from potluck.peer.heartbeat import Heartbeat
+    from potluck.peer.telemetry import Telemetry
+    from potluck.protos.config.runconfig import PeerConfig, RunConfig
 
 log = get_logger(__name__)
+
+
+class StepHost(Protocol):
+    """What the outer steps use of the peer's session (the daemon's Session), and nothing else: its tasklet and
+    replica change as the grid moves it, so they are read each time, never kept."""
+
+    cfg: PeerConfig
+    rc: RunConfig
+    tasklet: Tasklet
+    replica: int
+    follower: Follower
+    heartbeat: Heartbeat
+    telemetry: Telemetry
+
+    def set_state(self, state: PeerState, poke: bool = True) -> None: ...
+
+    def over(self) -> bool: ...
 
 
 @dataclass
@@ -56,7 +76,11 @@ class InFlight:
 
 
 class OuterSteps:
-    def __init__(self, session: Session) -> None:
+    """``inflight`` is the training loop's (it starts and lands the step); the step's own thread only commits the
+    state (``States`` has its lock) and fills in the InFlight's ``done`` or ``error`` before it ends, which the
+    loop reads after joining it."""
+
+    def __init__(self, session: StepHost) -> None:
         self.s = session
         self.inflight: InFlight | None = None
 
@@ -161,46 +185,46 @@ class OuterSteps:
         except IncompleteRound as err:
             log.warning("%s; recovering state from the other members", err)
             return self._fail(step)
-        inf = InFlight(step, info, contributed=delta is not None)
-        inf.thread = threading.Thread(target=self._run, args=(inf, t, held, delta, inner_seconds, t.worker.meta(), base),
+        flight = InFlight(step, info, contributed=delta is not None)
+        flight.thread = threading.Thread(target=self._run, args=(flight, t, held, delta, inner_seconds, t.worker.meta(), base),
                                       name=f"outer-{step}", daemon=True)
-        inf.thread.start()
-        self.inflight = inf
-        inf.blocked_s = time.monotonic() - t0
+        flight.thread.start()
+        self.inflight = flight
+        flight.blocked_s = time.monotonic() - t0
 
-    def _run(self, inf: InFlight, t: Tasklet, held: Snapshot, delta: torch.Tensor | None, inner_seconds: float,
+    def _run(self, flight: InFlight, t: Tasklet, held: Snapshot, delta: torch.Tensor | None, inner_seconds: float,
              meta: dict, base: Snapshot | None) -> None:
         """The outer step on its own thread: commit as soon as it is done, so the swarm sees the version."""
         try:
-            done = outer_step(self.s.rc, t.allreduce, inf.info, held, delta, inner_seconds, meta, base)
+            done = outer_step(self.s.rc, t.allreduce, flight.info, held, delta, inner_seconds, meta, base)
         except IncompleteRound as err:
-            inf.error = str(err)
+            flight.error = str(err)
             return
         except Exception as err:  # reported by the training loop when it lands the step
-            log.exception("outer step %d failed", inf.step)
-            inf.error = f"{type(err).__name__}: {err}"
+            log.exception("outer step %d failed", flight.step)
+            flight.error = f"{type(err).__name__}: {err}"
             return
         t.states.commit(done.snapshot)
         t.expect_next()
-        inf.done = done
+        flight.done = done
         self.s.heartbeat.poke()
 
     def land(self, load: bool = True) -> bool:
         """Wait for the step in flight; on success the local model is the committed theta_global (unless
         not ``load``: the caller loads the parameters itself)."""
-        inf, self.inflight = self.inflight, None
-        assert inf is not None and inf.thread is not None
+        flight, self.inflight = self.inflight, None
+        assert flight is not None and flight.thread is not None
         self.s.set_state(PeerState.SYNCING)
         t0 = time.monotonic()
-        inf.thread.join()
-        if inf.done is None:
-            log.warning("%s; recovering state from the other members", inf.error)
-            self._fail(inf.step)
+        flight.thread.join()
+        if flight.done is None:
+            log.warning("%s; recovering state from the other members", flight.error)
+            self._fail(flight.step)
             return False
         if load:
-            self.s.tasklet.worker.load(inf.done.snapshot.tensors["theta"])
-        set_context(step=inf.step)
-        self._committed(inf.step, inf.done, inf.info, inf.blocked_s + time.monotonic() - t0, inf.contributed)
+            self.s.tasklet.worker.load(flight.done.snapshot.tensors["theta"])
+        set_context(step=flight.step)
+        self._committed(flight.step, flight.done, flight.info, flight.blocked_s + time.monotonic() - t0, flight.contributed)
         return True
 
     def close(self) -> None:

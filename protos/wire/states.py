@@ -21,6 +21,12 @@ class PeerState(StrEnum):
     FAILED = "failed"  # stopped on an error it cannot heal (its record's ``error`` says which)
 
 
+# ended its part on purpose (a goodbye, or the run's end); with FAILED: this process takes no part again
+SAID_GOODBYE = frozenset({PeerState.LEFT, PeerState.FINISHED})
+GONE = SAID_GOODBYE | {PeerState.FAILED}
+# not there as the coordinator sees it: gone, or silent past the heartbeat timeout
+ABSENT = GONE | {PeerState.LOST}
+
 # a member that will not contribute to the running step (yet): the all-reduce stops waiting for it, unless
 # it is only catching up to the round's base state (then it is waited for within the grace period)
 NOT_PARTICIPATING = frozenset({PeerState.JOINING, PeerState.RECOVERING, PeerState.LEFT, PeerState.WAITING})
