@@ -63,7 +63,7 @@ def session(rc: RunConfig, device: str) -> SimpleNamespace:
                         telemetry=Telemetry(ME, "test", 0.0, progress="off"), over=lambda: False,
                         set_state=lambda state: None, heartbeat=SimpleNamespace(wait_plan=lambda *a, **k: None, poke=lambda: None))
     s.follower = SimpleNamespace(failed=lambda step, now: pytest.fail(f"step {step} failed"),
-                                 resolve=lambda plan, step, stage, held: Round(step=step, members=[Member(peer_id=ME, address="-")]))
+                                 resolve=lambda plan, step, stage, held, epoch: Round(step=step, members=[Member(peer_id=ME, address="-")]))
     return s
 
 
