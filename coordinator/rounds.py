@@ -123,7 +123,7 @@ class Rounds:
     hashes: dict[int, dict[int, str]] = field(default_factory=dict)  # stage -> version -> hash
     outcomes: list[RoundOutcome] = field(default_factory=list)
     _started: dict[int, float] = field(default_factory=dict)  # step -> when decided (or restored)
-    _restored: set[int] = field(default_factory=set)  # journaled rounds not decided by this process
+    _restored: set[tuple[int, int]] = field(default_factory=set)  # (step, epoch) of journaled rounds, not decided here
     _committed_at: float | None = None
     _durations: deque = field(default_factory=lambda: deque(maxlen=KEEP_DURATIONS))
     _progress: dict[str, tuple[tuple, float]] = field(default_factory=dict)  # peer -> (signature, since)
@@ -181,7 +181,7 @@ class Rounds:
         self.hashes = {s: dict(v) for s, v in hashes.items()}
         self.outcomes = [RoundOutcome(**o) for o in outcomes]
         self._started = {step: now for step in self.rounds}
-        self._restored = set(self.rounds)
+        self._restored = {(r.step, r.epoch) for r in self.rounds.values()}
         self._committed_at = now
         self._fresh_start = not self.rounds
         latest = max(self.rounds, default=None)
@@ -194,7 +194,7 @@ class Rounds:
     def resumed(self, now: float) -> None:
         """The restarted coordinator serves from ``now``: the journaled rounds' clocks start here (a DHT that
         took seconds to start must not eat the members' grace)."""
-        for step in self._restored:
+        for step, _ in self._restored:
             if step in self._started:
                 self._started[step] = now
         self._committed_at = now
@@ -289,7 +289,7 @@ class Rounds:
         started = self._started.setdefault(rnd.step, now)
         age = now - started
         live = {r.peer_id for r in reports if r.live}
-        if age >= self.grace_s * (REGATHER if rnd.step in self._restored else 1):
+        if age >= self.grace_s * (REGATHER if (rnd.step, rnd.epoch) in self._restored else 1):
             for stage in range(rnd.stages):
                 if not any(m.peer_id in live for m in rnd.stage_members(stage)):
                     return f"stage {stage} lost all its members" if rnd.stages > 1 else "every member is gone"

@@ -59,12 +59,13 @@ def test_matches_the_numpy_reference(attack: str) -> None:
     assert set(got.clipped) == clipped and set(got.rejected) == rejected
 
 
-@pytest.mark.parametrize("n", [3, 5, 6, 7])
+@pytest.mark.parametrize("n", [3, 4, 5, 6, 7])
 @pytest.mark.parametrize("attack", ["x1000", "sign-flip", "ties"])
 def test_every_group_size_matches_the_numpy_reference_across_chunks(n: int, attack: str,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The center of each member (the others' lower median) comes from one sort per chunk, or the smaller
-    of the other two when three contribute; statistics add up over chunks of any size."""
+    of the other two when three contribute, or the median of the other three when four do; statistics add up
+    over chunks of any size."""
     import potluck.compression.aggregate as aggregate
 
     monkeypatch.setattr(aggregate, "CHUNK", 100)  # 512 elements: five full chunks and a partial one
@@ -82,6 +83,23 @@ def test_every_group_size_matches_the_numpy_reference_across_chunks(n: int, atta
     assert set(got.clipped) == clipped and set(got.rejected) == rejected
     if attack == "sign-flip":
         assert rejected == {"peer0"}
+
+
+def test_four_members_centers_are_the_sorts_bit_for_bit() -> None:
+    """Four contributors (R = 4, or a group of 4) take their centers from min/max instead of a sort: the very
+    values the sort picks (ties included; a 0.0 may stand for a -0.0, which no sum tells apart), so the statistics (and who is rejected) are unchanged."""
+    from potluck.compression.aggregate import _median3
+
+    g = torch.Generator().manual_seed(4)
+    xs = torch.randn(4, 4096, generator=g)
+    xs[1, :512] = xs[2, :512]  # ties
+    xs[3, 512:600] = -0.0
+    xs[0, 512:600] = 0.0
+    values, order = xs.sort(dim=0)
+    for i in range(4):
+        by_sort = torch.where((order[:2] == i).any(dim=0), values[2], values[1])  # the others' lower median
+        fast = _median3(*(xs[j] for j in range(4) if j != i))
+        assert torch.equal(fast, by_sort), i
 
 
 def test_a_scaled_up_update_counts_like_a_large_honest_one() -> None:

@@ -35,13 +35,14 @@ def fresh(swarm, tmp_path: Path, name: str) -> None:  # type: ignore[no-untyped-
     swarm.__init__(swarm.procs, tmp_path / name)
 
 
-@pytest.mark.parametrize("lie", ["shift=0.5", "spike"])
+@pytest.mark.parametrize("lie", ["shift=0.5", "spike", "scale=3", "flip"])
 def test_a_lying_owner_is_proven_evicted_and_its_steps_undone(swarm, tmp_path: Path, lie: str) -> None:  # type: ignore[no-untyped-def]
-    """The owner of a shard shifts its mean by 0.5 (or sets one coordinate to 1e6) at every step. Its auditor
-    finds the first lie during the next step, the coordinator checks the evidence itself, evicts the owner and
-    rolls the run back to before step 1; the three honest peers train to the end. For the shift (the costlier
-    comparisons once): they land within 2 % of an honest-only run, and with audits off the same attack visibly
-    harms the run (the other kinds of lie are found in-process: tests/test_verified.py)."""
+    """The owner of a shard lies at every step: it shifts its mean by 0.5, sets one coordinate to 1e6, scales
+    it by 3 or flips its sign. Its auditor finds the first lie during the next step, the coordinator checks the
+    evidence itself, evicts the owner and rolls the run back to before step 1; the three honest peers train to
+    the end. For the shift (the costlier comparisons once): they land within 2 % of an honest-only run, and
+    with audits off the same attack visibly harms the run (every kind of lie, and forged evidence, is also
+    tried in-process: tests/test_verified.py)."""
     attacked = run(swarm, 4, f"owner.mean@*:{lie}")
     proven = [e for e in attacked["events"] if e["kind"] == "proven"]
     assert proven and "step 1" in proven[0]["message"], [e for e in attacked["events"] if e["kind"] in ("audit", "proven")]
