@@ -136,7 +136,7 @@ def _statistics(xs: list[torch.Tensor], numel: int, centers_too: bool) -> tuple[
             centers = [torch.minimum(chunk[1], chunk[2]), torch.minimum(chunk[0], chunk[2]),
                        torch.minimum(chunk[0], chunk[1])]
         elif n == 4:  # the median of the other three, by min and max (a sort of the stack costs several times more)
-            centers = [_median3(*(chunk[j] for j in range(4) if j != i)) for i in range(4)]
+            centers = [median3(*(chunk[j] for j in range(4) if j != i)) for i in range(4)]
         else:
             values, order = torch.stack(chunk).sort(dim=0)
             low = order[: m + 1]
@@ -147,7 +147,7 @@ def _statistics(xs: list[torch.Tensor], numel: int, centers_too: bool) -> tuple[
     return sq, dots, csq
 
 
-def _median3(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+def median3(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """Element-wise median of three: one of the three values at each place (the same bits a sort picks)."""
     return torch.maximum(torch.minimum(a, b), torch.minimum(torch.maximum(a, b), c))
 

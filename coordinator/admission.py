@@ -202,7 +202,7 @@ class Gatekeeper:
         self.evict_after = a.evict_after
         self._flagged: dict[str, dict[int, bool]] = {}  # peer -> step -> clipped or rejected by most owners
         # of a stage's members, those whose reports count (past probation; all of them while none is)
-        self.trusted: Callable[[Sequence[Member]], set[str]] = lambda cells: {m.peer_id for m in cells}
+        self.trusted: Callable[[Sequence[Member], int], set[str]] = lambda cells, step: {m.peer_id for m in cells}
         self._unsent: list[Certificate] = []  # answers reviewed but not stored yet
         self._sending: tuple[Any, list[Certificate]] | None = None  # (future, answers) of the store in flight
         self._in_use_seen: dict[tuple[str, int], str] = {}  # (peer, request seq) -> why refused ('' if not)
@@ -264,12 +264,15 @@ class Gatekeeper:
         """Each owner signs whom it clipped or left out, and every member reports each owner's list as it received
         it (``StepReport.flags``). A peer counts as flagged in a step only when most of the *owners* it
         averaged with (its stage's; its group's, with ``sync.group_size``) flagged it, each owner's list as most
-        trusted reporters of that group give it: owners are counted, not the
-        members that repeat them, so one owner's false flags are never a majority (and an audit of its shard
-        proves them false), and reporters on probation (a crowd of fresh keys) do not count. Flagged too often:
+        trusted reporters of that group give it, and only as far as the owner's own record says the same: owners
+        are counted, not the members that repeat them, so one owner's false flags are never a majority (and an
+        audit of its shard proves them false); reporters on probation (a crowd of fresh keys) do not count, and
+        once past it, a crowd of reporters still cannot put words in an honest owner's mouth (it used to: 8
+        fresh keys past a 2-step probation got the 3 honest peers evicted at a run's end). Flagged too often:
         evicted."""
         claims: dict[tuple[int, int, int], dict[str, Counter[tuple[str, ...]]]] = {}
         trusted: dict[tuple[int, int, int, int], set[str]] = {}  # (round step, epoch, stage, group) -> its trusted reporters
+        own: dict[tuple[int, int, int, str], set[str]] = {}  # (step, stage, group, owner) -> whom it says it flagged
         for rec in records.values():
             if not self.admission.is_admitted(rec.peer_id):
                 continue
@@ -280,8 +283,9 @@ class Gatekeeper:
                 if (member := rnd.member(rec.peer_id)) is None:
                     continue  # (not a member of that round: nothing it reports of it counts)
                 key = (rnd.step, rnd.epoch, step.stage, member.group)
+                own[(step.step, step.stage, member.group, rec.peer_id)] = set(step.flags.get(rec.peer_id, ()))
                 if key not in trusted:  # (once per group and call: per record, 1,000 peers made it seconds)
-                    trusted[key] = self.trusted(rnd.cohort(rec.peer_id))  # its group (sync.group_size)
+                    trusted[key] = self.trusted(rnd.cohort(rec.peer_id), step.step)  # its group, as trust stood then
                 if rec.peer_id not in trusted[key]:
                     continue
                 by_owner = claims.setdefault((step.step, step.stage, key[3]), {})
@@ -292,8 +296,8 @@ class Gatekeeper:
             owners = rnd.shard_owners(stage, group) if rnd is not None else []
             counts: Counter[str] = Counter()
             for owner, versions in by_owner.items():
-                if owner in owners:
-                    counts.update(versions.most_common(1)[0][0])
+                if owner in owners:  # (what the owner itself says it did, in its own signed record, bounds it)
+                    counts.update(set(versions.most_common(1)[0][0]) & own.get((step, stage, group, owner), set()))
             for pid, n in counts.items():  # (a flagged owner's own shard does not vote on it)
                 if pid in cells and 2 * n > len(set(owners) - {pid}):
                     self._flagged.setdefault(pid, {})[step] = True

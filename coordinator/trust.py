@@ -56,13 +56,17 @@ class Trust:
         self.work.pop(peer_id, None)
         self.founders.discard(peer_id)
 
-    def trusted(self, peer_id: str) -> bool:
-        return len(self.work.get(peer_id, ())) >= self.probation_steps
+    def trusted(self, peer_id: str, before: int | None = None) -> bool:
+        """Past probation (``before`` a step: by the work it committed before that step)."""
+        steps = self.work.get(peer_id, ())
+        return (len(steps) if before is None else sum(s < before for s in steps)) >= self.probation_steps
 
-    def eligible(self, members: Sequence[Member]) -> set[str]:
+    def eligible(self, members: Sequence[Member], before: int | None = None) -> set[str]:
         """Of one stage's members, those who may own a shard and audit: the trusted ones; while none is, the
-        run's founders among them (a run's first steps); with neither, all of them."""
-        trusted = {m.peer_id for m in members if self.trusted(m.peer_id)}
+        run's founders among them (a run's first steps); with neither, all of them. ``before``: as trust stood
+        when that step ran (what a member reports of a step counts only if it was past probation then: trust
+        earned later does not reach back to the steps it reported while still on probation)."""
+        trusted = {m.peer_id for m in members if self.trusted(m.peer_id, before)}
         return trusted or {m.peer_id for m in members if m.peer_id in self.founders} or {m.peer_id for m in members}
 
     def assign_owners(self, members: Sequence[Member]) -> list[Member]:

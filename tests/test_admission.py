@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from potluck.coordinator.admission import RECENT_STEPS, Admission, Gatekeeper
+from potluck.coordinator.trust import Trust
 from potluck.protos.config.files import apply_overrides
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.net.certs import (
@@ -309,7 +310,7 @@ def test_reporters_on_probation_do_not_count(tmp_path: Path) -> None:
     asks = {name: asking() for name in ("a", "s1", "s2", "s3")}
     node = _Node({pid: req for pid, _, req in asks.values()})
     ids = {name: pid for name, (pid, _, _) in asks.items()}
-    gate.trusted = lambda cells: {ids["a"]}
+    gate.trusted = lambda cells, step: {ids["a"]}
     rounds = {s: Round(step=s, members=[Member(peer_id=p, address="x:1", replica=i, owns=p == ids["a"])
                                         for i, p in enumerate(sorted(ids.values()))])
               for s in range(1, RECENT_STEPS + 1)}
@@ -323,6 +324,33 @@ def test_reporters_on_probation_do_not_count(tmp_path: Path) -> None:
     for _ in range(2):
         kept, events = gate.tick(node, records, rounds.get)  # type: ignore[arg-type]
     assert not [e for e in events if e[0] == "evicted"] and not gate.revoked(ids["a"])
+
+
+def test_trusted_reporters_cannot_put_flags_in_an_honest_owners_mouth(tmp_path: Path) -> None:
+    """Past probation, a crowd of reporters (the majority of the trusted ones) says honest owner 'a' flagged
+    honest 'b' at every step; 'a''s own signed record says it flagged nobody. An owner's list counts only as far
+    as its own record says the same: 'b' stays (the crowd's majority alone evicted it before)."""
+    cfg = apply_overrides(RunConfig(), {"admission.evict_after": 3})
+    gate = Gatekeeper(cfg, RUN, Identity.generate().peer_id, tmp_path, [])
+    asks = {name: asking() for name in ("a", "b", "s1", "s2", "s3")}
+    node = _Node({pid: req for pid, _, req in asks.values()})
+    ids = {name: pid for name, (pid, _, _) in asks.items()}
+    rounds = {s: Round(step=s, members=[Member(peer_id=p, address="x:1", replica=i, owns=p == ids["a"])
+                                        for i, p in enumerate(sorted(ids.values()))])
+              for s in range(1, RECENT_STEPS + 1)}  # everyone trusted (the default), 'a' the one owner
+
+    def record(name: str, flags: dict[str, list[str]]) -> PeerRecord:
+        return PeerRecord(peer_id=ids[name], address="x:1",
+                          recent=[StepReport(step=s, flags=flags) for s in range(1, RECENT_STEPS + 1)])
+
+    records = {ids[n]: record(n, {ids["a"]: []}) for n in ("a", "b")}
+    records |= {ids[n]: record(n, {ids["a"]: [ids["b"]]}) for n in ("s1", "s2", "s3")}
+    for _ in range(2):
+        kept, events = gate.tick(node, records, rounds.get)  # type: ignore[arg-type]
+    assert not [e for e in events if e[0] == "evicted"] and not gate.revoked(ids["b"])
+    records[ids["a"]] = record("a", {ids["a"]: [ids["b"]]})  # and when 'a' itself says so, it counts
+    kept, events = gate.tick(node, records, rounds.get)  # type: ignore[arg-type]
+    assert [pid for kind, pid, _ in events if kind == "evicted"] == [ids["b"]]
 
 
 def test_an_open_run_can_ask_fresh_keys_for_a_proof_of_work(tmp_path: Path) -> None:
@@ -345,3 +373,17 @@ def test_an_open_run_can_ask_fresh_keys_for_a_proof_of_work(tmp_path: Path) -> N
     for pid in (lazy, thief):
         assert not by[pid].cert_pem and "proof of work of 12 bits" in by[pid].refused
     assert len(refused) == 2
+
+
+def test_trust_earned_later_does_not_reach_back_to_the_steps_reported_on_probation(tmp_path: Path) -> None:
+    """A key is trusted as of a step by the work it committed before that step: what it reports of the steps
+    it ran on probation never counts, even once it is past probation (8 fresh keys, trusted after 2 steps, had
+    their reports of their second step counted at the run's end and got the 3 honest peers evicted)."""
+    trust = Trust(probation_steps=2, work={"fresh": [5, 6, 7, 8], "founder": [1, 2, 3, 4, 5, 6, 7, 8]},
+                  founders={"founder"})
+    assert trust.trusted("fresh") and not trust.trusted("fresh", before=6)
+    assert trust.trusted("fresh", before=7) and trust.trusted("founder", before=3)
+    cells = [Member(peer_id=p, address="x:1", replica=i) for i, p in enumerate(("founder", "fresh"))]
+    assert trust.eligible(cells, before=6) == {"founder"} and trust.eligible(cells, before=8) == {"founder", "fresh"}
+    assert trust.eligible(cells) == {"founder", "fresh"}  # (owners of the next round: as trust stands now)
+

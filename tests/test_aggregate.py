@@ -88,7 +88,7 @@ def test_every_group_size_matches_the_numpy_reference_across_chunks(n: int, atta
 def test_four_members_centers_are_the_sorts_bit_for_bit() -> None:
     """Four contributors (R = 4, or a group of 4) take their centers from min/max instead of a sort: the very
     values the sort picks (ties included; a 0.0 may stand for a -0.0, which no sum tells apart), so the statistics (and who is rejected) are unchanged."""
-    from potluck.compression.aggregate import _median3
+    from potluck.compression.aggregate import median3
 
     g = torch.Generator().manual_seed(4)
     xs = torch.randn(4, 4096, generator=g)
@@ -98,7 +98,7 @@ def test_four_members_centers_are_the_sorts_bit_for_bit() -> None:
     values, order = xs.sort(dim=0)
     for i in range(4):
         by_sort = torch.where((order[:2] == i).any(dim=0), values[2], values[1])  # the others' lower median
-        fast = _median3(*(xs[j] for j in range(4) if j != i))
+        fast = median3(*(xs[j] for j in range(4) if j != i))
         assert torch.equal(fast, by_sort), i
 
 
