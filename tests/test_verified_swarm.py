@@ -35,10 +35,11 @@ def fresh(swarm, tmp_path: Path, name: str) -> None:  # type: ignore[no-untyped-
     swarm.__init__(swarm.procs, tmp_path / name)
 
 
-@pytest.mark.parametrize("lie", ["shift=0.5", "spike", "scale=3", "flip"])
+@pytest.mark.parametrize("lie", ["shift=0.5", "spike", "flip"])
 def test_a_lying_owner_is_proven_evicted_and_its_steps_undone(swarm, tmp_path: Path, lie: str) -> None:  # type: ignore[no-untyped-def]
-    """The owner of a shard lies at every step: it shifts its mean by 0.5, sets one coordinate to 1e6, scales
-    it by 3 or flips its sign. Its auditor finds the first lie during the next step, the coordinator checks the
+    """The owner of a shard lies at every step: it shifts its mean by 0.5, sets one coordinate to 1e6 or flips
+    its sign (a scaled mean, like the shift a lie of size, passed here too, 36 s: it is tried in-process only,
+    for CI's time). Its auditor finds the first lie during the next step, the coordinator checks the
     evidence itself, evicts the owner and rolls the run back to before step 1; the three honest peers train to
     the end. For the shift (the costlier comparisons once): they land within 2 % of an honest-only run, and
     with audits off the same attack visibly harms the run (every kind of lie, and forged evidence, is also
