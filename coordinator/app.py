@@ -213,7 +213,7 @@ class Coordinator:
         if (self.state.finished or self.rounds.committed >= self.cfg.diloco.outer_steps
                 or not self.rounds.ready_to_decide(len(live), self.cfg.membership.min_peers, now, self.table.reports())):
             return
-        answered = self.pinger.poll((v.record for v in live), self.table.at_work(self.rounds.committed, self.rounds.epoch))
+        answered = self.pinger.poll((v.record for v in live), lambda: self.table.at_work(self.rounds.committed, self.rounds.epoch))
         if answered is None:  # (while the pings run, off this loop)
             return
         records, t0 = answered  # (a decision costs from its first ping to the round published)

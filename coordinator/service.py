@@ -87,16 +87,18 @@ class Pinger:
         self._thread: threading.Thread | None = None
         self._answer: tuple[list[PeerRecord], float, float] | None = None  # (reachable, began, ended)
 
-    def poll(self, records: Iterable[PeerRecord], proven: Collection[str] = ()) -> tuple[list[PeerRecord], float] | None:
-        """``proven``: peers whose own reports just showed them at work (they averaged or fetched the committed
-        step, and heartbeat): they are not pinged again. At 1,000 members that leaves the newcomers."""
+    def poll(self, records: Iterable[PeerRecord], proven: Callable[[], Collection[str]] = frozenset,
+             ) -> tuple[list[PeerRecord], float] | None:
+        """``proven()``: peers whose own reports just showed them at work (they averaged or fetched the committed
+        step, and heartbeat): they are not pinged again. At 1,000 members that leaves the newcomers. Asked only
+        when pings start (not on every tick they run)."""
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 return None
             answer, self._answer = self._answer, None
             if answer is not None and time.monotonic() - answer[2] <= self.max_age_s:
                 return answer[0], answer[1]
-            self._thread = threading.Thread(target=self._ping, args=(list(records), set(proven), time.monotonic()),
+            self._thread = threading.Thread(target=self._ping, args=(list(records), set(proven()), time.monotonic()),
                                             name="pinger", daemon=True)
             self._thread.start()
             return None

@@ -18,6 +18,7 @@ Pure bookkeeping: the coordinator feeds it committed rounds and the peers' repor
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +44,7 @@ class Trust:
             if r.peer_id in members and r.version >= step and r.epoch >= rnd.epoch:
                 steps = self.work.setdefault(r.peer_id, [])
                 if step not in steps:
-                    steps.append(step)
+                    bisect.insort(steps, step)  # (kept in order: trusted() reads the probation-th step)
                     del steps[:-KEEP_STEPS]
 
     def rolled_back(self, to_version: int) -> None:
@@ -58,8 +59,8 @@ class Trust:
 
     def trusted(self, peer_id: str, before: int | None = None) -> bool:
         """Past probation (``before`` a step: by the work it committed before that step)."""
-        steps = self.work.get(peer_id, ())
-        return (len(steps) if before is None else sum(s < before for s in steps)) >= self.probation_steps
+        steps, p = self.work.get(peer_id, ()), self.probation_steps
+        return len(steps) >= p and (before is None or p == 0 or steps[p - 1] < before)  # (a tick asks it per member)
 
     def eligible(self, members: Sequence[Member], before: int | None = None) -> set[str]:
         """Of one stage's members, those who may own a shard and audit: the trusted ones; while none is, the
@@ -87,5 +88,5 @@ class Trust:
 
     @classmethod
     def from_json(cls, data: dict[str, Any] | None, probation_steps: int) -> Trust:
-        work = {str(p): [int(s) for s in steps] for p, steps in ((data or {}).get("work") or {}).items()}
+        work = {str(p): sorted(int(s) for s in steps) for p, steps in ((data or {}).get("work") or {}).items()}
         return cls(probation_steps, work, {str(p) for p in (data or {}).get("founders") or []})

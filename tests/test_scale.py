@@ -293,7 +293,7 @@ def test_a_decision_pings_only_the_peers_its_reports_do_not_show_at_work() -> No
     pinger = Pinger(Client(), "run", "me")  # type: ignore[arg-type]
     deadline, answer = time.monotonic() + 30, None
     while answer is None and time.monotonic() < deadline:
-        answer = pinger.poll(recs.values(), proven)
+        answer = pinger.poll(recs.values(), lambda: proven)
         time.sleep(0.02)
     assert answer is not None and sorted(r.peer_id for r in answer[0]) == ["a", "b"]
     assert sorted(pinged) == ["new", "old", "other-epoch"]
