@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from potluck import __version__
-from potluck.coordinator import bootstrap, history
+from potluck.coordinator import bootstrap, history, roundevents
 from potluck.coordinator.admission import Gatekeeper
 from potluck.coordinator.checkpointer import Checkpointer, Job, Written
 from potluck.coordinator.finishing import Finish
@@ -33,7 +33,7 @@ from potluck.coordinator.membership import PeerTable, announce, describe_round
 from potluck.coordinator.placement import PlacementWorker, grid_for, members
 from potluck.coordinator.publisher import Publisher
 from potluck.coordinator.reader import Reader
-from potluck.coordinator.rounds import Committed, Failed, RolledBack, Rounds
+from potluck.coordinator.rounds import Rounds
 from potluck.coordinator.service import CoordinatorService, Pinger
 from potluck.coordinator.snapshot import RunInfo, Series, build
 from potluck.coordinator.status import StatusServer
@@ -174,16 +174,16 @@ class Coordinator:
 
     def _on(self, ev: object) -> None:
         self._dirty = True
-        if isinstance(ev, Committed):
+        if isinstance(ev, roundevents.Committed):
             fault("coordinator.committed", ev.step)
             self.integrity.committed(self.rounds.round_at(ev.step), ev.step, self.table.reports())
             self.state.known_peers = bootstrap.known_peers([v.record for v in self.table.live()], self.state.known_peers)
             every, v, rnd = self.cfg.coordinator.checkpoint_every, ev.step, self.rounds.round_at(ev.step)
             if every and rnd is not None and (v // every > ev.since // every or v >= self.cfg.diloco.outer_steps):
                 self.checkpointer.want(Job.of(rnd, v, self.rounds.canonical, self.rounds.data.cursor(v)))
-        elif isinstance(ev, Failed):
+        elif isinstance(ev, roundevents.Failed):
             self._event("failed", "", f"round {ev.round.step} (epoch {ev.round.epoch}) failed: {ev.reason}")
-        elif isinstance(ev, RolledBack):
+        elif isinstance(ev, roundevents.RolledBack):
             self.integrity.rolled_back(ev.to_version)
             self.state.history, undone = history.roll_back(self.state.history, ev.to_version)
             self.state.rolled_back = (self.state.rolled_back + undone)[-200:]

@@ -28,7 +28,7 @@ from potluck.compression.transfer import (
 )
 from potluck.coordinator.checkpoint import CheckpointStore
 from potluck.coordinator.cursor import Cursor
-from potluck.coordinator.rounds import Checkpoint
+from potluck.coordinator.roundevents import Checkpoint
 from potluck.models import stage_bounds
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config.runconfig import RunConfig

@@ -8,7 +8,8 @@ import queue
 from collections.abc import Sequence
 from typing import Any
 
-from potluck.coordinator.rounds import Report, Rounds
+from potluck.coordinator.roundevents import Report
+from potluck.coordinator.rounds import Rounds
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.wire.states import SAID_GOODBYE
 

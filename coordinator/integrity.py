@@ -25,7 +25,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from potluck.compression.int8 import make_codec
-from potluck.coordinator.rounds import Report, Rounds
+from potluck.coordinator.roundevents import Report
+from potluck.coordinator.rounds import Rounds
 from potluck.coordinator.trust import Trust
 from potluck.coordinator.verifier import Accusation, Ruling, Verifier
 from potluck.protos.config.runconfig import RunConfig

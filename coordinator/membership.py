@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from potluck.coordinator.rounds import Report
+from potluck.coordinator.roundevents import Report
 from potluck.models import sizecheck
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.runtime.log import short_id

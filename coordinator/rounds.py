@@ -35,73 +35,21 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from potluck.coordinator import groups
-from potluck.coordinator.cursor import Cursor, DataCursor
+from potluck.coordinator.cursor import DataCursor
+from potluck.coordinator.roundevents import (
+    Checkpoint,
+    Committed,
+    Event,
+    Failed,
+    Report,
+    RolledBack,
+    RoundOutcome,
+)
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.wire.records import Audit, Member, Round
 
 KEEP_ROUNDS = 16
 KEEP_DURATIONS = 8
-
-
-@dataclass(frozen=True)
-class Report:
-    """What the lifecycle needs of one peer's latest record."""
-
-    peer_id: str
-    stage: int
-    version: int
-    state_hash: str
-    epoch: int = 0
-    prev_version: int = -1
-    prev_hash: str = ""
-    live: bool = True
-    progress: tuple = ()  # changes whenever the peer makes visible progress (state, inner step, bytes)
-    included: tuple[tuple[int, int, tuple[int, ...]], ...] = ()  # stage 0: (step, epoch, replicas in that version)
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """The newest checkpoint the coordinator serves: a version and its hash per stage (current layout)."""
-
-    version: int
-    hashes: dict[int, str]
-    cursor: Cursor | None = None  # the data cursor of ``version`` (None: a checkpoint from before cursors)
-
-
-@dataclass(frozen=True)
-class Committed:
-    step: int
-    since: int  # the committed step before (several steps commit at once after the coordinator was away)
-    seconds: float | None  # decided -> committed, when this process saw the decision
-
-
-@dataclass(frozen=True)
-class Failed:
-    round: Round
-    reason: str
-
-
-@dataclass(frozen=True)
-class RolledBack:
-    from_step: int  # the committed step before the rollback
-    to_version: int
-    source: str  # "live peers", "checkpoint" or "theta_0"
-    epoch: int
-
-
-Event = Committed | Failed | RolledBack
-
-
-@dataclass
-class RoundOutcome:
-    """How a round that did not commit ended (journaled, shown on the status page)."""
-
-    step: int
-    epoch: int
-    reason: str
-    members: int
-    rolled_back_to: int
-    t: float = 0.0
 
 
 REGATHER = 3  # heartbeat timeouts for peers to gather again (after a restart: restore; a failure: ready_to_decide)

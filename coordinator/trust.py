@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from potluck.coordinator.rounds import Report
+from potluck.coordinator.roundevents import Report
 from potluck.protos.wire.records import Member, Round
 
 KEEP_STEPS = 64  # steps of work remembered per peer (only a count up to probation_steps matters)

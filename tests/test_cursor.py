@@ -23,7 +23,8 @@ from potluck.coordinator.cursor import Cursor, DataCursor, merge
 from potluck.coordinator.journal import JournalState
 from potluck.coordinator.membership import PeerTable
 from potluck.coordinator.placement import members, sticky_placement
-from potluck.coordinator.rounds import Checkpoint, Failed, Rounds
+from potluck.coordinator.roundevents import Checkpoint, Failed
+from potluck.coordinator.rounds import Rounds
 from potluck.data import DataError
 from potluck.data.order import permute, permute_one, sample_ids
 from potluck.peer.data import SpanSampler
@@ -91,7 +92,8 @@ def test_take_serves_the_pool_first_then_the_frontier() -> None:
 def test_a_vote_counts_only_from_the_rounds_stage_0_and_only_for_the_coming_steps() -> None:
     """A stage-1 member cannot say which replicas' samples a version holds, a vote for a step far ahead
     is not kept, and a version far ahead folds in bounded time."""
-    from potluck.coordinator.rounds import KEEP_ROUNDS, Report
+    from potluck.coordinator.roundevents import Report
+    from potluck.coordinator.rounds import KEEP_ROUNDS
     from potluck.protos.wire.records import Member
 
     r = Rounds(stages=2, data=DataCursor(4))

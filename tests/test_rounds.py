@@ -10,7 +10,8 @@ from potluck.coordinator.admission import Gatekeeper
 from potluck.coordinator.history import fold, roll_back
 from potluck.coordinator.membership import PeerTable
 from potluck.coordinator.placement import members, sticky_placement
-from potluck.coordinator.rounds import REGATHER, Checkpoint, Committed, Failed, RolledBack, Rounds
+from potluck.coordinator.roundevents import Checkpoint, Committed, Failed, RolledBack
+from potluck.coordinator.rounds import REGATHER, Rounds
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.wire.records import PeerRecord, StepReport
 

@@ -102,7 +102,8 @@ def rolled_back_pipeline_snapshot() -> dict[str, Any]:
     run rolls back to the checkpoint of v1 in epoch 1, and two newcomers fill a new round 2."""
     from potluck.coordinator import history
     from potluck.coordinator.membership import PeerTable
-    from potluck.coordinator.rounds import Checkpoint, RolledBack, Rounds
+    from potluck.coordinator.roundevents import Checkpoint, RolledBack
+    from potluck.coordinator.rounds import Rounds
     from potluck.coordinator.snapshot import RunInfo, Series, build
     from potluck.protos.config.runconfig import RunConfig
     from potluck.protos.net.swarm import LinkReport, LinkStat
