@@ -8,7 +8,6 @@ never half of one.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 from pathlib import Path
@@ -156,9 +155,10 @@ class Journal:
     def save(self, state: JournalState) -> None:
         state.rounds = kept_rounds(state.rounds)
         state.v = JOURNAL_VERSION
-        data = state.model_dump(mode="json")
-        data["history"] = [journaled(h) for h in data["history"]]  # (a big step's members' reports stay in memory)
-        write_atomic(self.path, json.dumps(data, indent=1).encode())
+        # (a big step's members' reports stay in memory; pydantic's own serializer: at 1,000 members the json
+        # module's indenting encoder, written in Python, took ~0.1 s of the coordinator's loop, this ~10 ms)
+        kept = state.model_copy(update={"history": [journaled(h) for h in state.history]})
+        write_atomic(self.path, kept.model_dump_json(indent=1).encode())
 
 
 def kept_rounds(rounds: list[Round]) -> list[Round]:

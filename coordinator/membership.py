@@ -37,7 +37,8 @@ class PeerView:
     last_seen: float  # our monotonic clock when a newer record (higher seq) last arrived
     lost: bool = False
     left: bool = False
-    _report: tuple[PeerRecord, bool, bool, Report] | None = None  # the report, and what it was made of
+    evicted: bool = False  # its key was revoked (a proven lie, a vote): gone for good
+    _report: tuple[PeerRecord, bool, bool, bool, Report] | None = None  # the report, and what it was made of
 
     @property
     def live(self) -> bool:
@@ -46,9 +47,9 @@ class PeerView:
     def report(self) -> Report:
         """The record as the round lifecycle sees it (made again only when the record or liveness changed)."""
         cached = self._report
-        if cached is None or cached[0] is not self.record or cached[1] != self.lost or cached[2] != self.left:
-            self._report = cached = (self.record, self.lost, self.left, self._make_report())
-        return cached[3]
+        if cached is None or cached[0] is not self.record or cached[1:4] != (self.lost, self.left, self.evicted):
+            self._report = cached = (self.record, self.lost, self.left, self.evicted, self._make_report())
+        return cached[4]
 
     def _make_report(self) -> Report:
         r = self.record
@@ -57,7 +58,7 @@ class PeerView:
         # for the round it made, it is there -- its stage has not lost it, and its version counts
         present = not self.lost and (not self.left or r.state == "finished")
         return Report(peer_id=r.peer_id, stage=r.stage, version=r.version, state_hash=r.state_hash, epoch=r.epoch,
-                      prev_version=r.prev_version, prev_hash=r.prev_hash, live=present,
+                      prev_version=r.prev_version, prev_hash=r.prev_hash, live=present, gone=self.left or self.evicted,
                       progress=(r.state, r.version, r.inner_step, moved),
                       included=tuple((x.step, x.epoch, tuple(x.included)) for x in r.recent if x.stage == 0))
 
@@ -110,10 +111,11 @@ class PeerTable:
 
     def evict(self, peer_id: str) -> None:
         """An evicted peer no longer counts as there, from now: not at its last heartbeat's timeout (a round
-        decided in between would name it; its heartbeats are not read again)."""
+        decided in between would name it; its heartbeats are not read again), and it is gone for good: a run
+        regathering after a failure does not wait for it."""
         view = self.peers.get(peer_id)
         if view is not None:
-            view.lost = True
+            view.lost = view.evicted = True
 
     def _forget(self, n: int) -> None:
         """Forget the ``n`` peers gone longest (their records stopped first)."""

@@ -22,6 +22,7 @@ class Report:
     prev_version: int = -1
     prev_hash: str = ""
     live: bool = True
+    gone: bool = False  # said goodbye, stopped on an error or was evicted: not coming back to regather
     progress: tuple = ()  # changes whenever the peer makes visible progress (state, inner step, bytes)
     included: tuple[tuple[int, int, tuple[int, ...]], ...] = ()  # stage 0: (step, epoch, replicas in that version)
 

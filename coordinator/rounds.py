@@ -77,6 +77,7 @@ class Rounds:
     _progress: dict[str, tuple[tuple, float]] = field(default_factory=dict)  # peer -> (signature, since)
     _fresh_start: bool = True  # no round is running after a failure (or ever): wait for min_peers
     _failed_at: float | None = None  # when the last round failed (the wait for min_peers after it is bounded)
+    _regather: frozenset[str] = frozenset()  # the members of the round that failed last (the wait is for them)
     wall: Callable[[], float] = time.time  # wall-clock stamps for the journal (every decision uses ``now``)
     data: DataCursor = field(default_factory=lambda: DataCursor(per_replica=1))  # who trains on which samples
 
@@ -277,6 +278,7 @@ class Rounds:
         self.committed = target
         self.data.roll_back(target, checkpoint.cursor if checkpoint is not None and checkpoint.version == target else None)
         self._committed_at, self._failed_at = now, now
+        self._regather = frozenset(m.peer_id for m in rnd.members)
         self._fresh_start = True
         self.outcomes.append(RoundOutcome(rnd.step, rnd.epoch, reason, len(rnd.members), target, self.wall()))
         self.outcomes = self.outcomes[-KEEP_ROUNDS:]
@@ -330,14 +332,23 @@ class Rounds:
 
     def ready_to_decide(self, live: int, min_peers: int, now: float, reports: Sequence[Report] = ()) -> bool:
         """Time to decide round ``committed + 1``? Never while one is running; a fresh start (the first
-        round, or the first after a failure) waits for ``min_peers`` -- after a failure for ``REGATHER`` heartbeat
-        timeouts at most, then goes on with whoever is live (an evicted liar or a peer gone for good must not
-        stall the run); otherwise the committed round must have settled."""
+        round, or the first after a failure) waits for ``min_peers`` -- after a failure only until every member of
+        the failed round is live again or gone for good (evicted, said goodbye), and ``REGATHER`` heartbeat timeouts
+        at most, then goes on with whoever is live (an evicted liar or a peer gone for good must not stall the
+        run); otherwise the committed round must have settled."""
         if self.pending() is not None or live < max(1, self.stages):
             return False
         if self._fresh_start:
-            return live >= min_peers or (self._failed_at is not None and now - self._failed_at >= REGATHER * self.grace_s)
+            return live >= min_peers or self._regathered(now, reports)
         return self.settled(now, reports=reports)
+
+    def _regathered(self, now: float, reports: Sequence[Report]) -> bool:
+        if self._failed_at is None:
+            return False  # (the first round of a run)
+        if now - self._failed_at >= REGATHER * self.grace_s:
+            return True
+        back = {r.peer_id for r in reports if r.live or r.gone}
+        return bool(self._regather) and self._regather <= back
 
     def decide(self, members: list[Member], now: float, decided_at: float = 0.0, reports: Sequence[Report] = (),
                audits: Sequence[Audit] = ()) -> Round:

@@ -172,8 +172,8 @@ def test_every_member_of_the_pending_round_dies_so_it_fails_and_the_run_resumes_
 
 
 def test_after_a_failure_the_run_waits_for_min_peers_a_bounded_time_then_goes_on_with_whoever_is_live() -> None:
-    """An evicted liar (or a peer gone for good) leaves fewer live peers than ``min_peers``: the run waits
-    ``REGATHER`` heartbeat timeouts for others to come, then goes on with the peers it has (it used to wait
+    """A member that went silent (maybe for good) leaves fewer live peers than ``min_peers``: the run waits
+    ``REGATHER`` heartbeat timeouts for it or others to come, then goes on with the peers it has (it used to wait
     forever). The first round of a run waits for ``min_peers`` without a bound: that is the operator's ask."""
     s = Swarm(min_peers=3)
     assert not s.rounds.ready_to_decide(2, 3, 10_000.0)  # never a first round with fewer
@@ -181,13 +181,33 @@ def test_after_a_failure_the_run_waits_for_min_peers_a_bounded_time_then_goes_on
     s.decide()
     lie = s.rounds.retract(2, "a proven lie", s.table.reports(), None, now + 0.5)  # (the coordinator's check)
     assert [type(e) for e in lie][:1] == [Failed] and s.rounds.committed == 0  # (nobody holds v1: theta_0)
-    for t in (now + 1, now + 0.5 + REGATHER * TIMEOUT - 0.5):
-        s.tick(t, *(rec(p, 0, "waiting") for p in "ab"))  # c was the liar: evicted, silent
+    for t in (now + TIMEOUT + 1, now + 0.5 + REGATHER * TIMEOUT - 0.5):
+        s.tick(t, *(rec(p, 0, "waiting") for p in "ab"))  # c went silent: maybe it comes back
         assert not s.rounds.ready_to_decide(2, 3, t, s.table.reports()), t
     t = now + 0.5 + REGATHER * TIMEOUT
     s.tick(t, *(rec(p, 0, "waiting") for p in "ab"))
     r = s.decide()
     assert (r.step, r.epoch, sorted(m.peer_id for m in r.members)) == (1, 1, ["a", "b"])
+
+
+def test_after_a_failure_the_run_goes_on_at_once_when_every_member_of_the_failed_round_is_back_or_gone_for_good() -> None:
+    """The bounded wait is for members of the failed round that may still come back: once each is live again,
+    evicted or said goodbye, nothing is left to wait for (a proven liar's eviction cost every run 3 heartbeat
+    timeouts). One that only went silent is still waited for."""
+    s = Swarm(min_peers=4)
+    now = run_to(s, 3, ids="abcd")
+    s.decide()
+    s.rounds.retract(2, "a proven lie", s.table.reports(), None, now + 0.5)
+    t = now + TIMEOUT + 1
+    s.tick(t, *(rec(p, 0, "waiting") for p in "abc"))  # d went silent: maybe back soon
+    assert not s.rounds.ready_to_decide(3, 4, t, s.table.reports())
+    s.table.evict("d")  # no: d was the liar
+    assert s.rounds.ready_to_decide(3, 4, t, s.table.reports())
+    r = s.decide()
+    assert (r.step, r.epoch, sorted(m.peer_id for m in r.members)) == (1, 1, ["a", "b", "c"])
+    assert s.table.peers["d"].live is False and s.table.peers["d"].report().gone
+    s.tick(t + 1, *(rec(p, 0, "waiting") for p in "abc"), rec("d", 0, "left"))
+    assert s.table.peers["d"].report().gone  # (a goodbye is gone for good, too)
 
 
 def test_a_journaled_pending_round_of_peers_that_never_come_back_fails_after_a_restart() -> None:

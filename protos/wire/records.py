@@ -237,7 +237,7 @@ class _MemberIndex:
     """A round's members by id (and shares by replica): a cache, not state, so any two compare equal (a
     round's equality is its fields'). It remembers the lists it indexes, so a copy given others rebuilds it."""
 
-    __slots__ = ("source", "count", "by_id", "shares", "share_count", "by_replica")
+    __slots__ = ("source", "count", "by_id", "shares", "share_count", "by_replica", "before", "total")
 
     def __init__(self, members: list[Member] | None = None) -> None:
         self.source, self.count, self.by_id = members, len(members or ()), dict[str, Member]()
@@ -245,11 +245,16 @@ class _MemberIndex:
             self.by_id.setdefault(m.peer_id, m)  # the first, as a scan would find
         self.shares: list[Share] | None = None
         self.share_count, self.by_replica = 0, dict[int, Share]()
+        self.before, self.total = dict[int, int](), 0  # samples of the shares of lower replicas; of all shares
 
     def index_shares(self, shares: list[Share]) -> None:
         self.shares, self.share_count, self.by_replica = shares, len(shares), {}
         for s in shares:
             self.by_replica.setdefault(s.replica, s)
+        self.before, self.total, at = {}, sum(s.count for s in shares), 0
+        for s in sorted(shares, key=lambda s: s.replica):
+            self.before.setdefault(s.replica, at)
+            at += s.count
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _MemberIndex)
@@ -358,10 +363,13 @@ class Round(Record):
         return next((g for g in self.groups if (g.stage, g.group) == (stage, group)), None)
 
     def share_of(self, replica: int) -> Share | None:
+        return self._shares_index().by_replica.get(replica)
+
+    def _shares_index(self) -> _MemberIndex:
         index = self._members_index()
         if index.shares is not self.shares or index.share_count != len(self.shares):
             index.index_shares(self.shares)
-        return index.by_replica.get(replica)
+        return index
 
     def data_spans(self, step: int, replica: int) -> list[tuple[int, int]]:
         """The global sample positions ``replica`` trains on at ``step``: this round's share, or, for a later
@@ -372,8 +380,8 @@ class Round(Record):
             return []
         if step == self.step:
             return [(a, b) for a, b in mine.spans]
-        total = sum(s.count for s in self.shares)
-        start = (step - self.step - 1) * total + sum(s.count for s in self.shares if s.replica < replica)
+        index = self._shares_index()  # (every replica's spans were a pass over every share: 0.15 s at 1,000)
+        start = (step - self.step - 1) * index.total + index.before[replica]
         return self._read_on(start, start + mine.count)
 
     def _read_on(self, a: int, b: int) -> list[tuple[int, int]]:
