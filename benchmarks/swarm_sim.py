@@ -133,6 +133,7 @@ class Worker:
         self.out: dict[str, Any] = {"reports": {}, "admissions": [], "stores": 0, "store_failed": 0, "store_bytes": 0,
                                     "beat_lag_s": [], "joined": 0, "left": 0, "vanished": 0, "refused": []}
         self.plan_seq = 0
+        self.head_seq = 0  # the newest plan head read: the plan itself is read only while it is newer than ours
         self.round: Any = None
         self.churn_at: float | None = None
         self.reads: dict[str, tuple[Any, float]] = {}  # kind -> (future of the read in flight, when it began)
@@ -163,7 +164,9 @@ class Worker:
             for p in list(self.waiting.values()):
                 if now - p.asked_at > 5.0:  # peers ask again every 5 s until admitted, as real ones do
                     self._ask(p, now)
-            self._read("plan", now, self._plan)
+            self._read("plan_head", now, self._head)  # (as a real peer polls: the head, then the plan when newer)
+            if self.head_seq > self.plan_seq:
+                self._read("plan", now, self._plan)
             self._train(now)
             self._beats(now)
             if self.churn_at is None and go.exists():
@@ -190,8 +193,8 @@ class Worker:
         self._ask(p, now)
 
     def _ask(self, p: SimPeer, now: float) -> None:
+        from potluck.protos.wire.admissions import AdmissionRequest
         from potluck.protos.wire.envelope import next_seq
-        from potluck.protos.wire.records import AdmissionRequest
 
         req = AdmissionRequest(peer_id=p.id, run_id=self.manifest.run_id, tls_key=p.tls.public_pem.decode(),
                                ts=time.time(), seq=next_seq())
@@ -219,8 +222,8 @@ class Worker:
 
     def _certificates(self, found: Any, now: float) -> None:
         from potluck.protos.net.certs import CertError
+        from potluck.protos.wire.admissions import Certificate
         from potluck.protos.wire.envelope import RecordError, unseal
-        from potluck.protos.wire.records import Certificate
 
         items = found.value if found is not None and isinstance(found.value, dict) else {}
         for pid, p in list(self.waiting.items()):
@@ -251,6 +254,17 @@ class Worker:
             self.out["admissions"].append([p.asked_wall, p.admitted_wall])
 
     # ---------------------------------------------------------------- rounds and "training"
+
+    def _head(self, found: Any, now: float) -> None:
+        from potluck.protos.wire.envelope import RecordError, unseal
+        from potluck.protos.wire.records import PlanHead
+
+        if found is None:
+            return
+        try:
+            self.head_seq = max(self.head_seq, unseal(PlanHead, found.value, author=self.a.coordinator).seq)
+        except RecordError:
+            return
 
     def _plan(self, found: Any, now: float) -> None:
         from potluck.protos.wire.envelope import RecordError, unseal

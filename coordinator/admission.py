@@ -41,7 +41,8 @@ from potluck.protos.net.swarm import SwarmNode
 from potluck.protos.net.transport import PeerClient
 from potluck.protos.runtime.log import get_logger, short_id
 from potluck.protos.wire import work
-from potluck.protos.wire.records import AdmissionRequest, Certificate, Member, PeerRecord, Round
+from potluck.protos.wire.admissions import AdmissionRequest, Certificate
+from potluck.protos.wire.records import Member, PeerRecord, Round
 from potluck.protos.wire.states import SAID_GOODBYE
 
 log = get_logger(__name__)

@@ -4,7 +4,8 @@ Both records expire (``RECORD_TTL_S``) unless refreshed, so a coordinator that i
 speaking for the run by itself; a change (a new round, a checkpoint, the end of the run) is
 published at once, and everything is refreshed every ``REFRESH_S``.
 
-The plan carries the newest ``PLAN_ROUNDS`` rounds that fit in one record (``MAX_PLAN_BYTES``):
+Peers poll the plan's head (its ``seq``, a few hundred bytes) and read the plan itself only when the head
+is newer than theirs. The plan carries the newest ``PLAN_ROUNDS`` rounds that fit in one record (``MAX_PLAN_BYTES``):
 each round lists all its members, so a big swarm's plan holds fewer of them (at 1,000 members one
 round is ~170 KB), and a round too big to publish at all is said in the log, once.
 """
@@ -19,7 +20,7 @@ from potluck.protos.net.dhtguard import MAX_PLAN_BYTES
 from potluck.protos.net.swarm import SwarmNode
 from potluck.protos.runtime.log import get_logger
 from potluck.protos.wire.envelope import next_seq
-from potluck.protos.wire.records import Manifest, Plan, Round
+from potluck.protos.wire.records import Manifest, Plan, PlanHead, Round
 
 log = get_logger(__name__)
 
@@ -63,8 +64,11 @@ class Publisher:
         self._pending.append(("manifest", self.node.publish_manifest(self.manifest, ttl=RECORD_TTL_S, wait=wait)))
         recent = sorted(rounds, key=lambda r: r.step)[-PLAN_ROUNDS:]
         plan = self.fitting(recent)
-        if plan is not None:
+        if plan is not None:  # the plan, then its head: a peer that reads a head before its plan reads the plan again
             self._pending.append(("plan", self.node.publish_plan(plan, ttl=RECORD_TTL_S, wait=wait)))
+            newest = plan.rounds[-1]
+            head = PlanHead(seq=plan.seq, step=newest.step, epoch=newest.epoch)
+            self._pending.append(("plan head", self.node.publish_plan_head(head, ttl=RECORD_TTL_S, wait=wait)))
 
     def _check(self) -> None:
         """A store that failed is published again at once (the next tick)."""

@@ -21,7 +21,8 @@ from typing import Any
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.net.feed import Feed
 from potluck.protos.net.swarm import LinkReport, SwarmNode
-from potluck.protos.wire.records import AdmissionRequest, PeerRecord
+from potluck.protos.wire.admissions import AdmissionRequest
+from potluck.protos.wire.records import PeerRecord
 
 LINKS_EVERY_S = 5.0
 

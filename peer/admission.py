@@ -16,8 +16,9 @@ from potluck.protos.net.certs import CertError, TlsIdentity
 from potluck.protos.net.swarm import DHTTimeout, JoinError, SwarmNode
 from potluck.protos.runtime.log import get_logger
 from potluck.protos.wire import work
+from potluck.protos.wire.admissions import AdmissionRequest
 from potluck.protos.wire.envelope import RecordError, next_seq
-from potluck.protos.wire.records import AdmissionRequest, Manifest
+from potluck.protos.wire.records import Manifest
 
 log = get_logger(__name__)
 

@@ -26,7 +26,8 @@ from potluck.protos.net.certs import (
 )
 from potluck.protos.net.identity import Identity
 from potluck.protos.net.swarm import DHTTimeout
-from potluck.protos.wire.records import AdmissionRequest, Member, PeerRecord, Round, StepReport
+from potluck.protos.wire.admissions import AdmissionRequest
+from potluck.protos.wire.records import Member, PeerRecord, Round, StepReport
 from potluck.protos.wire.states import PeerState
 
 RUN, T0 = "adm", 1_000_000.0
@@ -235,7 +236,7 @@ def test_a_restarted_peer_waits_past_the_certificate_of_its_previous_tls_key(ca:
     from types import SimpleNamespace
 
     from potluck.peer.admission import take
-    from potluck.protos.wire.records import Certificate
+    from potluck.protos.wire.admissions import Certificate
 
     pid, old, new = Identity.generate().peer_id, TlsIdentity.generate(), TlsIdentity.generate()
     manifest = SimpleNamespace(ca_pem=ca.cert_pem.decode())

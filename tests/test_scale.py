@@ -34,6 +34,7 @@ from potluck.coordinator.service import Pinger
 from potluck.coordinator.snapshot import PEERS_INLINE, RunInfo, Series, build
 from potluck.coordinator.status import StatusServer
 from potluck.coordinator.trust import Trust
+from potluck.peer.heartbeat import Heartbeat
 from potluck.protos.config.files import apply_overrides
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.net.dhtguard import run_key
@@ -244,6 +245,35 @@ def test_the_plan_holds_the_newest_rounds_that_fit_and_says_when_none_does(monke
     assert [r.step for r in pub.fitting(rounds(200)).rounds] == [3, 4]  # type: ignore[union-attr]
     assert pub.fitting(rounds(700)) is None
     assert "makes a plan of" in caplog.text and "it is not published" in caplog.text
+
+
+def test_a_peer_polls_the_plans_head_and_reads_the_plan_only_when_it_is_newer(
+        nodes: tuple[SwarmNode, SwarmNode]) -> None:
+    """Every peer polls for a new plan several times a second; a plan of 1,000 members is ~700 KB. The
+    peer reads the small head and fetches the plan itself once per new plan (real DHT nodes)."""
+    a, b = nodes
+    pub = Publisher(a, Manifest(run_id="r", coordinator=COORD.peer_id, config={}), set())
+    members = [Member(peer_id=f"12D3KooW{i:044d}", address=f"10.0.0.1:{i}", replica=i) for i in range(300)]
+    plan_reads: list[int] = []
+    read = b.get_plan
+    b.get_plan = lambda min_seq=0: plan_reads.append(min_seq) or read(min_seq)  # type: ignore[method-assign]
+    beat = Heartbeat(b, Manifest(run_id="r", coordinator=COORD.peer_id, config={}),
+                     lambda: PeerRecord(peer_id="x", address="x:1"), heartbeat_s=60.0, ttl_s=60.0)
+    try:
+        for step in (1, 2):
+            pub.new_plan()
+            pub.publish([Round(step=s, members=members) for s in range(1, step + 1)])
+            assert all(answer.result(timeout=10) for _, answer in pub._pending)  # (stored: the test's own wait)
+            deadline = time.monotonic() + 20
+            while beat.plan is None or beat.plan.rounds[-1].step < step:
+                assert time.monotonic() < deadline, f"the peer never read the plan of step {step}"
+                beat._refresh(with_manifest=False)
+            reads = len(plan_reads)
+            for _ in range(5):  # the same plan: only its head is read
+                beat._refresh(with_manifest=False)
+            assert len(plan_reads) == reads, plan_reads
+    finally:
+        del b.get_plan
 
 
 def test_the_membership_table_forgets_the_longest_gone_past_its_bound() -> None:

@@ -37,7 +37,7 @@ MAX_TTL_S = MAX_RECORD_TTL_S
 SKEW_S = 5.0
 
 # who signs the records under each of a run's keys
-BY_COORDINATOR = ("manifest", "plan", "certs")
+BY_COORDINATOR = ("manifest", "plan", "plan_head", "certs")
 BY_SUBKEY = ("peers", "links", "admission")
 
 

@@ -27,8 +27,9 @@ from potluck.protos.net.identity import Identity
 from potluck.protos.net.join import JoinError, parse_join_address  # noqa: F401 - re-exported
 from potluck.protos.runtime.log import get_logger
 from potluck.protos.runtime.stopping import kill_tree
+from potluck.protos.wire.admissions import AdmissionRequest, Certificate
 from potluck.protos.wire.envelope import Record, RecordError, seal, unseal
-from potluck.protos.wire.records import AdmissionRequest, Certificate, Manifest, PeerRecord, Plan
+from potluck.protos.wire.records import Manifest, PeerRecord, Plan, PlanHead
 
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
 os.environ.setdefault("GOLOG_LOG_LEVEL", "error")
@@ -231,6 +232,13 @@ class SwarmNode:
     def get_plan(self, min_seq: int = 0) -> Plan | None:
         found = self._dht_get("plan")
         return None if found is None else unseal(Plan, found.value, author=self.coordinator, min_seq=min_seq)
+
+    def publish_plan_head(self, head: PlanHead, ttl: float, wait: bool = True) -> Any:
+        return self._store("plan_head", head, ttl, wait=wait)
+
+    def get_plan_head(self) -> PlanHead | None:
+        found = self._dht_get("plan_head")
+        return None if found is None else unseal(PlanHead, found.value, author=self.coordinator)
 
     def publish_certificate(self, cert: Certificate, ttl: float) -> bool:
         return self._store("certs", cert, ttl, subkey=cert.peer_id)
