@@ -213,7 +213,8 @@ class Coordinator:
         if (self.state.finished or self.rounds.committed >= self.cfg.diloco.outer_steps
                 or not self.rounds.ready_to_decide(len(live), self.cfg.membership.min_peers, now, self.table.reports())):
             return
-        answered = self.pinger.poll((v.record for v in live), lambda: self.table.at_work(self.rounds.committed, self.rounds.epoch))
+        at_work = partial(self.table.at_work, self.rounds.committed, self.rounds.epoch)  # (a fresh start: every answer)
+        answered = self.pinger.poll((v.record for v in live), at_work, hurry=not self.rounds.fresh_start)
         if answered is None:  # (while the pings run, off this loop)
             return
         records, t0 = answered  # (a decision costs from its first ping to the round published)
@@ -221,10 +222,9 @@ class Coordinator:
         placed = grid_for(self.cfg, records, stages, before, self.reader.links.records, self.placement)
         if placed is None:
             return  # not one whole pipeline yet, or the search still runs off this loop
-        grid, replan = placed
-        if replan is not None and any(before.get(pid) != cell for pid, cell in grid.items()):
+        if (replan := placed[1]) is not None and any(before.get(pid) != cell for pid, cell in placed[0].items()):
             self._event("replan", "", replan.describe())
-        cells, audits = self.integrity.roles(members(grid, records), self.rounds)  # owners past probation; audits
+        cells, audits = self.integrity.roles(members(placed[0], records), self.rounds)  # owners past probation; audits
         r = self.rounds.decide(cells, now, time.time(), self.table.reports(), audits)
         self.publisher.new_plan()
         self._save()  # journaled before anyone can act on it
