@@ -61,7 +61,7 @@ class Coordinator:
         self.journal, self.state = bootstrap.open_journal(cfg)  # checks the run first: a refused one writes nothing
         self.identity = Identity.load_or_create(Path(c.journal_dir) / "identity.key")
         self.id, self.run_id = self.identity.peer_id, self.state.run_id
-        self.table, self.rounds = PeerTable(cfg.membership.heartbeat_timeout_s), Rounds.for_run(cfg)
+        self.table, self.rounds = PeerTable.for_run(cfg), Rounds.for_run(cfg)
         self.gate = Gatekeeper(cfg, self.run_id, self.id, Path(c.journal_dir), self.state.revoked, self.state.admitted)
         self.gate.admission.on_revoke = self.table.evict  # (an evicted peer is in no round decided after it)
         self.tls = None if c.insecure else self.gate.tls  # gRPC with peers over mutual TLS unless --insecure
@@ -209,17 +209,17 @@ class Coordinator:
             self._event("finished", "", f"run ended at outer step {self.rounds.committed}")
 
     def _maybe_decide(self, now: float) -> None:
-        live, stages = self.table.live(), self.rounds.stages
+        live, made = self.table.live(), self.rounds.rounds.get(self.rounds.committed)
         if (self.state.finished or self.rounds.committed >= self.cfg.diloco.outer_steps
                 or not self.rounds.ready_to_decide(len(live), self.cfg.membership.min_peers, now, self.table.reports())):
             return
-        at_work = partial(self.table.at_work, self.rounds.committed, self.rounds.epoch)  # (a fresh start: every answer)
+        at_work = partial(self.table.at_work, self.rounds.committed, self.rounds.epoch, made)  # (they need no ping)
         answered = self.pinger.poll((v.record for v in live), at_work, hurry=not self.rounds.fresh_start)
         if answered is None:  # (while the pings run, off this loop)
             return
         records, t0 = answered  # (a decision costs from its first ping to the round published)
-        before = {m.peer_id: (m.stage, m.replica) for m in getattr(self.rounds.rounds.get(self.rounds.committed), "members", [])}
-        placed = grid_for(self.cfg, records, stages, before, self.reader.links.records, self.placement)
+        before = {m.peer_id: (m.stage, m.replica) for m in getattr(made, "members", [])}
+        placed = grid_for(self.cfg, records, self.rounds.stages, before, self.reader.links.records, self.placement)
         if placed is None:
             return  # not one whole pipeline yet, or the search still runs off this loop
         if (replan := placed[1]) is not None and any(before.get(pid) != cell for pid, cell in placed[0].items()):

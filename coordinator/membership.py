@@ -66,10 +66,15 @@ class PeerView:
 class PeerTable:
     """Peers by id; all times are ``time.monotonic()``."""
 
-    def __init__(self, heartbeat_timeout_s: float, keep_gone: int = KEEP_GONE) -> None:
+    def __init__(self, heartbeat_timeout_s: float, keep_gone: int = KEEP_GONE, fresh_s: float = 0.0) -> None:
         self.timeout, self.keep_gone = heartbeat_timeout_s, keep_gone
+        self.fresh_s = fresh_s  # a heartbeat this recent is fresh (see at_work)
         self.peers: dict[str, PeerView] = {}
         self.changed: list[PeerView] = []  # the views whose record the last update changed
+
+    @classmethod
+    def for_run(cls, cfg: RunConfig) -> PeerTable:
+        return cls(cfg.membership.heartbeat_timeout_s, fresh_s=2 * cfg.membership.heartbeat_s)
 
     def update(self, records: dict[str, PeerRecord], now: float | None = None) -> list[tuple[str, str]]:
         """Merge fresh records; returns events ``(kind, peer_id)``: joined, left, lost, back.
@@ -126,11 +131,16 @@ class PeerTable:
     def live(self) -> list[PeerView]:
         return [v for v in self.peers.values() if v.live]
 
-    def at_work(self, version: int, epoch: int) -> set[str]:
+    def at_work(self, version: int, epoch: int, made: Round | None = None, now: float | None = None) -> set[str]:
         """Live peers whose record says they hold ``version`` made in ``epoch`` (they just averaged or fetched
-        it with their peers): proof enough that they answer, without a ping of the coordinator's own."""
-        return {pid for pid, v in self.peers.items() if v.live and version > 0 and v.record.version == version
-                and v.record.epoch == epoch}
+        it with their peers), and the members of ``made`` (the round that made it) whose last heartbeat came
+        within ``fresh_s`` (their peers reached them in that all-reduce; a busy peer's record lags its work):
+        proof enough that they answer, without a ping of the coordinator's own."""
+        now = time.monotonic() if now is None else now
+        members = made.member_ids() if made is not None else ()
+        return {pid for pid, v in self.peers.items() if v.live and version > 0 and (
+            (v.record.version == version and v.record.epoch == epoch)
+            or (pid in members and now - v.last_seen <= self.fresh_s))}
 
     def records(self, changed: bool = False) -> list[PeerRecord]:
         """Every peer's record, or only those the last update changed."""

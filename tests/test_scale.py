@@ -314,6 +314,10 @@ def test_a_decision_pings_only_the_peers_its_reports_do_not_show_at_work() -> No
     table.update(recs, now=0.0)
     proven = table.at_work(7, 2)
     assert proven == {"a", "b"} and table.at_work(0, 0) == set()  # (version 0 proves nothing: anyone holds it)
+    # a member of the round that made v7 whose record lags (a busy peer) but heartbeats is proven too; not a stale one
+    made = Round(step=7, epoch=2, members=[Member(peer_id=p, address="x:1", replica=i) for i, p in enumerate(["a", "old"])])
+    table.fresh_s = 2.0
+    assert table.at_work(7, 2, made, now=1.0) == {"a", "b", "old"} and table.at_work(7, 2, made, now=2.5) == {"a", "b"}
     pinged: list[str] = []
 
     class Client:

@@ -238,8 +238,8 @@ class MembershipConfig(Section):
         "(its record lives this long in the DHT)"
     )
     min_peers: int = Field(1, ge=1, description="peers needed before the first outer step starts (and the "
-                           "first after a round failed, for 3 heartbeat timeouts at most: then the run goes on "
-                           "with the peers it has)")
+                           "first after a round failed, until each member of the failed round is back or gone for "
+                           "good, for 3 heartbeat timeouts at most: then the run goes on with the peers it has)")
     round_timeout_floor_s: float = Field(
         60.0, gt=0, description="a round none of whose members made visible progress for this long fails "
         "(and the run rolls back to the newest state it can still have)")

@@ -15,6 +15,7 @@ Keys (one DHT per run, bootstrapped by its coordinator and named by its id, see
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any, Literal
 
 from pydantic import (
@@ -325,6 +326,10 @@ class Round(Record):
         """The member ``peer_id``, found in a dict built once per member list (a round of 1,000 members is
         asked once per peer report per coordinator tick: a scan each time was a million comparisons)."""
         return self._members_index().by_id.get(peer_id)
+
+    def member_ids(self) -> Collection[str]:
+        """The members' peer ids (a view of that dict: no copy)."""
+        return self._members_index().by_id.keys()
 
     def _members_index(self) -> _MemberIndex:
         # (read from pydantic's private dict itself: ``self._index`` goes through BaseModel.__getattr__,
