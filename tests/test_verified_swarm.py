@@ -81,16 +81,16 @@ def test_false_flags_get_nobody_evicted_but_their_owner(swarm) -> None:  # type:
 
 
 def test_fresh_keys_own_no_shard_and_outvote_nobody_during_probation(swarm, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """Three honest peers train; eight fresh keys join once the first round is decided (the founders are the
-    honest three), each reporting every step that every owner flagged every other (a Sybil vote). None owns a
-    shard before it has been a member of `probation_steps` steps, no honest peer is evicted, and training goes
-    on to the end."""
+    """Three honest peers train; five fresh keys join once the first round is decided (the founders are the
+    honest three), each reporting every step that every owner flagged every other (a Sybil vote: five of the
+    eight reporters). None owns a shard before it has been a member of `probation_steps` steps, no honest peer
+    is evicted, and training goes on to the end."""
     overrides = {"membership.min_peers": 3, "diloco.outer_steps": 8, "diloco.inner_steps": 200,
                  "admission.probation_steps": 2}
     swarm.start_coordinator({**RUN, **overrides})
     honest = [swarm.start_peer() for _ in range(3)]
     swarm.wait_state(lambda s: s["round"] is not None, 120, "the honest peers' first round")
-    for _ in range(8):
+    for _ in range(5):  # (eight, in the run that found it; five are the majority too, and CI's 2 cores start them faster)
         swarm.start_peer(env={**os.environ, "POTLUCK_FAULTS": "outer.report@*:flag"})
     state = swarm.wait_state(lambda s: s["run"]["finished"] and len(s["history"]) == 8, 400, "the run to finish")
     assert not [e for e in state["events"] if e["kind"] in ("evicted", "proven")]
