@@ -16,8 +16,8 @@ def test_peers_in_groups_of_two_mix_a_joiner_in_and_stay_identical_inside_each_g
     """3 peers, then a 4th: the groups change with the membership, so the joiner and the members it is grouped
     with fetch the state their new group starts from. Every step ends with one state per group (the
     groups of the step, from the members' replicas), different across groups, and no alarm in any log."""
-    steps = 10
-    swarm.start_coordinator({"diloco.outer_steps": steps, "diloco.inner_steps": 400, "membership.min_peers": 3,
+    steps = 8
+    swarm.start_coordinator({"diloco.outer_steps": steps, "diloco.inner_steps": 300, "membership.min_peers": 3,
                              "sync.group_size": 2, "data.eval_every": steps})
     for _ in range(3):
         swarm.start_peer()
