@@ -202,6 +202,7 @@ class Gatekeeper:
             log.info("%d peers still admitted from the journal", len(self.admission.admitted))
         self.evict_after = a.evict_after
         self._flagged: dict[str, dict[int, bool]] = {}  # peer -> step -> clipped or rejected by most owners
+        self._judged: tuple[dict[str, PeerRecord], tuple] = ({}, (None, ()))  # what _evictions last saw
         # of a stage's members, those whose reports count (past probation; all of them while none is)
         self.trusted: Callable[[Sequence[Member], int], set[str]] = lambda cells, step: {m.peer_id for m in cells}
         self._unsent: list[Certificate] = []  # answers reviewed but not stored yet
@@ -271,6 +272,13 @@ class Gatekeeper:
         once past it, a crowd of reporters still cannot put words in an honest owner's mouth (it used to: 8
         fresh keys past a 2-step probation got the 3 honest peers evicted at a run's end). Flagged too often:
         evicted."""
+        latest = round_at(1 << 62)  # (the newest round: it changes with every decision and rollback)
+        (seen, judged), admitted = self._judged, (len(self.admission.admitted), len(self.admission.revoked))
+        self._judged = (dict(records), (latest, admitted))
+        if judged[0] is latest and judged[1] == admitted and len(seen) == len(records) and all(
+                (old := seen.get(pid)) is rec or (old is not None and old.recent == rec.recent) for pid, rec in records.items()):
+            return []  # no step report, round or admission changed: no verdict can (at 1,000 peers judging every
+            # report of every record, five times a second, was a third of the coordinator's tick)
         claims: dict[tuple[int, int, int], dict[str, Counter[tuple[str, ...]]]] = {}
         trusted: dict[tuple[int, int, int, int], set[str]] = {}  # (round step, epoch, stage, group) -> its trusted reporters
         own: dict[tuple[int, int, int, str], set[str]] = {}  # (step, stage, group, owner) -> whom it says it flagged
