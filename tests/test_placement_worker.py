@@ -1,7 +1,7 @@
 """A long placement search runs beside the coordinator's loop, never in it (issue #15).
 
-The coordinator is given a 30 s search budget, and its placement worker is made to keep its thread
-busy in Python for those 30 s (``placement.search@*:spin=30``: CPU-bound and holding the GIL as a
+The coordinator is given a 20 s search budget (more than twice the heartbeat timeout), and its placement
+worker is made to keep its thread busy in Python for those 20 s (``placement.search@*:spin=20``: CPU-bound and holding the GIL as a
 search does; a real search on a handful of peers stalls in milliseconds). Meanwhile rounds must go on
 being decided on the current grid, heartbeats must keep every peer live, and the status snapshot must
 stay fresh: ``generated_at`` under 2 s old at every look.
@@ -15,13 +15,13 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-SPIN_S = 30.0
+SPIN_S = 20.0
 GRID = {"pipeline.stages": 2, "pipeline.micro_batches": 2, "model.n_layers": 2, "membership.min_peers": 2,
         "diloco.outer_steps": 60, "diloco.inner_steps": 4, "links.placement": "scheduler",
         "links.search_budget_s": SPIN_S, "links.probe_period_s": 2.0}
 
 
-def test_a_30_s_search_does_not_delay_rounds_heartbeats_or_the_status_page(swarm) -> None:  # type: ignore[no-untyped-def]
+def test_a_20_s_search_does_not_delay_rounds_heartbeats_or_the_status_page(swarm) -> None:  # type: ignore[no-untyped-def]
     swarm.start_coordinator(GRID, env={"POTLUCK_FAULTS": f"placement.search@*:spin={SPIN_S:g}"})
     for _ in range(2):
         swarm.start_peer()
@@ -38,7 +38,7 @@ def test_a_30_s_search_does_not_delay_rounds_heartbeats_or_the_status_page(swarm
         lost |= {p["name"] for p in state["peers"] if p["state"] in ("lost", "left")}
         time.sleep(0.25)  # a viewer's polling rate, not a synchronisation
     assert "fault injected at placement.search" in log.read_text(errors="replace")
-    assert len(ages) > 50, f"only {len(ages)} looks at the status page in {SPIN_S:g} s"
+    assert len(ages) > 1.5 * SPIN_S, f"only {len(ages)} looks at the status page in {SPIN_S:g} s"
     assert max(ages) < 2.0, f"the status snapshot was {max(ages):.1f} s old during the search"
     assert not lost, f"peers marked lost while the coordinator searched: {sorted(lost)}"
     assert steps[-1] >= steps[0] + 2, f"rounds stalled during the search: outer step {steps[0]} -> {steps[-1]}"
