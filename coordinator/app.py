@@ -214,7 +214,7 @@ class Coordinator:
                 or not self.rounds.ready_to_decide(len(live), self.cfg.membership.min_peers, now, self.table.reports())):
             return
         at_work = partial(self.table.at_work, self.rounds.committed, self.rounds.epoch, made)  # (they need no ping)
-        answered = self.pinger.poll((v.record for v in live), at_work, hurry=not self.rounds.fresh_start)
+        answered = self.pinger.poll((v.record for v in live), at_work)
         if answered is None:  # (while the pings run, off this loop)
             return
         records, t0 = answered  # (a decision costs from its first ping to the round published)

@@ -94,11 +94,6 @@ class Rounds:
     def latest(self) -> Round | None:
         return self.rounds[max(self.rounds)] if self.rounds else None
 
-    @property
-    def fresh_start(self) -> bool:
-        """No round runs on from a committed one: the run's first, or the first after a failure."""
-        return self._fresh_start
-
     def pending(self) -> Round | None:
         """The decided round that has not ended: the one for ``committed + 1``."""
         latest = self.latest

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -23,10 +23,6 @@ from potluck.protos.wire.refusals import Rejected
 from potluck.protos.wire.states import SAID_GOODBYE
 
 PING_TIMEOUT_S = 2.0
-# A decision past the first of a run (or of a regather) waits this long for its pings: a peer gone since its
-# last heartbeat cost every decision its whole ping timeout (2 s at 1,000 peers with churn). An answer that
-# comes later counts for the next decision.
-DECIDE_WAIT_S = 0.75
 
 
 class CoordinatorService:
@@ -58,10 +54,8 @@ def answers(client: PeerClient, run_id: str, me: str, rec: PeerRecord) -> bool:
     return reply.peer_id == rec.peer_id and reply.state not in SAID_GOODBYE
 
 
-def reachable(client: PeerClient, run_id: str, me: str, records: Iterable[PeerRecord], wait_s: float | None = None,
-              late: Callable[[str], None] | None = None) -> list[PeerRecord]:
-    """The peers that answer a ping (in parallel): a live record of a dead process should not enter a round.
-    With ``wait_s``, those that answered within it; each later answer goes to ``late`` (its peer id)."""
+def reachable(client: PeerClient, run_id: str, me: str, records: Iterable[PeerRecord]) -> list[PeerRecord]:
+    """The peers that answer a ping (in parallel): a live record of a dead process should not enter a round."""
     records = list(records)
 
     def ping(rec: PeerRecord) -> str | None:
@@ -74,18 +68,8 @@ def reachable(client: PeerClient, run_id: str, me: str, records: Iterable[PeerRe
 
     if not records:
         return []
-    pool = ThreadPoolExecutor(max_workers=min(32, len(records)), thread_name_prefix="ping")
-    futures = [pool.submit(ping, r) for r in records]
-    done, pending = wait(futures, timeout=wait_s)
-    pool.shutdown(wait=False)  # (the pings still pending run on, each within its own timeout)
-
-    def answered(f: Future) -> None:
-        if late is not None and not f.cancelled() and f.exception() is None and f.result():
-            late(f.result())
-
-    for f in pending:
-        f.add_done_callback(answered)
-    ok = {f.result() for f in done if f.exception() is None and f.result()}
+    with ThreadPoolExecutor(max_workers=min(32, len(records))) as pool:
+        ok = {pid for pid in pool.map(ping, records) if pid}
     return [r for r in records if r.peer_id in ok]
 
 
@@ -102,36 +86,26 @@ class Pinger:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._answer: tuple[list[PeerRecord], float, float] | None = None  # (reachable, began, ended)
-        self._late: dict[str, float] = {}  # peer -> when it answered a ping the last poll stopped waiting for
 
     def poll(self, records: Iterable[PeerRecord], proven: Callable[[], Collection[str]] = frozenset,
-             hurry: bool = False) -> tuple[list[PeerRecord], float] | None:
+             ) -> tuple[list[PeerRecord], float] | None:
         """``proven()``: peers whose own reports just showed them at work (they averaged or fetched the committed
         step, and heartbeat): they are not pinged again. At 1,000 members that leaves the newcomers. Asked only
-        when pings start (not on every tick they run). With ``hurry`` the pings are waited for ``DECIDE_WAIT_S``
-        at most; a peer that answered later (within ``max_age_s``) counts as answered for the next poll."""
+        when pings start (not on every tick they run)."""
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 return None
             answer, self._answer = self._answer, None
-            now = time.monotonic()
-            if answer is not None and now - answer[2] <= self.max_age_s:
+            if answer is not None and time.monotonic() - answer[2] <= self.max_age_s:
                 return answer[0], answer[1]
-            self._late = {pid: t for pid, t in self._late.items() if now - t <= self.max_age_s}
-            known = set(proven()) | set(self._late)
-            self._thread = threading.Thread(target=self._ping, args=(list(records), known, now, hurry),
+            self._thread = threading.Thread(target=self._ping, args=(list(records), set(proven()), time.monotonic()),
                                             name="pinger", daemon=True)
             self._thread.start()
             return None
 
-    def _answered_late(self, peer_id: str) -> None:
-        with self._lock:
-            self._late[peer_id] = time.monotonic()
-
-    def _ping(self, records: list[PeerRecord], proven: set[str], began: float, hurry: bool = False) -> None:
+    def _ping(self, records: list[PeerRecord], proven: set[str], began: float) -> None:
         try:
-            ok = {r.peer_id for r in reachable(self.client, self.run_id, self.me, [r for r in records if r.peer_id not in proven],
-                                               DECIDE_WAIT_S if hurry else None, self._answered_late)}
+            ok = {r.peer_id for r in reachable(self.client, self.run_id, self.me, [r for r in records if r.peer_id not in proven])}
         except Exception:  # (a bug here must not stop decisions: nobody answered, ask again)
             ok = set()
         with self._lock:
