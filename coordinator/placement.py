@@ -19,7 +19,7 @@ import math
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -125,7 +125,12 @@ def sticky_placement(ids: list[str], stages: int, replicas: int, before: Mapping
 
 @dataclass(frozen=True)
 class Request:
-    """One placement to compute: the peers of the coming round and what is known of their links."""
+    """One placement to compute: the peers of the coming round and what is known of their links.
+
+    It holds a copy of the mappings it is given, and its :attr:`key` is fixed when it is made: the
+    caller's link records are the link feed's own dict, which the coordinator's loop updates while a
+    search runs (a request that read through to it saw every later measurement as its own, so a
+    "not all measured yet" answer matched every later request and no search ever ran again)."""
 
     ids: tuple[str, ...]
     stages: int
@@ -134,9 +139,14 @@ class Request:
     held: Mapping[str, int]
     reports: Mapping[str, LinkReport]
     parameters: int
+    key: tuple = field(init=False, compare=False, repr=False)
 
-    @property
-    def key(self) -> tuple:
+    def __post_init__(self) -> None:
+        for name in ("before", "held", "reports"):
+            object.__setattr__(self, name, dict(getattr(self, name)))
+        object.__setattr__(self, "key", self._key())
+
+    def _key(self) -> tuple:
         """What the plan depends on: the peers, the grid's shape, where they are, and their links as
         measured to within a factor of two (a link measured since the last search, or one whose RTT
         or bandwidth has since doubled or halved, is worth a new search; noise is not)."""

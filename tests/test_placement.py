@@ -124,3 +124,22 @@ def test_a_kept_grid_is_wired_as_the_cost_model_priced_it() -> None:
         pipes.setdefault(r, set()).add(region[p])
     assert all(len(regions) == 1 for regions in pipes.values()), grid
     assert replan is not None and replan.moved == 2
+
+
+def test_links_measured_after_a_search_found_too_few_are_searched_again() -> None:
+    """The coordinator hands the link feed's own dict, which it updates in place as reports arrive. A
+    request must keep what it was given: one that read through saw the later links as its own, so the
+    "not all measured yet" answer matched every later request and the run never searched again (found
+    by test_placement_swarm failing 1 run in 6)."""
+    cfg = apply_overrides(RunConfig(), {"pipeline.stages": 2})
+    worker = PlacementWorker(cfg, budget_s=0.2)
+    feed: dict[str, LinkReport] = links(2)  # too few measured to search
+    before = {IDS[0]: (0, 0), IDS[1]: (0, 1), IDS[2]: (1, 0), IDS[3]: (1, 1)}
+    assert grid_for(cfg, records(), 2, before, feed, worker) == (before, None)
+    worker.stop(5)
+    assert grid_for(cfg, records(), 2, before, feed, worker) == (before, None)  # its answer: not searched
+    feed.update(links(12))  # every link measured since, in the same dict
+    assert grid_for(cfg, records(), 2, before, feed, worker) == (before, None)  # a new search starts
+    worker.stop(5)
+    grid, replan = grid_for(cfg, records(), 2, before, feed, worker)  # type: ignore[misc]
+    assert replan is not None and replan.evaluations > 0 and set(grid) == set(IDS)
