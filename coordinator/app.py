@@ -149,7 +149,7 @@ class Coordinator:
         for kind, pid, message in events:  # (kinds from the admission room, never read off the message's text)
             self._event(kind, pid, message)
         self.publisher.revoked_changed()
-        for kind, pid, message, warn in announce(self.table.update(records, now), self.table, self.cfg):
+        for kind, pid, message, warn in announce(self.table.update(records, now, reader.peers.as_of), self.table, self.cfg):
             self._event(kind, pid, message, warn)
         for pid, message in self.integrity.observe(records, self.rounds.round_at):
             self._event("audit", pid, message, True)

@@ -28,6 +28,7 @@ from potluck.protos.wire.states import GONE, PeerState
 
 WORK_KINDS = ("outer", "state", "pipeline")  # bytes that show a peer is working (probes do not)
 KEEP_GONE = 1000  # departed peers remembered (for the page's table) at most
+BLIND_S = 1.0  # records this much older than the last ones read: the reads stalled, and the time between is no one's
 
 
 @dataclass
@@ -71,18 +72,32 @@ class PeerTable:
         self.fresh_s = fresh_s  # a heartbeat this recent is fresh (see at_work)
         self.peers: dict[str, PeerView] = {}
         self.changed: list[PeerView] = []  # the views whose record the last update changed
+        self._read_at: float | None = None  # the ``read_at`` of the last update that had one
 
     @classmethod
     def for_run(cls, cfg: RunConfig) -> PeerTable:
         return cls(cfg.membership.heartbeat_timeout_s, fresh_s=2 * cfg.membership.heartbeat_s)
 
-    def update(self, records: dict[str, PeerRecord], now: float | None = None) -> list[tuple[str, str]]:
+    def update(self, records: dict[str, PeerRecord], now: float | None = None,
+               read_at: float | None = None) -> list[tuple[str, str]]:
         """Merge fresh records; returns events ``(kind, peer_id)``: joined, left, lost, back.
 
         Only a record newer than the one held (a higher ``seq``) changes anything: a DHT replica still
         holding an old goodbye cannot send away a peer that came back. A peer that said goodbye and
-        heartbeats again (restarted with its key) is back, like one that was lost."""
+        heartbeats again (restarted with its key) is back, like one that was lost.
+
+        ``read_at``: when the read that brought ``records`` began (the coordinator's
+        :attr:`~potluck.protos.net.feed.Feed.as_of`); silence is then measured on that clock, not ``now``.
+        A read that stalls (the DHT process swamped by a burst of joiners, say) makes nobody lost: no
+        time passes while no read is answered, and once one is, the time since the one before (past
+        ``BLIND_S``) is credited to every peer: heartbeats sent while the coordinator could not read them
+        are not the peers' silence."""
         now = time.monotonic() if now is None else now
+        if read_at is not None:
+            if self._read_at is not None and read_at - self._read_at > BLIND_S:
+                for view in self.peers.values():
+                    view.last_seen += read_at - self._read_at
+            self._read_at = now = read_at
         events: list[tuple[str, str]] = []
         self.changed = []
         for pid, rec in records.items():

@@ -111,3 +111,40 @@ def test_a_crash_then_a_resume_with_another_stage_count(swarm, before: int, afte
     assert any(e["kind"] == "reshard" for e in final["events"])
     one_outcome_per_step(final, 8)
     assert all(h["loss"] is not None and h["loss"] == h["loss"] for h in final["history"][-3:])  # finite losses
+
+
+def test_a_coordinator_whose_dht_process_stalls_loses_nobody(swarm) -> None:  # type: ignore[no-untyped-def]
+    """The coordinator's DHT process freezes for 1.5 heartbeat timeouts in the middle of a run (SIGSTOP: what five
+    peers joining at once did to it on 2 cores): it can read no heartbeat meanwhile, and that silence is its own,
+    not the peers'. No peer is reported lost, no round fails, and the run ends with every step once."""
+    swarm.start_coordinator({"membership.min_peers": 3, "diloco.outer_steps": 6})
+    for _ in range(3):
+        swarm.start_peer()
+    swarm.wait_state(lambda s: s["run"]["outer_step"] >= 2, 180, "outer step 2")
+    coordinator = swarm.coordinator.pid
+    dht = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == coordinator
+           and b"p2pd" not in _cmdline(int(p))]
+    assert len(dht) == 1, dht
+    os.kill(dht[0], signal.SIGSTOP)
+    try:
+        time.sleep(6.0)  # (the fault: 1.5 x membership.heartbeat_timeout_s of a frozen DHT process)
+    finally:
+        os.kill(dht[0], signal.SIGCONT)
+    state = swarm.wait_state(lambda s: s["run"]["finished"] and len(s["history"]) == 6, 240, "the run to finish")
+    assert not [e for e in state["events"] if e["kind"] in ("lost", "failed")], \
+        [e["message"] for e in state["events"] if e["kind"] in ("lost", "failed")]
+    one_outcome_per_step(state, 6)
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return open(f"/proc/{pid}/cmdline", "rb").read()
+    except OSError:
+        return b""

@@ -91,8 +91,10 @@ def test_the_coordinator_reads_only_the_records_that_changed(nodes: tuple[SwarmN
     for who in peers:
         store(who, 1)
     feed = Feed(a, "peers", PeerRecord, "peer record", every_s=0.0, local=True)
+    before = time.monotonic()
     changed, refused = feed.read()
     assert len(changed) == 30 and not refused and feed.last_changed == 30 and len(feed.records) == 30
+    assert feed.as_of is not None and before <= feed.as_of <= time.monotonic()  # when the read that brought them began
     assert feed.read() == ([], []) and feed.last_changed == 0  # nothing changed: nothing crosses, nothing re-verified
     store(peers[3], 2, "left")
     store(peers[7], 2)
@@ -103,6 +105,34 @@ def test_the_coordinator_reads_only_the_records_that_changed(nodes: tuple[SwarmN
     store(peers[9], 3)
     changed, _ = feed.read()
     assert changed == [peers[9].peer_id]  # ... is not lost: the next read brings what changed since the last one taken
+
+
+def test_a_stalled_read_of_the_heartbeats_makes_nobody_lost_and_a_silent_peer_still_is() -> None:
+    """Found when the tests began starting peers from a fork server: five peers starting at once swamped the
+    coordinator's DHT process, its reads of the heartbeats went unanswered for 4 s, and it declared all three
+    training peers lost and failed their round. Silence is measured on the clock of the reads: time in which
+    no read was answered is no peer's."""
+    a, b = (f"12D3KooW{c * 44}" for c in "ab")
+
+    def rec(pid: str, seq: int) -> PeerRecord:
+        return PeerRecord(peer_id=pid, address="127.0.0.1:1", seq=seq)
+
+    table = PeerTable(heartbeat_timeout_s=4.0)
+    held = {a: rec(a, 1), b: rec(b, 1)}
+    assert sorted(table.update(held, now=0.0, read_at=0.0)) == [("joined", a), ("joined", b)]
+    for t in (1.0, 3.0, 5.0, 7.0):  # the loop ticks on; the read begun at 0 s is not answered
+        assert table.update(held, now=t, read_at=0.0) == []
+    held[a] = rec(a, 2)  # answered at last: a's newest heartbeat is in, b's not yet
+    assert table.update(held, now=7.2, read_at=7.1) == [] and all(v.live for v in table.peers.values())
+    events, t = [], 7.1
+    while t < 13.0:  # reads answered every 0.2 s again: b stays silent, and is lost 4 s on
+        t += 0.2
+        held[a] = rec(a, held[a].seq + 1)
+        events += [(round(t, 1), e) for e in table.update(held, now=t + 0.05, read_at=t)]
+    assert [e for _, e in events] == [("lost", b)] and 11.1 < events[0][0] < 11.5, events
+    plain = PeerTable(heartbeat_timeout_s=4.0)  # a caller without reads' times: silence is time, as before
+    plain.update({b: rec(b, 1)}, now=0.0)
+    assert plain.update({b: rec(b, 1)}, now=4.5) == [("lost", b)]
 
 
 def test_a_heartbeat_lands_while_the_coordinator_is_away(nodes: tuple[SwarmNode, SwarmNode]) -> None:

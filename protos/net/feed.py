@@ -112,6 +112,7 @@ class Feed(Generic[_S]):
         self.held = 0  # records the DHT holds under the key (refused ones too)
         self.last_changed = 0  # records the last answer brought
         self.last_read_s: float | None = None  # how long the last answered read took
+        self.as_of: float | None = None  # monotonic time the last answered read began: what ``records`` show
         self._ack: int | None = None
         self._future: Any = None
         self._started = -float("inf")
@@ -125,7 +126,7 @@ class Feed(Generic[_S]):
                 future, self._future = self._future, None
                 try:
                     out = self._apply(*future.result())
-                    self.last_read_s = now - self._started
+                    self.last_read_s, self.as_of = now - self._started, self._started
                 except Exception as err:  # the DHT child is restarting, say: the next read sends it all again
                     log.warning("could not read the %s records: %s", self.what, err)
             elif now - self._started > self.node.call_timeout_s:
@@ -144,7 +145,7 @@ class Feed(Generic[_S]):
             self._future = None
         self._started = time.monotonic()
         answer = self.node.answer(self.node.changes(self.kind, self._ack, self.local), f"reading the {self.what} records")
-        self.last_read_s = time.monotonic() - self._started
+        self.last_read_s, self.as_of = time.monotonic() - self._started, self._started
         return self._apply(*answer)
 
     def _apply(self, read: int, changed: dict, gone: list, held: int) -> tuple[list[str], list[str]]:
