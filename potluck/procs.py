@@ -18,11 +18,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
+from potluck.forkserver import DISABLE_ENV, ForkServer
 from potluck.protos.runtime.stopping import DIE_WITH_ENV
 
 
@@ -52,8 +54,27 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
+_fork_server: ForkServer | None = None
+
+
+def fork_server() -> ForkServer | None:
+    """This process's fork server (:mod:`potluck.forkserver`), started on first use, stopped at exit; None
+    off the main thread before it runs (its parent-death signal comes when the thread that started it ends)."""
+    global _fork_server
+    if _fork_server is None or _fork_server.proc.poll() is not None:
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        _fork_server = ForkServer()
+        atexit.register(_fork_server.stop)
+    return _fork_server
+
+
 class ProcessGroup:
-    def __init__(self) -> None:
+    """``fork``: start potluck processes that log to a file from this process's fork server (their imports
+    are paid once; see :mod:`potluck.forkserver`), unless ``POTLUCK_FORKSERVER=0``."""
+
+    def __init__(self, fork: bool = False) -> None:
+        self.fork = fork and os.environ.get(DISABLE_ENV, "1") != "0"
         self.procs: list[subprocess.Popen] = []
         self._logs: list[IO[bytes]] = []
         atexit.register(self.stop)
@@ -82,6 +103,11 @@ class ProcessGroup:
     def spawn_potluck(self, args: Sequence[str], log_path: str | Path | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
         """Run the installed ``potluck`` package: ``-P`` keeps a ``./potluck`` folder in the working
         directory (a clone's root, seen from its parent) from shadowing it."""
+        server = fork_server() if self.fork and log_path is not None else None
+        if server is not None:
+            proc = server.spawn(list(args), log_path, {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+            self.procs.append(proc)
+            return proc
         return self.spawn([sys.executable, "-P", "-m", "potluck", *args], log_path, env)
 
     def kill(self, proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:

@@ -20,7 +20,7 @@ ARTIFACTS = Path(os.environ.get("POTLUCK_ARTIFACTS", Path(__file__).resolve().pa
 
 @pytest.fixture
 def procs() -> Iterator[ProcessGroup]:
-    group = ProcessGroup()
+    group = ProcessGroup(fork=True)
     try:
         yield group
     finally:

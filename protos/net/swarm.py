@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 from pydantic import Field
 
+from potluck.protos.net import hivemindenv
 from potluck.protos.net.errors import check_port_free
 from potluck.protos.net.identity import Identity
 from potluck.protos.net.join import JoinError, parse_join_address  # noqa: F401 - re-exported
@@ -31,19 +32,14 @@ from potluck.protos.wire.admissions import AdmissionRequest, Certificate
 from potluck.protos.wire.envelope import Record, RecordError, seal, unseal
 from potluck.protos.wire.records import Manifest, PeerRecord, Plan, PlanHead
 
-os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
-os.environ.setdefault("GOLOG_LOG_LEVEL", "error")
-# hivemind defaults torch to the "file_system" sharing strategy, which starts a torch_shm_manager
-# daemon in a session of its own: a process our process-group cleanup cannot reach. Nothing we pass
-# between processes needs it.
-os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
+hivemindenv.apply()  # (before hivemind's first import)
 
-from hivemind.dht import DHTID
-from hivemind.utils import MSGPackSerializer, get_dht_time
+from hivemind.dht import DHTID  # noqa: E402
+from hivemind.utils import MSGPackSerializer, get_dht_time  # noqa: E402
 
-from potluck.protos.net.dhtguard import BY_SUBKEY, MAX_TTL_S, RunRecords, run_key
-from potluck.protos.net.dhtprocess import DHTProcess, free_locks_of_the_dead
-from potluck.protos.net.feed import changed_records, store_at, store_many
+from potluck.protos.net.dhtguard import BY_SUBKEY, MAX_TTL_S, RunRecords, run_key  # noqa: E402
+from potluck.protos.net.dhtprocess import DHTProcess, free_locks_of_the_dead  # noqa: E402
+from potluck.protos.net.feed import changed_records, store_at, store_many  # noqa: E402
 
 log = get_logger(__name__)
 
