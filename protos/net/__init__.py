@@ -4,6 +4,7 @@
 - ``servicer``: The server side of PeerService: every call checked before a handler sees it
 - ``relay``: NAT traversal: calls to a peer that accepts no connections, relayed over a stream it opened itself
 - ``swarm``: A hivemind DHT node with typed, signed access to potluck's records
+- ``hivemindenv``: What hivemind reads from the environment at its import, set before it
 - ``dhtprocess``: hivemind's DHT process as potluck runs it: tied to its parent, out of the terminal's signals, its command pipe read whole, and its start counted (the ``dht.start`` fault point)
 - ``feed``: Per-peer records read incrementally, and the DHT-process side of the calls that make it cheap
 - ``dhtguard``: What every DHT node of a run agrees to store: its signed records, under its own keys, briefly
