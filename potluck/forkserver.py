@@ -171,6 +171,11 @@ def _serve(path: str) -> None:
     for name in PRELOAD:
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():  # a forked child could not use CUDA: start none
+        print("potluck fork server: CUDA was initialized by the imports; launchers start fresh interpreters",
+              file=sys.stderr)
+        sys.exit(3)
     waiting: dict[int, socket.socket] = {}  # child pid -> the connection its status goes back on
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -252,6 +257,7 @@ def _child(request: dict[str, Any], log: int, close: list[socket.socket], fds: t
         sys.argv = [str(Path(__file__).with_name("__main__.py")), *request["argv"]]  # (as ``-m potluck`` sets it)
         for name in [m for m in sys.modules if m == "potluck" or m.startswith("potluck.")]:
             del sys.modules[name]  # potluck's own modules read the environment: each is imported anew, here
+        own_locks()
         from potluck.cli import main
 
         code = main(request["argv"])
@@ -264,6 +270,21 @@ def _child(request: dict[str, Any], log: int, close: list[socket.socket], fds: t
         code = 1
     finally:
         _exit_like_python(code)
+
+
+def own_locks() -> None:
+    """Give this process hivemind's process-wide ``multiprocessing`` locks of its own, as a fresh interpreter has.
+
+    hivemind makes them when it is imported, to share with the processes it forks (a peer and its DHT process);
+    every child of the server would share the server's with every other child: each process's futures would
+    wait on everyone's, and one SIGKILLed while it held one would hang every DHT start after it."""
+    import multiprocessing as mp
+
+    mpfuture, aio = sys.modules.get("hivemind.utils.mpfuture"), sys.modules.get("hivemind.utils.asyncio")
+    if mpfuture is not None:
+        mpfuture.MPFuture.reset_backend()  # (the three locks, anew; no future exists yet here)
+    if aio is not None:
+        aio._AsyncContextWrapper.EXECUTOR_LOCK = mp.Lock()
 
 
 def _exit_like_python(code: int) -> None:

@@ -61,6 +61,8 @@ def fork_server() -> ForkServer | None:
     """This process's fork server (:mod:`potluck.forkserver`), started on first use, stopped at exit; None
     off the main thread before it runs (its parent-death signal comes when the thread that started it ends)."""
     global _fork_server
+    if _fork_server is not None and _fork_server.proc.poll() == 3:
+        return None  # (CUDA came up in its imports: no forks in this process)
     if _fork_server is None or _fork_server.proc.poll() is not None:
         if threading.current_thread() is not threading.main_thread():
             return None
@@ -105,9 +107,14 @@ class ProcessGroup:
         directory (a clone's root, seen from its parent) from shadowing it."""
         server = fork_server() if self.fork and log_path is not None else None
         if server is not None:
-            proc = server.spawn(list(args), log_path, {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-            self.procs.append(proc)
-            return proc
+            try:
+                proc = server.spawn(list(args), log_path, {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+            except OSError as err:  # no fork server here (it could not start, or CUDA came up in it): no forks
+                print(f"potluck: {err}; starting fresh interpreters instead", file=sys.stderr)
+                self.fork = False
+            else:
+                self.procs.append(proc)
+                return proc
         return self.spawn([sys.executable, "-P", "-m", "potluck", *args], log_path, env)
 
     def kill(self, proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:

@@ -8,6 +8,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -96,3 +98,30 @@ def test_the_fork_server_can_be_turned_off(tmp_path: Path, monkeypatch: pytest.M
     with ProcessGroup(fork=True) as procs:
         plain = procs.spawn_potluck(["--version"], tmp_path / "plain.log")
         assert not isinstance(plain, Forked) and plain.wait(60) == 0
+
+
+LOCKS = """
+from hivemind.utils.asyncio import _AsyncContextWrapper
+from hivemind.utils.mpfuture import MPFuture, SharedBytes
+from potluck.forkserver import own_locks
+
+def locks():
+    return MPFuture._update_lock, MPFuture._initialization_lock, SharedBytes._lock, _AsyncContextWrapper.EXECUTOR_LOCK
+
+before = locks()
+before[0].acquire()  # (as a sibling that died holding it would)
+own_locks()
+after = locks()
+assert all(a is not b for a, b in zip(after, before, strict=True)), (before, after)
+assert after[0].acquire(timeout=0)
+print("own locks")
+"""
+
+
+def test_a_forked_process_owns_hivemind_s_locks() -> None:
+    """hivemind makes its process-wide multiprocessing locks at import: every fork of the server would share the
+    server's, and a peer SIGKILLed while it held one hung the DHT start of the next coordinator (3 failures in
+    one full run). A child takes new ones (``forkserver._child`` calls ``own_locks`` before potluck's main);
+    checked in a process of its own, as resetting hivemind's futures would break this one's."""
+    done = subprocess.run([sys.executable, "-c", LOCKS], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "own locks" in done.stdout, done.stderr[-2000:]
