@@ -21,7 +21,10 @@ mostly Python and gRPC per-stream work, the cost that grows with the number of s
 are 600 s: on 2 cores a full all-reduce of 64 members takes minutes, and with a peer's usual grace an
 owner's result push to its backup timed out and the all-reduce went wrong (see the issue's report).
 
-    python benchmarks/allreduce_groups.py [--sizes 8,32,64] [--group-size 4] [--numel 65536] [--rounds 3]
+With ``--procs N`` the members are spread over N worker processes (``allreduce_procs.py``): at R = 64
+one process cannot hold the full all-reduce's ~4,000 streams a round.
+
+    python benchmarks/allreduce_groups.py [--sizes 8,32,64] [--group-size 4] [--numel 65536] [--rounds 3] [--procs 1]
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import time
 from pathlib import Path
 
 import torch
+from allreduce_procs import measure_spread
 from benchargs import bench_parser
 from diloco_allreduce import Member  # (benchmarks/ is on the path of a script run from it)
 
@@ -107,6 +111,7 @@ def main() -> None:
     parser.add_argument("--numel", type=int, default=1 << 16, help="float32 values each member averages")
     parser.add_argument("--block", type=int, default=256, help="int8 block size (sync.block_size)")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per configuration, after a warm-up")
+    parser.add_argument("--procs", type=int, default=1, help="worker processes the members are spread over")
     parser.add_argument("--configs", default="full,grouped,grouped_state", help="which, comma-separated (full "
                         "first: the others' ratios are to it)")
     args = parser.parse_args()
@@ -117,24 +122,29 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     if any(args.numel < r * args.block for r in sizes):
         parser.error(f"--numel must hold at least one block of {args.block} per member (R x block)")
+    if args.procs < 1 or any(r < args.procs for r in sizes):
+        parser.error("--procs must be at least 1 and at most the smallest size")
     with tempfile.TemporaryDirectory(prefix="potluck-ca-") as tmp:
-        ca = CertificateAuthority.load_or_create(Path(tmp) / "ca.key", RUN)
-    configs = {"full": (0, args.numel), "grouped": (args.group_size, args.numel),
-               "grouped_state": (args.group_size, 2 * args.numel)}
-    for r in sizes:
-        full: dict | None = None
-        for name in args.configs.split(","):
-            group_size, numel = configs[name]
-            t0 = time.perf_counter()
-            row = measure(r, group_size, numel, args.block, args.rounds, ca)
-            full = full or (row if name == "full" else None)
-            print(json.dumps({"benchmark": "allreduce_groups", "members": r, "config": name, "group_size": group_size,
-                              **row, "block": args.block, "rounds": args.rounds,
-                              "wall_vs_full": round(row["wall_s_median"] / full["wall_s_median"], 3) if full else None,
-                              "bytes_vs_full": round(row["bytes_per_member"] / full["bytes_per_member"], 3) if full
-                              else None,
-                              "transport": "gRPC on 127.0.0.1, mutual TLS, one process",
-                              "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
+        ca_key = Path(tmp) / "ca.key"
+        ca = CertificateAuthority.load_or_create(ca_key, RUN)
+        configs = {"full": (0, args.numel), "grouped": (args.group_size, args.numel),
+                   "grouped_state": (args.group_size, 2 * args.numel)}
+        for r in sizes:
+            full: dict | None = None
+            for name in args.configs.split(","):
+                group_size, numel = configs[name]
+                t0 = time.perf_counter()
+                row = (measure(r, group_size, numel, args.block, args.rounds, ca) if args.procs == 1 else
+                       measure_spread(r, group_size, numel, args.block, args.rounds, ca_key, args.procs))
+                full = full or (row if name == "full" else None)
+                print(json.dumps({"benchmark": "allreduce_groups", "members": r, "config": name, "group_size": group_size,
+                                  **row, "block": args.block, "rounds": args.rounds,
+                                  "wall_vs_full": round(row["wall_s_median"] / full["wall_s_median"], 3) if full else None,
+                                  "bytes_vs_full": round(row["bytes_per_member"] / full["bytes_per_member"], 3) if full
+                                  else None,
+                                  "transport": "gRPC on 127.0.0.1, mutual TLS, " + (
+                                      "one process" if args.procs == 1 else f"{args.procs} processes"),
+                                  "seconds": round(time.perf_counter() - t0, 1)}), flush=True)
 
 
 if __name__ == "__main__":
