@@ -8,7 +8,10 @@ spends most of its time there. :class:`ForkServer` starts one process that impor
 child for each :meth:`~ForkServer.spawn`: the child takes a session of its own, its log as stdout
 and stderr, its environment and working directory, and runs ``potluck.cli.main`` with its
 arguments, exactly as ``python -P -m potluck ARGS`` would after its imports. It is a real OS
-process; only its parent is the server, which reaps it and reports its exit status back.
+process; only its parent is the server, which reaps it and reports its exit status back. What is set
+when a program is executed stays the server's: ``ps`` shows the server's command line for a child, and
+``/proc/PID/environ`` the server's environment (the child's own is in ``os.environ``, as set here).
+The tests start their coordinators and peers this way; ``potluck demo`` starts fresh interpreters.
 
 The server dies with its launcher (``POTLUCK_DIE_WITH``), and its children with it: each asks
 for a parent-death signal from the server, as a child of ``ProcessGroup.spawn`` does from the
