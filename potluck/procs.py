@@ -54,6 +54,11 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
+def _child_env(env: dict[str, str] | None) -> dict[str, str]:
+    """A child's environment: this process's, unbuffered output, and ``env`` over them."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+
+
 _fork_server: ForkServer | None = None
 
 
@@ -95,7 +100,7 @@ class ProcessGroup:
         if log_path is not None:
             out = open(log_path, "ab")
             self._logs.append(out)
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", DIE_WITH_ENV: str(os.getpid()), **(env or {})}
+        full_env = {**_child_env(env), DIE_WITH_ENV: str(os.getpid()), **(env or {})}
         proc = subprocess.Popen(
             list(args), stdout=out, stderr=subprocess.STDOUT if out else None, env=full_env, start_new_session=True,
         )
@@ -108,7 +113,7 @@ class ProcessGroup:
         server = fork_server() if self.fork and log_path is not None else None
         if server is not None:
             try:
-                proc = server.spawn(list(args), log_path, {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+                proc = server.spawn(list(args), log_path, _child_env(env))
             except OSError as err:  # no fork server here (it could not start, or CUDA came up in it): no forks
                 print(f"potluck: {err}; starting fresh interpreters instead", file=sys.stderr)
                 self.fork = False
