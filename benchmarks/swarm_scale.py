@@ -267,6 +267,7 @@ def run_size(n: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
         "benchmark": "swarm_scale", "workers": a.workers, "dht_nodes": a.workers + 1, "heartbeat_s": a.heartbeat_s,
         "step_s": a.step_s, "churn_per_min": a.churn, "minutes": round(minutes, 2),
         "tick_s": health.get("tick_s"), "tick_cpu_s": health.get("tick_cpu_s"), "ticks": health.get("ticks"),
+        "gc": health.get("gc"),  # (full collections between ticks: their count and CPU seconds)
         "report_to_commit_s": {"p50": quantile(lat, 0.5), "p99": quantile(lat, 0.99), "max": max(lat, default=None),
                                "steps": len(lat)},
         "decide_s": {"max": max(decisions, default=None), "median": quantile(decisions, 0.5), "seen": len(decisions),

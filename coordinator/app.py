@@ -54,10 +54,9 @@ class Coordinator:
         c = cfg.coordinator
         self.cfg, self.exit_when_finished, self.ready_file = cfg, exit_when_finished, ready_file
         set_context(role="coordinator")  # (its id once its identity is loaded, below)
-        self.stopping = threading.Event()
+        self.stopping, self.traffic = threading.Event(), Traffic()
         self.finish = Finish()  # the run's end: all steps committed, or the admin's request from the status page
         self.events: deque[dict[str, Any]] = deque(maxlen=500)
-        self.traffic = Traffic()
         self.journal, self.state = bootstrap.open_journal(cfg)  # checks the run first: a refused one writes nothing
         self.identity = Identity.load_or_create(Path(c.journal_dir) / "identity.key")
         self.id, self.run_id = self.identity.peer_id, self.state.run_id
@@ -84,13 +83,14 @@ class Coordinator:
     def run(self) -> int:
         try:
             self.start()
+            self.health.heap.settle(time.monotonic())  # (what the start made is never walked again by a full collection)
             while not self.stopping.is_set():
                 t0, c0 = time.monotonic(), time.thread_time()
                 try:
                     self.tick()
                 except DHTTimeout as err:  # a wedged or swamped DHT process: the next tick tries again
                     log.warning("%s", err)
-                self.health.ticked(time.monotonic() - t0, time.thread_time() - c0)
+                self.health.ticked(time.monotonic() - t0, time.thread_time() - c0)  # (then collects the heap when due)
                 if self.exit_when_finished and self.state.finished and self.finish.drained(self.checkpointer, self.table):
                     log.info("run finished; exiting")
                     break

@@ -14,6 +14,8 @@ import time
 from collections import deque
 from typing import Any
 
+from potluck.protos.runtime.heap import Heap
+
 KEEP_TICKS = 1000
 
 
@@ -23,6 +25,7 @@ class Health:
         self.tick_cpu: deque[float] = deque(maxlen=KEEP_TICKS)  # ... of the loop thread's CPU
         self.decisions: deque[float] = deque(maxlen=16)  # seconds each of the latest decisions took
         self.count = 0
+        self.heap = Heap()  # (full collections between ticks, once the loop has settled it)
         self._built = (-float("inf"), 0.0, 0.0)  # (when the snapshot was last built, how long it took, began)
 
     def snapshot_due(self, now: float, changed: bool, every_s: float) -> bool:
@@ -38,10 +41,13 @@ class Health:
 
     def ticked(self, seconds: float, cpu_seconds: float) -> None:
         """A tick took ``seconds`` of wall time, ``cpu_seconds`` of the loop thread's CPU (what it costs the
-        machine; the wall time adds whatever else the machine runs)."""
+        machine; the wall time adds whatever else the machine runs). A full collection of the heap, when due,
+        runs now, before the next tick."""
         self.ticks.append(seconds)
         self.tick_cpu.append(cpu_seconds)
         self.count += 1
+        if self.heap.due(now := time.monotonic()):  # between two ticks, not in one: see potluck.protos.runtime.heap
+            self.heap.collect(now)
 
     def decided(self, seconds: float) -> None:
         self.decisions.append(seconds)
@@ -55,6 +61,7 @@ class Health:
             "decide_s": {"last": self.decisions[-1] if self.decisions else None,
                          "max": max(self.decisions) if self.decisions else None, "window": len(self.decisions)},
             "rss_bytes": rss_bytes(),
+            "gc": self.heap.section(),
             "peers_held": peers_held,
             "reads": reads,
         }

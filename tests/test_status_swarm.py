@@ -26,6 +26,7 @@ def test_page_shows_every_peer_and_a_killed_one_turns_lost(swarm, tmp_path: Path
     state = swarm.wait_state(lambda s: s["run"]["outer_step"] >= 2 and len(s["round"]["members"]) == 3, 180,
                              "two outer steps with three members")
     ids = [m["peer_id"] for m in state["round"]["members"]]
+    assert state["coordinator"]["gc"]["frozen"] > 100_000  # its start's objects: no full collection walks them again
     timeout_s = state["config"]["heartbeat_timeout_s"]
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True)

@@ -23,6 +23,7 @@ future, crosses it; without one no interceptor is installed.
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
@@ -44,6 +45,12 @@ from potluck.protos.wire.refusals import REFUSAL_KEY
 log = get_logger(__name__)
 
 PER_CLIENT_CALLS = 12
+# A client keeps a channel per peer it calls; in a swarm that churns (a coordinator pings whoever joins), the
+# channels of peers long gone are closed once it holds more than KEEP_CHANNELS: those not used for IDLE_CHANNEL_S
+# (longer than any call lasts, a state download over a slow link included), so what it holds grows with the
+# churn of the last half hour, not with the run's length.
+KEEP_CHANNELS = 256
+IDLE_CHANNEL_S = 1800.0
 SERVER_OPTIONS = [
     ("grpc.max_connection_age_ms", 3_600_000),  # long-lived idle streams end, whatever a client does
     ("grpc.max_connection_age_grace_ms", 600_000),
@@ -166,7 +173,8 @@ class RelayedServer:
 
 
 class PeerClient:
-    """Calls other peers' PeerService; one channel per address (and peer id), reused across calls.
+    """Calls other peers' PeerService; one channel per address (and peer id), reused across calls, closed
+    when idle past ``IDLE_CHANNEL_S`` once the client holds more than ``KEEP_CHANNELS``.
 
     With ``tls``, every call names the peer id it means to reach (``peer``): the channel checks the
     server's certificate is that peer's, so a reply can only come from its key. With ``netem``,
@@ -179,6 +187,7 @@ class PeerClient:
         self._lock = threading.Lock()
         self._stubs: dict[tuple[str, str, int], pb_grpc.PeerServiceStub] = {}
         self._channels: dict[tuple[str, str, int], grpc.Channel] = {}
+        self._used: dict[tuple[str, str, int], float] = {}  # (when each channel was last routed through)
 
     def stub(self, address: str, peer: str = "") -> pb_grpc.PeerServiceStub:
         return self._route(address, peer)[0]
@@ -194,8 +203,10 @@ class PeerClient:
             raise ValueError(f"a call to {address} over TLS must name the peer id it is meant for")
         key = (where, name if tls is not None else "", tls.generation if tls is not None else 0)
         with self._lock:
-            stub = self._stubs.get(key)
+            stub, self._used[key] = self._stubs.get(key), (now := time.monotonic())
             if stub is None:
+                if len(self._channels) >= KEEP_CHANNELS:
+                    self._close_idle(now - IDLE_CHANNEL_S)
                 if tls is not None:
                     options = [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", name.lower())]
                     channel = grpc.secure_channel(where, tls.channel_credentials(), options=options)
@@ -206,6 +217,11 @@ class PeerClient:
                 self._channels[key] = channel
                 stub = self._stubs[key] = pb_grpc.PeerServiceStub(channel)
         return stub, (((TARGET_KEY, peer),) if via else ())
+
+    def _close_idle(self, before: float) -> None:
+        for key in [k for k, used in self._used.items() if used < before]:
+            self._channels.pop(key).close()
+            del self._stubs[key], self._used[key]
 
     def open_relay(self, address: str, relay: str, frames: Iterator[pb.RelayFrame]) -> Iterator[pb.RelayFrame]:
         """Open a relay tunnel to ``relay`` at ``address`` (see :class:`RelayedServer`)."""
@@ -267,4 +283,5 @@ class PeerClient:
                 channel.close()
             self._channels.clear()
             self._stubs.clear()
+            self._used.clear()
 

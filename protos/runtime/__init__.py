@@ -2,4 +2,5 @@
 
 - ``stopping``: Stopping a potluck process: politely on the first signal, for sure within a bound
 - ``log``: One logger for every potluck process
+- ``heap``: The interpreter's cycle collector on a loop's own schedule, not in the middle of its work
 """
