@@ -215,8 +215,8 @@ class Coordinator:
             return
         at_work = partial(self.table.at_work, self.rounds.committed, self.rounds.epoch, made)  # (they need no ping)
         answered = self.pinger.poll((v.record for v in live), at_work)
-        if answered is None:  # (while the pings run, off this loop)
-            return
+        if answered is None or self.rounds.short_of(len(answered[0]), len(live), self.cfg.membership.min_peers, now):
+            return  # (while the pings run, off this loop; a fresh start pings again for min_peers a while)
         records, t0 = answered  # (a decision costs from its first ping to the round published)
         before = {m.peer_id: (m.stage, m.replica) for m in getattr(made, "members", [])}
         placed = grid_for(self.cfg, records, self.rounds.stages, before, self.reader.links.records, self.placement)
@@ -236,9 +236,8 @@ class Coordinator:
         s, r = self.state, self.rounds
         r.prune_hashes()
         s.committed, s.epoch, s.rounds, s.hashes, s.cursors = r.committed, r.epoch, list(r.rounds.values()), r.hashes, r.data.to_json()
-        s.outcomes, s.revoked, s.trust = ([vars(o) for o in r.outcomes], sorted(self.gate.admission.revoked),
-                                          self.integrity.trust.to_json())
-        s.admitted = self.gate.admission.journaled()
+        s.outcomes, s.revoked, s.trust, s.admitted = ([vars(o) for o in r.outcomes], sorted(self.gate.admission.revoked),
+                                                      self.integrity.trust.to_json(), self.gate.admission.journaled())
         self.journal.save(s)
         self._dirty = False
 

@@ -78,6 +78,7 @@ class Rounds:
     _fresh_start: bool = True  # no round is running after a failure (or ever): wait for min_peers
     _failed_at: float | None = None  # when the last round failed (the wait for min_peers after it is bounded)
     _regather: frozenset[str] = frozenset()  # the members of the round that failed last (the wait is for them)
+    _short_since: float | None = None  # when a fresh start's pings first reached fewer than min_peers
     wall: Callable[[], float] = time.time  # wall-clock stamps for the journal (every decision uses ``now``)
     data: DataCursor = field(default_factory=lambda: DataCursor(per_replica=1))  # who trains on which samples
 
@@ -342,6 +343,16 @@ class Rounds:
             return live >= min_peers or self._regathered(now, reports)
         return self.settled(now, reports=reports)
 
+    def short_of(self, answered: int, live: int, min_peers: int, now: float) -> bool:
+        """Wait on? A fresh start whose heartbeats show ``min_peers`` live but whose pings reached fewer (a busy
+        peer missed one) waits for them, pinging again, for ``grace_s`` at most from the first short answer, then
+        goes on with those that answered: a peer that heartbeats but cannot be reached must not stall the run."""
+        if not self._fresh_start or answered >= min_peers or live < min_peers:
+            self._short_since = None
+            return False
+        self._short_since = now if self._short_since is None else self._short_since
+        return now - self._short_since < self.grace_s
+
     def _regathered(self, now: float, reports: Sequence[Report]) -> bool:
         if self._failed_at is None:
             return False  # (the first round of a run)
@@ -367,7 +378,7 @@ class Rounds:
                     decided_at=decided_at, shares=shares, data_next=data_next, pool=pool, groups=bases,
                     audits=list(audits))
         self.rounds[step] = rnd
-        self._started[step] = now
+        self._started[step], self._short_since = now, None
         for old in sorted(self.rounds)[:-KEEP_ROUNDS]:
             del self.rounds[old]
         return rnd

@@ -190,6 +190,22 @@ def test_after_a_failure_the_run_waits_for_min_peers_a_bounded_time_then_goes_on
     assert (r.step, r.epoch, sorted(m.peer_id for m in r.members)) == (1, 1, ["a", "b"])
 
 
+def test_a_first_round_whose_pings_reach_fewer_than_min_peers_waits_for_them_a_bounded_time() -> None:
+    """16 peers heartbeat and ``min_peers`` is 16, but one misses the decision's ping (busy): the round waits and
+    pings again, so the run starts with the 16 asked for (it started with 15); a peer that heartbeats but is never
+    reachable holds the start for one heartbeat timeout, not for ever."""
+    s = Swarm(min_peers=4)
+    s.tick(0.0, *(rec(p, 0, "waiting") for p in "abcd"))
+    assert s.rounds.ready_to_decide(4, 4, 0.0, s.table.reports())
+    assert s.rounds.short_of(3, 4, 4, 10.0) and s.rounds.short_of(3, 4, 4, 10.0 + TIMEOUT - 0.1)  # ping again
+    assert not s.rounds.short_of(4, 4, 4, 12.0)  # all four answered: decide now
+    assert s.rounds.short_of(3, 4, 4, 13.0)  # (a new wait: it starts again from here)
+    assert not s.rounds.short_of(3, 4, 4, 13.0 + TIMEOUT)  # d never answers: go on with those that did
+    assert not s.rounds.short_of(2, 3, 4, 20.0)  # fewer live than min_peers (a regather's go-on): nothing to wait for
+    run_to(s, 1, ids="abcd", t0=20.0)
+    assert s.rounds.committed == 1 and not s.rounds.short_of(1, 4, 4, 60.0)  # after a commit: no fresh start
+
+
 def test_after_a_failure_the_run_goes_on_at_once_when_every_member_of_the_failed_round_is_back_or_gone_for_good() -> None:
     """The bounded wait is for members of the failed round that may still come back: once each is live again,
     evicted or said goodbye, nothing is left to wait for (a proven liar's eviction cost every run 3 heartbeat
