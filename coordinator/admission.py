@@ -42,7 +42,7 @@ from potluck.protos.net.transport import PeerClient
 from potluck.protos.runtime.log import get_logger, short_id
 from potluck.protos.wire import work
 from potluck.protos.wire.admissions import AdmissionRequest, Certificate
-from potluck.protos.wire.records import Member, PeerRecord, Round
+from potluck.protos.wire.records import Member, PeerRecord, Round, StepReport
 from potluck.protos.wire.states import SAID_GOODBYE
 
 log = get_logger(__name__)
@@ -202,7 +202,9 @@ class Gatekeeper:
             log.info("%d peers still admitted from the journal", len(self.admission.admitted))
         self.evict_after = a.evict_after
         self._flagged: dict[str, dict[int, bool]] = {}  # peer -> step -> clipped or rejected by most owners
-        self._judged: tuple[dict[str, PeerRecord], tuple] = ({}, (None, ()))  # what _evictions last saw
+        self._seen: dict[str, PeerRecord] = {}  # the records _evictions last saw, and their reports by step:
+        self._by_step: dict[int, dict[str, StepReport]] = {}  # step -> reporter -> its report of that step
+        self._context: tuple = (None, -1, -1)  # (the newest round, admitted and revoked counts) it judged under
         # of a stage's members, those whose reports count (past probation; all of them while none is)
         self.trusted: Callable[[Sequence[Member], int], set[str]] = lambda cells, step: {m.peer_id for m in cells}
         self._unsent: list[Certificate] = []  # answers reviewed but not stored yet
@@ -273,45 +275,17 @@ class Gatekeeper:
         fresh keys past a 2-step probation got the 3 honest peers evicted at a run's end). Flagged too often:
         evicted."""
         latest = round_at(1 << 62)  # (the newest round: it changes with every decision and rollback)
-        (seen, judged), admitted = self._judged, (len(self.admission.admitted), len(self.admission.revoked))
-        self._judged = (dict(records), (latest, admitted))
-        if judged[0] is latest and judged[1] == admitted and len(seen) == len(records) and all(
-                (old := seen.get(pid)) is rec or (old is not None and old.recent == rec.recent) for pid, rec in records.items()):
-            return []  # no step report, round or admission changed: no verdict can (at 1,000 peers judging every
-            # report of every record, five times a second, was a third of the coordinator's tick)
-        claims: dict[tuple[int, int, int], dict[str, Counter[tuple[str, ...]]]] = {}
-        trusted: dict[tuple[int, int, int, int], set[str]] = {}  # (round step, epoch, stage, group) -> its trusted reporters
-        own: dict[tuple[int, int, int, str], set[str]] = {}  # (step, stage, group, owner) -> whom it says it flagged
-        for rec in records.values():
-            if not self.admission.is_admitted(rec.peer_id):
-                continue
-            for step in {s.step: s for s in rec.recent}.values():  # one report per reporter and step
-                self._flagged.setdefault(rec.peer_id, {}).setdefault(step.step, False)  # it took part
-                if (rnd := round_at(step.step)) is None:
-                    continue
-                if (member := rnd.member(rec.peer_id)) is None:
-                    continue  # (not a member of that round: nothing it reports of it counts)
-                key = (rnd.step, rnd.epoch, step.stage, member.group)
-                own[(step.step, step.stage, member.group, rec.peer_id)] = set(step.flags.get(rec.peer_id, ()))
-                if key not in trusted:  # (once per group and call: per record, 1,000 peers made it seconds)
-                    trusted[key] = self.trusted(rnd.cohort(rec.peer_id), step.step)  # its group, as trust stood then
-                if rec.peer_id not in trusted[key]:
-                    continue
-                by_owner = claims.setdefault((step.step, step.stage, key[3]), {})
-                for owner, named in step.flags.items():
-                    by_owner.setdefault(owner, Counter())[tuple(sorted(set(named)))] += 1
-        for (step, stage, group), by_owner in claims.items():
-            cells = {m.peer_id for m in rnd.group_members(stage, group)} if (rnd := round_at(step)) is not None else set()
-            owners = rnd.shard_owners(stage, group) if rnd is not None else []
-            counts: Counter[str] = Counter()
-            for owner, versions in by_owner.items():
-                if owner in owners:  # (what the owner itself says it did, in its own signed record, bounds it)
-                    counts.update(set(versions.most_common(1)[0][0]) & own.get((step, stage, group, owner), set()))
-            for pid, n in counts.items():  # (a flagged owner's own shard does not vote on it)
-                if pid in cells and 2 * n > len(set(owners) - {pid}):
-                    self._flagged.setdefault(pid, {})[step] = True
+        context = (latest, len(self.admission.admitted), len(self.admission.revoked))
+        dirty = self._index(records)
+        if context[0] is not self._context[0] or context[1:] != self._context[1:]:
+            dirty = set(self._by_step)  # (a new round, admission or eviction: every verdict may change)
+        self._context = context
+        touched: set[str] = set()  # (at 1,000 peers, judging every report of every record five times a second was
+        for step in sorted(dirty):  # a third of the coordinator's tick: only the steps whose reports changed are)
+            touched |= self._judge(step, self._by_step.get(step, {}), round_at)
         out = []
-        for pid, steps in self._flagged.items():
+        for pid in sorted(touched):
+            steps = self._flagged[pid]
             for old in sorted(steps)[:-4 * RECENT_STEPS]:
                 del steps[old]
             recent = [steps[s] for s in sorted(steps)[-RECENT_STEPS:]]
@@ -320,6 +294,70 @@ class Gatekeeper:
                 out.append((pid, f"evicted: most owners of its stage clipped or left out its update "
                                  f"in {sum(recent)} of its last {len(recent)} outer steps"))
         return out
+
+    def _index(self, records: dict[str, PeerRecord]) -> set[int]:
+        """Keep ``_by_step`` (step -> reporter -> its report of that step, from the records now held) up to date
+        with ``records``; the steps whose reports changed."""
+        dirty: set[int] = set()
+        for pid in [pid for pid in self._seen if pid not in records]:
+            dirty |= self._drop(pid)
+        for pid, rec in records.items():
+            old = self._seen.get(pid)
+            if old is rec or (old is not None and old.recent == rec.recent):
+                self._seen[pid] = rec
+                continue
+            dirty |= self._drop(pid)
+            self._seen[pid] = rec
+            for report in {r.step: r for r in rec.recent}.values():  # one report per reporter and step
+                self._by_step.setdefault(report.step, {})[pid] = report
+                dirty.add(report.step)
+        return dirty
+
+    def _drop(self, pid: str) -> set[int]:
+        old = self._seen.pop(pid, None)
+        steps = {r.step for r in old.recent} if old is not None else set()
+        for step in steps:
+            reports = self._by_step.get(step, {})
+            reports.pop(pid, None)
+            if not reports:
+                self._by_step.pop(step, None)
+        return steps
+
+    def _judge(self, step: int, reports: dict[str, StepReport], round_at: Callable[[int], Round | None]) -> set[str]:
+        """Step ``step``'s verdicts from its reports (see :meth:`_evictions`); the peers whose verdicts it added to."""
+        claims: dict[tuple[int, int], dict[str, Counter[tuple[str, ...]]]] = {}  # (stage, group) -> owner -> lists
+        trusted: dict[tuple[int, int], set[str]] = {}  # (stage, group) -> its trusted reporters
+        own: dict[tuple[int, int, str], set[str]] = {}  # (stage, group, owner) -> whom it says it flagged
+        rnd, changed = round_at(step), set()
+        for pid, report in reports.items():
+            if not self.admission.is_admitted(pid):
+                continue
+            if step not in (verdicts := self._flagged.setdefault(pid, {})):
+                verdicts[step] = False  # it took part
+                changed.add(pid)
+            if rnd is None or (member := rnd.member(pid)) is None:
+                continue  # (not a member of that round: nothing it reports of it counts)
+            key = (report.stage, member.group)
+            own[(*key, pid)] = set(report.flags.get(pid, ()))
+            if key not in trusted:  # (once per group and step: per record, 1,000 peers made it seconds)
+                trusted[key] = self.trusted(rnd.cohort(pid), step)  # its group, as trust stood then
+            if pid not in trusted[key]:
+                continue
+            by_owner = claims.setdefault(key, {})
+            for owner, named in report.flags.items():
+                by_owner.setdefault(owner, Counter())[tuple(sorted(set(named)))] += 1
+        for (stage, group), by_owner in claims.items():
+            assert rnd is not None  # (claims come only from members of the round)
+            cells, owners = {m.peer_id for m in rnd.group_members(stage, group)}, rnd.shard_owners(stage, group)
+            counts: Counter[str] = Counter()
+            for owner, versions in by_owner.items():
+                if owner in owners:  # (what the owner itself says it did, in its own signed record, bounds it)
+                    counts.update(set(versions.most_common(1)[0][0]) & own.get((stage, group, owner), set()))
+            for pid, n in counts.items():  # (a flagged owner's own shard does not vote on it)
+                if pid in cells and 2 * n > len(set(owners) - {pid}):
+                    self._flagged.setdefault(pid, {})[step] = True
+                    changed.add(pid)
+        return changed
 
     def revoked(self, peer_id: str) -> bool:
         return peer_id in self.admission.revoked

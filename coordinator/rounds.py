@@ -79,6 +79,7 @@ class Rounds:
     _failed_at: float | None = None  # when the last round failed (the wait for min_peers after it is bounded)
     _regather: frozenset[str] = frozenset()  # the members of the round that failed last (the wait is for them)
     _short_since: float | None = None  # when a fresh start's pings first reached fewer than min_peers
+    _voted: dict[str, tuple[Report, tuple]] = field(default_factory=dict)  # peer -> the report it last voted with
     wall: Callable[[], float] = time.time  # wall-clock stamps for the journal (every decision uses ``now``)
     data: DataCursor = field(default_factory=lambda: DataCursor(per_replica=1))  # who trains on which samples
 
@@ -214,7 +215,13 @@ class Rounds:
         """Which replicas' samples each coming version holds, as the stage-0 members of its round say
         (the round's own record says who is in stage 0, not the report)."""
         shared: dict[int, set[int]] = {}  # round step -> the replicas it gave a share (once per round, not per vote)
+        context = (self.committed, self.epoch, self._latest_step())  # (what else a vote depends on)
+        if len(self._voted) > 2 * len(reports) + 100:
+            self._voted = {r.peer_id: self._voted[r.peer_id] for r in reports if r.peer_id in self._voted}
         for r in reports:
+            if (last := self._voted.get(r.peer_id)) is not None and last[0] is r and last[1] == context:
+                continue  # (its votes are in: at 1,000 peers, casting them all again every tick cost a tenth of it)
+            self._voted[r.peer_id] = (r, context)
             for step, epoch, included in r.included:
                 made_by = self.round_at(step)
                 if made_by is None or not r.live or not self.committed < step <= self.committed + KEEP_ROUNDS:
