@@ -2,17 +2,18 @@
 
 CPython's full (generation 2) collection walks every container object the process holds. A
 coordinator holds about 230,000 of them before its first tick (torch, hivemind, gRPC and their
-modules), none of them ever garbage, and a full pass over them cost 150-250 ms of CPU on a 2-core
-box: at 300 peers it landed every few seconds in whichever tick happened to allocate, and it was the
-whole of that tick's p99 (``benchmarks/swarm_scale.py``). So a long-running loop:
+modules), and at 1,000 peers as many again of records, rounds and reports; none of them garbage. A
+full pass cost 150-250 ms of CPU on a 2-core box: at 300 peers it landed every few seconds in
+whichever tick happened to allocate, and it was the whole of that tick's p99
+(``benchmarks/swarm_scale.py``). So a long-running loop:
 
-* ``settle()`` once it has started: collects, then freezes what survived (``gc.freeze``: those objects
-  are never walked again) and takes full collections off the automatic schedule; the young
-  generations still collect as usual, in a few ms;
-* ``collect()`` between two iterations when ``due``: one full pass over what is not frozen, so cycles
-  made since are still freed, at a time the loop chose and measured.
-
-Nothing is ever unfrozen: what was alive when the loop started lives as long as the process.
+* ``settle()`` once it has started: collects, then freezes what survived (``gc.freeze``: a frozen object
+  is never walked again; it is still freed the usual way when nothing refers to it) and takes full
+  collections off the automatic schedule; the young generations still collect as usual, in a few ms;
+* ``collect()`` between two iterations when ``due`` (every ``every_s``): a full pass over what is not
+  frozen (what survived since the last one), then freezes it too;
+* once every ``whole_every_s`` that pass unfreezes everything first, so a cycle that became garbage
+  after it was frozen (none has in any run measured: ``freed`` stays 0) lives that long at most.
 """
 
 from __future__ import annotations
@@ -26,32 +27,38 @@ NEVER = 1 << 30  # a generation-2 threshold that automatic collection never reac
 
 @dataclass
 class Heap:
-    every_s: float = 30.0  # a full collection at most this often
-    frozen: int = 0  # objects frozen by settle
+    every_s: float = 30.0  # a full collection of what is not frozen at most this often
+    whole_every_s: float = 600.0  # ... and of everything, this often
+    frozen: int = 0  # objects frozen now
     collections: int = 0
     last_s: float = 0.0  # CPU seconds the last full collection took
     max_s: float = 0.0
     freed: int = 0  # unreachable objects found by the full collections, in all
     _next: float = float("inf")  # (until settled, the interpreter's own schedule)
+    _next_whole: float = float("inf")
 
     def settle(self, now: float) -> None:
         gc.collect()
         gc.freeze()
         young, middle, _ = gc.get_threshold()
         gc.set_threshold(young, middle, NEVER)
-        self.frozen, self._next = gc.get_freeze_count(), now + self.every_s
+        self.frozen, self._next, self._next_whole = gc.get_freeze_count(), now + self.every_s, now + self.whole_every_s
 
     def due(self, now: float) -> bool:
         return now >= self._next
 
     def collect(self, now: float) -> float:
-        """One full collection of what is not frozen; its CPU seconds."""
+        """One full collection (of what is not frozen; of everything when the whole pass is due); its CPU seconds."""
         c0 = time.thread_time()
+        if now >= self._next_whole:
+            gc.unfreeze()
+            self._next_whole = now + self.whole_every_s
         self.freed += gc.collect()
-        self.last_s = time.thread_time() - c0
+        gc.freeze()
+        self.last_s, self.frozen = time.thread_time() - c0, gc.get_freeze_count()
         self.max_s, self.collections, self._next = max(self.max_s, self.last_s), self.collections + 1, now + self.every_s
         return self.last_s
 
     def section(self) -> dict[str, float | int]:
-        return {"frozen": self.frozen, "every_s": self.every_s, "collections": self.collections, "last_s": self.last_s,
-                "max_s": self.max_s, "freed": self.freed}
+        return {"frozen": self.frozen, "every_s": self.every_s, "whole_every_s": self.whole_every_s,
+                "collections": self.collections, "last_s": self.last_s, "max_s": self.max_s, "freed": self.freed}

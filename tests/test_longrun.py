@@ -1,0 +1,77 @@
+"""What a process that runs for days pays for its long life, kept flat: the interpreter's full garbage
+collections (run between a loop's iterations, over what survived since the last one, not in the middle
+of a coordinator's tick) and a client's gRPC channels (those of peers long gone are closed). Issue 30:
+at 300 peers a full collection was the whole of a tick's p99.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+HEAP_PROBE = """
+import gc, json, time
+from potluck.protos.runtime.heap import NEVER, Heap
+started = [[i] for i in range(50_000)]  # what a loop made before it settled: never walked again
+heap = Heap(every_s=5.0, whole_every_s=20.0)
+heap.settle(100.0)
+assert gc.get_threshold()[2] == NEVER and not heap.due(104.9) and heap.due(105.0)
+class Node:
+    pass
+def cycles(n):
+    held = [Node() for _ in range(n)]  # pairs in cycles
+    for a, b in zip(held[::2], held[1::2]):
+        a.other, b.other = b, a
+    return held
+held = cycles(20_000)
+gc.collect(1)
+gc.collect(1)  # (alive long enough to reach the oldest generation)
+del held  # now garbage there: only a full collection finds it
+grown = [[] for _ in range(300_000)]  # what a loop keeps: the young generations fill and collect hundreds of times
+kept = sum(1 for o in gc.get_objects() if isinstance(o, Node))
+heap.collect(105.0)  # frees them, and freezes what lives
+after = dict(heap.section())
+held = cycles(10_000)
+heap.collect(110.0)  # frozen while alive...
+del held  # ... garbage since: only the whole pass finds it
+heap.collect(115.0)
+before_whole = heap.freed
+heap.collect(120.0)
+print(json.dumps({"kept": kept, "first": after, "before_whole": before_whole, "section": heap.section(),
+                  "due": heap.due(124.0)}))
+"""
+
+
+def test_a_settled_heap_leaves_full_collections_to_the_loop_and_they_skip_what_the_start_made() -> None:
+    out = subprocess.run([sys.executable, "-c", HEAP_PROBE], capture_output=True, text=True, timeout=120, check=True)
+    got = json.loads(out.stdout)
+    first, sec = got["first"], got["section"]
+    assert first["frozen"] > 300_000  # the start's objects, the interpreter's, and what the loop kept since
+    assert got["kept"] == 20_000  # the young collections ran, but no automatic full one freed the cycles
+    assert first["collections"] == 1 and first["freed"] >= 20_000 and 0 < first["last_s"] == first["max_s"]
+    assert got["before_whole"] == first["freed"]  # a cycle frozen while alive waits for the whole pass...
+    assert sec["freed"] >= first["freed"] + 10_000 and sec["collections"] == 4 and not got["due"]  # ... which frees it
+
+
+def test_a_client_closes_the_channels_of_peers_long_gone(monkeypatch: pytest.MonkeyPatch) -> None:
+    from potluck.protos.net import transport
+    monkeypatch.setattr(transport, "KEEP_CHANNELS", 3)
+    clock = [1000.0]
+    monkeypatch.setattr(transport.time, "monotonic", lambda: clock[0])
+    client = transport.PeerClient(transport.Traffic())
+    try:
+        for port in (1001, 1002, 1003):
+            client.stub(f"127.0.0.1:{port}")
+        clock[0] += transport.IDLE_CHANNEL_S - 1
+        fresh = client.stub("127.0.0.1:1003")  # used again just now
+        client.stub("127.0.0.1:1004")  # over the bound, but nobody idle long enough: all kept
+        assert len(client._channels) == 4
+        clock[0] += 2
+        client.stub("127.0.0.1:1005")  # 1001 and 1002 idle past the bound: closed; 1003 and 1004 not
+        assert sorted(k[0] for k in client._channels) == ["127.0.0.1:1003", "127.0.0.1:1004", "127.0.0.1:1005"]
+        assert client.stub("127.0.0.1:1003") is fresh and client.stub("127.0.0.1:1001") is not None
+    finally:
+        client.close()
