@@ -300,28 +300,26 @@ class Gatekeeper:
         with ``records``; the steps whose reports changed."""
         dirty: set[int] = set()
         for pid in [pid for pid in self._seen if pid not in records]:
-            dirty |= self._drop(pid)
+            dirty |= self._put(pid, {r.step: None for r in self._seen.pop(pid).recent})
         for pid, rec in records.items():
-            old = self._seen.get(pid)
-            if old is rec or (old is not None and old.recent == rec.recent):
-                self._seen[pid] = rec
-                continue
-            dirty |= self._drop(pid)
-            self._seen[pid] = rec
-            for report in {r.step: r for r in rec.recent}.values():  # one report per reporter and step
-                self._by_step.setdefault(report.step, {})[pid] = report
-                dirty.add(report.step)
+            old, self._seen[pid] = self._seen.get(pid), rec
+            if old is not rec and (old is None or old.recent != rec.recent):  # (a heartbeat's new report: one step)
+                new: dict[int, StepReport | None] = {r.step: r for r in rec.recent}  # one report per reporter and step
+                was = {r.step: r for r in old.recent} if old is not None else {}
+                dirty |= self._put(pid, {step: new.get(step) for step in new.keys() | was.keys()
+                                         if new.get(step) != was.get(step)})
         return dirty
 
-    def _drop(self, pid: str) -> set[int]:
-        old = self._seen.pop(pid, None)
-        steps = {r.step for r in old.recent} if old is not None else set()
-        for step in steps:
-            reports = self._by_step.get(step, {})
-            reports.pop(pid, None)
-            if not reports:
-                self._by_step.pop(step, None)
-        return steps
+    def _put(self, pid: str, reports: dict[int, StepReport | None]) -> set[int]:
+        """``pid``'s report of each of these steps is now this one (None: it has none); the steps."""
+        for step, report in reports.items():
+            if report is not None:
+                self._by_step.setdefault(step, {})[pid] = report
+            elif (held := self._by_step.get(step)) is not None:
+                held.pop(pid, None)
+                if not held:
+                    del self._by_step[step]
+        return set(reports)
 
     def _judge(self, step: int, reports: dict[str, StepReport], round_at: Callable[[int], Round | None]) -> set[str]:
         """Step ``step``'s verdicts from its reports (see :meth:`_evictions`); the peers whose verdicts it added to."""
