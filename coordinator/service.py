@@ -10,7 +10,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -55,22 +54,12 @@ def answers(client: PeerClient, run_id: str, me: str, rec: PeerRecord) -> bool:
 
 
 def reachable(client: PeerClient, run_id: str, me: str, records: Iterable[PeerRecord]) -> list[PeerRecord]:
-    """The peers that answer a ping (in parallel): a live record of a dead process should not enter a round."""
+    """The peers that answer a ping, all pinged at once: a live record of a dead process should not enter a round.
+    (32 threads pinged 1,000 peers in turn: with churn, waves of 2 s timeouts made a decision take 6 s.)"""
     records = list(records)
-
-    def ping(rec: PeerRecord) -> str | None:
-        request = pb.PingRequest(header=pb.Header(run_id=run_id, sender=me), sent_at=time.time())
-        try:
-            client.ping(rec.address, request, PING_TIMEOUT_S, peer=rec.peer_id)
-            return rec.peer_id
-        except grpc.RpcError:
-            return None
-
-    if not records:
-        return []
-    with ThreadPoolExecutor(max_workers=min(32, len(records))) as pool:
-        ok = {pid for pid in pool.map(ping, records) if pid}
-    return [r for r in records if r.peer_id in ok]
+    request = pb.PingRequest(header=pb.Header(run_id=run_id, sender=me), sent_at=time.time())
+    answered = client.ping_all([(r.address, r.peer_id) for r in records], request, PING_TIMEOUT_S)
+    return [r for r, ok in zip(records, answered, strict=True) if ok]
 
 
 class Pinger:

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 import time
 from collections.abc import Iterator
+from concurrent import futures
 from functools import partial
 from typing import Any
 
@@ -35,6 +37,8 @@ from potluck.coordinator.snapshot import PEERS_INLINE, RunInfo, Series, build
 from potluck.coordinator.status import StatusServer
 from potluck.coordinator.trust import Trust
 from potluck.peer.heartbeat import Heartbeat
+from potluck.protos import potluck_pb2 as pb
+from potluck.protos import potluck_pb2_grpc as pb_grpc
 from potluck.protos.config.files import apply_overrides
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.net.dhtguard import run_key
@@ -333,6 +337,32 @@ def test_a_decisions_pings_run_off_the_loop() -> None:
     client.close()
 
 
+def test_a_decisions_pings_go_out_all_at_once() -> None:
+    """48 peers, each of whose answers waits until all 48 pings have arrived: they all answer, so none waited for
+    another's answer (32 threads pinged in turn, and with churn a decision waited 2 s timeouts in waves: 6 s at
+    1,000 peers). A peer that answers as another id does not count."""
+    n = 48
+    arrived = threading.Barrier(n, timeout=10)
+
+    class Peers(pb_grpc.PeerServiceServicer):
+        def Ping(self, request: pb.PingRequest, context: object) -> pb.PingReply:  # noqa: N802 (gRPC's name)
+            arrived.wait()
+            return pb.PingReply(peer_id="p0" if request.header.sender == "me" else "?", sent_at=request.sent_at)
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=n))
+    pb_grpc.add_PeerServiceServicer_to_server(Peers(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    client = PeerClient(Traffic())
+    try:
+        answered = client.ping_all([(f"127.0.0.1:{port}", f"p{i % 2}") for i in range(n)],
+                                   pb.PingRequest(header=pb.Header(run_id="run", sender="me")), timeout=15)
+        assert answered == [i % 2 == 0 for i in range(n)] and not arrived.broken
+    finally:
+        client.close()
+        server.stop(0)
+
+
 def test_a_decision_pings_only_the_peers_its_reports_do_not_show_at_work() -> None:
     """Members whose records hold the committed step of this epoch just averaged (or fetched) it with their peers:
     a decision pings the others only (at 1,000 members, the newcomers: pinging all took 3-6 s). A peer at an older
@@ -350,9 +380,9 @@ def test_a_decision_pings_only_the_peers_its_reports_do_not_show_at_work() -> No
     pinged: list[str] = []
 
     class Client:
-        def ping(self, address: str, request: object, timeout: float, peer: str = "") -> object:
-            pinged.append(peer)
-            raise grpc.RpcError()
+        def ping_all(self, targets: list[tuple[str, str]], request: object, timeout: float) -> list[bool]:
+            pinged.extend(peer for _, peer in targets)
+            return [False] * len(targets)
 
     pinger = Pinger(Client(), "run", "me")  # type: ignore[arg-type]
     deadline, answer = time.monotonic() + 30, None
