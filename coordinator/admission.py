@@ -72,6 +72,11 @@ class Admission:
     revoked: set[str] = field(default_factory=set)
     _recent: deque = field(default_factory=deque)  # wall times of recent new admissions
     _answered: dict[str, int] = field(default_factory=dict)  # peer -> seq of the request last refused
+    # peer -> (its request, until when it needs no look): answered for good (refused) or holding a fresh
+    # certificate; the same request object is passed over until then (at 1,000 peers, looking at every request
+    # again each tick -- its key's fingerprint, its proof of work -- was a tenth of the tick)
+    _settled: dict[str, tuple[AdmissionRequest, float]] = field(default_factory=dict)
+    _fingerprints: dict[str, tuple[AdmissionRequest, str]] = field(default_factory=dict)  # peer -> (request, its key's)
     changed: bool = False  # admitted changed since the journal last took it (see journaled)
     journaled_at: float = 0.0  # (time.monotonic())
     on_revoke: Callable[[str], None] = lambda peer_id: None  # (the coordinator's table forgets it at once)
@@ -114,18 +119,26 @@ class Admission:
             self._recent.popleft()
         if len(self.admitted) > 2 * len(requests) + 1000:  # forget expired admissions: churn must not grow it forever
             self.admitted = {pid: a for pid, a in self.admitted.items() if a.not_after > now}
+        if len(self._settled) > 2 * len(requests) + 100:
+            self._settled = {pid: v for pid, v in self._settled.items() if pid in requests}
+            self._fingerprints = {pid: v for pid, v in self._fingerprints.items() if pid in requests}
         for pid, req in sorted(requests.items(), key=lambda kv: kv[1].ts):
+            if (settled := self._settled.get(pid)) and settled[0] is req and now < settled[1] and pid not in in_use \
+                    and pid not in self.revoked:
+                continue
             reason = in_use.get(pid) or self._refusal(pid, req)
             if reason:
                 if self._answered.get(pid) != req.seq:
                     self._answered[pid] = req.seq
                     refused.append(f"{short_id(pid)} not admitted: {reason}")
                     out.append(Certificate(peer_id=pid, refused=reason, request_seq=req.seq, seq=int(now * 1e6)))
+                self._settled[pid] = (req, float("inf"))  # (answered once per request)
                 continue
             have = self.admitted.get(pid)
-            fp = fingerprint(req.tls_key.encode())
+            fp = self.fingerprint(pid, req)
             fresh = have is not None and have.tls_fingerprint == fp and now < have.issued_at + self.lifetime_s / 2
             if fresh:
+                self._settled[pid] = (req, have.issued_at + self.lifetime_s / 2)  # (until it is due for renewal)
                 continue
             if have is None and len(self._recent) >= self.max_per_minute:
                 if self._answered.get(pid) != req.seq:  # not a refusal: it is admitted once the minute allows
@@ -165,7 +178,13 @@ class Admission:
     def new_process(self, pid: str, req: AdmissionRequest) -> bool:
         """Does ``req`` come from another process than the one admitted as ``pid`` (a new TLS key)?"""
         have = self.admitted.get(pid)
-        return have is not None and have.tls_fingerprint != fingerprint(req.tls_key.encode())
+        return have is not None and have.tls_fingerprint != self.fingerprint(pid, req)
+
+    def fingerprint(self, pid: str, req: AdmissionRequest) -> str:
+        """The fingerprint of ``req``'s TLS key (hashed once per request, not once per tick)."""
+        if (known := self._fingerprints.get(pid)) is None or known[0] is not req:
+            self._fingerprints[pid] = known = (req, fingerprint(req.tls_key.encode()))
+        return known[1]
 
     def is_admitted(self, peer_id: str, now: float | None = None) -> bool:
         now = time.time() if now is None else now

@@ -425,3 +425,28 @@ def test_judging_only_the_steps_whose_reports_changed_gives_the_verdicts_of_judg
         assert [e for e in got[0] if e[0] == "evicted"] == [e for e in got[1] if e[0] == "evicted"], tick
         assert gates[0]._flagged == gates[1]._flagged, tick
     assert gates[0].revoked(ids[4])  # (the one most owners flag most steps is evicted, as it should be)
+
+
+def test_a_request_already_answered_is_not_looked_at_again_until_its_certificate_is_due(
+        ca: CertificateAuthority, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The coordinator reviews the requests it holds every tick; one answered (admitted with a fresh certificate,
+    or refused) is passed over, its key not hashed and its proof not checked again, until its certificate is due
+    for renewal; an eviction still answers it at once."""
+    from potluck.coordinator import admission as module
+    hashed: list[str] = []
+    real = module.fingerprint
+    monkeypatch.setattr(module, "fingerprint", lambda pem: hashed.append("x") or real(pem))
+    adm = Admission(ca, RUN, lifetime_s=100.0)
+    (pid, _, req), (other, _, wrong) = asking(), asking(run_id="another-run")
+    requests = {pid: req, other: wrong}
+    certs, refused = adm.review(requests, now=T0)
+    assert [bool(c.cert_pem) for c in certs] == [True, False] and len(refused) == 1
+    looked = len(hashed)
+    for t in (T0 + 1, T0 + 20, T0 + 49):
+        assert adm.review(requests, now=t) == ([], [])
+    assert len(hashed) == looked  # passed over
+    certs, _ = adm.review(requests, now=T0 + 50)  # half its lifetime: renewed
+    assert [c.peer_id for c in certs] == [pid] and certs[0].cert_pem
+    adm.revoke(pid)
+    certs, _ = adm.review(requests, now=T0 + 51)
+    assert [(c.peer_id, c.refused) for c in certs] == [(pid, "evicted from this run")]
