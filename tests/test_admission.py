@@ -402,8 +402,6 @@ def test_judging_only_the_steps_whose_reports_changed_gives_the_verdicts_of_judg
     node = _Node({pid: req for pid, _, req in asks})
     ids = sorted(pid for pid, _, _ in asks)
     gates = [Gatekeeper(cfg, RUN, "coordinator-id", tmp_path / name, []) for name in ("incremental", "full")]
-    for name in ("incremental", "full"):
-        (tmp_path / name).mkdir(exist_ok=True)
 
     def a_round(step: int) -> Round:
         return Round(step=step, members=[Member(peer_id=p, address="x:1", replica=i, owns=i % 3 == 0)
