@@ -70,7 +70,7 @@ class Coordinator:
         self.integrity = Integrity.for_run(cfg, self.client, self.run_id, self.id, self.state.trust)
         self.gate.trusted = self.integrity.trust.eligible  # eviction votes: owners and reporters past probation
         self.placement = PlacementWorker(cfg, cfg.links.search_budget_s)
-        self.series, self.health, self._memo = Series(), Health(), history.Memo()  # (memo: step reports folded)
+        self.series, self.health, self._memo = Series(), Health(settle=True), history.Memo()  # (memo: step reports folded)
         self.node: Any = None
         self.grpc: PeerServer | None = None
         self.status: StatusServer | None = None
@@ -83,14 +83,13 @@ class Coordinator:
     def run(self) -> int:
         try:
             self.start()
-            self.health.heap.settle(time.monotonic())  # (what the start made is never walked again by a full collection)
             while not self.stopping.is_set():
                 t0, c0 = time.monotonic(), time.thread_time()
                 try:
                     self.tick()
                 except DHTTimeout as err:  # a wedged or swamped DHT process: the next tick tries again
                     log.warning("%s", err)
-                self.health.ticked(time.monotonic() - t0, time.thread_time() - c0)  # (then collects the heap when due)
+                self.health.ticked(time.monotonic() - t0, time.thread_time() - c0)  # (then settles or collects the heap)
                 if self.exit_when_finished and self.state.finished and self.finish.drained(self.checkpointer, self.table):
                     log.info("run finished; exiting")
                     break

@@ -20,12 +20,12 @@ KEEP_TICKS = 1000
 
 
 class Health:
-    def __init__(self) -> None:
+    def __init__(self, settle: bool = False) -> None:
         self.ticks: deque[float] = deque(maxlen=KEEP_TICKS)  # seconds each of the latest ticks took
         self.tick_cpu: deque[float] = deque(maxlen=KEEP_TICKS)  # ... of the loop thread's CPU
         self.decisions: deque[float] = deque(maxlen=16)  # seconds each of the latest decisions took
         self.count = 0
-        self.heap = Heap()  # (full collections between ticks, once the loop has settled it)
+        self.heap, self._settle = Heap(), settle  # (settle: full collections between ticks, from the first one on)
         self._built = (-float("inf"), 0.0, 0.0)  # (when the snapshot was last built, how long it took, began)
 
     def snapshot_due(self, now: float, changed: bool, every_s: float) -> bool:
@@ -41,12 +41,14 @@ class Health:
 
     def ticked(self, seconds: float, cpu_seconds: float) -> None:
         """A tick took ``seconds`` of wall time, ``cpu_seconds`` of the loop thread's CPU (what it costs the
-        machine; the wall time adds whatever else the machine runs). A full collection of the heap, when due,
-        runs now, before the next tick."""
+        machine; the wall time adds whatever else the machine runs). With ``settle``, the heap is settled after
+        the first tick, and a full collection, when due, runs now, before the next tick."""
         self.ticks.append(seconds)
         self.tick_cpu.append(cpu_seconds)
         self.count += 1
-        if self.heap.due(now := time.monotonic()):  # between two ticks, not in one: see potluck.protos.runtime.heap
+        if self._settle and self.count == 1:  # (after the first tick: its status snapshot is up first)
+            self.heap.settle(time.monotonic())
+        elif self.heap.due(now := time.monotonic()):  # between two ticks, not in one: see potluck.protos.runtime.heap
             self.heap.collect(now)
 
     def decided(self, seconds: float) -> None:
