@@ -75,3 +75,22 @@ def test_a_client_closes_the_channels_of_peers_long_gone(monkeypatch: pytest.Mon
         assert client.stub("127.0.0.1:1003") is fresh and client.stub("127.0.0.1:1001") is not None
     finally:
         client.close()
+
+
+def test_a_coordinator_that_pinged_four_times_its_channel_bound_holds_about_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 4x KEEP_CHANNELS (the real bound, 256): four waves of 256 new peers, each wave half an hour after the
+    one before (the churn of a long run); the client never holds more than one wave's channels."""
+    from potluck.protos.net import transport
+    clock = [0.0]
+    monkeypatch.setattr(transport.time, "monotonic", lambda: clock[0])
+    client = transport.PeerClient(transport.Traffic())
+    held = []
+    try:
+        for wave in range(4):
+            clock[0] += transport.IDLE_CHANNEL_S + 1
+            for i in range(transport.KEEP_CHANNELS):
+                client.stub(f"127.0.0.1:{10_000 + wave * transport.KEEP_CHANNELS + i}")
+                held.append(len(client._channels))
+        assert max(held) == held[-1] == transport.KEEP_CHANNELS  # (1,024 made, 768 closed)
+    finally:
+        client.close()
