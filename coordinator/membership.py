@@ -84,7 +84,9 @@ class PeerTable:
 
         Only a record newer than the one held (a higher ``seq``) changes anything: a DHT replica still
         holding an old goodbye cannot send away a peer that came back. A peer that said goodbye and
-        heartbeats again (restarted with its key) is back, like one that was lost.
+        heartbeats again (restarted with its key) is back, like one that was lost; so is one whose record comes
+        from a later process (``started_at``) although its goodbye was never read: the new process's first
+        heartbeat can overwrite the goodbye in the DHT before a tick reads it.
 
         ``read_at``: when the read that brought ``records`` began (the coordinator's
         :attr:`~potluck.protos.net.feed.Feed.as_of`); silence is then measured on that clock, not ``now``.
@@ -108,8 +110,9 @@ class PeerTable:
             elif view.record is rec:
                 continue  # the same record as last time (an incremental reader hands the whole view every tick)
             elif rec.seq > view.record.seq:
+                restarted = rec.started_at > view.record.started_at > 0  # a new process (its goodbye maybe unread)
                 view.record, view.last_seen = rec, now
-                if (view.lost or view.left) and rec.state not in GONE:
+                if (view.lost or view.left or restarted) and rec.state not in GONE:
                     view.lost = view.left = False
                     events.append(("back", pid))
             else:

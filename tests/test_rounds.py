@@ -118,6 +118,17 @@ def test_a_peer_that_said_goodbye_and_heartbeats_again_is_back() -> None:
     assert t.update({"a": rec("a", state="training", seq=5)}, now=201) == [("back", "a")] and t.live()
 
 
+def test_a_restart_whose_goodbye_was_never_read_is_back() -> None:
+    """CI: SIGTERM, then the same key again within a tick: the new process's first heartbeat replaced the
+    goodbye in the DHT before the coordinator read it. A record from a later process is a restart all the same;
+    a later record of the same process is not."""
+    t = PeerTable(heartbeat_timeout_s=100)
+    t.update({"a": rec("a", seq=1).model_copy(update={"started_at": 10.0})}, now=0)
+    assert t.update({"a": rec("a", seq=2).model_copy(update={"started_at": 10.0})}, now=1) == []
+    assert t.update({"a": rec("a", seq=3).model_copy(update={"started_at": 50.0})}, now=2) == [("back", "a")]
+    assert [v.record.peer_id for v in t.live()] == ["a"]
+
+
 def test_members_that_finished_the_last_step_commit_it_and_are_not_a_lost_stage() -> None:
     """Seen in the chaos test: a stage's members finished the run's last step (state ``finished``, still
     serving it) while one joiner of the other stage was behind; the round was failed as "stage 0 lost all
