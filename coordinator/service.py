@@ -68,7 +68,8 @@ class Pinger:
 
     :meth:`poll` starts pinging the peers it is given and returns None until the answers are in, then
     the peers that answered and when the pings began (a decision's cost counts from there); answers
-    older than ``max_age_s`` are not used, the peers are pinged again."""
+    older than ``max_age_s`` are not used, the peers are pinged again. Only peers it is still given are in
+    an answer: one evicted (or gone) while the pings ran is in no round decided after that."""
 
     def __init__(self, client: PeerClient, run_id: str, me: str, max_age_s: float = 10.0) -> None:
         self.client, self.run_id, self.me, self.max_age_s = client, run_id, me, max_age_s
@@ -84,9 +85,10 @@ class Pinger:
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 return None
-            answer, self._answer = self._answer, None
+            answer, self._answer, records = self._answer, None, list(records)
             if answer is not None and time.monotonic() - answer[2] <= self.max_age_s:
-                return answer[0], answer[1]
+                here = {r.peer_id for r in records}  # (a proven liar answered the pings that began before its proof)
+                return [r for r in answer[0] if r.peer_id in here], answer[1]
             self._thread = threading.Thread(target=self._ping, args=(list(records), set(proven()), time.monotonic()),
                                             name="pinger", daemon=True)
             self._thread.start()

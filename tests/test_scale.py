@@ -393,6 +393,23 @@ def test_a_decision_pings_only_the_peers_its_reports_do_not_show_at_work() -> No
     assert sorted(pinged) == ["new", "old", "other-epoch"]
 
 
+def test_a_peer_evicted_while_the_decisions_pings_ran_is_not_in_the_round() -> None:
+    """A lie proven in the tick that decides the rerun: the pings began before the proof, and the liar answered
+    them. The rerun named it as a member and shard owner, and every honest peer then waited 4.6 s for a shard
+    nobody would reduce (in a lying owner's run)."""
+    recs = [PeerRecord(peer_id=p, address="x:1", seq=1) for p in ("a", "b", "liar")]
+
+    class Client:
+        def ping_all(self, targets: list[tuple[str, str]], request: object, timeout: float) -> list[bool]:
+            return [True] * len(targets)
+
+    pinger, deadline = Pinger(Client(), "run", "me"), time.monotonic() + 30  # type: ignore[arg-type]
+    assert pinger.poll(recs) is None  # (the pings start: all three)
+    while (answer := pinger.poll(recs[:2])) is None and time.monotonic() < deadline:  # (then only two are live)
+        time.sleep(0.02)
+    assert answer is not None and [r.peer_id for r in answer[0]] == ["a", "b"]
+
+
 def test_a_rounds_audits_stay_within_its_bound_and_draw_as_before() -> None:
     """Auditors are drawn from a pool sorted once per stage (once per shard was a second at 1,000 owners);
     the draws are those of the per-shard choice it replaces, and past MAX_AUDITS shards a round carries a
