@@ -72,10 +72,12 @@ __all__ = ["AllReduce", "AllReduceStats", "IncompleteRound", "MemberAddr", "Outc
 PING_S = 2.0
 
 
-def _remote_step(err: grpc.RpcError) -> int | None:
-    """The step a member is at when it refused our message as WRONG_STEP, or None for other errors."""
-    info = refusal_of(err)
-    return int(info.at_step) if info is not None and info.code == pb.WRONG_STEP else None
+def _went_past(err: grpc.RpcError, info: RoundInfo) -> bool:
+    """Did a member refuse our message for ``info``'s step because it is past it: a later step of this epoch,
+    or a later epoch (the run was rolled back while we were in this step; ours is abandoned)?"""
+    refused = refusal_of(err)
+    return refused is not None and ((refused.code == pb.WRONG_STEP and refused.at_step > info.step)
+                                    or (refused.code == pb.WRONG_EPOCH and refused.at_epoch > info.epoch))
 
 
 class AllReduce(ShardInbox):
@@ -102,7 +104,7 @@ class AllReduce(ShardInbox):
         # mid-transfer must not use it all up, or they give up on this shard (and this member) before it
         # tries another
         rnd = ReduceRound(info, self._cond, catch_up_until=min(deadline, t_start + grace_s),
-                          backup_timeout=max(PING_S, 0.5 * grace_s))
+                          backup_timeout=max(PING_S, 0.5 * grace_s), deadline=deadline)
         try:
             return self._run(rnd, delta, t_start, deadline, grace_s, sent_before)
         finally:
@@ -116,10 +118,9 @@ class AllReduce(ShardInbox):
         stats = AllReduceStats(step=info.step, members=n)
 
         def on_send_error(peer: MemberAddr, err: grpc.RpcError) -> None:
-            at = _remote_step(err)
             if is_unreachable(err):
                 rnd.mark_dead(peer.peer_id)
-            elif at is not None and at > info.step:
+            elif _went_past(err, info):
                 rnd.mark_ahead(peer.peer_id)  # the round went on without us: never average alone
             log.info("send to %s failed: %s", short_id(peer.peer_id), rpc_reason(err))
 
@@ -205,6 +206,14 @@ class AllReduce(ShardInbox):
         hdr = pb.Header(run_id=self.run_id, sender=self.me, step=info.step, epoch=info.epoch)
         return self._result_chunks(hdr, shard, info.shards, info.base_hash, tensors, outcome)
 
+    def _halt(self, rnd: ReduceRound) -> None:
+        """Raise if the procedure must stop waiting: the peer stops, or ``rnd``'s epoch was abandoned."""
+        if self.stopping.is_set():
+            raise IncompleteRound("stopping")
+        if rnd.info.epoch < self._newest_epoch:
+            raise IncompleteRound(f"step {rnd.info.step} of epoch {rnd.info.epoch} was abandoned: the run was "
+                                  f"rolled back (epoch {self._newest_epoch})")
+
     def _send(
         self, kind: str, rnd: ReduceRound, peer: MemberAddr, shard: int, attempt: int, values: torch.Tensor,
         on_error: Callable[[MemberAddr, grpc.RpcError], None],
@@ -217,12 +226,15 @@ class AllReduce(ShardInbox):
                                               peer=peer.peer_id)
                 return True
             except grpc.RpcError as err:
-                at, refused = _remote_step(err), refusal_of(err)
-                # the owner is behind, or at this step but not yet holding its base (a member re-assigned to
-                # this stage still holds its old stage's state until it fetched this one)
-                behind = (at is not None and at < info.step) or (refused is not None and (
-                    (refused.code == pb.WRONG_EPOCH and refused.at_epoch < info.epoch) or refused.code == pb.BASE_MISMATCH))
-                if behind and time.monotonic() < rnd.catch_up_until and not self.stopping.wait(0.2):
+                refused = refusal_of(err)
+                # the owner is behind: at an earlier step, or at this step but not yet holding its base (a member
+                # re-assigned to this stage still holds its old stage's state until it fetched this one), waited
+                # for the grace period; or in an earlier epoch, yet to see the rollback: waited for to the deadline
+                unrolled = refused is not None and refused.code == pb.WRONG_EPOCH and refused.at_epoch < info.epoch
+                behind = refused is not None and ((refused.code == pb.WRONG_STEP and refused.at_step < info.step)
+                                                  or refused.code == pb.BASE_MISMATCH)
+                until = rnd.deadline if unrolled else rnd.catch_up_until if behind else 0.0
+                if time.monotonic() < until and not self.stopping.wait(0.2) and info.epoch >= self._newest_epoch:
                     continue  # the owner is still fetching this round's base state: try again shortly
                 on_error(peer, err)
                 return False
@@ -244,8 +256,7 @@ class AllReduce(ShardInbox):
                 waiting = expected - set(got) - rnd.dead
                 if not waiting or time.monotonic() >= deadline or rnd.ahead:
                     break  # (a member already went past this step: it is lost here, stop collecting for it)
-                if self.stopping.is_set():
-                    raise IncompleteRound("stopping")
+                self._halt(rnd)
                 if time.monotonic() >= next_ping:
                     next_ping = time.monotonic() + 0.5
                     for pid in waiting:
@@ -321,8 +332,7 @@ class AllReduce(ShardInbox):
                     log.info("shard %d of step %d was taken over by %s; dropping our late result", shard, info.step, short_id(peer.peer_id))
                     backup_ok = False
                     break
-                at = _remote_step(err)
-                if at is not None and at > info.step:
+                if _went_past(err, info):
                     # it committed this step already, so with a result for this shard that is not ours
                     log.info("backup %s went past step %d without our shard %d", short_id(peer.peer_id), info.step, shard)
                     rnd.mark_ahead(peer.peer_id)
@@ -367,16 +377,18 @@ class AllReduce(ShardInbox):
                 return
             reason = "unreachable"
         else:
-            if reply.version >= info.step:
-                rnd.mark_ahead(peer_id)  # it committed this step already (without us)
+            # a state made in an earlier epoch past this round's base: the member has yet to see the rollback
+            unrolled = reply.epoch < info.epoch and reply.version >= info.step
+            if reply.epoch > info.epoch or (reply.version >= info.step and not unrolled):
+                rnd.mark_ahead(peer_id)  # it committed this step already (without us), or a later epoch's
                 return
-            if reply.state not in NOT_PARTICIPATING and reply.version >= info.step - 1:
+            if reply.state not in NOT_PARTICIPATING and reply.version == info.step - 1:
                 return
             # behind the round's base (fetching it to take part), or holding it and waiting to see the
             # round itself: give it the grace period. A member recovering *from* the base gave up the step.
             catching_up = reply.state in CATCHING_UP and (reply.version < info.step - 1 or reply.state == PeerState.WAITING)
-            if catching_up and time.monotonic() < rnd.catch_up_until:
-                return
+            if unrolled or (catching_up and time.monotonic() < rnd.catch_up_until):
+                return  # (one not rolled back yet is waited for to the deadline, as its sends are)
             reason = f"{reply.state} at version {reply.version}"
         rnd.mark_dead(peer_id, f"not waiting for it in step {info.step}: {reason}")
 
@@ -389,8 +401,7 @@ class AllReduce(ShardInbox):
                 missing = [j for j in wanted if j not in self._results]
                 if not missing or time.monotonic() >= deadline:
                     return missing
-                if self.stopping.is_set():
-                    raise IncompleteRound("stopping")
+                self._halt(rnd)
                 if shards is None and all(info.shard_owners[j] in rnd.dead for j in missing):
                     return missing
                 if rnd.ahead:

@@ -234,7 +234,8 @@ class Session:
             self.heartbeat.poke()
 
     def ping(self, request: pb.PingRequest) -> pb.PingReply:
-        return self.telemetry.ping_reply(request, self.tasklet.states.current.version)
+        held = self.tasklet.states.current
+        return self.telemetry.ping_reply(request, held.version, int(held.meta.get("epoch", 0)))
 
     def record(self) -> PeerRecord:
         t, tools = self.tasklet, self.tools

@@ -88,11 +88,12 @@ Action = Finish | Wait | Switch | Recover | Train
 class Follower:
     def __init__(self, me: str, *, pipelined: bool, plan_wait_s: float) -> None:
         self.me, self.pipelined, self.plan_wait_s = me, pipelined, plan_wait_s
-        self._failed: tuple[int, float] | None = None  # (step, when) of a step that failed here
+        self._failed: tuple[int, float, int] | None = None  # (step, when, epoch) of a step that failed here
 
-    def failed(self, step: int, now: float) -> None:
-        """This peer could not commit ``step`` (an incomplete all-reduce, a stalled pipeline)."""
-        self._failed = (step, now)
+    def failed(self, step: int, now: float, epoch: int = 0) -> None:
+        """This peer could not commit ``step`` of ``epoch`` (an incomplete all-reduce, a stalled pipeline). Once
+        the run is in a later epoch, that failure says nothing of the step there (a rollback abandoned it)."""
+        self._failed = (step, now, epoch)
 
     def next(self, plan: Plan | None, held: Held, now: float, finished: bool = False) -> Action:
         if finished:
@@ -112,7 +113,7 @@ class Follower:
         if latest.step > step:
             return Recover(latest.step - 1, base, f"behind: the swarm starts step {latest.step} from "
                            f"v{latest.step - 1}, this peer holds v{held.version}")
-        if self._failed is not None and self._failed[0] == step:
+        if self._failed is not None and self._failed[0] == step and self._failed[2] == latest.epoch:
             if now - self._failed[1] < self.plan_wait_s:
                 return Recover(None, "", f"step {step} failed here; fetching it from a member that committed it",
                                latest.epoch)

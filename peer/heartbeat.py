@@ -40,6 +40,7 @@ class Heartbeat(threading.Thread):
         self._halt = threading.Event()
         self._warned: set[str] = set()
         self._read_failures = 0  # DHT reads failed in a row (the first of a streak is warned)
+        self.on_plan: Callable[[Plan], None] | None = None  # told of each newer plan (on this thread)
 
     @property
     def plan(self) -> Plan | None:
@@ -136,10 +137,13 @@ class Heartbeat(threading.Thread):
         if self._read_failures:
             log.info("reading the plan from the DHT works again (after %d failures)", self._read_failures)
             self._read_failures = 0
+        newer = False
         with self._cond:
             if plan is not None and (self._plan is None or plan.seq > self._plan.seq):
-                self._plan = plan
+                self._plan, newer = plan, True
                 self._cond.notify_all()
             if manifest is not None and manifest.seq >= self.manifest.seq:
                 self.manifest = manifest
                 self._cond.notify_all()
+        if newer and plan is not None and self.on_plan is not None:
+            self.on_plan(plan)

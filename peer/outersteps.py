@@ -127,7 +127,7 @@ class OuterSteps:
             done = outer_step(s.rc, t.allreduce, info, held, delta, inner_seconds, t.worker.meta(), self._base(info))
         except IncompleteRound as err:
             log.warning("%s; recovering state from the other members", err)
-            return self._fail(step)
+            return self._fail(step, info.epoch)
         t.adopt(done.snapshot)
         self._committed(step, done, info, time.monotonic() - t0, contribute)
 
@@ -184,7 +184,7 @@ class OuterSteps:
             base = self._base(info)
         except IncompleteRound as err:
             log.warning("%s; recovering state from the other members", err)
-            return self._fail(step)
+            return self._fail(step, info.epoch)
         flight = InFlight(step, info, contributed=delta is not None)
         flight.thread = threading.Thread(target=self._run, args=(flight, t, held, delta, inner_seconds, t.worker.meta(), base),
                                       name=f"outer-{step}", daemon=True)
@@ -219,7 +219,7 @@ class OuterSteps:
         flight.thread.join()
         if flight.done is None:
             log.warning("%s; recovering state from the other members", flight.error)
-            self._fail(flight.step)
+            self._fail(flight.step, flight.info.epoch)
             return False
         if load:
             self.s.tasklet.worker.load(flight.done.snapshot.tensors["theta"])
@@ -234,12 +234,14 @@ class OuterSteps:
     # ------------------------------------------------------------------ both
 
     def _resolve(self, step: int) -> RoundInfo | None:
-        """The round ``step`` belongs to, once the coordinator decided it (or ``plan_wait_s`` passed)."""
+        """The round ``step`` belongs to, once the coordinator decided it, or rolled the run back (a round of a
+        later epoch than the state held: no round for ``step`` is coming), or ``plan_wait_s`` passed."""
         s = self.s
-        plan = s.heartbeat.wait_plan(lambda p: p is not None and any(r.step == step for r in p.rounds),
-                                     timeout=s.cfg.plan_wait_s)
         held = s.tasklet.states.current
-        rnd = s.follower.resolve(plan, step, s.tasklet.stage, held.hash, int(held.meta.get("epoch", 0)))
+        epoch = int(held.meta.get("epoch", 0))
+        plan = s.heartbeat.wait_plan(lambda p: p is not None and any(r.step == step or r.epoch > epoch for r in p.rounds),
+                                     timeout=s.cfg.plan_wait_s)
+        rnd = s.follower.resolve(plan, step, s.tasklet.stage, held.hash, epoch)
         if rnd is None:
             return None
         info = s.tasklet.round_info(rnd, step)
@@ -257,7 +259,11 @@ class OuterSteps:
                                   f"{info.base_hash[:12]}")
         return base
 
-    def _fail(self, step: int) -> None:
-        """This peer did not commit ``step``: drop the round's messages and recover before going on."""
-        self.s.follower.failed(step, time.monotonic())
+    def _fail(self, step: int, epoch: int | None = None) -> None:
+        """This peer did not commit ``step`` (of ``epoch``, its round's; without a round, the held state's: a
+        rollback past it makes it a step of the abandoned epoch): drop the round's messages and recover
+        before going on."""
+        if epoch is None:
+            epoch = int(self.s.tasklet.states.current.meta.get("epoch", 0))
+        self.s.follower.failed(step, time.monotonic(), epoch)
         self.s.tasklet.expect_next()

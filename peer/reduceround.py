@@ -37,8 +37,9 @@ class ReduceRound:
     procedure waits on); every change notifies it. ``pending`` is the procedure thread's own.
     """
 
-    def __init__(self, info: RoundInfo, cond: threading.Condition, catch_up_until: float, backup_timeout: float) -> None:
-        self.info, self.cond = info, cond
+    def __init__(self, info: RoundInfo, cond: threading.Condition, catch_up_until: float, backup_timeout: float,
+                 deadline: float = float("inf")) -> None:
+        self.info, self.cond, self.deadline = info, cond, deadline  # (deadline: for the members' contributions)
         self.catch_up_until = catch_up_until  # until then, a member still fetching the round's base is waited for
         self.backup_timeout = backup_timeout  # seconds a result may take to reach a backup
         self.phase = Phase.REDUCING

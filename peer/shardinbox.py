@@ -92,6 +92,7 @@ class ShardInbox:
         self._codec_pool = ThreadPoolExecutor(max_workers=CODEC_WORKERS, thread_name_prefix="codec")
         self._step = -1
         self._epoch = 0
+        self._newest_epoch = 0  # of the plan's rounds: a round of an earlier one in progress is abandoned
         self._base_hash: str | Future[str] = ""  # read _base
         self._round: RoundInfo | None = None
         self._contribs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
@@ -188,18 +189,26 @@ class ShardInbox:
         with self._cond:
             return len(self._results)
 
+    def supersede(self, epoch: int) -> None:
+        """The plan's newest round is of ``epoch``: a round of an earlier one in progress was abandoned (the run
+        rolled back past it) and stops now (:meth:`AllReduce.run`), not at its deadline (which held up a rerun 6 s)."""
+        with self._cond:
+            if epoch > self._newest_epoch:
+                self._newest_epoch = epoch
+                self._cond.notify_all()
+
     # ---------------------------------------------------------------- RPC handlers
 
     def _check_header(self, chunk: pb.ShardChunk) -> None:
         h = chunk.header
         if h.run_id != self.run_id:
             raise Rejected(pb.UNKNOWN_RUN, f"unknown run id {h.run_id!r}")
+        if h.epoch != self._epoch:  # (first: a later epoch is later whatever its step; a rollback's is lower)
+            raise Rejected(pb.WRONG_EPOCH, f"message for epoch {h.epoch} of step {h.step}, this peer runs epoch "
+                           f"{self._epoch}", at_step=self._step, at_epoch=self._epoch)
         if h.step != self._step:
             raise Rejected(pb.WRONG_STEP, f"message for step {h.step}, this peer is at step {self._step}",
                            at_step=self._step)
-        if h.epoch != self._epoch:
-            raise Rejected(pb.WRONG_EPOCH, f"message for epoch {h.epoch} of step {h.step}, this peer runs epoch "
-                           f"{self._epoch}", at_step=self._step, at_epoch=self._epoch)
         if self._round is not None and h.sender not in self._round.ids:  # who sends it first, then what
             raise Rejected(pb.NOT_A_MEMBER, f"{short_id(h.sender)} is not a member of step {h.step}")
         if chunk.base_hash != self._base:

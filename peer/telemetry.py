@@ -148,12 +148,12 @@ class Telemetry:
                 self._hashing.pop(step, None)
             return list(self.steps)
 
-    def ping_reply(self, request: pb.PingRequest, version: int) -> pb.PingReply:
+    def ping_reply(self, request: pb.PingRequest, version: int, epoch: int) -> pb.PingReply:
         p = self.progress
         left = max(0, p.inner_steps - p.inner_step) if p.state == PeerState.TRAINING else 0
         padding = b"\0" * max(0, min(request.reply_bytes, 64 << 10))  # no amplifier: at most 64 KiB back
         return pb.PingReply(peer_id=self.peer_id, state=p.state, version=version, inner_step=p.inner_step,
-                            eta_s=left * p.step_time_s, sent_at=request.sent_at, padding=padding)
+                            eta_s=left * p.step_time_s, sent_at=request.sent_at, padding=padding, epoch=epoch)
 
     def record(self, *, address: str, version: int, state_hash: str, epoch: int, prev: tuple[int, str], stage: int,
                replica: int, device: Any, numel: int, loss_floor: float | None, maddrs: list[str],

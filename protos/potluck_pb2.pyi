@@ -101,7 +101,7 @@ class PingRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., sent_at: _Optional[float] = ..., padding: _Optional[bytes] = ..., reply_bytes: _Optional[int] = ...) -> None: ...
 
 class PingReply(_message.Message):
-    __slots__ = ("peer_id", "state", "version", "inner_step", "eta_s", "sent_at", "padding")
+    __slots__ = ("peer_id", "state", "version", "inner_step", "eta_s", "sent_at", "padding", "epoch")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +109,7 @@ class PingReply(_message.Message):
     ETA_S_FIELD_NUMBER: _ClassVar[int]
     SENT_AT_FIELD_NUMBER: _ClassVar[int]
     PADDING_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     state: str
     version: int
@@ -116,7 +117,8 @@ class PingReply(_message.Message):
     eta_s: float
     sent_at: float
     padding: bytes
-    def __init__(self, peer_id: _Optional[str] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., inner_step: _Optional[int] = ..., eta_s: _Optional[float] = ..., sent_at: _Optional[float] = ..., padding: _Optional[bytes] = ...) -> None: ...
+    epoch: int
+    def __init__(self, peer_id: _Optional[str] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., inner_step: _Optional[int] = ..., eta_s: _Optional[float] = ..., sent_at: _Optional[float] = ..., padding: _Optional[bytes] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ShardChunk(_message.Message):
     __slots__ = ("header", "shard", "num_shards", "attempt", "base_hash", "contributors", "tensor", "clipped", "rejected", "signer", "signature", "inputs", "input_digests")

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
+import pytest
 import torch
 from test_allreduce import BASE, Member, random_deltas, round_for, run_all
 
+from potluck.peer.allreduce import IncompleteRound
 from potluck.protos import potluck_pb2 as pb
 
 
@@ -69,5 +72,93 @@ def test_a_probe_of_a_past_round_answering_late_changes_nothing_in_the_next() ->
         assert late[1].contributors == {0: 3, 1: 3, 2: 3} and not second[a.id][1].dropped
     finally:
         a.gate.set()
+        for m in ms:
+            m.close()
+
+
+class Epochs(Member):
+    """A member whose pings also say the epoch its state was made in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.epoch = 0
+
+    def ping(self, request: pb.PingRequest) -> pb.PingReply:
+        reply = super().ping(request)
+        reply.epoch = self.epoch
+        return reply
+
+
+def test_a_rollback_stops_an_abandoned_epochs_all_reduce_at_once() -> None:
+    """Two members wait (30 s) for a third's contribution to step 1 of epoch 0; the plan then names epoch 1 (the
+    run rolled back past it): both stop within seconds, not at the deadline (CI: a lying owner's run held up
+    its rerun 6 s, and the member that learned of the rollback first was dropped from it)."""
+    ms = [Member() for _ in range(3)]
+    try:
+        deltas = random_deltas(ms, seed=5)
+        done: dict[str, object] = {}
+        t0 = time.monotonic()
+        runner = threading.Thread(target=lambda: done.update(run_all(ms, deltas, wait_s=30, skip={ms[2].id})))
+        runner.start()
+        while sum(m.ar.pending_contributions() for m in ms[:2]) < 2 and time.monotonic() < t0 + 30:
+            time.sleep(0.01)  # (until each holds the other's contribution: both are in the step, waiting)
+        for m in ms[:2]:
+            m.ar.supersede(0)  # (the plan's epoch as it was: nothing to stop)
+        assert runner.is_alive()
+        for m in ms[:2]:
+            m.ar.supersede(1)
+        runner.join(timeout=30)
+        assert time.monotonic() - t0 < 15
+        assert all(isinstance(done[m.id], IncompleteRound) and "rolled back (epoch 1)" in str(done[m.id])
+                   for m in ms[:2]), done
+    finally:
+        for m in ms:
+            m.close()
+
+
+@pytest.mark.parametrize("early", [0, 2])
+def test_the_member_that_learns_of_a_rollback_first_waits_for_the_others_to_roll_back(early: int) -> None:
+    """Epoch 0 went to step 3 before the run rolled back to v0 (epoch 1). One member learns of it first and runs
+    step 1 of epoch 1 while the other two are still at step 3 of epoch 0 (for twice its 1 s grace): they are
+    behind, not past it. Its sends are refused as WRONG_EPOCH, not WRONG_STEP (at step 3 > 1 it took them for
+    members that went on without it and gave up), and its probes see a state from epoch 0 past the rerun's base
+    (which it took for "committed this step already"). Once they roll back, all three average all three."""
+    ms = [Epochs() for _ in range(3)]
+    first = ms[early]
+    try:
+        deltas = random_deltas(ms, seed=9)
+        for m in ms:
+            m.ar.expect(3, BASE, epoch=0)
+            m.version = 2
+        first.ar.expect(1, BASE, epoch=1)
+        first.version, first.epoch = 0, 0  # (theta_0, rebuilt from the seed, is from epoch 0 like any v0)
+        out: dict[str, object] = {}
+
+        def go(m: Epochs) -> None:
+            try:
+                out[m.id] = m.ar.run(replace(round_for(ms, m), epoch=1), deltas[m.id], wait_s=30, grace_s=1.0)
+            except Exception as err:
+                out[m.id] = err
+
+        alone = threading.Thread(target=go, args=(first,))
+        t0 = time.monotonic()
+        alone.start()
+        while time.monotonic() < t0 + 2.0 and alone.is_alive():
+            time.sleep(0.05)  # (the others stay behind past the grace: this is the scenario, not a sync)
+        assert alone.is_alive(), out
+        rest = [m for m in ms if m is not first]
+        for m in rest:
+            m.ar.expect(1, BASE, epoch=1)
+            m.version = 0
+        others = [threading.Thread(target=go, args=(m,)) for m in rest]
+        for t in others:
+            t.start()
+        for t in [alone, *others]:
+            t.join(timeout=60)
+        assert not any(isinstance(v, Exception) for v in out.values()), out
+        means = [out[m.id][0] for m in ms]
+        assert all(torch.equal(means[0], x) for x in means[1:])
+        assert out[first.id][1].contributors == {0: 3, 1: 3, 2: 3} and not out[first.id][1].dropped
+    finally:
         for m in ms:
             m.close()

@@ -79,6 +79,18 @@ def test_a_failed_step_is_fetched_from_others_then_run_again() -> None:
     assert f.next(plan(r), held(3), 61.0) == Train(r, 4)  # nobody got past it within plan_wait_s
 
 
+def test_a_step_that_failed_in_an_abandoned_epoch_is_trained_in_the_new_one() -> None:
+    """Step 3 of epoch 0 failed here (a rollback to v0 abandoned it); back at step 3 in epoch 1, a second later,
+    the peer trains it: nobody committed it in this epoch (it spent plan_wait_s "fetching it from a member that
+    committed it" while the others averaged it without it, in every lying owner's run)."""
+    f = follower()
+    f.failed(3, now=0.0, epoch=0)
+    r = rnd(3, epoch=1, base="h2")
+    assert f.next(plan(r), held(2, epoch=1), 1.0) == Train(r, 3)
+    f.failed(3, now=2.0, epoch=1)  # (and one that failed in this epoch is fetched first, as before)
+    assert isinstance(f.next(plan(r), held(2, epoch=1), 3.0), Recover)
+
+
 def test_resolve_picks_the_explicit_round_or_the_last_plans_members() -> None:
     f = follower()
     assert f.resolve(plan(rnd(4, base="h3")), 4, 0, "h3", 0) == rnd(4, base="h3")
@@ -103,7 +115,7 @@ def test_a_step_that_failed_here_is_not_fetched_from_peers_still_on_an_abandoned
     """After a rollback, peers that have not seen it yet serve newer versions of the abandoned epoch: a step that
     failed here is fetched only from states of the plan's epoch (a peer fetched v3 of epoch 0 again and again)."""
     f = follower()
-    f.failed(1, now=0.0)
+    f.failed(1, now=0.0, epoch=1)
     want = f.next(plan(rnd(1, epoch=1)), held(0, epoch=1), 1.0)
     assert isinstance(want, Recover) and want.version is None and want.epoch == 1
     served = {"old": pb.StateInfo(version=3, state_hash="a", meta_json='{"epoch": 0}'),

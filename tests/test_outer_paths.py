@@ -21,6 +21,7 @@ from potluck.models import stage_bounds
 from potluck.peer.allreduce import AllReduce, MemberAddr, RoundInfo
 from potluck.peer.data import Dataset
 from potluck.peer.diloco import flatten_params, outer_snapshot
+from potluck.peer.follower import Follower
 from potluck.peer.outer import outer_step
 from potluck.peer.outersteps import OuterSteps
 from potluck.peer.stage import StageWorker
@@ -30,7 +31,7 @@ from potluck.peer.telemetry import Telemetry
 from potluck.protos.config.files import apply_overrides
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.net.transport import PeerClient, Traffic
-from potluck.protos.wire.records import Member, Round
+from potluck.protos.wire.records import Member, Plan, Round
 
 RUN, ME = "paths", "me"
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
@@ -62,7 +63,7 @@ def session(rc: RunConfig, device: str) -> SimpleNamespace:
     s = SimpleNamespace(rc=rc, tasklet=t, replica=0, cfg=SimpleNamespace(plan_wait_s=1.0),
                         telemetry=Telemetry(ME, "test", 0.0, progress="off"), over=lambda: False,
                         set_state=lambda state: None, heartbeat=SimpleNamespace(wait_plan=lambda *a, **k: None, poke=lambda: None))
-    s.follower = SimpleNamespace(failed=lambda step, now: pytest.fail(f"step {step} failed"),
+    s.follower = SimpleNamespace(failed=lambda step, now, epoch=0: pytest.fail(f"step {step} failed"),
                                  resolve=lambda plan, step, stage, held, epoch: Round(step=step, members=[Member(peer_id=ME, address="-")]))
     return s
 
@@ -123,3 +124,23 @@ def test_each_path_commits_the_blocking_computations_bits(device: str, overlap: 
             assert committed[-1].tensors["theta"].is_pinned() and committed[-1].tensors["momentum"].is_pinned()
     finally:
         t.allreduce.close()
+
+
+def test_a_rollback_ends_the_wait_for_a_round_that_is_not_coming() -> None:
+    """A peer ends its inner phase of step 3 (epoch 0) and waits for the coordinator's round for it, for up to
+    plan_wait_s; the plan's newest round is the rerun of step 1 in epoch 1 (a proven lie was undone): no round
+    for step 3 will come, and it stops waiting at once (it waited the whole 10 s while its peers reran without
+    it, in a lying owner's run)."""
+    s = session(config(False), "cpu")
+    rerun = Plan(seq=2, rounds=[Round(step=1, epoch=1, members=[Member(peer_id=ME, address="-")])])
+    waited: list[bool] = []
+
+    def wait_plan(predicate, timeout: float) -> Plan:  # type: ignore[no-untyped-def]
+        waited.append(predicate(rerun))  # (True: the wait is over with this plan)
+        return rerun
+
+    s.heartbeat.wait_plan, s.follower = wait_plan, Follower(ME, pipelined=False, plan_wait_s=10.0)
+    try:
+        assert OuterSteps(s)._resolve(3) is None and waited == [True]  # type: ignore[arg-type]
+    finally:
+        s.tasklet.allreduce.close()
