@@ -61,7 +61,7 @@ from potluck.protos import potluck_pb2 as pb
 from potluck.protos.runtime.log import get_logger, short_id
 from potluck.protos.testkit.faults import fault
 from potluck.protos.wire.refusals import is_silent, is_unreachable, refusal_of, refused, rpc_reason
-from potluck.protos.wire.states import CATCHING_UP, NOT_PARTICIPATING, PeerState
+from potluck.protos.wire.states import CATCHING_UP, GONE, NOT_PARTICIPATING, PeerState
 
 log = get_logger(__name__)
 
@@ -210,9 +210,9 @@ class AllReduce(ShardInbox):
         """Raise if the procedure must stop waiting: the peer stops, or ``rnd``'s epoch was abandoned."""
         if self.stopping.is_set():
             raise IncompleteRound("stopping")
-        if rnd.info.epoch < self._newest_epoch:
+        if self.abandoned(rnd.info):
             raise IncompleteRound(f"step {rnd.info.step} of epoch {rnd.info.epoch} was abandoned: the run was "
-                                  f"rolled back (epoch {self._newest_epoch})")
+                                  f"rolled back (epoch {self._newest[0]})")
 
     def _send(
         self, kind: str, rnd: ReduceRound, peer: MemberAddr, shard: int, attempt: int, values: torch.Tensor,
@@ -234,7 +234,8 @@ class AllReduce(ShardInbox):
                 behind = refused is not None and ((refused.code == pb.WRONG_STEP and refused.at_step < info.step)
                                                   or refused.code == pb.BASE_MISMATCH)
                 until = rnd.deadline if unrolled else rnd.catch_up_until if behind else 0.0
-                if time.monotonic() < until and not self.stopping.wait(0.2) and info.epoch >= self._newest_epoch:
+                if (time.monotonic() < until and not self.stopping.wait(0.2) and not self.abandoned(info)
+                        and rnd.phase is not Phase.DONE and not rnd.is_dead(peer.peer_id)):
                     continue  # the owner is still fetching this round's base state: try again shortly
                 on_error(peer, err)
                 return False
@@ -378,7 +379,7 @@ class AllReduce(ShardInbox):
             reason = "unreachable"
         else:
             # a state made in an earlier epoch past this round's base: the member has yet to see the rollback
-            unrolled = reply.epoch < info.epoch and reply.version >= info.step
+            unrolled = reply.epoch < info.epoch and reply.version >= info.step and reply.state not in GONE
             if reply.epoch > info.epoch or (reply.version >= info.step and not unrolled):
                 rnd.mark_ahead(peer_id)  # it committed this step already (without us), or a later epoch's
                 return
@@ -386,7 +387,8 @@ class AllReduce(ShardInbox):
                 return
             # behind the round's base (fetching it to take part), or holding it and waiting to see the
             # round itself: give it the grace period. A member recovering *from* the base gave up the step.
-            catching_up = reply.state in CATCHING_UP and (reply.version < info.step - 1 or reply.state == PeerState.WAITING)
+            catching_up = reply.state in CATCHING_UP and (reply.version < info.step - 1 or reply.state == PeerState.WAITING
+                                                          or reply.epoch < info.epoch)  # (just rolled back)
             if unrolled or (catching_up and time.monotonic() < rnd.catch_up_until):
                 return  # (one not rolled back yet is waited for to the deadline, as its sends are)
             reason = f"{reply.state} at version {reply.version}"

@@ -146,4 +146,7 @@ class Heartbeat(threading.Thread):
                 self.manifest = manifest
                 self._cond.notify_all()
         if newer and plan is not None and self.on_plan is not None:
-            self.on_plan(plan)
+            try:
+                self.on_plan(plan)
+            except Exception as err:  # (a bug there must not stop the heartbeat: the peer would be lost)
+                log.warning("acting on the new plan failed: %s", err)

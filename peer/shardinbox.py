@@ -92,7 +92,8 @@ class ShardInbox:
         self._codec_pool = ThreadPoolExecutor(max_workers=CODEC_WORKERS, thread_name_prefix="codec")
         self._step = -1
         self._epoch = 0
-        self._newest_epoch = 0  # of the plan's rounds: a round of an earlier one in progress is abandoned
+        # the plan's newest epoch and its first step: a round of an earlier epoch at or past it was abandoned
+        self._newest: tuple[int, int] = (0, 0)
         self._base_hash: str | Future[str] = ""  # read _base
         self._round: RoundInfo | None = None
         self._contribs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
@@ -189,13 +190,17 @@ class ShardInbox:
         with self._cond:
             return len(self._results)
 
-    def supersede(self, epoch: int) -> None:
-        """The plan's newest round is of ``epoch``: a round of an earlier one in progress was abandoned (the run
-        rolled back past it) and stops now (:meth:`AllReduce.run`), not at its deadline (which held up a rerun 6 s)."""
-        with self._cond:
-            if epoch > self._newest_epoch:
-                self._newest_epoch = epoch
-                self._cond.notify_all()
+    def supersede(self, epoch: int, from_step: int) -> None:
+        """The plan's newest epoch is ``epoch`` and begins at ``from_step``: a round of an earlier epoch at or past
+        that step in progress was abandoned (the run rolled back past it, or that round failed) and stops now
+        (:meth:`AllReduce.run`), not at its deadline (which held up a rerun 6 s); one before it still stands.
+        (No lock: the heartbeat's thread calls it, and the procedure's waits look every 50 ms.)"""
+        if epoch > self._newest[0]:
+            self._newest = (epoch, from_step)
+
+    def abandoned(self, info: RoundInfo) -> bool:
+        epoch, from_step = self._newest
+        return info.epoch < epoch and info.step >= from_step
 
     # ---------------------------------------------------------------- RPC handlers
 

@@ -120,7 +120,7 @@ class Toolbox:
         heartbeat = self.heartbeat = Heartbeat(self.joined.node, self.joined.manifest, record, m.heartbeat_s,
                                                m.heartbeat_timeout_s)
         # a rollback stops an abandoned epoch's all-reduce at once (read off the plan, not at its deadline)
-        heartbeat.on_plan = lambda plan: tasklet().allreduce.supersede(max((r.epoch for r in plan.rounds), default=0))
+        heartbeat.on_plan = lambda plan: tasklet().allreduce.supersede(*plan.newest_epoch())
         heartbeat.start()
         self.threads = [heartbeat]
         for target, name in ((self._measure_links, "links"), (self._keep_admitted, "admission")):

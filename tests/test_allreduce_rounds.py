@@ -103,13 +103,14 @@ def test_a_rollback_stops_an_abandoned_epochs_all_reduce_at_once() -> None:
         while sum(m.ar.pending_contributions() for m in ms[:2]) < 2 and time.monotonic() < t0 + 30:
             time.sleep(0.01)  # (until each holds the other's contribution: both are in the step, waiting)
         for m in ms[:2]:
-            m.ar.supersede(0)  # (the plan's epoch as it was: nothing to stop)
-        assert runner.is_alive()
+            m.ar.supersede(0, 0)  # (the plan's epoch as it was: nothing to stop)
+            m.ar.supersede(1, 2)  # (a round after this step failed, and epoch 1 starts at step 2: this one stands)
+        assert not any(m.ar.abandoned(round_for(ms, m)) for m in ms[:2]) and runner.is_alive()
         for m in ms[:2]:
-            m.ar.supersede(1)
+            m.ar.supersede(2, 1)  # (the run went back to before this step)
         runner.join(timeout=30)
         assert time.monotonic() - t0 < 15
-        assert all(isinstance(done[m.id], IncompleteRound) and "rolled back (epoch 1)" in str(done[m.id])
+        assert all(isinstance(done[m.id], IncompleteRound) and "rolled back (epoch 2)" in str(done[m.id])
                    for m in ms[:2]), done
     finally:
         for m in ms:

@@ -127,3 +127,9 @@ def test_a_step_that_failed_here_is_not_fetched_from_peers_still_on_an_abandoned
 
     targets = [Target("old", "old:1"), Target("new", "new:1")]
     assert [s.target.peer_id for s in find_sources(Client(), pb.Header(), targets, 0, want, 0)] == ["new"]  # type: ignore[arg-type]
+
+
+def test_a_plans_newest_epoch_starts_where_the_run_went_back_to() -> None:
+    """What a peer's all-reduce learns of each new plan: an older epoch's round at or past (1, 1) was abandoned."""
+    assert plan(rnd(2), rnd(3), rnd(1, epoch=1), rnd(2, epoch=1)).newest_epoch() == (1, 1)
+    assert plan(rnd(4), rnd(5)).newest_epoch() == (0, 4) and Plan(seq=1, rounds=[]).newest_epoch() == (0, 0)

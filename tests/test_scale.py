@@ -293,6 +293,8 @@ def test_a_peer_polls_the_plans_head_and_reads_the_plan_only_when_it_is_newer(
     b.get_plan = lambda min_seq=0: plan_reads.append(min_seq) or read(min_seq)  # type: ignore[method-assign]
     beat = Heartbeat(b, Manifest(run_id="r", coordinator=COORD.peer_id, config={}),
                      lambda: PeerRecord(peer_id="x", address="x:1"), heartbeat_s=60.0, ttl_s=60.0)
+    told: list[int] = []
+    beat.on_plan = lambda plan: (told.append(plan.rounds[-1].step), 1 / 0)  # type: ignore[func-returns-value]
     try:
         for step in (1, 2):
             pub.new_plan()
@@ -306,6 +308,7 @@ def test_a_peer_polls_the_plans_head_and_reads_the_plan_only_when_it_is_newer(
             for _ in range(5):  # the same plan: only its head is read
                 beat._refresh(with_manifest=False)
             assert len(plan_reads) == reads, plan_reads
+        assert told == [1, 2]  # (each newer plan told once, to a hook that raises: the heartbeat lives on)
     finally:
         del b.get_plan
 

@@ -425,6 +425,12 @@ class Plan(Record):
                 best = r
         return best
 
+    def newest_epoch(self) -> tuple[int, int]:
+        """The newest epoch among its rounds, and that epoch's first step (where a rollback or a failed round
+        started it over): a round of an earlier epoch at or past that step was abandoned."""
+        epoch = max((r.epoch for r in self.rounds), default=0)
+        return epoch, min((r.step for r in self.rounds if r.epoch == epoch), default=0)
+
 
 class PlanHead(Record):
     """What a peer polls several times a second instead of the plan: the plan's ``seq`` (and its newest round),
