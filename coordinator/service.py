@@ -89,7 +89,7 @@ class Pinger:
             if answer is not None and time.monotonic() - answer[2] <= self.max_age_s:
                 here = {r.peer_id: r for r in records}  # (a proven liar answered the pings that began before its proof)
                 return [here[r.peer_id] for r in answer[0] if r.peer_id in here], answer[1]
-            self._thread = threading.Thread(target=self._ping, args=(list(records), set(proven()), time.monotonic()),
+            self._thread = threading.Thread(target=self._ping, args=(records, set(proven()), time.monotonic()),
                                             name="pinger", daemon=True)
             self._thread.start()
             return None

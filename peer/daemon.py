@@ -30,6 +30,7 @@ from potluck.peer.keyfile import load_identity
 from potluck.peer.multidevice import Leader
 from potluck.peer.outersteps import OuterSteps
 from potluck.peer.piperound import PipelineBroken
+from potluck.peer.states import epoch_of
 from potluck.peer.tasklet import Tasklet, Toolbox
 from potluck.peer.telemetry import Telemetry
 from potluck.protos import potluck_pb2 as pb
@@ -235,7 +236,7 @@ class Session:
 
     def ping(self, request: pb.PingRequest) -> pb.PingReply:
         held = self.tasklet.states.current
-        return self.telemetry.ping_reply(request, held.version, int(held.meta.get("epoch", 0)))
+        return self.telemetry.ping_reply(request, held.version, epoch_of(held))
 
     def record(self) -> PeerRecord:
         t, tools = self.tasklet, self.tools

@@ -31,6 +31,7 @@ from potluck.peer.allreduce import IncompleteRound, RoundInfo
 from potluck.peer.diloco import all_finite, host_vector
 from potluck.peer.follower import Action, Held, Train
 from potluck.peer.outer import OuterResult, outer_step, pseudo_gradient
+from potluck.peer.states import epoch_of
 from potluck.peer.tasklet import Tasklet
 from potluck.protos.runtime.log import get_logger, set_context
 from potluck.protos.testkit.faults import fault
@@ -238,7 +239,7 @@ class OuterSteps:
         later epoch than the state held: no round for ``step`` is coming), or ``plan_wait_s`` passed."""
         s = self.s
         held = s.tasklet.states.current
-        epoch = int(held.meta.get("epoch", 0))
+        epoch = epoch_of(held)
         plan = s.heartbeat.wait_plan(lambda p: p is not None and any(r.step == step or r.epoch > epoch for r in p.rounds),
                                      timeout=s.cfg.plan_wait_s)
         rnd = s.follower.resolve(plan, step, s.tasklet.stage, held.hash, epoch)
@@ -264,6 +265,6 @@ class OuterSteps:
         rollback past it makes it a step of the abandoned epoch): drop the round's messages and recover
         before going on."""
         if epoch is None:
-            epoch = int(self.s.tasklet.states.current.meta.get("epoch", 0))
+            epoch = self.s.tasklet.states.epoch
         self.s.follower.failed(step, time.monotonic(), epoch)
         self.s.tasklet.expect_next()

@@ -16,6 +16,11 @@ from potluck.compression.transfer import Snapshot, SnapshotServer
 from potluck.peer.follower import Held
 
 
+def epoch_of(snap: Snapshot) -> int:
+    """The epoch of the round that made ``snap`` (theta_0: 0, in whatever epoch the run is)."""
+    return int(snap.meta.get("epoch", 0))
+
+
 class States:
     """The outer-step thread commits (:meth:`commit`, :meth:`reset`); the heartbeat and RPC threads read.
     ``_lock`` guards ``current`` and ``committed_at`` together: a reader sees one commit, never the
@@ -59,12 +64,12 @@ class States:
 
     @property
     def epoch(self) -> int:
-        return int(self.current.meta.get("epoch", 0))
+        return epoch_of(self.current)
 
     def held(self, stage: int) -> Held:
         with self._lock:
             c, at = self._current, self._committed_at
-        return Held(c.version, c.digest, stage, int(c.meta.get("epoch", 0)), at)
+        return Held(c.version, c.digest, stage, epoch_of(c), at)
 
     def prev_of(self) -> tuple[int, str]:
         prev = self.server.previous

@@ -33,7 +33,7 @@ from potluck.peer.pipeline import Neighbour, Pipeline
 from potluck.peer.recovery import recover
 from potluck.peer.service import PeerService
 from potluck.peer.stage import StageWorker
-from potluck.peer.states import States
+from potluck.peer.states import States, epoch_of
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config.runconfig import PeerConfig, RunConfig
 from potluck.protos.net.certs import TlsIdentity
@@ -324,8 +324,7 @@ class Tasklet:
     def adopt(self, snap: Snapshot) -> None:
         """Hold ``snap`` as theta_global (committed here or recovered) and train on from it."""
         self.worker.load(snap.tensors["theta"], int(snap.meta.get("inner_steps", self.worker.steps_done)))
-        epoch = int(snap.meta.get("epoch", 0))
-        self.states.commit(replace(snap, meta={**self.worker.meta(), "epoch": epoch}))  # (its hash may still be under way)
+        self.states.commit(replace(snap, meta={**self.worker.meta(), "epoch": epoch_of(snap)}))  # (its hash may still be under way)
         self.expect_next()
         set_context(step=snap.version)
 
