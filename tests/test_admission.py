@@ -390,41 +390,6 @@ def test_trust_earned_later_does_not_reach_back_to_the_steps_reported_on_probati
 
 
 
-def test_judging_only_the_steps_whose_reports_changed_gives_the_verdicts_of_judging_everything(tmp_path: Path) -> None:
-    """The coordinator re-judges a step only when a report of it changed (or a round or admission did). Two
-    gatekeepers see the same 40 ticks of random reports (flags from owners and from liars, records replaced,
-    dropped and back, rounds decided anew): one incremental, one made to judge every step every tick (the old
-    way). They flag, and evict, the same peers at every tick."""
-    import random
-    rng = random.Random(7)
-    cfg = apply_overrides(RunConfig(), {"admission.evict_after": 3})
-    asks = [asking() for _ in range(8)]
-    node = _Node({pid: req for pid, _, req in asks})
-    ids = sorted(pid for pid, _, _ in asks)
-    gates = [Gatekeeper(cfg, RUN, "coordinator-id", tmp_path / name, []) for name in ("incremental", "full")]
-
-    def a_round(step: int) -> Round:
-        return Round(step=step, members=[Member(peer_id=p, address="x:1", replica=i, owns=i % 3 == 0)
-                                         for i, p in enumerate(ids)])
-
-    rounds = {s: a_round(s) for s in range(1, 31)}
-    recent: dict[str, list[StepReport]] = {p: [] for p in ids}
-    for tick in range(40):
-        step = 1 + tick // 2
-        for pid in rng.sample(ids, 5):  # some report this step, some flags honest, some not
-            flags = {o: [ids[4]] * (rng.random() < 0.7) + rng.sample(ids, rng.choice((0, 0, 1))) for o in ids[::3]}
-            recent[pid] = (recent[pid] + [StepReport(step=step, stage=0, flags=flags)])[-RECENT_STEPS:]
-        if tick % 7 == 3:
-            rounds[step] = a_round(step)  # a round decided anew (a new object): everything is judged again
-        records = {p: PeerRecord(peer_id=p, address="x:1", recent=list(r), seq=tick) for p, r in recent.items()
-                   if not (tick % 5 == 2 and p == ids[1])}  # one record missing now and then
-        gates[1]._seen, gates[1]._by_step, gates[1]._context = {}, {}, (None, -1, -1)  # (the old way: all of it)
-        got = [g.tick(node, records, rounds.get)[1] for g in gates]  # type: ignore[arg-type]
-        assert [e for e in got[0] if e[0] == "evicted"] == [e for e in got[1] if e[0] == "evicted"], tick
-        assert gates[0]._flagged == gates[1]._flagged, tick
-    assert gates[0].revoked(ids[4])  # (the one most owners flag most steps is evicted, as it should be)
-
-
 def test_a_request_already_answered_is_not_looked_at_again_until_its_certificate_is_due(
         ca: CertificateAuthority, monkeypatch: pytest.MonkeyPatch) -> None:
     """The coordinator reviews the requests it holds every tick; one answered (admitted with a fresh certificate,

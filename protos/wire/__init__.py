@@ -1,6 +1,7 @@
 """What crosses the wire beside the protobuf messages: signed DHT records, refusal codes, size limits, proof of work.
 
 - ``records``: DHT record types: what the coordinator and peers publish (each in the signed envelope of :mod:`potluck.protos.wire.envelope`, parsed tolerantly like Petals' ``ServerInfo``: unknown fields ignored, missing optional ones defaulted)
+- ``roundindex``: What a round looks up often (its members by id, by stage and by group; its shares by replica), indexed once per member list
 - ``admissions``: The admission records: what a peer asks and what the coordinator answers (a certificate, or why not)
 - ``envelope``: The signed envelope every DHT value travels in, and the base of every record type
 - ``states``: One vocabulary for what a peer is doing: its records, telemetry and pings, the all-reduce's view of a member, the coordinator and the page all use :class:`PeerState`

@@ -26,6 +26,7 @@ from pydantic import (
 )
 
 from potluck.protos.wire.envelope import Record
+from potluck.protos.wire.roundindex import MemberIndex
 from potluck.protos.wire.states import PeerState
 
 NAME_LEN, ADDRESS_LEN, HASH_LEN, ID_LEN, TEXT_LEN = 64, 256, 128, 64, 512
@@ -235,35 +236,6 @@ class Share(Record):
         return self
 
 
-class _MemberIndex:
-    """A round's members by id (and shares by replica): a cache, not state, so any two compare equal (a
-    round's equality is its fields'). It remembers the lists it indexes, so a copy given others rebuilds it."""
-
-    __slots__ = ("source", "count", "by_id", "shares", "share_count", "by_replica", "before", "total")
-
-    def __init__(self, members: list[Member] | None = None) -> None:
-        self.source, self.count, self.by_id = members, len(members or ()), dict[str, Member]()
-        for m in members or ():
-            self.by_id.setdefault(m.peer_id, m)  # the first, as a scan would find
-        self.shares: list[Share] | None = None
-        self.share_count, self.by_replica = 0, dict[int, Share]()
-        self.before, self.total = dict[int, int](), 0  # samples of the shares of lower replicas; of all shares
-
-    def index_shares(self, shares: list[Share]) -> None:
-        self.shares, self.share_count, self.by_replica = shares, len(shares), {}
-        for s in shares:
-            self.by_replica.setdefault(s.replica, s)
-        self.before, self.total, at = {}, sum(s.count for s in shares), 0
-        for s in sorted(shares, key=lambda s: s.replica):
-            self.before.setdefault(s.replica, at)
-            at += s.count
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _MemberIndex)
-
-    __hash__ = None  # type: ignore[assignment]
-
-
 class Round(Record):
     """The tasklet grid of one outer step and the state each stage must start from.
 
@@ -320,7 +292,7 @@ class Round(Record):
         if any(g.version >= self.step for g in self.groups):
             raise ValueError(f"a group's base state must be a version before step {self.step}")
         return self
-    _index: _MemberIndex = PrivateAttr(default_factory=lambda: _MemberIndex())
+    _index: MemberIndex = PrivateAttr(default_factory=lambda: MemberIndex())
 
     def member(self, peer_id: str) -> Member | None:
         """The member ``peer_id``, found in a dict built once per member list (a round of 1,000 members is
@@ -331,23 +303,26 @@ class Round(Record):
         """The members' peer ids (a view of that dict: no copy)."""
         return self._members_index().by_id.keys()
 
-    def _members_index(self) -> _MemberIndex:
+    def _members_index(self) -> MemberIndex:
         # (read from pydantic's private dict itself: ``self._index`` goes through BaseModel.__getattr__,
         # which cost more than the lookup it serves)
         private = self.__pydantic_private__
         index = private.get("_index") if private is not None else None
         if index is None or index.source is not self.members or index.count != len(self.members):
-            index = _MemberIndex(self.members)
+            index = MemberIndex(self.members)
             if private is not None:
                 private["_index"] = index
         return index
 
     def stage_members(self, stage: int) -> list[Member]:
-        return sorted((m for m in self.members if m.stage == stage), key=lambda m: m.replica)
+        return list(self._cells().get((stage, None), ()))
 
     def group_members(self, stage: int, group: int) -> list[Member]:
         """The members of ``stage`` that average with each other, in replica order (their shard order)."""
-        return [m for m in self.stage_members(stage) if m.group == group]
+        return list(self._cells().get((stage, group), ()))
+
+    def _cells(self) -> dict[tuple[int, int | None], list[Member]]:
+        return self._members_index().grouped()
 
     def stage_groups(self, stage: int) -> dict[int, list[Member]]:
         """The averaging groups of ``stage`` (one, group 0, without grouped averaging), each in shard order."""
@@ -371,7 +346,7 @@ class Round(Record):
     def share_of(self, replica: int) -> Share | None:
         return self._shares_index().by_replica.get(replica)
 
-    def _shares_index(self) -> _MemberIndex:
+    def _shares_index(self) -> MemberIndex:
         index = self._members_index()
         if index.shares is not self.shares or index.share_count != len(self.shares):
             index.index_shares(self.shares)
