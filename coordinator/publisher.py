@@ -36,6 +36,9 @@ class Publisher:
         self._published_at = 0.0
         self._too_big = 0  # the step of the round last said to be too big to publish
         self._pending: list[tuple[str, Any]] = []  # (record, future) of stores the loop did not wait for
+        self._sealed: tuple[Plan | None, Any] = (None, None)  # the plan ``fitting`` last chose, as it sealed it
+        self._dumped: dict[int, tuple[Round, dict[str, Any]]] = {}  # id -> (round, its JSON form): a round never
+        # changes once decided, and a plan of 4 rounds of 1,000 members took 20 ms to dump at each publish
 
     def update(self, **fields: Any) -> None:
         """Change the manifest (a new ``seq``, so readers take it) and publish it now."""
@@ -65,7 +68,8 @@ class Publisher:
         recent = sorted(rounds, key=lambda r: r.step)[-PLAN_ROUNDS:]
         plan = self.fitting(recent)
         if plan is not None:  # the plan, then its head: a peer that reads a head before its plan reads the plan again
-            self._pending.append(("plan", self.node.publish_plan(plan, ttl=RECORD_TTL_S, wait=wait)))
+            sealed = self._sealed[1] if self._sealed[0] is plan else None  # (sealed once: 1,000 members, ~30 ms)
+            self._pending.append(("plan", self.node.publish_plan(plan, ttl=RECORD_TTL_S, wait=wait, sealed=sealed)))
             newest = plan.rounds[-1]
             head = PlanHead(seq=plan.seq, step=newest.step, epoch=newest.epoch)
             self._pending.append(("plan head", self.node.publish_plan_head(head, ttl=RECORD_TTL_S, wait=wait)))
@@ -90,11 +94,20 @@ class Publisher:
         does not: peers then keep the plan they have."""
         for k in range(len(recent), 0, -1):
             plan = Plan(seq=self.plan_seq, rounds=recent[-k:], ts=time.time(), revoked=sorted(self.revoked))
-            size = self.node.sealed_size(plan, RECORD_TTL_S)
+            sealed = self.node.seal(self._dump(plan), RECORD_TTL_S)
+            size = self.node.sealed_size(sealed, RECORD_TTL_S)
             if size <= MAX_PLAN_BYTES:
+                self._sealed = (plan, sealed)
                 return plan
         if recent and self._too_big != recent[-1].step:
             self._too_big = recent[-1].step
             log.error("the round of step %d (%d members) makes a plan of %d bytes, more than a DHT record may hold "
                       "(%d): it is not published", recent[-1].step, len(recent[-1].members), size, MAX_PLAN_BYTES)
         return None
+
+    def _dump(self, plan: Plan) -> dict[str, Any]:
+        """``plan.model_dump(mode="json")``, each round's part kept from the publish before."""
+        dumped = {id(r): hit if (hit := self._dumped.get(id(r))) is not None and hit[0] is r
+                  else (r, r.model_dump(mode="json")) for r in plan.rounds}
+        self._dumped = dumped  # (only the plan's rounds: the objects kept alive, so no id is reused meanwhile)
+        return {**plan.model_dump(mode="json", exclude={"rounds"}), "rounds": [dumped[id(r)][1] for r in plan.rounds]}

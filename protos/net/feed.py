@@ -9,12 +9,12 @@ sends only the records that changed since the reader's last acknowledged answer 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 from pydantic import BaseModel
 
 from potluck.protos.runtime.log import get_logger
-from potluck.protos.wire.envelope import RecordError, unseal
+from potluck.protos.wire.envelope import RecordError, opened, parse, unseal
 
 if TYPE_CHECKING:
     from potluck.protos.net.swarm import SwarmNode
@@ -48,6 +48,26 @@ async def store_many(dht: Any, node: Any, key: str, items: list[tuple[str, Any]]
     return all(ok.values())
 
 
+class Opened(NamedTuple):
+    """A record the DHT process opened (:func:`~potluck.protos.wire.envelope.opened`: its envelope, author,
+    signature and expiry checked, its body decoded), or why it refused it: the reader only parses it."""
+
+    data: dict[str, Any] | None
+    refused: str = ""
+
+
+def open_record(value: bytes, author: str, what: str) -> Opened:
+    """Runs in the DHT process: a stored value (msgpack bytes) under ``author``'s subkey, opened or refused."""
+    from hivemind.utils import MSGPackSerializer
+
+    try:
+        return Opened(opened(MSGPackSerializer.loads(value), author=author, what=what))
+    except RecordError as err:
+        return Opened(None, str(err))
+    except Exception as err:  # (bytes that do not decode: msgpack's own errors)
+        return Opened(None, f"not a signed record ({type(err).__name__})")
+
+
 def _token(item: Any) -> Any:
     """What tells one stored record from the next: its expiry and its bytes (hashed once: a stored bytes
     object keeps its hash) or, for a value already decoded, its signature."""
@@ -67,8 +87,9 @@ def _stored(node: Any, key: str) -> dict:
 
 
 async def changed_records(dht: Any, node: Any, key: str, reader: str, ack: int | None,
-                           local: bool = False) -> tuple[int, dict, list, int]:
-    """Runs in the DHT process (see :meth:`potluck.protos.swarm.SwarmNode.changes`); what a reader acknowledged is kept there."""
+                           local: bool = False, what: str = "") -> tuple[int, dict, list, int]:
+    """Runs in the DHT process (see :meth:`potluck.protos.swarm.SwarmNode.changes`); what a reader acknowledged is kept
+    there. ``what`` (a local read's record type): each changed record is opened here, as :class:`Opened`."""
     from hivemind.utils import MSGPackSerializer, ValueWithExpiration
 
     readers = dht.__dict__.setdefault("_potluck_readers", {})
@@ -86,7 +107,11 @@ async def changed_records(dht: Any, node: Any, key: str, reader: str, ack: int |
     seen = state["seen"]
     changed = {sub: current[sub] for sub, token in tokens.items() if seen.get(sub) != token}
     changed.update({sub: item for sub, item in current.items() if not isinstance(sub, str)})  # refused by the reader
-    if local:  # decoded here, only what changed
+    if local and what:  # opened here, only what changed: its signature checked off the reader's loop
+        changed = {sub: ValueWithExpiration(open_record(item.value, sub, what) if isinstance(sub, str)
+                                            else MSGPackSerializer.loads(item.value), item.expiration_time)
+                   for sub, item in changed.items()}
+    elif local:  # decoded here, only what changed
         changed = {sub: ValueWithExpiration(MSGPackSerializer.loads(item.value), item.expiration_time)
                    for sub, item in changed.items()}
     gone = [sub for sub in seen if sub not in tokens]
@@ -135,7 +160,7 @@ class Feed(Generic[_S]):
                 self._future.cancel()
                 self._future = None
         if self._future is None and now - self._started >= self.every_s:
-            self._started, self._future = now, self.node.changes(self.kind, self._ack, self.local)
+            self._started, self._future = now, self.node.changes(self.kind, self._ack, self.local, self.model.__name__)
         return out
 
     def read(self) -> tuple[list[str], list[str]]:
@@ -144,7 +169,8 @@ class Feed(Generic[_S]):
             self._future.cancel()  # never acknowledged: what it would have brought comes again
             self._future = None
         self._started = time.monotonic()
-        answer = self.node.answer(self.node.changes(self.kind, self._ack, self.local), f"reading the {self.what} records")
+        answer = self.node.answer(self.node.changes(self.kind, self._ack, self.local, self.model.__name__),
+                                  f"reading the {self.what} records")
         self.last_read_s, self.as_of = time.monotonic() - self._started, self._started
         return self._apply(*answer)
 
@@ -154,7 +180,10 @@ class Feed(Generic[_S]):
             try:
                 if not isinstance(subkey, str):
                     raise RecordError(f"subkey {subkey!r} is not a peer id")
-                rec = unseal(self.model, item.value, author=subkey)
+                value = item.value
+                if isinstance(value, Opened) and value.data is None:
+                    raise RecordError(value.refused)
+                rec = parse(self.model, value.data) if isinstance(value, Opened) else unseal(self.model, value, author=subkey)
                 if getattr(rec, "peer_id", subkey) != subkey:
                     raise RecordError(f"record for {rec.peer_id[-6:]} stored under {subkey[-6:]}")  # type: ignore[attr-defined]
                 self.records[subkey] = rec

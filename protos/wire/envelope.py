@@ -33,9 +33,10 @@ class Record(BaseModel):
 _R = TypeVar("_R", bound=Record)
 
 
-def seal(identity: Identity, record: BaseModel, ttl: float) -> dict[str, Any]:
-    """Sign a record for the DHT; it is refused everywhere ``ttl`` seconds from now."""
-    data = {**record.model_dump(mode="json"), "_expires": time.time() + ttl}
+def seal(identity: Identity, record: BaseModel | dict[str, Any], ttl: float) -> dict[str, Any]:
+    """Sign a record (or its ``model_dump(mode="json")``, made already) for the DHT; it is refused everywhere
+    ``ttl`` seconds from now."""
+    data = {**(record if isinstance(record, dict) else record.model_dump(mode="json")), "_expires": time.time() + ttl}
     body = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
     return {"v": ENVELOPE_VERSION, "by": identity.peer_id, "body": body, "sig": identity.sign(body)}
 
@@ -46,6 +47,13 @@ def unseal(model: type[_R], value: Any, *, author: str, min_seq: int = 0) -> _R:
     ``author`` is the peer id that must have signed it; ``min_seq`` the newest ``seq`` already
     accepted from that author (an older one is stale and refused).
     """
+    return parse(model, opened(value, author=author, what=model.__name__), min_seq)
+
+
+def opened(value: Any, *, author: str, what: str = "record") -> dict[str, Any]:
+    """The signed body of a DHT value, checked (envelope, author, signature, expiry) and decoded, not yet parsed
+    (:func:`parse` does that): the half of :func:`unseal` that needs no record type, so it can run in another
+    process than the parsing (the coordinator's DHT process opens its peers' heartbeats)."""
     if not isinstance(value, dict):
         raise RecordError(f"not a signed record (got {type(value).__name__})")
     if value.get("v") != ENVELOPE_VERSION:
@@ -59,12 +67,18 @@ def unseal(model: type[_R], value: Any, *, author: str, min_seq: int = 0) -> _R:
         raise RecordError(f"bad signature on a record claiming to come from {author[-6:]}")
     try:
         data = json.loads(body)
-        expires = data.get("_expires") if isinstance(data, dict) else None
-        if not isinstance(expires, int | float) or expires < time.time() - MAX_CLOCK_SKEW_S:
-            raise RecordError(f"{model.__name__} has expired (or carries no signed expiry)")
-        record = model.model_validate(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise RecordError(f"record body is not JSON: {err}") from None
+    expires = data.get("_expires") if isinstance(data, dict) else None
+    if not isinstance(expires, int | float) or expires < time.time() - MAX_CLOCK_SKEW_S:
+        raise RecordError(f"{what} has expired (or carries no signed expiry)")
+    return data
+
+
+def parse(model: type[_R], data: dict[str, Any], min_seq: int = 0) -> _R:
+    """A record of type ``model`` from a body :func:`opened` checked; raises RecordError saying why not."""
+    try:
+        record = model.model_validate(data)
     except ValidationError as err:
         raise RecordError(f"malformed {model.__name__}: {err.errors()[0]['msg']} at {err.errors()[0]['loc']}") from None
     seq = getattr(record, "seq", 0)
