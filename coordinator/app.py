@@ -70,7 +70,7 @@ class Coordinator:
         self.integrity = Integrity.for_run(cfg, self.client, self.run_id, self.id, self.state.trust)
         self.gate.trusted = self.integrity.trust.eligible  # eviction votes: owners and reporters past probation
         self.placement = PlacementWorker(cfg, cfg.links.search_budget_s)
-        self.series, self.health, self._memo = Series(), Health(settle=True), history.Memo()  # (memo: step reports folded)
+        self.series, self.health, self.folder = Series(), Health(settle=True), history.Folder()
         self.node: Any = None
         self.grpc: PeerServer | None = None
         self.status: StatusServer | None = None
@@ -141,6 +141,7 @@ class Coordinator:
                 log.warning("stopping the coordinator: one part did not stop cleanly (%s); stopping the rest", err)
 
     def tick(self) -> None:
+        began = time.thread_time()  # (a long tick leaves a commit's history and snapshot to the next)
         now, reader = time.monotonic(), self.reader
         refused = reader.poll(now)  # what the DHT reads brought (only the records that changed), refusals said once
         records, events = self.gate.tick(self.node, reader.peers.records, self.rounds.round_at, self.client,
@@ -159,13 +160,13 @@ class Coordinator:
         self._checkpoints_done()
         self._maybe_finish(now)
         self._maybe_decide(now)
-        self.state.history, added = history.fold(self.state.history, self.table.records(changed=True), self.rounds.round_at,
-                                                 self.rounds.committed, memo=self._memo, everyone=self.table.records())
+        self.state.history, added = self.folder.fold(self.state.history, self.table.records(changed=True), self.rounds.round_at,
+                                                     self.rounds.committed, self.table.records(), long=self.health.long(began))
         if added or self._dirty or self.gate.admission.journal_due():  # (admissions: every few seconds at most)
             self._save()
         self.publisher.publish(self.rounds.rounds.values())
         self.info.finished, self.info.checkpoint_version = self.state.finished, self.publisher.manifest.checkpoint_version
-        if self.health.snapshot_due(now, added, self.cfg.coordinator.tick_s):
+        if self.health.snapshot_due(now, added, self.cfg.coordinator.tick_s, self.health.long(began)):
             self._snapshot = build(self.info, self.cfg, list(self.table.peers.values()), self.rounds, self.state.history,
                                    self.state.rolled_back, self.events, self.series, reader.links.records,
                                    health=self.health.section(reader.stats(), len(self.table.peers)))

@@ -30,6 +30,8 @@ Peers reporting the plan they read by would close it.
 
 from __future__ import annotations
 
+import bisect
+import functools
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -87,7 +89,19 @@ class Cursor:
             return True
         inside = min(b, self.frontier)
         need = inside - a
-        return sum(max(0, min(y, inside) - max(x, a)) for x, y in self.pool) == need and b >= a
+        pool = self.pool
+        if self._ordered:  # (sorted, disjoint: only the spans that can overlap it; a commit at 1,000 replicas asked
+            ends = self._ends  # this of each of their shares, and a pass over a pool of 200 spans each was 0.1 s)
+            pool = pool[bisect.bisect_right(ends, a):bisect.bisect_left(ends, inside) + 1]
+        return sum(max(0, min(y, inside) - max(x, a)) for x, y in pool) == need and b >= a
+
+    @functools.cached_property
+    def _ordered(self) -> bool:
+        return all(x < y <= z for (x, y), (z, _) in zip(self.pool, self.pool[1:], strict=False))
+
+    @functools.cached_property
+    def _ends(self) -> list[int]:
+        return [y for _, y in self.pool]
 
     def take(self, counts: Sequence[int]) -> tuple[list[list[Span]], int]:
         """``counts[i]`` free positions for each replica, in order: the pool's first (lowest first),

@@ -17,6 +17,8 @@ from typing import Any
 from potluck.protos.runtime.heap import Heap
 
 KEEP_TICKS = 1000
+LONG_TICK_S = 0.05  # a tick that has used this much CPU already leaves the status snapshot to the next one ...
+STALE_S = 2.0  # ... unless the snapshot is this old
 
 
 class Health:
@@ -27,13 +29,24 @@ class Health:
         self.count = 0
         self.heap, self._settle = Heap(), settle  # (settle: full collections between ticks, from the first one on)
         self._built = (-float("inf"), 0.0, 0.0)  # (when the snapshot was last built, how long it took, began)
+        self._owed = False  # a commit's snapshot, left to a shorter tick
 
-    def snapshot_due(self, now: float, changed: bool, every_s: float) -> bool:
+    def long(self, began: float) -> bool:
+        """Has the tick that began at ``began`` (its thread's CPU clock) used ``LONG_TICK_S`` already? Then what
+        can wait a tick waits (at 1,000 peers a commit's tick judged the step, folded every member's report of
+        it, journaled it and built the snapshot: 130-200 ms of CPU in one tick)."""
+        return time.thread_time() - began >= LONG_TICK_S
+
+    def snapshot_due(self, now: float, changed: bool, every_s: float, long: bool = False) -> bool:
         """Build the status snapshot now? At most every ``every_s``, and rarely enough that building it takes at
-        most a tenth of the loop (a big swarm's costs more); at once when ``changed`` (a step was committed)."""
-        due = changed or now - self._built[0] >= max(every_s, 10 * self._built[1])
+        most a tenth of the loop (a big swarm's costs more); at once when ``changed`` (a step was committed),
+        or on the next tick when this one is ``long``, unless the snapshot is ``STALE_S`` old."""
+        self._owed = self._owed or changed
+        due = self._owed or now - self._built[0] >= max(every_s, 10 * self._built[1])
+        if due and long and now - self._built[0] < STALE_S:
+            return False
         if due:
-            self._built = (self._built[0], self._built[1], time.monotonic())
+            self._built, self._owed = (self._built[0], self._built[1], time.monotonic()), False
         return due
 
     def snapshot_built(self, now: float) -> None:
