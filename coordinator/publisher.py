@@ -19,7 +19,7 @@ from typing import Any
 from potluck.protos.net.dhtguard import MAX_PLAN_BYTES
 from potluck.protos.net.swarm import SwarmNode
 from potluck.protos.runtime.log import get_logger
-from potluck.protos.wire.envelope import next_seq
+from potluck.protos.wire.envelope import canonical, next_seq
 from potluck.protos.wire.records import Manifest, Plan, PlanHead, Round
 
 log = get_logger(__name__)
@@ -37,8 +37,8 @@ class Publisher:
         self._too_big = 0  # the step of the round last said to be too big to publish
         self._pending: list[tuple[str, Any]] = []  # (record, future) of stores the loop did not wait for
         self._sealed: tuple[Plan | None, Any] = (None, None)  # the plan ``fitting`` last chose, as it sealed it
-        self._dumped: dict[int, tuple[Round, dict[str, Any]]] = {}  # id -> (round, its JSON form): a round never
-        # changes once decided, and a plan of 4 rounds of 1,000 members took 20 ms to dump at each publish
+        self._dumped: dict[int, tuple[Round, str]] = {}  # id -> (round, its canonical JSON): a round never changes
+        # once decided, and a plan of 4 rounds of 1,000 members took 30 ms to dump at each publish
 
     def update(self, **fields: Any) -> None:
         """Change the manifest (a new ``seq``, so readers take it) and publish it now."""
@@ -94,7 +94,8 @@ class Publisher:
         does not: peers then keep the plan they have."""
         for k in range(len(recent), 0, -1):
             plan = Plan(seq=self.plan_seq, rounds=recent[-k:], ts=time.time(), revoked=sorted(self.revoked))
-            sealed = self.node.seal(self._dump(plan), RECORD_TTL_S)
+            sealed = self.node.seal(plan.model_dump(mode="json", exclude={"rounds"}), RECORD_TTL_S,
+                                    raw={"rounds": self._rounds_json(plan)})
             size = self.node.sealed_size(sealed, RECORD_TTL_S)
             if size <= MAX_PLAN_BYTES:
                 self._sealed = (plan, sealed)
@@ -105,9 +106,9 @@ class Publisher:
                       "(%d): it is not published", recent[-1].step, len(recent[-1].members), size, MAX_PLAN_BYTES)
         return None
 
-    def _dump(self, plan: Plan) -> dict[str, Any]:
-        """``plan.model_dump(mode="json")``, each round's part kept from the publish before."""
-        dumped = {id(r): hit if (hit := self._dumped.get(id(r))) is not None and hit[0] is r
-                  else (r, r.model_dump(mode="json")) for r in plan.rounds}
-        self._dumped = dumped  # (only the plan's rounds: the objects kept alive, so no id is reused meanwhile)
-        return {**plan.model_dump(mode="json", exclude={"rounds"}), "rounds": [dumped[id(r)][1] for r in plan.rounds]}
+    def _rounds_json(self, plan: Plan) -> str:
+        """``plan.rounds`` in canonical JSON, each round's part kept from the publish before."""
+        done = {id(r): hit if (hit := self._dumped.get(id(r))) is not None and hit[0] is r
+                else (r, canonical(r.model_dump(mode="json")).decode()) for r in plan.rounds}
+        self._dumped = done  # (only the plan's rounds: the objects kept alive, so no id is reused meanwhile)
+        return "[" + ",".join(done[id(r)][1] for r in plan.rounds) + "]"

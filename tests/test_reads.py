@@ -54,3 +54,21 @@ def test_a_stalled_read_of_the_heartbeats_makes_nobody_lost_and_a_silent_peer_st
     plain = PeerTable(heartbeat_timeout_s=4.0)  # a caller without reads' times: silence is time, as before
     plain.update({b: rec(b, 1)}, now=0.0)
     assert plain.update({b: rec(b, 1)}, now=4.5) == [("lost", b)]
+
+
+def test_a_body_with_fields_spliced_in_is_the_bytes_of_one_dumped_whole() -> None:
+    """A plan's rounds are kept as canonical JSON from one publish to the next and spliced into the new plan's
+    body; what is signed must be the bytes of dumping it all at once (peers verify exactly those)."""
+    import json
+    import random
+
+    from potluck.protos.wire.envelope import canonical
+
+    rng = random.Random(4)
+    for _ in range(50):
+        data = {k: rng.choice([rng.random(), rng.randrange(-9, 9), "é\"x", None, [1, {"b": 2, "a": [3.5]}],
+                               {"z": 1, "y": {"é": True}}]) for k in rng.sample(["_expires", "rounds", "seq", "ts",
+                                                                                "revoked", "a", "ab", "B"], 5)}
+        raw = {k: canonical(v if isinstance(v, dict) else {"v": v}).decode() for k, v in data.items() if rng.random() < 0.5}
+        whole = {k: (json.loads(raw[k]) if k in raw else v) for k, v in data.items()}
+        assert canonical(data, raw) == json.dumps(whole, sort_keys=True, separators=(",", ":")).encode()

@@ -46,7 +46,7 @@ from potluck.protos.net.feed import Feed, store_at
 from potluck.protos.net.identity import Identity
 from potluck.protos.net.swarm import SwarmNode
 from potluck.protos.net.transport import PeerClient, Traffic
-from potluck.protos.wire.envelope import seal
+from potluck.protos.wire.envelope import canonical, seal
 from potluck.protos.wire.records import MAX_AUDITS, Manifest, Member, PeerRecord, Round, StepReport
 
 COORD = Identity.generate()
@@ -245,8 +245,8 @@ def test_the_plan_holds_the_newest_rounds_that_fit_and_says_when_none_does(monke
     class Node:
         identity = COORD
 
-        def seal(self, record: Any, ttl: float) -> dict:
-            return seal(COORD, record, ttl)
+        def seal(self, record: Any, ttl: float, raw: dict | None = None) -> dict:
+            return seal(COORD, record, ttl, raw)
 
         def sealed_size(self, value: dict, ttl: float) -> int:
             return len(json.dumps(value["body"].decode()))
@@ -261,8 +261,9 @@ def test_the_plan_holds_the_newest_rounds_that_fit_and_says_when_none_does(monke
     plan = pub.fitting(made := rounds(30))
     assert plan is not None and [r.step for r in plan.rounds] == [1, 2, 3, 4]
     again = pub.fitting(made)  # (its rounds' JSON kept from the last plan: the same bytes as dumped whole)
-    body = {k: v for k, v in json.loads(pub._sealed[1]["body"]).items() if k != "_expires"}
-    assert again is not None and body == again.model_dump(mode="json") and len(pub._dumped) == 4
+    body = json.loads(pub._sealed[1]["body"])
+    assert again is not None and {k: v for k, v in body.items() if k != "_expires"} == again.model_dump(mode="json")
+    assert pub._sealed[1]["body"] == canonical(body) and len(pub._dumped) == 4
     assert [r.step for r in pub.fitting(rounds(200)).rounds] == [3, 4]  # type: ignore[union-attr]
     assert pub.fitting(rounds(700)) is None
     assert "makes a plan of" in caplog.text and "it is not published" in caplog.text
@@ -282,7 +283,7 @@ def test_a_peer_polls_the_plans_head_and_reads_the_plan_only_when_it_is_newer(
                      lambda: PeerRecord(peer_id="x", address="x:1"), heartbeat_s=60.0, ttl_s=60.0)
     told, sealed = list[int](), list[object]()
     beat.on_plan = lambda plan: (told.append(plan.rounds[-1].step), 1 / 0)  # type: ignore[func-returns-value]
-    a.seal = lambda record, ttl: sealed.append(record) or seal(COORD, record, ttl)  # type: ignore[method-assign]
+    a.seal = lambda record, ttl, raw=None: sealed.append(record) or seal(COORD, record, ttl, raw)  # type: ignore
     try:
         for step in (1, 2):
             pub.new_plan()
@@ -314,17 +315,15 @@ def test_the_membership_table_forgets_the_longest_gone_past_its_bound() -> None:
     assert [v.record.peer_id for v in table.changed] == ids[6:]
 
 
-def test_a_decisions_pings_run_off_the_loop() -> None:
-    client = PeerClient(Traffic())
-    pinger = Pinger(client, "run", "me")
+def test_a_decisions_pings_run_off_the_loop_and_wake_it_when_done() -> None:
+    """The loop does not wait for the answers; the pinger wakes it when they are in (it decided up to a tick later)."""
+    client, answered = PeerClient(Traffic()), threading.Event()
+    pinger = Pinger(client, "run", "me", done=answered.set)
     recs = [PeerRecord(peer_id=f"p{i}", address="127.0.0.1:1", seq=1) for i in range(3)]  # nobody listens there
     t0 = time.monotonic()
     assert pinger.poll(recs) is None and time.monotonic() - t0 < 0.5  # it does not wait for the answers
-    deadline = time.monotonic() + 30
-    answer = None
-    while answer is None and time.monotonic() < deadline:
-        answer = pinger.poll(recs)
-        time.sleep(0.05)
+    assert answered.wait(30)
+    answer = pinger.poll(recs)
     assert answer is not None and answer[0] == [] and answer[1] >= t0
     client.close()
 

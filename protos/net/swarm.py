@@ -198,9 +198,9 @@ class SwarmNode:
                 future = self.dht.store(key, value, expiration_time=expires, subkey=subkey, return_future=True)
         return bool(self.answer(future, f"storing the {kind} record")) if wait else future
 
-    def seal(self, record: Any, ttl: float) -> dict[str, Any]:
-        """``record`` signed by this node's identity, to live ``ttl`` s."""
-        return seal(self.identity, record, ttl)
+    def seal(self, record: Any, ttl: float, raw: dict[str, str] | None = None) -> dict[str, Any]:
+        """``record`` signed by this node's identity, to live ``ttl`` s (``raw``: see :func:`envelope.seal`)."""
+        return seal(self.identity, record, ttl, raw)
 
     def sealed_size(self, record: Any, ttl: float) -> int:
         """Bytes ``record`` (or a value :meth:`seal` made) takes in the DHT once signed by this node's identity."""

@@ -33,12 +33,23 @@ class Record(BaseModel):
 _R = TypeVar("_R", bound=Record)
 
 
-def seal(identity: Identity, record: BaseModel | dict[str, Any], ttl: float) -> dict[str, Any]:
+def seal(identity: Identity, record: BaseModel | dict[str, Any], ttl: float, raw: dict[str, str] | None = None,
+         ) -> dict[str, Any]:
     """Sign a record (or its ``model_dump(mode="json")``, made already) for the DHT; it is refused everywhere
-    ``ttl`` seconds from now."""
+    ``ttl`` seconds from now. ``raw``: fields already in their :func:`canonical` JSON (a plan's rounds)."""
     data = {**(record if isinstance(record, dict) else record.model_dump(mode="json")), "_expires": time.time() + ttl}
-    body = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+    body = canonical(data, raw)
     return {"v": ENVELOPE_VERSION, "by": identity.peer_id, "body": body, "sig": identity.sign(body)}
+
+
+def canonical(data: dict[str, Any], raw: dict[str, str] | None = None) -> bytes:
+    """The JSON a record's body is signed as: keys sorted, no spaces. ``raw`` holds top-level fields already in
+    this form, spliced in as they are: the same bytes as dumping them with the rest (a plan of 1,000 members is
+    700 KB of JSON, and only its newest round is new at each publish)."""
+    if not raw:
+        return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+    parts = {**{k: json.dumps(v, sort_keys=True, separators=(",", ":")) for k, v in data.items() if k not in raw}, **raw}
+    return ("{" + ",".join(f"{json.dumps(k)}:{parts[k]}" for k in sorted(parts)) + "}").encode()
 
 
 def unseal(model: type[_R], value: Any, *, author: str, min_seq: int = 0) -> _R:
