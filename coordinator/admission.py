@@ -245,7 +245,8 @@ class Gatekeeper:
         self._send(node)
         out = [("rejected", "", e) for e in events + refused] + [("evicted", p, m) for p, m in
                                                                   self._evictions(records, round_at)]
-        kept = {pid: r for pid, r in records.items() if self.admission.is_admitted(pid)}
+        now = time.time()
+        kept = {pid: r for pid, r in records.items() if self.admission.is_admitted(pid, now)}
         strangers = sorted(set(records) - set(kept) - self.admission.revoked)
         return kept, out + [("rejected", p, "heartbeat ignored: not admitted") for p in strangers[:3]]
 

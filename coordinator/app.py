@@ -8,8 +8,7 @@ It is not on the data path (peers keep training on the last plan while it is awa
     decide the next round when it is time              (placement off the loop, published in the DHT)
     rebuild the status snapshot
 
-The checkpointer and the placement worker run on threads of their own and post results that this
-loop applies, so the state below is written by this loop only.
+The checkpointer and the placement worker run on threads of their own; this loop alone applies their results.
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ class Coordinator:
         c = cfg.coordinator
         self.cfg, self.exit_when_finished, self.ready_file = cfg, exit_when_finished, ready_file
         set_context(role="coordinator")  # (its id once its identity is loaded, below)
-        self.stopping, self.traffic = threading.Event(), Traffic()
+        self.stopping, self.traffic, self._wake = threading.Event(), Traffic(), threading.Event()  # (wake: pings done)
         self.finish = Finish()  # the run's end: all steps committed, or the admin's request from the status page
         self.events: deque[dict[str, Any]] = deque(maxlen=500)
         self.journal, self.state = bootstrap.open_journal(cfg)  # checks the run first: a refused one writes nothing
@@ -65,18 +64,18 @@ class Coordinator:
         self.gate.admission.on_revoke = self.table.evict  # (an evicted peer is in no round decided after it)
         self.tls = None if c.insecure else self.gate.tls  # gRPC with peers over mutual TLS unless --insecure
         self.client = PeerClient(self.traffic, tls=self.tls)
-        self.pinger = Pinger(self.client, self.run_id, self.id)  # (a decision's pings run off the loop)
+        self.pinger = Pinger(self.client, self.run_id, self.id, done=self._wake.set)  # (off the loop; it wakes it)
         self.checkpointer = Checkpointer.for_run(cfg, self.client, self.run_id, self.id)
         self.integrity = Integrity.for_run(cfg, self.client, self.run_id, self.id, self.state.trust)
         self.gate.trusted = self.integrity.trust.eligible  # eviction votes: owners and reporters past probation
         self.placement = PlacementWorker(cfg, cfg.links.search_budget_s)
         self.series, self.health, self.folder = Series(), Health(settle=True), history.Folder()
-        self.node: Any = None
+        self.node: Any = None  # (and the reader of it, once it runs)
+        self.reader: Any = None
         self.grpc: PeerServer | None = None
         self.status: StatusServer | None = None
         self.publisher: Any = None
         self.info = RunInfo(self.run_id, self.id, "", "", time.time(), self.state.finished)
-        self.reader: Any = None  # (a Reader of the DHT node, once it runs)
         self._snapshot, self._dirty = dict[str, Any](), False
         set_context(role="coordinator", peer_id=self.id)
 
@@ -93,7 +92,8 @@ class Coordinator:
                 if self.exit_when_finished and self.state.finished and self.finish.drained(self.checkpointer, self.table):
                     log.info("run finished; exiting")
                     break
-                self.stopping.wait(max(0.0, self.cfg.coordinator.tick_s - (time.monotonic() - t0)))
+                self._wake.wait(max(0.0, self.cfg.coordinator.tick_s - (time.monotonic() - t0)))  # (or a decision's
+                self._wake.clear()  # pings are in: it is decided at once, not up to a tick later)
             return 0
         except (ConfigError, JournalError, CannotBind, JoinError) as err:
             log.error("%s", err)
@@ -162,7 +162,8 @@ class Coordinator:
         self._maybe_decide(now)
         self.state.history, added = self.folder.fold(self.state.history, self.table.records(changed=True), self.rounds.round_at,
                                                      self.rounds.committed, self.table.records(), long=self.health.long(began))
-        if added or self._dirty or self.gate.admission.journal_due():  # (admissions: every few seconds at most)
+        self._dirty |= added  # (admissions: every few seconds at most; a long tick's commit: on the next tick)
+        if (self._dirty or self.gate.admission.journal_due()) and not self.health.waits("journal", began):
             self._save()
         self.publisher.publish(self.rounds.rounds.values())
         self.info.finished, self.info.checkpoint_version = self.state.finished, self.publisher.manifest.checkpoint_version

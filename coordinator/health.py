@@ -30,12 +30,24 @@ class Health:
         self.heap, self._settle = Heap(), settle  # (settle: full collections between ticks, from the first one on)
         self._built = (-float("inf"), 0.0, 0.0)  # (when the snapshot was last built, how long it took, began)
         self._owed = False  # a commit's snapshot, left to a shorter tick
+        self._waited: set[str] = set()  # what waited for this tick (see waits)
 
     def long(self, began: float) -> bool:
         """Has the tick that began at ``began`` (its thread's CPU clock) used ``LONG_TICK_S`` already? Then what
         can wait a tick waits (at 1,000 peers a commit's tick judged the step, folded every member's report of
         it, journaled it and built the snapshot: 130-200 ms of CPU in one tick)."""
         return time.thread_time() - began >= LONG_TICK_S
+
+    def waits(self, what: str, began: float) -> bool:
+        """Should ``what`` wait for the next tick? When this one is :meth:`long`, once: never two ticks running.
+        (A commit's journal write: peers act on a commit without it, and a coordinator that stops before it
+        learns the step again from their reports.)"""
+        waited = what in self._waited
+        self._waited.discard(what)
+        if self.long(began) and not waited:
+            self._waited.add(what)
+            return True
+        return False
 
     def snapshot_due(self, now: float, changed: bool, every_s: float, long: bool = False) -> bool:
         """Build the status snapshot now? At most every ``every_s``, and rarely enough that building it takes at

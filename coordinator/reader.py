@@ -2,9 +2,9 @@
 
 Three kinds of per-peer record matter to the coordinator: heartbeats (``peers``), admission requests
 (``admission``) and link reports (``links``). Each is a :class:`~potluck.protos.swarm.Feed`: its DHT
-process does the read and sends over only the records that changed since the last answer the loop
-took, which are verified and parsed once each; the loop never waits for the DHT, it takes what
-has arrived. So a tick costs what changed, not every record of the swarm, and a slow DHT read
+process does the read, opens only the records that changed since the last answer the loop took (checks
+each one's signature and expiry) and sends those over, to be parsed once each; the loop never waits for
+the DHT, it takes what has arrived. So a tick costs what changed, not every record of the swarm, and a slow DHT read
 delays the news by a read, never the loop.
 
 All three are read from the coordinator's own DHT storage, never through the network: peers store

@@ -71,8 +71,10 @@ class Pinger:
     older than ``max_age_s`` are not used, the peers are pinged again. Only peers it is still given are in
     an answer: one evicted (or gone) while the pings ran is in no round decided after that."""
 
-    def __init__(self, client: PeerClient, run_id: str, me: str, max_age_s: float = 10.0) -> None:
+    def __init__(self, client: PeerClient, run_id: str, me: str, max_age_s: float = 10.0,
+                 done: Callable[[], None] = lambda: None) -> None:
         self.client, self.run_id, self.me, self.max_age_s = client, run_id, me, max_age_s
+        self.done = done  # told when the answers are in (the coordinator's loop wakes to decide at once)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._answer: tuple[list[PeerRecord], float, float] | None = None  # (reachable, began, ended)
@@ -101,3 +103,4 @@ class Pinger:
             ok = set()
         with self._lock:
             self._answer = ([r for r in records if r.peer_id in ok or r.peer_id in proven], began, time.monotonic())
+        self.done()

@@ -59,3 +59,15 @@ def test_a_commits_fold_left_to_the_next_tick_makes_the_same_history() -> None:
     part, _ = folder.fold(part, [], round_at, committed, list(held.values()))  # (in case the last tick left one)
     part[-1]["t"] = whole[-1]["t"]
     assert deferred and json.dumps(part, sort_keys=True) == json.dumps(whole, sort_keys=True)
+
+
+def test_a_long_ticks_journal_write_waits_one_tick_never_two() -> None:
+    """A commit in a long tick is journaled on the next tick (peers act on a commit without the journal; a
+    coordinator that stops before the write learns the step again from their reports), never later than that."""
+    import time
+
+    h = Health()
+    long_ago = time.thread_time() - 1.0  # (a tick that began a CPU second ago: long)
+    assert h.waits("journal", long_ago) and not h.waits("journal", long_ago)  # waits once, then is written
+    assert h.waits("journal", long_ago) and not h.waits("journal", time.thread_time())
+    assert not h.waits("journal", time.thread_time())  # a short tick writes at once

@@ -125,7 +125,8 @@ class Feed(Generic[_S]):
 
     :meth:`poll` never waits for the DHT: it takes the answer of the read in flight if it has arrived and
     starts the next one once ``every_s`` has passed since the last began, so a loop that polls every tick
-    pays for the records that changed -- verified and parsed once each -- not for every record every tick.
+    pays for the records that changed -- parsed once each, and for a local read opened (signature, expiry)
+    in the DHT process -- not for every record every tick.
     :attr:`records` holds the current valid record of every peer; a record that is refused (forged,
     expired, malformed) is named in what ``poll`` returns, once, and leaves :attr:`records`.
     """
