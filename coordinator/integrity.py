@@ -32,7 +32,16 @@ from potluck.coordinator.verifier import Accusation, Ruling, Verifier
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.net.transport import PeerClient
 from potluck.protos.runtime.log import short_id
-from potluck.protos.wire.records import MAX_AUDITS, Audit, AuditReport, Member, PeerRecord, Round, ShardOf
+from potluck.protos.wire.records import (
+    MAX_AUDITS,
+    MAX_OWNERS,
+    Audit,
+    AuditReport,
+    Member,
+    PeerRecord,
+    Round,
+    ShardOf,
+)
 
 
 @dataclass(frozen=True)
@@ -69,7 +78,7 @@ class Integrity:
 
     def roles(self, members: list[Member], rounds: Rounds) -> tuple[list[Member], list[Audit]]:
         """The members of the next round with their shard ownership set, and the audits it carries."""
-        members = self.trust.assign_owners(members)
+        members = self.trust.assign_owners(members, None if rounds.group_size else MAX_OWNERS)  # (groups: <= it)
         audits = self.audits(rounds.rounds.get(rounds.committed), members)
         self._assigned.update({shard_key(a): a for a in audits})
         return members, audits

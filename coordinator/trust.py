@@ -70,15 +70,19 @@ class Trust:
         trusted = {m.peer_id for m in members if self.trusted(m.peer_id, before)}
         return trusted or {m.peer_id for m in members if m.peer_id in self.founders} or {m.peer_id for m in members}
 
-    def assign_owners(self, members: Sequence[Member]) -> list[Member]:
+    def assign_owners(self, members: Sequence[Member], cap: int | None = None) -> list[Member]:
         """``members`` with ``owns`` set: per stage, its eligible members own its shards (the first round's
-        members are the run's founders)."""
+        members are the run's founders); ``cap``: at most that many per stage, those with the most verified work
+        (a stage averaged as one group of 1,000: each member reports every owner's outcome in its heartbeat, which
+        holds ``MAX_OWNERS``; the others contribute to every shard and gather every result, as on probation)."""
         if not self.founders and not self.work:
             self.founders = {m.peer_id for m in members}
         out = []
         for stage in sorted({m.stage for m in members}):
             cells = [m for m in members if m.stage == stage]
             owners = self.eligible(cells)
+            if cap is not None and len(owners) > cap:
+                owners = set(sorted(owners, key=lambda p: (-len(self.work.get(p, ())), p))[:cap])
             out += [m.model_copy(update={"owns": m.peer_id in owners}) for m in cells]
         return out
 

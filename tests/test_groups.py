@@ -323,3 +323,23 @@ def test_a_step_on_an_older_round_starts_from_the_state_its_groups_share(round_s
     tasklet = SimpleNamespace(tools=SimpleNamespace(me="me", rc=apply_overrides(RunConfig(), {"sync.group_size": 2})),
                               stage=0, states=SimpleNamespace(current=held[0], server=SimpleNamespace(previous=held[1])))
     assert Tasklet.base_hash(tasklet, rnd, 9) == expected  # type: ignore[arg-type]
+
+
+def test_a_stage_averaged_as_one_group_has_at_most_max_owners_owners() -> None:
+    """Each member reports every owner's outcome (StepReport.flags holds MAX_OWNERS): a stage of 300 averaged as
+    one group (sync.group_size 0) had 300 owners, and every member's heartbeat failed validation after the step.
+    Its owners are now the MAX_OWNERS with the most verified work; the others contribute and gather, as on
+    probation. With groups, every eligible member of a group owns in it (a group holds at most MAX_OWNERS)."""
+    from potluck.coordinator.rounds import Rounds
+    from potluck.protos.wire.records import MAX_OWNERS, StepReport
+
+    work = {f"p{r:03d}": list(range(1, 2 + r % 5)) for r in range(300)}
+    stage = [Member(peer_id=p, address="x:1", replica=r) for r, p in enumerate(sorted(work))]
+    rc = apply_overrides(RunConfig(), {"sync.audit_fraction": 0.0})
+    whole, _ = Integrity(rc, Trust(probation_steps=1, work=work)).roles(stage, Rounds(stages=1))
+    owners = [m.peer_id for m in whole if m.owns]
+    assert len(owners) == MAX_OWNERS and min(len(work[p]) for p in owners) >= max(
+        len(work[m.peer_id]) for m in whole if not m.owns)  # (the most work first)
+    StepReport(step=2, flags={o: [] for o in owners})  # every owner's outcome fits a member's report
+    grouped, _ = Integrity(rc, Trust(probation_steps=1, work=work)).roles(stage, Rounds(stages=1, group_size=4))
+    assert all(m.owns for m in grouped)

@@ -32,6 +32,7 @@ from pydantic import Field, field_validator, model_validator
 
 from potluck.protos.config.modelconfig import HF_DECIDES, LLAMA_PRESETS, ModelConfig  # noqa: F401 - re-exported
 from potluck.protos.config.section import Section
+from potluck.protos.wire.records import MAX_OWNERS
 
 BYTE_VOCAB = 256  # byte-level data: one token per byte value
 MAX_RECORD_TTL_S = 300.0  # the DHT refuses records asking to live longer (potluck.protos.net.dhtguard)
@@ -166,6 +167,9 @@ class SyncConfig(Section):
         if v < 0 or v == 1:
             raise ValueError(f"group_size {v}: a group must hold at least 2 members (0 averages every member of a "
                              "stage in one group)")
+        if v > MAX_OWNERS:
+            raise ValueError(f"group_size {v}: a group holds at most {MAX_OWNERS} members (each reports every owner's "
+                             "outcome in its heartbeat); 0 averages a whole stage, with at most that many owners")
         return v
 
 

@@ -31,6 +31,7 @@ from potluck.protos.wire.states import PeerState
 
 NAME_LEN, ADDRESS_LEN, HASH_LEN, ID_LEN, TEXT_LEN = 64, 256, 128, 64, 512
 MAX_GROUPS = 1 << 14  # averaging groups of one stage
+MAX_OWNERS = 256  # shard owners of one averaging group: each member reports every owner's outcome (StepReport.flags)
 
 
 
@@ -90,7 +91,7 @@ class StepReport(Record):
     included: list[int] = Field(default_factory=list, max_length=1024, description="replicas whose contributions "
                                 "this version holds (stage 0: the data cursor returns the others' samples)")
     pipe: dict[str, int] = Field(default_factory=dict, max_length=8, description="pipeline bytes of the step, by kind")
-    flags: dict[str, list[str]] = Field(default_factory=dict, max_length=256, description="each owner's signed "
+    flags: dict[str, list[str]] = Field(default_factory=dict, max_length=MAX_OWNERS, description="each owner's signed "
                                         "outcome: the contributors it clipped or left out (the coordinator counts "
                                         "owners, not the members that repeat them)")
     t: float = Field(0.0, description="wall-clock time of the commit")
