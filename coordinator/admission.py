@@ -28,7 +28,7 @@ from __future__ import annotations
 import hmac
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -223,10 +223,12 @@ class Gatekeeper:
         self._flagged: dict[str, dict[int, bool]] = {}  # peer -> step -> clipped or rejected by most owners
         self._seen: dict[str, PeerRecord] = {}  # the records _evictions last saw, and their reports by step:
         self._by_step: dict[int, dict[str, StepReport]] = {}  # step -> reporter -> its report of that step
-        self._context: tuple = (None, -1)  # (the newest round, the revoked count) it judged under
+        self._rounds: dict[int, Round | None] = {}  # step -> the round it was last judged under
+        self._revoked = -1  # the evictions it judged under
         self._admitted: set[str] = set()  # the peers admitted when it last judged
         # of a stage's members, those whose reports count (past probation; all of them while none is)
         self.trusted: Callable[[Sequence[Member], int], set[str]] = lambda cells, step: {m.peer_id for m in cells}
+        self.trust_moved: Callable[[], Collection[str]] = tuple  # peers whose trust changed since last asked
         self._unsent: list[Certificate] = []  # answers reviewed but not stored yet
         self._sending: tuple[Any, list[Certificate]] | None = None  # (future, answers) of the store in flight
         self._in_use_seen: dict[tuple[str, int], str] = {}  # (peer, request seq) -> why refused ('' if not)
@@ -295,18 +297,25 @@ class Gatekeeper:
         once past it, a crowd of reporters still cannot put words in an honest owner's mouth (it used to: 8
         fresh keys past a 2-step probation got the 3 honest peers evicted at a run's end). Flagged too often:
         evicted."""
-        latest = round_at(1 << 62)  # (the newest round: it changes with every decision and rollback)
-        context = (latest, len(self.admission.revoked))
         dirty: dict[int, set[str] | None] = dict(self._index(records))
+        rounds = {step: round_at(step) for step in self._by_step}  # (a step whose round is new, decided anew after
+        for step, rnd in rounds.items():  # a rollback, or first judged: all of its groups; a decision changes one)
+            if self._rounds.get(step) is not rnd:
+                dirty[step] = None
+        self._rounds = rounds
         admitted = set(self.admission.admitted)  # (at 1,000 peers with churn, someone is admitted every second)
         for pid in admitted ^ self._admitted:  # whose reports start or stop counting: their groups are judged again
             for report in getattr(self._seen.get(pid), "recent", ()):
                 if (mark := dirty.setdefault(report.step, set())) is not None:
                     mark.add(pid)
         self._admitted = admitted
-        if context[0] is not self._context[0] or context[1:] != self._context[1:]:
-            dirty = dict.fromkeys(self._by_step)  # (a new round or an eviction: every verdict may change)
-        self._context = context
+        for pid in self.trust_moved():  # (a group's trusted reporters changed: in every step it may be a member of)
+            for step in self._by_step:
+                if (mark := dirty.setdefault(step, set())) is not None:
+                    mark.add(pid)
+        if len(self.admission.revoked) != self._revoked:
+            dirty = dict.fromkeys(self._by_step)  # (an eviction: every verdict may change)
+        self._revoked = len(self.admission.revoked)
         touched: set[str] = set()  # (at 1,000 peers, judging every report of every record five times a second was
         for step in sorted(dirty):  # a third of the coordinator's tick: only the groups whose reports changed are)
             touched |= self._judge(step, self._by_step.get(step, {}), round_at, dirty[step])

@@ -67,7 +67,7 @@ class Coordinator:
         self.pinger = Pinger(self.client, self.run_id, self.id, done=self._wake.set)  # (off the loop; it wakes it)
         self.checkpointer = Checkpointer.for_run(cfg, self.client, self.run_id, self.id)
         self.integrity = Integrity.for_run(cfg, self.client, self.run_id, self.id, self.state.trust)
-        self.gate.trusted = self.integrity.trust.eligible  # eviction votes: owners and reporters past probation
+        self.gate.trusted, self.gate.trust_moved = self.integrity.trust.eligible, self.integrity.trust.moved  # (votes)
         self.placement = PlacementWorker(cfg, cfg.links.search_budget_s)
         self.series, self.health, self.folder = Series(), Health(settle=True), history.Folder()
         self.node: Any = None  # (and the reader of it, once it runs)
@@ -76,7 +76,7 @@ class Coordinator:
         self.status: StatusServer | None = None
         self.publisher: Any = None
         self.info = RunInfo(self.run_id, self.id, "", "", time.time(), self.state.finished)
-        self._snapshot, self._dirty = dict[str, Any](), False
+        self._snapshot, self._dirty = dict[str, Any](), 0  # (1: to journal; 2: now, a failure or rollback)
         set_context(role="coordinator", peer_id=self.id)
 
     def run(self) -> int:
@@ -163,7 +163,7 @@ class Coordinator:
         self.state.history, added = self.folder.fold(self.state.history, self.table.records(changed=True), self.rounds.round_at,
                                                      self.rounds.committed, self.table.records(), long=self.health.long(began))
         self._dirty |= added  # (admissions: every few seconds at most; a long tick's commit: on the next tick)
-        if (self._dirty or self.gate.admission.journal_due()) and not self.health.waits("journal", began):
+        if (self._dirty or self.gate.admission.journal_due()) and (self._dirty > 1 or not self.health.waits("journal", began)):
             self._save()
         self.publisher.publish(self.rounds.rounds.values())
         self.info.finished, self.info.checkpoint_version = self.state.finished, self.publisher.manifest.checkpoint_version
@@ -174,7 +174,7 @@ class Coordinator:
             self.health.snapshot_built(now)
 
     def _on(self, ev: object) -> None:
-        self._dirty = True
+        self._dirty = max(self._dirty, 1 if isinstance(ev, roundevents.Committed) else 2)
         if isinstance(ev, roundevents.Committed):
             fault("coordinator.committed", ev.step)
             self.integrity.committed(self.rounds.round_at(ev.step), ev.step, self.table.reports())
@@ -205,7 +205,7 @@ class Coordinator:
         if admin is not None:
             self._event("admin", "", f"run ended by the admin at outer step {self.rounds.committed}{admin}")
         if not self.state.finished and done:
-            self.state.finished, self._dirty = True, True
+            self.state.finished, self._dirty = True, 2
             self.publisher.update(finished=True)
             self._event("finished", "", f"run ended at outer step {self.rounds.committed}")
 
@@ -240,7 +240,7 @@ class Coordinator:
         s.outcomes, s.revoked, s.trust, s.admitted = ([vars(o) for o in r.outcomes], sorted(self.gate.admission.revoked),
                                                       self.integrity.trust.to_json(), self.gate.admission.journaled())
         self.journal.save(s)
-        self._dirty = False
+        self._dirty = 0
 
     def _event(self, kind: str, peer: str, message: str, warn: bool = False) -> None:
         self.events.append({"t": time.time(), "kind": kind, "peer": peer, "message": message})

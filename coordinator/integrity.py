@@ -78,7 +78,7 @@ class Integrity:
 
     def roles(self, members: list[Member], rounds: Rounds) -> tuple[list[Member], list[Audit]]:
         """The members of the next round with their shard ownership set, and the audits it carries."""
-        members = self.trust.assign_owners(members, None if rounds.group_size else MAX_OWNERS)  # (groups: <= it)
+        members = self.trust.assign_owners(members, None if rounds.group_size else MAX_OWNERS, self.rng.random)
         audits = self.audits(rounds.rounds.get(rounds.committed), members)
         self._assigned.update({shard_key(a): a for a in audits})
         return members, audits

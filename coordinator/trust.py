@@ -19,7 +19,8 @@ Pure bookkeeping: the coordinator feeds it committed rounds and the peers' repor
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Sequence
+import random
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,7 @@ class Trust:
     probation_steps: int = 3
     work: dict[str, list[int]] = field(default_factory=dict)  # peer -> committed steps it made as a member
     founders: set[str] = field(default_factory=set)  # the members of the run's first round
+    _moved: set[str] = field(default_factory=set, compare=False, repr=False)  # whose trust as of a step changed
 
     def committed(self, rnd: Round | None, step: int, reports: Iterable[Report]) -> None:
         """Step ``step`` committed in ``rnd``: its members that hold a version of it (or later) did the work."""
@@ -44,18 +46,31 @@ class Trust:
             if r.peer_id in members and r.version >= step and r.epoch >= rnd.epoch:
                 steps = self.work.setdefault(r.peer_id, [])
                 if step not in steps:
-                    bisect.insort(steps, step)  # (kept in order: trusted() reads the probation-th step)
-                    del steps[:-KEEP_STEPS]
+                    at = bisect.bisect(steps, step)
+                    steps.insert(at, step)  # (kept in order: trusted() reads the probation-th step)
+                    del steps[:-KEEP_STEPS]  # (what this drops moves that step 60 steps back: no verdict changes)
+                    if at < self.probation_steps:
+                        self._moved.add(r.peer_id)
 
     def rolled_back(self, to_version: int) -> None:
         """Steps undone by a rollback were not verified work after all."""
-        for steps in self.work.values():
-            steps[:] = [s for s in steps if s <= to_version]
+        for peer, steps in self.work.items():
+            kept = [s for s in steps if s <= to_version]
+            if kept[:self.probation_steps] != steps[:self.probation_steps]:
+                self._moved.add(peer)
+            steps[:] = kept
 
     def forget(self, peer_id: str) -> None:
         """An evicted peer starts over, should it ever be let back in (and is a founder no more)."""
         self.work.pop(peer_id, None)
         self.founders.discard(peer_id)
+        self._moved.add(peer_id)
+
+    def moved(self) -> set[str]:
+        """The peers whose trust as of some step changed since the last call (crossed probation, lost work to a
+        rollback, forgotten): the coordinator judges their groups' eviction votes again."""
+        out, self._moved = self._moved, set()
+        return out
 
     def trusted(self, peer_id: str, before: int | None = None) -> bool:
         """Past probation (``before`` a step: by the work it committed before that step)."""
@@ -70,11 +85,13 @@ class Trust:
         trusted = {m.peer_id for m in members if self.trusted(m.peer_id, before)}
         return trusted or {m.peer_id for m in members if m.peer_id in self.founders} or {m.peer_id for m in members}
 
-    def assign_owners(self, members: Sequence[Member], cap: int | None = None) -> list[Member]:
+    def assign_owners(self, members: Sequence[Member], cap: int | None = None,
+                      draw: Callable[[], float] = random.random) -> list[Member]:
         """``members`` with ``owns`` set: per stage, its eligible members own its shards (the first round's
-        members are the run's founders); ``cap``: at most that many per stage, those with the most verified work
-        (a stage averaged as one group of 1,000: each member reports every owner's outcome in its heartbeat, which
-        holds ``MAX_OWNERS``; the others contribute to every shard and gather every result, as on probation)."""
+        members are the run's founders); ``cap``: at most that many per stage, those with the most verified work,
+        ties drawn by ``draw`` (a peer id is cheap to grind: never its order) (a stage averaged as one group of
+        1,000: each member reports every owner's outcome in each heartbeat, which must fit a DHT record; the
+        others contribute to every shard and gather every result, as on probation)."""
         if not self.founders and not self.work:
             self.founders = {m.peer_id for m in members}
         out = []
@@ -82,7 +99,7 @@ class Trust:
             cells = [m for m in members if m.stage == stage]
             owners = self.eligible(cells)
             if cap is not None and len(owners) > cap:
-                owners = set(sorted(owners, key=lambda p: (-len(self.work.get(p, ())), p))[:cap])
+                owners = set(sorted(owners, key=lambda p: (-len(self.work.get(p, ())), draw()))[:cap])
             out += [m.model_copy(update={"owns": m.peer_id in owners}) for m in cells]
         return out
 

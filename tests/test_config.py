@@ -42,7 +42,7 @@ def test_robust_aggregation_can_be_switched_off_in_a_run_file() -> None:
         ({"sync": {"codec": "zstd"}}, "sync.codec"),
         ({"sync": {"group_size": 1}}, "sync.group_size: group_size 1: a group must hold at least 2 members"),
         ({"sync": {"group_size": -2}}, "sync.group_size"),
-        ({"sync": {"group_size": 300}}, "sync.group_size: group_size 300: a group holds at most 256 members"),
+        ({"sync": {"group_size": 33}}, "sync.group_size: group_size 33: a group holds at most 32 members"),
         ({"data": {"source": "bytes"}}, "data"),
         ({"membership": {"heartbeat_s": 5, "heartbeat_timeout_s": 6}}, "membership"),
         # records outliving what every DHT node accepts (300 s) would be refused, silently, at every heartbeat

@@ -325,21 +325,36 @@ def test_a_step_on_an_older_round_starts_from_the_state_its_groups_share(round_s
     assert Tasklet.base_hash(tasklet, rnd, 9) == expected  # type: ignore[arg-type]
 
 
-def test_a_stage_averaged_as_one_group_has_at_most_max_owners_owners() -> None:
-    """Each member reports every owner's outcome (StepReport.flags holds MAX_OWNERS): a stage of 300 averaged as
-    one group (sync.group_size 0) had 300 owners, and every member's heartbeat failed validation after the step.
-    Its owners are now the MAX_OWNERS with the most verified work; the others contribute and gather, as on
-    probation. With groups, every eligible member of a group owns in it (a group holds at most MAX_OWNERS)."""
-    from potluck.coordinator.rounds import Rounds
-    from potluck.protos.wire.records import MAX_OWNERS, StepReport
+def test_a_stage_averaged_as_one_group_has_at_most_max_owners_owners_and_their_reports_fit_a_record() -> None:
+    """Each member reports every owner's outcome in each heartbeat (StepReport.flags), and a heartbeat must fit a DHT
+    record: a stage of 300 averaged as one group (sync.group_size 0) had 300 owners, and every member's record failed
+    validation after the step. Its owners are now the MAX_OWNERS with the most verified work, ties drawn at random
+    (the lowest peer ids would be a prize to grind keys for); the others contribute and gather, as on probation.
+    With groups, every eligible member of a group owns in it (a group holds at most MAX_OWNERS)."""
+    import time
 
-    work = {f"p{r:03d}": list(range(1, 2 + r % 5)) for r in range(300)}
+    from hivemind.utils import MSGPackSerializer
+
+    from potluck.coordinator.rounds import Rounds
+    from potluck.peer.telemetry import KEEP_STEPS
+    from potluck.protos.net.dhtguard import MAX_RECORD_BYTES
+    from potluck.protos.net.identity import Identity
+    from potluck.protos.wire.envelope import seal
+    from potluck.protos.wire.records import MAX_OWNERS, PeerRecord, StepReport
+
+    work = {f"p{r:03d}": list(range(1, 2 + r % 5)) for r in range(300)}  # (60 peers with the most: 5 steps)
     stage = [Member(peer_id=p, address="x:1", replica=r) for r, p in enumerate(sorted(work))]
     rc = apply_overrides(RunConfig(), {"sync.audit_fraction": 0.0})
-    whole, _ = Integrity(rc, Trust(probation_steps=1, work=work)).roles(stage, Rounds(stages=1))
+    whole, _ = Integrity(rc, Trust(probation_steps=1, work=work), rng=random.Random(1)).roles(stage, Rounds(stages=1))
     owners = [m.peer_id for m in whole if m.owns]
-    assert len(owners) == MAX_OWNERS and min(len(work[p]) for p in owners) >= max(
-        len(work[m.peer_id]) for m in whole if not m.owns)  # (the most work first)
-    StepReport(step=2, flags={o: [] for o in owners})  # every owner's outcome fits a member's report
+    assert len(owners) == MAX_OWNERS and all(len(work[p]) == 5 for p in owners)  # (the most work first)
+    assert owners != sorted(p for p in work if len(work[p]) == 5)[:MAX_OWNERS]  # (not the lowest ids)
     grouped, _ = Integrity(rc, Trust(probation_steps=1, work=work)).roles(stage, Rounds(stages=1, group_size=4))
     assert all(m.owns for m in grouped)
+    me, ids = Identity.generate(), [Identity.generate().peer_id for _ in range(MAX_OWNERS + 2)]
+    reports = [StepReport(step=s, stage=0, replica=5, state_hash="h" * 64, loss=2.5, eval_loss=2.6, outer_s=3.2,
+                          outer_bytes=10**7, members=MAX_OWNERS, contributors=MAX_OWNERS, dropped=ids[:2],
+                          clipped=ids[:2], included=list(range(MAX_OWNERS)), pipe={"activations": 10**8},
+                          flags={o: ids[-1:] for o in ids[:MAX_OWNERS]}, t=time.time()) for s in range(KEEP_STEPS)]
+    record = PeerRecord(peer_id=me.peer_id, address="203.0.113.7:40000", recent=reports, seq=1)
+    assert len(MSGPackSerializer.dumps(seal(me, record, 60))) < 0.6 * MAX_RECORD_BYTES  # (every owner naming one)

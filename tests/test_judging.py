@@ -10,30 +10,37 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from test_admission import RUN, _Node, asking
 
 from potluck.coordinator.admission import RECENT_STEPS, Gatekeeper
+from potluck.coordinator.trust import Trust
 from potluck.protos.config.files import apply_overrides
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.wire.records import GroupBase, Member, PeerRecord, Round, StepReport
 
 
-@pytest.mark.parametrize("stages,group_size", [(1, 0), (2, 3), (1, 2)])
+@pytest.mark.parametrize("stages,group_size,trusting", [(1, 0, False), (2, 3, False), (1, 2, False), (1, 0, True),
+                                                        (2, 3, True)])
 def test_judging_only_the_groups_whose_reports_changed_gives_the_verdicts_of_judging_everything(
-        tmp_path: Path, stages: int, group_size: int) -> None:
+        tmp_path: Path, stages: int, group_size: int, trusting: bool) -> None:
     """Two gatekeepers see the same 40 ticks of random reports (flags from owners and from liars, a reporter that
     names another stage than its own, records replaced, dropped and back, rounds decided anew, members moved
     between groups, peers admitted late and evicted): one incremental, one made to judge every step every tick. They flag, and evict, the same
     peers at every tick."""
-    rng = random.Random(7 + stages + group_size)
+    rng = random.Random(7 + stages + group_size + 3 * trusting)
     cfg = apply_overrides(RunConfig(), {"admission.evict_after": 3})
     asks = [asking() for _ in range(12)]
     ids = sorted(pid for pid, _, _ in asks)
     late = set(ids[6:8])  # (admitted at tick 9: their reports start counting then)
     node = _Node({pid: req for pid, _, req in asks if pid not in late})
     gates = [Gatekeeper(cfg, RUN, "coordinator-id", tmp_path / name, []) for name in ("incremental", "full")]
+    trust = Trust(probation_steps=2, founders=set(ids[:2]))  # (trusting: reporters past probation only, who cross
+    if trusting:  # it as steps commit, and fall back behind it in a rollback)
+        gates[0].trusted = gates[1].trusted = trust.eligible
+        gates[0].trust_moved = trust.moved
     per_stage = len(ids) // stages
 
     def a_round(step: int) -> Round:
@@ -62,11 +69,17 @@ def test_judging_only_the_groups_whose_reports_changed_gives_the_verdicts_of_jud
             recent[pid] = (recent[pid] + [StepReport(step=step, stage=stage, flags=flags)])[-RECENT_STEPS:]
         if tick == 9:
             node.requests.update({pid: req for pid, _, req in asks if pid in late})
+        if trusting and tick % 2 == 1:  # (a commit, seen late at times: some of its members did the step's work)
+            made = max(1, step - rng.choice((0, 2, 3)))
+            done = [SimpleNamespace(peer_id=p, version=made, epoch=0) for p in rng.sample(ids, 6)]
+            trust.committed(rounds[made], made, done)  # type: ignore[arg-type]
+        if trusting and tick == 25:
+            trust.rolled_back(step - 4)
         if tick % 7 == 3:
             rounds[step] = a_round(step)  # the newest round decided anew (after a failure): all is judged again
         records = {p: PeerRecord(peer_id=p, address="x:1", recent=list(r), seq=tick) for p, r in recent.items()
                    if not (tick % 5 == 2 and p == ids[1])}  # one record missing now and then
-        gates[1]._seen, gates[1]._by_step, gates[1]._context = {}, {}, (None, -1)  # (the old way: all of it)
+        gates[1]._seen, gates[1]._by_step, gates[1]._rounds = {}, {}, {}  # (the old way: all of it)
         got = [g.tick(node, records, round_at)[1] for g in gates]
         assert [e for e in got[0] if e[0] == "evicted"] == [e for e in got[1] if e[0] == "evicted"], tick
         assert gates[0]._flagged == gates[1]._flagged, tick

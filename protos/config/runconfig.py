@@ -169,7 +169,8 @@ class SyncConfig(Section):
                              "stage in one group)")
         if v > MAX_OWNERS:
             raise ValueError(f"group_size {v}: a group holds at most {MAX_OWNERS} members (each reports every owner's "
-                             "outcome in its heartbeat); 0 averages a whole stage, with at most that many owners")
+                             "outcome in each heartbeat, which must fit a DHT record); 0 averages a whole stage, with "
+                             "at most that many owners")
         return v
 
 

@@ -31,7 +31,9 @@ from potluck.protos.wire.states import PeerState
 
 NAME_LEN, ADDRESS_LEN, HASH_LEN, ID_LEN, TEXT_LEN = 64, 256, 128, 64, 512
 MAX_GROUPS = 1 << 14  # averaging groups of one stage
-MAX_OWNERS = 256  # shard owners of one averaging group: each member reports every owner's outcome (StepReport.flags)
+MAX_OWNERS = 32  # shard owners of one averaging group: each member reports every owner's outcome (StepReport.flags)
+# in each of its heartbeat's reports, and a heartbeat must fit a DHT record (64 KiB): 8 reports of 32 owners, each
+# naming one peer, are 35 KB (tests/test_groups.py); of 128 owners, 124 KB
 
 
 
