@@ -28,7 +28,7 @@ from __future__ import annotations
 import hmac
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -305,14 +305,10 @@ class Gatekeeper:
         self._rounds = rounds
         admitted = set(self.admission.admitted)  # (at 1,000 peers with churn, someone is admitted every second)
         for pid in admitted ^ self._admitted:  # whose reports start or stop counting: their groups are judged again
-            for report in getattr(self._seen.get(pid), "recent", ()):
-                if (mark := dirty.setdefault(report.step, set())) is not None:
-                    mark.add(pid)
+            _mark(dirty, pid, [r.step for r in getattr(self._seen.get(pid), "recent", ())])
         self._admitted = admitted
         for pid in self.trust_moved():  # (a group's trusted reporters changed: in every step it may be a member of)
-            for step in self._by_step:
-                if (mark := dirty.setdefault(step, set())) is not None:
-                    mark.add(pid)
+            _mark(dirty, pid, self._by_step)
         if len(self.admission.revoked) != self._revoked:
             dirty = dict.fromkeys(self._by_step)  # (an eviction: every verdict may change)
         self._revoked = len(self.admission.revoked)
@@ -406,6 +402,13 @@ class Gatekeeper:
 
     def revoked(self, peer_id: str) -> bool:
         return peer_id in self.admission.revoked
+
+
+def _mark(dirty: dict[int, set[str] | None], pid: str, steps: Iterable[int]) -> None:
+    """``pid``'s groups are to be judged again in these steps (a step judged whole already stays so)."""
+    for step in steps:
+        if (mark := dirty.setdefault(step, set())) is not None:
+            mark.add(pid)
 
 
 def _as_most_say(versions: Counter[tuple[str, ...]]) -> set[str]:

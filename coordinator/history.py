@@ -54,14 +54,13 @@ def fold(history: list[dict[str, Any]], records: Iterable[PeerRecord], round_at:
     are folded instead when an entry is added -- a report that came before its step committed rides
     on a record that may never change again (a goodbye)."""
     last = history[-1]["step"] if history else 0
-    added = committed > last
+    added, records = committed > last, list(records)
     pairs: Iterable[tuple[PeerRecord, StepReport]] = ((rec, report) for rec in records for report in rec.recent)
     if added:
         fresh = range(max(1, last + 1), committed + 1)
         history = history + [new_entry(step, round_at(step), now) for step in fresh]
         if everyone is not None:  # (everyone's reports of the steps just committed, not all 16 of each: a commit at
-            records = list(records)  # 1,000 peers looked at 16,000 reports, 60 ms of one tick)
-            mine = {rec.peer_id for rec in records}
+            mine = {rec.peer_id for rec in records}  # 1,000 peers looked at 16,000 reports, 60 ms of one tick)
             pairs = [*pairs, *((rec, report) for rec in everyone if rec.peer_id not in mine
                                for report in rec.recent if report.step in fresh)]
     by_step = {h["step"]: h for h in history[-KEEP_DETAIL:] if "_peers" in h}
@@ -102,21 +101,22 @@ def fold(history: list[dict[str, Any]], records: Iterable[PeerRecord], round_at:
 class Folder:
     """:func:`fold` as the coordinator's loop calls it: with a memo and the records that changed since the last
     fold. A commit's fold (every member's report of the step: 1,000 at 1,000 peers, 30-50 ms) is left to the next
-    tick, once, when this tick is long already (``long``): with the step's judging and journal write it made
-    the tick's p99. The records that changed meanwhile are folded then."""
+    tick when ``waits()`` says so (the loop's :meth:`~potluck.coordinator.health.Health.waits`: this tick is long
+    already, and never two ticks running): with the step's judging and journal write it made the tick's p99. The
+    records that changed meanwhile are folded then."""
 
     def __init__(self) -> None:
         self.memo: Memo = {}
         self._unfolded: list[PeerRecord] = []
-        self._owed = False
 
     def fold(self, history: list[dict[str, Any]], changed: Iterable[PeerRecord], round_at: Callable[[int], Round | None],
-             committed: int, everyone: list[PeerRecord], long: bool = False) -> tuple[list[dict[str, Any]], bool]:
+             committed: int, everyone: list[PeerRecord], waits: Callable[[], bool] = bool,
+             ) -> tuple[list[dict[str, Any]], bool]:
         pending = [*self._unfolded, *changed]
-        if long and not self._owed and committed > (history[-1]["step"] if history else 0):
-            self._unfolded, self._owed = pending, True
+        if committed > (history[-1]["step"] if history else 0) and waits():  # (asked only when a commit is due)
+            self._unfolded = pending
             return history, False
-        self._unfolded, self._owed = [], False
+        self._unfolded = []
         return fold(history, pending, round_at, committed, memo=self.memo, everyone=everyone)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from functools import partial
 
 from potluck.coordinator import history
@@ -38,7 +39,7 @@ def test_a_commits_fold_left_to_the_next_tick_makes_the_same_history() -> None:
     held: dict[str, PeerRecord] = {}
     whole: list[dict] = []
     part: list[dict] = []
-    folder, deferred = history.Folder(), 0
+    folder, deferred, health = history.Folder(), 0, Health()  # (its waits: long ticks, never two running)
     for tick in range(60):
         committed = tick // 6
         changed = []
@@ -51,7 +52,8 @@ def test_a_commits_fold_left_to_the_next_tick_makes_the_same_history() -> None:
             changed.append(rec)
         whole, _ = history.fold(whole, list(held.values()), round_at, committed, now=float(committed))
         before = len(part)
-        part, added = folder.fold(part, changed, round_at, committed, list(held.values()), long=rng.random() < 0.7)
+        began = -1e9 if rng.random() < 0.7 else time.thread_time()  # (a long tick, most of them)
+        part, added = folder.fold(part, changed, round_at, committed, list(held.values()), partial(health.waits, "fold", began))
         deferred += committed > (part[-1]["step"] if part else 0)
         assert added == (len(part) > before)
         for h in part[-len(whole):]:
