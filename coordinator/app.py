@@ -61,9 +61,9 @@ class Coordinator:
         self.id, self.run_id = self.identity.peer_id, self.state.run_id
         self.table, self.rounds = PeerTable.for_run(cfg), Rounds.for_run(cfg)
         self.gate = Gatekeeper(cfg, self.run_id, self.id, Path(c.journal_dir), self.state.revoked, self.state.admitted)
-        self.gate.admission.on_revoke = self.table.evict  # (an evicted peer is in no round decided after it)
         self.tls = None if c.insecure else self.gate.tls  # gRPC with peers over mutual TLS unless --insecure
         self.client = PeerClient(self.traffic, tls=self.tls)
+        self.gate.admission.on_revoke, self.table.on_lost = self.table.evict, self.client.forget  # (in no later round; its channels close)
         self.pinger = Pinger(self.client, self.run_id, self.id, done=self._wake.set)  # (off the loop; it wakes it)
         self.checkpointer = Checkpointer.for_run(cfg, self.client, self.run_id, self.id)
         self.integrity = Integrity.for_run(cfg, self.client, self.run_id, self.id, self.state.trust)

@@ -17,6 +17,7 @@ peers, those gone longest are forgotten (one that comes back is a newcomer again
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from potluck.coordinator.roundevents import Report
@@ -73,6 +74,7 @@ class PeerTable:
         self.peers: dict[str, PeerView] = {}
         self.changed: list[PeerView] = []  # the views whose record the last update changed
         self._read_at: float | None = None  # the ``read_at`` of the last update that had one
+        self.on_lost: Callable[[str], None] = lambda peer_id: None  # (the coordinator closes its channels to it)
 
     @classmethod
     def for_run(cls, cfg: RunConfig) -> PeerTable:
@@ -125,6 +127,7 @@ class PeerTable:
         for pid, view in self.peers.items():
             if not view.lost and now - view.last_seen > self.timeout:
                 view.lost = True  # (one that said goodbye is not reported lost, but no longer counts as there)
+                self.on_lost(pid)
                 if not view.left:
                     events.append(("lost", pid))
             gone += not view.live
@@ -139,6 +142,7 @@ class PeerTable:
         view = self.peers.get(peer_id)
         if view is not None:
             view.lost = view.evicted = True
+            self.on_lost(peer_id)
 
     def _forget(self, n: int) -> None:
         """Forget the ``n`` peers gone longest (their records stopped first)."""

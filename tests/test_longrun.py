@@ -94,3 +94,43 @@ def test_a_coordinator_that_pinged_four_times_its_channel_bound_holds_about_the_
         assert max(held) == held[-1] == transport.KEEP_CHANNELS  # (1,024 made, 768 closed)
     finally:
         client.close()
+
+
+def test_a_client_forgets_the_channels_of_a_peer_lost_and_only_those() -> None:
+    """A peer lost to the run (or evicted) takes its channel with it at once, not after IDLE_CHANNEL_S of churn;
+    another peer's channel, and a relay's that the lost peer was reached through, stay open."""
+    from potluck.protos.net import transport
+    from potluck.protos.net.relay import relayed_address
+    client = transport.PeerClient(transport.Traffic())
+    try:
+        client.stub("127.0.0.1:2001", "lost")
+        kept = client.stub("127.0.0.1:2002", "other")
+        relay = client.stub("127.0.0.1:2003", "relay")
+        client.stub(relayed_address("127.0.0.1:2003", "relay"), "natted")  # (through the relay's channel)
+        assert len(client._channels) == 3
+        client.forget("lost")
+        client.forget("natted")  # (no channel of its own: nothing closes)
+        client.forget("never-seen")
+        assert sorted(k[0] for k in client._channels) == ["127.0.0.1:2002", "127.0.0.1:2003"]
+        assert client.stub("127.0.0.1:2002", "other") is kept and client.stub("127.0.0.1:2003", "relay") is relay
+        assert client.stub("127.0.0.1:2001", "lost") is not None and len(client._channels) == 3  # (back: a new one)
+    finally:
+        client.close()
+
+
+def test_the_peer_table_says_when_a_peer_is_lost_or_evicted_once() -> None:
+    from potluck.coordinator.membership import PeerTable
+    from potluck.protos.wire.records import PeerRecord
+
+    lost: list[str] = []
+    table = PeerTable(heartbeat_timeout_s=10.0)
+    table.on_lost = lost.append
+    table.update({p: PeerRecord(peer_id=p, address=f"127.0.0.1:{i + 1}", seq=1) for i, p in enumerate("abc")}, now=0.0)
+    table.update({"a": PeerRecord(peer_id="a", address="127.0.0.1:1", seq=2)}, now=9.0)
+    table.evict("c")
+    assert lost == ["c"]
+    table.update({}, now=12.0)  # b's heartbeats stopped past the timeout; a's did not yet
+    table.update({}, now=13.0)
+    assert lost == ["c", "b"]
+    table.update({}, now=20.0)
+    assert lost == ["c", "b", "a"]
