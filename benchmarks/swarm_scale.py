@@ -48,6 +48,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,25 @@ def rss(pid: int) -> int:
         return 0
 
 
+def pss(pid: int) -> int:
+    """``pid``'s proportional set size: its private pages plus its share of those it shares (the DHT process
+    is forked from the coordinator and shares its imports' pages): summed over processes, the memory they take."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def by_role(root: int, figure: Callable[[int], float]) -> dict[str, float]:
+    """``figure`` of the coordinator's processes: its main process, its DHT process, its p2pd."""
+    procs = tree(root)
+    return {"main": figure(root), "dht": sum(figure(p) for p in procs[1:] if name(p) != "p2pd"),
+            "p2pd": sum(figure(p) for p in procs if name(p) == "p2pd")}
+
+
 def cpu_s(pid: int) -> float:
     """CPU seconds (user + system) ``pid`` has used so far."""
     try:
@@ -81,13 +101,6 @@ def cpu_s(pid: int) -> float:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return 0.0
-
-
-def cpu_by_role(root: int) -> dict[str, float]:
-    """CPU seconds of the coordinator's processes: its main process, its DHT process, its p2pd."""
-    procs = tree(root)
-    return {"main": cpu_s(root), "dht": sum(cpu_s(p) for p in procs[1:] if name(p) != "p2pd"),
-            "p2pd": sum(cpu_s(p) for p in procs if name(p) == "p2pd")}
 
 
 def name(pid: int) -> str:
@@ -203,11 +216,8 @@ def run_size(n: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
         wire.sample(ours)
         state, size = get_json(url + "api/v1/state")
         if state is not None:
-            procs = tree(coord.pid)
             samples.append({"t": time.time(), "state": {k: state[k] for k in ("coordinator", "run", "peers_summary")},
-                            "bytes": size, "rss": {"main": rss(coord.pid),
-                                                   "dht": sum(rss(p) for p in procs[1:] if name(p) != "p2pd"),
-                                                   "p2pd": sum(rss(p) for p in procs if name(p) == "p2pd")}})
+                            "bytes": size, "rss": by_role(coord.pid, rss), "pss": by_role(coord.pid, pss)})
         return state
 
     try:
@@ -222,12 +232,12 @@ def run_size(n: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
         t0 = time.time()
         coord_dht = {p for p in tree(coord.pid) if name(p) == "p2pd"}
         wire_start, coord_start = wire.total(), wire.total(coord_dht)
-        cpu_start = cpu_by_role(coord.pid)
+        cpu_start = by_role(coord.pid, cpu_s)
         while time.time() - t0 < 60 * a.minutes:
             sample()
             time.sleep(2.0)
         minutes = (time.time() - t0) / 60
-        cpu_end = cpu_by_role(coord.pid)
+        cpu_end = by_role(coord.pid, cpu_s)
         sent, _ = wire.total()
         c_sent, c_got = wire.total(coord_dht)
         try:
@@ -281,6 +291,9 @@ def run_size(n: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
                          "all_best": min((x["all"] for x in loads), default=None), "loads": loads},
         "coordinator_cpu_cores": {k: round((cpu_end[k] - cpu_start[k]) / (60 * minutes), 3) for k in cpu_end},
         "rss_bytes": {k: max((s["rss"][k] for s in steady), default=None) for k in ("main", "dht", "p2pd")},
+        # (what the three take together: shared pages counted once; the highest sample's parts)
+        "pss_bytes": max((dict(s["pss"], total=sum(s["pss"].values())) for s in steady),
+                         key=lambda p: p["total"], default=None),
         "dht_bytes_per_peer_per_min": round((sent - wire_start[0]) / n / minutes) if minutes else None,
         "coordinator_dht_bytes_per_min": {"sent": round((c_sent - coord_start[0]) / minutes),
                                           "received": round((c_got - coord_start[1]) / minutes)},
@@ -314,6 +327,7 @@ GROWTH = {
     "snapshot_bytes": lambda r: r["snapshot_bytes"],
     "page_load_table_ms": lambda r: r["page_load_ms"]["table_best"],
     "coordinator_rss_bytes": lambda r: r["rss_bytes"]["main"],
+    "coordinator_pss_total_bytes": lambda r: (r["pss_bytes"] or {}).get("total"),
     "coordinator_cpu_cores": lambda r: sum(r["coordinator_cpu_cores"].values()),
     "dht_bytes_per_peer_per_min": lambda r: r["dht_bytes_per_peer_per_min"],
     "full_network_read_s": lambda r: ((r["baseline"] or {}).get("full_network_read") or {}).get("seconds"),

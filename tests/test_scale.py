@@ -430,3 +430,31 @@ def test_a_rounds_audits_stay_within_its_bound_and_draw_as_before() -> None:
     assert len(audits) == MAX_AUDITS and len({a.shard for a in audits}) == MAX_AUDITS
     assert all(a.auditor != a.owner for a in audits)
     Round(step=4, members=big.members, audits=audits)  # a valid round
+
+
+def test_the_scale_benchmark_counts_memory_a_forked_child_shares_once() -> None:
+    """``swarm_scale.py`` sums its coordinator's processes' PSS as well as their RSS: the DHT process is forked
+    and shares the pages of the imports it inherited, which RSS counts in both."""
+    import importlib.util
+    import os
+    import signal
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("swarm_scale", Path(__file__).parents[1] / "benchmarks" / "swarm_scale.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    ballast = bytearray(64 << 20)  # (touched: 64 MB the child shares, copy on write)
+    ballast[::4096] = b"x" * len(ballast[::4096])
+    child = os.fork()
+    if child == 0:
+        signal.pause()
+        os._exit(0)
+    try:
+        parent = os.getpid()
+        rss, pss = bench.rss(parent) + bench.rss(child), bench.pss(parent) + bench.pss(child)
+        assert 0 < pss < rss - (48 << 20)  # (the ballast, counted once, not twice)
+        assert bench.pss(-1) == 0 and bench.rss(-1) == 0  # (a process gone: nothing, no error)
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
