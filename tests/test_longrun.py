@@ -134,3 +134,29 @@ def test_the_peer_table_says_when_a_peer_is_lost_or_evicted_once() -> None:
     assert lost == ["c", "b"]
     table.update({}, now=20.0)
     assert lost == ["c", "b", "a"]
+
+
+def test_the_peer_tables_reports_are_made_again_exactly_when_a_view_changes() -> None:
+    """``PeerTable.reports`` is kept between ticks; after every kind of change (a join, a newer record, a goodbye,
+    a peer lost, back, evicted, forgotten) it is what making every view's report anew gives."""
+    import random
+
+    from potluck.coordinator.membership import PeerTable
+    from potluck.protos.wire.records import PeerRecord
+
+    rng = random.Random(5)
+    table = PeerTable(heartbeat_timeout_s=3.0, keep_gone=4)
+    seq: dict[str, int] = {}
+    for tick in range(300):
+        now = float(tick)
+        fresh = {}
+        for pid in rng.sample([f"p{i}" for i in range(12)], rng.randint(0, 5)):
+            seq[pid] = seq.get(pid, 0) + rng.choice((0, 1, 1))  # (an old seq changes nothing)
+            state = rng.choice(("training", "training", "left"))
+            fresh[pid] = PeerRecord(peer_id=pid, address=f"127.0.0.1:{1 + int(pid[1:])}", seq=seq[pid], version=tick,
+                                    state=state)
+        table.update(fresh, now=now)
+        if rng.random() < 0.05 and table.peers:
+            table.evict(rng.choice(sorted(table.peers)))
+        assert table.reports() == [v.report() for v in table.peers.values()]
+        assert table.reports() is not table.reports()  # (a copy: a caller cannot change the one kept)
