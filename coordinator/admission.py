@@ -223,6 +223,7 @@ class Gatekeeper:
         self._flagged: dict[str, dict[int, bool]] = {}  # peer -> step -> clipped or rejected by most owners
         self._seen: dict[str, PeerRecord] = {}  # the records _evictions last saw, and their reports by step:
         self._by_step: dict[int, dict[str, StepReport]] = {}  # step -> reporter -> its report of that step
+        self._flaggers: dict[int, set[str]] = {}  # step -> the reporters whose report of it carries owners' lists
         self._rounds: dict[int, Round | None] = {}  # step -> the round it was last judged under
         self._revoked = -1  # the evictions it judged under
         self._admitted: set[str] = set()  # the peers admitted when it last judged
@@ -352,18 +353,24 @@ class Gatekeeper:
                 held.pop(pid, None)
                 if not held:
                     del self._by_step[step]
+            flaggers = self._flaggers.setdefault(step, set())
+            (flaggers.add if report is not None and report.flags else flaggers.discard)(pid)
+            if not flaggers:
+                del self._flaggers[step]
 
     def _judge(self, step: int, reports: dict[str, StepReport], round_at: Callable[[int], Round | None],
                changed: set[str] | None = None) -> set[str]:
         """Step ``step``'s verdicts from its reports (see :meth:`_evictions`); the peers whose verdicts it added to.
         ``changed``: only these reporters' reports changed since the step was last judged, so only the averaging
         groups they are members of are judged again (each group's verdicts come from its members' reports alone;
-        at 1,000 peers in groups of 4, a tick's 40 new reports are 160 reports to judge, not 1,000)."""
+        at 1,000 peers in groups of 4, a tick's 40 new reports are 160 reports to judge, not 1,000), and of their
+        other members only those whose reports carry owners' lists: a report without one adds nothing but its
+        reporter's part in the step, marked when it came (one group of 1,000 was 1,000 reports again a tick)."""
         rnd = round_at(step)
         if changed is not None and rnd is not None:
             groups = {m.group for pid in changed if (m := rnd.member(pid)) is not None}  # (in any stage: a report
-            again = changed | {m.peer_id for g in groups for stage in range(rnd.stages)  # names its stage itself)
-                               for m in rnd.group_members(stage, g)}
+            flaggers = self._flaggers.get(step, set())  # names its stage itself)
+            again = changed | {pid for pid in flaggers if (m := rnd.member(pid)) is not None and m.group in groups}
             reports = {pid: r for pid, r in reports.items() if pid in again}  # (in the same order: the same verdicts)
         claims: dict[tuple[int, int], dict[str, Counter[tuple[str, ...]]]] = {}  # (stage, group) -> owner -> lists
         trusted: dict[tuple[int, int], set[str]] = {}  # (stage, group) -> its trusted reporters

@@ -79,7 +79,7 @@ def test_judging_only_the_groups_whose_reports_changed_gives_the_verdicts_of_jud
             rounds[step] = a_round(step)  # the newest round decided anew (after a failure): all is judged again
         records = {p: PeerRecord(peer_id=p, address="x:1", recent=list(r), seq=tick) for p, r in recent.items()
                    if not (tick % 5 == 2 and p == ids[1])}  # one record missing now and then
-        gates[1]._seen, gates[1]._by_step, gates[1]._rounds = {}, {}, {}  # (the old way: all of it)
+        gates[1]._seen, gates[1]._by_step, gates[1]._flaggers, gates[1]._rounds = {}, {}, {}, {}  # (the old way: all)
         got = [g.tick(node, records, round_at)[1] for g in gates]
         assert [e for e in got[0] if e[0] == "evicted"] == [e for e in got[1] if e[0] == "evicted"], tick
         assert gates[0]._flagged == gates[1]._flagged, tick
