@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from potluck.coordinator.roundevents import Report
 from potluck.models import sizecheck
@@ -41,6 +42,7 @@ class PeerView:
     left: bool = False
     evicted: bool = False  # its key was revoked (a proven lie, a vote): gone for good
     _report: tuple[PeerRecord, bool, bool, bool, Report] | None = None  # the report, and what it was made of
+    page_row: Any = field(default=None, repr=False, compare=False)  # (its status page row, kept by snapshot.peer_rows)
 
     @property
     def live(self) -> bool:

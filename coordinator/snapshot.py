@@ -25,6 +25,7 @@ from potluck.protos.config.runconfig import ModelConfig, RunConfig
 from potluck.protos.net.relay import VIA
 from potluck.protos.net.swarm import LinkReport
 from potluck.protos.runtime.log import short_id
+from potluck.protos.wire.records import PeerRecord, Round
 from potluck.protos.wire.states import ABSENT, SAID_GOODBYE, PeerState
 
 _SILENT = SAID_GOODBYE | {PeerState.LOST}  # (a failed peer still shows its error among the live ones)
@@ -32,6 +33,7 @@ PEERS_INLINE = 200  # past this many known peers, `peers` holds the most telling
 LINKS_PEERS = 64  # the links matrix covers at most this many peers (the first by tasklet): N x N does not scale
 # which peers an operator looks at first when not all fit (lower first): the ones that stopped, then the ones
 # the run counts on, then the ones that said goodbye
+_ROUND: list[Any] = [None, None]  # the latest round and its JSON (see round_json)
 _ATTENTION = {PeerState.FAILED: 0, PeerState.LOST: 1, PeerState.LEFT: 3, PeerState.FINISHED: 3}
 
 
@@ -72,20 +74,35 @@ def peer_rows(views: Sequence[PeerView], tasklet_of: Mapping[str, dict[str, int]
                 counts[pid] = counts.get(pid, 0) + 1
     rows = []
     for view in sorted(views, key=lambda v: v.first_seen):
-        r = view.record
-        rows.append({
-            "id": r.peer_id, "short_id": short_id(r.peer_id), "name": r.name, "state": PeerState.LOST if view.lost and not view.left else r.state,
-            "address": r.address, "device": r.device, "device_name": r.device_name, "memory_gb": r.memory_gb,
-            "tasklet": tasklet_of.get(r.peer_id), "version": r.version, "inner_step": r.inner_step, "loss": r.loss,
-            "eval_loss": r.eval_loss, "tokens_per_s": r.tokens_per_s, "tokens_total": r.tokens_total,
-            "bytes_sent": r.bytes_sent, "bytes_received": r.bytes_received,
-            "last_seen_s": round(now - view.last_seen, 2), "software": r.software, "state_hash": r.state_hash,
-            "compute_s": r.compute_s, "sync_s": r.sync_s, "hidden_s": r.hidden_s, "relayed": VIA in r.address,
-            "clipped": flagged["clipped"].get(r.peer_id, 0),
-            "rejected": flagged["rejected"].get(r.peer_id, 0),
-            "error": r.error if r.state == PeerState.FAILED else "",
-        })
+        r, tasklet = view.record, tasklet_of.get(view.record.peer_id)
+        kept = view.page_row  # (what its record says, made again only when the record or its place changed)
+        if kept is None or kept[0][0] is not r or kept[0][1:] != (view.lost, view.left, tasklet):
+            kept = view.page_row = ((r, view.lost, view.left, tasklet), _row(r, view, tasklet))
+        rows.append({**kept[1], "last_seen_s": round(now - view.last_seen, 2),  # (its keys keep their places)
+                     "clipped": flagged["clipped"].get(r.peer_id, 0), "rejected": flagged["rejected"].get(r.peer_id, 0)})
     return rows
+
+
+def _row(r: PeerRecord, view: PeerView, tasklet: dict[str, int] | None) -> dict[str, Any]:
+    return {
+        "id": r.peer_id, "short_id": short_id(r.peer_id), "name": r.name, "state": PeerState.LOST if view.lost and not view.left else r.state,
+        "address": r.address, "device": r.device, "device_name": r.device_name, "memory_gb": r.memory_gb,
+        "tasklet": tasklet, "version": r.version, "inner_step": r.inner_step, "loss": r.loss,
+        "eval_loss": r.eval_loss, "tokens_per_s": r.tokens_per_s, "tokens_total": r.tokens_total,
+        "bytes_sent": r.bytes_sent, "bytes_received": r.bytes_received,
+        "last_seen_s": None, "software": r.software, "state_hash": r.state_hash,
+        "compute_s": r.compute_s, "sync_s": r.sync_s, "hidden_s": r.hidden_s, "relayed": VIA in r.address,
+        "clipped": 0, "rejected": 0,
+        "error": r.error if r.state == PeerState.FAILED else "",
+    }
+
+
+def round_json(rnd: Round) -> dict[str, Any]:
+    """``rnd`` as JSON, dumped once (a round is never changed in place: a new one replaces it). At 1,000 members
+    the round's dump was a fifth of a snapshot's build, and the snapshot is built every second."""
+    if _ROUND[0] is not rnd:
+        _ROUND[:] = [rnd, rnd.model_dump(mode="json")]
+    return _ROUND[1]
 
 
 def step_rates(entries: Sequence[dict[str, Any]], cfg: RunConfig) -> list[dict[str, Any]]:
@@ -195,7 +212,7 @@ def build(run: RunInfo, cfg: RunConfig, views: Sequence[PeerView], rounds: Round
                        "state": by_id[mb.peer_id]["state"] if mb.peer_id in by_id else PeerState.LOST}
                       for mb in current.members] if current else [],
         },
-        "round": current.model_dump(mode="json") if current else None,
+        "round": round_json(current) if current else None,
         "history": step_rates(history[-501:], cfg)[-500:],
         "rolled_back": step_rates(rolled_back[-50:], cfg),
         "failed_rounds": [vars(o) if not isinstance(o, dict) else o for o in rounds.outcomes[-50:]],
