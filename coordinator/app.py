@@ -33,7 +33,7 @@ from potluck.coordinator.placement import PlacementWorker, grid_for, members
 from potluck.coordinator.publisher import Publisher
 from potluck.coordinator.reader import Reader
 from potluck.coordinator.rounds import Rounds
-from potluck.coordinator.service import CoordinatorService, Pinger
+from potluck.coordinator.service import IDLE_CONNECTION_S, CoordinatorService, Pinger
 from potluck.coordinator.snapshot import RunInfo, Series, build
 from potluck.coordinator.status import StatusServer
 from potluck.protos.config.runconfig import RunConfig
@@ -62,7 +62,7 @@ class Coordinator:
         self.table, self.rounds = PeerTable.for_run(cfg), Rounds.for_run(cfg)
         self.gate = Gatekeeper(cfg, self.run_id, self.id, Path(c.journal_dir), self.state.revoked, self.state.admitted)
         self.tls = None if c.insecure else self.gate.tls  # gRPC with peers over mutual TLS unless --insecure
-        self.client = PeerClient(self.traffic, tls=self.tls)
+        self.client = PeerClient(self.traffic, tls=self.tls, idle_connection_s=IDLE_CONNECTION_S)
         self.gate.admission.on_revoke, self.table.on_lost = self.table.evict, self.client.forget  # (in no later round; its channels close)
         self.pinger = Pinger(self.client, self.run_id, self.id, done=self._wake.set)  # (off the loop; it wakes it)
         self.checkpointer = Checkpointer.for_run(cfg, self.client, self.run_id, self.id)

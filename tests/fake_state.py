@@ -215,7 +215,7 @@ def make_state(
             {"last": None, "max": None, "window": 0},
             "rss_bytes": 180_000_000 + 40_000 * peers, "peers_held": peers,
             "gc": {"frozen": 230_000, "every_s": 30.0, "whole_every_s": 600.0, "collections": steps // 3, "last_s": 0.02 + peers / 10_000,
-                   "max_s": 0.03 + peers / 10_000, "freed": 0},
+                   "max_s": 0.03 + peers / 10_000, "freed": 0, "trimmed": 0},
             "reads": {"peers": {"records": n_live, "changed": n_live // 5, "read_s": 0.03},
                       "admission": {"records": n_live, "changed": 0, "read_s": 0.01},
                       "links": {"records": len(link_ids), "changed": 0, "read_s": 0.01}},

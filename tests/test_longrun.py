@@ -160,3 +160,61 @@ def test_the_peer_tables_reports_are_made_again_exactly_when_a_view_changes() ->
             table.evict(rng.choice(sorted(table.peers)))
         assert table.reports() == [v.report() for v in table.peers.values()]
         assert table.reports() is not table.reports()  # (a copy: a caller cannot change the one kept)
+
+
+@pytest.mark.parametrize("idle_s", [1.0, None])
+def test_a_coordinators_channel_closes_its_idle_connection_and_calls_again(tmp_path, idle_s) -> None:  # type: ignore[no-untyped-def]
+    """With ``idle_connection_s`` (the coordinator's client), a channel that carried no call for that long lets its
+    TLS connection go (about 120 KB each) and connects again for the next call; without it, it stays connected."""
+    import threading
+
+    import grpc
+    from test_relay import RUN, Handlers, Node
+
+    from potluck.protos import potluck_pb2 as pb
+    from potluck.protos.net.certs import CertificateAuthority
+    from potluck.protos.net.transport import PeerClient, PeerServer
+
+    ca = CertificateAuthority.load_or_create(tmp_path / "ca.key", RUN)
+    peer, coordinator = Node(ca), Node(ca)
+    server = PeerServer(Handlers(peer.id), peer.traffic, host="127.0.0.1", port=0, tls=peer.tls)
+    client = PeerClient(coordinator.traffic, tls=coordinator.tls, idle_connection_s=idle_s)
+    try:
+        where = f"127.0.0.1:{server.port}"
+        request = pb.PingRequest(header=coordinator.header())
+        assert client.ping(where, request, 10.0, peer=peer.id).peer_id == peer.id
+        (channel,) = client._channels.values()
+        states: list[grpc.ChannelConnectivity] = []
+        idle = threading.Event()
+        channel.subscribe(lambda s: (states.append(s), s == grpc.ChannelConnectivity.IDLE and idle.set()))
+        went_idle = idle.wait(10.0 if idle_s else 3.0)
+        assert went_idle == (idle_s is not None), states
+        assert client.ping(where, request, 10.0, peer=peer.id).peer_id == peer.id  # (connects again)
+    finally:
+        client.close()
+        server.stop(0)
+
+
+TRIM_PROBE = """
+import json
+from potluck.protos.runtime.heap import Heap
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+held = [bytes(1000) for _ in range(200_000)]  # 200 MB of the C allocator's heap (over 512 bytes: not pymalloc's)
+keep = held[::50]  # every 50th stays: the heap cannot shrink from its top, only by giving back its free pages
+del held
+before = rss()
+heap = Heap()
+heap.settle(0.0)
+heap.collect(30.0)
+print(json.dumps({"before": before, "after": rss(), "trimmed": heap.section()["trimmed"], "kept": len(keep)}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim, and /proc")
+def test_a_full_collection_gives_the_c_allocators_free_pages_back() -> None:
+    """What a burst freed in the C allocator's heap (a join burst's TLS connections, say) stays mapped until
+    trimmed: the loop's periodic full collection trims it."""
+    out = subprocess.run([sys.executable, "-c", TRIM_PROBE], capture_output=True, text=True, timeout=120, check=True)
+    got = json.loads(out.stdout)
+    assert got["trimmed"] == 1 and got["before"] - got["after"] > 100 << 20, got

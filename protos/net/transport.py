@@ -181,8 +181,13 @@ class PeerClient:
     every call is tagged with this process's region, for the receiver to emulate.
     """
 
-    def __init__(self, traffic: Traffic, netem: NetEm | None = None, tls: TlsIdentity | None = None) -> None:
+    def __init__(self, traffic: Traffic, netem: NetEm | None = None, tls: TlsIdentity | None = None,
+                 idle_connection_s: float | None = None) -> None:
         self.traffic, self.tls = traffic, tls
+        # (with idle_connection_s, a channel with no call for that long closes its connection, and opens one again
+        # for the next call: gRPC's own idleness, so a call in flight, however long, keeps it)
+        self._options = CHANNEL_OPTIONS + ([("grpc.client_idle_timeout_ms", int(1000 * idle_connection_s))]
+                                           if idle_connection_s is not None else [])
         self._tag = netem.client_interceptor() if netem else None
         self._lock = threading.Lock()
         self._stubs: dict[tuple[str, str, int], pb_grpc.PeerServiceStub] = {}
@@ -209,10 +214,10 @@ class PeerClient:
                 if len(self._channels) >= KEEP_CHANNELS:
                     self._close_idle(now - IDLE_CHANNEL_S)
                 if tls is not None:
-                    options = [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", name.lower())]
+                    options = [*self._options, ("grpc.ssl_target_name_override", name.lower())]
                     channel = grpc.secure_channel(where, tls.channel_credentials(), options=options)
                 else:
-                    channel = grpc.insecure_channel(where, options=CHANNEL_OPTIONS)
+                    channel = grpc.insecure_channel(where, options=self._options)
                 if self._tag is not None:
                     channel = grpc.intercept_channel(channel, self._tag)
                 self._channels[key] = channel

@@ -13,13 +13,17 @@ whichever tick happened to allocate, and it was the whole of that tick's p99
 * ``collect()`` between two iterations when ``due`` (every ``every_s``): a full pass over what is not
   frozen (what survived since the last one), then freezes it too;
 * once every ``whole_every_s`` that pass unfreezes everything first, so a cycle that became garbage
-  after it was frozen (none has in any run measured: ``freed`` stays 0) lives that long at most.
+  after it was frozen (none has in any run measured: ``freed`` stays 0) lives that long at most;
+* after each, the C allocator's free pages go back to the OS (:func:`trim`).
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import gc
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 NEVER = 1 << 30  # a generation-2 threshold that automatic collection never reaches
@@ -34,6 +38,7 @@ class Heap:
     last_s: float = 0.0  # CPU seconds the last full collection took
     max_s: float = 0.0
     freed: int = 0  # unreachable objects found by the full collections, in all
+    trimmed: int = 0  # times the C allocator gave memory back (see trim)
     _next: float = float("inf")  # (until settled, the interpreter's own schedule)
     _next_whole: float = float("inf")
 
@@ -55,10 +60,31 @@ class Heap:
             self._next_whole = now + self.whole_every_s
         self.freed += gc.collect()
         gc.freeze()
+        self.trimmed += trim()
         self.last_s, self.frozen = time.thread_time() - c0, gc.get_freeze_count()
         self.max_s, self.collections, self._next = max(self.max_s, self.last_s), self.collections + 1, now + self.every_s
         return self.last_s
 
     def section(self) -> dict[str, float | int]:
         return {"frozen": self.frozen, "every_s": self.every_s, "whole_every_s": self.whole_every_s,
-                "collections": self.collections, "last_s": self.last_s, "max_s": self.max_s, "freed": self.freed}
+                "collections": self.collections, "last_s": self.last_s, "max_s": self.max_s, "freed": self.freed,
+                "trimmed": self.trimmed}
+
+
+def trim() -> int:
+    """Give the C allocator's free pages back to the OS (glibc's ``malloc_trim``; 1 if it released any, 0 if
+    not, or where there is no such call). gRPC's connections and TLS buffers and the larger Python objects live
+    in that heap, and glibc keeps what a burst freed mapped for good: the coordinator's join burst of 1,000
+    peers (a TLS connection each, about 120 KB) set its memory for the rest of the run."""
+    release = _malloc_trim()
+    return int(release(0)) if release is not None else 0
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, looked up once (each lookup makes a library object whose cycles a collection
+    would find as garbage)."""
+    try:
+        return ctypes.CDLL(None).malloc_trim  # type: ignore[no-any-return]
+    except (AttributeError, OSError):
+        return None
