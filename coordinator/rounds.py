@@ -202,12 +202,16 @@ class Rounds:
         """Canonical hash of each (stage, version) up to the committed step: what most live members of
         the round that made it hold (a minority with another hash recovers the canonical one)."""
         votes: dict[tuple[int, int], Counter] = {}
+        made: dict[int, Round | None] = {}  # version -> the round that made it (asked once per version, not per report)
         for r in reports:
-            made_by = self.round_at(r.version)
-            if (not r.live or not r.state_hash or r.version > self.committed or r.version == 0
-                    or made_by is None or r.epoch != made_by.epoch or made_by.member(r.peer_id) is None):
+            if not r.live or not r.state_hash or r.version > self.committed or r.version == 0:
                 continue
-            votes.setdefault((r.stage, r.version), Counter())[r.state_hash] += 1
+            made_by = made[r.version] if r.version in made else made.setdefault(r.version, self.round_at(r.version))
+            if made_by is None or r.epoch != made_by.epoch or made_by.member(r.peer_id) is None:
+                continue
+            if (counter := votes.get((r.stage, r.version))) is None:
+                counter = votes[(r.stage, r.version)] = Counter()
+            counter[r.state_hash] += 1
         for (stage, version), counter in votes.items():
             self.hashes.setdefault(stage, {})[version] = counter.most_common(1)[0][0]
 
