@@ -83,6 +83,27 @@ def greedy_seeds(model: CostModel) -> list[Groups]:
     return [pipeline_first, group_first]
 
 
+def rank_seeds(model: CostModel) -> list[Groups]:
+    """Layouts by device quality, for swarms of single devices (volunteers) where a device's own
+    access link, not its place, makes it slow. A pipeline edge is as slow as its slowest hop and an
+    all-reduce as its slowest member, so one slow device taxes every group it is in and every edge
+    of those groups: the slowest devices are better left unused, and the rest gathered, slow with
+    slow, into the same groups (one pipeline end holds the slowest), as consecutive runs of the
+    devices sorted by quality. Three qualities: the mean pipeline link; the mean pipeline link
+    picking the devices used and their stage time grouping them (slow compute gathered); and all
+    the terms of the objective together (pipeline, all-reduce, compute)."""
+    t = model.topology
+    used = t.stages * t.replicas
+    pp = model.pp_link.sum(axis=1) / max(t.devices - 1, 1)
+    dp = (model.dp_link + model.dp_link.T).sum(axis=1) / max(t.devices - 1, 1)
+    stage = np.zeros(t.devices) if model.stage_time is None else model.stage_time
+    fastest = np.argsort(pp, kind="stable")[:used]
+    by_compute = fastest[np.argsort(stage[fastest], kind="stable")]
+    overall = np.argsort(2.0 * pp + dp / t.outer_every + stage, kind="stable")[:used]
+    layouts = [canonical(order.reshape(t.stages, t.replicas)) for order in (fastest, by_compute, overall)]
+    return [g for k, g in enumerate(layouts) if g not in layouts[:k]]  # without compute, two are one
+
+
 def places(link: np.ndarray, levels: int = 4, min_ratio: float = 1.25) -> list[list[list[int]]]:
     """Groups of devices joined by clearly faster links than the rest (boxes, data centers, regions),
     finest first: single-linkage components (``link <= threshold``) at the ``levels`` widest relative

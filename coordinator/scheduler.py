@@ -55,6 +55,7 @@ from potluck.coordinator.layouts import (  # noqa: F401  (places, segments_layou
     iter_segment_seeds,
     places,
     random_groups,
+    rank_seeds,
     segment_seeds,
     segments_layout,
 )
@@ -331,6 +332,7 @@ def _start_layouts(model: CostModel, greedy: bool) -> Iterator[Groups]:
     yield canonical(blocks_layout(model.topology))
     if greedy:
         yield from greedy_seeds(model)
+        yield from rank_seeds(model)
         yield from iter_segment_seeds(model)
 
 

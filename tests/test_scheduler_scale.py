@@ -18,6 +18,7 @@ from potluck.coordinator.layouts import (
     greedy_seeds,
     iter_segment_seeds,
     nearest_first,
+    rank_seeds,
     segment_seeds,
 )
 from potluck.coordinator.scheduler import SEED_SHARE, evolutionary_search
@@ -102,7 +103,7 @@ def test_start_layouts_get_at_most_a_quarter_of_the_time() -> None:
     than the blocks layout and the greedy seeds it evaluated first."""
     inst = sf.generate("regions", 256, 2)
     t = inst.topology
-    total = len(list(iter_segment_seeds(CostModel(t)))) + 3
+    total = len(list(iter_segment_seeds(CostModel(t)))) + len(rank_seeds(CostModel(t))) + 3
     clock = TickClock(0.01)
     result = evolutionary_search(t, seed=0, budget_seconds=1.0, clock=clock)
     assert 3 <= result.start_evaluations < total
@@ -140,3 +141,22 @@ def test_scale_mode_prints_one_json_line_per_size(capsys: pytest.CaptureFixture[
     row = out["rows"][0]
     assert row["family"] == "volunteers" and row["stages"] * row["replicas"] >= 128
     assert row["rss_peak_mb"] is None or row["rss_peak_mb"] > 0
+
+
+def test_rank_seeds_leave_the_slowest_devices_unused_and_gather_slow_with_slow() -> None:
+    """Volunteers: the quality-ranked seeds are valid and distinct; the first leaves unused the devices
+    with the slowest mean pipeline link and puts consecutive ranks in one group; and the best of them
+    beats the greedy seeds (one slow device taxes every edge of its group, wherever it is)."""
+    t = sf.generate("volunteers", 512, 0).topology
+    model = CostModel(t)
+    seeds = rank_seeds(model)
+    assert 1 <= len(seeds) <= 3 and len({tuple(g) for g in seeds}) == len(seeds)
+    for g in seeds:
+        check_assignment(t, np.array(g))
+    mean_link = model.pp_link.sum(axis=1)
+    used = np.array(seeds[0]).ravel()
+    assert mean_link[np.setdiff1d(np.arange(t.devices), used)].min() >= mean_link[used].max()
+    spans = sorted((mean_link[list(g)].min(), mean_link[list(g)].max()) for g in seeds[0])
+    assert all(hi <= lo for (_, hi), (lo, _) in itertools.pairwise(spans))
+    greedy = min(model.evaluate(np.array(g)) for g in greedy_seeds(model))
+    assert min(model.evaluate(np.array(g)) for g in seeds) < 0.95 * greedy
