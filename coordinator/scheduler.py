@@ -122,8 +122,9 @@ class _Run:
     def exhausted(self) -> bool:
         return self.evaluations >= self.max_evals or self.clock() >= self.deadline
 
-    def score(self, groups: Groups, bound: float | None = None, smooth: float = 0.0) -> Score | None:
-        s = self.model.score(groups, bound, smooth)
+    def score(self, groups: Groups, bound: float | None = None, smooth: float = 0.0,
+              parent: Groups | None = None) -> Score | None:
+        s = self.model.score(groups, bound, smooth, parent)
         if s is not None and (self.best is None or better(s, self.best[0])):
             self.best = (s, list(groups))
             self.evals_to_best = self.evaluations
@@ -217,7 +218,7 @@ def local_search(run: _Run, groups: Groups, score: Score, rng: np.random.Generat
                 rest = tuple(sorted(other[:y] + other[y + 1:] + (a,)))
                 if j >= 0:
                     trial[j] = rest
-                new = run.score(trial, bound, smooth)
+                new = run.score(trial, bound, smooth, parent=groups)
                 if new is not None and better(new, score, smooth):
                     groups, score, improved, found = trial, new, True, True
                     if j < 0:

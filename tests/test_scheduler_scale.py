@@ -12,7 +12,13 @@ import numpy as np
 import pytest
 from test_scheduler_families import sf  # the benchmark module, loaded from its file
 
-from potluck.coordinator.costmodel import CostModel, Topology, check_assignment
+from potluck.coordinator.costmodel import (
+    CostModel,
+    Topology,
+    bottleneck_matching_cost,
+    canonical,
+    check_assignment,
+)
 from potluck.coordinator.layouts import (
     chained_layout,
     greedy_seeds,
@@ -160,3 +166,54 @@ def test_rank_seeds_leave_the_slowest_devices_unused_and_gather_slow_with_slow()
     assert all(hi <= lo for (_, hi), (lo, _) in itertools.pairwise(spans))
     greedy = min(model.evaluate(np.array(g)) for g in greedy_seeds(model))
     assert min(model.evaluate(np.array(g)) for g in seeds) < 0.95 * greedy
+
+
+def test_bottleneck_hints_never_change_the_answer() -> None:
+    """A hint (an entry, a value between entries, outside the range, the lower bound) only orders the
+    search: the bottleneck and the min-sum are exactly those found without one."""
+    rng = np.random.default_rng(5)
+    for trial in range(300):
+        n = int(rng.integers(1, 12))
+        m = rng.integers(0, 8, (n, n)).astype(float) if trial % 2 else rng.random((n, n))
+        want = bottleneck_matching_cost(m)
+        for hint in (*rng.choice(m.ravel(), 3), float(rng.random() * 8), -1.0, 99.0, want[0], m.min()):
+            assert bottleneck_matching_cost(m, hint=float(hint)) == want
+            assert bottleneck_matching_cost(m, max(m.min(axis=0).max(), m.min(axis=1).max()), float(hint)) == want
+
+
+def _random_swap(groups: list[tuple[int, ...]], devices: int, rng: np.random.Generator) -> list[tuple[int, ...]]:
+    """One swap of two devices of two groups, or of a device with an unused one."""
+    flat = np.array(groups)
+    unused = np.setdiff1d(np.arange(devices), flat)
+    i = int(rng.integers(len(flat)))
+    k = int(rng.integers(flat.shape[1]))
+    if len(unused) and rng.random() < 0.3:
+        flat[i, k] = unused[rng.integers(len(unused))]
+    else:
+        j = (i + 1 + int(rng.integers(len(flat) - 1))) % len(flat)
+        m = int(rng.integers(flat.shape[1]))
+        flat[i, k], flat[j, m] = flat[j, m], flat[i, k]
+    return canonical(flat)
+
+
+@pytest.mark.parametrize("family,devices,seed", [("volunteers", 256, 0), ("world", 256, 1), ("regions", 64, 2)])
+def test_a_swap_scored_from_its_parent_equals_the_full_score(family: str, devices: int, seed: int) -> None:
+    """Golden: a swap scored with its parent (whose pairs' bottlenecks seed the new pairs' searches)
+    gets exactly the score of a model that saw the same assignments without parents, with and
+    without a bound, pruned or not; and, unpruned, a fresh model's score (to rounding: a model with
+    cached pairs sums the min-sums in another order)."""
+    t = sf.generate(family, devices, seed).topology
+    rng = np.random.default_rng(seed)
+    model, plain = CostModel(t), CostModel(t)
+    groups = canonical(rng.permutation(t.devices)[: t.stages * t.replicas].reshape(t.stages, t.replicas))
+    start = model.score(groups)
+    assert start is not None and plain.score(groups) == start
+    for _ in range(25):
+        trial = _random_swap(groups, t.devices, rng)
+        bound = None if rng.random() < 0.3 else (start.cost + start.soft) * float(rng.uniform(0.99, 1.01))
+        got = model.score(trial, bound, 1.0, parent=groups)
+        assert got == plain.score(trial, bound, 1.0)
+        fresh = CostModel(t).score(trial)
+        assert fresh is not None and (got is None or got == pytest.approx(fresh, rel=1e-12))
+        if got is not None and rng.random() < 0.5:
+            groups, start = trial, got
