@@ -27,7 +27,7 @@ from potluck.coordinator.layouts import (
     rank_seeds,
     segment_seeds,
 )
-from potluck.coordinator.scheduler import SEED_SHARE, evolutionary_search
+from potluck.coordinator.scheduler import SEED_SHARE, evolutionary_search, misfit
 
 
 def _sites(sizes: list[int], km_apart: float = 1000.0, seed: int = 0) -> tuple[Topology, np.ndarray]:
@@ -217,3 +217,24 @@ def test_a_swap_scored_from_its_parent_equals_the_full_score(family: str, device
         assert fresh is not None and (got is None or got == pytest.approx(fresh, rel=1e-12))
         if got is not None and rng.random() < 0.5:
             groups, start = trial, got
+
+
+def test_misfit_is_one_for_a_bottleneck_member_and_relative_to_the_worst_member_per_term() -> None:
+    """The local search tries first the swaps that move a device making a bottleneck of its group
+    (misfit 1) for one that would sit better: per term (all-reduce sum with the members, stage time,
+    nearest link to each other group, the worst of those), relative to the group's worst member."""
+    t = sf.generate("volunteers", 256, 0).topology
+    model = CostModel(t)
+    groups = canonical(np.arange(t.stages * t.replicas).reshape(t.stages, t.replicas))
+    members = np.asarray(groups[0])
+    outsiders = np.setdiff1d(np.arange(t.devices), np.array(groups).ravel())
+    fit = misfit(model, groups[0], np.concatenate([members, outsiders]), list(groups[1:]))
+    assert fit[: len(members)].max() == pytest.approx(1.0) and (fit[: len(members)] <= 1.0 + 1e-12).all()
+
+    def terms(d: int) -> list[float]:
+        near = max(min(model.pp_link[d, e] for e in g) for g in groups[1:])
+        return [sum(model.dp_link[d, e] for e in members), model.stage_time[d], near]
+
+    worst = np.max([terms(int(d)) for d in members], axis=0)
+    for d, got in zip(outsiders, fit[len(members):], strict=True):
+        assert got == pytest.approx(max(np.array(terms(int(d))) / worst), rel=1e-9)
