@@ -6,7 +6,8 @@ memetic algorithm, as in Yuan et al. (NeurIPS 2022):
 
 1. a population from the blocks layout, two greedy seeds (one pipeline per cluster of close
    devices; one group per cluster), *rank seeds* (:func:`rank_seeds`: the slowest devices unused,
-   slow ones gathered), *structured seeds* (:func:`segment_seeds`: pipeline segments
+   slow ones gathered; :func:`ranked_greedy_seeds`: the greedy seeds over the best-ranked devices),
+   *structured seeds* (:func:`segment_seeds`: pipeline segments
    kept inside the places -- boxes, data centers, regions -- read off the links at several
    thresholds, every pipeline's first segment first or pipeline by pipeline) and random
    assignments; half the places go to the cheapest, half to the cheapest on the smoothed
@@ -58,6 +59,7 @@ from potluck.coordinator.layouts import (  # noqa: F401  (places, segments_layou
     places,
     random_groups,
     rank_seeds,
+    ranked_greedy_seeds,
     segment_seeds,
     segments_layout,
 )
@@ -382,6 +384,7 @@ def _start_layouts(model: CostModel, greedy: bool) -> Iterator[Groups]:
     if greedy:
         yield from greedy_seeds(model)
         yield from rank_seeds(model)
+        yield from ranked_greedy_seeds(model)
         yield from iter_segment_seeds(model)
 
 

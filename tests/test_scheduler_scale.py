@@ -20,11 +20,14 @@ from potluck.coordinator.costmodel import (
     check_assignment,
 )
 from potluck.coordinator.layouts import (
+    RANKED_GREEDY,
     chained_layout,
+    device_quality,
     greedy_seeds,
     iter_segment_seeds,
     nearest_first,
     rank_seeds,
+    ranked_greedy_seeds,
     segment_seeds,
 )
 from potluck.coordinator.scheduler import SEED_SHARE, evolutionary_search, misfit
@@ -238,3 +241,23 @@ def test_misfit_is_one_for_a_bottleneck_member_and_relative_to_the_worst_member_
     worst = np.max([terms(int(d)) for d in members], axis=0)
     for d, got in zip(outsiders, fit[len(members):], strict=True):
         assert got == pytest.approx(max(np.array(terms(int(d))) / worst), rel=1e-9)
+
+
+def test_ranked_greedy_seeds_cluster_only_the_best_ranked_devices() -> None:
+    """Sites of GPUs with uneven uplinks and speeds: the greedy seeds built from the best-ranked
+    devices use only those, are valid, and beat the greedy seeds over all devices; with no device to
+    spare (every device a tasklet) there are none."""
+    t = sf.generate("world", 1024, 1).topology
+    model = CostModel(t)
+    seeds = list(ranked_greedy_seeds(model))
+    assert len(seeds) == 2 * len(RANKED_GREEDY)
+    for g in seeds:
+        check_assignment(t, np.array(g))
+    kept = int(t.stages * t.replicas * RANKED_GREEDY[0][1])
+    best = set(np.argsort(device_quality(model)[RANKED_GREEDY[0][0]], kind="stable")[:kept].tolist())
+    assert all(set(d for g in seed for d in g) <= best for seed in seeds[:2])
+    greedy = min(model.evaluate(np.array(g)) for g in greedy_seeds(model))
+    assert min(model.evaluate(np.array(g)) for g in seeds) < 0.95 * greedy
+    full = Topology(delay_ms=t.delay_ms[:20, :20], bandwidth_gbps=t.bandwidth_gbps[:20, :20], stages=4, replicas=5,
+                    activation_gb=0.1, gradient_gb=0.5)
+    assert list(ranked_greedy_seeds(CostModel(full))) == []
