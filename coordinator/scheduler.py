@@ -212,12 +212,15 @@ def local_search(run: _Run, groups: Groups, score: Score, rng: np.random.Generat
         i, j = pairs[order[k % len(pairs)]]
         k += 1
         improved, found = True, False
+        tried: set[tuple[int, int]] = set()  # this visit's swaps, not guided again after a success
         while improved and not spent():
             improved = False
             other = unused if j < 0 else groups[j]
             bound = score.cost + smooth * score.soft
-            for x, y in _swaps(len(groups[i]), len(other), rng, _guided(run.model, groups, i, j, other)):
+            first = _guided(run.model, groups, i, j, other, tried)
+            for x, y in _swaps(len(groups[i]), len(other), rng, first):
                 a, b = groups[i][x], other[y]
+                tried.add((a, b))
                 trial = list(groups)
                 trial[i] = tuple(sorted(groups[i][:x] + groups[i][x + 1:] + (b,)))
                 rest = tuple(sorted(other[:y] + other[y + 1:] + (a,)))
@@ -246,11 +249,15 @@ def _swaps(n: int, m: int, rng: np.random.Generator, first: np.ndarray | None = 
     return [(int(f) // m, int(f) % m) for f in flat[:PAIR_SWAPS]]
 
 
-def _guided(model: CostModel, groups: Groups, i: int, j: int, other: tuple[int, ...]) -> np.ndarray:
+def _guided(model: CostModel, groups: Groups, i: int, j: int, other: tuple[int, ...],
+            tried: set[tuple[int, int]]) -> np.ndarray:
     """The ``GUIDED_SWAPS`` swaps of a pair that move the devices worst placed where they are to
     where they fit best, by :func:`misfit` (flat indices, best first; none with small groups, where
-    the random order tries every swap anyway). The costs are bottlenecks: a swap changes the cost
-    only if it moves a device that makes one, and random swaps of ``R = 100`` groups rarely do."""
+    the random order tries every swap anyway), but those ``tried`` already in this visit of the pair:
+    a swap that just failed mostly fails again after another one succeeded, and the guided ones are
+    dear to score (close calls: all their new pairs are solved before the bound rejects them). The
+    costs are bottlenecks: a swap changes the cost only if it moves a device that makes one, and
+    random swaps of ``R = 100`` groups rarely do."""
     n, m = len(groups[i]), len(other)
     if n * m <= PAIR_SWAPS:
         return np.empty(0, dtype=np.int64)
@@ -262,7 +269,11 @@ def _guided(model: CostModel, groups: Groups, i: int, j: int, other: tuple[int, 
     if j >= 0:
         there = misfit(model, other, cand, rest)
         gain += there[None, n:] - there[:n, None]  # y leaves group j, x joins it
-    return np.argsort(-gain, axis=None, kind="stable")[:GUIDED_SWAPS]
+    ranked = np.argsort(-gain, axis=None, kind="stable")
+    if tried:
+        fresh = [f for f in ranked[: GUIDED_SWAPS + len(tried)].tolist() if (side_i[f // m], side_o[f % m]) not in tried]
+        ranked = np.array(fresh, dtype=np.int64)
+    return ranked[:GUIDED_SWAPS]
 
 
 def misfit(model: CostModel, group: tuple[int, ...], cand: np.ndarray, rest: list[tuple[int, ...]]) -> np.ndarray:
