@@ -47,6 +47,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
+from potluck.coordinator.pairterms import PairTerms
 from potluck.coordinator.paths import (  # noqa: F401  (re-exported for callers)
     HeldKarp,
     bottleneck_matching_cost,
@@ -265,7 +266,8 @@ class CostModel:
         self._cache_limit = _CACHE_CELLS // max(t.replicas, 16)
         self._group: dict[tuple[int, ...], tuple[float, float, np.ndarray]] = {}
         self._group_soft: dict[tuple[int, ...], tuple[float, float]] = {}  # (dp, compute) as power means
-        self._pair: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[float, float]] = {}
+        # the rows of the assignment a search swaps from, and of the two groups it last changed
+        self._pairs = PairTerms(self.pp_link, self._cache_limit, rows_kept=t.stages + 2)
 
     def evaluate(self, assignment: np.ndarray | Sequence[Sequence[int]]) -> float:
         score = self.score(canonical(check_assignment(self.topology, assignment)))
@@ -275,8 +277,13 @@ class CostModel:
     def plan(self, assignment: np.ndarray | Sequence[Sequence[int]]) -> Placement:
         return self._plan(canonical(check_assignment(self.topology, assignment)))
 
-    def score(self, groups: Groups, bound: float | None = None, smooth: float = 0.0) -> Score | None:
+    def score(self, groups: Groups, bound: float | None = None, smooth: float = 0.0,
+              parent: Groups | None = None) -> Score | None:
         """:class:`Score` of canonical groups (sorted tuples); counts one evaluation.
+
+        ``parent``: the assignment these groups were made from by a swap (row ``g`` of one became
+        row ``g`` of the other). Its pairs' bottlenecks are where the new pairs' ones are searched
+        first; they change the work, never the score.
 
         With a ``bound``, returns ``None`` as soon as ``cost + smooth * soft`` provably exceeds it:
         new pairs of groups first get cheap lower bounds on their bottleneck and min-sum matchings
@@ -291,9 +298,11 @@ class CostModel:
             return None
         node = None if self.prev_stage is None else np.stack([m for _, _, m in terms])
         base_soft = self._base_soft(groups)
-        dist, min_sum, missing = self._cached_pairs(groups)
+        if parent is not None:
+            self._pairs.keep_rows(parent)
+        dist, min_sum, missing = self._pairs.cached(groups)
         if missing:
-            blocks = self._blocks([key for _, _, key in missing])
+            blocks = self._pairs.blocks([key for _, _, key in missing])
             row_min, col_min = blocks.min(axis=2), blocks.min(axis=1)
             lower = np.maximum(row_min.max(axis=1), col_min.max(axis=1))
             if bound is not None:
@@ -306,10 +315,8 @@ class CostModel:
                     return None  # the cheap bound: a path is a spanning tree
                 if base + self._path(low, node, want_path=False)[0] + low_soft > bound:
                     return None
-            if len(self._pair) > self._cache_limit:
-                self._pair.clear()
             for (i, j, key), block, value in zip(missing, blocks, lower.tolist(), strict=True):
-                hit = self._pair[key] = bottleneck_matching_cost(block, value)
+                hit = self._pairs.solve(key, block, value, self._pairs.hint(parent, i, j))
                 dist[i, j] = dist[j, i] = 2.0 * hit[0]
                 min_sum += hit[1]
         soft = base_soft + self._soft * min_sum
@@ -374,34 +381,12 @@ class CostModel:
 
     def _pair_matrix(self, groups: Groups) -> tuple[np.ndarray, float]:
         """Edge costs ``2 * bottleneck`` between all pairs of groups, and their summed min-sum matchings."""
-        dist, min_sum, missing = self._cached_pairs(groups)
+        dist, min_sum, missing = self._pairs.cached(groups)
         for i, j, key in missing:
-            hit = self._pair[key] = bottleneck_matching_cost(self._blocks([key])[0])
+            hit = self._pairs.solve(key, self._pairs.blocks([key])[0])
             dist[i, j] = dist[j, i] = 2.0 * hit[0]
             min_sum += hit[1]
         return dist, min_sum
-
-    def _cached_pairs(self, groups: Groups) -> tuple[np.ndarray, float, list[tuple[int, int, Any]]]:
-        s = len(groups)
-        dist = np.zeros((s, s))
-        min_sum = 0.0
-        missing = []
-        cache = self._pair
-        for i in range(s):
-            for j in range(i + 1, s):
-                a, b = groups[i], groups[j]
-                key = (a, b) if a < b else (b, a)
-                hit = cache.get(key)
-                if hit is None:
-                    missing.append((i, j, key))
-                else:
-                    dist[i, j] = dist[j, i] = 2.0 * hit[0]
-                    min_sum += hit[1]
-        return dist, min_sum, missing
-
-    def _blocks(self, keys: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> np.ndarray:
-        link = self.pp_link  # row then column takes: about twice as fast as one 3-d fancy index
-        return np.stack([link.take(a, axis=0).take(b, axis=1) for a, b in keys])
 
     def _path(self, dist: np.ndarray, node: np.ndarray | None, want_path: bool) -> tuple[float, list[int]]:
         if self._tsp is not None:

@@ -5,18 +5,21 @@ The search space is every way to split ``S * R`` of the ``N`` devices into ``S``
 memetic algorithm, as in Yuan et al. (NeurIPS 2022):
 
 1. a population from the blocks layout, two greedy seeds (one pipeline per cluster of close
-   devices; one group per cluster), *structured seeds* (:func:`segment_seeds`: pipeline segments
+   devices; one group per cluster), *rank seeds* (:func:`rank_seeds`: the slowest devices unused,
+   slow ones gathered; :func:`ranked_greedy_seeds`: the greedy seeds over the best-ranked devices),
+   *structured seeds* (:func:`segment_seeds`: pipeline segments
    kept inside the places -- boxes, data centers, regions -- read off the links at several
    thresholds, every pipeline's first segment first or pipeline by pipeline) and random
    assignments; half the places go to the cheapest, half to the cheapest on the smoothed
-   objective, and both of those are descended first (the cheapest first). Start layouts are built
-   as they are evaluated, for at most ``SEED_SHARE`` of a time budget: at 1,024 devices each one
-   costs tens of milliseconds, and there can be a hundred;
+   objective, and both of those are descended first (the cheapest on the smoothed objective
+   first). Start layouts are built as they are evaluated, for at most ``SEED_SHARE`` of a time
+   budget: at 1,024 devices each one costs tens of milliseconds, and there can be a hundred;
 2. each generation, children of two tournament-picked parents: a group-wise crossover (align the
    parents' group labels by overlap, take each group from either parent, drop duplicates, refill
    to exactly ``R`` devices per group), a few random swaps, then local search;
 3. local search cycles through pairs of groups Kernighan-Lin style, trying device swaps between
-   the two (and with unused devices; at most ``PAIR_SWAPS`` a visit, as ``R = 100`` makes 10,000),
+   the two (and with unused devices; at most ``PAIR_SWAPS`` a visit, as ``R = 100`` makes 10,000;
+   with large groups the ``GUIDED_SWAPS`` that :func:`misfit` ranks best first, then random ones),
    keeping each one that lowers ``cost + smooth * soft``, until a whole cycle brings no improvement;
 4. a child replaces the worst member if it is better and new;
 5. after ``stall_generations`` generations without a new best, a *restart*: the next structured
@@ -55,11 +58,14 @@ from potluck.coordinator.layouts import (  # noqa: F401  (places, segments_layou
     iter_segment_seeds,
     places,
     random_groups,
+    rank_seeds,
+    ranked_greedy_seeds,
     segment_seeds,
     segments_layout,
 )
 
 PAIR_SWAPS = 1024  # per visit of a pair of groups in the local search: all of them up to R = 32
+GUIDED_SWAPS = 64  # per visit of a pair, tried before the random ones: see _guided
 SEED_SHARE = 0.25  # of a time budget, at most, for evaluating start layouts (a 1,024-device one costs ~0.1 s)
 
 
@@ -121,8 +127,9 @@ class _Run:
     def exhausted(self) -> bool:
         return self.evaluations >= self.max_evals or self.clock() >= self.deadline
 
-    def score(self, groups: Groups, bound: float | None = None, smooth: float = 0.0) -> Score | None:
-        s = self.model.score(groups, bound, smooth)
+    def score(self, groups: Groups, bound: float | None = None, smooth: float = 0.0,
+              parent: Groups | None = None) -> Score | None:
+        s = self.model.score(groups, bound, smooth, parent)
         if s is not None and (self.best is None or better(s, self.best[0])):
             self.best = (s, list(groups))
             self.evals_to_best = self.evaluations
@@ -205,18 +212,21 @@ def local_search(run: _Run, groups: Groups, score: Score, rng: np.random.Generat
         i, j = pairs[order[k % len(pairs)]]
         k += 1
         improved, found = True, False
+        tried: set[tuple[int, int]] = set()  # this visit's swaps, not guided again after a success
         while improved and not spent():
             improved = False
             other = unused if j < 0 else groups[j]
             bound = score.cost + smooth * score.soft
-            for x, y in _swaps(len(groups[i]), len(other), rng):
+            first = _guided(run.model, groups, i, j, other, tried)
+            for x, y in _swaps(len(groups[i]), len(other), rng, first):
                 a, b = groups[i][x], other[y]
+                tried.add((a, b))
                 trial = list(groups)
                 trial[i] = tuple(sorted(groups[i][:x] + groups[i][x + 1:] + (b,)))
                 rest = tuple(sorted(other[:y] + other[y + 1:] + (a,)))
                 if j >= 0:
                     trial[j] = rest
-                new = run.score(trial, bound, smooth)
+                new = run.score(trial, bound, smooth, parent=groups)
                 if new is not None and better(new, score, smooth):
                     groups, score, improved, found = trial, new, True, True
                     if j < 0:
@@ -228,12 +238,63 @@ def local_search(run: _Run, groups: Groups, score: Score, rng: np.random.Generat
     return groups, score
 
 
-def _swaps(n: int, m: int, rng: np.random.Generator) -> list[tuple[int, int]]:
-    """The swaps between two sides of ``n`` and ``m`` devices in random order; at most ``PAIR_SWAPS``
-    of them, so that with large groups (``R * R`` swaps a pair) one visit does not spend the whole
-    budget on one pair while the others (and the unused devices) wait."""
-    flat = rng.permutation(n * m)[:PAIR_SWAPS]
-    return [(int(f) // m, int(f) % m) for f in flat]
+def _swaps(n: int, m: int, rng: np.random.Generator, first: np.ndarray | None = None) -> list[tuple[int, int]]:
+    """The swaps between two sides of ``n`` and ``m`` devices: the ``first`` ones (flat indices
+    ``x * m + y``), then the others in random order; at most ``PAIR_SWAPS`` of them, so that with
+    large groups (``R * R`` swaps a pair) one visit does not spend the whole budget on one pair
+    while the others (and the unused devices) wait."""
+    flat = rng.permutation(n * m)
+    if first is not None and len(first):
+        flat = np.concatenate([first, flat[~np.isin(flat, first)]])
+    return [(int(f) // m, int(f) % m) for f in flat[:PAIR_SWAPS]]
+
+
+def _guided(model: CostModel, groups: Groups, i: int, j: int, other: tuple[int, ...],
+            tried: set[tuple[int, int]]) -> np.ndarray:
+    """The ``GUIDED_SWAPS`` swaps of a pair that move the devices worst placed where they are to
+    where they fit best, by :func:`misfit` (flat indices, best first; none with small groups, where
+    the random order tries every swap anyway), but those ``tried`` already in this visit of the pair:
+    a swap that just failed mostly fails again after another one succeeded, and the guided ones are
+    dear to score (close calls: all their new pairs are solved before the bound rejects them). The
+    costs are bottlenecks: a swap changes the cost only if it moves a device that makes one, and
+    random swaps of ``R = 100`` groups rarely do."""
+    n, m = len(groups[i]), len(other)
+    if n * m <= PAIR_SWAPS:
+        return np.empty(0, dtype=np.int64)
+    rest = [g for k, g in enumerate(groups) if k not in (i, j)]
+    side_i, side_o = np.asarray(groups[i]), np.asarray(other)
+    cand = np.concatenate([side_i, side_o])
+    here = misfit(model, groups[i], cand, rest)
+    gain = here[:n, None] - here[None, n:]  # x leaves group i, y joins it
+    if j >= 0:
+        there = misfit(model, other, cand, rest)
+        gain += there[None, n:] - there[:n, None]  # y leaves group j, x joins it
+    ranked = np.argsort(-gain, axis=None, kind="stable")
+    if tried:
+        fresh = [f for f in ranked[: GUIDED_SWAPS + len(tried)].tolist() if (side_i[f // m], side_o[f % m]) not in tried]
+        ranked = np.array(fresh, dtype=np.int64)
+    return ranked[:GUIDED_SWAPS]
+
+
+def misfit(model: CostModel, group: tuple[int, ...], cand: np.ndarray, rest: list[tuple[int, ...]]) -> np.ndarray:
+    """How badly each device of ``cand`` sits (or would sit) in ``group``, relative to the group's worst
+    member in each bottleneck term: its all-reduce sum with the members, its stage time, and its
+    nearest pipeline link to each of the ``rest`` of the groups (the worst of those): 1 for a
+    device that makes a bottleneck, above 1 for one that would make a worse one. ``cand`` holds the
+    group's members (their worst is the scale) and the devices that might replace them."""
+    idx = np.asarray(group)
+    inside = np.isin(cand, idx)
+    dp = model.dp_link.take(cand, axis=0).take(idx, axis=1).sum(axis=1)
+    terms = [dp, model.stage_time[cand]] if model.stage_time is not None else [dp]
+    if rest:
+        rows = model.pp_link.take(cand, axis=0)
+        terms.append(np.max([rows.take(np.asarray(g), axis=1).min(axis=1) for g in rest], axis=0))
+    out = np.zeros(len(cand))
+    for term in terms:
+        worst = term[inside].max() if inside.any() else 0.0
+        if worst > 0:
+            out = np.maximum(out, term / worst)
+    return out
 
 
 # ------------------------------------------------------------------ searches
@@ -284,7 +345,9 @@ def evolutionary_search(topology: Topology, *, seed: int = 0, budget_seconds: fl
     keep = max(population, 2)
     pop = list({tuple(g): (sc, g) for sc, g in by_cost[: keep // 2] + by_key[: keep - keep // 2]}.values())
     pop += [p for p in by_key if all(p[1] != g for _, g in pop)][: keep - len(pop)]
-    for start in {tuple(by_cost[0][1]): by_cost[0], tuple(by_key[0][1]): by_key[0]}.values():
+    # the cheapest on the smoothed objective first: the cheapest start is often a ranked layout whose
+    # swaps are dear to score (they change bottlenecks), and a descent from it can take the budget
+    for start in {tuple(by_key[0][1]): by_key[0], tuple(by_cost[0][1]): by_cost[0]}.values():
         if run.exhausted():
             break
         groups, score = local_search(run, start[1], start[0], rng, smooth, local_search_evals)
@@ -331,6 +394,8 @@ def _start_layouts(model: CostModel, greedy: bool) -> Iterator[Groups]:
     yield canonical(blocks_layout(model.topology))
     if greedy:
         yield from greedy_seeds(model)
+        yield from rank_seeds(model)
+        yield from ranked_greedy_seeds(model)
         yield from iter_segment_seeds(model)
 
 

@@ -12,15 +12,25 @@ import numpy as np
 import pytest
 from test_scheduler_families import sf  # the benchmark module, loaded from its file
 
-from potluck.coordinator.costmodel import CostModel, Topology, check_assignment
+from potluck.coordinator.costmodel import (
+    CostModel,
+    Topology,
+    bottleneck_matching_cost,
+    canonical,
+    check_assignment,
+)
 from potluck.coordinator.layouts import (
+    RANKED_GREEDY,
     chained_layout,
+    device_quality,
     greedy_seeds,
     iter_segment_seeds,
     nearest_first,
+    rank_seeds,
+    ranked_greedy_seeds,
     segment_seeds,
 )
-from potluck.coordinator.scheduler import SEED_SHARE, evolutionary_search
+from potluck.coordinator.scheduler import SEED_SHARE, evolutionary_search, misfit
 
 
 def _sites(sizes: list[int], km_apart: float = 1000.0, seed: int = 0) -> tuple[Topology, np.ndarray]:
@@ -102,7 +112,7 @@ def test_start_layouts_get_at_most_a_quarter_of_the_time() -> None:
     than the blocks layout and the greedy seeds it evaluated first."""
     inst = sf.generate("regions", 256, 2)
     t = inst.topology
-    total = len(list(iter_segment_seeds(CostModel(t)))) + 3
+    total = len(list(iter_segment_seeds(CostModel(t)))) + len(rank_seeds(CostModel(t))) + 3
     clock = TickClock(0.01)
     result = evolutionary_search(t, seed=0, budget_seconds=1.0, clock=clock)
     assert 3 <= result.start_evaluations < total
@@ -140,3 +150,122 @@ def test_scale_mode_prints_one_json_line_per_size(capsys: pytest.CaptureFixture[
     row = out["rows"][0]
     assert row["family"] == "volunteers" and row["stages"] * row["replicas"] >= 128
     assert row["rss_peak_mb"] is None or row["rss_peak_mb"] > 0
+
+
+def test_rank_seeds_leave_the_slowest_devices_unused_and_gather_slow_with_slow() -> None:
+    """Volunteers: the quality-ranked seeds are valid and distinct; the first leaves unused the devices
+    with the slowest mean pipeline link and puts consecutive ranks in one group; and the best of them
+    beats the greedy seeds (one slow device taxes every edge of its group, wherever it is)."""
+    t = sf.generate("volunteers", 512, 0).topology
+    model = CostModel(t)
+    seeds = rank_seeds(model)
+    assert 1 <= len(seeds) <= 3 and len({tuple(g) for g in seeds}) == len(seeds)
+    for g in seeds:
+        check_assignment(t, np.array(g))
+    mean_link = model.pp_link.sum(axis=1)
+    used = np.array(seeds[0]).ravel()
+    assert mean_link[np.setdiff1d(np.arange(t.devices), used)].min() >= mean_link[used].max()
+    spans = sorted((mean_link[list(g)].min(), mean_link[list(g)].max()) for g in seeds[0])
+    assert all(hi <= lo for (_, hi), (lo, _) in itertools.pairwise(spans))
+    greedy = min(model.evaluate(np.array(g)) for g in greedy_seeds(model))
+    assert min(model.evaluate(np.array(g)) for g in seeds) < 0.95 * greedy
+
+
+def test_bottleneck_hints_never_change_the_answer() -> None:
+    """A hint (an entry, a value between entries, outside the range, the lower bound) only orders the
+    search: the bottleneck and the min-sum are exactly those found without one."""
+    rng = np.random.default_rng(5)
+    for trial in range(300):
+        n = int(rng.integers(1, 12))
+        m = rng.integers(0, 8, (n, n)).astype(float) if trial % 2 else rng.random((n, n))
+        want = bottleneck_matching_cost(m)
+        for hint in (*rng.choice(m.ravel(), 3), float(rng.random() * 8), -1.0, 99.0, want[0], m.min()):
+            assert bottleneck_matching_cost(m, hint=float(hint)) == want
+            assert bottleneck_matching_cost(m, max(m.min(axis=0).max(), m.min(axis=1).max()), float(hint)) == want
+
+
+def _random_swap(groups: list[tuple[int, ...]], devices: int, rng: np.random.Generator) -> list[tuple[int, ...]]:
+    """One swap of two devices of two groups, or of a device with an unused one."""
+    flat = np.array(groups)
+    unused = np.setdiff1d(np.arange(devices), flat)
+    i = int(rng.integers(len(flat)))
+    k = int(rng.integers(flat.shape[1]))
+    if len(unused) and rng.random() < 0.3:
+        flat[i, k] = unused[rng.integers(len(unused))]
+    else:
+        j = (i + 1 + int(rng.integers(len(flat) - 1))) % len(flat)
+        m = int(rng.integers(flat.shape[1]))
+        flat[i, k], flat[j, m] = flat[j, m], flat[i, k]
+    return canonical(flat)
+
+
+@pytest.mark.parametrize("family,devices,seed", [("volunteers", 256, 0), ("world", 256, 1), ("regions", 64, 2)])
+def test_a_swap_scored_from_its_parent_equals_the_full_score(family: str, devices: int, seed: int) -> None:
+    """Golden: a swap scored with its parent (whose pairs' bottlenecks seed the new pairs' searches)
+    gets exactly the score of a model that saw the same assignments without parents, with and
+    without a bound, pruned or not; and, unpruned, a fresh model's score (to rounding: a model with
+    cached pairs sums the min-sums in another order)."""
+    t = sf.generate(family, devices, seed).topology
+    rng = np.random.default_rng(seed)
+    model, plain = CostModel(t), CostModel(t)
+    groups = canonical(rng.permutation(t.devices)[: t.stages * t.replicas].reshape(t.stages, t.replicas))
+    start = model.score(groups)
+    assert start is not None and plain.score(groups) == start
+    for _ in range(25):
+        trial = _random_swap(groups, t.devices, rng)
+        bound = None if rng.random() < 0.3 else (start.cost + start.soft) * float(rng.uniform(0.99, 1.01))
+        got = model.score(trial, bound, 1.0, parent=groups)
+        assert got == plain.score(trial, bound, 1.0)
+        fresh = CostModel(t).score(trial)
+        assert fresh is not None and (got is None or got == pytest.approx(fresh, rel=1e-12))
+        if got is not None and rng.random() < 0.5:
+            groups, start = trial, got
+
+
+def test_misfit_is_one_for_a_bottleneck_member_and_relative_to_the_worst_member_per_term() -> None:
+    """The local search tries first the swaps that move a device making a bottleneck of its group
+    (misfit 1) for one that would sit better: per term (all-reduce sum with the members, stage time,
+    nearest link to each other group, the worst of those), relative to the group's worst member."""
+    t = sf.generate("volunteers", 256, 0).topology
+    model = CostModel(t)
+    groups = canonical(np.arange(t.stages * t.replicas).reshape(t.stages, t.replicas))
+    members = np.asarray(groups[0])
+    outsiders = np.setdiff1d(np.arange(t.devices), np.array(groups).ravel())
+    fit = misfit(model, groups[0], np.concatenate([members, outsiders]), list(groups[1:]))
+    assert fit[: len(members)].max() == pytest.approx(1.0) and (fit[: len(members)] <= 1.0 + 1e-12).all()
+
+    def terms(d: int) -> list[float]:
+        near = max(min(model.pp_link[d, e] for e in g) for g in groups[1:])
+        return [sum(model.dp_link[d, e] for e in members), model.stage_time[d], near]
+
+    worst = np.max([terms(int(d)) for d in members], axis=0)
+    for d, got in zip(outsiders, fit[len(members):], strict=True):
+        assert got == pytest.approx(max(np.array(terms(int(d))) / worst), rel=1e-9)
+
+
+def test_ranked_greedy_seeds_cluster_only_the_best_ranked_devices() -> None:
+    """Sites of GPUs with uneven uplinks and speeds: the greedy seeds built from the best-ranked
+    devices use only those, are valid, and beat the greedy seeds over all devices; with no device to
+    spare (every device a tasklet) there are none."""
+    t = sf.generate("world", 1024, 1).topology
+    model = CostModel(t)
+    seeds = list(ranked_greedy_seeds(model))
+    assert len(seeds) == 2 * len(RANKED_GREEDY)
+    for g in seeds:
+        check_assignment(t, np.array(g))
+    kept = int(t.stages * t.replicas * RANKED_GREEDY[0][1])
+    best = set(np.argsort(device_quality(model)[RANKED_GREEDY[0][0]], kind="stable")[:kept].tolist())
+    assert all(set(d for g in seed for d in g) <= best for seed in seeds[:2])
+    greedy = min(model.evaluate(np.array(g)) for g in greedy_seeds(model))
+    assert min(model.evaluate(np.array(g)) for g in seeds) < 0.95 * greedy
+    full = Topology(delay_ms=t.delay_ms[:20, :20], bandwidth_gbps=t.bandwidth_gbps[:20, :20], stages=4, replicas=5,
+                    activation_gb=0.1, gradient_gb=0.5)
+    assert list(ranked_greedy_seeds(CostModel(full))) == []
+
+
+def test_a_search_with_guided_swaps_is_reproducible_under_an_evaluation_budget() -> None:
+    """R = 79: the local search guides its swaps (misfit, kept rows, bottleneck hints); the same seed and
+    evaluation budget still give the same plan along the same improvement curve."""
+    t = sf.generate("world", 512, 1).topology
+    runs = [evolutionary_search(t, seed=3, budget_seconds=None, budget_evals=300) for _ in range(2)]
+    assert runs[0].curve == runs[1].curve and runs[0].plan.stage_groups == runs[1].plan.stage_groups
