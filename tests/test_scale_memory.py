@@ -63,3 +63,34 @@ def test_a_snapshots_peer_rows_kept_between_builds_are_the_rows_made_anew() -> N
         kept, fresh = both(float(now) + 0.5)
         assert kept == fresh and [list(r) for r in kept] == [list(r) for r in fresh], now
     assert {r["state"] for r in fresh} == {"lost", "left"} and fresh[1]["clipped"] == 2 and fresh[4]["rejected"] == 1
+
+
+def test_a_big_record_reaches_the_dht_process_through_a_file_and_a_small_one_through_its_pipe() -> None:
+    """A plan past SPILL_BYTES (600 KB at 1,000 members) is written to a private file the DHT process reads and
+    removes (through the pipe it held the coordinator's loop while a busy DHT process read it a chunk at a time);
+    what peers read back is the same record either way."""
+    from potluck.protos.net import swarm
+    from potluck.protos.net.dhtguard import run_key
+    from potluck.protos.net.identity import Identity
+    from potluck.protos.net.swarm import SwarmNode
+    from potluck.protos.wire.records import Member, Plan, Round
+
+    coord = Identity.generate()
+    a = SwarmNode(coord, coordinator=coord.peer_id, host="127.0.0.1", node_id_source=run_key(coord.peer_id, "peers"))
+    b = SwarmNode(Identity.generate(), coordinator=coord.peer_id, initial_peers=a.maddrs, host="127.0.0.1")
+    spills: list[str] = []
+    spill = a._spill
+    a._spill = lambda value: spills.append(spill(value)) or spills[-1]  # type: ignore[method-assign]
+    try:
+        for n, seq in ((3, 1), (600, 2)):  # (a few hundred bytes; then ~80 KB)
+            members = [Member(peer_id=f"12D3KooW{i:044d}", address=f"10.0.0.{i % 250}:{1000 + i}", replica=i) for i in range(n)]
+            plan = Plan(seq=seq, rounds=[Round(step=seq, members=members)], ts=0.0)
+            assert a.publish_plan(plan, ttl=60.0) is True
+            assert b.get_plan() == plan and a.get_plan() == plan
+        assert len(spills) == 1 and spills[0].startswith(str(a._spill_dir))  # (only the big one)
+        assert not Path(spills[0]).exists() and os.listdir(a._spill_dir) == []  # (read, then removed)
+        assert os.stat(a._spill_dir).st_mode & 0o777 == 0o700
+    finally:
+        b.shutdown()
+        a.shutdown()
+    assert not Path(str(a._spill_dir)).exists() and swarm.SPILL_BYTES == 1 << 16
