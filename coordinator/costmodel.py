@@ -315,6 +315,13 @@ class CostModel:
                     return None  # the cheap bound: a path is a spanning tree
                 if base + self._path(low, node, want_path=False)[0] + low_soft > bound:
                     return None
+                if parent is not None:  # exact bottlenecks, and duals for the min-sums (see PairTerms)
+                    exact, sums = self._pairs.estimate(groups, parent, missing, blocks, lower)
+                    for (i, j, _), value in zip(missing, exact.tolist(), strict=True):
+                        low[i, j] = low[j, i] = 2.0 * value
+                    low_soft = smooth * (base_soft + self._soft * (min_sum + sums))
+                    if base + self._path(low, node, want_path=False)[0] + low_soft > bound:
+                        return None
             for (i, j, key), block, value in zip(missing, blocks, lower.tolist(), strict=True):
                 hit = self._pairs.solve(key, block, value, self._pairs.hint(parent, i, j))
                 dist[i, j] = dist[j, i] = 2.0 * hit[0]

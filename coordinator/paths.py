@@ -34,13 +34,21 @@ def bottleneck_matching_cost(link: np.ndarray, lower: float | None = None,
     rows, cols = linear_sum_assignment(link)
     chosen = link[rows, cols]
     upper, min_sum = float(chosen.max()), float(chosen.sum())
+    return bottleneck_below(link, upper, lower, hint), min_sum
+
+
+def bottleneck_below(link: np.ndarray, upper: float, lower: float | None = None,
+                     hint: float | None = None) -> float:
+    """The bottleneck of a square cost matrix (as in :func:`bottleneck_matching_cost`) given ``upper``,
+    the max edge of *some* perfect matching: a feasible threshold, the search's other end. The
+    bottleneck is one entry of ``link`` whatever ``upper`` is given, so the answer is the same."""
     if lower is None:
         lower = max(link.min(axis=0).max(), link.min(axis=1).max())
     if upper <= lower:
-        return upper, min_sum
+        return upper
     values = np.sort(link[(link >= lower) & (link < upper)])
     lo = _first_feasible(values, lambda v: _has_perfect_matching(link > v), hint)
-    return (float(values[lo]) if lo < len(values) else upper), min_sum
+    return float(values[lo]) if lo < len(values) else upper
 
 
 def _first_feasible(values: np.ndarray, feasible: Callable[[float], bool], hint: float | None) -> int:
