@@ -53,22 +53,23 @@ def bottleneck_below(link: np.ndarray, upper: float, lower: float | None = None,
 
 def _first_feasible(values: np.ndarray, feasible: Callable[[float], bool], hint: float | None) -> int:
     """The first index of sorted ``values`` that is ``feasible`` (``len(values)`` if none is; feasibility
-    is monotone). Tries index 0 and the index of ``hint`` (with the one before it) first, then bisects:
-    one or two matchings instead of a dozen when a guess is right."""
+    is monotone). Tries the index of ``hint`` (with the one before it) first, ``hint`` being an entry
+    or at least ``upper`` (index ``len(values)``, known feasible: one matching then settles it),
+    then index 0, then bisects: one or two matchings instead of a dozen when a guess is right."""
     lo, hi = 0, len(values)  # values[hi] would be `upper`, known feasible
-    if hi and feasible(values[0]):
-        return 0
-    lo = min(1, hi)
     if hint is not None:
         at = int(np.searchsorted(values, hint))
-        if lo <= at < hi and values[at] == hint:
-            if feasible(values[at]):
-                hi = at
-                if at - 1 >= lo and not feasible(values[at - 1]):
-                    return at
-                hi = at - 1 if at - 1 >= lo else at
-            else:
+        if at == hi or values[at] == hint:
+            if at < hi and not feasible(values[at]):
                 lo = at + 1
+            else:
+                if at == 0 or not feasible(values[at - 1]):
+                    return at
+                hi = at - 1
+    if lo == 0 < hi:
+        if feasible(values[0]):
+            return 0
+        lo = 1
     while lo < hi:
         mid = (lo + hi) // 2
         if feasible(values[mid]):
