@@ -274,10 +274,10 @@ def test_a_search_with_guided_swaps_is_reproducible_under_an_evaluation_budget()
 
 
 @pytest.mark.parametrize("family,devices,seed", [("volunteers", 256, 0), ("world", 256, 1), ("regions", 64, 2)])
-def test_a_swap_estimated_from_its_parent_has_the_exact_bottlenecks_and_a_min_sum_below(
+def test_a_swap_bounded_from_its_parent_has_the_exact_bottlenecks_and_a_min_sum_below(
         family: str, devices: int, seed: int) -> None:
-    """Golden: for the new pairs of a swap, :meth:`PairTerms.estimate` gives exactly the bottlenecks
-    of :func:`bottleneck_matching_cost` and a lower bound on the summed min-sums; so a swap it
+    """Golden: for the new pairs of a swap, :meth:`PairTerms.bottlenecks` gives exactly the bottlenecks
+    of :func:`bottleneck_matching_cost` and :meth:`PairTerms.min_sums_below` a lower bound on the summed min-sums; so a swap they
     rejects is never one the full score would accept."""
     t = sf.generate(family, devices, seed).topology
     rng = np.random.default_rng(seed)
@@ -291,7 +291,8 @@ def test_a_swap_estimated_from_its_parent_has_the_exact_bottlenecks_and_a_min_su
             continue
         blocks = pairs.blocks([key for _, _, key in missing])
         lower = np.maximum(blocks.min(axis=2).max(axis=1), blocks.min(axis=1).max(axis=1))
-        exact, low = pairs.estimate(trial, groups, missing, blocks, lower)
+        low, uppers = pairs.min_sums_below(trial, groups, missing, blocks)
+        exact = pairs.bottlenecks(groups, missing, blocks, lower, uppers)
         want = [bottleneck_matching_cost(b) for b in blocks]
         assert exact.tolist() == [w[0] for w in want]
         assert low <= sum(w[1] for w in want)
