@@ -313,8 +313,19 @@ class CostModel:
                     min_sum + np.maximum(row_min.sum(axis=1), col_min.sum(axis=1)).sum()))
                 if base + path_lower_bound(low, node) + low_soft > bound:
                     return None  # the cheap bound: a path is a spanning tree
-                if base + self._path(low, node, want_path=False)[0] + low_soft > bound:
+                low_path = self._path(low, node, want_path=False)[0]
+                if base + low_path + low_soft > bound:
                     return None
+                if parent is not None:  # duals bound the min-sums, then exact bottlenecks (see PairTerms)
+                    sums, uppers = self._pairs.min_sums_below(groups, parent, missing, blocks)
+                    low_soft = smooth * (base_soft + self._soft * (min_sum + sums))
+                    if base + low_path + low_soft > bound:
+                        return None
+                    exact = self._pairs.bottlenecks(parent, missing, blocks, lower, uppers)
+                    for (i, j, _), value in zip(missing, exact.tolist(), strict=True):
+                        low[i, j] = low[j, i] = 2.0 * value
+                    if base + self._path(low, node, want_path=False)[0] + low_soft > bound:
+                        return None
             for (i, j, key), block, value in zip(missing, blocks, lower.tolist(), strict=True):
                 hit = self._pairs.solve(key, block, value, self._pairs.hint(parent, i, j))
                 dist[i, j] = dist[j, i] = 2.0 * hit[0]

@@ -34,33 +34,42 @@ def bottleneck_matching_cost(link: np.ndarray, lower: float | None = None,
     rows, cols = linear_sum_assignment(link)
     chosen = link[rows, cols]
     upper, min_sum = float(chosen.max()), float(chosen.sum())
+    return bottleneck_below(link, upper, lower, hint), min_sum
+
+
+def bottleneck_below(link: np.ndarray, upper: float, lower: float | None = None,
+                     hint: float | None = None) -> float:
+    """The bottleneck of a square cost matrix (as in :func:`bottleneck_matching_cost`) given ``upper``,
+    the max edge of *some* perfect matching: a feasible threshold, the search's other end. The
+    bottleneck is one entry of ``link`` whatever ``upper`` is given, so the answer is the same."""
     if lower is None:
         lower = max(link.min(axis=0).max(), link.min(axis=1).max())
     if upper <= lower:
-        return upper, min_sum
+        return upper
     values = np.sort(link[(link >= lower) & (link < upper)])
     lo = _first_feasible(values, lambda v: _has_perfect_matching(link > v), hint)
-    return (float(values[lo]) if lo < len(values) else upper), min_sum
+    return float(values[lo]) if lo < len(values) else upper
 
 
 def _first_feasible(values: np.ndarray, feasible: Callable[[float], bool], hint: float | None) -> int:
     """The first index of sorted ``values`` that is ``feasible`` (``len(values)`` if none is; feasibility
-    is monotone). Tries index 0 and the index of ``hint`` (with the one before it) first, then bisects:
-    one or two matchings instead of a dozen when a guess is right."""
+    is monotone). Tries the index of ``hint`` (with the one before it) first, ``hint`` being an entry
+    or at least ``upper`` (index ``len(values)``, known feasible: one matching then settles it),
+    then index 0, then bisects: one or two matchings instead of a dozen when a guess is right."""
     lo, hi = 0, len(values)  # values[hi] would be `upper`, known feasible
-    if hi and feasible(values[0]):
-        return 0
-    lo = min(1, hi)
     if hint is not None:
         at = int(np.searchsorted(values, hint))
-        if lo <= at < hi and values[at] == hint:
-            if feasible(values[at]):
-                hi = at
-                if at - 1 >= lo and not feasible(values[at - 1]):
-                    return at
-                hi = at - 1 if at - 1 >= lo else at
-            else:
+        if at == hi or values[at] == hint:
+            if at < hi and not feasible(values[at]):
                 lo = at + 1
+            else:
+                if at == 0 or not feasible(values[at - 1]):
+                    return at
+                hi = at - 1
+    if lo == 0 < hi:
+        if feasible(values[0]):
+            return 0
+        lo = 1
     while lo < hi:
         mid = (lo + hi) // 2
         if feasible(values[mid]):
