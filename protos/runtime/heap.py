@@ -13,7 +13,8 @@ whichever tick happened to allocate, and it was the whole of that tick's p99
 * ``collect()`` between two iterations when ``due`` (every ``every_s``): a full pass over what is not
   frozen (what survived since the last one), then freezes it too;
 * once every ``whole_every_s`` that pass unfreezes everything first, so a cycle that became garbage
-  after it was frozen (none has in any run measured: ``freed`` stays 0) lives that long at most;
+  after it was frozen lives that long at most (at 1,000 peers the passes found 67,000-121,000 such objects
+  in 3.5 minutes: cycles do become garbage);
 * after each, the C allocator's free pages go back to the OS (:func:`trim`).
 """
 
