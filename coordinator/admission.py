@@ -353,10 +353,12 @@ class Gatekeeper:
                 held.pop(pid, None)
                 if not held:
                     del self._by_step[step]
-            flaggers = self._flaggers.setdefault(step, set())
-            (flaggers.add if report is not None and report.flags else flaggers.discard)(pid)
-            if not flaggers:
-                del self._flaggers[step]
+            if report is not None and report.flags:
+                self._flaggers.setdefault(step, set()).add(pid)
+            elif (flaggers := self._flaggers.get(step)) is not None:
+                flaggers.discard(pid)
+                if not flaggers:
+                    del self._flaggers[step]
 
     def _judge(self, step: int, reports: dict[str, StepReport], round_at: Callable[[int], Round | None],
                changed: set[str] | None = None) -> set[str]:

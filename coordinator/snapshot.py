@@ -18,6 +18,7 @@ from typing import Any
 from potluck.coordinator.health import Health
 from potluck.coordinator.history import public
 from potluck.coordinator.membership import PeerView
+from potluck.coordinator.perround import PerRound
 from potluck.coordinator.rounds import Rounds
 from potluck.coordinator.status import API
 from potluck.models import entry_costs
@@ -33,7 +34,7 @@ PEERS_INLINE = 200  # past this many known peers, `peers` holds the most telling
 LINKS_PEERS = 64  # the links matrix covers at most this many peers (the first by tasklet): N x N does not scale
 # which peers an operator looks at first when not all fit (lower first): the ones that stopped, then the ones
 # the run counts on, then the ones that said goodbye
-_ROUND: list[Any] = [None, None]  # the latest round and its JSON (see round_json)
+_ROUND_JSON = PerRound(lambda r: r.model_dump(mode="json"))  # (the latest round's, see round_json)
 _ATTENTION = {PeerState.FAILED: 0, PeerState.LOST: 1, PeerState.LEFT: 3, PeerState.FINISHED: 3}
 
 
@@ -100,9 +101,7 @@ def _row(r: PeerRecord, view: PeerView, tasklet: dict[str, int] | None) -> dict[
 def round_json(rnd: Round) -> dict[str, Any]:
     """``rnd`` as JSON, dumped once (a round is never changed in place: a new one replaces it). At 1,000 members
     the round's dump was a fifth of a snapshot's build, and the snapshot is built every second."""
-    if _ROUND[0] is not rnd:
-        _ROUND[:] = [rnd, rnd.model_dump(mode="json")]
-    return _ROUND[1]
+    return _ROUND_JSON([rnd])[0]
 
 
 def step_rates(entries: Sequence[dict[str, Any]], cfg: RunConfig) -> list[dict[str, Any]]:
