@@ -82,13 +82,16 @@ def test_a_big_record_reaches_the_dht_process_through_a_file_and_a_small_one_thr
     spill = a._spill
     a._spill = lambda value: spills.append(spill(value)) or spills[-1]  # type: ignore[method-assign]
     try:
-        for n, seq in ((3, 1), (600, 2)):  # (a few hundred bytes; then ~80 KB)
+        sizes = []
+        for n, seq in ((3, 1), (600, 2), (2100, 3)):  # (a few hundred bytes; ~80 KB; over 4x SPILL_BYTES)
             members = [Member(peer_id=f"12D3KooW{i:044d}", address=f"10.0.0.{i % 250}:{1000 + i}", replica=i) for i in range(n)]
             plan = Plan(seq=seq, rounds=[Round(step=seq, members=members)], ts=0.0)
             assert a.publish_plan(plan, ttl=60.0) is True
             assert b.get_plan() == plan and a.get_plan() == plan
-        assert len(spills) == 1 and spills[0].startswith(str(a._spill_dir))  # (only the big one)
-        assert not Path(spills[0]).exists() and os.listdir(a._spill_dir) == []  # (read, then removed)
+            sizes.append(len(a.seal(plan, 60.0)["body"]))
+        assert sizes[0] < swarm.SPILL_BYTES < sizes[1] and sizes[2] > 4 * swarm.SPILL_BYTES, sizes
+        assert len(spills) == 2 and all(p.startswith(str(a._spill_dir)) for p in spills)  # (only the big ones)
+        assert not any(Path(p).exists() for p in spills) and os.listdir(a._spill_dir) == []  # (read, then removed)
         assert os.stat(a._spill_dir).st_mode & 0o777 == 0o700
     finally:
         b.shutdown()
