@@ -1,5 +1,5 @@
 """How long storing a big record holds its caller while the DHT process is busy: through hivemind's pipe, or
-spilled to a file the DHT process reads (``SwarmNode._spill``, records over ``SPILL_BYTES``).
+spilled to a file the DHT process reads (``protos/net/spill.py``, records over ``SPILL_BYTES``).
 
 At 1,000 peers the coordinator's DHT process serves ~200 heartbeat stores a second, and the coordinator's loop
 publishes a plan of ~600 KB at every decision and every 15 s. A value sent through the pipe is read a chunk at
@@ -37,7 +37,7 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--busy-s", type=float, default=1.0)
     a = p.parse_args()
-    from potluck.protos.net import swarm
+    from potluck.protos.net import spill, swarm
     from potluck.protos.net.dhtguard import run_key
     from potluck.protos.net.identity import Identity
     from potluck.protos.wire.envelope import canonical
@@ -50,10 +50,11 @@ def main() -> int:
     plan = Plan(seq=1, rounds=[Round(step=s, members=members) for s in range(1, a.rounds + 1)], ts=time.time())
     size = len(canonical(plan.model_dump(mode="json")))
     held: dict[str, list[float]] = {"pipe": [], "spilled": []}
+    spill_bytes = spill.SPILL_BYTES
     try:
         for _ in range(a.repeat):
-            for how, limit in (("pipe", 1 << 40), ("spilled", swarm.SPILL_BYTES)):
-                swarm.SPILL_BYTES = limit
+            for how, limit in (("pipe", 1 << 40), ("spilled", spill_bytes)):
+                spill.SPILL_BYTES = limit
                 sealed = node.seal(plan, 60.0)  # (sealed anew: a record expires when its signature says)
                 load = node.dht.run_coroutine(partial(busy, seconds=a.busy_s), return_future=True)
                 time.sleep(0.05)  # (the DHT process is inside it)

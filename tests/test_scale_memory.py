@@ -69,7 +69,7 @@ def test_a_big_record_reaches_the_dht_process_through_a_file_and_a_small_one_thr
     """A plan past SPILL_BYTES (600 KB at 1,000 members) is written to a private file the DHT process reads and
     removes (through the pipe it held the coordinator's loop while a busy DHT process read it a chunk at a time);
     what peers read back is the same record either way."""
-    from potluck.protos.net import swarm
+    from potluck.protos.net import spill as spilling
     from potluck.protos.net.dhtguard import run_key
     from potluck.protos.net.identity import Identity
     from potluck.protos.net.swarm import SwarmNode
@@ -79,8 +79,8 @@ def test_a_big_record_reaches_the_dht_process_through_a_file_and_a_small_one_thr
     a = SwarmNode(coord, coordinator=coord.peer_id, host="127.0.0.1", node_id_source=run_key(coord.peer_id, "peers"))
     b = SwarmNode(Identity.generate(), coordinator=coord.peer_id, initial_peers=a.maddrs, host="127.0.0.1")
     spills: list[str] = []
-    spill = a._spill
-    a._spill = lambda value: spills.append(spill(value)) or spills[-1]  # type: ignore[method-assign]
+    write = a.spill.write
+    a.spill.write = lambda value: spills.append(write(value)) or spills[-1]  # type: ignore[method-assign]
     try:
         sizes = []
         for n, seq in ((3, 1), (600, 2), (2100, 3)):  # (a few hundred bytes; ~80 KB; over 4x SPILL_BYTES)
@@ -89,11 +89,11 @@ def test_a_big_record_reaches_the_dht_process_through_a_file_and_a_small_one_thr
             assert a.publish_plan(plan, ttl=60.0) is True
             assert b.get_plan() == plan and a.get_plan() == plan
             sizes.append(len(a.seal(plan, 60.0)["body"]))
-        assert sizes[0] < swarm.SPILL_BYTES < sizes[1] and sizes[2] > 4 * swarm.SPILL_BYTES, sizes
-        assert len(spills) == 2 and all(p.startswith(str(a._spill_dir)) for p in spills)  # (only the big ones)
-        assert not any(Path(p).exists() for p in spills) and os.listdir(a._spill_dir) == []  # (read, then removed)
-        assert os.stat(a._spill_dir).st_mode & 0o777 == 0o700
+        assert sizes[0] < spilling.SPILL_BYTES < sizes[1] and sizes[2] > 4 * spilling.SPILL_BYTES, sizes
+        assert len(spills) == 2 and all(p.startswith(str(a.spill.dir)) for p in spills)  # (only the big ones)
+        assert not any(Path(p).exists() for p in spills) and os.listdir(a.spill.dir) == []  # (read, then removed)
+        assert os.stat(a.spill.dir).st_mode & 0o777 == 0o700
     finally:
         b.shutdown()
         a.shutdown()
-    assert not Path(str(a._spill_dir)).exists() and swarm.SPILL_BYTES == 1 << 16
+    assert not Path(str(a.spill.dir)).exists() and spilling.SPILL_BYTES == 1 << 16

@@ -7,6 +7,7 @@
 - ``hivemindenv``: What hivemind reads from the environment at its import, set before it
 - ``dhtprocess``: hivemind's DHT process as potluck runs it: tied to its parent, out of the terminal's signals, its command pipe read whole, and its start counted (the ``dht.start`` fault point)
 - ``feed``: Per-peer records read incrementally, and the DHT-process side of the calls that make it cheap
+- ``spill``: Big records to the DHT process through a file, not its pipe
 - ``dhtguard``: What every DHT node of a run agrees to store: its signed records, under its own keys, briefly
 - ``certs``: The run's certificate authority, and the short-lived certificates it issues to admitted peers
 - ``identity``: Identities and signatures: who wrote a record, and proof that they did

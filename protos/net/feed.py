@@ -8,9 +8,6 @@ sends only the records that changed since the reader's last acknowledged answer 
 
 from __future__ import annotations
 
-import contextlib
-import os
-import pickle
 import time
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
@@ -39,18 +36,6 @@ async def store_at(dht: Any, node: Any, peer: str, key: str, subkey: str, value:
                                         [node.protocol.serializer.dumps(value)], [expiration], subkeys=[subkey])
     if ok and ok[0]:
         return True
-    return bool(await node.store(key, value, expiration, subkey=subkey))
-
-
-async def store_spilled(dht: Any, node: Any, key: str, subkey: str | None, path: str, expiration: float) -> bool:
-    """Runs in the DHT process: store the value its caller wrote to ``path`` (:meth:`SwarmNode._store`: one too
-    big for the pipe between them), then remove the file."""
-    try:
-        with open(path, "rb") as f:
-            value = pickle.load(f)  # (written by the process that forked this one, in a folder only it can write)
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
     return bool(await node.store(key, value, expiration, subkey=subkey))
 
 

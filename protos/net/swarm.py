@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import pickle
-import shutil
 import socket
 import tempfile
 import threading
@@ -24,7 +22,7 @@ from typing import Any, TypeVar
 
 from pydantic import Field
 
-from potluck.protos.net import hivemindenv
+from potluck.protos.net import hivemindenv, spill
 from potluck.protos.net.errors import check_port_free
 from potluck.protos.net.identity import Identity
 from potluck.protos.net.join import JoinError, parse_join_address  # noqa: F401 - re-exported
@@ -41,14 +39,14 @@ from hivemind.utils import MSGPackSerializer, get_dht_time  # noqa: E402
 
 from potluck.protos.net.dhtguard import BY_SUBKEY, MAX_TTL_S, RunRecords, run_key  # noqa: E402
 from potluck.protos.net.dhtprocess import DHTProcess, free_locks_of_the_dead  # noqa: E402
-from potluck.protos.net.feed import changed_records, store_at, store_many, store_spilled  # noqa: E402
+from potluck.protos.net.feed import changed_records, store_at, store_many  # noqa: E402
+from potluck.protos.net.spill import Spill, store_spilled  # noqa: E402
 
 log = get_logger(__name__)
 
 # How long one DHT call may take before the caller is told so and goes on: hivemind's own RPCs time out
 # after a few seconds each, so only a wedged DHT process or p2pd gets near this.
 DHT_CALL_TIMEOUT_S = 15.0
-SPILL_BYTES = 1 << 16  # a record bigger than this reaches the DHT process through a file, not its pipe (see _spill)
 
 
 class LinkStat(Record):
@@ -131,7 +129,7 @@ class SwarmNode:
         self.identity, self.coordinator = identity, coordinator
         self.call_timeout_s = DHT_CALL_TIMEOUT_S
         self._pipe_lock = threading.Lock()
-        self._spill_dir: str | None = None  # (see _spill)
+        self.spill = Spill()  # (a big record reaches the DHT process through a file: see protos/net/spill.py)
         tmpdir = None
         if identity_path is None:
             tmpdir = tempfile.TemporaryDirectory(prefix="potluck-id-")
@@ -194,7 +192,7 @@ class SwarmNode:
             raise ValueError(f"a {kind} record asks to live {ttl:.0f} s; records live (0, {MAX_TTL_S:.0f}] s")
         value = sealed if sealed is not None else seal(self.identity, record, ttl)
         key, expires = run_key(self.coordinator, kind), get_dht_time() + ttl
-        spilled = self._spill(value) if len(value.get("body", b"")) > SPILL_BYTES else None
+        spilled = self.spill.write(value) if len(value.get("body", b"")) > spill.SPILL_BYTES else None
         with self._pipe_lock:  # hivemind's DHT pipe is not safe for concurrent senders
             if subkey is not None and kind in BY_SUBKEY and self.identity.peer_id != self.coordinator:
                 future = self.dht.run_coroutine(partial(store_at, peer=self.coordinator, key=key, subkey=subkey,
@@ -205,18 +203,6 @@ class SwarmNode:
             else:
                 future = self.dht.store(key, value, expiration_time=expires, subkey=subkey, return_future=True)
         return bool(self.answer(future, f"storing the {kind} record")) if wait else future
-
-    def _spill(self, value: dict[str, Any]) -> str:
-        """``value`` written to a file of a folder only this process can write (in memory, where /dev/shm is), for
-        the DHT process to read (:func:`~potluck.protos.net.feed.store_spilled`). Through the pipe, a value is
-        read a chunk at a time by a thread of a busy DHT process, each chunk waiting for its interpreter lock:
-        at 1,000 peers a 600 KB plan held the coordinator's loop 0.25-0.9 s of wall time (8-19 ms of its CPU)."""
-        if self._spill_dir is None:
-            self._spill_dir = tempfile.mkdtemp(prefix="potluck-dht-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-        fd, path = tempfile.mkstemp(dir=self._spill_dir)
-        with os.fdopen(fd, "wb") as f:
-            pickle.dump(value, f, protocol=pickle.HIGHEST_PROTOCOL)
-        return path
 
     def seal(self, record: Any, ttl: float, raw: dict[str, str] | None = None) -> dict[str, Any]:
         """``record`` signed by this node's identity, to live ``ttl`` s (``raw``: see :func:`envelope.seal`)."""
@@ -383,8 +369,7 @@ class SwarmNode:
                 return
             self._stopped = True
         atexit.unregister(self._shutdown_at_exit)
-        if self._spill_dir is not None:
-            shutil.rmtree(self._spill_dir, ignore_errors=True)
+        self.spill.close()
         pid = dht.pid
         if pid is None:
             return  # never started
