@@ -205,6 +205,9 @@ class Sends:
         refusal for good ends the round as broken (:class:`PipelineBroken`) at once."""
         deadline = time.monotonic() + self.cfg.pipe_timeout_s * 3
         resent = False
+        # a message too big is too big at every try: a receiver that answers NOT_YET from the head alone must
+        # not let a retry go out without the fault's piece
+        oversize = injected("pipe.send", out.r.step, "oversize")
         while not out.r.error:
             if msg is None and (msg := self._encode_or_fail(out)) is None:
                 return
@@ -213,7 +216,6 @@ class Sends:
                                    f"over the {MAX_MESSAGE_BYTES} a gRPC message may hold: lower train.batch_size or "
                                    "raise pipeline.micro_batches")
                 return
-            oversize = injected("pipe.send", out.r.step, "oversize")
             try:
                 self._push(out.to, msg, oversize)
                 return

@@ -8,6 +8,7 @@ what receiving costs in memory.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -278,3 +279,32 @@ def test_a_slow_receiver_holds_the_sender_to_a_few_encoded_messages(hosts: list[
     assert a.pipe.sends.encoded_peak == ENCODED_AHEAD
     assert len(b.pipe.inbox.current().mail) == 16
     assert a.pipe.sender.buffer.digest() == b.pipe.receiver.buffer.digest()  # type: ignore[union-attr]
+
+
+def test_a_message_too_big_stays_too_big_when_its_first_try_is_answered_not_yet(hosts: list[Host], monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The receiver is not in the round yet and answers NOT_YET from the head alone, before gRPC reads the piece
+    over its cap: the retry carries that piece again (as a real message too big would), and the round breaks on
+    RESOURCE_EXHAUSTED instead of the fault vanishing with the first try (CI saw that race)."""
+    from potluck.protos.testkit import faults
+    monkeypatch.setattr(faults, "_pending", faults.parse("pipe.send@1:oversize"))
+    cfg = config(**{"pipeline.pipe_timeout_s": 2.0})  # the receiver waits this long for its round, then NOT_YET
+    a, b = Host(cfg, 0, "stage0"), Host(cfg, 1, "stage1")
+    hosts += [a, b]
+    a.pipe.begin_round(1, 0, None, Neighbour(b.id, b.address))
+    push, tries = a.client.push_pipe, []
+
+    def answered_from_the_head(address: str, chunks: Iterator[pb.PipeChunk], **kw: object) -> pb.Ack:
+        tries.append(address)  # the first try ends with its head: the receiver answers before any other piece
+        return push(address, itertools.islice(chunks, 1) if len(tries) == 1 else chunks, **kw)  # type: ignore[arg-type]
+
+    a.client.push_pipe = answered_from_the_head  # type: ignore[method-assign]
+    r = a.pipe.inbox.current()
+    a.pipe.sends.send(r, "forward", 0, 0, [0, 1], torch.randn(2, 16, 32), labels=torch.zeros(2, 16, dtype=torch.long))
+    deadline = time.monotonic() + 30
+    while not any("NOT_YET" in x or "not there yet" in x for x in b.rejected):
+        assert time.monotonic() < deadline, b.rejected
+        time.sleep(0.01)
+    b.pipe.begin_round(1, 0, Neighbour(a.id, a.address), None)
+    with pytest.raises(PipelineBroken, match="RESOURCE_EXHAUSTED"):
+        a.pipe.sends.flush(r)
+    assert len(tries) >= 2
