@@ -182,6 +182,20 @@ def quantile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
+def steady_decisions(samples: list[dict[str, Any]], t0: float, final: dict[str, Any]) -> list[float]:
+    """The seconds of each decision made after ``t0`` (each told apart by its count, not its figure: a round
+    decided before ``t0`` stays the latest one until the next, and two decisions can take as long). With the
+    final window too, where every decision in it came after ``t0`` (one made between two samples)."""
+    at_t0 = max((s["state"]["coordinator"]["decide_s"]["count"] for s in samples if s["t"] < t0), default=0)
+    seen = {d["count"]: d["last"] for s in samples if s["t"] >= t0
+            for d in [s["state"]["coordinator"]["decide_s"]] if d["count"] > at_t0 and d["last"] is not None}
+    out = list(seen.values())
+    if final.get("max") is not None and final.get("count", 0) - at_t0 >= final.get("window", 0) \
+            and final["max"] not in out:
+        out.append(final["max"])  # (one no sample caught)
+    return sorted(out)
+
+
 def run_size(n: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
     from potluck.local import LocalSwarm, wait_for
     from potluck.protos.config.files import apply_overrides
@@ -270,8 +284,7 @@ def run_size(n: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
     adm = [(b - a_) for o in outs for a_, b in o["admissions"] if a_ < t0]
     first = min((a_ for o in outs for a_, _ in o["admissions"]), default=t_start)
     last = max((b for o in outs for a_, b in o["admissions"] if a_ < t0), default=first)
-    decisions = sorted({s["state"]["coordinator"]["decide_s"]["last"] for s in samples
-                        if s["t"] >= t0 and s["state"]["coordinator"]["decide_s"]["last"] is not None})
+    decisions = steady_decisions(samples, t0, health.get("decide_s") or {})
     steady = [s for s in samples if s["t"] >= t0]
     result.update({
         "benchmark": "swarm_scale", "workers": a.workers, "dht_nodes": a.workers + 1, "heartbeat_s": a.heartbeat_s,
@@ -281,8 +294,9 @@ def run_size(n: int, a: argparse.Namespace, work: Path) -> dict[str, Any]:
         "report_to_commit_s": {"p50": quantile(lat, 0.5), "p99": quantile(lat, 0.99), "max": max(lat, default=None),
                                "steps": len(lat)},
         "decide_s": {"max": max(decisions, default=None), "median": quantile(decisions, 0.5), "seen": len(decisions),
-                     # (with the join burst's first round, which pings every peer anew: the health window's max)
-                     "max_with_first_round": (health.get("decide_s") or {}).get("max")},
+                     # (the join burst's first round: every peer is new to it)
+                     "first_round": next((s["state"]["coordinator"]["decide_s"]["last"] for s in samples
+                                          if s["state"]["coordinator"]["decide_s"]["count"] == 1), None)},
         "admission": {"admitted": len(adm), "seconds": round(last - first, 2),
                       "per_s": round(len(adm) / (last - first), 1) if last > first else None,
                       "latency_p50_s": quantile(adm, 0.5), "latency_p99_s": quantile(adm, 0.99)},

@@ -18,7 +18,7 @@ import time
 from collections import deque
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from potluck import __version__
 from potluck.coordinator import bootstrap, history, roundevents
@@ -63,18 +63,17 @@ class Coordinator:
         self.gate = Gatekeeper(cfg, self.run_id, self.id, Path(c.journal_dir), self.state.revoked, self.state.admitted)
         self.tls = None if c.insecure else self.gate.tls  # gRPC with peers over mutual TLS unless --insecure
         self.client = PeerClient(self.traffic, tls=self.tls, idle_connection_s=IDLE_CONNECTION_S)
-        self.gate.admission.on_revoke, self.table.on_lost = self.table.evict, self.client.forget  # (in no later round; its channels close)
         self.pinger = Pinger(self.client, self.run_id, self.id, done=self._wake.set)  # (off the loop; it wakes it)
+        self.gate.admission.on_revoke, self.table.on_lost, self.table.on_seen = self.table.evict, self.client.forget, \
+            self.pinger.prime  # (revoked: in no later round; lost: its channels close; seen: pinged before a decision)
         self.checkpointer = Checkpointer.for_run(cfg, self.client, self.run_id, self.id)
         self.integrity = Integrity.for_run(cfg, self.client, self.run_id, self.id, self.state.trust)
         self.gate.trusted, self.gate.trust_moved = self.integrity.trust.eligible, self.integrity.trust.moved  # (votes)
         self.placement = PlacementWorker(cfg, cfg.links.search_budget_s)
         self.series, self.health, self.folder = Series(), Health(settle=True), history.Folder()
-        self.node: Any = None  # (and the reader of it, once it runs)
-        self.reader: Any = None
+        self.node = self.reader = self.publisher = cast(Any, None)  # (the DHT node, its reader and publisher: start())
         self.grpc: PeerServer | None = None
         self.status: StatusServer | None = None
-        self.publisher: Any = None
         self.info = RunInfo(self.run_id, self.id, "", "", time.time(), self.state.finished)
         self._snapshot, self._dirty = dict[str, Any](), 0  # (1: to journal; 2: now, a failure or rollback)
         set_context(role="coordinator", peer_id=self.id)

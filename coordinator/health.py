@@ -26,6 +26,7 @@ class Health:
         self.ticks: deque[float] = deque(maxlen=KEEP_TICKS)  # seconds each of the latest ticks took
         self.tick_cpu: deque[float] = deque(maxlen=KEEP_TICKS)  # ... of the loop thread's CPU
         self.decisions: deque[float] = deque(maxlen=16)  # seconds each of the latest decisions took
+        self.decided_count = 0  # (every decision since the coordinator started)
         self.count = 0
         self.heap, self._settle = Heap(), settle  # (settle: full collections between ticks, from the first one on)
         self._built = (-float("inf"), 0.0, 0.0)  # (when the snapshot was last built, how long it took, began)
@@ -78,6 +79,7 @@ class Health:
 
     def decided(self, seconds: float) -> None:
         self.decisions.append(seconds)
+        self.decided_count += 1
 
     def section(self, reads: dict[str, Any], peers_held: int) -> dict[str, Any]:
         """The status snapshot's ``coordinator`` object (documented in docs/status-api.md)."""
@@ -86,7 +88,8 @@ class Health:
             "tick_s": _spread(self.ticks),
             "tick_cpu_s": _spread(self.tick_cpu),
             "decide_s": {"last": self.decisions[-1] if self.decisions else None,
-                         "max": max(self.decisions) if self.decisions else None, "window": len(self.decisions)},
+                         "max": max(self.decisions) if self.decisions else None, "window": len(self.decisions),
+                         "count": self.decided_count},
             "rss_bytes": rss_bytes(),
             "gc": self.heap.section(),
             "peers_held": peers_held,

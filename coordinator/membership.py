@@ -77,6 +77,7 @@ class PeerTable:
         self.changed: list[PeerView] = []  # the views whose record the last update changed
         self._read_at: float | None = None  # the ``read_at`` of the last update that had one
         self.on_lost: Callable[[str], None] = lambda peer_id: None  # (the coordinator closes its channels to it)
+        self.on_seen: Callable[[PeerRecord], None] = lambda rec: None  # (joined or back: the coordinator pings it)
         self._reports: list[Report] | None = None  # (every view's report, until a view changes: see reports)
 
     @classmethod
@@ -112,6 +113,7 @@ class PeerTable:
             if view is None:
                 self.peers[pid] = view = PeerView(rec, now, now)
                 events.append(("joined", pid))
+                self.on_seen(rec)
             elif view.record is rec:
                 continue  # the same record as last time (an incremental reader hands the whole view every tick)
             elif rec.seq > view.record.seq:
@@ -120,6 +122,7 @@ class PeerTable:
                 if (view.lost or view.left or restarted) and rec.state not in GONE:
                     view.lost = view.left = False
                     events.append(("back", pid))
+                    self.on_seen(rec)
             else:
                 continue
             self.changed.append(view)

@@ -74,7 +74,12 @@ class Pinger:
     :meth:`poll` starts pinging the peers it is given and returns None until the answers are in, then
     the peers that answered and when the pings began (a decision's cost counts from there); answers
     older than ``max_age_s`` are not used, the peers are pinged again. Only peers it is still given are in
-    an answer: one evicted (or gone) while the pings ran is in no round decided after that."""
+    an answer: one evicted (or gone) while the pings ran is in no round decided after that.
+
+    :meth:`prime` pings a peer when it first shows up (or comes back), off the loop too: a decision within
+    ``max_age_s`` of that answer takes it without a ping of its own. With churn, nearly all a decision had
+    left to ping were such newcomers, and waiting for them was most of its time (0.16 s of a median
+    decision at 1,000 peers, on a machine of its own; a second for the first round after a join burst)."""
 
     def __init__(self, client: PeerClient, run_id: str, me: str, max_age_s: float = 10.0,
                  done: Callable[[], None] = lambda: None) -> None:
@@ -83,23 +88,61 @@ class Pinger:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._answer: tuple[list[PeerRecord], float, float] | None = None  # (reachable, began, ended)
+        self._queue: dict[str, PeerRecord] = {}  # newcomers not pinged yet (by peer id: the newest record)
+        self._primer: threading.Thread | None = None
+        self._answered: dict[str, tuple[str, float]] = {}  # peer id -> (the address that answered, when it did)
 
     def poll(self, records: Iterable[PeerRecord], proven: Callable[[], Collection[str]] = frozenset,
              ) -> tuple[list[PeerRecord], float] | None:
         """``proven()``: peers whose own reports just showed them at work (they averaged or fetched the committed
-        step, and heartbeat): they are not pinged again. At 1,000 members that leaves the newcomers. Asked only
-        when pings start (not on every tick they run)."""
+        step, and heartbeat): they are not pinged again, nor are peers that answered :meth:`prime`'s ping within
+        ``max_age_s`` at the address they still announce. At 1,000 members that leaves no one, or the newcomers
+        of the last moment; with no one to ping, the answer is at once. Asked only when pings start (not on every
+        tick they run)."""
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 return None
             answer, self._answer, records = self._answer, None, list(records)
-            if answer is not None and time.monotonic() - answer[2] <= self.max_age_s:
+            now = time.monotonic()
+            if answer is not None and now - answer[2] <= self.max_age_s:
                 here = {r.peer_id: r for r in records}  # (a proven liar answered the pings that began before its proof)
                 return [here[r.peer_id] for r in answer[0] if r.peer_id in here], answer[1]
-            self._thread = threading.Thread(target=self._ping, args=(records, set(proven()), time.monotonic()),
-                                            name="pinger", daemon=True)
+            known = set(proven()) | {r.peer_id for r in records if self._fresh(r, now)}
+            if all(r.peer_id in known for r in records):
+                return records, now
+            self._thread = threading.Thread(target=self._ping, args=(records, known, now), name="pinger", daemon=True)
             self._thread.start()
             return None
+
+    def prime(self, rec: PeerRecord) -> None:
+        """Ping ``rec``'s peer soon, off the loop (it just joined or came back): the next decision need not."""
+        with self._lock:
+            self._queue[rec.peer_id] = rec
+            if self._primer is None or not self._primer.is_alive():
+                self._primer = threading.Thread(target=self._prime, name="pinger-primer", daemon=True)
+                self._primer.start()
+
+    def _fresh(self, rec: PeerRecord, now: float) -> bool:
+        seen = self._answered.get(rec.peer_id)
+        return seen is not None and seen[0] == rec.address and now - seen[1] <= self.max_age_s
+
+    def _prime(self) -> None:
+        while True:
+            with self._lock:
+                batch, self._queue = list(self._queue.values()), {}
+                if not batch:
+                    self._primer = None
+                    return
+            try:
+                ok = reachable(self.client, self.run_id, self.me, batch)
+            except Exception:  # (a bug here must not stop the primer: the decision pings them itself)
+                ok = []
+            now = time.monotonic()
+            with self._lock:
+                for r in ok:
+                    self._answered[r.peer_id] = (r.address, now)
+                if len(self._answered) > 64:  # (stale answers go: they prove nothing)
+                    self._answered = {p: a for p, a in self._answered.items() if now - a[1] <= self.max_age_s}
 
     def _ping(self, records: list[PeerRecord], proven: set[str], began: float) -> None:
         try:

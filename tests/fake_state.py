@@ -211,8 +211,8 @@ def make_state(
         "coordinator": {
             "ticks": 5000 + 7 * steps, "tick_s": {"p50": 0.004, "p99": 0.021, "max": 0.05, "window": 1000},
             "tick_cpu_s": {"p50": 0.003, "p99": 0.015, "max": 0.04, "window": 1000},
-            "decide_s": {"last": 0.12, "max": 0.31, "window": min(16, steps)} if steps else
-            {"last": None, "max": None, "window": 0},
+            "decide_s": {"last": 0.12, "max": 0.31, "window": min(16, steps), "count": steps} if steps else
+            {"last": None, "max": None, "window": 0, "count": 0},
             "rss_bytes": 180_000_000 + 40_000 * peers, "peers_held": peers,
             "gc": {"frozen": 230_000, "every_s": 30.0, "whole_every_s": 600.0, "collections": steps // 3, "last_s": 0.02 + peers / 10_000,
                    "max_s": 0.03 + peers / 10_000, "freed": 0, "trimmed": 0},

@@ -7,19 +7,26 @@ import importlib.util
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 from potluck.coordinator.membership import PeerTable
 from potluck.coordinator.snapshot import peer_rows
 from potluck.protos.wire.records import PeerRecord
 
 
-def test_the_scale_benchmark_counts_memory_a_forked_child_shares_once() -> None:
-    """``swarm_scale.py`` sums its coordinator's processes' PSS as well as their RSS: the DHT process is forked
-    and shares the pages of the imports it inherited, which RSS counts in both."""
+def swarm_scale() -> Any:
+    """``benchmarks/swarm_scale.py`` as a module (benchmarks are scripts, not a package)."""
     spec = importlib.util.spec_from_file_location("swarm_scale", Path(__file__).parents[1] / "benchmarks" / "swarm_scale.py")
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_the_scale_benchmark_counts_memory_a_forked_child_shares_once() -> None:
+    """``swarm_scale.py`` sums its coordinator's processes' PSS as well as their RSS: the DHT process is forked
+    and shares the pages of the imports it inherited, which RSS counts in both."""
+    bench = swarm_scale()
     ballast = bytearray(64 << 20)  # (touched: 64 MB the child shares, copy on write)
     ballast[::4096] = b"x" * len(ballast[::4096])
     child = os.fork()
@@ -97,3 +104,19 @@ def test_a_big_record_reaches_the_dht_process_through_a_file_and_a_small_one_thr
         b.shutdown()
         a.shutdown()
     assert not Path(str(a.spill.dir)).exists() and spilling.SPILL_BYTES == 1 << 16
+
+
+def test_the_benchmarks_steady_decisions_leave_out_the_round_decided_before_they_began() -> None:
+    """The first round (a join burst: every peer new) is decided before the measured window and stays the latest
+    decision until the next: it was counted as a steady one (its second at 1,000 peers was the 'decide max').
+    Decisions are told apart by their count, so two that took as long are two, and one decided between two
+    samples is taken from the final window when the whole window came after the start."""
+    bench = swarm_scale()
+
+    def at(t: float, count: int, last: float | None) -> dict:
+        return {"t": t, "state": {"coordinator": {"decide_s": {"count": count, "last": last}}}}
+
+    samples = [at(0, 0, None), at(1, 1, 0.9), at(2, 1, 0.9), at(3, 1, 0.9), at(4, 2, 0.05), at(5, 3, 0.05), at(6, 5, 0.07)]
+    assert bench.steady_decisions(samples, 2.5, {"max": 0.9, "window": 5, "count": 5}) == [0.05, 0.05, 0.07]
+    # (the decision numbered 4, between two samples: in a final window made only of steady ones)
+    assert bench.steady_decisions(samples, 2.5, {"max": 0.2, "window": 4, "count": 5}) == [0.05, 0.05, 0.07, 0.2]
