@@ -197,7 +197,8 @@ class DataCursor:
             block = {s.replica: prev.data_spans(step, s.replica) for s in prev.shares}
             carried = {peer: block[old[peer]] for peer, _ in stage0 if old.get(peer) in block}
             kept = {old[peer] for peer in carried}
-            if all(base.free(span) for spans in block.values() for span in spans):
+            if all(base.free(span) for span in merge(x for spans in block.values() for x in spans)):  # (the same
+                # question, asked of the few spans they merge into: asked of each replica's, 1.6 ms at 1,000)
                 base = base.without([x for spans in block.values() for x in spans])
                 base = base.with_back([x for r, spans in block.items() if r not in kept for x in spans])
             else:  # not where the cursor stands (a journal from before, a bug): hand out fresh samples
@@ -205,8 +206,7 @@ class DataCursor:
         fresh = [replica for peer, replica in stage0 if peer not in carried]
         spans, data_next = base.take([self.per_replica] * len(fresh))
         given = dict(zip(fresh, spans, strict=True))
-        shares = [Share(replica=replica, count=self.per_replica,
-                        spans=[list(x) for x in (carried[peer] if peer in carried else given[replica])])
+        shares = [Share.made(replica, self.per_replica, carried[peer] if peer in carried else given[replica])
                   for peer, replica in sorted(stage0, key=lambda pr: pr[1])]
         after = base.without([tuple(x) for share in shares for x in share.spans])
         return shares, after.frontier, list(after.pool[:POOL_IN_ROUND])

@@ -218,9 +218,11 @@ def grid_for(cfg: RunConfig, records: list[PeerRecord], stages: int, before: Map
 
 
 def members(grid: Grid, records: list[PeerRecord]) -> list[Member]:
-    """The round's members: each placed peer on its tasklet, at the address it announced."""
+    """The round's members: each placed peer on its tasklet, at the address it announced; none owns a shard yet
+    (:meth:`~potluck.coordinator.trust.Trust.assign_owners` names the owners, at most 32 a stage; a round whose
+    members own none has them all own, as on probation)."""
     address = {r.peer_id: r.address for r in records}
-    return [Member(peer_id=p, address=address[p], stage=s, replica=k) for p, (s, k) in grid.items()]
+    return [Member(peer_id=p, address=address[p], stage=s, replica=k, owns=False) for p, (s, k) in grid.items()]
 
 
 class PlacementWorker:

@@ -13,7 +13,7 @@ round is ~170 KB), and a round too big to publish at all is said in the log, onc
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from potluck.coordinator.perround import PerRound
@@ -58,12 +58,16 @@ class Publisher:
         self.plan_seq = next_seq()
         self._published_at = 0.0
 
-    def publish(self, rounds: Iterable[Round]) -> None:
-        """Store manifest and plan if something changed or they are due for a refresh."""
+    def publish(self, rounds: Iterable[Round], later: Callable[[], bool] = lambda: False) -> bool:
+        """Store manifest and plan if something changed or they are due for a refresh. True: they were due, but
+        ``later()`` said this tick has run long already (it decided a round of 1,000 members): the caller runs
+        the next tick at once, and that one publishes them (sealing and storing such a plan is ~10 ms more)."""
         self._check()
         now = time.monotonic()
         if now - self._published_at < REFRESH_S:
-            return
+            return False
+        if later():
+            return True
         self._published_at = now
         wait = self.manifest.finished  # (a finished run's last word is out before it may exit; else the loop goes on)
         self._pending.append(("manifest", self.node.publish_manifest(self.manifest, ttl=RECORD_TTL_S, wait=wait)))
@@ -75,6 +79,7 @@ class Publisher:
             newest = plan.rounds[-1]
             head = PlanHead(seq=plan.seq, step=newest.step, epoch=newest.epoch)
             self._pending.append(("plan head", self.node.publish_plan_head(head, ttl=RECORD_TTL_S, wait=wait)))
+        return False
 
     def _check(self) -> None:
         """A store that failed is published again at once (the next tick)."""

@@ -31,7 +31,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from potluck.coordinator import groups
@@ -201,19 +201,23 @@ class Rounds:
     def _learn_hashes(self, reports: Sequence[Report]) -> None:
         """Canonical hash of each (stage, version) up to the committed step: what most live members of
         the round that made it hold (a minority with another hash recovers the canonical one)."""
-        votes: dict[tuple[int, int], Counter] = {}
-        made: dict[int, Round | None] = {}  # version -> the round that made it (asked once per version, not per report)
+        votes: dict[tuple[int, int], list[str]] = {}  # (counted once per (stage, version), in the reports' order)
+        made: dict[int, tuple[int, Collection[str]] | None] = {}  # version -> (epoch, members) of the round that made it
+        committed = self.committed  # (every tick, of every report: 2.5 ms at 1,000 as it was written first)
         for r in reports:
-            if not r.live or not r.state_hash or r.version > self.committed or r.version == 0:
+            version = r.version
+            if version > committed or version == 0 or not r.state_hash or not r.live:
                 continue
-            made_by = made[r.version] if r.version in made else made.setdefault(r.version, self.round_at(r.version))
-            if made_by is None or r.epoch != made_by.epoch or made_by.member(r.peer_id) is None:
+            if version not in made:
+                rnd = self.round_at(version)
+                made[version] = (rnd.epoch, rnd.member_ids()) if rnd is not None else None
+            if (by := made[version]) is None or r.epoch != by[0] or r.peer_id not in by[1]:
                 continue
-            if (counter := votes.get((r.stage, r.version))) is None:
-                counter = votes[(r.stage, r.version)] = Counter()
-            counter[r.state_hash] += 1
-        for (stage, version), counter in votes.items():
-            self.hashes.setdefault(stage, {})[version] = counter.most_common(1)[0][0]
+            if (hashes := votes.get((r.stage, version))) is None:
+                hashes = votes[(r.stage, version)] = []
+            hashes.append(r.state_hash)
+        for (stage, version), hashes in votes.items():
+            self.hashes.setdefault(stage, {})[version] = Counter(hashes).most_common(1)[0][0]
 
     def _learn_included(self, reports: Sequence[Report]) -> None:
         """Which replicas' samples each coming version holds, as the stage-0 members of its round say

@@ -100,7 +100,8 @@ class Trust:
             owners = self.eligible(cells)
             if cap is not None and len(owners) > cap:
                 owners = set(sorted(owners, key=lambda p: (-len(self.work.get(p, ())), draw()))[:cap])
-            out += [m.model_copy(update={"owns": m.peer_id in owners}) for m in cells]
+            out += [m if m.owns == (m.peer_id in owners) else m.model_copy(update={"owns": m.peer_id in owners})
+                    for m in cells]  # (copied only where it changes: 1,000 copies were 5 ms of a decision)
         return out
 
     def to_json(self) -> dict[str, Any]:

@@ -73,3 +73,40 @@ def test_a_long_ticks_journal_write_waits_one_tick_never_two() -> None:
     assert h.waits("journal", long_ago) and not h.waits("journal", long_ago)  # waits once, then is written
     assert h.waits("journal", long_ago) and not h.waits("journal", time.thread_time())
     assert not h.waits("journal", time.thread_time())  # a short tick writes at once
+
+
+def test_a_long_ticks_new_plan_is_published_by_the_next_tick_never_later() -> None:
+    """A tick that decided a round of 1,000 members has run long: sealing and storing the plan waits one tick
+    (the caller is told, and starts that tick at once), never two; a short tick publishes at once."""
+    from potluck.coordinator.publisher import Publisher
+    from potluck.protos.net.identity import Identity
+    from potluck.protos.wire.envelope import seal
+    from potluck.protos.wire.records import Manifest
+    me, stored = Identity.generate(), list[str]()
+
+    class Node:
+        def seal(self, record: object, ttl: float, raw: dict | None = None) -> dict:
+            return seal(me, record, ttl, raw)  # type: ignore[arg-type]
+
+        def sealed_size(self, value: dict, ttl: float) -> int:
+            return len(value["body"])
+
+        def publish_manifest(self, m: object, ttl: float, wait: bool = False) -> bool:
+            return not stored.append("manifest")  # type: ignore[func-returns-value]
+
+        def publish_plan(self, p: object, ttl: float, wait: bool = False, sealed: object = None) -> bool:
+            return not stored.append("plan")  # type: ignore[func-returns-value]
+
+        def publish_plan_head(self, h: object, ttl: float, wait: bool = False) -> bool:
+            return not stored.append("head")  # type: ignore[func-returns-value]
+
+    pub, health = Publisher(Node(), Manifest(run_id="r", coordinator=me.peer_id, config={}), set()), Health()  # type: ignore[arg-type]
+    rounds = [Round(step=1, members=[Member(peer_id="p", address="x:1")])]
+    long_tick = time.thread_time() - 1.0  # (a tick that began a CPU second ago)
+    pub.new_plan()
+    assert pub.publish(rounds, partial(health.waits, "plan", long_tick)) is True and stored == []
+    assert pub.publish(rounds, partial(health.waits, "plan", long_tick)) is False  # the next one, long too: now
+    assert stored == ["manifest", "plan", "head"]
+    pub.new_plan()
+    assert pub.publish(rounds, partial(health.waits, "plan", time.thread_time())) is False
+    assert stored[3:] == ["manifest", "plan", "head"]
