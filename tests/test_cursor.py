@@ -14,6 +14,7 @@ import hashlib
 import json
 import random
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -384,3 +385,39 @@ def test_a_share_the_cursor_makes_is_held_to_the_rules_of_a_share_read_from_a_pl
         return
     got = Share.made(replica, count, spans)
     assert got == want and got.model_dump(mode="json") == want.model_dump(mode="json")
+
+
+def test_a_cursor_less_spans_and_a_plans_later_reads_match_a_position_by_position_reference() -> None:
+    """``Cursor.without`` (one pass over pool and spans) and ``Round.data_spans`` past the round's step (a bisect
+    into the plan's reads) against sets of positions, on random fragmented pools."""
+    rng = random.Random(7)
+
+    def spans_of(n: int, hi: int) -> list[tuple[int, int]]:
+        return [(a, a + rng.randint(0, 6)) for a in (rng.randrange(hi) for _ in range(n))]
+
+    def positions(spans: Iterable[tuple[int, int]]) -> set[int]:
+        return {p for a, b in spans for p in range(a, b)}
+
+    for _ in range(300):
+        frontier = rng.randint(0, 120)
+        cur = Cursor(frontier, tuple(merge(s for s in spans_of(rng.randint(0, 12), 120) if s[1] <= frontier)))
+        cuts = spans_of(rng.randint(0, 10), 140)
+        got = cur.without(cuts)
+        end = max([frontier, *(b for a, b in cuts if b > a)])
+        free = (positions(cur.pool) | positions([(frontier, end)])) - positions(cuts)
+        assert got.frontier == end and positions(got.pool) == {p for p in free if p < end}, (cur, cuts, got)
+        assert list(got.pool) == merge(got.pool)
+    for _ in range(200):
+        pool = merge(spans_of(rng.randint(0, 8), 60))
+        counts = [rng.randint(0, 9) for _ in range(rng.randint(1, 6))]
+        shares, at = [], 0
+        for r, c in enumerate(counts):
+            shares.append(Share(replica=r, count=c, spans=[(1000 + at, 1000 + at + c)]))
+            at += c
+        data_next = max([60, *(b for _, b in pool)])
+        rnd = Round(step=4, members=[], shares=shares, pool=pool, data_next=data_next)
+        reads = [p for a, b in pool for p in range(a, b)] + list(range(data_next, data_next + 200))
+        for step in (5, 6, 7):
+            for r, c in enumerate(counts):
+                start = (step - 5) * sum(counts) + sum(counts[:r])
+                assert [p for a, b in rnd.data_spans(step, r) for p in range(a, b)] == reads[start:start + c]

@@ -14,7 +14,7 @@ class MemberIndex:
     """A round's members by id (and shares by replica): a cache, not state, so any two compare equal (a
     round's equality is its fields'). It remembers the lists it indexes, so a copy given others rebuilds it."""
 
-    __slots__ = ("source", "count", "by_id", "shares", "share_count", "by_replica", "before", "total", "cells")
+    __slots__ = ("source", "count", "by_id", "shares", "share_count", "by_replica", "before", "total", "cells", "read")
 
     def __init__(self, members: list[Member] | None = None) -> None:
         self.source, self.count = members, len(members or ())
@@ -25,6 +25,18 @@ class MemberIndex:
         self.shares: list[Share] | None = None
         self.share_count, self.by_replica = 0, {}
         self.before, self.total = {}, 0  # samples of the shares of lower replicas; of all shares
+        self.read: tuple[list[tuple[int, int]], tuple[int, int], list[tuple[int, int]], list[int]] | None = None
+
+    def reads(self, pool: list[tuple[int, int]], last: tuple[int, int]) -> tuple[list[tuple[int, int]], list[int]]:
+        """What later steps on the round's plan read: ``pool``'s spans then ``last``, and the offset each begins at;
+        made once per pool."""
+        if self.read is None or self.read[0] is not pool or self.read[1] != last or len(self.read[2]) != len(pool) + 1:
+            segments, starts, at = [*pool, last], [], 0
+            for x, y in segments:
+                starts.append(at)
+                at += y - x
+            self.read = (pool, last, segments, starts)
+        return self.read[2], self.read[3]
 
     def grouped(self) -> dict[tuple[int, int | None], list[Member]]:
         """Each stage's members (``(stage, None)``) and each group's (``(stage, group)``), in replica order, sorted
