@@ -27,6 +27,9 @@ PING_TIMEOUT_S = 2.0
 # each was 120 MB of its memory. Past this long without a call, a connection closes (the channel stays, and
 # connects again for the next call; a call in flight, however long, keeps it open).
 IDLE_CONNECTION_S = 60.0
+# A newcomer's answer to the ping when it showed up stands in for the decision's own ping this long (and only
+# for the next decision): the decision's own pings were as old as they took, a second or two.
+PRIMED_S = 3.0
 
 
 class CoordinatorService:
@@ -76,14 +79,17 @@ class Pinger:
     older than ``max_age_s`` are not used, the peers are pinged again. Only peers it is still given are in
     an answer: one evicted (or gone) while the pings ran is in no round decided after that.
 
-    :meth:`prime` pings a peer when it first shows up (or comes back), off the loop too: a decision within
-    ``max_age_s`` of that answer takes it without a ping of its own. With churn, nearly all a decision had
-    left to ping were such newcomers, and waiting for them was most of its time (0.16 s of a median
-    decision at 1,000 peers, on a machine of its own; a second for the first round after a join burst)."""
+    :meth:`prime` pings a peer when it first shows up (or comes back), off the loop too: the next decision
+    takes that answer without a ping of its own if it came after the decision before took its answers, and
+    at most ``primed_s`` ago. With churn, nearly all a decision had left to ping were such newcomers, and
+    waiting for them was most of its time (0.16 s of a median decision at 1,000 peers, on a machine of its
+    own; a second for the first round after a join burst). Only the next decision: a member killed later,
+    whose record then stops short of the committed step, is pinged again like before (a test killing one
+    mid-step caught a round decided with it, its join-time answer taken as fresh)."""
 
     def __init__(self, client: PeerClient, run_id: str, me: str, max_age_s: float = 10.0,
-                 done: Callable[[], None] = lambda: None) -> None:
-        self.client, self.run_id, self.me, self.max_age_s = client, run_id, me, max_age_s
+                 done: Callable[[], None] = lambda: None, primed_s: float = PRIMED_S) -> None:
+        self.client, self.run_id, self.me, self.max_age_s, self.primed_s = client, run_id, me, max_age_s, primed_s
         self.done = done  # told when the answers are in (the coordinator's loop wakes to decide at once)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -91,6 +97,7 @@ class Pinger:
         self._queue: dict[str, PeerRecord] = {}  # newcomers not pinged yet (by peer id: the newest record)
         self._primer: threading.Thread | None = None
         self._answered: dict[str, tuple[str, float]] = {}  # peer id -> (the address that answered, when it did)
+        self._taken = -float("inf")  # when a decision last took its answers: a primed answer before it is spent
 
     def poll(self, records: Iterable[PeerRecord], proven: Callable[[], Collection[str]] = frozenset,
              ) -> tuple[list[PeerRecord], float] | None:
@@ -106,9 +113,11 @@ class Pinger:
             now = time.monotonic()
             if answer is not None and now - answer[2] <= self.max_age_s:
                 here = {r.peer_id: r for r in records}  # (a proven liar answered the pings that began before its proof)
+                self._taken = now
                 return [here[r.peer_id] for r in answer[0] if r.peer_id in here], answer[1]
             known = set(proven()) | {r.peer_id for r in records if self._fresh(r, now)}
             if all(r.peer_id in known for r in records):
+                self._taken = now
                 return records, now
             self._thread = threading.Thread(target=self._ping, args=(records, known, now), name="pinger", daemon=True)
             self._thread.start()
@@ -124,7 +133,7 @@ class Pinger:
 
     def _fresh(self, rec: PeerRecord, now: float) -> bool:
         seen = self._answered.get(rec.peer_id)
-        return seen is not None and seen[0] == rec.address and now - seen[1] <= self.max_age_s
+        return seen is not None and seen[0] == rec.address and self._taken < seen[1] and now - seen[1] <= self.primed_s
 
     def _prime(self) -> None:
         while True:
@@ -142,7 +151,7 @@ class Pinger:
                 for r in ok:
                     self._answered[r.peer_id] = (r.address, now)
                 if len(self._answered) > 64:  # (stale answers go: they prove nothing)
-                    self._answered = {p: a for p, a in self._answered.items() if now - a[1] <= self.max_age_s}
+                    self._answered = {p: a for p, a in self._answered.items() if now - a[1] <= self.primed_s}
 
     def _ping(self, records: list[PeerRecord], proven: set[str], began: float) -> None:
         try:

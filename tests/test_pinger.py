@@ -55,15 +55,29 @@ def test_a_decision_takes_a_newcomers_answer_to_its_first_ping_at_once() -> None
     assert sorted(client.pinged) == ["a", "b"], "pinged once each, when they showed up"
 
 
+def test_a_newcomers_first_answer_serves_the_next_decision_only() -> None:
+    """A member killed after the decision that took its join-time answer holds a record short of the committed
+    step: the decision after pings it (as before priming) and leaves it out, whatever its first answer said."""
+    client, done = Client({"a": "h:1"}), threading.Event()
+    pinger = Pinger(client, "run", "me", done=done.set)  # type: ignore[arg-type]
+    pinger.prime(rec("a"))
+    primed(pinger, client, 1)
+    assert pinger.poll([rec("a")]) is not None  # the next decision: taken as it is
+    del client.up["a"]  # (then killed)
+    assert pinger.poll([rec("a")]) is None and done.wait(10)  # the one after: pinged again
+    answer = pinger.poll([rec("a")])
+    assert answer is not None and answer[0] == [] and client.pinged == ["a", "a"]
+
+
 def test_a_newcomer_that_did_not_answer_or_moved_or_answered_long_ago_is_pinged_by_the_decision() -> None:
     """A primed ping that failed proves nothing; nor does an answer at another address (the peer restarted
     elsewhere) or one older than max_age_s. Those are pinged by the decision, the others are not."""
     client = Client({"ok": "h:1", "moved": "h:1", "old": "h:1"})
     done = threading.Event()
-    pinger = Pinger(client, "run", "me", max_age_s=0.5, done=done.set)  # type: ignore[arg-type]
+    pinger = Pinger(client, "run", "me", done=done.set, primed_s=0.5)  # type: ignore[arg-type]
     pinger.prime(rec("old"))
     primed(pinger, client, 1)
-    until(lambda: time.monotonic() - pinger._answered["old"][1] > 0.5, "the old answer to age")
+    until(lambda: time.monotonic() - pinger._answered["old"][1] > 0.5, "the old answer to age past primed_s")
     for r in (rec("ok"), rec("silent"), rec("moved")):
         pinger.prime(r)
     primed(pinger, client, 4)
