@@ -68,7 +68,7 @@ from potluck.coordinator.layouts import (  # noqa: F401  (places, segments_layou
 
 PAIR_SWAPS = 1024  # per visit of a pair of groups in the local search: all of them up to R = 32
 GUIDED_SWAPS = 64  # per visit of a pair, tried before the random ones: see _guided
-RANDOM_TAIL = 64  # random swaps a visit tries after the guided ones, but in a cycle after a quiet one
+RANDOM_TAIL = 16  # random swaps a visit tries after the guided ones, but in a cycle after a quiet one
 SEED_SHARE = 0.25  # of a time budget, at most, for evaluating start layouts (a 1,024-device one costs ~0.1 s)
 
 
