@@ -106,7 +106,7 @@ def better(a: Score, b: Score, smooth: float = 0.0) -> bool:
     return fa < fb - tol or (fa <= fb + tol and a.soft < b.soft - tol)
 
 
-class _Run:
+class SearchRun:
     """Budget bookkeeping around one :class:`CostModel`; remembers the cheapest assignment seen."""
 
     def __init__(self, model: CostModel, budget_seconds: float | None, budget_evals: int | None,
@@ -191,7 +191,7 @@ def _mutate(groups: Groups, topology: Topology, rng: np.random.Generator, swaps:
     return canonical(flat)
 
 
-def local_search(run: _Run, groups: Groups, score: Score, rng: np.random.Generator, smooth: float = 0.0,
+def local_search(run: SearchRun, groups: Groups, score: Score, rng: np.random.Generator, smooth: float = 0.0,
                  max_evals: int | None = None) -> tuple[Groups, Score]:
     """Cyclic Kernighan-Lin style descent over pairs of groups (and group/unused-pool pairs).
 
@@ -327,7 +327,7 @@ def evolutionary_search(topology: Topology, *, seed: int = 0, budget_seconds: fl
     """
     model = model or CostModel(topology)
     rng = np.random.default_rng(seed)
-    run = _Run(model, budget_seconds, budget_evals, clock)
+    run = SearchRun(model, budget_seconds, budget_evals, clock)
     # Start layouts are built as they are evaluated: with SEED_SHARE of the time spent, the rest are
     # never built (at 1,024 devices, building them all can take longer than the search's budget).
     # The blocks layout and the greedy seeds are evaluated whatever the budget: a search starved of
@@ -408,7 +408,7 @@ def _start_layouts(model: CostModel, greedy: bool) -> Iterator[Groups]:
         yield from iter_segment_seeds(model)
 
 
-def _restart(run: _Run, pop: list[tuple[Score, Groups]], starts: list[Groups], rng: np.random.Generator,
+def _restart(run: SearchRun, pop: list[tuple[Score, Groups]], starts: list[Groups], rng: np.random.Generator,
              smooth: float, descent_smooth: float, local_search_evals: int | None) -> None:
     """Descend (on ``cost + descent_smooth * soft``) from the next unused start, or from the best plan
     kicked by random swaps, and let the result replace the population's worst member if it is new."""
@@ -442,7 +442,7 @@ def random_search(topology: Topology, *, seed: int = 0, budget_evals: int | None
     """Baseline: uniformly random assignments, keep the cheapest."""
     model = model or CostModel(topology)
     rng = np.random.default_rng(seed)
-    run = _Run(model, budget_seconds, budget_evals, clock)
+    run = SearchRun(model, budget_seconds, budget_evals, clock)
     run.exact(random_groups(topology, rng))
     while not run.exhausted():
         assert run.best is not None
