@@ -19,8 +19,10 @@ memetic algorithm, as in Yuan et al. (NeurIPS 2022):
    to exactly ``R`` devices per group), a few random swaps, then local search;
 3. local search cycles through pairs of groups Kernighan-Lin style, trying device swaps between
    the two (and with unused devices; at most ``PAIR_SWAPS`` a visit, as ``R = 100`` makes 10,000;
-   with large groups the ``GUIDED_SWAPS`` that :func:`misfit` ranks best first, then random ones),
-   keeping each one that lowers ``cost + smooth * soft``, until a whole cycle brings no improvement;
+   with large groups the ``GUIDED_SWAPS`` that :func:`misfit` ranks best first, then ``RANDOM_TAIL``
+   random ones, as at 1,024 devices nearly every swap kept is guided, until a cycle of such visits
+   finds nothing, then full ones), keeping each one that lowers ``cost + smooth * soft``, until a
+   whole cycle brings no improvement;
 4. a child replaces the worst member if it is better and new;
 5. after ``stall_generations`` generations without a new best, a *restart*: the next structured
    seed not descended yet (or, once they are used up, the best plan kicked by random swaps) is
@@ -66,6 +68,7 @@ from potluck.coordinator.layouts import (  # noqa: F401  (places, segments_layou
 
 PAIR_SWAPS = 1024  # per visit of a pair of groups in the local search: all of them up to R = 32
 GUIDED_SWAPS = 64  # per visit of a pair, tried before the random ones: see _guided
+RANDOM_TAIL = 16  # random swaps a visit tries after the guided ones, but in a cycle after a quiet one
 SEED_SHARE = 0.25  # of a time budget, at most, for evaluating start layouts (a 1,024-device one costs ~0.1 s)
 
 
@@ -103,7 +106,7 @@ def better(a: Score, b: Score, smooth: float = 0.0) -> bool:
     return fa < fb - tol or (fa <= fb + tol and a.soft < b.soft - tol)
 
 
-class _Run:
+class SearchRun:
     """Budget bookkeeping around one :class:`CostModel`; remembers the cheapest assignment seen."""
 
     def __init__(self, model: CostModel, budget_seconds: float | None, budget_evals: int | None,
@@ -188,7 +191,7 @@ def _mutate(groups: Groups, topology: Topology, rng: np.random.Generator, swaps:
     return canonical(flat)
 
 
-def local_search(run: _Run, groups: Groups, score: Score, rng: np.random.Generator, smooth: float = 0.0,
+def local_search(run: SearchRun, groups: Groups, score: Score, rng: np.random.Generator, smooth: float = 0.0,
                  max_evals: int | None = None) -> tuple[Groups, Score]:
     """Cyclic Kernighan-Lin style descent over pairs of groups (and group/unused-pool pairs).
 
@@ -207,7 +210,7 @@ def local_search(run: _Run, groups: Groups, score: Score, rng: np.random.Generat
     unused = tuple(sorted(set(range(run.model.topology.devices)) - {d for g in groups for d in g}))
     pairs = [(i, j) for i in range(s) for j in range(i + 1, s)] + ([(i, -1) for i in range(s)] if unused else [])
     order = rng.permutation(len(pairs))
-    quiet, k = 0, 0
+    quiet, k, thorough, guided = 0, 0, False, False
     while pairs and quiet < len(pairs) and not spent():
         i, j = pairs[order[k % len(pairs)]]
         k += 1
@@ -218,7 +221,9 @@ def local_search(run: _Run, groups: Groups, score: Score, rng: np.random.Generat
             other = unused if j < 0 else groups[j]
             bound = score.cost + smooth * score.soft
             first = _guided(run.model, groups, i, j, other, tried)
-            for x, y in _swaps(len(groups[i]), len(other), rng, first):
+            guided = guided or len(first) > 0
+            limit = PAIR_SWAPS if thorough or not len(first) else len(first) + RANDOM_TAIL
+            for x, y in _swaps(len(groups[i]), len(other), rng, first, limit):
                 a, b = groups[i][x], other[y]
                 tried.add((a, b))
                 trial = list(groups)
@@ -235,18 +240,22 @@ def local_search(run: _Run, groups: Groups, score: Score, rng: np.random.Generat
                 if spent():
                     break
         quiet = 0 if found else quiet + 1
+        thorough = thorough and not found
+        if guided and not thorough and quiet == len(pairs):  # short visits found nothing: one long cycle
+            thorough, quiet = True, 0
     return groups, score
 
 
-def _swaps(n: int, m: int, rng: np.random.Generator, first: np.ndarray | None = None) -> list[tuple[int, int]]:
+def _swaps(n: int, m: int, rng: np.random.Generator, first: np.ndarray | None = None,
+           limit: int = PAIR_SWAPS) -> list[tuple[int, int]]:
     """The swaps between two sides of ``n`` and ``m`` devices: the ``first`` ones (flat indices
-    ``x * m + y``), then the others in random order; at most ``PAIR_SWAPS`` of them, so that with
+    ``x * m + y``), then the others in random order; at most ``limit`` of them, so that with
     large groups (``R * R`` swaps a pair) one visit does not spend the whole budget on one pair
     while the others (and the unused devices) wait."""
     flat = rng.permutation(n * m)
     if first is not None and len(first):
         flat = np.concatenate([first, flat[~np.isin(flat, first)]])
-    return [(int(f) // m, int(f) % m) for f in flat[:PAIR_SWAPS]]
+    return [(int(f) // m, int(f) % m) for f in flat[:limit]]
 
 
 def _guided(model: CostModel, groups: Groups, i: int, j: int, other: tuple[int, ...],
@@ -318,7 +327,7 @@ def evolutionary_search(topology: Topology, *, seed: int = 0, budget_seconds: fl
     """
     model = model or CostModel(topology)
     rng = np.random.default_rng(seed)
-    run = _Run(model, budget_seconds, budget_evals, clock)
+    run = SearchRun(model, budget_seconds, budget_evals, clock)
     # Start layouts are built as they are evaluated: with SEED_SHARE of the time spent, the rest are
     # never built (at 1,024 devices, building them all can take longer than the search's budget).
     # The blocks layout and the greedy seeds are evaluated whatever the budget: a search starved of
@@ -399,7 +408,7 @@ def _start_layouts(model: CostModel, greedy: bool) -> Iterator[Groups]:
         yield from iter_segment_seeds(model)
 
 
-def _restart(run: _Run, pop: list[tuple[Score, Groups]], starts: list[Groups], rng: np.random.Generator,
+def _restart(run: SearchRun, pop: list[tuple[Score, Groups]], starts: list[Groups], rng: np.random.Generator,
              smooth: float, descent_smooth: float, local_search_evals: int | None) -> None:
     """Descend (on ``cost + descent_smooth * soft``) from the next unused start, or from the best plan
     kicked by random swaps, and let the result replace the population's worst member if it is new."""
@@ -433,7 +442,7 @@ def random_search(topology: Topology, *, seed: int = 0, budget_evals: int | None
     """Baseline: uniformly random assignments, keep the cheapest."""
     model = model or CostModel(topology)
     rng = np.random.default_rng(seed)
-    run = _Run(model, budget_seconds, budget_evals, clock)
+    run = SearchRun(model, budget_seconds, budget_evals, clock)
     run.exact(random_groups(topology, rng))
     while not run.exhausted():
         assert run.best is not None

@@ -31,7 +31,16 @@ from potluck.coordinator.layouts import (
     segment_seeds,
 )
 from potluck.coordinator.pairterms import PairTerms
-from potluck.coordinator.scheduler import SEED_SHARE, evolutionary_search, misfit
+from potluck.coordinator.scheduler import (
+    GUIDED_SWAPS,
+    PAIR_SWAPS,
+    RANDOM_TAIL,
+    SEED_SHARE,
+    SearchRun,
+    evolutionary_search,
+    local_search,
+    misfit,
+)
 
 
 def _sites(sizes: list[int], km_apart: float = 1000.0, seed: int = 0) -> tuple[Topology, np.ndarray]:
@@ -198,6 +207,19 @@ def _random_swap(groups: list[tuple[int, ...]], devices: int, rng: np.random.Gen
         m = int(rng.integers(flat.shape[1]))
         flat[i, k], flat[j, m] = flat[j, m], flat[i, k]
     return canonical(flat)
+
+
+def test_guided_visits_are_short_until_a_cycle_of_them_finds_nothing_then_one_cycle_is_full() -> None:
+    """R = 33 (1,089 swaps a pair: guided) on links all alike, where no swap is ever better: the one
+    pair's first visit scores the guided swaps and RANDOM_TAIL random ones, the next (after that quiet
+    cycle) PAIR_SWAPS, and then the descent ends."""
+    n = 66
+    t = Topology(delay_ms=np.ones((n, n)), bandwidth_gbps=np.ones((n, n)), stages=2, replicas=33,
+                 activation_gb=0.1, gradient_gb=0.1)
+    run = SearchRun(CostModel(t), None, 10**6)
+    groups = canonical(np.arange(n).reshape(2, 33))
+    local_search(run, groups, run.exact(groups), np.random.default_rng(0), smooth=1.0)
+    assert run.evaluations == 1 + (GUIDED_SWAPS + RANDOM_TAIL) + PAIR_SWAPS
 
 
 @pytest.mark.parametrize("family,devices,seed", [("volunteers", 256, 0), ("world", 256, 1), ("regions", 64, 2)])
