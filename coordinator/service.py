@@ -102,10 +102,9 @@ class Pinger:
     def poll(self, records: Iterable[PeerRecord], proven: Callable[[], Collection[str]] = frozenset,
              ) -> tuple[list[PeerRecord], float] | None:
         """``proven()``: peers whose own reports just showed them at work (they averaged or fetched the committed
-        step, and heartbeat): they are not pinged again, nor are peers that answered :meth:`prime`'s ping within
-        ``max_age_s`` at the address they still announce. At 1,000 members that leaves no one, or the newcomers
-        of the last moment; with no one to ping, the answer is at once. Asked only when pings start (not on every
-        tick they run)."""
+        step, and heartbeat): they are not pinged again, nor are peers whose answer to :meth:`prime`'s ping came
+        after the last decision took its answers, within ``primed_s``, at the address they still announce. With no
+        one left to ping, the answer is at once. Asked only when pings start (not on every tick they run)."""
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 return None

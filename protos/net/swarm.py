@@ -192,9 +192,10 @@ class SwarmNode:
             raise ValueError(f"a {kind} record asks to live {ttl:.0f} s; records live (0, {MAX_TTL_S:.0f}] s")
         value = sealed if sealed is not None else seal(self.identity, record, ttl)
         key, expires = run_key(self.coordinator, kind), get_dht_time() + ttl
-        spilled = self.spill.write(value) if len(value.get("body", b"")) > spill.SPILL_BYTES else None
+        direct = subkey is not None and kind in BY_SUBKEY and self.identity.peer_id != self.coordinator
+        spilled = self.spill.write(value) if not direct and len(value.get("body", b"")) > spill.SPILL_BYTES else None
         with self._pipe_lock:  # hivemind's DHT pipe is not safe for concurrent senders
-            if subkey is not None and kind in BY_SUBKEY and self.identity.peer_id != self.coordinator:
+            if direct:  # (to the coordinator's own node; a file written for another path would never be read)
                 future = self.dht.run_coroutine(partial(store_at, peer=self.coordinator, key=key, subkey=subkey,
                                                         value=value, expiration=expires), return_future=True)
             elif spilled is not None:
