@@ -372,6 +372,7 @@ def test_free_looks_only_at_the_pool_spans_that_can_overlap_and_says_what_a_pass
 @pytest.mark.parametrize("replica,count,spans", [
     (0, 5, [(0, 3), (10, 12)]), (3, 0, []),  # good
     (0, 4, [(0, 3)]), (0, 3, [(3, 0)]), (-1, 3, [(0, 3)]), (0, 65, [(2 * i, 2 * i + 1) for i in range(65)]),
+    (0, 256, [(2 * i, 2 * i + 1) for i in range(256)]),  # (4x MAX_SHARE_SPANS)
     (0, 1, [(MAX_POSITION, MAX_POSITION + 1)]), (0, MAX_SHARE + 1, [(0, MAX_SHARE + 1)]),
 ])
 def test_a_share_the_cursor_makes_is_held_to_the_rules_of_a_share_read_from_a_plan(replica, count, spans) -> None:  # type: ignore[no-untyped-def]
