@@ -335,3 +335,4 @@ def test_a_private_run_admits_only_the_tokens_holders(tmp_path: Path) -> None:
         assert {p["name"] for p in state["peers"]} == {"member-0", "member-1"}
     finally:
         procs.stop()
+        swarm.dump_logs()  # (shown if it failed: it timed out once in a full suite and has not since)
