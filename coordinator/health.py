@@ -14,7 +14,7 @@ import time
 from collections import deque
 from typing import Any
 
-from potluck.protos.runtime.heap import Heap
+from potluck.protos.runtime.heap import Heap, tame
 
 KEEP_TICKS = 1000
 # a tick that has used this much CPU already leaves the status snapshot to the next one ... (at 1,000 peers an
@@ -32,6 +32,8 @@ class Health:
         self.decided_count = 0  # (every decision since the coordinator started)
         self.count = 0
         self.heap, self._settle = Heap(), settle  # (settle: full collections between ticks, from the first one on)
+        if settle:
+            tame()  # (before the coordinator starts its threads and forks its DHT process)
         self._built = (-float("inf"), 0.0, 0.0)  # (when the snapshot was last built, how long it took, began)
         self._owed = False  # a commit's snapshot, left to a shorter tick
         self._waited: set[str] = set()  # what waited for this tick (see waits)

@@ -3,14 +3,22 @@ page row kept until its record changes, and the PSS of the coordinator's process
 
 from __future__ import annotations
 
+import gc
 import importlib.util
+import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from potluck.coordinator.membership import PeerTable
 from potluck.coordinator.snapshot import peer_rows
+from potluck.protos.net.identity import Identity
+from potluck.protos.net.swarm import SwarmNode
 from potluck.protos.wire.records import PeerRecord
 
 
@@ -120,3 +128,48 @@ def test_the_benchmarks_steady_decisions_leave_out_the_round_decided_before_they
     assert bench.steady_decisions(samples, 2.5, {"max": 0.9, "window": 5, "count": 5}) == [0.05, 0.05, 0.07]
     # (the decision numbered 4, between two samples: in a final window made only of steady ones)
     assert bench.steady_decisions(samples, 2.5, {"max": 0.2, "window": 4, "count": 5}) == [0.05, 0.05, 0.07, 0.2]
+
+
+MMAP_PROBE = """
+import ctypes, json, sys
+from potluck.protos.runtime.heap import tame
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                                                "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype, libc.malloc.restype = Info, ctypes.c_void_p
+libc.malloc.argtypes, libc.free.argtypes = [ctypes.c_size_t], [ctypes.c_void_p]
+tamed = tame() if sys.argv[1] == "tame" else None
+libc.free(libc.malloc(4 << 20))  # a big block, freed (glibc's default then keeps blocks up to 4 MB in its heap)
+before = libc.mallinfo2().hblks
+block = libc.malloc(1 << 20)
+print(json.dumps({"tamed": tamed, "own_pages": libc.mallinfo2().hblks - before}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt and mallinfo2")
+def test_a_tamed_allocator_gives_big_blocks_pages_of_their_own_after_a_big_free() -> None:
+    """glibc raises the size from which a block gets pages of its own each time it frees such a block: after
+    one 4 MB free, a 1 MB block lands in the heap (where its freed pages stay mapped). Tamed, it does not."""
+    def probe(mode: str) -> dict[str, Any]:
+        out = subprocess.run([sys.executable, "-c", MMAP_PROBE, mode], capture_output=True, text=True, timeout=60,
+                             check=True)
+        return json.loads(out.stdout)  # type: ignore[no-any-return]
+
+    assert probe("default") == {"tamed": None, "own_pages": 0}  # (the default this guards against)
+    assert probe("tame") == {"tamed": True, "own_pages": 1}
+
+
+async def _frozen(dht: object, node: object) -> int:
+    return gc.get_freeze_count()
+
+
+def test_the_dht_process_never_walks_what_it_inherited() -> None:
+    """The DHT process is forked from a process holding torch's, hivemind's and gRPC's objects: its collections
+    leave them alone (a walk writes every object's header, and so copies the page out of shared memory)."""
+    inherited = len(gc.get_objects())
+    node = SwarmNode(Identity.generate(), coordinator="c", host="127.0.0.1")
+    try:
+        assert node.dht.run_coroutine(_frozen) >= inherited // 2
+    finally:
+        node.shutdown()
