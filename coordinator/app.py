@@ -160,7 +160,7 @@ class Coordinator:
         self._maybe_finish(now)
         self._maybe_decide(now)
         self.state.history, added = self.folder.fold(self.state.history, self.table.records(changed=True), self.rounds.round_at,
-                                                     self.rounds.committed, self.table.records(), partial(self.health.waits, "fold", began))
+                                                     self.rounds.committed, self.table.records(), partial(self.health.waits, began=began))
         self._dirty |= added  # (admissions: every few seconds at most; a long tick's commit: on the next tick)
         if (self._dirty or self.gate.admission.journal_due()) and (self._dirty > 1 or not self.health.waits("journal", began)):
             self._save()

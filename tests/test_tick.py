@@ -53,12 +53,13 @@ def test_a_commits_fold_left_to_the_next_tick_makes_the_same_history() -> None:
         whole, _ = history.fold(whole, list(held.values()), round_at, committed, now=float(committed))
         before = len(part)
         began = -1e9 if rng.random() < 0.7 else time.thread_time()  # (a long tick, most of them)
-        part, added = folder.fold(part, changed, round_at, committed, list(held.values()), partial(health.waits, "fold", began))
+        part, added = folder.fold(part, changed, round_at, committed, list(held.values()), partial(health.waits, began=began))
         deferred += committed > (part[-1]["step"] if part else 0)
         assert added == (len(part) > before)
         for h in part[-len(whole):]:
             h["t"] = next(w["t"] for w in whole if w["step"] == h["step"])  # (when it was added: a tick later)
     part, _ = folder.fold(part, [], round_at, committed, list(held.values()))  # (in case the last tick left one)
+    folder.flush(part)  # (the totals the last ticks left to later)
     part[-1]["t"] = whole[-1]["t"]
     assert deferred and json.dumps(part, sort_keys=True) == json.dumps(whole, sort_keys=True)
 
@@ -110,3 +111,56 @@ def test_a_long_ticks_new_plan_is_published_by_the_next_tick_never_later() -> No
     pub.new_plan()
     assert pub.publish(rounds, partial(health.waits, "plan", time.thread_time())) is False
     assert stored[3:] == ["manifest", "plan", "head"]
+
+
+def test_an_entrys_totals_are_made_again_once_a_second_while_reports_keep_coming(monkeypatch) -> None:
+    """At 1,000 peers, the members' reports of a step arrive over many ticks, and making the entry's totals
+    again from all of them on each was most of an ordinary tick's p99. They are made at once for a new entry,
+    then at most every ``AGGREGATE_S`` while reports keep coming, and once they stop; a long tick leaves them
+    to the next."""
+    clock = [100.0]
+    monkeypatch.setattr(history.time, "monotonic", lambda: clock[0])
+    ids = [f"12D3KooW{c * 44}" for c in "abcd"]
+    rnd = Round(step=1, members=[Member(peer_id=p, address="x:1", replica=i) for i, p in enumerate(ids)])
+
+    def rec(i: int, loss: float) -> PeerRecord:
+        return PeerRecord(peer_id=ids[i], address="x:1", version=1, recent=[StepReport(step=1, loss=loss)])
+
+    folder, everyone = history.Folder(), [rec(0, 1.0)]
+    never, always = (lambda what: False), (lambda what: what == "aggregate")
+    h, added = folder.fold([], everyone, lambda s: rnd, 1, everyone, never)
+    assert added and h[-1]["loss"] == 1.0 and not folder.dirty  # a new entry: its totals at once
+    clock[0] += 0.2
+    h, _ = folder.fold(h, [rec(1, 3.0)], lambda s: rnd, 1, everyone, never)
+    assert h[-1]["loss"] == 1.0 and folder.dirty == {1}  # a report 0.2 s later: its totals wait
+    clock[0] += 0.9
+    h, _ = folder.fold(h, [rec(2, 5.0)], lambda s: rnd, 1, everyone, always)
+    assert h[-1]["loss"] == 1.0  # due, but a long tick: still waiting
+    h, _ = folder.fold(h, [rec(3, 7.0)], lambda s: rnd, 1, everyone, never)
+    assert h[-1]["loss"] == 4.0 and not folder.dirty  # the next tick: made from all four
+    clock[0] += 0.1
+    h, _ = folder.fold(h, [rec(3, 11.0)], lambda s: rnd, 1, everyone, never)
+    assert h[-1]["loss"] == 4.0  # a changed report 0.1 s after: waits ...
+    clock[0] += 0.1
+    h, _ = folder.fold(h, [rec(2, 9.0)], lambda s: rnd, 1, everyone, never)
+    assert h[-1]["loss"] == 4.0 and folder.dirty == {1}  # ... while reports of the step keep coming ...
+    h, _ = folder.fold(h, [], lambda s: rnd, 1, everyone, never)
+    assert h[-1]["loss"] == 6.0 and not folder.dirty  # ... until a tick brings none
+
+
+def test_an_entry_leaving_the_detail_window_gets_its_waiting_totals_first() -> None:
+    """Only the newest ``KEEP_DETAIL`` entries keep their members' reports: one whose totals still wait for a
+    report that came late has them made before the reports go."""
+    ids = [f"12D3KooW{c * 44}" for c in "ab"]
+    rounds = {s: Round(step=s, members=[Member(peer_id=p, address="x:1", replica=i) for i, p in enumerate(ids)])
+              for s in range(1, history.KEEP_DETAIL + 3)}
+
+    def rec(i: int, step: int, loss: float) -> PeerRecord:
+        return PeerRecord(peer_id=ids[i], address="x:1", version=step, recent=[StepReport(step=step, loss=loss)])
+
+    folder, h, first = history.Folder(), [], [rec(0, 1, 1.0)]
+    h, _ = folder.fold(h, first, rounds.get, 1, first)
+    h, _ = folder.fold(h, [rec(1, 1, 3.0)], rounds.get, 1, first)  # a late report of step 1: its totals wait
+    assert h[0]["loss"] == 1.0 and folder.dirty == {1}
+    h, _ = folder.fold(h, [], rounds.get, history.KEEP_DETAIL + 2, [])  # step 1 leaves the window
+    assert "_peers" not in h[0] and h[0]["loss"] == 2.0 and not folder.dirty
