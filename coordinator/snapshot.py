@@ -35,6 +35,10 @@ LINKS_PEERS = 64  # the links matrix covers at most this many peers (the first b
 # which peers an operator looks at first when not all fit (lower first): the ones that stopped, then the ones
 # the run counts on, then the ones that said goodbye
 _ROUND_JSON = PerRound(lambda r: r.model_dump(mode="json"))  # (the latest round's, see round_json)
+# each member's tasklet, and the grid's cells less their states: made once per round (at 1,000 members these were
+# a fifth of a build); the tasklet dicts are shared by the rows of every snapshot of the round, never changed
+_TASKLETS = PerRound(lambda r: {m.peer_id: {"stage": m.stage, "replica": m.replica} for m in r.members})
+_CELLS = PerRound(lambda r: [(m.stage, m.replica, m.peer_id) for m in r.members])
 _ATTENTION = {PeerState.FAILED: 0, PeerState.LOST: 1, PeerState.LEFT: 3, PeerState.FINISHED: 3}
 
 
@@ -166,7 +170,7 @@ def build(run: RunInfo, cfg: RunConfig, views: Sequence[PeerView], rounds: Round
     """The snapshot; its ``_peers`` (every peer's row, for /api/v1/peers and /metrics) is not part of the JSON."""
     now = time.monotonic() if now is None else now
     current = rounds.latest
-    tasklet_of = {m.peer_id: {"stage": m.stage, "replica": m.replica} for m in current.members} if current else {}
+    tasklet_of = _TASKLETS([current])[0] if current else {}
     stages = current.stages if current else cfg.pipeline.stages
     replicas = len(current.members) // stages if current else 0
     peers = peer_rows(views, tasklet_of, now, history)
@@ -175,7 +179,10 @@ def build(run: RunInfo, cfg: RunConfig, views: Sequence[PeerView], rounds: Round
     last = next((h for h in reversed(history) if h["loss"] is not None), None)
     last_eval = next((h for h in reversed(history) if h["eval_loss"] is not None), None)
     records = [v.record for v in views]
-    compute, sync = sum(r.compute_s for r in records), sum(r.sync_s for r in records)
+    compute = sync = 0.0
+    tokens = 0  # (tokens enter the model at stage 0: counted once per pipeline)
+    for r in records:
+        compute, sync, tokens = compute + r.compute_s, sync + r.sync_s, tokens + (r.tokens_total if r.stage == 0 else 0)
     training = [p for p in live if p["state"] == PeerState.TRAINING]
     by_id = {p["id"]: p for p in peers}
     m = cfg.model
@@ -192,8 +199,7 @@ def build(run: RunInfo, cfg: RunConfig, views: Sequence[PeerView], rounds: Round
             "model": {"parameters": model_parameters(m), "family": m.family, "d_model": m.d_model,
                       "n_layers": m.n_layers, "n_heads": m.n_heads, "vocab_size": m.vocab_size, "seq_len": m.seq_len},
             "stages": stages, "replicas": replicas,
-            # tokens enter the model at stage 0: count them once per pipeline
-            "tokens_trained": sum(r.tokens_total for r in records if r.stage == 0),
+            "tokens_trained": tokens,
             "tokens_per_s": sum(p["tokens_per_s"] for p in training if not p["tasklet"] or p["tasklet"]["stage"] == 0),
             "loss": last["loss"] if last else None, "eval_loss": last_eval["eval_loss"] if last_eval else None,
             "eval_perplexity": perplexity(last_eval["eval_loss"]) if last_eval else None,
@@ -207,9 +213,9 @@ def build(run: RunInfo, cfg: RunConfig, views: Sequence[PeerView], rounds: Round
         },
         "grid": {
             "stages": stages, "replicas": replicas,
-            "cells": [{"stage": mb.stage, "replica": mb.replica, "peer": mb.peer_id,
-                       "state": by_id[mb.peer_id]["state"] if mb.peer_id in by_id else PeerState.LOST}
-                      for mb in current.members] if current else [],
+            "cells": [{"stage": stage, "replica": replica, "peer": pid,
+                       "state": row["state"] if (row := by_id.get(pid)) is not None else PeerState.LOST}
+                      for stage, replica, pid in _CELLS([current])[0]] if current else [],
         },
         "round": round_json(current) if current else None,
         "history": step_rates(history[-501:], cfg)[-500:],
