@@ -28,6 +28,21 @@ def test_the_dht_process_opens_a_record_or_says_why_not() -> None:
         assert got.data is None and reason in got.refused, (reason, got)
 
 
+def test_given_the_records_type_the_dht_process_parses_it_too_and_refuses_a_malformed_one() -> None:
+    """The coordinator's reads name the record's type: its DHT process parses each changed record as well, so the
+    coordinator's loop only unpickles it; a body that is signed but not a valid record is refused there, with the
+    reason, as the loop's own parse refused it."""
+    who = Identity.generate()
+    good = seal(who, PeerRecord(peer_id=who.peer_id, address="x:1", seq=1), 60)
+    got = open_record(MSGPackSerializer.dumps(good), who.peer_id, PeerRecord)
+    assert isinstance(got.record, PeerRecord) and got.record.seq == 1 and got.data is None and not got.refused
+    bad = seal(who, {**PeerRecord(peer_id=who.peer_id, address="x:1").model_dump(mode="json"), "seq": "many"}, 60)
+    got = open_record(MSGPackSerializer.dumps(bad), who.peer_id, PeerRecord)
+    assert got.record is None and got.refused.startswith("malformed PeerRecord") and "seq" in got.refused, got
+    late = seal(who, PeerRecord(peer_id=who.peer_id, address="x:1"), -900)
+    assert "PeerRecord has expired" in open_record(MSGPackSerializer.dumps(late), who.peer_id, PeerRecord).refused
+
+
 def test_a_stalled_read_of_the_heartbeats_makes_nobody_lost_and_a_silent_peer_still_is() -> None:
     """Found when the tests began starting peers from a fork server: five peers starting at once swamped the
     coordinator's DHT process, its reads of the heartbeats went unanswered for 4 s, and it declared all three

