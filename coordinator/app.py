@@ -164,8 +164,8 @@ class Coordinator:
         self._dirty |= added  # (admissions: every few seconds at most; a long tick's commit: on the next tick)
         if (self._dirty or self.gate.admission.journal_due()) and (self._dirty > 1 or not self.health.waits("journal", began)):
             self._save()
-        if self.publisher.publish(self.rounds.rounds.values(), partial(self.health.waits, "plan", began)):
-            self._wake.set()  # (a long tick's plan: published by the next tick, which starts at once)
+        if self.publisher.publish(self.rounds.rounds.values(), partial(self.health.waits, "plan", began)) or self.gate.admission.more:
+            self._wake.set()  # (a long tick's plan, admissions past a tick's budget: the next tick starts at once)
         self.info.finished, self.info.checkpoint_version = self.state.finished, self.publisher.manifest.checkpoint_version
         if self.health.snapshot_due(now, added, self.cfg.coordinator.tick_s, self.health.long(began)):
             self._snapshot = build(self.info, self.cfg, list(self.table.peers.values()), self.rounds, self.state.history,

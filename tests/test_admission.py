@@ -108,6 +108,25 @@ def test_new_admissions_are_rate_limited_and_renewals_are_not(ca: CertificateAut
     assert len(renewal) == 1 and renewal[0].cert_pem and adm.is_admitted(pid, now=T0 + adm.lifetime_s * 1.2)
 
 
+def test_a_review_issues_certificates_for_its_budget_oldest_first_and_the_next_goes_on(ca: CertificateAuthority) -> None:
+    """In a join burst a tick issued about 50 certificates (90 ms of its CPU): a review stops issuing once it has
+    spent ``issue_budget_s`` (after one at least), says so (``more``: the loop ticks again at once), and the next
+    review goes on with the oldest requests left; every request is answered once."""
+    adm = Admission(ca, RUN, issue_budget_s=0.0)
+    asks = {pid: req.model_copy(update={"ts": T0 + i}) for i, (pid, _, req) in enumerate(asking() for _ in range(4))}
+    order = sorted(asks, key=lambda p: asks[p].ts)
+    got = []
+    for _ in range(4):
+        certs, refused = adm.review(asks, now=T0 + 10)
+        assert refused == [] and len(certs) == 1
+        got.append(certs[0].peer_id)
+        assert adm.more == (len(got) < 4)  # (the last one leaves nothing to the next review)
+    assert got == order and all(adm.is_admitted(p, now=T0 + 10) for p in asks)
+    assert adm.review(asks, now=T0 + 10) == ([], []) and not adm.more
+    whole = Admission(ca, RUN)  # (unbounded, as a test's: all at once)
+    assert len(whole.review(asks, now=T0 + 10)[0]) == 4 and not whole.more
+
+
 def test_an_evicted_peer_gets_no_certificate_again(ca: CertificateAuthority) -> None:
     adm = Admission(ca, RUN)
     pid, _, req = asking()
