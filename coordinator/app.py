@@ -158,14 +158,14 @@ class Coordinator:
             self._on(ev)
         self._checkpoints_done()
         self._maybe_finish(now)
-        self._maybe_decide(now)
+        self._maybe_decide(now)  # (then the plan, before a fold's or a save's work: peers wait for it)
+        if self.publisher.publish(self.rounds.rounds.values(), partial(self.health.waits, "plan", began, 1)) or self.gate.admission.more:
+            self._wake.set()  # (a long tick's plan, admissions past a tick's budget: the next tick starts at once)
         self.state.history, added = self.folder.fold(self.state.history, self.table.records(changed=True), self.rounds.round_at,
                                                      self.rounds.committed, self.table.records(), partial(self.health.waits, began=began))
         self._dirty |= added  # (admissions: every few seconds at most; a long tick's commit: on the next tick)
         if (self._dirty or self.gate.admission.journal_due()) and (self._dirty > 1 or not self.health.waits("journal", began)):
             self._save()
-        if self.publisher.publish(self.rounds.rounds.values(), partial(self.health.waits, "plan", began)) or self.gate.admission.more:
-            self._wake.set()  # (a long tick's plan, admissions past a tick's budget: the next tick starts at once)
         self.info.finished, self.info.checkpoint_version = self.state.finished, self.publisher.manifest.checkpoint_version
         if self.health.snapshot_due(now, added, self.cfg.coordinator.tick_s, self.health.long(began)):
             self._snapshot = build(self.info, self.cfg, list(self.table.peers.values()), self.rounds, self.state.history,

@@ -110,7 +110,7 @@ class Folder:
 
     * A commit's fold (every member's report of the step: 1,000 at 1,000 peers, 30-50 ms) is left to the next
       tick when ``waits("fold")`` says so (the loop's :meth:`~potluck.coordinator.health.Health.waits`: this
-      tick is long already, and never two ticks running): with the step's judging and journal write it made
+      tick is long already, for a few ticks running at most): with the step's judging and journal write it made
       the tick's p99. The records that changed meanwhile are folded then.
     * An entry's totals are made again from all its members' reports (:func:`aggregate`: 5-20 ms at 1,000
       members) at most every ``AGGREGATE_S`` while its reports keep coming, at once for a new entry and when
