@@ -168,6 +168,7 @@ class DataCursor:
     per_replica: int  # samples a replica trains on in one outer step: inner_steps x batch_size
     at: dict[int, Cursor] = field(default_factory=lambda: {0: Cursor()})
     _votes: dict[tuple[int, int], dict[str, tuple[int, ...]]] = field(default_factory=dict)  # (step, epoch) -> peer -> say
+    _says: dict[tuple[int, int], dict[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)  # ... -> say -> itself
     repeats: int = 0  # positions a step was handed that were not free (a bug if ever > 0; counted, logged)
     returned: int = 0  # positions handed back to the pool since this process started (dead, stalled, rejected)
 
@@ -218,7 +219,13 @@ class DataCursor:
 
     def vote(self, step: int, epoch: int, peer: str, included: Sequence[int]) -> None:
         """Stage-0 member ``peer`` of ``step`` (made in ``epoch``) says which replicas the version holds."""
-        self._votes.setdefault((step, epoch), {})[peer] = tuple(sorted(set(included)))[:4096]
+        say = tuple(sorted(set(included)))[:4096]
+        # one object for the same say (the honest members of a step all say the same replicas): kept once, not
+        # once per voter (a thousand tuples of a thousand replicas a step), and counted once in included()
+        says, votes = self._says.setdefault((step, epoch), {}), self._votes.setdefault((step, epoch), {})
+        votes[peer] = say = says.setdefault(say, say)
+        if len(says) > 2 * len(votes) + 16:  # (a voter that changes its say at every heartbeat: only the current ones)
+            self._says[(step, epoch)] = {v: v for v in votes.values()}
 
     def included(self, rnd: Round, step: int, round_at: Callable[[int], Round | None]) -> set[int]:
         """The replicas of ``rnd`` whose samples version ``step`` holds: all but those a strict majority
@@ -236,10 +243,16 @@ class DataCursor:
             if votes:  # (counted once per group: a thousand votes of a thousand replicas each, scanned per replica, took minutes)
                 counts: dict[int, Counter[int]] = {}
                 voters: Counter[int] = Counter()
+                same: dict[tuple[int, int], list[Any]] = {}  # (group, the say's object) -> [say, voters saying it]
                 for p, v in votes.items():
                     g = group_of.get(p, 0)
                     voters[g] += 1
-                    counts.setdefault(g, Counter()).update(v)
+                    if (seen := same.get((g, id(v)))) is None:
+                        same[(g, id(v))] = [v, 1]
+                    else:
+                        seen[1] += 1
+                for (g, _), (v, n) in same.items():  # (each say once: a thousand of a thousand replicas was 1M counts)
+                    counts.setdefault(g, Counter()).update(dict.fromkeys(v, n))
                 return {r for r in replicas
                         if 2 * counts.get(replica_group.get(r, 0), Counter())[r] >= voters[replica_group.get(r, 0)]}
         return set(replicas)
@@ -279,12 +292,14 @@ class DataCursor:
         self.at = {v: c for v, c in self.at.items() if v < version}
         self.at[version] = cursor
         self._votes = {k: c for k, c in self._votes.items() if k[0] <= version}
+        self._says = {k: c for k, c in self._says.items() if k[0] <= version}
 
     def prune(self, committed: int) -> None:
         for v in [v for v in self.at if v < committed - KEEP_CURSORS]:
             del self.at[v]
         for k in [k for k in self._votes if k[0] < committed - KEEP_CURSORS]:
             del self._votes[k]
+            self._says.pop(k, None)
 
     def summary(self, committed: int, samples: int | None) -> dict[str, Any]:
         """For the status page: where the committed version stands in the sample order."""

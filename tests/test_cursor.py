@@ -29,7 +29,7 @@ from potluck.coordinator.rounds import Rounds
 from potluck.data import DataError
 from potluck.data.order import permute, permute_one, sample_ids
 from potluck.peer.data import SpanSampler
-from potluck.protos.wire.records import MAX_POSITION, MAX_SHARE, PeerRecord, Round, Share, StepReport
+from potluck.protos.wire.records import MAX_POSITION, MAX_SHARE, Member, PeerRecord, Round, Share, StepReport
 
 # ---------------------------------------------------------------------- the order
 
@@ -422,3 +422,29 @@ def test_a_cursor_less_spans_and_a_plans_later_reads_match_a_position_by_positio
             for r, c in enumerate(counts):
                 start = (step - 5) * sum(counts) + sum(counts[:r])
                 assert [p for a, b in rnd.data_spans(step, r) for p in range(a, b)] == reads[start:start + c]
+
+
+def test_votes_counted_once_per_say_match_a_count_voter_by_voter() -> None:
+    """The same say (most voters of a step list the same replicas) is kept as one object and counted once, with its
+    number of voters; what a step holds is what counting each voter's say one by one finds, per averaging group."""
+    rng = random.Random(11)
+    n = 60
+    rnd = Round.model_construct(  # (three averaging groups; their base states play no part here)
+        step=3, members=[Member(peer_id=f"p{i}", address="x:1", replica=i, group=i % 3) for i in range(n)],
+        shares=[Share(replica=i, count=1, spans=[(i, i + 1)]) for i in range(n)])
+    data = DataCursor(1)
+    says = [tuple(range(n)), tuple(r for r in range(n) if r % 7), tuple(r for r in range(n) if r % 2)]
+    voted = {}
+    for i in range(n):
+        say = list(rng.choice(says)) if rng.random() < 0.8 else rng.sample(range(n), rng.randrange(n))
+        data.vote(3, 0, f"p{i}", say)
+        voted[f"p{i}"] = set(say)
+    distinct = {tuple(sorted(v)) for v in voted.values()}
+    assert len({id(v) for v in data._votes[(3, 0)].values()}) == len(distinct) < n // 2  # (the same say: one object)
+    group_of = {f"p{i}": i % 3 for i in range(n)}
+    expect = {r for r in range(n) if 2 * sum(r in voted[p] for p in voted if group_of[p] == r % 3)
+              >= sum(1 for p in voted if group_of[p] == r % 3)}
+    assert data.included(rnd, 3, lambda v: rnd if v == 3 else None) == expect
+    for _ in range(100):  # a voter that changes its say at every heartbeat keeps only a bounded few
+        data.vote(3, 0, "p0", rng.sample(range(n), 5))
+    assert len(data._says[(3, 0)]) <= 2 * n + 16
