@@ -1,14 +1,17 @@
 """Volunteer swarms, where a stage costs its slowest GPU: the rank seed whose two fastest groups are
-split by stage time, and the local search's compute re-splits of a pair of groups
-(:func:`~potluck.coordinator.moves.compute_resplits`)."""
+split by stage time, the local search's compute re-splits of a pair of groups
+(:func:`~potluck.coordinator.moves.compute_resplits`), and the first two descents sharing the budget."""
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
+import pytest
 from test_scheduler_families import sf  # the benchmark module, loaded from its file
 
+from potluck.coordinator import scheduler
 from potluck.coordinator.costmodel import CostModel, Topology, check_assignment
 from potluck.coordinator.layouts import device_quality, rank_seeds
 from potluck.coordinator.moves import compute_resplits
@@ -71,3 +74,23 @@ def test_local_search_gathers_slow_gpus_in_one_group() -> None:
     groups, score = local_search(run, start, model.score(start), np.random.default_rng(0), smooth=0.0)
     assert score.cost < model.score(start).cost - 2.0  # one stage at 1 s instead of 4 s
     assert any({0, 4} <= set(g) for g in groups)
+
+
+def test_the_two_first_descents_share_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 512 volunteers the cheapest start and the cheapest on the smoothed objective differ, and a
+    descent never ends in the budget: the first gets half of what is left, not all of it, so the
+    second start is descended too."""
+    t = sf.generate("volunteers", 512, 0).topology
+    calls: list[tuple[int, int | None]] = []
+    real = scheduler.local_search
+
+    def spy(run: SearchRun, *args: Any, **kwargs: Any) -> Any:
+        calls.append((run.evaluations, args[4] if len(args) > 4 else kwargs.get("max_evals")))
+        return real(run, *args, **kwargs)
+
+    monkeypatch.setattr(scheduler, "local_search", spy)
+    result = scheduler.evolutionary_search(t, seed=0, budget_seconds=None, budget_evals=400)
+    (first_at, first_cap), (second_at, _) = calls[:2]
+    left = 400 - first_at
+    assert first_cap is not None and first_cap <= left // 2 + 1
+    assert second_at < 400 and result.evaluations <= 400 + 1
