@@ -12,7 +12,7 @@ memetic algorithm, as in Yuan et al. (NeurIPS 2022):
    thresholds, every pipeline's first segment first or pipeline by pipeline) and random
    assignments; half the places go to the cheapest, half to the cheapest on the smoothed
    objective, and both of those are descended first (the cheapest on the smoothed objective
-   first). Start layouts are built as they are evaluated, for at most ``SEED_SHARE`` of a time
+   first, each with half of what is left of the budget at most). Start layouts are built as they are evaluated, for at most ``SEED_SHARE`` of a time
    budget: at 1,024 devices each one costs tens of milliseconds, and there can be a hundred;
 2. each generation, children of two tournament-picked parents: a group-wise crossover (align the
    parents' group labels by overlap, take each group from either parent, drop duplicates, refill
