@@ -12,7 +12,7 @@ memetic algorithm, as in Yuan et al. (NeurIPS 2022):
    thresholds, every pipeline's first segment first or pipeline by pipeline) and random
    assignments; half the places go to the cheapest, half to the cheapest on the smoothed
    objective, and both of those are descended first (the cheapest on the smoothed objective
-   first). Start layouts are built as they are evaluated, for at most ``SEED_SHARE`` of a time
+   first, each with half of what is left of the budget at most). Start layouts are built as they are evaluated, for at most ``SEED_SHARE`` of a time
    budget: at 1,024 devices each one costs tens of milliseconds, and there can be a hundred;
 2. each generation, children of two tournament-picked parents: a group-wise crossover (align the
    parents' group labels by overlap, take each group from either parent, drop duplicates, refill
@@ -22,7 +22,8 @@ memetic algorithm, as in Yuan et al. (NeurIPS 2022):
    with large groups the ``GUIDED_SWAPS`` that :func:`misfit` ranks best first, then ``RANDOM_TAIL``
    random ones, as at 1,024 devices nearly every swap kept is guided, until a cycle of such visits
    finds nothing, then full ones), keeping each one that lowers ``cost + smooth * soft``, until a
-   whole cycle brings no improvement;
+   whole cycle brings no improvement; with per-device compute speeds, a visit first tries two
+   re-splits of the pair that gather slow GPUs in one group (:func:`compute_resplits`);
 4. a child replaces the worst member if it is better and new;
 5. after ``stall_generations`` generations without a new best, a *restart*: the next structured
    seed not descended yet (or, once they are used up, the best plan kicked by random swaps) is
@@ -50,7 +51,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
 from potluck.coordinator.costmodel import CostModel, Placement, Score, Topology, canonical
 from potluck.coordinator.layouts import (  # noqa: F401  (places, segments_layout: for callers)
@@ -65,6 +65,7 @@ from potluck.coordinator.layouts import (  # noqa: F401  (places, segments_layou
     segment_seeds,
     segments_layout,
 )
+from potluck.coordinator.moves import compute_resplits, crossover, mutate
 
 PAIR_SWAPS = 1024  # per visit of a pair of groups in the local search: all of them up to R = 32
 GUIDED_SWAPS = 64  # per visit of a pair, tried before the random ones: see _guided
@@ -156,58 +157,26 @@ class SearchRun:
         return "evaluations" if self.evaluations >= self.max_evals else "seconds"
 
 
-# ------------------------------------------------------------------ operators
-
-
-def _crossover(a: Groups, b: Groups, topology: Topology, rng: np.random.Generator) -> Groups:
-    """Group-wise uniform crossover with balance repair: every group ends with exactly ``R`` devices."""
-    s = len(a)
-    overlap = np.array([[len(set(x) & set(y)) for y in b] for x in a])
-    _, match = linear_sum_assignment(-overlap)  # b's group match[i] plays a's group i
-    picked = [set(a[i]) if rng.random() < 0.5 else set(b[match[i]]) for i in range(s)]
-    taken: set[int] = set()
-    for i in rng.permutation(s):
-        picked[i] -= taken
-        taken |= picked[i]
-    pool = [int(d) for d in rng.permutation(topology.devices) if int(d) not in taken]
-    for g in picked:
-        while len(g) < topology.replicas:
-            g.add(pool.pop())
-    return canonical(picked)
-
-
-def _mutate(groups: Groups, topology: Topology, rng: np.random.Generator, swaps: int) -> Groups:
-    flat = np.array(groups)
-    unused = np.setdiff1d(np.arange(topology.devices), flat)
-    for _ in range(swaps):
-        i = rng.integers(flat.shape[0])
-        if len(unused) and rng.random() < len(unused) / topology.devices:
-            k, u = rng.integers(flat.shape[1]), rng.integers(len(unused))
-            flat[i, k], unused[u] = unused[u], flat[i, k]
-        else:
-            j = (i + 1 + rng.integers(flat.shape[0] - 1)) % flat.shape[0] if flat.shape[0] > 1 else i
-            k, m = rng.integers(flat.shape[1]), rng.integers(flat.shape[1])
-            flat[i, k], flat[j, m] = flat[j, m], flat[i, k]
-    return canonical(flat)
+# ------------------------------------------------------------------ local search
 
 
 def local_search(run: SearchRun, groups: Groups, score: Score, rng: np.random.Generator, smooth: float = 0.0,
-                 max_evals: int | None = None) -> tuple[Groups, Score]:
+                 max_evals: int | None = None, until: float = math.inf) -> tuple[Groups, Score]:
     """Cyclic Kernighan-Lin style descent over pairs of groups (and group/unused-pool pairs).
 
-    For the current pair, try swapping each device of one side with each of the other, in random
-    order; keep the first swap that lowers ``cost + smooth * soft`` and keep working on the pair
-    until none does, then move on. Stops after a full cycle of pairs without improvement, after
-    ``max_evals`` evaluations, or when the budget is spent.
-    """
+    For the current pair, try swapping each device of one side with each of the other, in random order;
+    keep the first swap that lowers ``cost + smooth * soft``, and work on the pair until none does. Stops
+    after a cycle of pairs without improvement, after ``max_evals`` evaluations, at ``until`` (the run's
+    clock) or out of budget."""
     groups = list(groups)
     s = len(groups)
     stop_at = math.inf if max_evals is None else run.evaluations + max_evals
 
     def spent() -> bool:
-        return run.evaluations >= stop_at or run.exhausted()
+        return run.evaluations >= stop_at or run.exhausted() or (until < math.inf and run.clock() >= until)
 
     unused = tuple(sorted(set(range(run.model.topology.devices)) - {d for g in groups for d in g}))
+    quality = None if run.model.stage_time is None else run.model.pp_link.sum(axis=1)  # for compute_resplits
     pairs = [(i, j) for i in range(s) for j in range(i + 1, s)] + ([(i, -1) for i in range(s)] if unused else [])
     order = rng.permutation(len(pairs))
     quiet, k, thorough, guided = 0, 0, False, False
@@ -216,6 +185,13 @@ def local_search(run: SearchRun, groups: Groups, score: Score, rng: np.random.Ge
         k += 1
         improved, found = True, False
         tried: set[tuple[int, int]] = set()  # this visit's swaps, not guided again after a success
+        for a, b in compute_resplits(run.model, quality, groups[i], groups[j]) if quality is not None and j >= 0 else ():
+            trial = list(groups)
+            trial[i], trial[j] = a, b
+            new = run.score(trial, score.cost + smooth * score.soft, smooth)
+            if new is not None and better(new, score, smooth):
+                groups, score, found = trial, new, True
+                break
         while improved and not spent():
             improved = False
             other = unused if j < 0 else groups[j]
@@ -355,11 +331,21 @@ def evolutionary_search(topology: Topology, *, seed: int = 0, budget_seconds: fl
     pop = list({tuple(g): (sc, g) for sc, g in by_cost[: keep // 2] + by_key[: keep - keep // 2]}.values())
     pop += [p for p in by_key if all(p[1] != g for _, g in pop)][: keep - len(pop)]
     # the cheapest on the smoothed objective first: the cheapest start is often a ranked layout whose
-    # swaps are dear to score (they change bottlenecks), and a descent from it can take the budget
-    for start in {tuple(by_key[0][1]): by_key[0], tuple(by_cost[0][1]): by_cost[0]}.values():
+    # swaps are dear to score (they change bottlenecks). The two share what is left of the budget: at
+    # 512-1,024 devices a descent never ends in it (its closing cycle of full visits alone is 10,000-
+    # 29,000 evaluations, which keep next to nothing), so the first took it all; at 512 volunteers
+    # (4 x 68) it went from 13.82 to 13.79 in 24,000 evaluations and the cheapest start (13.60, the
+    # split rank seed) was never descended, against a reference that did (13.21).
+    firsts = list({tuple(by_key[0][1]): by_key[0], tuple(by_cost[0][1]): by_cost[0]}.values())
+    for k, start in enumerate(firsts):
         if run.exhausted():
             break
-        groups, score = local_search(run, start[1], start[0], rng, smooth, local_search_evals)
+        share = 1.0 / (len(firsts) - k)
+        until = run.clock() + share * (run.deadline - run.clock()) if run.deadline < math.inf else math.inf
+        evals = share * (run.max_evals - run.evaluations) if run.max_evals < math.inf else math.inf
+        evals = min(evals, math.inf if local_search_evals is None else local_search_evals)
+        groups, score = local_search(run, start[1], start[0], rng, smooth,
+                                     None if evals == math.inf else max(1, int(evals)), until)
         pop[pop.index(start)] = (score, groups)
     pop.sort(key=lambda p: _key(p[0], smooth))
     # Later starts, for restarts: the structured seeds not descended yet, cheapest first.
@@ -383,8 +369,8 @@ def evolutionary_search(topology: Topology, *, seed: int = 0, budget_seconds: fl
             if run.exhausted():
                 break
             a, b = _tournament(pop, rng, smooth), _tournament(pop, rng, smooth)
-            child = _crossover(a[1], b[1], topology, rng) if a is not b else a[1]
-            child = _mutate(child, topology, rng, mutation_swaps)
+            child = crossover(a[1], b[1], topology, rng) if a is not b else a[1]
+            child = mutate(child, topology, rng, mutation_swaps)
             child, score = local_search(run, child, run.exact(child), rng, smooth, local_search_evals)
             pop.sort(key=lambda p: _key(p[0], smooth))
             if better(score, pop[-1][0], smooth) and all(child != g for _, g in pop):
@@ -414,7 +400,7 @@ def _restart(run: SearchRun, pop: list[tuple[Score, Groups]], starts: list[Group
     kicked by random swaps, and let the result replace the population's worst member if it is new."""
     assert run.best is not None
     topology = run.model.topology
-    fresh = starts.pop(0) if starts else _mutate(run.best[1], topology, rng, kick_swaps(topology))
+    fresh = starts.pop(0) if starts else mutate(run.best[1], topology, rng, kick_swaps(topology))
     groups, score = local_search(run, fresh, run.exact(fresh), rng, descent_smooth, local_search_evals)
     pop.sort(key=lambda p: _key(p[0], smooth))
     if all(groups != g for _, g in pop):

@@ -169,7 +169,7 @@ def test_rank_seeds_leave_the_slowest_devices_unused_and_gather_slow_with_slow()
     t = sf.generate("volunteers", 512, 0).topology
     model = CostModel(t)
     seeds = rank_seeds(model)
-    assert 1 <= len(seeds) <= 3 and len({tuple(g) for g in seeds}) == len(seeds)
+    assert 1 <= len(seeds) <= 4 and len({tuple(g) for g in seeds}) == len(seeds)
     for g in seeds:
         check_assignment(t, np.array(g))
     mean_link = model.pp_link.sum(axis=1)
