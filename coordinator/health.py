@@ -14,7 +14,7 @@ import time
 from collections import deque
 from typing import Any
 
-from potluck.protos.runtime.heap import Heap, tame
+from potluck.protos.runtime.heap import Heap
 
 KEEP_TICKS = 1000
 # a tick that has used this much CPU already leaves the status snapshot to the next one ... (at 1,000 peers an
@@ -33,8 +33,6 @@ class Health:
         self.decided_count = 0  # (every decision since the coordinator started)
         self.count = 0
         self.heap, self._settle = Heap(), settle  # (settle: full collections between ticks, from the first one on)
-        if settle:
-            tame()  # (before the coordinator starts its threads and forks its DHT process)
         self._built = (-float("inf"), 0.0, 0.0)  # (when the snapshot was last built, how long it took, began)
         self._owed = False  # a commit's snapshot, left to a shorter tick
         self._waited: dict[str, int] = {}  # what waited for this tick, and for how many ticks running (see waits)

@@ -152,12 +152,12 @@ class Folder:
     def fold(self, history: list[dict[str, Any]], changed: Iterable[PeerRecord], round_at: Callable[[int], Round | None],
              committed: int, everyone: list[PeerRecord], waits: Callable[[str], bool] = lambda what: False,
              ) -> tuple[list[dict[str, Any]], bool]:
-        pending = [*self._unfolded, *changed]
-        if committed > (history[-1]["step"] if history else 0) and waits("fold"):  # (asked only when a commit is due)
+        pending, new = [*self._unfolded, *changed], committed - (history[-1]["step"] if history else 0)
+        if new > 0 and waits("fold"):  # (asked only when a commit is due)
             self._unfolded = pending
             return history, False
         self._unfolded, window, touched = [], history[-KEEP_DETAIL:], set()
-        if (new := committed - (history[-1]["step"] if history else 0)) > 0 and self.dirty:  # (their reports go)
+        if new > 0 and self.dirty:  # (the reports of the entries about to leave the window go: their totals first)
             leaving = {h["step"] for h in window[:max(0, len(window) + new - KEEP_DETAIL)]}
             aggregate({h["step"]: h for h in window}, self.dirty & leaving, self.dirty)
         history, added = fold(history, pending, round_at, committed, memo=self.memo, everyone=everyone, dirty=touched,

@@ -110,6 +110,9 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         preflight(cfg)
     except (ConfigError, JournalError) as err:
         raise UsageError(str(err)) from None
+    from potluck.protos.runtime.heap import tame
+
+    tame()  # (the C allocator's settings for a long-running process: before any thread or the DHT process's fork)
     from potluck.coordinator.app import Coordinator
     from potluck.protos.net.identity import IdentityError
     from potluck.protos.runtime.stopping import install_stop_handlers
