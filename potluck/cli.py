@@ -110,17 +110,20 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         preflight(cfg)
     except (ConfigError, JournalError) as err:
         raise UsageError(str(err)) from None
-    from potluck.protos.runtime.heap import tame
+    from potluck.protos.runtime.heap import shed, tame
 
     tame()  # (the C allocator's settings for a long-running process: before any thread or the DHT process's fork)
     from potluck.coordinator.app import Coordinator
     from potluck.protos.net.identity import IdentityError
+    from potluck.protos.runtime.log import get_logger
     from potluck.protos.runtime.stopping import install_stop_handlers
 
+    given = shed()  # (the imports are done, and the DHT process, which would share those pages, is not forked yet)
     try:  # opening the run (journal, keys, data) refuses what cannot work, in one line
         coordinator = Coordinator(cfg, exit_when_finished=args.exit_when_finished, ready_file=args.ready_file)
     except (ConfigError, JournalError, IdentityError, OSError) as err:
         raise UsageError(str(err)) from None
+    get_logger("potluck.coordinator").info("gave back %.0f MB of library pages its imports touched", given / 2**20)
     install_stop_handlers(coordinator.stopping)
     return coordinator.run()
 
