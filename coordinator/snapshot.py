@@ -38,7 +38,9 @@ _ROUND_JSON = PerRound(lambda r: r.model_dump(mode="json"))  # (the latest round
 # each member's tasklet, and the grid's cells less their states: made once per round (at 1,000 members these were
 # a fifth of a build); the tasklet dicts are shared by the rows of every snapshot of the round, never changed
 _TASKLETS = PerRound(lambda r: {m.peer_id: {"stage": m.stage, "replica": m.replica} for m in r.members})
-_CELLS = PerRound(lambda r: [(m.stage, m.replica, m.peer_id) for m in r.members])
+# (each cell made once per round; a build sets its state in place: 1,000 new dicts a build were a seventh of it)
+_CELLS = PerRound(lambda r: [{"stage": m.stage, "replica": m.replica, "peer": m.peer_id, "state": PeerState.LOST}
+                             for m in r.members])
 _ATTENTION = {PeerState.FAILED: 0, PeerState.LOST: 1, PeerState.LEFT: 3, PeerState.FINISHED: 3}
 
 
@@ -218,9 +220,7 @@ def build(run: RunInfo, cfg: RunConfig, views: Sequence[PeerView], rounds: Round
         },
         "grid": {
             "stages": stages, "replicas": replicas,
-            "cells": [{"stage": stage, "replica": replica, "peer": pid,
-                       "state": row["state"] if (row := by_id.get(pid)) is not None else PeerState.LOST}
-                      for stage, replica, pid in _CELLS([current])[0]] if current else [],
+            "cells": grid_cells(current, by_id) if current else [],
         },
         "round": round_json(current) if current else None,
         "history": step_rates(history[-501:], cfg)[-500:],
@@ -238,14 +238,24 @@ def build(run: RunInfo, cfg: RunConfig, views: Sequence[PeerView], rounds: Round
     }
 
 
+def grid_cells(current: Round, by_id: Mapping[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The round's tasklets, each with its peer's state now (LOST: no row). Like the peer rows, the cells are kept
+    between builds and set in place: a snapshot still being encoded may show the newer states."""
+    cells = _CELLS([current])[0]
+    for cell in cells:
+        row = by_id.get(cell["peer"])
+        cell["state"] = row["state"] if row is not None else PeerState.LOST
+    return cells
+
+
 def links_state(reports: Mapping[str, LinkReport], live: list[dict[str, Any]]) -> dict[str, Any]:
     """Measured links among ``live`` peers, ordered by tasklet (stage, replica) so pipelines sit together; the
     first ``LINKS_PEERS`` of them (a thousand peers would make two matrices of a million cells)."""
+    if not reports or not live:  # (before the sort of every live peer)
+        return {"peers": [], "rtt_ms": [], "bandwidth_mbps": []}
     ids = [p["id"] for p in sorted(live, key=lambda p: (p["tasklet"] is None, (p["tasklet"] or {}).get("stage", 0),
                                                          (p["tasklet"] or {}).get("replica", 0), p["id"]))]
     ids = ids[:LINKS_PEERS]
-    if not reports or not ids:
-        return {"peers": [], "rtt_ms": [], "bandwidth_mbps": []}
 
     def cell(a: str, b: str, name: str) -> float | None:
         stat = reports[a].links.get(b) if a in reports else None

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 
 from potluck.coordinator.membership import PeerTable
-from potluck.coordinator.snapshot import peer_rows
+from potluck.coordinator.snapshot import grid_cells, peer_rows
 from potluck.protos.net.identity import Identity
 from potluck.protos.net.swarm import SwarmNode
-from potluck.protos.wire.records import PeerRecord
+from potluck.protos.wire.records import Member, PeerRecord, Round
 
 
 def swarm_scale() -> Any:
@@ -79,6 +79,17 @@ def test_a_snapshots_peer_rows_kept_between_builds_are_the_rows_made_anew() -> N
         kept, fresh = both(float(now) + 0.5)
         assert kept == fresh and [list(r) for r in kept] == [list(r) for r in fresh], now
     assert {r["state"] for r in fresh} == {"lost", "left"} and fresh[1]["clipped"] == 2 and fresh[4]["rejected"] == 1
+
+
+def test_the_grid_cells_kept_between_builds_show_each_members_state_now() -> None:
+    """The round's cells are made once and their states set at each build: a member without a row is lost."""
+    ids = [f"12D3KooW{c * 44}" for c in "abc"]
+    current = Round(step=3, stages=1, members=[Member(peer_id=p, address="x:1", replica=i) for i, p in enumerate(ids)])
+    first = grid_cells(current, {ids[0]: {"state": "training"}, ids[1]: {"state": "syncing"}})
+    assert [(c["replica"], c["peer"], c["state"]) for c in first] == [(0, ids[0], "training"), (1, ids[1], "syncing"),
+                                                                      (2, ids[2], "lost")]
+    again = grid_cells(current, {ids[2]: {"state": "training"}})
+    assert again is first and [c["state"] for c in again] == ["lost", "lost", "training"]
 
 
 def test_a_big_record_reaches_the_dht_process_through_a_file_and_a_small_one_through_its_pipe() -> None:

@@ -9,8 +9,10 @@ import random
 import time
 from functools import partial
 
-from potluck.coordinator import history
-from potluck.coordinator.health import MAX_WAITS, STALE_S, Health
+import pytest
+
+from potluck.coordinator import health, history
+from potluck.coordinator.health import MAX_WAITS, SNAPSHOT_SHARE, STALE_S, Health
 from potluck.protos.wire.records import Member, PeerRecord, Round, StepReport
 
 
@@ -25,6 +27,19 @@ def test_a_long_tick_leaves_the_snapshot_to_the_next_one() -> None:
     assert h.snapshot_due(0.31, False, 0.2)  # ... and built on the next, short one
     h.snapshot_built(0.31)
     assert h.snapshot_due(0.31 + STALE_S, True, 0.2, long=True)  # too old to wait for a short tick
+
+
+def test_a_snapshot_that_takes_long_to_build_is_built_as_much_less_often(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build of 30 ms (1,000 peers) comes at most every 0.6 s: building takes a twentieth of the loop at most."""
+    clock = [100.0]
+    monkeypatch.setattr(health.time, "monotonic", lambda: clock[0])
+    h = Health()
+    assert h.snapshot_due(0.0, False, 0.2)
+    clock[0] += 0.03
+    h.snapshot_built(0.0)
+    assert SNAPSHOT_SHARE == 1 / 20
+    assert not h.snapshot_due(0.59, False, 0.2)
+    assert h.snapshot_due(0.61, False, 0.2)
 
 
 def test_a_commits_fold_left_to_the_next_tick_makes_the_same_history() -> None:
