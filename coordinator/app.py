@@ -23,7 +23,7 @@ from typing import Any, cast
 from potluck import __version__
 from potluck.coordinator import bootstrap, history, roundevents
 from potluck.coordinator.admission import Gatekeeper
-from potluck.coordinator.checkpointer import Checkpointer, Job, Written
+from potluck.coordinator.checkpointer import Checkpointer, Job
 from potluck.coordinator.finishing import Finish
 from potluck.coordinator.health import Health
 from potluck.coordinator.integrity import Integrity
@@ -43,6 +43,7 @@ from potluck.protos.net.identity import Identity
 from potluck.protos.net.swarm import DHTTimeout, JoinError
 from potluck.protos.net.transport import PeerClient, PeerServer, Traffic
 from potluck.protos.runtime.log import get_logger, set_context, short_id
+from potluck.protos.runtime.stopping import stop_each
 from potluck.protos.testkit.faults import fault
 
 log = get_logger(__name__)
@@ -76,6 +77,7 @@ class Coordinator:
         self.status: StatusServer | None = None
         self.info = RunInfo(self.run_id, self.id, "", "", time.time(), self.state.finished)
         self._snapshot, self._dirty = dict[str, Any](), 0  # (1: to journal; 2: now, a failure or rollback)
+        self._decided: tuple[Any, dict[str, tuple[int, int]], float] | None = None  # (a round, to journal then publish)
         set_context(role="coordinator", peer_id=self.id)
 
     def run(self) -> int:
@@ -132,12 +134,8 @@ class Coordinator:
             self._save()  # the history's latest figures, on a clean shutdown
         except OSError as err:
             log.warning("could not save the journal on shutdown: %s", err)
-        for stop in filter(None, (self.status and self.status.stop, self.grpc and self.grpc.stop, self.checkpointer.stop,
-                                  self.placement.stop, self.integrity.stop, self.client.close, self.node and self.node.shutdown)):
-            try:
-                stop()
-            except Exception as err:  # everything else must still be stopped
-                log.warning("stopping the coordinator: one part did not stop cleanly (%s); stopping the rest", err)
+        stop_each((self.status and self.status.stop, self.grpc and self.grpc.stop, self.checkpointer.stop, self.placement.stop,
+                   self.integrity.stop, self.client.close, self.node and self.node.shutdown), "stopping the coordinator")
 
     def tick(self) -> None:
         began = time.thread_time()  # (a long tick leaves a commit's history and snapshot to the next)
@@ -159,7 +157,8 @@ class Coordinator:
         self._checkpoints_done()
         self._maybe_finish(now)
         self._maybe_decide(now)  # (then the plan, before a fold's or a save's work: peers wait for it)
-        if self.publisher.publish(self.rounds.rounds.values(), partial(self.health.waits, "plan", began, 1)) or self.gate.admission.more:
+        if self._decided is not None or self.publisher.publish(self.rounds.rounds.values(), partial(
+                self.health.waits, "plan", began, 1)) or self.gate.admission.more:
             self._wake.set()  # (a long tick's plan, admissions past a tick's budget: the next tick starts at once)
         self.state.history, added = self.folder.fold(self.state.history, self.table.records(changed=True), self.rounds.round_at,
                                                      self.rounds.committed, self.table.records(), partial(self.health.waits, began=began))
@@ -167,7 +166,7 @@ class Coordinator:
         if (self._dirty or self.gate.admission.journal_due()) and (self._dirty > 1 or not self.health.waits("journal", began)):
             self._save()
         self.info.finished, self.info.checkpoint_version = self.state.finished, self.publisher.manifest.checkpoint_version
-        if self.health.snapshot_due(now, added, self.cfg.coordinator.tick_s, self.health.long(began)):
+        if self.health.snapshot_due(now, added, self.cfg.coordinator.tick_s, self.health.long(began) or self._decided is not None):
             self._snapshot = build(self.info, self.cfg, list(self.table.peers.values()), self.rounds, self.state.history,
                                    self.state.rolled_back, self.events, self.series, reader.links.records,
                                    health=self.health.section(reader.stats(), len(self.table.peers)))
@@ -191,14 +190,11 @@ class Coordinator:
             self._event("rollback", "", f"rolled back from step {ev.from_step} to v{ev.to_version} ({ev.source}); epoch {ev.epoch}")
 
     def _checkpoints_done(self) -> None:
-        for done in self.checkpointer.results():
-            if isinstance(done, Written):
-                self.rounds.adopt_checkpoint(done.checkpoint)
-                self.state.checkpoints = [p.name for p in self.checkpointer.store.manifests()]
-                self.publisher.update(checkpoint_version=done.version)
-                self._event("checkpoint", "", f"v{done.version} written to {done.path.name}")
-            else:
-                log.warning("checkpoint of v%d not written: %s", done.version, done.reason)
+        for done in self.checkpointer.written():
+            self.rounds.adopt_checkpoint(done.checkpoint)
+            self.state.checkpoints = [p.name for p in self.checkpointer.store.manifests()]
+            self.publisher.update(checkpoint_version=done.version)
+            self._event("checkpoint", "", f"v{done.version} written to {done.path.name}")
 
     def _maybe_finish(self, now: float) -> None:
         done, admin = self.finish.due(self.cfg, self.rounds, self.table.reports(), now, self.integrity)
@@ -210,6 +206,13 @@ class Coordinator:
             self._event("finished", "", f"run ended at outer step {self.rounds.committed}")
 
     def _maybe_decide(self, now: float) -> None:
+        if self._decided is not None:  # (decided the tick before: journaled before anyone can act on it, then published;
+            (r, before, t0), self._decided = self._decided, None  # a decision of 1,000 members and its journal write
+            self._save()  # in one tick were the coordinator's heaviest ticks)
+            self.publisher.new_plan()
+            self._event("round", "", describe_round(r, before))
+            self.health.decided(time.monotonic() - t0)
+            fault("coordinator.decided", r.step)
         live, made = self.table.live(), self.rounds.rounds.get(self.rounds.committed)
         if (self.state.finished or self.rounds.committed >= self.cfg.diloco.outer_steps
                 or not self.rounds.ready_to_decide(len(live), self.cfg.membership.min_peers, now, self.table.reports())):
@@ -226,12 +229,7 @@ class Coordinator:
         if (replan := placed[1]) is not None and any(before.get(pid) != cell for pid, cell in placed[0].items()):
             self._event("replan", "", replan.describe())
         cells, audits = self.integrity.roles(members(placed[0], records), self.rounds)  # owners past probation; audits
-        r = self.rounds.decide(cells, now, time.time(), self.table.reports(), audits)
-        self.publisher.new_plan()
-        self._save()  # journaled before anyone can act on it
-        self._event("round", "", describe_round(r, before))
-        self.health.decided(time.monotonic() - t0)
-        fault("coordinator.decided", r.step)
+        self._decided = self.rounds.decide(cells, now, time.time(), self.table.reports(), audits), before, t0
 
     def _save(self) -> None:
         s, r = self.state, self.rounds

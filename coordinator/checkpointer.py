@@ -151,13 +151,18 @@ class Checkpointer:
         with self._cond:
             return self._busy or self._job is not None
 
-    def results(self) -> list[Written | NotWritten]:
+    def written(self) -> list[Written]:
+        """The checkpoints written since the last call (one that could not be is said in the log)."""
         out = []
         while True:
             try:
-                out.append(self._results.get_nowait())
+                done = self._results.get_nowait()
             except queue.Empty:
                 return out
+            if isinstance(done, Written):
+                out.append(done)
+            else:
+                log.warning("checkpoint of v%d not written: %s", done.version, done.reason)
 
     def serve(self, path: Path, bounds: list[tuple[int, int]] | None = None) -> None:
         """Serve the checkpoint of manifest ``path`` (its files checked) cut into ``bounds`` (default: the

@@ -40,6 +40,7 @@ from potluck.protos.net.certs import TlsIdentity
 from potluck.protos.net.identity import Identity
 from potluck.protos.net.transport import PeerClient, PeerServer, RelayedServer, Traffic
 from potluck.protos.runtime.log import get_logger, set_context, short_id
+from potluck.protos.runtime.stopping import stop_each
 from potluck.protos.testkit.netem import NetEm
 from potluck.protos.wire.limits import pipe_max_samples
 from potluck.protos.wire.records import AuditReport, Manifest, PeerRecord, Plan, Round
@@ -188,12 +189,8 @@ class Toolbox:
 
     def close(self, tasklet: Tasklet) -> None:
         self.stopping.set()
-        for stop in (lambda: self.server and self.server.stop(grace=0.5), tasklet.close, self.client.close,
-                     self.joined.node.shutdown):
-            try:
-                stop()
-            except Exception as err:  # everything else must still be stopped
-                log.warning("closing the peer: one part did not stop cleanly (%s); stopping the rest", err)
+        stop_each((lambda: self.server and self.server.stop(grace=0.5), tasklet.close, self.client.close,
+                   self.joined.node.shutdown), "closing the peer")
         for thread in self.threads[1:]:
             thread.join(timeout=2.0)
 

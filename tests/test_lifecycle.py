@@ -7,6 +7,7 @@ freezes right after reducing its shard, everything is killed and resumed with an
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -148,3 +149,24 @@ def _cmdline(pid: int) -> bytes:
         return open(f"/proc/{pid}/cmdline", "rb").read()
     except OSError:
         return b""
+
+
+def frozen(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().rsplit(b")", 1)[1].split()[0] == b"T"
+
+
+def test_a_round_is_journaled_before_it_is_published_and_a_freeze_there_loses_nothing(swarm) -> None:  # type: ignore[no-untyped-def]
+    """The coordinator decides a round in one tick, and journals it and puts it on the plan in the next, at once (a
+    decision of 1,000 members and its journal write made its heaviest ticks): frozen right after round 2 is
+    journaled, before the plan that holds it is published, its journal holds round 2, and thawed, the run goes on."""
+    cfg = {"diloco.outer_steps": 3, "membership.min_peers": 2}
+    swarm.start_coordinator(cfg, env={"POTLUCK_FAULTS": "coordinator.decided@2:stop"})
+    for _ in range(2):
+        swarm.start_peer()
+    pid = swarm.coordinator.pid
+    swarm.wait_for(lambda: frozen(pid), 300, "the coordinator to freeze once round 2 is journaled")
+    journal = json.loads((swarm.workdir / "journal" / "journal.json").read_text())
+    assert 2 in [r["step"] for r in journal["rounds"]], [r["step"] for r in journal["rounds"]]
+    os.killpg(pid, signal.SIGCONT)  # (its DHT process and p2pd froze with it: its process group)
+    swarm.wait_for(lambda: swarm.state()["run"]["outer_step"] >= 3, 300, "the run to commit step 3 after the thaw")

@@ -55,6 +55,18 @@ def _load_prctl() -> Callable[..., int] | None:
 _prctl = _load_prctl()
 
 
+def stop_each(stops: Iterable[Callable[[], object] | None], who: str) -> None:
+    """Call each of ``stops`` (a falsy one: nothing to stop there), whatever the ones before did: a part that does
+    not stop cleanly is said in the log (``who``: "stopping the coordinator"), and the rest are still stopped."""
+    for stop in stops:
+        if not stop:
+            continue
+        try:
+            stop()
+        except Exception as err:  # everything else must still be stopped
+            log.warning("%s: one part did not stop cleanly (%s); stopping the rest", who, err)
+
+
 def install_stop_handlers(stopping: threading.Event, *, grace_s: float = DEFAULT_GRACE_S) -> None:
     """SIGINT/SIGTERM set ``stopping``; the process is gone ``grace_s`` later whatever it is doing.
 
