@@ -206,9 +206,9 @@ class Coordinator:
             self._event("finished", "", f"run ended at outer step {self.rounds.committed}")
 
     def _maybe_decide(self, now: float) -> None:
-        if self._decided is not None:  # (decided the tick before: journaled before anyone can act on it, then published;
-            (r, before, t0), self._decided = self._decided, None  # a decision of 1,000 members and its journal write
-            self._save()  # in one tick were the coordinator's heaviest ticks)
+        if self._decided is not None:  # (the round the tick before decided: journaled before anyone can act on it)
+            (r, before, t0), self._decided = self._decided, None
+            self._save()
             self.publisher.new_plan()
             self._event("round", "", describe_round(r, before))
             self.health.decided(time.monotonic() - t0)
@@ -229,6 +229,8 @@ class Coordinator:
         if (replan := placed[1]) is not None and any(before.get(pid) != cell for pid, cell in placed[0].items()):
             self._event("replan", "", replan.describe())
         cells, audits = self.integrity.roles(members(placed[0], records), self.rounds)  # owners past probation; audits
+        # (journaled, then on the plan, by the next tick, at once: at 1,000 members a decision and its journal write
+        # in one tick, on top of the tick's own work, were the coordinator's heaviest ticks)
         self._decided = self.rounds.decide(cells, now, time.time(), self.table.reports(), audits), before, t0
 
     def _save(self) -> None:
