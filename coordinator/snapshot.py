@@ -35,10 +35,10 @@ LINKS_PEERS = 64  # the links matrix covers at most this many peers (the first b
 # which peers an operator looks at first when not all fit (lower first): the ones that stopped, then the ones
 # the run counts on, then the ones that said goodbye
 _ROUND_JSON = PerRound(lambda r: r.model_dump(mode="json"))  # (the latest round's, see round_json)
-# each member's tasklet, and the grid's cells less their states: made once per round (at 1,000 members these were
-# a fifth of a build); the tasklet dicts are shared by the rows of every snapshot of the round, never changed
+# each member's tasklet, and the grid's cells: made once per round (at 1,000 members these were a fifth of a build,
+# and the cells made anew at each build a seventh); the tasklet dicts are shared by the rows of every snapshot of the
+# round, never changed, and a build sets each cell's state in place (see grid_cells)
 _TASKLETS = PerRound(lambda r: {m.peer_id: {"stage": m.stage, "replica": m.replica} for m in r.members})
-# (each cell made once per round; a build sets its state in place: 1,000 new dicts a build were a seventh of it)
 _CELLS = PerRound(lambda r: [{"stage": m.stage, "replica": m.replica, "peer": m.peer_id, "state": PeerState.LOST}
                              for m in r.members])
 _ATTENTION = {PeerState.FAILED: 0, PeerState.LOST: 1, PeerState.LEFT: 3, PeerState.FINISHED: 3}
