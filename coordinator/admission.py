@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import hmac
 import time
-from collections import Counter, deque
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from potluck.coordinator.evictions import Evictions
 from potluck.coordinator.journal import kept_secret
 from potluck.coordinator.service import answers
 from potluck.protos.config.runconfig import RunConfig
@@ -42,7 +43,7 @@ from potluck.protos.net.transport import PeerClient
 from potluck.protos.runtime.log import get_logger, short_id
 from potluck.protos.wire import work
 from potluck.protos.wire.admissions import AdmissionRequest, Certificate
-from potluck.protos.wire.records import Member, PeerRecord, Round, StepReport
+from potluck.protos.wire.records import PeerRecord, Round
 from potluck.protos.wire.states import SAID_GOODBYE
 
 log = get_logger(__name__)
@@ -209,13 +210,12 @@ CERT_TTL_S = 300.0  # the certificate records in the DHT (peers re-ask every min
 # at once with the rest: in a join burst of 1,000 peers a tick admitted about 50 (90 ms), and those ticks made
 # the tick's p99 of the minutes after
 ISSUE_BUDGET_S = 0.02
-RECENT_STEPS = 5
 
 
 class Gatekeeper:
     """The coordinator's admission room: reads requests from the DHT, answers them, keeps the
     membership to admitted peers, and evicts a peer most of whose recent steps were clipped or rejected
-    (as the owners that averaged them report)."""
+    (as the owners that averaged them report: :class:`~potluck.coordinator.evictions.Evictions`)."""
 
     def __init__(self, cfg: RunConfig, run_id: str, me: str, journal_dir: Path, revoked: list[str],
                  admitted: dict[str, dict[str, Any]] | None = None) -> None:
@@ -229,17 +229,7 @@ class Gatekeeper:
                                    a.max_per_minute, revoked=set(revoked), pow_bits=a.pow_bits, issue_budget_s=ISSUE_BUDGET_S)
         if admitted and self.admission.restore(admitted):
             log.info("%d peers still admitted from the journal", len(self.admission.admitted))
-        self.evict_after = a.evict_after
-        self._flagged: dict[str, dict[int, bool]] = {}  # peer -> step -> clipped or rejected by most owners
-        self._seen: dict[str, PeerRecord] = {}  # the records _evictions last saw, and their reports by step:
-        self._by_step: dict[int, dict[str, StepReport]] = {}  # step -> reporter -> its report of that step
-        self._flaggers: dict[int, set[str]] = {}  # step -> the reporters whose report of it carries owners' lists
-        self._rounds: dict[int, Round | None] = {}  # step -> the round it was last judged under
-        self._revoked = -1  # the evictions it judged under
-        self._admitted: set[str] = set()  # the peers admitted when it last judged
-        # of a stage's members, those whose reports count (past probation; all of them while none is)
-        self.trusted: Callable[[Sequence[Member], int], set[str]] = lambda cells, step: {m.peer_id for m in cells}
-        self.trust_moved: Callable[[], Collection[str]] = tuple  # peers whose trust changed since last asked
+        self.evictions = Evictions(self.admission, a.evict_after)  # (who is evicted for what owners flagged)
         self._unsent: list[Certificate] = []  # answers reviewed but not stored yet
         self._sending: tuple[Any, list[Certificate]] | None = None  # (future, answers) of the store in flight
         self._in_use_seen: dict[tuple[str, int], str] = {}  # (peer, request seq) -> why refused ('' if not)
@@ -257,7 +247,7 @@ class Gatekeeper:
         self._unsent += certs  # reviewed answers are not reviewed again: each is stored, whatever it takes
         self._send(node)
         out = [("rejected", "", e) for e in events + refused] + [("evicted", p, m) for p, m in
-                                                                  self._evictions(records, round_at)]
+                                                                  self.evictions.judge(records, round_at)]
         now = time.time()
         kept = {pid: r for pid, r in records.items() if self.admission.is_admitted(pid, now)}
         strangers = sorted(set(records) - set(kept) - self.admission.revoked)
@@ -298,143 +288,8 @@ class Gatekeeper:
         self._in_use_seen = {k: v for k, v in self._in_use_seen.items() if k[0] in requests}
         return out
 
-    def _evictions(self, records: dict[str, PeerRecord], round_at: Callable[[int], Round | None]) -> list[tuple[str, str]]:
-        """Each owner signs whom it clipped or left out, and every member reports each owner's list as it received
-        it (``StepReport.flags``). A peer counts as flagged in a step only when most of the *owners* it
-        averaged with (its stage's; its group's, with ``sync.group_size``) flagged it, each owner's list as most
-        trusted reporters of that group give it, and only as far as the owner's own record says the same: owners
-        are counted, not the members that repeat them, so one owner's false flags are never a majority (and an
-        audit of its shard proves them false); reporters on probation (a crowd of fresh keys) do not count, and
-        once past it, a crowd of reporters still cannot put words in an honest owner's mouth (it used to: 8
-        fresh keys past a 2-step probation got the 3 honest peers evicted at a run's end). Flagged too often:
-        evicted."""
-        dirty: dict[int, set[str] | None] = dict(self._index(records))
-        rounds = {step: round_at(step) for step in self._by_step}  # (a step whose round is new, decided anew after
-        for step, rnd in rounds.items():  # a rollback, or first judged: all of its groups; a decision changes one)
-            if self._rounds.get(step) is not rnd:
-                dirty[step] = None
-        self._rounds = rounds
-        admitted = set(self.admission.admitted)  # (at 1,000 peers with churn, someone is admitted every second)
-        for pid in admitted ^ self._admitted:  # whose reports start or stop counting: their groups are judged again
-            _mark(dirty, pid, [r.step for r in getattr(self._seen.get(pid), "recent", ())])
-        self._admitted = admitted
-        for pid in self.trust_moved():  # (a group's trusted reporters changed: in every step it may be a member of)
-            _mark(dirty, pid, self._by_step)
-        if len(self.admission.revoked) != self._revoked:
-            dirty = dict.fromkeys(self._by_step)  # (an eviction: every verdict may change)
-        self._revoked = len(self.admission.revoked)
-        touched: set[str] = set()  # (at 1,000 peers, judging every report of every record five times a second was
-        for step in sorted(dirty):  # a third of the coordinator's tick: only the groups whose reports changed are)
-            touched |= self._judge(step, self._by_step.get(step, {}), round_at, dirty[step])
-        out = []
-        for pid in sorted(touched):
-            steps = self._flagged[pid]
-            for old in sorted(steps)[:-4 * RECENT_STEPS]:
-                del steps[old]
-            recent = [steps[s] for s in sorted(steps)[-RECENT_STEPS:]]
-            if sum(recent) >= self.evict_after and pid not in self.admission.revoked:
-                self.admission.revoke(pid)
-                out.append((pid, f"evicted: most owners of its stage clipped or left out its update "
-                                 f"in {sum(recent)} of its last {len(recent)} outer steps"))
-        return out
-
-    def _index(self, records: dict[str, PeerRecord]) -> dict[int, set[str]]:
-        """Keep ``_by_step`` (step -> reporter -> its report of that step, from the records now held) up to date
-        with ``records``; the steps whose reports changed, and whose."""
-        dirty: dict[int, set[str]] = {}
-        for pid in [pid for pid in self._seen if pid not in records]:
-            self._put(pid, {r.step: None for r in self._seen.pop(pid).recent}, dirty)
-        for pid, rec in records.items():
-            old, self._seen[pid] = self._seen.get(pid), rec
-            if old is not rec and (old is None or old.recent != rec.recent):  # (a heartbeat's new report: one step)
-                new: dict[int, StepReport | None] = {r.step: r for r in rec.recent}  # one report per reporter and step
-                was = {r.step: r for r in old.recent} if old is not None else {}
-                self._put(pid, {step: new.get(step) for step in new.keys() | was.keys()
-                                if new.get(step) != was.get(step)}, dirty)
-        return dirty
-
-    def _put(self, pid: str, reports: dict[int, StepReport | None], dirty: dict[int, set[str]]) -> None:
-        """``pid``'s report of each of these steps is now this one (None: it has none); noted in ``dirty``."""
-        for step, report in reports.items():
-            dirty.setdefault(step, set()).add(pid)
-            if report is not None:
-                self._by_step.setdefault(step, {})[pid] = report
-            elif (held := self._by_step.get(step)) is not None:
-                held.pop(pid, None)
-                if not held:
-                    del self._by_step[step]
-            if report is not None and report.flags:
-                self._flaggers.setdefault(step, set()).add(pid)
-            elif (flaggers := self._flaggers.get(step)) is not None:
-                flaggers.discard(pid)
-                if not flaggers:
-                    del self._flaggers[step]
-
-    def _judge(self, step: int, reports: dict[str, StepReport], round_at: Callable[[int], Round | None],
-               changed: set[str] | None = None) -> set[str]:
-        """Step ``step``'s verdicts from its reports (see :meth:`_evictions`); the peers whose verdicts it added to.
-        ``changed``: only these reporters' reports changed since the step was last judged, so only the averaging
-        groups they are members of are judged again (each group's verdicts come from its members' reports alone;
-        at 1,000 peers in groups of 4, a tick's 40 new reports are 160 reports to judge, not 1,000), and of their
-        other members only those whose reports carry owners' lists: a report without one adds nothing but its
-        reporter's part in the step, marked when it came (one group of 1,000 was 1,000 reports again a tick)."""
-        rnd = round_at(step)
-        if changed is not None and rnd is not None:
-            groups = {m.group for pid in changed if (m := rnd.member(pid)) is not None}  # (in any stage: a report
-            flaggers = self._flaggers.get(step, set())  # names its stage itself)
-            again = changed | {pid for pid in flaggers if (m := rnd.member(pid)) is not None and m.group in groups}
-            reports = {pid: r for pid, r in reports.items() if pid in again}  # (in the same order: the same verdicts)
-        claims: dict[tuple[int, int], dict[str, Counter[tuple[str, ...]]]] = {}  # (stage, group) -> owner -> lists
-        trusted: dict[tuple[int, int], set[str]] = {}  # (stage, group) -> its trusted reporters
-        own: dict[tuple[int, int, str], set[str]] = {}  # (stage, group, owner) -> whom it says it flagged
-        added: set[str] = set()
-        for pid, report in reports.items():
-            if not self.admission.is_admitted(pid):
-                continue
-            if step not in (verdicts := self._flagged.setdefault(pid, {})):
-                verdicts[step] = False  # it took part
-                added.add(pid)
-            if not report.flags or rnd is None or (member := rnd.member(pid)) is None:
-                continue  # (no owner's list, or not a member of that round: nothing more it reports counts)
-            key = (report.stage, member.group)
-            own[(*key, pid)] = set(report.flags.get(pid, ()))
-            if key not in trusted:  # (once per group and step: per record, 1,000 peers made it seconds)
-                trusted[key] = self.trusted(rnd.group_members(*key), step)  # that group, as trust stood then (not
-                # the first reporter's own: one naming another stage than its own made the verdicts hang on order)
-            if pid not in trusted[key]:
-                continue
-            by_owner = claims.setdefault(key, {})
-            for owner, named in report.flags.items():
-                by_owner.setdefault(owner, Counter())[tuple(sorted(set(named)))] += 1
-        for (stage, group), by_owner in claims.items():
-            assert rnd is not None  # (claims come only from members of the round)
-            cells, owners = {m.peer_id for m in rnd.group_members(stage, group)}, rnd.shard_owners(stage, group)
-            counts: Counter[str] = Counter()
-            for owner, versions in by_owner.items():
-                if owner in owners:  # (what the owner itself says it did, in its own signed record, bounds it)
-                    counts.update(_as_most_say(versions) & own.get((stage, group, owner), set()))
-            for pid, n in counts.items():  # (a flagged owner's own shard does not vote on it)
-                if pid in cells and 2 * n > len(set(owners) - {pid}):
-                    self._flagged.setdefault(pid, {})[step] = True
-                    added.add(pid)
-        return added
-
     def revoked(self, peer_id: str) -> bool:
         return peer_id in self.admission.revoked
-
-
-def _mark(dirty: dict[int, set[str] | None], pid: str, steps: Iterable[int]) -> None:
-    """``pid``'s groups are to be judged again in these steps (a step judged whole already stays so)."""
-    for step in steps:
-        if (mark := dirty.setdefault(step, set())) is not None:
-            mark.add(pid)
-
-
-def _as_most_say(versions: Counter[tuple[str, ...]]) -> set[str]:
-    """An owner's list as most reporters give it; on a tie, only whom every tied version names (whatever order the
-    reports came in: the first to arrive used to win a tie, so one coordinator's verdict hung on arrival order)."""
-    top = max(versions.values())
-    return set.intersection(*(set(v) for v, n in versions.items() if n == top))
 
 
 def in_use_message(pid: str, running: PeerRecord) -> str:

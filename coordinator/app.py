@@ -69,7 +69,7 @@ class Coordinator:
             self.pinger.prime  # (revoked: in no later round; lost: its channels close; seen: pinged before a decision)
         self.checkpointer = Checkpointer.for_run(cfg, self.client, self.run_id, self.id)
         self.integrity = Integrity.for_run(cfg, self.client, self.run_id, self.id, self.state.trust)
-        self.gate.trusted, self.gate.trust_moved = self.integrity.trust.eligible, self.integrity.trust.moved  # (votes)
+        self.gate.evictions.trusted, self.gate.evictions.trust_moved = self.integrity.trust.eligible, self.integrity.trust.moved
         self.placement = PlacementWorker(cfg, cfg.links.search_budget_s)
         self.series, self.health, self.folder = Series(), Health(settle=True), history.Folder()
         self.node = self.reader = self.publisher = cast(Any, None)  # (the DHT node, its reader and publisher: start())

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from potluck.coordinator.admission import RECENT_STEPS, Admission, Gatekeeper
+from potluck.coordinator.admission import Admission, Gatekeeper
+from potluck.coordinator.evictions import RECENT_STEPS
 from potluck.coordinator.trust import Trust
 from potluck.protos.config.files import apply_overrides
 from potluck.protos.config.runconfig import RunConfig
@@ -330,7 +331,7 @@ def test_reporters_on_probation_do_not_count(tmp_path: Path) -> None:
     asks = {name: asking() for name in ("a", "s1", "s2", "s3")}
     node = _Node({pid: req for pid, _, req in asks.values()})
     ids = {name: pid for name, (pid, _, _) in asks.items()}
-    gate.trusted = lambda cells, step: {ids["a"]}
+    gate.evictions.trusted = lambda cells, step: {ids["a"]}
     rounds = {s: Round(step=s, members=[Member(peer_id=p, address="x:1", replica=i, owns=p == ids["a"])
                                         for i, p in enumerate(sorted(ids.values()))])
               for s in range(1, RECENT_STEPS + 1)}

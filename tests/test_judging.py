@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import pytest
 from test_admission import RUN, _Node, asking
 
-from potluck.coordinator.admission import RECENT_STEPS, Gatekeeper
+from potluck.coordinator.admission import Gatekeeper
+from potluck.coordinator.evictions import RECENT_STEPS
 from potluck.coordinator.trust import Trust
 from potluck.protos.config.files import apply_overrides
 from potluck.protos.config.runconfig import RunConfig
@@ -39,8 +40,8 @@ def test_judging_only_the_groups_whose_reports_changed_gives_the_verdicts_of_jud
     gates = [Gatekeeper(cfg, RUN, "coordinator-id", tmp_path / name, []) for name in ("incremental", "full")]
     trust = Trust(probation_steps=2, founders=set(ids[:2]))  # (trusting: reporters past probation only, who cross
     if trusting:  # it as steps commit, and fall back behind it in a rollback)
-        gates[0].trusted = gates[1].trusted = trust.eligible
-        gates[0].trust_moved = trust.moved
+        gates[0].evictions.trusted = gates[1].evictions.trusted = trust.eligible
+        gates[0].evictions.trust_moved = trust.moved
     per_stage = len(ids) // stages
 
     def a_round(step: int) -> Round:
@@ -79,8 +80,9 @@ def test_judging_only_the_groups_whose_reports_changed_gives_the_verdicts_of_jud
             rounds[step] = a_round(step)  # the newest round decided anew (after a failure): all is judged again
         records = {p: PeerRecord(peer_id=p, address="x:1", recent=list(r), seq=tick) for p, r in recent.items()
                    if not (tick % 5 == 2 and p == ids[1])}  # one record missing now and then
-        gates[1]._seen, gates[1]._by_step, gates[1]._flaggers, gates[1]._rounds = {}, {}, {}, {}  # (the old way: all)
+        full = gates[1].evictions  # (the old way: all)
+        full._seen, full._by_step, full._flaggers, full._rounds = {}, {}, {}, {}
         got = [g.tick(node, records, round_at)[1] for g in gates]
         assert [e for e in got[0] if e[0] == "evicted"] == [e for e in got[1] if e[0] == "evicted"], tick
-        assert gates[0]._flagged == gates[1]._flagged, tick
-    assert any(any(v.values()) for v in gates[0]._flagged.values())  # (votes were cast: the test judged something)
+        assert gates[0].evictions._flagged == gates[1].evictions._flagged, tick
+    assert any(any(v.values()) for v in gates[0].evictions._flagged.values())  # (votes were cast: the test judged something)
