@@ -42,7 +42,6 @@ import contextlib
 import json
 import math
 import os
-import re
 import signal
 import statistics
 import subprocess
@@ -51,9 +50,10 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from procstats import Wire, by_role, cpu_s, name, pss, rss, tree  # (beside this script)
 
 LIMITS = ("one box for everything: the coordinator, its DHT node and p2pd, the simulator's workers (their DHT "
           "nodes, p2pd daemons and gRPC servers) and Chromium share its CPUs (2 cores, shared with other work: "
@@ -62,87 +62,6 @@ LIMITS = ("one box for everything: the coordinator, its DHT node and p2pd, the s
           "machine of its own; the DHT bytes are on loopback (no loss, no latency); runs are minutes, not hours")
 TARGETS = {"tick_p99_s": 0.1, "decide_s": 1.0, "snapshot_bytes": 1_000_000, "page_load_ms": 1000,
            "coordinator_rss_bytes": 1 << 30}
-
-
-def tree(pid: int) -> list[int]:
-    """``pid`` and every live process below it."""
-    from potluck.protos.runtime.stopping import descendants
-
-    return [pid, *descendants(pid)]
-
-
-def rss(pid: int) -> int:
-    try:
-        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def pss(pid: int) -> int:
-    """``pid``'s proportional set size: its private pages plus its share of those it shares (the DHT process
-    is forked from the coordinator and shares its imports' pages): summed over processes, the memory they take."""
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
-def by_role(root: int, figure: Callable[[int], float]) -> dict[str, float]:
-    """``figure`` of the coordinator's processes: its main process, its DHT process, its p2pd."""
-    procs = tree(root)
-    return {"main": figure(root), "dht": sum(figure(p) for p in procs[1:] if name(p) != "p2pd"),
-            "p2pd": sum(figure(p) for p in procs if name(p) == "p2pd")}
-
-
-def cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) ``pid`` has used so far."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return 0.0
-
-
-def name(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
-
-
-_SOCK = re.compile(r"^\S+\s+\d+\s+\d+\s+(\S+)\s+(\S+)\s.*pid=(\d+)")
-
-
-class Wire:
-    """Bytes on the wire of a set of processes' TCP sockets, from ``ss -tinp`` samples (each connection's
-    highest counters seen; libp2p keeps its connections open, so little is lost between samples)."""
-
-    def __init__(self) -> None:
-        self.seen: dict[tuple[str, str, int], tuple[int, int]] = {}
-
-    def sample(self, pids: set[int]) -> None:
-        try:
-            out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, timeout=10).stdout
-        except (OSError, subprocess.TimeoutExpired):
-            return
-        lines = out.splitlines()
-        for head, info in zip(lines[::2], lines[1::2], strict=False):
-            m = _SOCK.match(head)
-            if not m or int(m.group(3)) not in pids:
-                continue
-            acked = re.search(r"bytes_acked:(\d+)", info)
-            got = re.search(r"bytes_received:(\d+)", info)
-            key = (m.group(1), m.group(2), int(m.group(3)))
-            old = self.seen.get(key, (0, 0))
-            self.seen[key] = (max(old[0], int(acked.group(1)) if acked else 0), max(old[1], int(got.group(1)) if got else 0))
-
-    def total(self, pids: set[int] | None = None) -> tuple[int, int]:
-        """(bytes sent, bytes received) by the sockets of ``pids`` (all sampled ones by default)."""
-        rows = [v for k, v in self.seen.items() if pids is None or k[2] in pids]
-        return sum(r[0] for r in rows), sum(r[1] for r in rows)
 
 
 def get_json(url: str, timeout: float = 10.0) -> tuple[dict[str, Any] | None, int]:

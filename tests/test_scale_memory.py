@@ -25,7 +25,10 @@ from potluck.protos.wire.records import Member, PeerRecord, Round
 
 def swarm_scale() -> Any:
     """``benchmarks/swarm_scale.py`` as a module (benchmarks are scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location("swarm_scale", Path(__file__).parents[1] / "benchmarks" / "swarm_scale.py")
+    path = Path(__file__).parents[1] / "benchmarks" / "swarm_scale.py"
+    if str(path.parent) not in sys.path:  # (it imports its process figures from beside it, as a script run from there does)
+        sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location("swarm_scale", path)
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
