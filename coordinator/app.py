@@ -214,14 +214,14 @@ class Coordinator:
             self.health.decided(time.monotonic() - t0)
             fault("coordinator.decided", r.step)
         live, made = self.table.live(), self.rounds.rounds.get(self.rounds.committed)
-        if (self.state.finished or self.rounds.committed >= self.cfg.diloco.outer_steps
-                or not self.rounds.ready_to_decide(len(live), self.cfg.membership.min_peers, now, self.table.reports())):
+        due = self.health.due(self.rounds.ready_to_decide(len(live), self.cfg.membership.min_peers, now, self.table.reports()), now)
+        if self.state.finished or self.rounds.committed >= self.cfg.diloco.outer_steps or not (due or self.rounds.settling()):
             return
         at_work = partial(self.table.at_work, self.rounds.committed, self.rounds.epoch, made)  # (they need no ping)
-        answered = self.pinger.poll((v.record for v in live), at_work)
+        answered = self.pinger.poll((v.record for v in live), at_work, due)  # (settling: the pings start, kept)
         if answered is None or self.rounds.short_of(len(answered[0]), len(live), self.cfg.membership.min_peers, now):
             return  # (while the pings run, off this loop; a fresh start pings again for min_peers a while)
-        records, t0 = answered  # (a decision costs from its first ping to the round published)
+        records, t0 = answered[0], self.health.decision_began(answered[1])  # (from when it was due, or its pings)
         before = {m.peer_id: (m.stage, m.replica) for m in getattr(made, "members", [])}
         placed = grid_for(self.cfg, records, self.rounds.stages, before, self.reader.links.records, self.placement)
         if placed is None:
@@ -229,8 +229,7 @@ class Coordinator:
         if (replan := placed[1]) is not None and any(before.get(pid) != cell for pid, cell in placed[0].items()):
             self._event("replan", "", replan.describe())
         cells, audits = self.integrity.roles(members(placed[0], records), self.rounds)  # owners past probation; audits
-        # (journaled, then on the plan, by the next tick, at once: at 1,000 members a decision and its journal write
-        # in one tick, on top of the tick's own work, were the coordinator's heaviest ticks)
+        # (journaled, then on the plan, by the next tick at once: with its journal write in one, the heaviest ticks)
         self._decided = self.rounds.decide(cells, now, time.time(), self.table.reports(), audits), before, t0
 
     def _save(self) -> None:

@@ -39,6 +39,7 @@ class Health:
         self._built = (-float("inf"), 0.0, 0.0)  # (when the snapshot was last built, how long it took, began)
         self._owed = False  # a commit's snapshot, left to a shorter tick
         self._waited: dict[str, int] = {}  # what waited for this tick, and for how many ticks running (see waits)
+        self._due_at: float | None = None  # when the round to decide became due (see due)
 
     def long(self, began: float) -> bool:
         """Has the tick that began at ``began`` (its thread's CPU clock) used ``LONG_TICK_S`` already? Then what
@@ -84,6 +85,16 @@ class Health:
             self.heap.settle(time.monotonic())
         elif self.heap.due(now := time.monotonic()):  # between two ticks, not in one: see potluck.protos.runtime.heap
             self.heap.collect(now)
+
+    def due(self, due: bool, now: float) -> bool:
+        """Note whether a round is due to be decided, as ``now``: a decision's time counts from when it first was (its
+        pings may start before, while the round before settles). Returns ``due``."""
+        self._due_at = (now if self._due_at is None else self._due_at) if due else None
+        return due
+
+    def decision_began(self, pinged: float) -> float:
+        """When the decision about to be made began: when its round became due, or when its pings began if later."""
+        return pinged if self._due_at is None else max(pinged, self._due_at)
 
     def decided(self, seconds: float) -> None:
         self.decisions.append(seconds)

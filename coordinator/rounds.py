@@ -358,6 +358,11 @@ class Rounds:
             return live >= min_peers or self._regathered(now, reports)
         return self.settled(now, reports=reports)
 
+    def settling(self) -> bool:
+        """The latest round committed, and the next is decided once its members have reported it (:meth:`settled`):
+        what that decision needs may start now (its pings)."""
+        return self.pending() is None and not self._fresh_start
+
     def short_of(self, answered: int, live: int, min_peers: int, now: float) -> bool:
         """Wait on? A fresh start whose heartbeats show ``min_peers`` live but whose pings reached fewer (a busy
         peer missed one) waits for them, pinging again, for ``grace_s`` at most from the first short answer, then

@@ -99,25 +99,33 @@ class Pinger:
         self._answered: dict[str, tuple[str, float]] = {}  # peer id -> (the address that answered, when it did)
         self._taken = -float("inf")  # when a decision last took its answers: a primed answer before it is spent
 
-    def poll(self, records: Iterable[PeerRecord], proven: Callable[[], Collection[str]] = frozenset,
+    def poll(self, records: Iterable[PeerRecord], proven: Callable[[], Collection[str]] = frozenset, due: bool = True,
              ) -> tuple[list[PeerRecord], float] | None:
         """``proven()``: peers whose own reports just showed them at work (they averaged or fetched the committed
         step, and heartbeat): they are not pinged again, nor are peers whose answer to :meth:`prime`'s ping came
         after the last decision took its answers, within ``primed_s``, at the address they still announce. With no
-        one left to ping, the answer is at once. Asked only when pings start (not on every tick they run)."""
+        one left to ping, the answer is at once. Asked only when pings start (not on every tick they run).
+
+        Not ``due`` (the decision is not due yet: the round just committed, its members still report it), the pings
+        start and their answer is kept for the decision, not taken: at 1,000 peers the newcomers' pings were most
+        of a decision's time, and the committed round's settling is time enough for them (up to ``settle_s``)."""
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 return None
-            answer, self._answer, records = self._answer, None, list(records)
-            now = time.monotonic()
+            answer, records, now = self._answer, list(records), time.monotonic()
             if answer is not None and now - answer[2] <= self.max_age_s:
+                if not due:
+                    return None  # (kept for the decision)
                 here = {r.peer_id: r for r in records}  # (a proven liar answered the pings that began before its proof)
-                self._taken = now
+                self._answer, self._taken = None, now
                 return [here[r.peer_id] for r in answer[0] if r.peer_id in here], answer[1]
+            self._answer = None
             known = set(proven()) | {r.peer_id for r in records if self._fresh(r, now)}
             if all(r.peer_id in known for r in records):
-                self._taken = now
-                return records, now
+                if due:
+                    self._taken = now
+                    return records, now
+                return None  # (nobody to ping: the decision finds the same)
             self._thread = threading.Thread(target=self._ping, args=(records, known, now), name="pinger", daemon=True)
             self._thread.start()
             return None

@@ -65,10 +65,13 @@ def test_first_round_waits_for_min_peers_then_admits_all_sorted() -> None:
 def test_commit_then_the_next_round_admits_joiners_and_drops_the_lost() -> None:
     s = Swarm()
     s.tick(0, rec("a"), rec("b"))
+    assert not s.rounds.settling()  # (a first round: it waits for min_peers, not for a round to settle)
     s.decide()
+    assert not s.rounds.settling()
     events = s.tick(2, rec("a", 1, "training", "good"), rec("c"))
     assert [type(e) for e in events] == [Committed] and s.rounds.committed == 1
     assert not s.rounds.ready_to_decide(3, 1, 2, s.table.reports())  # b has not reported v1, settle time not over
+    assert s.rounds.settling()  # (the next decision's pings may start)
     s.tick(3.5)
     assert s.rounds.ready_to_decide(3, 1, 3.5, s.table.reports())
     s.tick(6)  # b silent for 6 s > timeout: lost
