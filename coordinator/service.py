@@ -93,7 +93,7 @@ class Pinger:
         self.done = done  # told when the answers are in (the coordinator's loop wakes to decide at once)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._answer: tuple[list[PeerRecord], float, float] | None = None  # (reachable, began, ended)
+        self._answer: tuple[list[PeerRecord], float, float, set[str]] | None = None  # (reachable, began, ended, asked)
         self._queue: dict[str, PeerRecord] = {}  # newcomers not pinged yet (by peer id: the newest record)
         self._primer: threading.Thread | None = None
         self._answered: dict[str, tuple[str, float]] = {}  # peer id -> (the address that answered, when it did)
@@ -117,8 +117,11 @@ class Pinger:
                 if not due:
                     return None  # (kept for the decision)
                 here = {r.peer_id: r for r in records}  # (a proven liar answered the pings that began before its proof)
+                late = [r for r in records if r.peer_id not in answer[3]]  # (live since the pings began: in if at work
+                known = set(proven()) if late else set()  # or their own first answer is fresh, else in the next round)
+                late = [r for r in late if r.peer_id in known or self._fresh(r, now)]
                 self._answer, self._taken = None, now
-                return [here[r.peer_id] for r in answer[0] if r.peer_id in here], answer[1]
+                return [here[r.peer_id] for r in answer[0] if r.peer_id in here] + late, answer[1]
             self._answer = None
             known = set(proven()) | {r.peer_id for r in records if self._fresh(r, now)}
             if all(r.peer_id in known for r in records):
@@ -166,5 +169,6 @@ class Pinger:
         except Exception:  # (a bug here must not stop decisions: nobody answered, ask again)
             ok = set()
         with self._lock:
-            self._answer = ([r for r in records if r.peer_id in ok or r.peer_id in proven], began, time.monotonic())
+            self._answer = ([r for r in records if r.peer_id in ok or r.peer_id in proven], began, time.monotonic(),
+                            {r.peer_id for r in records})
         self.done()

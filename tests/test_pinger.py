@@ -74,18 +74,21 @@ def test_a_decisions_pings_start_while_the_round_before_settles_and_wait_for_it(
     """Not due yet (the committed round's members still report it), the pings start and their answer is kept:
     asked again before it is due, nobody is pinged twice; once due, the answer is taken without a ping. (At 1,000
     peers with churn the newcomers' pings were most of a decision's time, 0.2-1.1 s on a 2-core box.)"""
-    client, done = Client({"a": "h:1", "b": "h:1"}), threading.Event()
+    client, done = Client({"a": "h:1", "b": "h:1", "new": "h:1"}), threading.Event()
     pinger = Pinger(client, "run", "me", done=done.set)  # type: ignore[arg-type]
     recs = [rec("a"), rec("b"), rec("gone")]
     t0 = time.monotonic()
     assert pinger.poll(recs, lambda: {"b"}, due=False) is None and done.wait(10)
     assert pinger.poll(recs, lambda: {"b"}, due=False) is None, "kept for the decision, not taken"
     assert sorted(client.pinged) == ["a", "gone"], "pinged once, the proven one not at all"
-    answer = pinger.poll(recs[:2], lambda: set())  # (due: "gone" is not live any more)
-    assert answer is not None and [r.peer_id for r in answer[0]] == ["a", "b"] and answer[1] >= t0
-    assert sorted(client.pinged) == ["a", "gone"]
+    pinger.prime(rec("new"))  # (joined while the round settled, and answered)
+    until(lambda: pinger._primer is None, "the newcomer's first ping")
+    answer = pinger.poll([*recs[:2], rec("new"), rec("silent")], lambda: set())  # (due: "gone" is not live any more)
+    assert answer is not None and answer[1] >= t0
+    assert [r.peer_id for r in answer[0]] == ["a", "b", "new"], "a newcomer since the pings: in on its own answer"
+    assert sorted(client.pinged) == ["a", "gone", "new"]
     assert pinger.poll(recs[:2], lambda: set(), due=False) is None and done.wait(10)  # (taken: the next round pings)
-    assert sorted(client.pinged) == ["a", "a", "b", "gone"]
+    assert sorted(client.pinged) == ["a", "a", "b", "gone", "new"]
 
 
 def test_a_decisions_time_counts_from_when_it_was_due_not_from_pings_that_began_before() -> None:
