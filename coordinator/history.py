@@ -34,7 +34,10 @@ KINDS = ("activations", "gradients", "outer")
 Memo = dict[tuple[str, int], StepReport]  # (peer, step) -> the report last folded in
 Early = dict[tuple[str, int], tuple[StepReport, "Round | None", int, dict[str, Any]]]  # ... -> (report, round, params, row)
 EARLY_STEPS = 2  # reports of the next this many steps after the committed one are made into entry rows as they come
-_DEFAULTS = StepReport(step=0).model_dump(mode="json")
+# what no total is made of: a peer's older reports drop their ``included`` lists (its record must stay small), and each
+# such change made the step's totals again (at 1,000 members, once a second for a heartbeat's lag after each step)
+UNUSED = {"included", "flags"}
+_DEFAULTS = StepReport(step=0).model_dump(mode="json", exclude=UNUSED)
 
 
 def new_entry(step: int, rnd: Round | None, now: float | None = None) -> dict[str, Any]:
@@ -93,9 +96,11 @@ def fold(history: list[dict[str, Any]], records: Iterable[PeerRecord], round_at:
             row = hit[3]  # (made as the report came, of the same report, round and parameters)
         elif (row := _row(rec, report, rnd, sizes)) is None:
             continue
-        entry["_peers"][rec.peer_id] = row
         if memo is not None:
             memo[key] = report
+        if entry["_peers"].get(rec.peer_id) == row:
+            continue  # (a report changed where no total looks: its entry's totals need not be made again)
+        entry["_peers"][rec.peer_id] = row
         touched.add(report.step)
     if dirty is None:
         aggregate(by_step, touched)
@@ -125,7 +130,7 @@ def _row(rec: PeerRecord, report: StepReport, rnd: Round | None, sizes: dict[tup
     size = sizes.get((rnd.step, member.stage, member.group))
     if size is None:  # (its averaging group's members: the stage's, without sync.group_size)
         size = sizes[(rnd.step, member.stage, member.group)] = len(rnd.group_members(member.stage, member.group))
-    return {**report.model_dump(mode="json"), "parameters": rec.parameters, "n": size}
+    return {**report.model_dump(mode="json", exclude=UNUSED), "parameters": rec.parameters, "n": size}
 
 
 class Folder:

@@ -207,3 +207,24 @@ def test_a_report_of_a_step_not_committed_yet_is_made_into_its_row_as_it_comes()
     assert folder.early[(ids[1], 2)][3]["loss"] == 5.0
     h, added = folder.fold(h, [], lambda s: rnd, 2, [now[0], changed[0]])  # committed: the rows taken as made
     assert added and h[-1]["_peers"][ids[0]] is made and h[-1]["loss"] == 3.5 and not folder.early
+
+
+def test_a_report_that_changed_where_no_total_looks_leaves_its_entrys_totals_alone() -> None:
+    """A peer's older reports drop their ``included`` lists when it trains the next step (its record must stay
+    small): at 1,000 members each such change made the step's totals again, once a second for a heartbeat's lag.
+    Such a report leaves its entry clean; one whose loss changed does not."""
+    ids = [f"12D3KooW{c * 44}" for c in "ab"]
+    rnd = Round(step=1, members=[Member(peer_id=p, address="x:1", replica=i) for i, p in enumerate(ids)])
+
+    def rec(i: int, loss: float, included: list[int]) -> PeerRecord:
+        return PeerRecord(peer_id=ids[i], address="x:1", version=1,
+                          recent=[StepReport(step=1, loss=loss, included=included, flags={ids[0]: [ids[1]]})])
+
+    folder, everyone = history.Folder(), [rec(0, 1.0, [0, 1]), rec(1, 3.0, [0, 1])]
+    h, _ = folder.fold([], everyone, lambda s: rnd, 1, everyone)
+    row = h[-1]["_peers"][ids[0]]
+    assert h[-1]["loss"] == 2.0 and not folder.dirty and "included" not in row and "flags" not in row
+    h, _ = folder.fold(h, [rec(0, 1.0, [])], lambda s: rnd, 1, everyone)
+    assert not folder.dirty and h[-1]["_peers"][ids[0]] is row, "the same row: nothing to make again"
+    h, _ = folder.fold(h, [rec(0, 5.0, [])], lambda s: rnd, 1, everyone, lambda what: what == "aggregate")
+    assert folder.dirty == {1} and h[-1]["_peers"][ids[0]]["loss"] == 5.0
