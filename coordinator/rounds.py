@@ -242,6 +242,8 @@ class Rounds:
                     self.data.vote(step, epoch, r.peer_id, [i for i in included if i in known])
 
     def _note_progress(self, reports: Sequence[Report], now: float) -> None:
+        if len(self._progress) > 2 * len(reports) + 100:  # (peers forgotten: with churn it grew without end)
+            self._progress = {r.peer_id: self._progress[r.peer_id] for r in reports if r.peer_id in self._progress}
         for r in reports:
             old = self._progress.get(r.peer_id)
             if old is None or old[0] != r.progress:
