@@ -73,26 +73,47 @@ class Series:
 
 
 def peer_rows(views: Sequence[PeerView], tasklet_of: Mapping[str, dict[str, int]], now: float,
-              history: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
-    flagged: dict[str, dict[str, int]] = {"clipped": {}, "rejected": {}}
+              history: Sequence[dict[str, Any]] = (), totals: list[float] | None = None) -> list[dict[str, Any]]:
+    """Every peer's row, in the order they first showed up. ``totals`` (given): [compute_s, sync_s, tokens trained]
+    of all their records added to it (tokens enter the model at stage 0: counted once per pipeline)."""
+    clipped: dict[str, int] = {}
+    rejected: dict[str, int] = {}
     for h in history:  # how often owners bounded or left out each peer's update (robust aggregation)
-        for kind, counts in flagged.items():
-            for pid in h.get(kind) or []:
-                counts[pid] = counts.get(pid, 0) + 1
+        for pid in h.get("clipped") or ():
+            clipped[pid] = clipped.get(pid, 0) + 1
+        for pid in h.get("rejected") or ():
+            rejected[pid] = rejected.get(pid, 0) + 1
     rows = []
-    for view in sorted(views, key=lambda v: v.first_seen):
-        r, tasklet = view.record, tasklet_of.get(view.record.peer_id)
-        kept = view.page_row  # (what its record says, made again only when the record or its place changed)
-        if kept is None or kept[0][0] is not r or kept[0][1:] != (view.lost, view.left, tasklet):
-            kept = view.page_row = ((r, view.lost, view.left, tasklet), _row(r, view, tasklet))
+    compute = sync = 0.0
+    tokens = 0
+    for view in sorted(views, key=_FIRST_SEEN):
+        r = view.record
+        pid, tasklet, kept = r.peer_id, tasklet_of.get(r.peer_id), view.page_row
+        # (what its record says, made again only when the record or its place changed)
+        if kept is None or kept[0] is not r or kept[1] is not view.lost or kept[2] is not view.left \
+                or (kept[3] is not tasklet and kept[3] != tasklet):  # (a new round's tasklets: the same, mostly)
+            kept = view.page_row = (r, view.lost, view.left, tasklet, _row(r, view, tasklet))
         # the kept row itself, its three changing values set in place: a copy of each of 1,000 rows of 28 keys was a
         # quarter of a build; a snapshot still being encoded on the status server's thread may show the newer values
         # (its keys stay the same ones, so its dicts never change size under the encoder)
-        row = kept[1]
+        row = kept[4]
         row["last_seen_s"] = round(now - view.last_seen, 2)
-        row["clipped"], row["rejected"] = flagged["clipped"].get(r.peer_id, 0), flagged["rejected"].get(r.peer_id, 0)
+        if clipped or row["clipped"]:
+            row["clipped"] = clipped.get(pid, 0)
+        if rejected or row["rejected"]:
+            row["rejected"] = rejected.get(pid, 0)
         rows.append(row)
+        compute, sync, tokens = compute + r.compute_s, sync + r.sync_s, tokens + (r.tokens_total if r.stage == 0 else 0)
+    if totals is not None:
+        totals[:] = [totals[0] + compute, totals[1] + sync, totals[2] + tokens]
     return rows
+
+
+def _first_seen(view: PeerView) -> float:
+    return view.first_seen
+
+
+_FIRST_SEEN = _first_seen
 
 
 def _row(r: PeerRecord, view: PeerView, tasklet: dict[str, int] | None) -> dict[str, Any]:
@@ -158,14 +179,19 @@ def inline_peers(peers: list[dict[str, Any]], limit: int = PEERS_INLINE) -> list
     ones that left), each class in order of first appearance, and the result in that order too."""
     if len(peers) <= limit:
         return peers
-    chosen = sorted(range(len(peers)), key=lambda i: (_ATTENTION.get(peers[i]["state"], 2), i))[:limit]
+    classes: list[list[int]] = [[], [], [], []]  # (each class's rows in order: no sort of every row)
+    for i, p in enumerate(peers):
+        classes[_ATTENTION.get(p["state"], 2)].append(i)
+    chosen = [i for c in classes for i in c][:limit]
     return [peers[i] for i in sorted(chosen)]
 
 
-def peers_summary(peers: Sequence[dict[str, Any]], shown: int) -> dict[str, Any]:
-    by_state: dict[str, int] = {}
-    for p in peers:
-        by_state[p["state"]] = by_state.get(p["state"], 0) + 1
+def peers_summary(peers: Sequence[dict[str, Any]], shown: int, by_state: dict[str, int] | None = None) -> dict[str, Any]:
+    """``by_state``: how many rows of each state, if counted already."""
+    if by_state is None:
+        by_state = {}
+        for p in peers:
+            by_state[p["state"]] = by_state.get(p["state"], 0) + 1
     return {"total": len(peers), "shown": shown, "truncated": shown < len(peers), "by_state": by_state,
             "live": sum(n for st, n in by_state.items() if st not in ABSENT)}
 
@@ -180,18 +206,20 @@ def build(run: RunInfo, cfg: RunConfig, views: Sequence[PeerView], rounds: Round
     tasklet_of = _TASKLETS([current])[0] if current else {}
     stages = current.stages if current else cfg.pipeline.stages
     replicas = len(current.members) // stages if current else 0
-    peers = peer_rows(views, tasklet_of, now, history)
-    live = [p for p in peers if p["state"] not in _SILENT]
+    totals = [0.0, 0.0, 0]
+    peers = peer_rows(views, tasklet_of, now, history, totals)
+    compute, sync, tokens = totals
+    live, training, by_id, by_state = [], [], {}, dict[str, int]()  # (one pass over every row for all four)
+    for p in peers:
+        by_id[p["id"]], state = p, p["state"]
+        by_state[state] = by_state.get(state, 0) + 1
+        if state not in _SILENT:
+            live.append(p)
+            if state == PeerState.TRAINING:
+                training.append(p)
     series.sample(peers, time.time())
     last = next((h for h in reversed(history) if h["loss"] is not None), None)
     last_eval = next((h for h in reversed(history) if h["eval_loss"] is not None), None)
-    records = [v.record for v in views]
-    compute = sync = 0.0
-    tokens = 0  # (tokens enter the model at stage 0: counted once per pipeline)
-    for r in records:
-        compute, sync, tokens = compute + r.compute_s, sync + r.sync_s, tokens + (r.tokens_total if r.stage == 0 else 0)
-    training = [p for p in live if p["state"] == PeerState.TRAINING]
-    by_id = {p["id"]: p for p in peers}
     m = cfg.model
     return {
         "api": API,
@@ -211,7 +239,7 @@ def build(run: RunInfo, cfg: RunConfig, views: Sequence[PeerView], rounds: Round
             "loss": last["loss"] if last else None, "eval_loss": last_eval["eval_loss"] if last_eval else None,
             "eval_perplexity": perplexity(last_eval["eval_loss"]) if last_eval else None,
             "data": {"source": cfg.data.source, **rounds.data.summary(rounds.committed, run.samples or None)},
-            "loss_floor": next((r.loss_floor for r in records if r.loss_floor is not None), None),
+            "loss_floor": next((v.record.loss_floor for v in views if v.record.loss_floor is not None), None),
             "compute_utilization": compute / (compute + sync) if compute + sync > 0 else None,
             "last_outer_at": history[-1]["t"] if history else None,
             "last_allreduce_s": history[-1]["outer_s"] if history else None,
@@ -228,7 +256,7 @@ def build(run: RunInfo, cfg: RunConfig, views: Sequence[PeerView], rounds: Round
         "failed_rounds": [vars(o) if not isinstance(o, dict) else o for o in rounds.outcomes[-50:]],
         "series": list(series.samples),
         "peers": (shown := inline_peers(peers)),
-        "peers_summary": peers_summary(peers, len(shown)),
+        "peers_summary": peers_summary(peers, len(shown), by_state),
         # a finished run keeps showing the links its peers measured last
         "links": links_state(links, [p for p in peers if p["state"] not in (PeerState.LOST, PeerState.LEFT)]),
         "events": list(events)[-200:],
