@@ -126,10 +126,11 @@ class Admission:
         if len(self._settled) > 2 * len(requests) + 100:
             self._settled = {pid: v for pid, v in self._settled.items() if pid in requests}
             self._fingerprints = {pid: v for pid, v in self._fingerprints.items() if pid in requests}
-        for pid, req in sorted(requests.items(), key=lambda kv: kv[1].ts):
-            if (settled := self._settled.get(pid)) and settled[0] is req and now < settled[1] and pid not in in_use \
-                    and pid not in self.revoked:
-                continue
+        settled_, revoked = self._settled, self.revoked  # (the requests that need a look, then sorted: not all 1,000)
+        pending = [(pid, req) for pid, req in requests.items() if not ((settled := settled_.get(pid)) and settled[0] is req
+                                                                       and now < settled[1] and pid not in in_use
+                                                                       and pid not in revoked)]
+        for pid, req in sorted(pending, key=lambda kv: kv[1].ts):
             reason = in_use.get(pid) or self._refusal(pid, req)
             if reason:
                 if self._answered.get(pid) != req.seq:
@@ -248,8 +249,9 @@ class Gatekeeper:
         self._send(node)
         out = [("rejected", "", e) for e in events + refused] + [("evicted", p, m) for p, m in
                                                                   self.evictions.judge(records, round_at)]
-        now = time.time()
-        kept = {pid: r for pid, r in records.items() if self.admission.is_admitted(pid, now)}
+        now, admitted, revoked = time.time(), self.admission.admitted, self.admission.revoked
+        kept = {pid: r for pid, r in records.items()  # (is_admitted, inlined: a call per peer per tick)
+                if (a := admitted.get(pid)) is not None and now < a.not_after and pid not in revoked}
         strangers = sorted(set(records) - set(kept) - self.admission.revoked)
         return kept, out + [("rejected", p, "heartbeat ignored: not admitted") for p in strangers[:3]]
 
@@ -275,8 +277,12 @@ class Gatekeeper:
         """Requests from a second live process of an admitted identity, and what to tell it (each request
         is looked at once: a restart is admitted, a copy refused)."""
         out: dict[str, str] = {}
-        for pid, req in requests.items():
-            if not self.admission.new_process(pid, req):
+        admitted, fingerprints = self.admission.admitted, self.admission._fingerprints
+        for pid, req in requests.items():  # (Admission.new_process, inlined: a call or two per peer per tick)
+            if (have := admitted.get(pid)) is None:
+                continue
+            known = fingerprints.get(pid)
+            if have.tls_fingerprint == (known[1] if known is not None and known[0] is req else self.admission.fingerprint(pid, req)):
                 continue
             key = (pid, req.seq)
             if key not in self._in_use_seen:
