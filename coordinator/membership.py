@@ -78,7 +78,9 @@ class PeerTable:
         self._read_at: float | None = None  # the ``read_at`` of the last update that had one
         self.on_lost: Callable[[str], None] = lambda peer_id: None  # (the coordinator closes its channels to it)
         self.on_seen: Callable[[PeerRecord], None] = lambda rec: None  # (joined or back: the coordinator pings it)
-        self._reports: list[Report] | None = None  # (every view's report, until a view changes: see reports)
+        self._reports: list[Report] | None = None  # (every view's report, in the views' order: see reports)
+        self._at: dict[str, int] = {}  # peer id -> where its report is in ``_reports``
+        self._stale: set[str] = set()  # peers whose view changed since (their reports are made again, or added)
 
     @classmethod
     def for_run(cls, cfg: RunConfig) -> PeerTable:
@@ -129,12 +131,12 @@ class PeerTable:
             if rec.state in GONE and not view.left:
                 view.left = True
                 events.append(("failed" if rec.state == PeerState.FAILED else "left", pid))
-        if self.changed:
-            self._reports = None
+        self._stale.update(v.record.peer_id for v in self.changed)
         gone = 0
         for pid, view in self.peers.items():
             if not view.lost and now - view.last_seen > self.timeout:
-                view.lost, self._reports = True, None  # (one that said goodbye is not reported lost, but no longer there)
+                view.lost = True  # (one that said goodbye is not reported lost, but no longer there)
+                self._stale.add(pid)
                 self.on_lost(pid)
                 if not view.left:
                     events.append(("lost", pid))
@@ -150,7 +152,7 @@ class PeerTable:
         view = self.peers.get(peer_id)
         if view is not None:
             view.lost = view.evicted = True
-            self._reports = None
+            self._stale.add(peer_id)
             self.on_lost(peer_id)
 
     def _forget(self, n: int) -> None:
@@ -182,7 +184,16 @@ class PeerTable:
         """Every peer's report; the same list until a view changes (a tick asked for it four times, and at 1,000
         peers and as many gone, making it was 9 % of the coordinator's loop)."""
         if self._reports is None:
-            self._reports = [v.report() for v in self.peers.values()]
+            self._reports, self._stale = [v.report() for v in self.peers.values()], set()
+            self._at = {pid: i for i, pid in enumerate(self.peers)}
+        for pid in self._stale:  # (only the views that changed: at 1,000 peers and as many gone, a list made anew of
+            if (i := self._at.get(pid)) is not None:  # every view's report was 1-2 ms of every tick)
+                self._reports[i] = self.peers[pid].report()
+        self._stale.clear()
+        if len(self._reports) < len(self.peers):  # newcomers: the newest views, last in the views' order (a view is
+            for pid in list(self.peers)[len(self._reports):]:  # only ever deleted by _forget, which makes all anew)
+                self._at[pid] = len(self._reports)
+                self._reports.append(self.peers[pid].report())
         return list(self._reports)
 
 

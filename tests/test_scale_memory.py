@@ -110,6 +110,29 @@ def test_the_rounds_progress_of_peers_long_gone_is_forgotten_with_churn() -> Non
     assert {r.peer_id for r in table.reports()} <= set(rounds._progress)
 
 
+def test_the_tables_reports_kept_between_ticks_are_every_views_report_made_anew_in_order() -> None:
+    """Only the views that changed have their reports made again (newcomers go last, as in the views' order): after
+    every update of a churning swarm -- joins, heartbeats, silences, goodbyes, comebacks, evictions, the longest
+    gone forgotten -- the list is the one made anew from every view."""
+    rng = random.Random(3)
+    table, seq, forgot = PeerTable(heartbeat_timeout_s=12.0, keep_gone=25), dict[str, int](), 0
+    for t in range(300):
+        batch = {}
+        for pid in rng.sample([f"p{i}" for i in range(t // 3, t // 3 + 60)], 6):  # (new ids keep coming)
+            seq[pid] = seq.get(pid, 0) + 1
+            batch[pid] = PeerRecord(peer_id=pid, address="x:1", seq=seq[pid], version=seq[pid] // 2,
+                                    state="left" if rng.random() < 0.1 else "training")
+        known = set(table.peers)
+        table.update(batch, now=float(t))
+        forgot += bool(known - set(table.peers))
+        if t % 7 == 0 and table.peers:
+            table.evict(rng.choice(sorted(table.peers)))
+        if t % 3 == 0:  # (asked on some ticks only, as a coordinator that skips: the changes pile up)
+            assert table.reports() == [v.report() for v in table.peers.values()], t
+    assert table.reports() == [v.report() for v in table.peers.values()]
+    assert 0 < forgot < 100, forgot  # (most updates keep every view: the reports were not all made anew)
+
+
 def test_the_inline_peers_are_the_most_telling_in_order_as_a_sort_by_attention_chose_them() -> None:
     """Chosen by class without sorting every row (a sort with a key function per row, at every build of a big
     swarm's snapshot): the same rows, in the same order, as the sort it replaced."""
