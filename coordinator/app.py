@@ -209,7 +209,7 @@ class Coordinator:
         if self._decided is not None:  # (the round the tick before decided: journaled before anyone can act on it)
             (r, before, t0), self._decided = self._decided, None
             self._save()
-            self.publisher.new_plan()
+            self.publisher.new_plan(self.rounds.rounds.values())
             self._event("round", "", describe_round(r, before))
             self.health.decided(time.monotonic() - t0)
             fault("coordinator.decided", r.step)

@@ -128,6 +128,13 @@ def test_a_long_ticks_new_plan_is_published_by_the_next_tick_never_later() -> No
     pub.new_plan()
     assert pub.publish(rounds, partial(health.waits, "plan", time.thread_time())) is False
     assert stored[3:] == ["manifest", "plan", "head"]
+    # a decision's new plan makes the newest rounds' JSON at once (that tick), and its publish takes it as made
+    more = [Round(step=s, members=[Member(peer_id="p", address="x:1")]) for s in range(2, 7)]
+    pub.new_plan(more)
+    made = pub._dumped._kept
+    assert sorted(r.step for r, _ in made.values()) == [3, 4, 5, 6]
+    assert pub.publish(more, partial(health.waits, "plan", time.thread_time())) is False and stored[6:] == ["manifest", "plan", "head"]
+    assert all(pub._dumped._kept[k][1] is made[k][1] for k in made), "the JSON made with the new plan, not again"
 
 
 def test_an_entrys_totals_are_made_again_once_a_second_while_reports_keep_coming(monkeypatch) -> None:
