@@ -9,6 +9,7 @@ encoded copy to every client until the next one.
 from __future__ import annotations
 
 import math
+import operator
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from potluck.coordinator.health import Health
-from potluck.coordinator.history import public
+from potluck.coordinator.history import KEEP_DETAIL, public
 from potluck.coordinator.membership import PeerView
 from potluck.coordinator.perround import PerRound
 from potluck.coordinator.rounds import Rounds
@@ -76,23 +77,21 @@ def peer_rows(views: Sequence[PeerView], tasklet_of: Mapping[str, dict[str, int]
               history: Sequence[dict[str, Any]] = (), totals: list[float] | None = None) -> list[dict[str, Any]]:
     """Every peer's row, in the order they first showed up. ``totals`` (given): [compute_s, sync_s, tokens trained]
     of all their records added to it (tokens enter the model at stage 0: counted once per pipeline)."""
-    clipped: dict[str, int] = {}
-    rejected: dict[str, int] = {}
-    for h in history:  # how often owners bounded or left out each peer's update (robust aggregation)
-        for pid in h.get("clipped") or ():
-            clipped[pid] = clipped.get(pid, 0) + 1
-        for pid in h.get("rejected") or ():
-            rejected[pid] = rejected.get(pid, 0) + 1
+    clipped, rejected = flag_counts(history)
     rows = []
     compute = sync = 0.0
     tokens = 0
     for view in sorted(views, key=_FIRST_SEEN):
-        r = view.record
-        pid, tasklet, kept = r.peer_id, tasklet_of.get(r.peer_id), view.page_row
-        # (what its record says, made again only when the record or its place changed)
+        # (a row, its totals and what they were made of are kept until the record or the peer's place changes; the
+        # record itself is not read otherwise: at 1,000 peers and as many gone, reading every record's fields at
+        # each build, objects spread over the heap, cost a build several times what it cost in a fresh process)
+        r, kept = view.record, view.page_row
+        pid = kept[4]["id"] if kept is not None else r.peer_id  # (a view's peer never changes)
+        tasklet = tasklet_of.get(pid)
         if kept is None or kept[0] is not r or kept[1] is not view.lost or kept[2] is not view.left \
                 or (kept[3] is not tasklet and kept[3] != tasklet):  # (a new round's tasklets: the same, mostly)
-            kept = view.page_row = (r, view.lost, view.left, tasklet, _row(r, view, tasklet))
+            kept = view.page_row = (r, view.lost, view.left, tasklet, _row(r, view, tasklet), r.compute_s, r.sync_s,
+                                    r.tokens_total if r.stage == 0 else 0)
         # the kept row itself, its three changing values set in place: a copy of each of 1,000 rows of 28 keys was a
         # quarter of a build; a snapshot still being encoded on the status server's thread may show the newer values
         # (its keys stay the same ones, so its dicts never change size under the encoder)
@@ -103,17 +102,47 @@ def peer_rows(views: Sequence[PeerView], tasklet_of: Mapping[str, dict[str, int]
         if rejected or row["rejected"]:
             row["rejected"] = rejected.get(pid, 0)
         rows.append(row)
-        compute, sync, tokens = compute + r.compute_s, sync + r.sync_s, tokens + (r.tokens_total if r.stage == 0 else 0)
+        compute, sync, tokens = compute + kept[5], sync + kept[6], tokens + kept[7]
     if totals is not None:
         totals[:] = [totals[0] + compute, totals[1] + sync, totals[2] + tokens]
     return rows
 
 
-def _first_seen(view: PeerView) -> float:
-    return view.first_seen
+_FIRST_SEEN = operator.attrgetter("first_seen")
 
 
-_FIRST_SEEN = _first_seen
+def flag_counts(history: Sequence[dict[str, Any]]) -> tuple[dict[str, int], dict[str, int]]:
+    """How often owners bounded (clipped) or left out (rejected) each peer's update, over the history (robust
+    aggregation). The entries past the detail window no longer change: their counts are kept between builds (a
+    long run's 2,000 entries were a pass of each build)."""
+    final = len(history) - KEEP_DETAIL
+    key = (final, history[0], history[final - 1]) if final > 0 else None
+    kept = _FLAGS.get("final")
+    if key is not None and (kept is None or kept[0][0] != final or kept[0][1] is not key[1] or kept[0][2] is not key[2]):
+        _FLAGS["final"] = kept = (key, _count_flags(history[:final]))
+    base = kept[1] if key is not None and kept is not None else ({}, {})
+    recent = _count_flags(history[max(0, final):])
+    if not any(recent) and not any(base):
+        return {}, {}
+    return _added(base[0], recent[0]), _added(base[1], recent[1])
+
+
+def _added(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    return {p: a.get(p, 0) + b.get(p, 0) for p in a.keys() | b.keys()}
+
+
+def _count_flags(entries: Sequence[dict[str, Any]]) -> tuple[dict[str, int], dict[str, int]]:
+    clipped: dict[str, int] = {}
+    rejected: dict[str, int] = {}
+    for h in entries:
+        for pid in h.get("clipped") or ():
+            clipped[pid] = clipped.get(pid, 0) + 1
+        for pid in h.get("rejected") or ():
+            rejected[pid] = rejected.get(pid, 0) + 1
+    return clipped, rejected
+
+
+_FLAGS: dict[str, Any] = {}  # "final": ((entries, first, last), counts) of the entries past the detail window
 
 
 def _row(r: PeerRecord, view: PeerView, tasklet: dict[str, int] | None) -> dict[str, Any]:

@@ -17,9 +17,10 @@ from typing import Any
 
 import pytest
 
+from potluck.coordinator.history import KEEP_DETAIL
 from potluck.coordinator.membership import PeerTable
 from potluck.coordinator.rounds import Rounds
-from potluck.coordinator.snapshot import PEERS_INLINE, grid_cells, inline_peers, peer_rows
+from potluck.coordinator.snapshot import PEERS_INLINE, flag_counts, grid_cells, inline_peers, peer_rows
 from potluck.protos.net.identity import Identity
 from potluck.protos.net.swarm import SwarmNode
 from potluck.protos.wire.records import Member, PeerRecord, Round
@@ -131,6 +132,28 @@ def test_the_tables_reports_kept_between_ticks_are_every_views_report_made_anew_
             assert table.reports() == [v.report() for v in table.peers.values()], t
     assert table.reports() == [v.report() for v in table.peers.values()]
     assert 0 < forgot < 100, forgot  # (most updates keep every view: the reports were not all made anew)
+
+
+def test_the_flag_counts_kept_between_builds_are_those_of_the_whole_history() -> None:
+    """The entries past the detail window no longer change, so their counts are kept: through new entries, the
+    newest ones' flags changing in place, and rollbacks, the counts are those of a pass over the whole history."""
+    rng = random.Random(5)
+    history: list[dict[str, Any]] = []
+
+    def entry(step: int) -> dict[str, Any]:
+        return {"step": step, "clipped": rng.sample("abcd", rng.randint(0, 2)), "rejected": rng.sample("cdef", rng.randint(0, 1))}
+
+    for t in range(400):
+        if t % 50 == 49:  # a rollback: the newest entries go, new ones come after
+            history = history[: len(history) - rng.randint(1, 30)]
+        history = history + [entry(len(history) + 1)]
+        history[-1 - rng.randint(0, min(len(history), KEEP_DETAIL) - 1)]["clipped"] = rng.sample("abcd", 1)  # (in place)
+        want = ({}, {})
+        for h in history:
+            for kind, counts in zip(("clipped", "rejected"), want, strict=True):
+                for pid in h[kind]:
+                    counts[pid] = counts.get(pid, 0) + 1
+        assert flag_counts(history) == want, t
 
 
 def test_the_inline_peers_are_the_most_telling_in_order_as_a_sort_by_attention_chose_them() -> None:
