@@ -76,11 +76,12 @@ class Series:
 def peer_rows(views: Sequence[PeerView], tasklet_of: Mapping[str, dict[str, int]], now: float,
               history: Sequence[dict[str, Any]] = (), totals: list[float] | None = None) -> list[dict[str, Any]]:
     """Every peer's row, in the order they first showed up. ``totals`` (given): [compute_s, sync_s, tokens trained]
-    of all their records added to it (tokens enter the model at stage 0: counted once per pipeline)."""
+    of all their records added to it (tokens enter the model at stage 0: counted once per pipeline), and the first
+    loss floor a record gives (None: none does) set as its fourth."""
     clipped, rejected = flag_counts(history)
     rows = []
     compute = sync = 0.0
-    tokens = 0
+    tokens, floor = 0, None
     for view in sorted(views, key=_FIRST_SEEN):
         # (a row, its totals and what they were made of are kept until the record or the peer's place changes; the
         # record itself is not read otherwise: at 1,000 peers and as many gone, reading every record's fields at
@@ -91,7 +92,7 @@ def peer_rows(views: Sequence[PeerView], tasklet_of: Mapping[str, dict[str, int]
         if kept is None or kept[0] is not r or kept[1] is not view.lost or kept[2] is not view.left \
                 or (kept[3] is not tasklet and kept[3] != tasklet):  # (a new round's tasklets: the same, mostly)
             kept = view.page_row = (r, view.lost, view.left, tasklet, _row(r, view, tasklet), r.compute_s, r.sync_s,
-                                    r.tokens_total if r.stage == 0 else 0)
+                                    r.tokens_total if r.stage == 0 else 0, r.loss_floor)
         # the kept row itself, its three changing values set in place: a copy of each of 1,000 rows of 28 keys was a
         # quarter of a build; a snapshot still being encoded on the status server's thread may show the newer values
         # (its keys stay the same ones, so its dicts never change size under the encoder)
@@ -103,8 +104,10 @@ def peer_rows(views: Sequence[PeerView], tasklet_of: Mapping[str, dict[str, int]
             row["rejected"] = rejected.get(pid, 0)
         rows.append(row)
         compute, sync, tokens = compute + kept[5], sync + kept[6], tokens + kept[7]
+        if floor is None:
+            floor = kept[8]
     if totals is not None:
-        totals[:] = [totals[0] + compute, totals[1] + sync, totals[2] + tokens]
+        totals[:] = [totals[0] + compute, totals[1] + sync, totals[2] + tokens, floor]
     return rows
 
 
@@ -235,10 +238,10 @@ def build(run: RunInfo, cfg: RunConfig, views: Sequence[PeerView], rounds: Round
     tasklet_of = _TASKLETS([current])[0] if current else {}
     stages = current.stages if current else cfg.pipeline.stages
     replicas = len(current.members) // stages if current else 0
-    totals = [0.0, 0.0, 0]
+    totals: list[Any] = [0.0, 0.0, 0, None]
     peers = peer_rows(views, tasklet_of, now, history, totals)
-    compute, sync, tokens = totals
-    live, training, by_id, by_state = [], [], {}, dict[str, int]()  # (one pass over every row for all four)
+    compute, sync, tokens, floor = totals
+    live, training, failed, by_id, by_state = [], [], [], {}, dict[str, int]()  # (one pass over every row for all)
     for p in peers:
         by_id[p["id"]], state = p, p["state"]
         by_state[state] = by_state.get(state, 0) + 1
@@ -246,6 +249,8 @@ def build(run: RunInfo, cfg: RunConfig, views: Sequence[PeerView], rounds: Round
             live.append(p)
             if state == PeerState.TRAINING:
                 training.append(p)
+            elif state == PeerState.FAILED:
+                failed.append(p)
     series.sample(peers, time.time())
     last = next((h for h in reversed(history) if h["loss"] is not None), None)
     last_eval = next((h for h in reversed(history) if h["eval_loss"] is not None), None)
@@ -268,11 +273,11 @@ def build(run: RunInfo, cfg: RunConfig, views: Sequence[PeerView], rounds: Round
             "loss": last["loss"] if last else None, "eval_loss": last_eval["eval_loss"] if last_eval else None,
             "eval_perplexity": perplexity(last_eval["eval_loss"]) if last_eval else None,
             "data": {"source": cfg.data.source, **rounds.data.summary(rounds.committed, run.samples or None)},
-            "loss_floor": next((v.record.loss_floor for v in views if v.record.loss_floor is not None), None),
+            "loss_floor": floor,
             "compute_utilization": compute / (compute + sync) if compute + sync > 0 else None,
             "last_outer_at": history[-1]["t"] if history else None,
             "last_allreduce_s": history[-1]["outer_s"] if history else None,
-            "waiting_reason": waiting_reason(cfg, rounds, live, run.finished, peers),
+            "waiting_reason": waiting_reason(cfg, rounds, live, run.finished, peers, failed, by_id),
             "model_export": model_export(cfg, run.checkpoint_version),
         },
         "grid": {
@@ -287,7 +292,7 @@ def build(run: RunInfo, cfg: RunConfig, views: Sequence[PeerView], rounds: Round
         "peers": (shown := inline_peers(peers)),
         "peers_summary": peers_summary(peers, len(shown), by_state),
         # a finished run keeps showing the links its peers measured last
-        "links": links_state(links, [p for p in peers if p["state"] not in (PeerState.LOST, PeerState.LEFT)]),
+        "links": links_state(links, peers),
         "events": list(events)[-200:],
         "config": {"heartbeat_timeout_s": cfg.membership.heartbeat_timeout_s},
         "coordinator": health or Health().section({}, len(views)),
@@ -306,9 +311,11 @@ def grid_cells(current: Round, by_id: Mapping[str, dict[str, Any]]) -> list[dict
 
 
 def links_state(reports: Mapping[str, LinkReport], live: list[dict[str, Any]]) -> dict[str, Any]:
-    """Measured links among ``live`` peers, ordered by tasklet (stage, replica) so pipelines sit together; the
-    first ``LINKS_PEERS`` of them (a thousand peers would make two matrices of a million cells)."""
-    if not reports or not live:  # (before the sort of every live peer)
+    """Measured links among ``live`` peers (rows of peers not lost and not gone are taken), ordered by tasklet (stage,
+    replica) so pipelines sit together; the first ``LINKS_PEERS`` of them (a thousand peers would make two matrices of
+    a million cells)."""
+    live = [p for p in live if p["state"] not in (PeerState.LOST, PeerState.LEFT)] if reports else []
+    if not live:  # (before the sort of every live peer)
         return {"peers": [], "rtt_ms": [], "bandwidth_mbps": []}
     ids = [p["id"] for p in sorted(live, key=lambda p: (p["tasklet"] is None, (p["tasklet"] or {}).get("stage", 0),
                                                          (p["tasklet"] or {}).get("replica", 0), p["id"]))]
@@ -325,13 +332,15 @@ def links_state(reports: Mapping[str, LinkReport], live: list[dict[str, Any]]) -
 
 
 def waiting_reason(cfg: RunConfig, rounds: Rounds, live: list[dict[str, Any]], finished: bool,
-                   peers: Sequence[dict[str, Any]] = ()) -> str:
+                   peers: Sequence[dict[str, Any]] = (), failed: list[dict[str, Any]] | None = None,
+                   by_id: Mapping[str, dict[str, Any]] | None = None) -> str:
     """What the run waits for, in one line ('' when it is simply training); a peer that stopped on an error it
-    cannot heal comes first, while the run waits (it is the likeliest reason)."""
+    cannot heal comes first, while the run waits (it is the likeliest reason). ``failed`` (the rows of failed peers)
+    and ``by_id`` (every row by peer id): if the caller has them already."""
     if finished:
         return ""
-    why = _waiting(cfg, rounds, live)
-    failed = [p for p in peers if p["state"] == "failed"]
+    why = _waiting(cfg, rounds, live, by_id)
+    failed = [p for p in peers if p["state"] == "failed"] if failed is None else failed
     current = rounds.pending()
     stuck = current is not None and any(m.peer_id == p["id"] for p in failed for m in current.members)
     if failed and (why or stuck):
@@ -340,15 +349,17 @@ def waiting_reason(cfg: RunConfig, rounds: Rounds, live: list[dict[str, Any]], f
     return why
 
 
-def _waiting(cfg: RunConfig, rounds: Rounds, live: list[dict[str, Any]]) -> str:
+def _waiting(cfg: RunConfig, rounds: Rounds, live: list[dict[str, Any]],
+             by_id: Mapping[str, dict[str, Any]] | None = None) -> str:
     need = max(cfg.membership.min_peers, cfg.pipeline.stages)
     current = rounds.pending()
     if current is None:
         if len(live) < need and (not rounds.rounds or rounds.outcomes and rounds.outcomes[-1].step > rounds.committed):
             return f"waiting for peers: {len(live)} of {need} needed to start"
         return "deciding the next round" if rounds.rounds else ""
-    by_id = {p["id"]: p for p in live}
-    members = [by_id.get(m.peer_id) for m in current.members]
+    by_id = {p["id"]: p for p in live} if by_id is None else by_id
+    members = [p if (p := by_id.get(m.peer_id)) is not None and p["state"] not in _SILENT else None
+               for m in current.members]  # (a member with no live row: lost)
     syncing = [p for p in members if p and p["state"] == "syncing"]
     behind = [p for p in members if p is None or p["state"] != "syncing"]
     if syncing and behind:
