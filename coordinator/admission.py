@@ -28,7 +28,7 @@ from __future__ import annotations
 import hmac
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -237,18 +237,20 @@ class Gatekeeper:
 
     def tick(self, node: SwarmNode, records: dict[str, PeerRecord], round_at: Callable[[int], Round | None],
              client: PeerClient | None = None, read: tuple[dict[str, AdmissionRequest], list[str]] | None = None,
-             ) -> tuple[dict[str, PeerRecord], list[tuple[str, str, str]]]:
+             changed: Callable[[], Collection[str]] | None = None) -> tuple[dict[str, PeerRecord], list[tuple[str, str, str]]]:
         """Answer admission requests; the records of admitted peers, and events as (kind, peer, message): kind
         ``rejected`` (admissions refused, heartbeats of strangers ignored) or ``evicted``. ``client`` pings a running
         process of an identity a new process asks for (without one, nobody is taken for running). ``read``: the
-        requests and refusals already read (the coordinator reads them incrementally); else they are read here."""
+        requests and refusals already read (the coordinator reads them incrementally); else they are read here.
+        ``changed()``: the peers whose record changed or went since it was last asked (the reader's; the votes look
+        at those only), asked right before the votes are judged."""
         requests, refused = read if read is not None else node.get_admissions()
         still_there = (lambda rec: answers(client, self.run_id, self.me, rec)) if client is not None else (lambda rec: False)
         certs, events = self.admission.review(requests, in_use=self._in_use(requests, records, still_there))
         self._unsent += certs  # reviewed answers are not reviewed again: each is stored, whatever it takes
         self._send(node)
-        out = [("rejected", "", e) for e in events + refused] + [("evicted", p, m) for p, m in
-                                                                  self.evictions.judge(records, round_at)]
+        out = [("rejected", "", e) for e in events + refused] + [
+            ("evicted", p, m) for p, m in self.evictions.judge(records, round_at, changed() if changed else None)]
         now, admitted, revoked = time.time(), self.admission.admitted, self.admission.revoked
         kept = {pid: r for pid, r in records.items()  # (is_admitted, inlined: a call per peer per tick)
                 if (a := admitted.get(pid)) is not None and now < a.not_after and pid not in revoked}

@@ -142,13 +142,13 @@ class Coordinator:
         now, reader = time.monotonic(), self.reader
         refused = reader.poll(now)  # what the DHT reads brought (only the records that changed), refusals said once
         records, events = self.gate.tick(self.node, reader.peers.records, self.rounds.round_at, self.client,
-                                         (reader.admissions.records, refused))
+                                         (reader.admissions.records, refused), reader.peers.take)
         for kind, pid, message in events:  # (kinds from the admission room, never read off the message's text)
             self._event(kind, pid, message)
         self.publisher.revoked_changed()
         for kind, pid, message, warn in announce(self.table.update(records, now, reader.peers.as_of), self.table, self.cfg):
             self._event(kind, pid, message, warn)
-        for pid, message in self.integrity.observe(records, self.rounds.round_at):
+        for pid, message in self.integrity.observe({v.record.peer_id: v.record for v in self.table.changed}, self.rounds.round_at):
             self._event("audit", pid, message, True)
         retract = partial(self.rounds.retract, reports=self.table.reports(), checkpoint=self.checkpointer.checkpoint(), now=now)
         for ev in self.integrity.judge(self.gate.admission.revoke, retract, self._event) + self.rounds.observe(

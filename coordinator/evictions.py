@@ -36,7 +36,8 @@ class Evictions:
         self.trusted: Callable[[Sequence[Member], int], set[str]] = lambda cells, step: {m.peer_id for m in cells}
         self.trust_moved: Callable[[], Collection[str]] = tuple  # peers whose trust changed since last asked
 
-    def judge(self, records: dict[str, PeerRecord], round_at: Callable[[int], Round | None]) -> list[tuple[str, str]]:
+    def judge(self, records: dict[str, PeerRecord], round_at: Callable[[int], Round | None],
+              changed: Collection[str] | None = None) -> list[tuple[str, str]]:
         """The peers evicted now (and why), judged from ``records``' reports. Each owner signs whom it clipped or left
         out, and every member reports each owner's list as it received it (``StepReport.flags``). A peer counts as flagged in a step only when most of the *owners* it
         averaged with (its stage's; its group's, with ``sync.group_size``) flagged it, each owner's list as most
@@ -45,8 +46,9 @@ class Evictions:
         audit of its shard proves them false); reporters on probation (a crowd of fresh keys) do not count, and
         once past it, a crowd of reporters still cannot put words in an honest owner's mouth (it used to: 8
         fresh keys past a 2-step probation got the 3 honest peers evicted at a run's end). Flagged too often:
-        evicted."""
-        dirty: dict[int, set[str] | None] = dict(self._index(records))
+        evicted. ``changed`` (given): the peers whose record changed or went since the last call, the only ones looked
+        at (else every record is)."""
+        dirty: dict[int, set[str] | None] = dict(self._index(records, changed))
         rounds = {step: round_at(step) for step in self._by_step}  # (a step whose round is new, decided anew after
         for step, rnd in rounds.items():  # a rollback, or first judged: all of its groups; a decision changes one)
             if self._rounds.get(step) is not rnd:
@@ -76,13 +78,16 @@ class Evictions:
                                  f"in {sum(recent)} of its last {len(recent)} outer steps"))
         return out
 
-    def _index(self, records: dict[str, PeerRecord]) -> dict[int, set[str]]:
+    def _index(self, records: dict[str, PeerRecord], changed: Collection[str] | None = None) -> dict[int, set[str]]:
         """Keep ``_by_step`` (step -> reporter -> its report of that step, from the records now held) up to date
-        with ``records``; the steps whose reports changed, and whose."""
+        with ``records`` (those of ``changed``, if given: at 1,000 peers a pass over every record was a tenth of an
+        ordinary tick); the steps whose reports changed, and whose."""
         dirty: dict[int, set[str]] = {}
-        for pid in [pid for pid in self._seen if pid not in records]:
+        gone = [p for p in self._seen if p not in records] if changed is None else [
+            p for p in changed if p not in records and p in self._seen]
+        for pid in gone:
             self._put(pid, {r.step: None for r in self._seen.pop(pid).recent}, dirty)
-        for pid, rec in records.items():
+        for pid, rec in records.items() if changed is None else ((p, records[p]) for p in changed if p in records):
             old, self._seen[pid] = self._seen.get(pid), rec
             if old is not rec and (old is None or old.recent != rec.recent):  # (a heartbeat's new report: one step)
                 new: dict[int, StepReport | None] = {r.step: r for r in rec.recent}  # one report per reporter and step

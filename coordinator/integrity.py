@@ -110,7 +110,9 @@ class Integrity:
     # ------------------------------------------------------------------ what auditors report
 
     def observe(self, records: dict[str, PeerRecord], round_at: Callable[[int], Round | None]) -> list[tuple[str, str]]:
-        """Reports of the auditors that were picked: a lie goes to the verifier; events as (peer, message)."""
+        """Reports of the auditors that were picked: a lie goes to the verifier; events as (peer, message). Each report
+        is acted on once, so ``records`` need only be those that changed since the last call (the coordinator gives
+        its table's: at 1,000 peers a pass over every record was 1 ms of every tick)."""
         events: list[tuple[str, str]] = []
         for rec in records.values():
             for r in rec.audits:

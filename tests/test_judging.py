@@ -27,21 +27,24 @@ from potluck.protos.wire.records import GroupBase, Member, PeerRecord, Round, St
                                                         (2, 3, True)])
 def test_judging_only_the_groups_whose_reports_changed_gives_the_verdicts_of_judging_everything(
         tmp_path: Path, stages: int, group_size: int, trusting: bool) -> None:
-    """Two gatekeepers see the same 40 ticks of random reports (flags from owners and from liars, a reporter that
+    """Three gatekeepers see the same 40 ticks of random reports (flags from owners and from liars, a reporter that
     names another stage than its own, records replaced, dropped and back, rounds decided anew, members moved
-    between groups, peers admitted late and evicted): one incremental, one made to judge every step every tick. They flag, and evict, the same
-    peers at every tick."""
+    between groups, peers admitted late and evicted): one incremental, one made to judge every step every tick, and
+    one told which records changed or went (the coordinator's reader tells it: it looks at no other record). They
+    flag, and evict, the same peers at every tick."""
     rng = random.Random(7 + stages + group_size + 3 * trusting)
     cfg = apply_overrides(RunConfig(), {"admission.evict_after": 3})
     asks = [asking() for _ in range(12)]
     ids = sorted(pid for pid, _, _ in asks)
     late = set(ids[6:8])  # (admitted at tick 9: their reports start counting then)
     node = _Node({pid: req for pid, _, req in asks if pid not in late})
-    gates = [Gatekeeper(cfg, RUN, "coordinator-id", tmp_path / name, []) for name in ("incremental", "full")]
+    gates = [Gatekeeper(cfg, RUN, "coordinator-id", tmp_path / name, []) for name in ("incremental", "full", "told")]
     trust = Trust(probation_steps=2, founders=set(ids[:2]))  # (trusting: reporters past probation only, who cross
+    moved: list[str] = []
     if trusting:  # it as steps commit, and fall back behind it in a rollback)
-        gates[0].evictions.trusted = gates[1].evictions.trusted = trust.eligible
-        gates[0].evictions.trust_moved = trust.moved
+        for g in gates:
+            g.evictions.trusted = trust.eligible
+        gates[0].evictions.trust_moved = gates[2].evictions.trust_moved = lambda: moved  # (what moved this tick)
     per_stage = len(ids) // stages
 
     def a_round(step: int) -> Round:
@@ -59,6 +62,7 @@ def test_judging_only_the_groups_whose_reports_changed_gives_the_verdicts_of_jud
         return rounds.get(step) if step <= max(rounds) else rounds[max(rounds)]
 
     recent: dict[str, list[StepReport]] = {p: [] for p in ids}
+    records: dict[str, PeerRecord] = {}
     for tick in range(40):
         step = 1 + tick // 2
         rounds.setdefault(step, a_round(step))
@@ -78,11 +82,17 @@ def test_judging_only_the_groups_whose_reports_changed_gives_the_verdicts_of_jud
             trust.rolled_back(step - 4)
         if tick % 7 == 3:
             rounds[step] = a_round(step)  # the newest round decided anew (after a failure): all is judged again
-        records = {p: PeerRecord(peer_id=p, address="x:1", recent=list(r), seq=tick) for p, r in recent.items()
-                   if not (tick % 5 == 2 and p == ids[1])}  # one record missing now and then
+        before, records = records, {p: records[p] if p in records and records[p].recent == r else  # (kept: no change)
+                                    PeerRecord(peer_id=p, address="x:1", recent=list(r), seq=tick) for p, r in recent.items()
+                                    if not (tick % 5 == 2 and p == ids[1])}  # one record missing now and then
+        told = {p for p in before.keys() | records.keys() if before.get(p) is not records.get(p)}
+        assert len(told) < len(ids) or tick == 0, "most records are the same objects as the tick before"
+        moved[:] = trust.moved() if trusting else []
         full = gates[1].evictions  # (the old way: all)
         full._seen, full._by_step, full._flaggers, full._rounds = {}, {}, {}, {}
-        got = [g.tick(node, records, round_at)[1] for g in gates]
-        assert [e for e in got[0] if e[0] == "evicted"] == [e for e in got[1] if e[0] == "evicted"], tick
-        assert gates[0].evictions._flagged == gates[1].evictions._flagged, tick
+        got = [g.tick(node, records, round_at)[1] for g in gates[:2]] + [gates[2].tick(node, records, round_at,
+                                                                                      changed=told.copy)[1]]
+        for g, events in zip(gates[1:], got[1:], strict=True):
+            assert [e for e in got[0] if e[0] == "evicted"] == [e for e in events if e[0] == "evicted"], tick
+            assert gates[0].evictions._flagged == g.evictions._flagged, tick
     assert any(any(v.values()) for v in gates[0].evictions._flagged.values())  # (votes were cast: the test judged something)

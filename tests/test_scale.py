@@ -109,6 +109,7 @@ def test_the_coordinator_reads_only_the_records_that_changed(nodes: tuple[SwarmN
     store(peers[9], 3)
     changed, _ = feed.read()
     assert changed == [peers[9].peer_id]  # ... is not lost: the next read brings what changed since the last one taken
+    assert feed.take() == {p.peer_id for p in peers} and feed.take() == set()  # (every read's, until taken: once)
     odd = seal(peers[12], Manifest.model_construct(run_id="r"), 60)  # signed, but no peer record: opened there ...
     b.dht.run_coroutine(partial(store_at, peer=COORD.peer_id, key=key, subkey=peers[12].peer_id, value=odd,
                                 expiration=get_dht_time() + 60))
