@@ -152,7 +152,7 @@ class Coordinator:
             self._event("audit", pid, message, True)
         retract = partial(self.rounds.retract, reports=self.table.reports(), checkpoint=self.checkpointer.checkpoint(), now=now)
         for ev in self.integrity.judge(self.gate.admission.revoke, retract, self._event) + self.rounds.observe(
-                self.table.reports(), now, self.checkpointer.checkpoint()):
+                self.table.reports(), now, self.checkpointer.checkpoint(), self.table.take_changed()):
             self._on(ev)
         self._checkpoints_done()
         self._maybe_finish(now)

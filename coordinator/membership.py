@@ -17,7 +17,7 @@ peers, those gone longest are forgotten (one that comes back is a newcomer again
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +81,7 @@ class PeerTable:
         self._reports: list[Report] | None = None  # (every view's report, in the views' order: see reports)
         self._at: dict[str, int] = {}  # peer id -> where its report is in ``_reports``
         self._stale: set[str] = set()  # peers whose view changed since (their reports are made again, or added)
+        self._moved: set[str] | None = set()  # ... since take_changed last asked (None: some were forgotten)
 
     @classmethod
     def for_run(cls, cfg: RunConfig) -> PeerTable:
@@ -132,11 +133,13 @@ class PeerTable:
                 view.left = True
                 events.append(("failed" if rec.state == PeerState.FAILED else "left", pid))
         self._stale.update(v.record.peer_id for v in self.changed)
+        self._note_moved(v.record.peer_id for v in self.changed)
         gone = 0
         for pid, view in self.peers.items():
             if not view.lost and now - view.last_seen > self.timeout:
                 view.lost = True  # (one that said goodbye is not reported lost, but no longer there)
                 self._stale.add(pid)
+                self._note_moved((pid,))
                 self.on_lost(pid)
                 if not view.left:
                     events.append(("lost", pid))
@@ -153,6 +156,7 @@ class PeerTable:
         if view is not None:
             view.lost = view.evicted = True
             self._stale.add(peer_id)
+            self._note_moved((peer_id,))
             self.on_lost(peer_id)
 
     def _forget(self, n: int) -> None:
@@ -160,7 +164,17 @@ class PeerTable:
         oldest = sorted((v.last_seen, pid) for pid, v in self.peers.items() if not v.live)[:n]
         for _, pid in oldest:
             del self.peers[pid]
-        self._reports = None
+        self._reports, self._moved = None, None
+
+    def _note_moved(self, pids: Iterable[str]) -> None:
+        if self._moved is not None:
+            self._moved.update(pids)
+
+    def take_changed(self) -> list[Report] | None:
+        """The reports of the peers whose view changed since the last call (joined, heartbeat, lost, gone, back,
+        evicted); None when some peer was forgotten meanwhile (a consumer then looks at every report)."""
+        moved, self._moved = self._moved, set()
+        return None if moved is None else [self.peers[p].report() for p in sorted(moved) if p in self.peers]
 
     def live(self) -> list[PeerView]:
         return [v for v in self.peers.values() if v.live]

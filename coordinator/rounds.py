@@ -80,6 +80,7 @@ class Rounds:
     _regather: frozenset[str] = frozenset()  # the members of the round that failed last (the wait is for them)
     _short_since: float | None = None  # when a fresh start's pings first reached fewer than min_peers
     _voted: dict[str, tuple[Report, tuple]] = field(default_factory=dict)  # peer -> the report it last voted with
+    _voted_in: tuple = ()  # the context of the last votes cast (see _learn_included)
     wall: Callable[[], float] = time.time  # wall-clock stamps for the journal (every decision uses ``now``)
     data: DataCursor = field(default_factory=lambda: DataCursor(per_replica=1))  # who trains on which samples
 
@@ -150,12 +151,15 @@ class Rounds:
                 self._started[step] = now
         self._committed_at = now
 
-    def observe(self, reports: Sequence[Report], now: float, checkpoint: Checkpoint | None = None) -> list[Event]:
-        """Fold the peers' latest reports in: commits, canonical hashes, and failure of the pending round."""
+    def observe(self, reports: Sequence[Report], now: float, checkpoint: Checkpoint | None = None,
+                changed: Sequence[Report] | None = None) -> list[Event]:
+        """Fold the peers' latest reports in: commits, canonical hashes, and failure of the pending round. ``changed``
+        (given): the reports that changed since the last call (:meth:`PeerTable.take_changed`); what only a changed
+        report can change -- a peer's progress, its data votes -- is looked for in those alone."""
         events: list[Event] = []
-        self._note_progress(reports, now)
+        self._note_progress(reports, now, changed)
         self._learn_hashes(reports)
-        self._learn_included(reports)
+        self._learn_included(reports, changed)
         step = self._reached(reports)
         if step > self.committed:
             started = self._started.get(step)
@@ -219,13 +223,17 @@ class Rounds:
         for (stage, version), hashes in votes.items():
             self.hashes.setdefault(stage, {})[version] = Counter(hashes).most_common(1)[0][0]
 
-    def _learn_included(self, reports: Sequence[Report]) -> None:
+    def _learn_included(self, reports: Sequence[Report], changed: Sequence[Report] | None = None) -> None:
         """Which replicas' samples each coming version holds, as the stage-0 members of its round say
-        (the round's own record says who is in stage 0, not the report)."""
+        (the round's own record says who is in stage 0, not the report). Of ``changed`` only, if given, when nothing
+        else a vote depends on changed since the last call."""
         shared: dict[int, set[int]] = {}  # round step -> the replicas it gave a share (once per round, not per vote)
         context = (self.committed, self.epoch, self._latest_step())  # (what else a vote depends on)
         if len(self._voted) > 2 * len(reports) + 100:
             self._voted = {r.peer_id: self._voted[r.peer_id] for r in reports if r.peer_id in self._voted}
+        if changed is not None and context == self._voted_in:
+            reports = changed  # (every other report's votes are in, cast in this same context)
+        self._voted_in = context
         for r in reports:
             if (last := self._voted.get(r.peer_id)) is not None and last[0] is r and last[1] == context:
                 continue  # (its votes are in: at 1,000 peers, casting them all again every tick cost a tenth of it)
@@ -241,10 +249,10 @@ class Rounds:
                         known = shared[made_by.step] = {s.replica for s in made_by.shares}
                     self.data.vote(step, epoch, r.peer_id, [i for i in included if i in known])
 
-    def _note_progress(self, reports: Sequence[Report], now: float) -> None:
+    def _note_progress(self, reports: Sequence[Report], now: float, changed: Sequence[Report] | None = None) -> None:
         if len(self._progress) > 2 * len(reports) + 100:  # (peers forgotten: with churn it grew without end)
             self._progress = {r.peer_id: self._progress[r.peer_id] for r in reports if r.peer_id in self._progress}
-        for r in reports:
+        for r in reports if changed is None else changed:  # (a report that did not change made no progress)
             old = self._progress.get(r.peer_id)
             if old is None or old[0] != r.progress:
                 self._progress[r.peer_id] = (r.progress, now)
