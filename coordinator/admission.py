@@ -254,7 +254,7 @@ class Gatekeeper:
         now, admitted, revoked = time.time(), self.admission.admitted, self.admission.revoked
         kept = {pid: r for pid, r in records.items()  # (is_admitted, inlined: a call per peer per tick)
                 if (a := admitted.get(pid)) is not None and now < a.not_after and pid not in revoked}
-        strangers = sorted(set(records) - set(kept) - self.admission.revoked)
+        strangers = sorted(set(records) - set(kept) - revoked) if len(kept) < len(records) else []
         return kept, out + [("rejected", p, "heartbeat ignored: not admitted") for p in strangers[:3]]
 
     def _send(self, node: SwarmNode) -> None:

@@ -89,11 +89,11 @@ class Evictions:
             self._put(pid, {r.step: None for r in self._seen.pop(pid).recent}, dirty)
         for pid, rec in records.items() if changed is None else ((p, records[p]) for p in changed if p in records):
             old, self._seen[pid] = self._seen.get(pid), rec
-            if old is not rec and (old is None or old.recent != rec.recent):  # (a heartbeat's new report: one step)
+            if old is not rec and (old is None or [r.__dict__ for r in old.recent] != [r.__dict__ for r in rec.recent]):
                 new: dict[int, StepReport | None] = {r.step: r for r in rec.recent}  # one report per reporter and step
-                was = {r.step: r for r in old.recent} if old is not None else {}
+                was = {r.step: r for r in old.recent} if old is not None else {}  # (a heartbeat's new report: one step)
                 self._put(pid, {step: new.get(step) for step in new.keys() | was.keys()
-                                if new.get(step) != was.get(step)}, dirty)
+                                if not _same(new.get(step), was.get(step))}, dirty)
         return dirty
 
     def _put(self, pid: str, reports: dict[int, StepReport | None], dirty: dict[int, set[str]]) -> None:
@@ -175,3 +175,9 @@ def _as_most_say(versions: Counter[tuple[str, ...]]) -> set[str]:
     reports came in: the first to arrive used to win a tie, so one coordinator's verdict hung on arrival order)."""
     top = max(versions.values())
     return set.intersection(*(set(v) for v, n in versions.items() if n == top))
+
+
+def _same(a: StepReport | None, b: StepReport | None) -> bool:
+    """The same report (its fields compared as they are: a model's == costs several times more, per report of every
+    record that changed, every tick)."""
+    return a is b or (a is not None and b is not None and a.__dict__ == b.__dict__)
