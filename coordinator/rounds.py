@@ -19,7 +19,8 @@ state (``base_hashes``: per stage, the hash of version ``v - 1``). Each round en
   held by a live peer (its current state or the one before it, both served) or in the newest
   checkpoint; version 0 (theta_0, which every peer builds from the run's seed) always can. The
   *epoch* grows by one, so a member still holding a version of the failed epoch knows it must roll
-  back, and its stragglers' messages are refused.
+  back, and its stragglers' messages are refused. (Failing and rolling back are
+  :mod:`potluck.coordinator.rollback`'s part of the lifecycle.)
 
 Nothing here does I/O or reads a clock of its own: the coordinator feeds it peer reports and the
 time (``now``, monotonic seconds), and acts on the events it returns. That is what makes the
@@ -36,27 +37,22 @@ from dataclasses import dataclass, field
 
 from potluck.coordinator import groups
 from potluck.coordinator.cursor import DataCursor
+from potluck.coordinator.rollback import KEEP_ROUNDS, REGATHER, RollingBack
 from potluck.coordinator.roundevents import (
     Checkpoint,
     Committed,
     Event,
-    Failed,
     Report,
-    RolledBack,
     RoundOutcome,
 )
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.wire.records import Audit, Member, Round
 
-KEEP_ROUNDS = 16
 KEEP_DURATIONS = 8
 
 
-REGATHER = 3  # heartbeat timeouts for peers to gather again (after a restart: restore; a failure: ready_to_decide)
-
-
 @dataclass
-class Rounds:
+class Rounds(RollingBack):
     """Committed step, decided rounds, canonical hashes and the epoch of a run."""
 
     stages: int
@@ -256,92 +252,6 @@ class Rounds:
             old = self._progress.get(r.peer_id)
             if old is None or old[0] != r.progress:
                 self._progress[r.peer_id] = (r.progress, now)
-
-    # ------------------------------------------------------------------ failing and rolling back
-
-    def _failure(self, rnd: Round, reports: Sequence[Report], now: float) -> str:
-        """Why ``rnd`` has failed by ``now``, or '' if it has not."""
-        started = self._started.setdefault(rnd.step, now)
-        age = now - started
-        live = {r.peer_id for r in reports if r.live}
-        if age >= self.grace_s * (REGATHER if (rnd.step, rnd.epoch) in self._restored else 1):
-            for stage in range(rnd.stages):
-                if not any(m.peer_id in live for m in rnd.stage_members(stage)):
-                    return f"stage {stage} lost all its members" if rnd.stages > 1 else "every member is gone"
-        members = [m.peer_id for m in rnd.members if m.peer_id in live]
-        last = max((self._progress[p][1] for p in members if p in self._progress), default=started)
-        if now - max(last, started) >= self.floor_s:
-            return f"no member made progress for {self.floor_s:.0f} s"
-        deadline = self.deadline_s()
-        if deadline is not None and age >= deadline:
-            return f"not committed within {deadline:.0f} s ({self.factor:g}x the measured step time, at least the floor)"
-        return ""
-
-    def retract(self, step: int, reason: str, reports: Sequence[Report], checkpoint: Checkpoint | None,
-                now: float) -> list[Event]:
-        """Step ``step`` committed a proven lie (verified reduction): the run goes back to a version before it,
-        whatever came after, and the round running now (if any) fails with it."""
-        rnd = self.pending() or self.rounds.get(step) or self.round_at(step)
-        if rnd is None or step > self.committed:
-            return []
-        return self._fail(rnd, reason, reports, checkpoint, now, ceiling=step - 1)
-
-    def _fail(self, rnd: Round, reason: str, reports: Sequence[Report], checkpoint: Checkpoint | None,
-              now: float, ceiling: int | None = None) -> list[Event]:
-        target, source = self.rollback_target(reports, checkpoint, ceiling)
-        events: list[Event] = [Failed(rnd, reason)]
-        before = self.committed
-        for step in [s for s in self.rounds if s > target]:
-            del self.rounds[step]
-            self._started.pop(step, None)
-        for by_version in self.hashes.values():
-            for v in [v for v in by_version if v > target]:
-                del by_version[v]
-        if checkpoint is not None and checkpoint.version == target:
-            for stage, h in checkpoint.hashes.items():
-                self.hashes.setdefault(stage, {})[target] = h
-        self.epoch += 1
-        self.committed = target
-        self.data.roll_back(target, checkpoint.cursor if checkpoint is not None and checkpoint.version == target else None)
-        self._committed_at, self._failed_at = now, now
-        self._regather = frozenset(m.peer_id for m in rnd.members)
-        self._fresh_start = True
-        self.outcomes.append(RoundOutcome(rnd.step, rnd.epoch, reason, len(rnd.members), target, self.wall()))
-        self.outcomes = self.outcomes[-KEEP_ROUNDS:]
-        if target < before:
-            events.append(RolledBack(before, target, source, self.epoch))
-        return events
-
-    def rollback_target(self, reports: Sequence[Report], checkpoint: Checkpoint | None,
-                        ceiling: int | None = None) -> tuple[int, str]:
-        """The newest version at or below the committed one (and ``ceiling``) that every stage can be had at,
-        and from where."""
-        for v in range(self.committed if ceiling is None else min(ceiling, self.committed), 0, -1):
-            if checkpoint is not None and checkpoint.version == v:
-                return v, "checkpoint"
-            if all(self._held(stage, v, reports) for stage in range(self.stages)):
-                return v, "live peers"
-        return 0, "theta_0"
-
-    def _held(self, stage: int, version: int, reports: Sequence[Report]) -> bool:
-        """Some live member of ``stage`` holds ``version``: at the canonical hash, or with grouped averaging
-        at any hash of the run's line (its newest state made in the epoch of the round that made it)."""
-        want = "" if self.group_size else self.canonical(version, stage)
-        for r in reports:
-            if not r.live or r.stage != stage:
-                continue
-            if self.group_size and not self._on_line(r):
-                continue
-            for v, h in ((r.version, r.state_hash), (r.prev_version, r.prev_hash)):
-                if v == version and h and (not want or h == want):
-                    return True
-        return False
-
-    def _on_line(self, r: Report) -> bool:
-        """``r``'s newest state was made in the epoch of the round that made it (or is theta_0): neither
-        it nor the one before it is of an abandoned epoch."""
-        made_by = self.round_at(r.version)
-        return r.version == 0 or made_by is None or r.epoch == made_by.epoch
 
     # ------------------------------------------------------------------ deciding
 
