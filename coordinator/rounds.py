@@ -77,6 +77,9 @@ class Rounds(RollingBack):
     _short_since: float | None = None  # when a fresh start's pings first reached fewer than min_peers
     _voted: dict[str, tuple[Report, tuple]] = field(default_factory=dict)  # peer -> the report it last voted with
     _voted_in: tuple = ()  # the context of the last votes cast (see _learn_included)
+    _shapes: dict[str, tuple] = field(default_factory=dict)  # peer -> what its hash and version were last (see _moved)
+    _folded: tuple = ()  # the context the hashes and the step reached were last made in (see _context)
+    _hashes_set: int = 0  # how often the hashes were set from outside the reports (restored, adopted, pruned)
     wall: Callable[[], float] = time.time  # wall-clock stamps for the journal (every decision uses ``now``)
     data: DataCursor = field(default_factory=lambda: DataCursor(per_replica=1))  # who trains on which samples
 
@@ -126,7 +129,7 @@ class Rounds(RollingBack):
         self.committed, self.epoch = committed, epoch
         self.data.restore(cursors, committed)
         self.rounds = {r.step: r for r in rounds}
-        self.hashes = {s: dict(v) for s, v in hashes.items()}
+        self.hashes, self._hashes_set = {s: dict(v) for s, v in hashes.items()}, self._hashes_set + 1
         self.outcomes = [RoundOutcome(**o) for o in outcomes]
         self._started = {step: now for step in self.rounds}
         self._restored = {(r.step, r.epoch) for r in self.rounds.values()}
@@ -154,9 +157,14 @@ class Rounds(RollingBack):
         report can change -- a peer's progress, its data votes -- is looked for in those alone."""
         events: list[Event] = []
         self._note_progress(reports, now, changed)
-        self._learn_hashes(reports)
+        # the canonical hashes and the step reached depend on nothing but each report's version, stage, epoch, hash
+        # and liveness and on the rounds: unless one of those changed, they are what the last tick made (at 1,000
+        # peers most ticks bring heartbeats from the middle of a step, and both were a pass over every report)
+        moved = self._moved(changed) or self._folded != self._context()
+        if moved:
+            self._learn_hashes(reports)
         self._learn_included(reports, changed)
-        step = self._reached(reports)
+        step = self._reached(reports) if moved else self.committed
         if step > self.committed:
             started = self._started.get(step)
             seconds = now - started if started is not None and step == self._latest_step() else None
@@ -171,10 +179,27 @@ class Rounds(RollingBack):
             reason = self._failure(pending, reports, now)
             if reason:
                 events.extend(self._fail(pending, reason, reports, checkpoint, now))
+        self._folded = self._context()
         return events
 
     def _latest_step(self) -> int:
         return max(self.rounds, default=0)
+
+    def _context(self) -> tuple:
+        latest = self.latest
+        return self.committed, self.epoch, id(latest), latest.epoch if latest else -1, self._hashes_set
+
+    def _moved(self, changed: Sequence[Report] | None) -> bool:
+        """Did a report in ``changed`` (None: any report) change what the hashes and the step reached are made of?"""
+        if changed is None:
+            self._shapes.clear()
+            return True
+        moved = False
+        for r in changed:
+            shape = (r.version, r.stage, r.epoch, r.state_hash, r.live)
+            if self._shapes.get(r.peer_id) != shape:
+                self._shapes[r.peer_id], moved = shape, True
+        return moved
 
     def _reached(self, reports: Sequence[Report]) -> int:
         """The highest version every stage of the latest round has reached in the current epoch.
@@ -340,7 +365,7 @@ class Rounds(RollingBack):
         self.stages = stages
         self.rounds.clear()
         self._started.clear()
-        self.hashes = {s: {checkpoint.version: h} for s, h in checkpoint.hashes.items()}
+        self.hashes, self._hashes_set = {s: {checkpoint.version: h} for s, h in checkpoint.hashes.items()}, self._hashes_set + 1
         self.committed, self._committed_at = checkpoint.version, now
         self.data.roll_back(checkpoint.version, checkpoint.cursor)
         self.epoch += 1
@@ -348,12 +373,14 @@ class Rounds(RollingBack):
 
     def adopt_checkpoint(self, checkpoint: Checkpoint) -> None:
         """A checkpoint written of this layout: its hashes are canonical where none is known yet."""
+        self._hashes_set += 1
         for stage, h in checkpoint.hashes.items():
             self.hashes.setdefault(stage, {}).setdefault(checkpoint.version, h)
 
     def prune_hashes(self) -> None:
         """Keep the hashes a journal needs: the bases of the rounds kept, and the committed step's."""
         keep = {r.step - 1 for r in self.rounds.values()} | {self.committed}
+        self._hashes_set += 1
         for by_version in self.hashes.values():
             for v in [v for v in by_version if v not in keep]:
                 del by_version[v]
