@@ -171,6 +171,7 @@ class DataCursor:
     _says: dict[tuple[int, int], dict[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)  # ... -> say -> itself
     repeats: int = 0  # positions a step was handed that were not free (a bug if ever > 0; counted, logged)
     returned: int = 0  # positions handed back to the pool since this process started (dead, stalled, rejected)
+    _kept: Any = field(default=None, compare=False, repr=False)  # (key, (base, round), what _held made of them)
 
     # ------------------------------------------------------------------ views
 
@@ -199,14 +200,11 @@ class DataCursor:
             base = self.newest()
         step, carried = committed + 1, {}
         if prev is not None and prev.shares and prev.epoch == epoch and prev.step <= step:
-            old = {m.peer_id: m.replica for m in prev.members if m.stage == 0}
-            block = {s.replica: prev.data_spans(step, s.replica) for s in prev.shares}
+            old, block, rest = self._held(base, step, prev)
             carried = {peer: block[old[peer]] for peer, _ in stage0 if old.get(peer) in block}
-            kept = {old[peer] for peer in carried}
-            handed = merge(x for spans in block.values() for x in spans)  # (asked of the few spans they merge into,
-            if all(base.free(span) for span in handed):  # not of each replica's: 1.6 ms at 1,000)
-                base = base.without(handed)
-                base = base.with_back([x for r, spans in block.items() if r not in kept for x in spans])
+            if rest is not None:
+                kept = {old[peer] for peer in carried}
+                base = rest.with_back([x for r, spans in block.items() if r not in kept for x in spans])
             else:  # not where the cursor stands (a journal from before, a bug): hand out fresh samples
                 carried = {}
         fresh = [replica for peer, replica in stage0 if peer not in carried]
@@ -216,6 +214,25 @@ class DataCursor:
                   for peer, replica in sorted(stage0, key=lambda pr: pr[1])]
         after = base.without([tuple(x) for share in shares for x in share.spans])
         return shares, after.frontier, list(after.pool[:POOL_IN_ROUND])
+
+    def warm(self, committed: int, prev: Round | None, epoch: int) -> None:
+        """Make now what :meth:`assign` of round ``committed + 1`` will need of the round before and the cursor (while
+        that round settles: at 1,000 replicas, each one's spans were a third of a decision's tick)."""
+        base = self.at.get(committed)
+        if base is not None and prev is not None and prev.shares and prev.epoch == epoch and prev.step <= committed + 1:
+            self._held(base, committed + 1, prev)
+
+    def _held(self, base: Cursor, step: int, prev: Round) -> tuple[dict[str, int], dict[int, list[Span]], Cursor | None]:
+        """What ``prev``'s stage-0 replicas read at ``step`` on its plan: (peer -> its replica in ``prev``, replica ->
+        its spans, ``base`` less all of them, or None when they are not all free there); kept for the same arguments."""
+        key = (id(base), step, id(prev))
+        if self._kept is None or self._kept[0] != key or self._kept[1][0] is not base or self._kept[1][1] is not prev:
+            old = {m.peer_id: m.replica for m in prev.members if m.stage == 0}
+            block = {s.replica: prev.data_spans(step, s.replica) for s in prev.shares}
+            handed = merge(x for spans in block.values() for x in spans)  # (asked of the few spans they merge into,
+            rest = base.without(handed) if all(base.free(span) for span in handed) else None  # not of each replica's)
+            self._kept = (key, (base, prev), (old, block, rest))
+        return self._kept[2]
 
     def vote(self, step: int, epoch: int, peer: str, included: Sequence[int]) -> None:
         """Stage-0 member ``peer`` of ``step`` (made in ``epoch``) says which replicas the version holds."""

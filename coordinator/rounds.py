@@ -180,6 +180,8 @@ class Rounds(RollingBack):
             if reason:
                 events.extend(self._fail(pending, reason, reports, checkpoint, now))
         self._folded = self._context()
+        if self.settling():  # (the next decision's data shares, made ready while the committed round settles)
+            self.data.warm(self.committed, self.round_at(self.committed), self.epoch)
         return events
 
     def _latest_step(self) -> int:
