@@ -18,9 +18,9 @@ from potluck.protos.runtime.heap import Heap
 
 KEEP_TICKS = 1000
 # a tick that has used this much CPU already leaves the status snapshot to the next one ... (at 1,000 peers an
-# ordinary tick takes 15-40 ms, a commit's fold 15-50 ms more, a decision 20-40 ms more: at 50 ms the fold, the
-# journal and the plan's publish came on top of a decision or a commit, and made the tick's p99)
-LONG_TICK_S = 0.03
+# ordinary tick takes 12-20 ms, and each of a snapshot's build, an entry's totals, a journal write and a new plan's
+# publish 7-20 ms more: the heaviest tick is about this much plus the heaviest of them; it was 30 ms, and 50 before)
+LONG_TICK_S = 0.02
 STALE_S = 2.0  # ... unless the snapshot is this old
 MAX_WAITS = 3  # ... and what else can wait waits this many long ticks running at most
 # building the status snapshot takes at most this share of the loop's time: at 1,000 peers a build is ~20 ms, and a
