@@ -215,7 +215,8 @@ class Coordinator:
             fault("coordinator.decided", r.step)
         live, made = self.table.live(), self.rounds.rounds.get(self.rounds.committed)
         due = self.health.due(self.rounds.ready_to_decide(len(live), self.cfg.membership.min_peers, now, self.table.reports()), now)
-        if self.state.finished or self.rounds.committed >= self.cfg.diloco.outer_steps or not (due or self.rounds.settling()):
+        if self.state.finished or self.rounds.committed >= self.cfg.diloco.outer_steps or not (
+                due or self.rounds.settling(len(live), self.cfg.membership.min_peers)):
             return
         at_work = partial(self.table.at_work, self.rounds.committed, self.rounds.epoch, made)  # (they need no ping)
         answered = self.pinger.poll((v.record for v in live), at_work, due)  # (settling: the pings start, kept)
