@@ -98,6 +98,8 @@ def test_the_coordinator_reads_only_the_records_that_changed(nodes: tuple[SwarmN
     before = time.monotonic()
     changed, refused = feed.read()
     assert len(changed) == 30 and not refused and feed.last_changed == 30 and len(feed.records) == 30
+    assert feed._unseen is None  # (nothing kept for a feed nobody takes from: it would only grow)
+    assert feed.take() == set(feed.records)  # (the first time: every record held; then what changed since)
     assert feed.as_of is not None and before <= feed.as_of <= time.monotonic()  # when the read that brought them began
     assert feed.read() == ([], []) and feed.last_changed == 0  # nothing changed: nothing crosses, nothing re-verified
     store(peers[3], 2, "left")
@@ -109,13 +111,14 @@ def test_the_coordinator_reads_only_the_records_that_changed(nodes: tuple[SwarmN
     store(peers[9], 3)
     changed, _ = feed.read()
     assert changed == [peers[9].peer_id]  # ... is not lost: the next read brings what changed since the last one taken
-    assert feed.take() == {p.peer_id for p in peers} and feed.take() == set()  # (every read's, until taken: once)
+    assert feed.take() == {peers[i].peer_id for i in (3, 7, 9)} and feed.take() == set()  # (every read's, once)
     odd = seal(peers[12], Manifest.model_construct(run_id="r"), 60)  # signed, but no peer record: opened there ...
     b.dht.run_coroutine(partial(store_at, peer=COORD.peer_id, key=key, subkey=peers[12].peer_id, value=odd,
                                 expiration=get_dht_time() + 60))
     changed, refused = feed.read()  # ... refused here by the parse, said, and not held
     assert changed == [peers[12].peer_id] and peers[12].peer_id not in feed.records
     assert len(refused) == 1 and "malformed PeerRecord" in refused[0], refused
+    assert feed.take() == {peers[12].peer_id}  # (its record went: the consumer drops what it made of it)
 
 
 def test_a_heartbeat_lands_while_the_coordinator_is_away(nodes: tuple[SwarmNode, SwarmNode]) -> None:

@@ -149,7 +149,7 @@ class Feed(Generic[_S]):
         self._ack: int | None = None
         self._future: Any = None
         self._started = -float("inf")
-        self._unseen: set[str] = set()  # ids whose record changed or went since the loop last took them (see take)
+        self._unseen: set[str] | None = None  # ids whose record changed or went since last taken (None: never asked)
 
     def poll(self, now: float | None = None) -> tuple[list[str], list[str]]:
         """``(ids whose record changed or went, refusal reasons)`` from the answer that arrived, if any."""
@@ -208,11 +208,12 @@ class Feed(Generic[_S]):
             self.records.pop(subkey, None)
         self._ack, self.held, self.last_changed = read, held, len(changed)
         ids = [s for s in changed if isinstance(s, str)] + list(gone)
-        self._unseen.update(ids)
+        if self._unseen is not None:  # (kept only for a feed someone takes them from: else it would only grow)
+            self._unseen.update(ids)
         return ids, refused
 
     def take(self) -> set[str]:
-        """The ids whose record changed or went since the last call (a consumer that keeps what it made of
-        ``records`` looks at those only, not at every record each tick; one consumer per feed)."""
-        taken, self._unseen = self._unseen, set()
+        """The ids whose record changed or went since the last call; at the first, every id held (a consumer that
+        keeps what it made of ``records`` looks at those only, not at every record each tick; one consumer a feed)."""
+        taken, self._unseen = set(self.records) if self._unseen is None else self._unseen, set()
         return taken
