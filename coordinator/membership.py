@@ -132,14 +132,12 @@ class PeerTable:
             if rec.state in GONE and not view.left:
                 view.left = True
                 events.append(("failed" if rec.state == PeerState.FAILED else "left", pid))
-        self._stale.update(v.record.peer_id for v in self.changed)
-        self._note_moved(v.record.peer_id for v in self.changed)
+        self._views_changed([v.record.peer_id for v in self.changed])
         gone = 0
         for pid, view in self.peers.items():
             if not view.lost and now - view.last_seen > self.timeout:
                 view.lost = True  # (one that said goodbye is not reported lost, but no longer there)
-                self._stale.add(pid)
-                self._note_moved((pid,))
+                self._views_changed((pid,))
                 self.on_lost(pid)
                 if not view.left:
                     events.append(("lost", pid))
@@ -155,8 +153,7 @@ class PeerTable:
         view = self.peers.get(peer_id)
         if view is not None:
             view.lost = view.evicted = True
-            self._stale.add(peer_id)
-            self._note_moved((peer_id,))
+            self._views_changed((peer_id,))
             self.on_lost(peer_id)
 
     def _forget(self, n: int) -> None:
@@ -166,7 +163,9 @@ class PeerTable:
             del self.peers[pid]
         self._reports, self._moved = None, None
 
-    def _note_moved(self, pids: Iterable[str]) -> None:
+    def _views_changed(self, pids: Iterable[str]) -> None:
+        """These peers' views changed: their reports are made again (:meth:`reports`) and told (:meth:`take_changed`)."""
+        self._stale.update(pids)
         if self._moved is not None:
             self._moved.update(pids)
 

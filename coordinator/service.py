@@ -112,10 +112,11 @@ class Pinger:
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 return None
-            answer, records, now = self._answer, list(records), time.monotonic()
+            answer, now = self._answer, time.monotonic()
+            if answer is not None and now - answer[2] <= self.max_age_s and not due:
+                return None  # (kept for the decision: asked on every tick while the round settles, it looks at no peer)
+            records = list(records)
             if answer is not None and now - answer[2] <= self.max_age_s:
-                if not due:
-                    return None  # (kept for the decision)
                 here = {r.peer_id: r for r in records}  # (a proven liar answered the pings that began before its proof)
                 late = [r for r in records if r.peer_id not in answer[3]]  # (live since the pings began: in if at work
                 known = set(proven()) if late else set()  # or their own first answer is fresh, else in the next round)
