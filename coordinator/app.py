@@ -219,9 +219,9 @@ class Coordinator:
                 due or self.rounds.settling(len(live), self.cfg.membership.min_peers)):
             return
         at_work = partial(self.table.at_work, self.rounds.committed, self.rounds.epoch, made)  # (they need no ping)
-        answered = self.pinger.poll((v.record for v in live), at_work, due)  # (settling: the pings start, kept)
-        if answered is None or self.rounds.short_of(len(answered[0]), len(live), self.cfg.membership.min_peers, now):
-            return  # (while the pings run, off this loop; a fresh start pings again for min_peers a while)
+        short = partial(self.rounds.short_of, live=len(live), min_peers=self.cfg.membership.min_peers, now=now)
+        if (answered := self.pinger.poll((v.record for v in live), at_work, due, short)) is None:
+            return  # (settling, the pings start, kept; they run off this loop; a fresh start waits for min_peers a while)
         records, t0 = answered[0], self.health.decision_began(answered[1])  # (from when it was due, or its pings)
         before = {m.peer_id: (m.stage, m.replica) for m in getattr(made, "members", [])}
         placed = grid_for(self.cfg, records, self.rounds.stages, before, self.reader.links.records, self.placement)

@@ -81,11 +81,11 @@ class Pinger:
 
     :meth:`prime` pings a peer when it first shows up (or comes back), off the loop too: the next decision
     takes that answer without a ping of its own if it came after the decision before took its answers, and
-    at most ``primed_s`` ago. With churn, nearly all a decision had left to ping were such newcomers, and
-    waiting for them was most of its time (0.16 s of a median decision at 1,000 peers, on a machine of its
-    own; a second for the first round after a join burst). Only the next decision: a member killed later,
-    whose record then stops short of the committed step, is pinged again like before (a test killing one
-    mid-step caught a round decided with it, its join-time answer taken as fresh)."""
+    at most ``primed_s`` ago (or after the pings it keeps began). With churn, nearly all a decision had left to
+    ping were such newcomers, and waiting for them was most of its time (0.16 s of a median decision at 1,000
+    peers, on a machine of its own; a second for the first round after a join burst). Only the next decision: a
+    member killed later, whose record then stops short of the committed step, is pinged again like before (a
+    test killing one mid-step caught a round decided with it, its join-time answer taken as fresh)."""
 
     def __init__(self, client: PeerClient, run_id: str, me: str, max_age_s: float = 10.0,
                  done: Callable[[], None] = lambda: None, primed_s: float = PRIMED_S) -> None:
@@ -93,58 +93,96 @@ class Pinger:
         self.done = done  # told when the answers are in (the coordinator's loop wakes to decide at once)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._answer: tuple[list[PeerRecord], float, float, set[str]] | None = None  # (reachable, began, ended, asked)
+        self._answer: tuple[set[str], set[str], float, float] | None = None  # (answered, asked, began, ended)
         self._queue: dict[str, PeerRecord] = {}  # newcomers not pinged yet (by peer id: the newest record)
         self._primer: threading.Thread | None = None
-        self._answered: dict[str, tuple[str, float]] = {}  # peer id -> (the address that answered, when it did)
+        self._priming: set[str] = set()  # queued for the primer, or its pings in flight
+        self._answered: dict[str, tuple[str, float]] = {}  # peer id -> (the address that answered, "" if none; when)
+        self._again: dict[str, float] = {}  # peer id -> when a short answer had it pinged again
         self._taken = -float("inf")  # when a decision last took its answers: a primed answer before it is spent
 
     def poll(self, records: Iterable[PeerRecord], proven: Callable[[], Collection[str]] = frozenset, due: bool = True,
-             ) -> tuple[list[PeerRecord], float] | None:
+             short: Callable[[int], bool] = lambda answered: False) -> tuple[list[PeerRecord], float] | None:
         """``proven()``: peers whose own reports just showed them at work (they averaged or fetched the committed
         step, and heartbeat): they are not pinged again, nor are peers whose answer to :meth:`prime`'s ping came
-        after the last decision took its answers, within ``primed_s``, at the address they still announce. With no
-        one left to ping, the answer is at once. Asked only when pings start (not on every tick they run).
+        after the last decision took its answers, within ``primed_s`` of the pings' start, at the address they still
+        announce, nor peers whose :meth:`prime` ping is on its way. With no one left to ping, the answer is at once.
 
         Not ``due`` (the decision is not due yet: the round just committed, its members still report it), the pings
         start and their answer is kept for the decision, not taken: at 1,000 peers the newcomers' pings were most
-        of a decision's time, and the committed round's settling is time enough for them (up to ``settle_s``)."""
+        of a decision's time, and the committed round's settling is time enough for them (up to ``settle_s``).
+        Once due, who is in is looked at again: a peer proven then but not now is pinged by the decision (a member
+        killed while the round settled); a newcomer since is in on its own first answer, else in the next round.
+
+        ``short(answered)``: wait on (a fresh start short of ``min_peers``)? The answer is kept, not taken, and the
+        peers it lacks are pinged again (each once in ``PING_TIMEOUT_S``); each newcomer is in once its own first
+        answer is. (Taken and pinged anew, a short answer of the first round after 1,000 joins cost 1.2 s more.)"""
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 return None
             answer, now = self._answer, time.monotonic()
-            if answer is not None and now - answer[2] <= self.max_age_s and not due:
+            if answer is not None and now - answer[3] > self.max_age_s:
+                answer = self._answer = None
+            if answer is not None and not due:
                 return None  # (kept for the decision: asked on every tick while the round settles, it looks at no peer)
             records = list(records)
-            if answer is not None and now - answer[2] <= self.max_age_s:
-                here = {r.peer_id: r for r in records}  # (a proven liar answered the pings that began before its proof)
-                late = [r for r in records if r.peer_id not in answer[3]]  # (live since the pings began: in if at work
-                known = set(proven()) if late else set()  # or their own first answer is fresh, else in the next round)
-                late = [r for r in late if r.peer_id in known or self._fresh(r, now)]
-                self._answer, self._taken = None, now
-                return [here[r.peer_id] for r in answer[0] if r.peer_id in here] + late, answer[1]
-            self._answer = None
-            known = set(proven()) | {r.peer_id for r in records if self._fresh(r, now)}
-            if all(r.peer_id in known for r in records):
-                if due:
-                    self._taken = now
-                    return records, now
-                return None  # (nobody to ping: the decision finds the same)
-            self._thread = threading.Thread(target=self._ping, args=(records, known, now), name="pinger", daemon=True)
-            self._thread.start()
+            if answer is None:
+                self._answer, self._again = (set(), set(), now, now), {}
+                known = set(proven()) | {r.peer_id for r in records if self._fresh(r, now - self.primed_s)}
+                if todo := [r for r in records if r.peer_id not in known and r.peer_id not in self._priming]:
+                    return self._start(todo)
+                if not due:
+                    return None
+            return self._offer(records, proven, now, short)
+
+    def _offer(self, records: list[PeerRecord], proven: Callable[[], Collection[str]], now: float,
+               short: Callable[[int], bool]) -> tuple[list[PeerRecord], float] | None:
+        assert self._answer is not None
+        ok, asked, began, _ = self._answer
+        since, at_work = began - self.primed_s, set(proven())
+        there, missing, unasked = list[PeerRecord](), list[PeerRecord](), list[PeerRecord]()
+        for r in records:
+            pid = r.peer_id
+            if pid in ok or pid in at_work or self._fresh(r, since):
+                there.append(r)
+            elif pid in asked or pid in self._priming or self._tried(pid, since):
+                missing.append(r)  # (pinged, by the decision or at its join: no answer)
+            else:
+                unasked.append(r)  # (proven when the pings began, not now)
+        if unasked:
+            return self._start(unasked)
+        if short(len(there)) and missing:
+            for r in missing:  # (busy when pinged, or joined since: their own pings, not everyone's again)
+                if r.peer_id not in self._priming and now - self._again.get(r.peer_id, -float("inf")) > PING_TIMEOUT_S:
+                    self._again[r.peer_id] = now
+                    self._enqueue(r)
             return None
+        self._answer, self._taken, self._again = None, now, {}
+        return there, began
+
+    def _start(self, todo: list[PeerRecord]) -> None:
+        self._thread = threading.Thread(target=self._ping, args=(todo,), name="pinger", daemon=True)
+        self._thread.start()
 
     def prime(self, rec: PeerRecord) -> None:
         """Ping ``rec``'s peer soon, off the loop (it just joined or came back): the next decision need not."""
         with self._lock:
-            self._queue[rec.peer_id] = rec
-            if self._primer is None or not self._primer.is_alive():
-                self._primer = threading.Thread(target=self._prime, name="pinger-primer", daemon=True)
-                self._primer.start()
+            self._enqueue(rec)
 
-    def _fresh(self, rec: PeerRecord, now: float) -> bool:
+    def _enqueue(self, rec: PeerRecord) -> None:
+        self._queue[rec.peer_id] = rec
+        self._priming.add(rec.peer_id)
+        if self._primer is None or not self._primer.is_alive():
+            self._primer = threading.Thread(target=self._prime, name="pinger-primer", daemon=True)
+            self._primer.start()
+
+    def _fresh(self, rec: PeerRecord, since: float) -> bool:
         seen = self._answered.get(rec.peer_id)
-        return seen is not None and seen[0] == rec.address and self._taken < seen[1] and now - seen[1] <= self.primed_s
+        return seen is not None and seen[0] == rec.address and seen[1] > self._taken and seen[1] >= since
+
+    def _tried(self, pid: str, since: float) -> bool:
+        seen = self._answered.get(pid)
+        return seen is not None and seen[1] > self._taken and seen[1] >= since
 
     def _prime(self) -> None:
         while True:
@@ -154,22 +192,25 @@ class Pinger:
                     self._primer = None
                     return
             try:
-                ok = reachable(self.client, self.run_id, self.me, batch)
+                ok = {r.peer_id for r in reachable(self.client, self.run_id, self.me, batch)}
             except Exception:  # (a bug here must not stop the primer: the decision pings them itself)
-                ok = []
+                ok = set()
             now = time.monotonic()
             with self._lock:
-                for r in ok:
-                    self._answered[r.peer_id] = (r.address, now)
-                if len(self._answered) > 64:  # (stale answers go: they prove nothing)
-                    self._answered = {p: a for p, a in self._answered.items() if now - a[1] <= self.primed_s}
+                for r in batch:
+                    self._answered[r.peer_id] = (r.address if r.peer_id in ok else "", now)
+                self._priming = set(self._queue)
+                if len(self._answered) > 64:  # (spent or stale answers go: they prove nothing)
+                    keep = max(self._taken, now - self.primed_s - self.max_age_s - PING_TIMEOUT_S)
+                    self._answered = {p: a for p, a in self._answered.items() if a[1] > keep}
 
-    def _ping(self, records: list[PeerRecord], proven: set[str], began: float) -> None:
+    def _ping(self, todo: list[PeerRecord]) -> None:
         try:
-            ok = {r.peer_id for r in reachable(self.client, self.run_id, self.me, [r for r in records if r.peer_id not in proven])}
+            ok = {r.peer_id for r in reachable(self.client, self.run_id, self.me, todo)}
         except Exception:  # (a bug here must not stop decisions: nobody answered, ask again)
             ok = set()
         with self._lock:
-            self._answer = ([r for r in records if r.peer_id in ok or r.peer_id in proven], began, time.monotonic(),
-                            {r.peer_id for r in records})
+            if self._answer is not None:
+                answered, asked, began, _ = self._answer
+                self._answer = (answered | ok, asked | {r.peer_id for r in todo}, began, time.monotonic())
         self.done()

@@ -81,14 +81,29 @@ def test_a_decisions_pings_start_while_the_round_before_settles_and_wait_for_it(
     assert pinger.poll(recs, lambda: {"b"}, due=False) is None and done.wait(10)
     assert pinger.poll(recs, lambda: {"b"}, due=False) is None, "kept for the decision, not taken"
     assert sorted(client.pinged) == ["a", "gone"], "pinged once, the proven one not at all"
-    pinger.prime(rec("new"))  # (joined while the round settled, and answered)
-    until(lambda: pinger._primer is None, "the newcomer's first ping")
-    answer = pinger.poll([*recs[:2], rec("new"), rec("silent")], lambda: set())  # (due: "gone" is not live any more)
+    for r in (rec("new"), rec("silent")):  # (joined while the round settled; one answered its first ping)
+        pinger.prime(r)
+    until(lambda: pinger._primer is None, "the newcomers' first pings")
+    answer = pinger.poll([*recs[:2], rec("new"), rec("silent")], lambda: {"b"})  # (due: "gone" is not live any more)
     assert answer is not None and answer[1] >= t0
     assert [r.peer_id for r in answer[0]] == ["a", "b", "new"], "a newcomer since the pings: in on its own answer"
-    assert sorted(client.pinged) == ["a", "gone", "new"]
+    assert sorted(client.pinged) == ["a", "gone", "new", "silent"], "nobody pinged twice"
+    done.clear()
     assert pinger.poll(recs[:2], lambda: set(), due=False) is None and done.wait(10)  # (taken: the next round pings)
-    assert sorted(client.pinged) == ["a", "a", "b", "gone", "new"]
+    assert sorted(client.pinged) == ["a", "a", "b", "gone", "new", "silent"]
+
+
+def test_a_peer_proven_when_the_pings_began_but_not_once_due_is_pinged_by_the_decision() -> None:
+    """A member killed while the committed round settled: its fresh heartbeat proved it when the pings began, and
+    it was not pinged. Once due its heartbeat is stale and its record short of the committed step: the decision
+    pings it, and leaves it out (a swarm test caught the round after it decided with the dead member in)."""
+    client, done = Client({"a": "h:1"}), threading.Event()
+    pinger = Pinger(client, "run", "me", done=done.set)  # type: ignore[arg-type]
+    recs = [rec("a"), rec("victim")]
+    assert pinger.poll(recs, lambda: {"a", "victim"}, due=False) is None and not done.is_set()
+    assert pinger.poll(recs, lambda: {"a"}) is None and done.wait(10), "due: the victim is pinged"
+    answer = pinger.poll(recs, lambda: {"a"})
+    assert answer is not None and [r.peer_id for r in answer[0]] == ["a"] and client.pinged == ["victim"]
 
 
 def test_a_decisions_time_counts_from_when_it_was_due_not_from_pings_that_began_before() -> None:
@@ -135,3 +150,71 @@ def test_the_table_tells_who_joined_or_came_back_and_no_one_else() -> None:
     table.update({"a": rec("a", "h:9", seq=3), "b": rec("b")}, now=5.5)  # a is back (at another address)
     assert sorted(seen[:2]) == ["a", "b"] and seen[2:] == ["a"]
     assert table.peers["a"].live and not table.peers["b"].live
+
+
+def test_a_fresh_start_short_of_min_peers_keeps_its_answer_and_pings_only_the_peers_it_lacks() -> None:
+    """The first round after 1,000 joins was short of ``min_peers`` on its first answer (the last joiners' own pings
+    still ran): taken, its answer spent every newcomer's too, and all 960 were pinged again (1.2 s more). Kept, those
+    that answered are not pinged again; a silent one is, by itself, once in PING_TIMEOUT_S; a newcomer is in on its
+    own first answer; and once ``short`` says go on, the answer is taken with those that answered."""
+    client, done = Client({"a": "h:1", "b": "h:1", "new": "h:1"}), threading.Event()
+    pinger = Pinger(client, "run", "me", done=done.set)  # type: ignore[arg-type]
+    recs, waits = [rec("a"), rec("b"), rec("silent")], list[int]()
+
+    def short(answered: int) -> bool:
+        waits.append(answered)
+        return answered < 3 and len(waits) < 4
+
+    assert pinger.poll(recs, short=short) is None and done.wait(10)
+    assert pinger.poll(recs, short=short) is None and waits == [2], "short: wait on"
+    until(lambda: pinger._primer is None, "the silent one's own ping")
+    assert pinger.poll(recs, short=short) is None and waits == [2, 2]
+    until(lambda: pinger._primer is None, "no second ping within PING_TIMEOUT_S")
+    assert sorted(client.pinged) == ["a", "b", "silent", "silent"], "the answered ones are not pinged again"
+    pinger.prime(rec("new"))
+    until(lambda: pinger._primer is None, "the newcomer's first ping")
+    answer = pinger.poll([*recs, rec("new")], short=short)
+    assert answer is not None and [r.peer_id for r in answer[0]] == ["a", "b", "new"] and waits == [2, 2, 3]
+    assert pinger.poll(recs[:2], lambda: {"a", "b"}) is not None, "taken: the next decision starts anew"
+
+
+def test_a_fresh_start_with_everyone_primed_keeps_their_answers_until_it_is_due() -> None:
+    """Pings warm up once 4 in 5 of ``min_peers`` are live; if every one of them had just answered its own first
+    ping, there was nobody to ping, and by the time the round was due (a second or more later) the first joiners'
+    answers were older than ``primed_s``: the decision pinged them. The answer is kept from when the pings would
+    have begun."""
+    client = Client({"a": "h:1", "b": "h:1"})
+    pinger = Pinger(client, "run", "me", primed_s=0.3)  # type: ignore[arg-type]
+    for r in (rec("a"), rec("b")):
+        pinger.prime(r)
+    primed(pinger, client, 2)
+    assert pinger.poll([rec("a"), rec("b")], due=False) is None
+    until(lambda: time.monotonic() - pinger._answered["a"][1] > 0.3, "the primed answers to age past primed_s")
+    answer = pinger.poll([rec("a"), rec("b")])
+    assert answer is not None and [r.peer_id for r in answer[0]] == ["a", "b"] and sorted(client.pinged) == ["a", "b"]
+
+
+class Slow(Client):
+    """Pings of ``held`` wait for ``go``."""
+
+    def __init__(self, up: dict[str, str], held: str) -> None:
+        super().__init__(up)
+        self.held, self.go = held, threading.Event()
+
+    def ping_all(self, targets: list[tuple[str, str]], request: object, timeout: float) -> list[bool]:
+        if any(peer == self.held for _, peer in targets):
+            assert self.go.wait(10)
+        return super().ping_all(targets, request, timeout)
+
+
+def test_a_newcomer_whose_first_ping_is_in_flight_is_not_pinged_twice() -> None:
+    client, done = Slow({"x": "h:1", "y": "h:1"}, held="x"), threading.Event()
+    pinger = Pinger(client, "run", "me", done=done.set)  # type: ignore[arg-type]
+    pinger.prime(rec("x"))
+    until(lambda: pinger._priming == {"x"} and not pinger._queue, "the newcomer's ping in flight")
+    assert pinger.poll([rec("x"), rec("y")], due=False) is None and done.wait(10)
+    client.go.set()
+    until(lambda: pinger._primer is None, "the newcomer's answer")
+    answer = pinger.poll([rec("x"), rec("y")])
+    assert answer is not None and sorted(r.peer_id for r in answer[0]) == ["x", "y"]
+    assert sorted(client.pinged) == ["x", "y"], "each pinged once"
