@@ -99,6 +99,7 @@ class Pinger:
         self._priming: set[str] = set()  # queued for the primer, or its pings in flight
         self._answered: dict[str, tuple[str, float]] = {}  # peer id -> (the address that answered, "" if none; when)
         self._again: dict[str, float] = {}  # peer id -> when a short answer had it pinged again
+        self._proven: set[str] | None = None  # proven() when the kept answer was first offered (asked once)
         self._taken = -float("inf")  # when a decision last took its answers: a primed answer before it is spent
 
     def poll(self, records: Iterable[PeerRecord], proven: Callable[[], Collection[str]] = frozenset, due: bool = True,
@@ -127,7 +128,7 @@ class Pinger:
                 return None  # (kept for the decision: asked on every tick while the round settles, it looks at no peer)
             records = list(records)
             if answer is None:
-                self._answer, self._again = (set(), set(), now, now), {}
+                self._answer, self._again, self._proven = (set(), set(), now, now), {}, None
                 known = set(proven()) | {r.peer_id for r in records if self._fresh(r, now - self.primed_s)}
                 if todo := [r for r in records if r.peer_id not in known and r.peer_id not in self._priming]:
                     return self._start(todo)
@@ -139,7 +140,9 @@ class Pinger:
                short: Callable[[int], bool]) -> tuple[list[PeerRecord], float] | None:
         assert self._answer is not None
         ok, asked, began, _ = self._answer
-        since, at_work = began - self.primed_s, set(proven())
+        if self._proven is None:  # (asked once: proofs that lapse while the decision's own pings run cost no more)
+            self._proven = set(proven())
+        since, at_work = began - self.primed_s, self._proven
         there, missing, unasked = list[PeerRecord](), list[PeerRecord](), list[PeerRecord]()
         for r in records:
             pid = r.peer_id
@@ -157,7 +160,7 @@ class Pinger:
                     self._again[r.peer_id] = now
                     self._enqueue(r)
             return None
-        self._answer, self._taken, self._again = None, now, {}
+        self._answer, self._taken, self._again, self._proven = None, now, {}, None
         return there, began
 
     def _start(self, todo: list[PeerRecord]) -> None:
