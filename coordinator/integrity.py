@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from potluck.compression.int8 import make_codec
 from potluck.coordinator.roundevents import Report
-from potluck.coordinator.rounds import Rounds
+from potluck.coordinator.rounds import KEEP_ROUNDS, Rounds
 from potluck.coordinator.trust import Trust
 from potluck.coordinator.verifier import Accusation, Ruling, Verifier
 from potluck.protos.config.runconfig import RunConfig
@@ -203,6 +203,10 @@ class Integrity:
 
     def committed(self, rnd: Round | None, step: int, reports: Iterable[Report]) -> None:
         self.trust.committed(rnd, step, reports)
+        cut = step - KEEP_ROUNDS - 1  # (the rounds before are gone: an audit of them can be weighed no more; kept, the
+        self._reported = {k for k in self._reported if k[0] >= cut}  # audits seen grew by each shard audited in the run)
+        self._answered = {k for k in self._answered if k[0] >= cut}
+        self._assigned = {k: a for k, a in self._assigned.items() if k[0] >= cut}
 
     def rolled_back(self, to_version: int) -> None:
         self.trust.rolled_back(to_version)

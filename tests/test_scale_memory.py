@@ -18,12 +18,16 @@ from typing import Any
 import pytest
 
 from potluck.coordinator.history import KEEP_DETAIL
+from potluck.coordinator.integrity import Integrity
 from potluck.coordinator.membership import PeerTable
-from potluck.coordinator.rounds import Rounds
+from potluck.coordinator.rounds import KEEP_ROUNDS, Rounds
 from potluck.coordinator.snapshot import PEERS_INLINE, flag_counts, grid_cells, inline_peers, peer_rows
+from potluck.coordinator.trust import Trust
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.net.identity import Identity
 from potluck.protos.net.swarm import SwarmNode
-from potluck.protos.wire.records import Member, PeerRecord, Round
+from potluck.protos.wire.records import AuditReport, Member, PeerRecord, Round
 
 
 def swarm_scale() -> Any:
@@ -310,3 +314,32 @@ def test_shed_gives_back_the_pages_a_library_mapping_had_touched(tmp_path: Path)
     assert kept["after"] == kept["before"] >= 15 << 20  # (unshed, they stay)
     assert shed["before"] >= 15 << 20 and shed["after"] <= 1 << 20
     assert shed["given"] >= 14 << 20
+
+
+def test_the_audits_the_coordinator_remembers_are_those_of_the_rounds_it_keeps() -> None:
+    """The audits drawn and the auditors' reports seen were kept for the whole run: a few per shard per step, for
+    ever. They are kept for the rounds the coordinator keeps; within those, a report seen again is acted on once."""
+    cfg = apply_overrides(RunConfig(), {"sync.audit_fraction": 1.0})
+    integrity = Integrity(cfg, Trust(probation_steps=0), rng=random.Random(3))
+    members = [Member(peer_id=f"12D3KooW{i:044d}", address="x:1", replica=i) for i in range(8)]
+    rounds: dict[int, Round] = {1: Round(step=1, members=members)}
+    events = []
+    for step in range(1, 121):
+        view = Rounds(stages=1)
+        view.rounds, view.committed = rounds, step
+        owned, audits = integrity.roles(members, view)
+        rounds[step + 1] = Round(step=step + 1, members=owned, audits=audits)
+        for old in sorted(rounds)[:-KEEP_ROUNDS]:
+            del rounds[old]
+        said = [AuditReport(step=a.step, epoch=a.epoch, stage=a.stage, group=a.group, shard=a.shard, owner=a.owner,
+                            verdict="unserved" if a.shard == 0 else "ok") for a in audits]
+        records = {m.peer_id: PeerRecord(peer_id=m.peer_id, address="x:1", audits=[r for r, a in zip(said, audits, strict=True)
+                                                                                  if a.auditor == m.peer_id])
+                   for m in members}
+        events += integrity.observe(records, rounds.get)
+        events += integrity.observe(records, rounds.get)  # (the same records again: nothing new)
+        integrity.committed(rounds[step + 1], step + 1, [])
+    assert len(events) == 120, "each step's unserved shard said once"
+    window = (KEEP_ROUNDS + 2) * len(members)
+    assert len(integrity._answered) <= window and len(integrity._reported) <= KEEP_ROUNDS + 2
+    assert len(integrity._assigned) <= window
