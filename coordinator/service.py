@@ -100,6 +100,8 @@ class Pinger:
         self._answered: dict[str, tuple[str, float]] = {}  # peer id -> (the address that answered, "" if none; when)
         self._again: dict[str, float] = {}  # peer id -> when a short answer had it pinged again
         self._proven: set[str] | None = None  # proven() when the kept answer was first offered (asked once)
+        self._short = False  # a fresh start waits on newcomers' answers (each wakes the loop)
+        self._prune_at = 64
         self._taken = -float("inf")  # when a decision last took its answers: a primed answer before it is spent
 
     def poll(self, records: Iterable[PeerRecord], proven: Callable[[], Collection[str]] = frozenset, due: bool = True,
@@ -128,7 +130,7 @@ class Pinger:
                 return None  # (kept for the decision: asked on every tick while the round settles, it looks at no peer)
             records = list(records)
             if answer is None:
-                self._answer, self._again, self._proven = (set(), set(), now, now), {}, None
+                self._answer, self._again, self._proven, self._short = (set(), set(), now, now), {}, None, False
                 known = set(proven()) | {r.peer_id for r in records if self._fresh(r, now - self.primed_s)}
                 if todo := [r for r in records if r.peer_id not in known and r.peer_id not in self._priming]:
                     return self._start(todo)
@@ -159,8 +161,9 @@ class Pinger:
                 if r.peer_id not in self._priming and now - self._again.get(r.peer_id, -float("inf")) > PING_TIMEOUT_S:
                     self._again[r.peer_id] = now
                     self._enqueue(r)
+            self._short = True
             return None
-        self._answer, self._taken, self._again, self._proven = None, now, {}, None
+        self._answer, self._taken, self._again, self._proven, self._short = None, now, {}, None, False
         return there, began
 
     def _start(self, todo: list[PeerRecord]) -> None:
@@ -194,18 +197,28 @@ class Pinger:
                 if not batch:
                     self._primer = None
                     return
-            try:
-                ok = {r.peer_id for r in reachable(self.client, self.run_id, self.me, batch)}
+            where = {r.peer_id: r.address for r in batch}
+            request = pb.PingRequest(header=pb.Header(run_id=self.run_id, sender=self.me), sent_at=time.time())
+            try:  # (each answer as it comes: at a join burst, batches of 150 waited 0.8 s for their slowest)
+                self.client.ping_each([(a, p) for p, a in where.items()], request,
+                                      PING_TIMEOUT_S, lambda peer, ok, at=where: self._primed(peer, at[peer], ok))
             except Exception:  # (a bug here must not stop the primer: the decision pings them itself)
-                ok = set()
-            now = time.monotonic()
-            with self._lock:
-                for r in batch:
-                    self._answered[r.peer_id] = (r.address if r.peer_id in ok else "", now)
-                self._priming = set(self._queue)
-                if len(self._answered) > 64:  # (spent or stale answers go: they prove nothing)
-                    keep = max(self._taken, now - self.primed_s - self.max_age_s - PING_TIMEOUT_S)
-                    self._answered = {p: a for p, a in self._answered.items() if a[1] > keep}
+                for pid in where:
+                    self._primed(pid, where[pid], False)
+
+    def _primed(self, pid: str, address: str, ok: bool) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._answered[pid] = (address if ok else "", now)
+            if pid not in self._queue:  # (asked again meanwhile: still on its way)
+                self._priming.discard(pid)
+            if len(self._answered) > self._prune_at:  # (spent or stale answers go: they prove nothing)
+                keep = max(self._taken, now - self.primed_s - self.max_age_s - PING_TIMEOUT_S)
+                self._answered = {p: a for p, a in self._answered.items() if a[1] > keep}
+                self._prune_at = max(64, 2 * len(self._answered))  # (each answer comes alone: not a pass each)
+            wake = self._short
+        if wake:
+            self.done()  # (a fresh start waits for its min_peers: each newcomer's answer may be the one)
 
     def _ping(self, todo: list[PeerRecord]) -> None:
         try:

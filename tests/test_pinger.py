@@ -13,6 +13,7 @@ from collections.abc import Callable
 from potluck.coordinator.health import Health
 from potluck.coordinator.membership import PeerTable
 from potluck.coordinator.service import Pinger
+from potluck.protos import potluck_pb2 as pb
 from potluck.protos.wire.records import PeerRecord
 
 
@@ -26,6 +27,11 @@ class Client:
         with self.lock:
             self.pinged.extend(peer for _, peer in targets)
         return [self.up.get(peer) == address for address, peer in targets]
+
+    def ping_each(self, targets: list[tuple[str, str]], request: object, timeout: float,
+                  answered: Callable[[str, bool], None]) -> None:
+        for (_, peer), ok in zip(targets, self.ping_all(targets, request, timeout), strict=True):
+            answered(peer, ok)
 
 
 def until(cond: Callable[[], object], what: str, timeout: float = 10.0) -> None:
@@ -218,3 +224,44 @@ def test_a_newcomer_whose_first_ping_is_in_flight_is_not_pinged_twice() -> None:
     answer = pinger.poll([rec("x"), rec("y")])
     assert answer is not None and sorted(r.peer_id for r in answer[0]) == ["x", "y"]
     assert sorted(client.pinged) == ["x", "y"], "each pinged once"
+
+
+def test_each_answer_to_a_newcomers_ping_counts_as_it_comes_not_when_the_slowest_does(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Real mutual-TLS pings: a peer that answers at once is primed while another's ping still waits on its
+    handler, and a dead address fails alone (the primer's batches of 150 waited 0.8 s for their slowest)."""
+    from test_relay import RUN, Handlers, Node
+
+    from potluck.protos.net.certs import CertificateAuthority
+    from potluck.protos.net.transport import PeerServer
+
+    class Stalled(Handlers):
+        def __init__(self, me: str) -> None:
+            super().__init__(me)
+            self.go = threading.Event()
+
+        def ping(self, request: pb.PingRequest) -> pb.PingReply:
+            assert self.go.wait(20)
+            return super().ping(request)
+
+    ca = CertificateAuthority.load_or_create(tmp_path / "ca.key", RUN)
+    fast, slow, coordinator = Node(ca), Node(ca), Node(ca)
+    stalled = Stalled(slow.id)
+    servers = [PeerServer(Handlers(fast.id), fast.traffic, host="127.0.0.1", port=0, tls=fast.tls),
+               PeerServer(stalled, slow.traffic, host="127.0.0.1", port=0, tls=slow.tls)]
+    pinger = Pinger(coordinator.client, RUN, coordinator.id)
+    try:
+        recs = [rec(fast.id, f"127.0.0.1:{servers[0].port}"), rec(slow.id, f"127.0.0.1:{servers[1].port}"),
+                rec("12D3KooWdead", "127.0.0.1:1")]
+        for r in recs:
+            pinger.prime(r)
+        until(lambda: fast.id in pinger._answered and "12D3KooWdead" in pinger._answered, "the fast and dead answers")
+        assert pinger._answered[fast.id][0] == recs[0].address and pinger._answered["12D3KooWdead"][0] == ""
+        assert slow.id in pinger._priming and slow.id not in pinger._answered, "the stalled one is still on its way"
+        stalled.go.set()
+        until(lambda: not pinger._priming, "the stalled answer")
+        assert pinger._answered[slow.id][0] == recs[1].address
+    finally:
+        stalled.go.set()
+        coordinator.client.close()
+        for server in servers:
+            server.stop(0)

@@ -255,27 +255,36 @@ class PeerClient:
     def ping_all(self, targets: Iterable[tuple[str, str]], request: pb.PingRequest, timeout: float) -> list[bool]:
         """Ping every (address, peer id) at once (gRPC futures, no thread each): whether each answered within
         ``timeout``, and not as another peer. A thousand pings take as long as the slowest, not a thousandth of them in turn."""
-        calls = []
+        calls = [(peer, self._ping_call(address, peer, request, timeout)) for address, peer in targets]
+        return [self._pinged(peer, call) for peer, call in calls]
+
+    def ping_each(self, targets: Iterable[tuple[str, str]], request: pb.PingRequest, timeout: float,
+                  answered: Callable[[str, bool], None]) -> None:
+        """:meth:`ping_all` without waiting: ``answered(peer, ok)`` is called as each answer comes in (on gRPC's
+        thread: keep it short), so a slow or dead peer holds up no other's answer."""
         for address, peer in targets:
-            try:
-                stub, md = self._route(address, peer)
-            except ValueError:  # (an address no channel can be made for: it cannot answer)
-                calls.append((peer, None))
-                continue
-            self.traffic.add_sent("probe", request.ByteSize())
-            calls.append((peer, stub.Ping.future(request, timeout=timeout, metadata=md)))
-        out = []
-        for peer, call in calls:
-            try:
-                reply = call.result() if call is not None else None
-            except grpc.RpcError:
-                reply = None
-            if reply is None:
-                out.append(False)
-                continue
-            self.traffic.add_received("probe", reply.ByteSize())
-            out.append(not peer or reply.peer_id in ("", peer))  # (TLS proved who answered; not as another peer)
-        return out
+            if (call := self._ping_call(address, peer, request, timeout)) is None:
+                answered(peer, False)
+            else:
+                call.add_done_callback(lambda done, peer=peer: answered(peer, self._pinged(peer, done)))
+
+    def _ping_call(self, address: str, peer: str, request: pb.PingRequest, timeout: float) -> Any:
+        try:
+            stub, md = self._route(address, peer)
+        except ValueError:  # (an address no channel can be made for: it cannot answer)
+            return None
+        self.traffic.add_sent("probe", request.ByteSize())
+        return stub.Ping.future(request, timeout=timeout, metadata=md)
+
+    def _pinged(self, peer: str, call: Any) -> bool:
+        try:
+            reply = call.result() if call is not None else None
+        except grpc.RpcError:
+            reply = None
+        if reply is None:
+            return False
+        self.traffic.add_received("probe", reply.ByteSize())
+        return not peer or reply.peer_id in ("", peer)  # (TLS proved who answered; not as another peer)
 
     def push_contribution(self, address: str, chunks: Iterable[pb.ShardChunk], timeout: float, peer: str = "") -> pb.Ack:
         return self._pushed("PushContribution", "outer", address, chunks, timeout, peer)
