@@ -30,6 +30,9 @@ IDLE_CONNECTION_S = 60.0
 # A newcomer's answer to the ping when it showed up stands in for the decision's own ping this long (and only
 # for the next decision): the decision's own pings were as old as they took, a second or two.
 PRIMED_S = 3.0
+# A fresh start waiting for its min_peers' answers is woken by a newcomer's answer at most this often (each answer
+# woke it at first: 23 ticks in the 0.35 s the last 86 answers of a 1,000-peer join burst took).
+WAKE_S = 0.05
 
 
 class CoordinatorService:
@@ -102,6 +105,7 @@ class Pinger:
         self._proven: set[str] | None = None  # proven() when the kept answer was first offered (asked once)
         self._short = False  # a fresh start waits on newcomers' answers (each wakes the loop)
         self._prune_at = 64
+        self._woke = -float("inf")  # when an answer last woke the loop
         self._taken = -float("inf")  # when a decision last took its answers: a primed answer before it is spent
 
     def poll(self, records: Iterable[PeerRecord], proven: Callable[[], Collection[str]] = frozenset, due: bool = True,
@@ -216,9 +220,10 @@ class Pinger:
                 keep = max(self._taken, now - self.primed_s - self.max_age_s - PING_TIMEOUT_S)
                 self._answered = {p: a for p, a in self._answered.items() if a[1] > keep}
                 self._prune_at = max(64, 2 * len(self._answered))  # (each answer comes alone: not a pass each)
-            wake = self._short
+            wake = self._short and now - self._woke >= WAKE_S
+            self._woke = now if wake else self._woke
         if wake:
-            self.done()  # (a fresh start waits for its min_peers: each newcomer's answer may be the one)
+            self.done()  # (a fresh start waits for its min_peers: a newcomer's answer may be the one)
 
     def _ping(self, todo: list[PeerRecord]) -> None:
         try:
