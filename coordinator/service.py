@@ -33,6 +33,10 @@ PRIMED_S = 3.0
 # A fresh start waiting for its min_peers' answers is woken by a newcomer's answer at most this often (each answer
 # woke it at first: 23 ticks in the 0.35 s the last 86 answers of a 1,000-peer join burst took).
 WAKE_S = 0.05
+# While a round settles, the proofs of the peers not pinged are looked at again this often, and those that lapsed
+# (a member whose heartbeat went stale) pinged: once due, at 1,000 peers on 2 cores, 20-100 such pings were
+# 0.05-0.3 s of a decision.
+RECHECK_S = 1.0
 
 
 class CoordinatorService:
@@ -84,7 +88,7 @@ class Pinger:
 
     :meth:`prime` pings a peer when it first shows up (or comes back), off the loop too: the next decision
     takes that answer without a ping of its own if it came after the decision before took its answers, and
-    at most ``primed_s`` ago (or after the pings it keeps began). With churn, nearly all a decision had left to
+    at most ``primed_s`` before the pings it keeps began (or after). With churn, nearly all a decision had left to
     ping were such newcomers, and waiting for them was most of its time (0.16 s of a median decision at 1,000
     peers, on a machine of its own; a second for the first round after a join burst). Only the next decision: a
     member killed later, whose record then stops short of the committed step, is pinged again like before (a
@@ -103,9 +107,10 @@ class Pinger:
         self._answered: dict[str, tuple[str, float]] = {}  # peer id -> (the address that answered, "" if none; when)
         self._again: dict[str, float] = {}  # peer id -> when a short answer had it pinged again
         self._proven: set[str] | None = None  # proven() when the kept answer was first offered (asked once)
-        self._short = False  # a fresh start waits on newcomers' answers (each wakes the loop)
-        self._prune_at = 64
+        self._short = False  # a fresh start waits on newcomers' answers (they wake the loop, see WAKE_S)
+        self._prune_at = 64  # (answers held past this many: the stale ones go)
         self._woke = -float("inf")  # when an answer last woke the loop
+        self._checked = -float("inf")  # when the proofs were last looked at while a round settled
         self._taken = -float("inf")  # when a decision last took its answers: a primed answer before it is spent
 
     def poll(self, records: Iterable[PeerRecord], proven: Callable[[], Collection[str]] = frozenset, due: bool = True,
@@ -131,7 +136,11 @@ class Pinger:
             if answer is not None and now - answer[3] > self.max_age_s:
                 answer = self._answer = None
             if answer is not None and not due:
-                return None  # (kept for the decision: asked on every tick while the round settles, it looks at no peer)
+                if now - self._checked >= RECHECK_S and (records := list(records)):  # (else it looks at no peer)
+                    self._checked = now  # (proofs that lapse while the round settles: pinged now, not once due)
+                    if unasked := self._sort(records, set(proven()))[2]:
+                        self._start(unasked)
+                return None  # (kept for the decision)
             records = list(records)
             if answer is None:
                 self._answer, self._again, self._proven, self._short = (set(), set(), now, now), {}, None, False
@@ -144,20 +153,9 @@ class Pinger:
 
     def _offer(self, records: list[PeerRecord], proven: Callable[[], Collection[str]], now: float,
                short: Callable[[int], bool]) -> tuple[list[PeerRecord], float] | None:
-        assert self._answer is not None
-        ok, asked, began, _ = self._answer
         if self._proven is None:  # (asked once: proofs that lapse while the decision's own pings run cost no more)
             self._proven = set(proven())
-        since, at_work = began - self.primed_s, self._proven
-        there, missing, unasked = list[PeerRecord](), list[PeerRecord](), list[PeerRecord]()
-        for r in records:
-            pid = r.peer_id
-            if pid in ok or pid in at_work or self._fresh(r, since):
-                there.append(r)
-            elif pid in asked or pid in self._priming or self._tried(pid, since):
-                missing.append(r)  # (pinged, by the decision or at its join: no answer)
-            else:
-                unasked.append(r)  # (proven when the pings began, not now)
+        there, missing, unasked = self._sort(records, self._proven)
         if unasked:
             return self._start(unasked)
         if short(len(there)) and missing:
@@ -167,8 +165,27 @@ class Pinger:
                     self._enqueue(r)
             self._short = True
             return None
+        assert self._answer is not None
+        began = self._answer[2]
         self._answer, self._taken, self._again, self._proven, self._short = None, now, {}, None, False
         return there, began
+
+    def _sort(self, records: list[PeerRecord], at_work: set[str]) -> tuple[list[PeerRecord], list[PeerRecord], list[PeerRecord]]:
+        """``records`` by the kept answer: in (answered, at work, or a fresh first answer), missing (pinged, by
+        the decision or at its join, with no answer), and not asked (proven when the pings began, not now)."""
+        assert self._answer is not None
+        ok, asked, began, _ = self._answer
+        since = began - self.primed_s
+        there, missing, unasked = list[PeerRecord](), list[PeerRecord](), list[PeerRecord]()
+        for r in records:
+            pid = r.peer_id
+            if pid in ok or pid in at_work or self._fresh(r, since):
+                there.append(r)
+            elif pid in asked or pid in self._priming or self._tried(pid, since):
+                missing.append(r)
+            else:
+                unasked.append(r)
+        return there, missing, unasked
 
     def _start(self, todo: list[PeerRecord]) -> None:
         self._thread = threading.Thread(target=self._ping, args=(todo,), name="pinger", daemon=True)
@@ -232,6 +249,6 @@ class Pinger:
             ok = set()
         with self._lock:
             if self._answer is not None:
-                answered, asked, began, _ = self._answer
-                self._answer = (answered | ok, asked | {r.peer_id for r in todo}, began, time.monotonic())
+                answered, asked, began, ended = self._answer  # (its age: that of its first pings, however many after)
+                self._answer = (answered | ok, asked | {r.peer_id for r in todo}, began, ended if asked else time.monotonic())
         self.done()
