@@ -96,7 +96,7 @@ def kept_secret(path: Path, env: str) -> str:
         return token
     if path.exists():
         return path.read_text().strip()
-    token = secrets.token_urlsafe(24)
+    token = secrets.token_hex(24)  # (not urlsafe: 1 in 64 began with "-", and `potluck peer --token -x...` is an error)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:

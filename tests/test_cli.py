@@ -163,3 +163,15 @@ def test_demo_grid(stages: int, replicas: int | None, peers: int | None, grid: t
 def test_demo_grid_refuses_peers_that_do_not_fill_it(stages: int, replicas: int | None, peers: int | None) -> None:
     with pytest.raises(UsageError):
         demo_grid(stages, replicas, peers)
+
+
+def test_a_private_runs_join_token_is_taken_as_the_coordinator_prints_it(tmp_path: Path) -> None:
+    """The coordinator says ``potluck peer --join ... --token TOKEN``. A token that began with "-" (1 in 64 of the
+    urlsafe ones) was read as an option: "argument --token: expected one argument" (a suite's private-run test
+    timed out on it once in a while)."""
+    from potluck.coordinator.journal import kept_secret
+
+    parser = build_parser()
+    for i in range(300):
+        token = kept_secret(tmp_path / f"join-{i}.token", "POTLUCK_TEST_UNSET_TOKEN")
+        assert len(token) >= 32 and parser.parse_args(["peer", "--join", JOIN, "--token", token]).token == token
