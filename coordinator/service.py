@@ -58,9 +58,13 @@ class CoordinatorService:
     push_contribution = push_result = fetch_result = fetch_inputs = push_pipe = _unsupported
 
 
+def ping_request(run_id: str, me: str) -> pb.PingRequest:
+    return pb.PingRequest(header=pb.Header(run_id=run_id, sender=me), sent_at=time.time())
+
+
 def answers(client: PeerClient, run_id: str, me: str, rec: PeerRecord) -> bool:
     """Does the process that published ``rec`` still answer at its address, as a peer of this run?"""
-    request = pb.PingRequest(header=pb.Header(run_id=run_id, sender=me), sent_at=time.time())
+    request = ping_request(run_id, me)
     try:
         reply = client.ping(rec.address, request, PING_TIMEOUT_S, peer=rec.peer_id)
     except grpc.RpcError:
@@ -72,7 +76,7 @@ def reachable(client: PeerClient, run_id: str, me: str, records: Iterable[PeerRe
     """The peers that answer a ping, all pinged at once: a live record of a dead process should not enter a round.
     (32 threads pinged 1,000 peers in turn: with churn, waves of 2 s timeouts made a decision take 6 s.)"""
     records = list(records)
-    request = pb.PingRequest(header=pb.Header(run_id=run_id, sender=me), sent_at=time.time())
+    request = ping_request(run_id, me)
     answered = client.ping_all([(r.address, r.peer_id) for r in records], request, PING_TIMEOUT_S)
     return [r for r, ok in zip(records, answered, strict=True) if ok]
 
@@ -204,8 +208,7 @@ class Pinger:
             self._primer.start()
 
     def _fresh(self, rec: PeerRecord, since: float) -> bool:
-        seen = self._answered.get(rec.peer_id)
-        return seen is not None and seen[0] == rec.address and seen[1] > self._taken and seen[1] >= since
+        return self._tried(rec.peer_id, since) and self._answered[rec.peer_id][0] == rec.address
 
     def _tried(self, pid: str, since: float) -> bool:
         seen = self._answered.get(pid)
@@ -219,9 +222,8 @@ class Pinger:
                     self._primer = None
                     return
             where = {r.peer_id: r.address for r in batch}
-            request = pb.PingRequest(header=pb.Header(run_id=self.run_id, sender=self.me), sent_at=time.time())
             try:  # (each answer as it comes: at a join burst, batches of 150 waited 0.8 s for their slowest)
-                self.client.ping_each([(a, p) for p, a in where.items()], request,
+                self.client.ping_each([(a, p) for p, a in where.items()], ping_request(self.run_id, self.me),
                                       PING_TIMEOUT_S, lambda peer, ok, at=where: self._primed(peer, at[peer], ok))
             except Exception:  # (a bug here must not stop the primer: the decision pings them itself)
                 for pid in where:

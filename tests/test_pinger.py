@@ -279,3 +279,20 @@ def test_each_answer_to_a_newcomers_ping_counts_as_it_comes_not_when_the_slowest
         coordinator.client.close()
         for server in servers:
             server.stop(0)
+
+
+def test_the_answers_a_pinger_holds_are_those_not_yet_spent_at_four_times_its_pruning_bound() -> None:
+    """Each newcomer's answer is held until a decision spends it (or it is stale): 256 newcomers, a decision, and
+    256 more leave the second 256 held, not 512 (each answer comes alone; the pass over them is amortised)."""
+    first, second = [rec(f"a{i}") for i in range(256)], [rec(f"b{i}") for i in range(256)]
+    client = Client({r.peer_id: r.address for r in first + second})
+    pinger = Pinger(client, "run", "me")  # type: ignore[arg-type]
+    for r in first:
+        pinger.prime(r)
+    primed(pinger, client, 256)
+    answer = pinger.poll(first)
+    assert answer is not None and len(answer[0]) == 256 and len(client.pinged) == 256, "all in on their own answers"
+    for r in second:
+        pinger.prime(r)
+    primed(pinger, client, 512)
+    assert set(pinger._answered) == {r.peer_id for r in second}
