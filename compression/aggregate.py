@@ -10,7 +10,15 @@ step), so by default the owner:
 2. **Clips** every remaining contribution to ``clip_factor`` x the lower median of their norms
    (Karimireddy et al. 2021 clip around a center; the median norm is the center's scale here): a
    scaled-up update counts like a large honest one, never more.
-3. Averages what is left in float32, in sender-id order.
+3. Averages what is left in float32, in sender-id order, each weighed by the work in it (see below).
+
+**Weights.** Members of a round train as many inner steps as fit its window (:mod:`potluck.peer.window`),
+so a contribution carries the samples it was trained on, signed with it, and counts in proportion:
+``mean = sum_s w_s x_s / sum_s w_s`` over the kept senders. Clipping compares norms per unit of work,
+``|x_s| / sqrt(w_s)``: a pseudo-gradient of more steps is longer (between not at all and linearly, as
+its steps agree), and the square root sits between the two, so an honest member up to 16x faster or
+slower than the median is never clipped for its speed, and a poisoner gets no more room than its
+claimed work, which the data it was handed bounds. Equal weights take the unweighted path bit for bit.
 
 Everything is a deterministic function of the decoded contributions, so an owner's result does not
 depend on arrival order, and the members (who all apply the owner's one re-quantized result) stay
@@ -55,10 +63,17 @@ class Reduction:
     clipped: list[str]
     rejected: list[str]
     scales: dict[str, torch.Tensor]  # float32 factor for each clipped contributor
+    # float32 factor of each kept sender (its clip scale times its share of the kept weight), when the weights
+    # differ; empty: an unweighted mean (sum, then divide by the count)
+    factors: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def mean(self, lo: int, hi: int) -> torch.Tensor:
         """Elements ``[lo, hi)`` of the average, summed in float32 in sender-id order."""
         acc = torch.zeros(hi - lo, dtype=torch.float32)
+        if self.factors:
+            for s in self.contributors:
+                acc += self.contributions[s][lo:hi].float() * self.factors[s]
+            return acc
         for s in self.contributors:
             x = self.contributions[s][lo:hi].float()
             acc += x * self.scales[s] if s in self.scales else x
@@ -80,37 +95,58 @@ def reduce_mean(contributions: Mapping[str, torch.Tensor], numel: int) -> torch.
 
 
 def robust_mean(contributions: Mapping[str, torch.Tensor], numel: int, clip_factor: float = 4.0,
-                reject_below: float | None = -0.1) -> Reduced:
+                reject_below: float | None = -0.1, weights: Mapping[str, int] | None = None) -> Reduced:
     """The owner's average: reject opposed contributions, clip the rest, average (see the module)."""
-    return robust_reduction(contributions, numel, clip_factor, reject_below).reduced(numel)
+    return robust_reduction(contributions, numel, clip_factor, reject_below, weights).reduced(numel)
+
+
+def weight_of(samples: int) -> int:
+    """A contribution's weight: the samples it claims, at least 1 (a claim of 0 is the unstated one)."""
+    return max(1, int(samples))
 
 
 def robust_reduction(contributions: Mapping[str, torch.Tensor], numel: int, clip_factor: float = 4.0,
-                     reject_below: float | None = -0.1) -> Reduction:
-    """Decide who is rejected and who clipped from one chunked pass over the contributions."""
+                     reject_below: float | None = -0.1, weights: Mapping[str, int] | None = None) -> Reduction:
+    """Decide who is rejected and who clipped from one chunked pass over the contributions. ``weights``: each
+    sender's samples (see :func:`weight_of`; a sender not named weighs 1); None or all equal: unweighted."""
     senders = sorted(contributions)
+    w = {s: weight_of((weights or {}).get(s, 1)) for s in senders}
+    weighted = len(set(w.values())) > 1
+    if not weighted:
+        w = dict.fromkeys(senders, 1)  # (norms divided by exactly 1.0: the unweighted bits)
     reject = reject_below is not None and len(senders) >= 3
     sq, dots, centers = _statistics([contributions[s] for s in senders], numel, reject)
-    rejected: list[str] = []
-    if reject:
-        for i, s in enumerate(senders):
-            na, nb = math.sqrt(sq[i]), math.sqrt(centers[i])
-            # nothing to compare (a stalled member's zeros, an all-zero center): not opposed
-            if na > 0.0 and nb > 0.0 and dots[i] / (na * nb) < reject_below:  # type: ignore[operator]
-                rejected.append(s)
-        if len(rejected) * 2 >= len(senders):
-            rejected = []  # no majority agrees on a direction: keep everyone (clipping still bounds them)
+    rejected = _opposed(senders, sq, dots, centers, reject_below) if reject else []
     kept = [s for s in senders if s not in rejected]
     clipped: list[str] = []
-    scales: dict[str, torch.Tensor] = {}
+    scale = dict.fromkeys(kept, 1.0)
     if clip_factor > 0 and len(kept) >= 2:
-        norms = [math.sqrt(sq[senders.index(s)]) for s in kept]
-        bound = clip_factor * sorted(norms)[(len(kept) - 1) // 2]  # the lower median
-        for s, n in zip(kept, norms, strict=True):
-            if n > bound:
-                scales[s] = torch.tensor(bound / n, dtype=torch.float32)
+        units = [math.sqrt(sq[senders.index(s)]) / math.sqrt(w[s]) for s in kept]  # a norm per unit of work
+        bound = clip_factor * sorted(units)[(len(kept) - 1) // 2]  # the lower median
+        for s, u in zip(kept, units, strict=True):
+            if u > bound:
+                scale[s] = bound / u
                 clipped.append(s)
-    return Reduction(contributions, kept, clipped, rejected, scales)
+    scales = {s: torch.tensor(scale[s], dtype=torch.float32) for s in clipped}
+    factors: dict[str, torch.Tensor] = {}
+    if weighted:
+        total = sum(w[s] for s in kept)
+        factors = {s: torch.tensor(scale[s] * w[s] / total, dtype=torch.float32) for s in kept}
+    return Reduction(contributions, kept, clipped, rejected, scales, factors)
+
+
+def _opposed(senders: list[str], sq: list[float], dots: list[float], centers: list[float],
+             reject_below: float | None) -> list[str]:
+    """The senders whose cosine with the others' median is below ``reject_below`` (none without a majority)."""
+    rejected: list[str] = []
+    for i, s in enumerate(senders):
+        na, nb = math.sqrt(sq[i]), math.sqrt(centers[i])
+        # nothing to compare (a stalled member's zeros, an all-zero center): not opposed
+        if na > 0.0 and nb > 0.0 and dots[i] / (na * nb) < reject_below:  # type: ignore[operator]
+            rejected.append(s)
+    if len(rejected) * 2 >= len(senders):
+        rejected = []  # no majority agrees on a direction: keep everyone (clipping still bounds them)
+    return rejected
 
 
 def _statistics(xs: list[torch.Tensor], numel: int, centers_too: bool) -> tuple[list[float], list[float], list[float]]:
@@ -166,11 +202,13 @@ def tensor_digest(t: pb.Tensor) -> bytes:
 
 def result_digest(run_id: str, step: int, epoch: int, shard: int, num_shards: int, attempt: int, base_hash: str,
                   contributors: Iterable[str], clipped: Iterable[str], rejected: Iterable[str],
-                  digests: Iterable[bytes], inputs: Iterable[tuple[str, bytes]] = ()) -> bytes:
+                  digests: Iterable[bytes], inputs: Iterable[tuple[str, bytes]] = (),
+                  weights: Iterable[int] = ()) -> bytes:
     """What the reducer of a shard signs: everything a member applies from its result (the
     :func:`tensor_digest` of each of its chunks, in order), and what it was averaged from: each weighed
-    contribution's sender and :func:`contribution_digest`. Signed over both, a result is a commitment
-    an auditor can hold its author to (:func:`recompute`)."""
+    contribution's sender and :func:`contribution_digest`, and the weight it gave each (in the order of
+    ``inputs``). Signed over all of it, a result is a commitment an auditor can hold its author to
+    (:func:`recompute`)."""
     h = hashlib.blake2b(digest_size=32, person=b"potluck-result")
     head = f"{run_id}|{step}|{epoch}|{shard}|{num_shards}|{attempt}|{base_hash}|{','.join(contributors)}|" \
            f"{','.join(clipped)}|{','.join(rejected)}"
@@ -180,16 +218,17 @@ def result_digest(run_id: str, step: int, epoch: int, shard: int, num_shards: in
     for sender, d in inputs:
         h.update(f"|{sender}|".encode())
         h.update(d)
+    h.update(f"|weights|{','.join(str(int(w)) for w in weights)}".encode())
     return h.digest()
 
 
 def contribution_digest(run_id: str, step: int, epoch: int, shard: int, num_shards: int, attempt: int,
-                        base_hash: str, sender: str, digests: Iterable[bytes]) -> bytes:
-    """What a contributor signs over its slice of a shard: the round it is for and each chunk's
-    :func:`tensor_digest`. An owner cannot pass off another slice as this sender's, and an auditor can
-    check that what the owner shows is what the sender sent."""
+                        base_hash: str, sender: str, digests: Iterable[bytes], samples: int = 0) -> bytes:
+    """What a contributor signs over its slice of a shard: the round it is for, the samples it trained on
+    (its weight) and each chunk's :func:`tensor_digest`. An owner cannot pass off another slice or another
+    weight as this sender's, and an auditor can check that what the owner shows is what the sender sent."""
     h = hashlib.blake2b(digest_size=32, person=b"potluck-contrib")
-    h.update(f"{run_id}|{step}|{epoch}|{shard}|{num_shards}|{attempt}|{base_hash}|{sender}".encode())
+    h.update(f"{run_id}|{step}|{epoch}|{shard}|{num_shards}|{attempt}|{base_hash}|{sender}|{int(samples)}".encode())
     for d in digests:
         h.update(d)
     return h.digest()
@@ -206,10 +245,11 @@ class Recomputed:
 
 
 def recompute(contributions: Mapping[str, torch.Tensor], numel: int, codec: Codec, chunk_bytes: int,
-              name: str, clip_factor: float, reject_below: float | None) -> Recomputed:
-    """What an honest owner of these decoded contributions signs: the robust average, encoded a chunk at a
-    time exactly as :class:`~potluck.compression.stream.EncodedStream` does for the owner. Everything is a
-    deterministic function of the contributions, so any two machines get the same digests."""
-    red = robust_reduction(contributions, numel, clip_factor, reject_below)
+              name: str, clip_factor: float, reject_below: float | None,
+              weights: Mapping[str, int] | None = None) -> Recomputed:
+    """What an honest owner of these decoded contributions (and their signed weights) signs: the robust average,
+    encoded a chunk at a time exactly as :class:`~potluck.compression.stream.EncodedStream` does for the owner.
+    Everything is a deterministic function of the contributions, so any two machines get the same digests."""
+    red = robust_reduction(contributions, numel, clip_factor, reject_below, weights)
     chunks = EncodedStream(name, numel, red.mean, codec, chunk_bytes)
     return Recomputed([tensor_digest(t) for t in chunks], red.contributors, red.clipped, red.rejected)

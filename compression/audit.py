@@ -5,7 +5,8 @@ cannot check the *owner* that averages a shard, whose result every member applie
 (Gorbunov et al. 2021, "Secure Distributed Training at Scale"), every piece is signed by its author:
 
 * a contributor signs its slice (:func:`~potluck.compression.aggregate.contribution_digest` over each
-  encoded chunk), so nobody can pass off other values as its contribution;
+  encoded chunk and the samples it trained on, its weight), so nobody can pass off other values or another
+  weight as its contribution;
 * the owner signs its result together with the list of contributions it weighed, each by sender and
   digest (:func:`~potluck.compression.aggregate.result_digest`), before anyone knows who will check it;
 * an auditor the coordinator picks after the step gets those contributions (from the owner, who must
@@ -41,6 +42,7 @@ class Signed:
     signer: str
     signature: bytes
     digests: list[bytes] = field(default_factory=list)  # each chunk's tensor_digest (computed if empty)
+    samples: int = 0  # a contribution's claimed work (its weight, signed with it); unused for a result
 
     def chunk_digests(self) -> list[bytes]:
         return self.digests or [tensor_digest(t) for t in self.chunks]
@@ -57,6 +59,7 @@ class ResultClaim:
     inputs: list[str]
     input_digests: list[bytes]
     result: Signed
+    weights: list[int] = field(default_factory=list)  # the weight it gave each input, in the order of ``inputs``
 
 
 @dataclass(frozen=True)
@@ -80,13 +83,13 @@ class Unverifiable(ValueError):
 def result_signed(rnd: Round, claim: ResultClaim) -> bool:
     digest = result_digest(rnd.run_id, rnd.step, rnd.epoch, rnd.shard, rnd.num_shards, claim.attempt, rnd.base_hash,
                            claim.contributors, claim.clipped, claim.rejected, claim.result.chunk_digests(),
-                           zip(claim.inputs, claim.input_digests, strict=True))
+                           zip(claim.inputs, claim.input_digests, strict=True), claim.weights)
     return verify(claim.result.signer, digest, claim.result.signature)
 
 
 def input_digest(rnd: Round, attempt: int, sender: str, contribution: Signed) -> bytes:
     return contribution_digest(rnd.run_id, rnd.step, rnd.epoch, rnd.shard, rnd.num_shards, attempt, rnd.base_hash,
-                               sender, contribution.chunk_digests())
+                               sender, contribution.chunk_digests(), contribution.samples)
 
 
 def check(rnd: Round, claim: ResultClaim, inputs: Mapping[str, Signed], codec: Codec, chunk_bytes: int,
@@ -97,12 +100,15 @@ def check(rnd: Round, claim: ResultClaim, inputs: Mapping[str, Signed], codec: C
     says, or an input's signature is not its sender's (a forgery by whoever handed it over)."""
     if len(claim.inputs) != len(claim.input_digests) or sorted(claim.inputs) != list(claim.inputs):
         return "its result names its inputs out of order or without their digests"
+    if len(claim.weights) != len(claim.inputs):
+        return f"its result weighs {len(claim.weights)} of its {len(claim.inputs)} inputs"
     if not result_signed(rnd, claim):
         raise Unverifiable(f"the result of shard {rnd.shard} is not signed by {short_id(claim.result.signer)}")
     named = dict(zip(claim.inputs, claim.input_digests, strict=True))
     if set(claim.contributors) | set(claim.rejected) != set(named) or set(claim.contributors) & set(claim.rejected):
         return "the contributors and rejected it names are not the inputs it signed for"
     decoded: dict[str, torch.Tensor] = {}
+    weighed = dict(zip(claim.inputs, claim.weights, strict=True))
     for sender, digest in named.items():
         got = inputs.get(sender)
         if got is None:
@@ -111,6 +117,9 @@ def check(rnd: Round, claim: ResultClaim, inputs: Mapping[str, Signed], codec: C
             raise Unverifiable(f"the contribution shown as {short_id(sender)}'s is not signed by it")
         if input_digest(rnd, claim.attempt, sender, got) != digest:
             return f"it signed for another contribution of {short_id(sender)} than the one it shows"
+        if weighed[sender] != got.samples:
+            return (f"it weighed {short_id(sender)}'s contribution as {weighed[sender]} samples; {short_id(sender)} "
+                    f"signed it for {got.samples}")
         try:
             asm = Assembler(f"shard{rnd.shard}", rnd.numel, codec)
             for t in got.chunks:
@@ -119,7 +128,7 @@ def check(rnd: Round, claim: ResultClaim, inputs: Mapping[str, Signed], codec: C
         except WireError as err:
             return f"it averaged a contribution of {short_id(sender)} that does not decode: {err}"
     honest = recompute({s: decoded[s] for s in named}, rnd.numel, codec, chunk_bytes, f"shard{rnd.shard}",
-                       clip_factor, reject_below)
+                       clip_factor, reject_below, {s: inputs[s].samples for s in named})
     lies = []
     for what, said, made in (("contributors", claim.contributors, honest.contributors),
                              ("clipped", claim.clipped, honest.clipped), ("rejected", claim.rejected, honest.rejected)):
@@ -144,7 +153,7 @@ def decode_streams(chunks: Sequence[pb.ShardChunk]) -> dict[str, Signed]:
             raise Unverifiable(f"a second contribution of {short_id(sender)} in one answer")
         pieces.setdefault(sender, []).append(c.tensor)
         if c.signature:
-            out[sender] = Signed(pieces.pop(sender), c.signer, c.signature)
+            out[sender] = Signed(pieces.pop(sender), c.signer, c.signature, samples=c.samples)
     if pieces:
         raise Unverifiable(f"unsigned contributions of {', '.join(map(short_id, pieces))}")
     return out

@@ -13,8 +13,11 @@ version, because a version *is* a set of samples trained on:
 * **committing** ``v``: the cursor of ``v`` is the cursor of ``v - 1`` without every span step ``v``
   handed out, plus the spans of replicas whose contributions are *not* in version ``v`` (dead,
   stalled, dropped as too slow, rejected as poison): those samples go back to the pool, and the next
-  round takes them first. Which replicas are in a version, the members say in their step reports
-  (the contributors every shard of the all-reduce was averaged over); most reporting members win;
+  round takes them first. So does the rest of a share its replica did not get to: a round is a window
+  (:mod:`potluck.peer.window`), and a slower replica trains the first ``samples`` positions of its
+  share, in order, and leaves the others. Which replicas are in a version, and on how many samples,
+  the members say in their step reports (the contributors every shard of the all-reduce was averaged
+  over, and the samples each one signed for); most reporting members win;
 * **failing** and rolling back to ``t``: the cursor of ``t`` again (kept, in the journal, or in the
   checkpoint of ``t``; theta_0 is the empty cursor): samples of the steps undone are free again.
 
@@ -78,6 +81,22 @@ def difference(spans: Sequence[Span], cuts: Sequence[Span]) -> list[Span]:
             k += 1
         if x < y:
             out.append((x, y))
+    return out
+
+
+def untrained(spans: Sequence[Span], samples: int | None) -> list[Span]:
+    """What a replica handed ``spans`` did not train on: all of them if it is not in the version (None), none if it
+    trained its whole share (0), else everything after its first ``samples`` positions (read in order)."""
+    if samples is None:
+        return list(spans)
+    out: list[Span] = []
+    left = samples
+    for a, b in spans:
+        if left <= 0 and samples:
+            out.append((a, b))
+        elif samples and left < b - a:
+            out.append((a + left, b))
+        left -= b - a
     return out
 
 
@@ -234,9 +253,11 @@ class DataCursor:
             self._kept = (key, (base, prev), (old, block, rest))
         return self._kept[2]
 
-    def vote(self, step: int, epoch: int, peer: str, included: Sequence[int]) -> None:
-        """Stage-0 member ``peer`` of ``step`` (made in ``epoch``) says which replicas the version holds."""
-        say = tuple(sorted(set(included)))[:4096]
+    def vote(self, step: int, epoch: int, peer: str, included: Sequence[int], samples: Sequence[int] = ()) -> None:
+        """Stage-0 member ``peer`` of ``step`` (made in ``epoch``) says which replicas the version holds, and on how
+        many samples each (in the order of ``included``; 0 or none: its whole share)."""
+        counts = dict(zip(included, samples, strict=False)) if len(samples) == len(included) else {}
+        say = tuple(sorted((int(r), max(0, int(counts.get(r, 0)))) for r in set(included)))[:4096]
         # one object for the same say (the honest members of a step all say the same replicas): kept once, not
         # once per voter (a thousand tuples of a thousand replicas a step), and counted once in included()
         says, votes = self._says.setdefault((step, epoch), {}), self._votes.setdefault((step, epoch), {})
@@ -251,6 +272,11 @@ class DataCursor:
         of a replica's own group vote on it (the others' versions never held it). With no vote for the
         step (peers ran ahead more steps than their reports remember), the nearest step run on the same
         round answers."""
+        return set(self.tally(rnd, step, round_at))
+
+    def tally(self, rnd: Round, step: int, round_at: Callable[[int], Round | None]) -> dict[int, int]:
+        """:meth:`included`, each with the samples of its share it trained on: what most of its voters say (the
+        larger of a tie: a sample counted as trained is never handed out twice); 0: its whole share."""
         replicas = [s.replica for s in rnd.shares]
         group_of = {m.peer_id: m.group for m in rnd.members if m.stage == 0}
         replica_group = {m.replica: m.group for m in rnd.members if m.stage == 0}
@@ -259,6 +285,7 @@ class DataCursor:
             votes = self._votes.get((probe, rnd.epoch), {})
             if votes:  # (counted once per group: a thousand votes of a thousand replicas each, scanned per replica, took minutes)
                 counts: dict[int, Counter[int]] = {}
+                worked: dict[int, Counter[int]] = {}  # replica -> samples said -> voters saying it
                 voters: Counter[int] = Counter()
                 same: dict[tuple[int, int], list[Any]] = {}  # (group, the say's object) -> [say, voters saying it]
                 for p, v in votes.items():
@@ -269,10 +296,13 @@ class DataCursor:
                     else:
                         seen[1] += 1
                 for (g, _), (v, n) in same.items():  # (each say once: a thousand of a thousand replicas was 1M counts)
-                    counts.setdefault(g, Counter()).update(dict.fromkeys(v, n))
-                return {r for r in replicas
-                        if 2 * counts.get(replica_group.get(r, 0), Counter())[r] >= voters[replica_group.get(r, 0)]}
-        return set(replicas)
+                    counts.setdefault(g, Counter()).update(dict.fromkeys((r for r, _ in v), n))
+                    for r, samples in v:
+                        worked.setdefault(r, Counter())[samples] += n
+                kept = [r for r in replicas
+                        if 2 * counts.get(replica_group.get(r, 0), Counter())[r] >= voters[replica_group.get(r, 0)]]
+                return {r: max(worked[r].items(), key=lambda kv: (kv[1], kv[0]))[0] if r in worked else 0 for r in kept}
+        return dict.fromkeys(replicas, 0)
 
     def commit(self, since: int, step: int, round_at: Callable[[int], Round | None]) -> None:
         """Versions ``since + 1 .. step`` were committed: fold each one's samples in, in order (at most
@@ -285,14 +315,14 @@ class DataCursor:
                             v, v - 1)
                 self.at[v] = self.newest()
                 continue
-            included = self.included(rnd, v, round_at)
+            trained = self.tally(rnd, v, round_at)
             handed = [span for s in rnd.shares for span in rnd.data_spans(v, s.replica)]
             missed = 0 if all(base.free(x) for x in merge(handed)) else sum(  # (asked of the few spans they merge
                 b - a for a, b in handed if not base.free((a, b)))  # into, not of each of 1,000 replicas' spans)
             if missed:
                 self.repeats += missed
                 log.error("step %d was handed %d positions already trained on", v, missed)
-            back = [span for s in rnd.shares if s.replica not in included for span in rnd.data_spans(v, s.replica)]
+            back = [span for s in rnd.shares for span in untrained(rnd.data_spans(v, s.replica), trained.get(s.replica))]
             self.at[v] = base.without(handed).with_back(back)
             self.returned += sum(b - a for a, b in back)
         self.prune(step)

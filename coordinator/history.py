@@ -36,7 +36,7 @@ Early = dict[tuple[str, int], tuple[StepReport, "Round | None", int, dict[str, A
 EARLY_STEPS = 2  # reports of the next this many steps after the committed one are made into entry rows as they come
 # what no total is made of: a peer's older reports drop their ``included`` lists (its record must stay small), and each
 # such change made the step's totals again (at 1,000 members, once a second for a heartbeat's lag after each step)
-UNUSED = {"included", "flags"}
+UNUSED = {"included", "flags", "samples"}
 _DEFAULTS = StepReport(step=0).model_dump(mode="json", exclude=UNUSED)
 
 
@@ -45,7 +45,7 @@ def new_entry(step: int, rnd: Round | None, now: float | None = None) -> dict[st
         "step": step, "t": time.time() if now is None else now, "epoch": rnd.epoch if rnd else 0,
         "members": len(rnd.members) if rnd else 0, "loss": None, "eval_loss": None, "outer_s": None, "allreduce_s": None,
         "state_hashes": {}, "stages": {}, "tasklets": {}, "hash_counts": {}, "dropped": [], "clipped": [], "rejected": [],
-        "contributors": None,
+        "contributors": None, "samples": None, "window_s": None, "inner_steps": {},
         "bytes": dict.fromkeys(KINDS, 0), "bytes_fp32": dict.fromkeys(KINDS, 0), "_peers": {},
     }
 
@@ -210,6 +210,12 @@ def _aggregate(entry: dict[str, Any]) -> None:
     for kind in ("dropped", "clipped", "rejected"):
         entry[kind] = sorted({d for r in peers.values() for d in r[kind]})
     entry["contributors"] = min((r["contributors"] for r in peers.values()), default=None)
+    # the work in the step: what each stage-0 member's contribution was trained on, if it counted (None: reports from
+    # before rounds were windows, each of whose replicas trained its whole share: the page counts those)
+    worked = sum(r["trained"] for pid, r in peers.items() if r["stage"] == 0 and pid not in entry["rejected"])
+    entry["samples"] = worked or None
+    entry["window_s"] = max((r["phase_s"] for r in peers.values() if r["phase_s"]), default=None)
+    entry["inner_steps"] = {pid: r["inner_steps"] for pid, r in peers.items()} if small else {}
     entry["bytes"] = dict.fromkeys(KINDS, 0)
     entry["bytes_fp32"] = dict.fromkeys(KINDS, 0)
     by_stage: dict[str, dict[str, Any]] = {}

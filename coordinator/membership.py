@@ -64,7 +64,8 @@ class PeerView:
         return Report(peer_id=r.peer_id, stage=r.stage, version=r.version, state_hash=r.state_hash, epoch=r.epoch,
                       prev_version=r.prev_version, prev_hash=r.prev_hash, live=present, gone=self.left or self.evicted,
                       progress=(r.state, r.version, r.inner_step, moved),
-                      included=tuple((x.step, x.epoch, tuple(x.included)) for x in r.recent if x.stage == 0))
+                      included=tuple((x.step, x.epoch, tuple(x.included), tuple(x.samples))
+                                     for x in r.recent if x.stage == 0))
 
 
 class PeerTable:

@@ -24,7 +24,8 @@ class Report:
     live: bool = True
     gone: bool = False  # said goodbye, stopped on an error or was evicted: not coming back to regather
     progress: tuple = ()  # changes whenever the peer makes visible progress (state, inner step, bytes)
-    included: tuple[tuple[int, int, tuple[int, ...]], ...] = ()  # stage 0: (step, epoch, replicas in that version)
+    # stage 0: (step, epoch, replicas in that version[, the samples each trained on, in that order])
+    included: tuple[tuple, ...] = ()
 
 
 @dataclass(frozen=True)

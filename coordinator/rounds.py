@@ -262,7 +262,7 @@ class Rounds(RollingBack):
             if (last := self._voted.get(r.peer_id)) is not None and last[0] is r and last[1] == context:
                 continue  # (its votes are in: at 1,000 peers, casting them all again every tick cost a tenth of it)
             self._voted[r.peer_id] = (r, context)
-            for step, epoch, included in r.included:
+            for step, epoch, included, *samples in r.included:
                 made_by = self.round_at(step)
                 if made_by is None or not r.live or not self.committed < step <= self.committed + KEEP_ROUNDS:
                     continue
@@ -271,7 +271,10 @@ class Rounds(RollingBack):
                     known = shared.get(made_by.step)
                     if known is None:
                         known = shared[made_by.step] = {s.replica for s in made_by.shares}
-                    self.data.vote(step, epoch, r.peer_id, [i for i in included if i in known])
+                    worked = dict(zip(included, samples[0], strict=False)) if samples and len(samples[0]) == len(included) \
+                        else {}
+                    kept = [i for i in included if i in known]
+                    self.data.vote(step, epoch, r.peer_id, kept, [worked.get(i, 0) for i in kept])
 
     def _note_progress(self, reports: Sequence[Report], now: float, changed: Sequence[Report] | None = None) -> None:
         if len(self._progress) > 2 * len(reports) + 100:  # (peers forgotten: with churn it grew without end)

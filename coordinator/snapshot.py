@@ -177,8 +177,11 @@ def step_rates(entries: Sequence[dict[str, Any]], cfg: RunConfig) -> list[dict[s
     for h in entries:
         entry = public(h)
         entry.setdefault("hash_counts", {})  # (entries journaled by older versions)
-        stage0 = sum(1 for s in (h.get("stages") or {}).values() if s == 0) or h["members"] // max(1, cfg.pipeline.stages)
-        entry["tokens"] = stage0 * per_replica
+        if h.get("samples"):  # what the included contributions were trained on (rounds are windows: it varies)
+            entry["tokens"] = h["samples"] * cfg.model.seq_len
+        else:  # (an entry of a version from before that: each stage-0 replica trained its whole share)
+            stage0 = sum(1 for s in (h.get("stages") or {}).values() if s == 0) or h["members"] // max(1, cfg.pipeline.stages)
+            entry["tokens"] = stage0 * per_replica
         dt = h["t"] - prev["t"] if prev is not None and h["step"] == prev["step"] + 1 else 0.0
         entry["tokens_per_s"] = entry["tokens"] / dt if dt > 0 else None
         out.append(entry)

@@ -140,5 +140,5 @@ def claim_of(chunks: list[pb.ShardChunk] | Iterator[pb.ShardChunk], run_id: str,
     rnd = Round(run_id, step, epoch, shard, num_shards, first.base_hash, numel)
     claim = ResultClaim(first.attempt, list(first.contributors), list(first.clipped), list(first.rejected),
                         list(first.inputs), list(first.input_digests),
-                        Signed([c.tensor for c in chunks], last.signer, last.signature))
+                        Signed([c.tensor for c in chunks], last.signer, last.signature), list(first.weights))
     return claim, rnd

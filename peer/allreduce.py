@@ -86,11 +86,13 @@ class AllReduce(ShardInbox):
 
     # ---------------------------------------------------------------- the procedure
 
-    def run(self, info: RoundInfo, delta: torch.Tensor | None, wait_s: float, grace_s: float = 2.0) -> tuple[torch.Tensor, AllReduceStats]:
+    def run(self, info: RoundInfo, delta: torch.Tensor | None, wait_s: float, grace_s: float = 2.0,
+            samples: int = 1) -> tuple[torch.Tensor, AllReduceStats]:
         """Average ``delta`` over the members of ``info``; returns the mean as every member applies it.
 
         ``delta`` is None when this member has nothing valid to contribute (it still owns its shard
-        and gathers the result). Raises :class:`IncompleteRound` if a shard cannot be had in time.
+        and gathers the result). ``samples``: the work in ``delta`` (the samples it was trained on), its
+        weight in the average, signed with it. Raises :class:`IncompleteRound` if a shard cannot be had in time.
         """
         t_start = time.monotonic()
         sent_before = self.client.traffic.snapshot()[0].get("outer", 0)
@@ -104,7 +106,7 @@ class AllReduce(ShardInbox):
         # mid-transfer must not use it all up, or they give up on this shard (and this member) before it
         # tries another
         rnd = ReduceRound(info, self._cond, catch_up_until=min(deadline, t_start + grace_s),
-                          backup_timeout=max(PING_S, 0.5 * grace_s), deadline=deadline)
+                          backup_timeout=max(PING_S, 0.5 * grace_s), deadline=deadline, samples=samples)
         try:
             return self._run(rnd, delta, t_start, deadline, grace_s, sent_before)
         finally:
@@ -126,14 +128,15 @@ class AllReduce(ShardInbox):
 
         # 1. reduce: our slice of every shard goes to its owner, signed (our own shard's too: encoded and
         # signed like any other, so what we average is what an auditor can check)
+        sent: list[float] = []  # when each of our contributions was delivered (or given up), since t_start
         if delta is not None:
             for j, owner in enumerate(info.shard_owners):
                 lo, hi = bounds[j]
                 if j == me:
-                    self._own_contribution(info, j, 0, delta[lo:hi])
+                    self._own_contribution(info, j, 0, delta[lo:hi], rnd.samples)
                 else:
                     self._submit(self._send, "contribution", rnd, info.address_of(owner), j, 0, delta[lo:hi],
-                                 on_send_error)
+                                 on_send_error).add_done_callback(lambda f: sent.append(time.monotonic() - t_start))
         if me is not None:
             self._reduce_shard(rnd, me, 0, bounds, deadline, stats)
 
@@ -164,6 +167,7 @@ class AllReduce(ShardInbox):
             results = [self._results[j] for j in range(n)]
             stats.dropped = sorted(rnd.dead)
         stats.seconds = time.monotonic() - t_start
+        stats.send_s = max(sent, default=0.0)
         stats.bytes_sent = self.client.traffic.snapshot()[0].get("outer", 0) - sent_before
         stats.contributors = {j: len(r.outcome.contributors) for j, r in enumerate(results)}
         empty = [j for j, r in enumerate(results) if not r.outcome.contributors]
@@ -176,6 +180,11 @@ class AllReduce(ShardInbox):
         stats.partial = sorted(set().union(*counted) - counted[0].intersection(*counted[1:]))
         named = [p for r in results for p in set(r.outcome.contributors) if p in info.ids]  # in most shards:
         stats.included = sorted({info.replica_of(p) for p in set(named) if 2 * named.count(p) > len(results)})
+        for r in results:  # (an honest contributor claims the same in every shard; the most any shard weighed it)
+            for p, w in zip(r.outcome.inputs, r.outcome.weights, strict=False):
+                if p in r.outcome.contributors and p in info.ids and info.replica_of(p) in stats.included:
+                    rep = info.replica_of(p)
+                    stats.samples[rep] = max(stats.samples.get(rep, 0), int(w))
         if stats.partial:  # each shard is still a true mean of its own contributors
             log.warning("step %d: contributions of %s arrived too late for some shards (counted in %s)", info.step,
                         ", ".join(short_id(p) for p in stats.partial),
@@ -186,20 +195,23 @@ class AllReduce(ShardInbox):
     def _submit(self, fn: Callable, *args: object) -> Future:
         return self._pool.submit(fn, *args)
 
-    def _chunks(self, info: RoundInfo, shard: int, attempt: int, tensors: Iterable[pb.Tensor]) -> Iterator[pb.ShardChunk]:
-        """A contribution's chunks; the last carries this member's signature over all of them."""
+    def _chunks(self, info: RoundInfo, shard: int, attempt: int, tensors: Iterable[pb.Tensor],
+                samples: int) -> Iterator[pb.ShardChunk]:
+        """A contribution's chunks, each naming its work (``samples``); the last carries this member's signature
+        over all of them and that work."""
         hdr = pb.Header(run_id=self.run_id, sender=self.me, step=info.step, epoch=info.epoch)
         tensors = list(tensors)
         digests: list[bytes] = []
         for i, t in enumerate(tensors):
             digests.append(tensor_digest(t))
             chunk = pb.ShardChunk(header=hdr, shard=shard, num_shards=info.shards, attempt=attempt,
-                                  base_hash=info.base_hash, tensor=t)
+                                  base_hash=info.base_hash, tensor=t, samples=samples)
             if i == len(tensors) - 1:
-                chunk.signer, chunk.signature = self.me, self.sign(self._contribution_digest(info, shard, attempt, digests))
+                chunk.signer = self.me
+                chunk.signature = self.sign(self._contribution_digest(info, shard, attempt, digests, samples))
                 with self._cond:  # kept: an audit of this shard needs this contribution, and need not fetch it
                     if (info.step, info.epoch) == (self._step, self._epoch):
-                        self._sent[(shard, attempt)] = Signed(tensors, self.me, chunk.signature, list(digests))
+                        self._sent[(shard, attempt)] = Signed(tensors, self.me, chunk.signature, list(digests), samples)
             yield chunk
 
     def _results_of(self, info: RoundInfo, shard: int, tensors: list[pb.Tensor], outcome: Outcome) -> Iterator[pb.ShardChunk]:
@@ -222,7 +234,8 @@ class AllReduce(ShardInbox):
         tensors = EncodedStream.of(f"shard{shard}", values, self.codec, self.chunk_bytes, self._codec_pool)
         while True:
             try:
-                self.client.push_contribution(peer.address, self._chunks(info, shard, attempt, tensors), self.rpc_timeout,
+                self.client.push_contribution(peer.address, self._chunks(info, shard, attempt, tensors, rnd.samples),
+                                              self.rpc_timeout,
                                               peer=peer.peer_id)
                 return True
             except grpc.RpcError as err:
@@ -272,7 +285,10 @@ class AllReduce(ShardInbox):
             result_chunks, outcome = forwarded.chunks, forwarded.outcome
         else:
             lo, hi = bounds[shard]
-            red = robust_reduction(got, hi - lo, self.clip_factor, self.reject_below)
+            weights = {s: signed[s].samples for s in got}  # as each sender signed it (an over-claim was refused)
+            if self.me in weights:  # (a Byzantine owner that weighs its own contribution up, in tests: owner.weight)
+                weights[self.me] = int(self._tamper("owner.weight", info.step, weights[self.me]))
+            red = robust_reduction(got, hi - lo, self.clip_factor, self.reject_below, weights)
             step = info.step
 
             def mean(a: int, b: int) -> torch.Tensor:  # (a Byzantine owner, in tests: POTLUCK_FAULTS owner.mean)
@@ -289,12 +305,13 @@ class AllReduce(ShardInbox):
                 hashing.append(self._codec_pool.submit(tensor_digest, t))
             inputs = sorted(got)  # what this result was averaged from, each sender's contribution by its digest
             input_digests = [contribution_digest(self.run_id, info.step, info.epoch, shard, info.shards, attempt,
-                                                 info.base_hash, s, signed[s].digests) for s in inputs]
+                                                 info.base_hash, s, signed[s].digests, signed[s].samples) for s in inputs]
+            signed_weights = [signed[s].samples for s in inputs]
             digest = result_digest(self.run_id, info.step, info.epoch, shard, info.shards, attempt,
                                    info.base_hash, red.contributors, clipped, red.rejected,
-                                   [f.result() for f in hashing], zip(inputs, input_digests, strict=True))
+                                   [f.result() for f in hashing], zip(inputs, input_digests, strict=True), signed_weights)
             outcome = Outcome(attempt, red.contributors, clipped, red.rejected, self.me, self.sign(digest), inputs,
-                              input_digests)
+                              input_digests, signed_weights)
             missing = sorted(set(info.ids) - set(got))
             if len(got) < len(expected):
                 log.info("shard %d of step %d reduced without %s", shard, info.step, ", ".join(short_id(m) for m in missing))
@@ -426,7 +443,7 @@ class AllReduce(ShardInbox):
             with self._cond:
                 self._taken_over.add(shard)
             if delta is not None:
-                self._own_contribution(info, shard, 1, delta[lo:hi])
+                self._own_contribution(info, shard, 1, delta[lo:hi], rnd.samples)
             self._reduce_shard(rnd, shard, 1, bounds, deadline, stats, forwarded_ok=True)  # (the owner is dead)
         elif delta is not None:
             with self._cond:

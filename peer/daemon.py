@@ -4,9 +4,9 @@
 
     while the run is not over:
         act on the plan: wait, switch stage or recover state      (follower)
-        H inner AdamW steps on this peer's shard -> theta_local    (stage worker; pipeline if S > 1)
+        inner AdamW steps, as many as fit the round's window (H at most) -> theta_local   (stage worker, window)
         delta <- theta_global - theta_local
-        mean  <- all-reduce(delta) among the stage's replicas     (outer step)
+        mean  <- all-reduce(delta, weighed by its samples) among the stage's replicas   (outer step)
         theta_global <- Nesterov(theta_global, mean); theta_local <- theta_global
 
 With ``diloco.overlap`` the outer step of ``k`` runs while the inner steps of ``k + 1`` train
@@ -29,6 +29,7 @@ from potluck.peer.joining import Joined, Stopped, join
 from potluck.peer.keyfile import load_identity
 from potluck.peer.multidevice import Leader
 from potluck.peer.outersteps import OuterSteps
+from potluck.peer.phases import InnerPhases
 from potluck.peer.piperound import PipelineBroken
 from potluck.peer.states import epoch_of
 from potluck.peer.tasklet import Tasklet, Toolbox
@@ -106,6 +107,7 @@ class Session:
         self.heartbeat = tools.serve(lambda: self.tasklet, self.ping, self.record)
         self.phases = {**joined.phases, "setup": time.time() - joined.joined_at - joined.phases["manifest"]}
         self.ready_at, self.first_round_at, self.recovered_s = time.time(), 0.0, 0.0
+        self.inner = InnerPhases(self.rc, self.me, telemetry)  # as many inner steps as fit each round's window
         self.outer = OuterSteps(self)
         tools.announce(self.tasklet.worker.numel, self.phases)
 
@@ -128,15 +130,11 @@ class Session:
                 case Train(round=rnd, step=step):
                     self._begin(rnd, step)
                     start = self.tasklet.worker.start_point() if self.rc.diloco.overlap else None
-                    phase = self.tasklet.worker.inner_phase(rnd.data_spans(step, self.replica), self.stopping,
-                                                            self._inner_step, step)  # H inner AdamW steps
-                    self.telemetry.progress.compute_s += phase.seconds
-                    if phase.stalled:
-                        log.warning("replica %d stalled at inner step %d: %s; contributing nothing to outer step %d",
-                                    self.replica, phase.steps, phase.stalled, step)
+                    phase = self.inner.run(self.tasklet, rnd, step, self.replica, self.stopping, self._inner_step)
                     if self._found_lie(step):
                         continue  # the step before holds a lie: commit nothing on it, the coordinator rolls it back
-                    self.outer.after_phase(step, phase.seconds, start, phase.interrupted, not phase.stalled)
+                    self.outer.after_phase(step, phase.seconds, start, phase.interrupted,
+                                           not phase.stalled and phase.steps > 0, phase.steps * self.rc.train.batch_size)
         if self.completed() and not self.stopping.is_set():
             self.set_state(PeerState.FINISHED)  # serve the final state until the coordinator has seen it
             self.heartbeat.await_confirmation(self.tasklet.states.current.version, self.stopping)
@@ -235,6 +233,7 @@ class Session:
             self.heartbeat.poke()
 
     def ping(self, request: pb.PingRequest) -> pb.PingReply:
+        self.inner.heard(request)  # (a member it averages with may say it trained its whole phase)
         held = self.tasklet.states.current
         return self.telemetry.ping_reply(request, held.version, epoch_of(held))
 

@@ -53,10 +53,11 @@ def pseudo_gradient(start: torch.Tensor, theta_local: torch.Tensor) -> torch.Ten
 
 
 def outer_step(rc: RunConfig, allreduce: AllReduce, info: RoundInfo, held: Snapshot, delta: torch.Tensor | None,
-               inner_seconds: float, meta: dict, base: Snapshot | None = None) -> OuterResult:
+               inner_seconds: float, meta: dict, base: Snapshot | None = None, samples: int = 1) -> OuterResult:
     """Average this member's pseudo-gradient ``delta`` with the stage's other members and take the outer
-    step from ``held`` (None: nothing valid to contribute; the member still takes the step). With a
-    ``base`` (grouped averaging), average whole outer steps as differences from it instead (see the module).
+    step from ``held`` (None: nothing valid to contribute; the member still takes the step). ``samples``: the
+    samples ``delta`` was trained on, its weight in the average. With a ``base`` (grouped averaging), average
+    whole outer steps as differences from it instead (see the module).
 
     Raises :class:`~potluck.peer.allreduce.IncompleteRound` when the step cannot be committed.
     """
@@ -67,11 +68,12 @@ def outer_step(rc: RunConfig, allreduce: AllReduce, info: RoundInfo, held: Snaps
         delta = None
     if delta is not None:
         delta = tamper("outer.delta", info.step, delta)  # a Byzantine peer, in the attack tests only
+        samples = int(tamper("outer.samples", info.step, samples))  # one that claims more work than it did (tests)
     s, d = rc.sync, rc.diloco
     wait_s = max(s.deadline_floor_s, s.deadline_factor * inner_seconds)
     if base is not None:
-        return _grouped(rc, allreduce, info, held, base, delta, wait_s, meta)
-    mean, stats = allreduce.run(info, delta, wait_s=wait_s, grace_s=max(2.0, 0.25 * wait_s))
+        return _grouped(rc, allreduce, info, held, base, delta, wait_s, meta, samples)
+    mean, stats = allreduce.run(info, delta, wait_s=wait_s, grace_s=max(2.0, 0.25 * wait_s), samples=samples)
     # the step needs only the mean (a fresh vector, which it turns into the new theta); delta's buffer, read
     # by nobody once the round is complete, takes the new momentum: no model-sized vector to page in
     spare, delta = delta, None
@@ -102,7 +104,7 @@ def grouped_contribution(held: Snapshot, base: Snapshot, delta: torch.Tensor, lr
 
 
 def _grouped(rc: RunConfig, allreduce: AllReduce, info: RoundInfo, held: Snapshot, base: Snapshot,
-             delta: torch.Tensor | None, wait_s: float, meta: dict) -> OuterResult:
+             delta: torch.Tensor | None, wait_s: float, meta: dict, samples: int) -> OuterResult:
     """The grouped outer step (see the module): every member of the group adds the same mean to the same base."""
     if base.hash != info.base_hash:
         raise ValueError(f"base state {base.hash[:12]} is not the round's {info.base_hash[:12]}")
@@ -110,7 +112,7 @@ def _grouped(rc: RunConfig, allreduce: AllReduce, info: RoundInfo, held: Snapsho
     contribution = grouped_contribution(held, base, delta, d.outer_lr, d.outer_momentum, d.nesterov) \
         if delta is not None else None
     delta = None
-    mean, stats = allreduce.run(info, contribution, wait_s=wait_s, grace_s=max(2.0, 0.25 * wait_s))
+    mean, stats = allreduce.run(info, contribution, wait_s=wait_s, grace_s=max(2.0, 0.25 * wait_s), samples=samples)
     contribution = None
     n = held.tensors["theta"].numel()
     if not all_finite(mean):

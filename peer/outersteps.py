@@ -40,6 +40,7 @@ from potluck.protos.wire.states import PeerState
 if TYPE_CHECKING:
     from potluck.peer.follower import Follower
     from potluck.peer.heartbeat import Heartbeat
+    from potluck.peer.phases import InnerPhases
     from potluck.peer.telemetry import Telemetry
     from potluck.protos.config.runconfig import PeerConfig, RunConfig
 
@@ -57,6 +58,7 @@ class StepHost(Protocol):
     follower: Follower
     heartbeat: Heartbeat
     telemetry: Telemetry
+    inner: InnerPhases
 
     def set_state(self, state: PeerState, poke: bool = True) -> None: ...
 
@@ -86,12 +88,13 @@ class OuterSteps:
         self.inflight: InFlight | None = None
 
     def after_phase(self, step: int, inner_seconds: float, start: torch.Tensor | None, interrupted: bool,
-                    contribute: bool) -> None:
-        """The inner phase of ``step`` ended: its outer step, overlapped if ``start`` (where it began) is given."""
+                    contribute: bool, samples: int = 1) -> None:
+        """The inner phase of ``step`` ended: its outer step, overlapped if ``start`` (where it began) is given.
+        ``samples``: what the phase trained on (its contribution's weight)."""
         if start is not None:
-            self._overlapped(step, inner_seconds, start, interrupted, contribute)
+            self._overlapped(step, inner_seconds, start, interrupted, contribute, samples)
         elif not interrupted:
-            self._blocking(step, inner_seconds, contribute)
+            self._blocking(step, inner_seconds, contribute, samples)
 
     # ------------------------------------------------------------------ what the follower sees
 
@@ -113,7 +116,7 @@ class OuterSteps:
 
     # ------------------------------------------------------------------ blocking
 
-    def _blocking(self, step: int, inner_seconds: float, contribute: bool) -> None:
+    def _blocking(self, step: int, inner_seconds: float, contribute: bool, samples: int) -> None:
         s = self.s
         s.set_state(PeerState.SYNCING)
         t0, t = time.monotonic(), s.tasklet
@@ -125,10 +128,12 @@ class OuterSteps:
         held = t.states.current
         delta = pseudo_gradient(held.tensors["theta"], t.worker.theta()) if contribute else None
         try:
-            done = outer_step(s.rc, t.allreduce, info, held, delta, inner_seconds, t.worker.meta(), self._base(info))
+            done = outer_step(s.rc, t.allreduce, info, held, delta, inner_seconds, t.worker.meta(), self._base(info),
+                              samples)
         except IncompleteRound as err:
             log.warning("%s; recovering state from the other members", err)
             return self._fail(step, info.epoch)
+        s.inner.pace.sent(done.stats.send_s)
         t.adopt(done.snapshot)
         self._committed(step, done, info, time.monotonic() - t0, contribute)
 
@@ -148,7 +153,7 @@ class OuterSteps:
     # ------------------------------------------------------------------ overlapped
 
     def _overlapped(self, step: int, inner_seconds: float, start: torch.Tensor, interrupted: bool,
-                    contribute: bool) -> None:
+                    contribute: bool, samples: int) -> None:
         """Land the step in flight, start ``step``'s all-reduce on a thread, and train on from
         ``theta_global - delta`` while it runs.
 
@@ -187,17 +192,17 @@ class OuterSteps:
             log.warning("%s; recovering state from the other members", err)
             return self._fail(step, info.epoch)
         flight = InFlight(step, info, contributed=delta is not None)
-        flight.thread = threading.Thread(target=self._run, args=(flight, t, held, delta, inner_seconds, t.worker.meta(), base),
-                                      name=f"outer-{step}", daemon=True)
+        flight.thread = threading.Thread(target=self._run, args=(flight, t, held, delta, inner_seconds, t.worker.meta(), base,
+                                                                 samples), name=f"outer-{step}", daemon=True)
         flight.thread.start()
         self.inflight = flight
         flight.blocked_s = time.monotonic() - t0
 
     def _run(self, flight: InFlight, t: Tasklet, held: Snapshot, delta: torch.Tensor | None, inner_seconds: float,
-             meta: dict, base: Snapshot | None) -> None:
+             meta: dict, base: Snapshot | None, samples: int) -> None:
         """The outer step on its own thread: commit as soon as it is done, so the swarm sees the version."""
         try:
-            done = outer_step(self.s.rc, t.allreduce, flight.info, held, delta, inner_seconds, meta, base)
+            done = outer_step(self.s.rc, t.allreduce, flight.info, held, delta, inner_seconds, meta, base, samples)
         except IncompleteRound as err:
             flight.error = str(err)
             return
@@ -205,6 +210,7 @@ class OuterSteps:
             log.exception("outer step %d failed", flight.step)
             flight.error = f"{type(err).__name__}: {err}"
             return
+        self.s.inner.pace.sent(done.stats.send_s)
         t.states.commit(done.snapshot)
         t.expect_next()
         flight.done = done

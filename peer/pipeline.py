@@ -106,6 +106,7 @@ class Pipeline:
                            sender=self.sender, inbox=self.inbox, traffic=self.traffic, stopping=self.stopping,
                            bursts=Bursts(on_transfer) if on_transfer is not None else None)
         self.in_flight = 0  # 1f1b with pipeline.in_flight unset: extra forwards ahead, measured each inner step
+        self.ended = False  # the inner step trained last ends the inner phase (stage 0 marked it so)
 
     # ------------------------------------------------------------------ rounds
 
@@ -144,11 +145,14 @@ class Pipeline:
         batch: tuple[list[int], torch.Tensor, torch.Tensor] | None,
         device: torch.device,
         forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        last: bool = False,
     ) -> float:
         """Forward and backward of one inner step over ``micro_batches``, in the order of
         :meth:`schedule`; returns the loss.
 
-        Stage 0 gets ``batch = (sample ids, tokens, targets)``; the other stages receive theirs.
+        Stage 0 gets ``batch = (sample ids, tokens, targets)``; the other stages receive theirs. Stage 0's
+        ``last`` (this step ends its inner phase: the round's window is over) travels with its forwards, and
+        each stage after it passes it on and ends its phase with the same step (:attr:`ended`).
         Gradients accumulate in ``layers``; the caller steps the optimizer. ``forward`` runs the
         layers (a :class:`potluck.peer.runner.StageRunner`: autocast, checkpointing, compiled layers);
         by default plainly in fp32. Whatever it computes in, activations and gradients go on the wire
@@ -161,6 +165,7 @@ class Pipeline:
         held: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         loss_total: float | torch.Tensor = 0.0  # the last stage's stays on the device until the step ends
         forward_s, waited_s = 0.0, 0.0
+        ended = last if self.first else False
         for op, k in self.schedule(m):
             if op == "F":
                 t0 = time.monotonic()
@@ -176,6 +181,7 @@ class Pipeline:
                     assert isinstance(got, Activations)
                     t0 = time.monotonic()
                     mids, labels = got.ids, got.labels
+                    ended = ended or got.last
                     inp = arrived(got.acts).to(device).requires_grad_(True)
                     inp_grad_holder = inp
                 out = run(inp)
@@ -186,7 +192,7 @@ class Pipeline:
                     assert inp_grad_holder is not None and inp_grad_holder.grad is not None
                     self.sends.send(r, "backward", inner, k, mids, inp_grad_holder.grad, loss=loss.detach())
                 else:
-                    self.sends.send(r, "forward", inner, k, mids, out.detach(), labels=labels)
+                    self.sends.send(r, "forward", inner, k, mids, out.detach(), labels=labels, last=ended)
                     held[k] = (out, inp_grad_holder)
                 forward_s += time.monotonic() - t0
             else:
@@ -208,6 +214,7 @@ class Pipeline:
             per_forward = forward_s / m if forward_s > 0 else float("inf")
             self.in_flight = min(m, math.ceil(waited_s / m / per_forward)) if waited_s > 0 else self.in_flight
         self.sends.flush(r)
+        self.ended = ended
         return float(loss_total)
 
     def schedule(self, m: int) -> list[tuple[str, int]]:

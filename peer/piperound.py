@@ -69,6 +69,7 @@ class Activations:
     ids: list[int]
     acts: torch.Tensor | Landing
     labels: torch.Tensor
+    last: bool = False  # forward: the sender's inner phase ends with this inner step
 
 
 @dataclass(frozen=True)
@@ -361,7 +362,7 @@ class Inbox:
                 raise CodecError(f"a {head.kind} message needs its activations")
             acts = self.codecs[head.kind].decode_float(msg.first)
         self._check_shape(acts, len(ids), d)
-        return Activations(ids, acts, labels)
+        return Activations(ids, acts, labels, last=head.kind == "forward" and head.last)
 
     def _land(self, item: Incoming) -> Incoming:
         """A decoded item with its tensor on its way to this stage's GPU (unchanged on a CPU)."""

@@ -72,6 +72,7 @@ class Outgoing:
     tensor: torch.Tensor  # where the stage computed it (its device and dtype): encoded there, off the compute thread
     labels: torch.Tensor | None
     loss: float | torch.Tensor  # the last stage's, still on its device: read by the encoder, not the compute thread
+    last: bool = False  # forward: this inner step ends the sender's inner phase
 
     @property
     def direction(self) -> str:
@@ -136,13 +137,13 @@ class Sends:
                 self.sender.buffer.close()
 
     def send(self, r: Round, kind: str, inner: int, micro: int, ids: list[int] | None, tensor: torch.Tensor,
-             labels: torch.Tensor | None = None, loss: float | torch.Tensor = 0.0) -> None:
+             labels: torch.Tensor | None = None, loss: float | torch.Tensor = 0.0, last: bool = False) -> None:
         to = r.next if kind in ("forward", "eval") else r.prev
         if to is None:
             raise PipelineStall(f"stage {self.stage} has no {'next' if kind != 'backward' else 'previous'} stage")
         # the tensor stays where it was computed: the encoder thread moves (or, on a GPU, encodes) it, so the
         # compute thread never waits for a device-to-host copy
-        out = Outgoing(r, to, kind, inner, micro, ids, tensor.detach(), labels, loss)
+        out = Outgoing(r, to, kind, inner, micro, ids, tensor.detach(), labels, loss, last)
         self._pending.append(self._encoders[out.direction].submit(self._dispatch, out))
 
     def flush(self, r: Round) -> None:
@@ -261,7 +262,7 @@ class Sends:
         msg = pb.PipeMessage(
             header=pb.Header(run_id=self.run_id, sender=self.me, step=r.step, epoch=r.epoch), kind=kind,
             inner_step=out.inner, micro=out.micro, sample_ids=ids or [], loss=float(out.loss), stage=self.stage,
-            replica=r.replica,
+            replica=r.replica, last=out.last,
         )
         if labels is not None:
             lab = labels.to(torch.int32).contiguous()

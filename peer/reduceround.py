@@ -38,8 +38,9 @@ class ReduceRound:
     """
 
     def __init__(self, info: RoundInfo, cond: threading.Condition, catch_up_until: float, backup_timeout: float,
-                 deadline: float = float("inf")) -> None:
+                 deadline: float = float("inf"), samples: int = 1) -> None:
         self.info, self.cond, self.deadline = info, cond, deadline  # (deadline: for the members' contributions)
+        self.samples = samples  # this member's claimed work, signed with each slice it sends (its weight)
         self.catch_up_until = catch_up_until  # until then, a member still fetching the round's base is waited for
         self.backup_timeout = backup_timeout  # seconds a result may take to reach a backup
         self.phase = Phase.REDUCING

@@ -51,6 +51,16 @@ class Kept:
     sent: dict[tuple[int, int], Signed]
 
 
+def overclaim(info: RoundInfo, sender: str, samples: int) -> str:
+    """Why a contribution claiming ``samples`` is refused ('' if it is not): its replica was handed fewer for the
+    step (the coordinator's share, which every member reads from the same round)."""
+    handed = info.handed_to(sender)
+    if handed is None or samples <= handed:
+        return ""
+    return (f"{short_id(sender)} claims {samples} samples of step {info.step}; its replica was handed {handed}: "
+            "no contribution counts for more work than the data it was given")
+
+
 class ShardInbox:
     """The receiving half of one peer's outer all-reduce: what arrives for the expected step, checked.
 
@@ -169,10 +179,15 @@ class ShardInbox:
                 self._reset()
             self._round = info
             members = set(info.ids)
-            for by_sender in self._contribs.values():
+            for key, by_sender in self._contribs.items():
                 for sender in [s for s in by_sender if s not in members]:
                     log.warning("dropping contribution from %s: not a member of step %d", short_id(sender), info.step)
                     del by_sender[sender]
+                for sender in list(by_sender):
+                    if why := overclaim(info, sender, self._inputs[key][sender].samples):
+                        log.warning("dropping contribution from %s: %s", short_id(sender), why)
+                        del by_sender[sender]
+                        del self._inputs[key][sender]
             for shard, res in list(self._results.items()):
                 try:
                     self._check_signed(shard, info.shards, res.digests, res.outcome, info)
@@ -248,8 +263,8 @@ class ShardInbox:
                     start, end = shard_bounds(self.numel, chunk.num_shards, self.codec.align)[chunk.shard]
                     assembler = Assembler(f"shard{chunk.shard}", end - start, self.codec,
                                           out=self._buffers.take(end - start))
-                elif (chunk.header.sender, chunk.shard, chunk.num_shards, chunk.attempt) != (
-                    first.header.sender, first.shard, first.num_shards, first.attempt
+                elif (chunk.header.sender, chunk.shard, chunk.num_shards, chunk.attempt, chunk.samples) != (
+                    first.header.sender, first.shard, first.num_shards, first.attempt, first.samples
                 ):
                     raise Rejected(pb.BAD_MESSAGE, "chunk header changed within one stream")
                 assert assembler is not None
@@ -273,11 +288,13 @@ class ShardInbox:
         key = (first.shard, first.attempt)
         sender = first.header.sender
         signed = contribution_digest(self.run_id, first.header.step, first.header.epoch, first.shard, first.num_shards,
-                                     first.attempt, first.base_hash, sender, digests)
+                                     first.attempt, first.base_hash, sender, digests, first.samples)
         if last.signer != sender or not verify(sender, signed, last.signature):
             raise Rejected(pb.BAD_IDENTITY, f"contribution of {short_id(sender)} not signed by it", sender)
         with self._cond:
             self._check_header(first)  # the step may have moved on while the stream arrived
+            if self._round is not None and (why := overclaim(self._round, sender, first.samples)):
+                raise Rejected(pb.OVERCLAIM, why, sender)
             if self._round is not None and first.attempt == 0 and first.shard != self._round.shard:
                 raise Rejected(pb.NOT_OWNER, f"shard {first.shard} is not owned by this peer")
             if key in self._closed or (first.attempt == 0 and first.shard in self._taken_over):
@@ -288,7 +305,7 @@ class ShardInbox:
             if self._round is None and sum(len(v) for v in self._contribs.values()) >= MAX_PENDING_SENDERS:
                 raise Rejected(pb.OVERLOADED, "too many contributions before the round is known")
             by_sender[first.header.sender] = values
-            self._inputs.setdefault(key, {})[sender] = Signed(kept, sender, last.signature, digests)
+            self._inputs.setdefault(key, {})[sender] = Signed(kept, sender, last.signature, digests, first.samples)
             self._cond.notify_all()
         return pb.Ack(received_bytes=sum(t.ByteSize() for t in kept))
 
@@ -296,7 +313,8 @@ class ShardInbox:
         digests: list[bytes] = []
         first, values, kept, last = self._receive(chunks, digests)
         outcome = Outcome(first.attempt, list(first.contributors), list(first.clipped), list(first.rejected),
-                          last.signer, last.signature, list(first.inputs), list(first.input_digests))
+                          last.signer, last.signature, list(first.inputs), list(first.input_digests),
+                          [int(w) for w in first.weights])
         with self._cond:
             self._check_header(first)
             shard = first.shard
@@ -321,12 +339,12 @@ class ShardInbox:
         if signer not in owners or (outcome.attempt == 0) != (signer == owner):
             raise Rejected(pb.BAD_IDENTITY, f"result of shard {shard} (attempt {outcome.attempt}) signed by "
                            f"{short_id(signer) or 'nobody'}, not by {'its owner' if outcome.attempt == 0 else 'a taker'}")
-        if len(outcome.inputs) != len(outcome.input_digests):
-            raise Rejected(pb.BAD_MESSAGE, f"result of shard {shard} names {len(outcome.inputs)} inputs and "
-                           f"{len(outcome.input_digests)} digests")
+        if not len(outcome.inputs) == len(outcome.input_digests) == len(outcome.weights):
+            raise Rejected(pb.BAD_MESSAGE, f"result of shard {shard} names {len(outcome.inputs)} inputs, "
+                           f"{len(outcome.input_digests)} digests and {len(outcome.weights)} weights")
         digest = result_digest(self.run_id, self._step, self._epoch, shard, num_shards, outcome.attempt,
                                self._base, outcome.contributors, outcome.clipped, outcome.rejected, digests,
-                               zip(outcome.inputs, outcome.input_digests, strict=True))
+                               zip(outcome.inputs, outcome.input_digests, strict=True), outcome.weights)
         if not verify(signer, digest, outcome.signature):
             raise Rejected(pb.BAD_IDENTITY, f"bad signature on the result of shard {shard} from {short_id(signer)}")
 
@@ -369,7 +387,7 @@ class ShardInbox:
             hdr = pb.Header(run_id=self.run_id, sender=sender, step=h.step, epoch=h.epoch)
             for i, t in enumerate(c.chunks):
                 chunk = pb.ShardChunk(header=hdr, shard=request.shard, num_shards=num_shards, attempt=request.attempt,
-                                      base_hash=base, tensor=t)
+                                      base_hash=base, tensor=t, samples=c.samples)
                 if i == len(c.chunks) - 1:
                     chunk.signer, chunk.signature = c.signer, c.signature
                 yield chunk
@@ -383,7 +401,7 @@ class ShardInbox:
             chunks, o, digests = k.results[shard]
             numel = int(chunks[0].shape[0]) if chunks and chunks[0].shape else 0
             claim = ResultClaim(o.attempt, o.contributors, o.clipped, o.rejected, o.inputs, o.input_digests,
-                                Signed(chunks, o.signer, o.signature, digests))
+                                Signed(chunks, o.signer, o.signature, digests), o.weights)
             return HeldResult(claim, AuditRound(self.run_id, step, epoch, shard, k.round.shards, k.base_hash, numel))
 
     def own_input(self, step: int, epoch: int, shard: int, attempt: int) -> Signed | None:
@@ -403,18 +421,19 @@ class ShardInbox:
 
     # ---------------------------------------------------------------- what this member itself holds
 
-    def _contribution_digest(self, info: RoundInfo, shard: int, attempt: int, digests: list[bytes]) -> bytes:
+    def _contribution_digest(self, info: RoundInfo, shard: int, attempt: int, digests: list[bytes], samples: int) -> bytes:
         return contribution_digest(self.run_id, info.step, info.epoch, shard, info.shards, attempt, info.base_hash,
-                                   self.me, digests)
+                                   self.me, digests, samples)
 
-    def _own_contribution(self, info: RoundInfo, shard: int, attempt: int, values: torch.Tensor) -> None:
+    def _own_contribution(self, info: RoundInfo, shard: int, attempt: int, values: torch.Tensor, samples: int) -> None:
         """This member's slice of a shard it reduces, as any contributor sends it: encoded, signed, decoded."""
         chunks = list(EncodedStream.of(f"shard{shard}", values, self.codec, self.chunk_bytes, self._codec_pool))
         digests = [tensor_digest(t) for t in chunks]
         asm = Assembler(f"shard{shard}", values.numel(), self.codec, out=self._buffers.take(values.numel()))
         for t in chunks:
             asm.add(t)
-        signed = Signed(chunks, self.me, self.sign(self._contribution_digest(info, shard, attempt, digests)), digests)
+        signed = Signed(chunks, self.me, self.sign(self._contribution_digest(info, shard, attempt, digests, samples)),
+                        digests, samples)
         with self._cond:
             self._contribs.setdefault((shard, attempt), {})[self.me] = asm.result()
             self._inputs.setdefault((shard, attempt), {})[self.me] = signed
@@ -436,7 +455,7 @@ class ShardInbox:
         for i, t in enumerate(tensors):
             chunk = pb.ShardChunk(header=hdr, shard=shard, num_shards=num_shards, attempt=o.attempt, base_hash=base,
                                   contributors=o.contributors, clipped=o.clipped, rejected=o.rejected, tensor=t,
-                                  inputs=o.inputs, input_digests=o.input_digests)
+                                  inputs=o.inputs, input_digests=o.input_digests, weights=o.weights)
             if i == len(tensors) - 1:
                 chunk.signer, chunk.signature = o.signer, o.signature
             yield chunk

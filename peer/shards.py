@@ -33,6 +33,13 @@ class RoundInfo:
     epoch: int = 0  # the coordinator's epoch of the round (a failed round's stragglers are refused)
     replicas: tuple[int, ...] = ()  # each member's replica in the round (default: its position)
     owners: tuple[str, ...] = ()  # the members that own a shard, in shard order (default: every member)
+    handed: tuple[int, ...] = ()  # each member's samples of the step: its replica's share (empty: not known)
+
+    def handed_to(self, peer_id: str) -> int | None:
+        """The samples ``peer_id``'s replica was handed for this step (the most work it may claim); None: unknown."""
+        if not self.handed or peer_id not in self.ids:
+            return None
+        return self.handed[self.ids.index(peer_id)]
 
     def replica_of(self, peer_id: str) -> int:
         k = self.ids.index(peer_id)
@@ -90,6 +97,7 @@ class Outcome:
     signature: bytes = b""
     inputs: list[str] = field(default_factory=list)  # every contribution weighed (contributors and rejected), sorted
     input_digests: list[bytes] = field(default_factory=list)  # and each one's contribution digest
+    weights: list[int] = field(default_factory=list)  # and the samples each one claimed, signed by its sender
 
 
 @dataclass
@@ -115,6 +123,8 @@ class AllReduceStats:
     rejected: list[str] = field(default_factory=list)  # contributors some owner left out
     flags: dict[str, list[str]] = field(default_factory=dict)  # each owner's (signer's) clipped and rejected
     included: list[int] = field(default_factory=list)  # replicas whose contributions the result holds (any shard)
+    samples: dict[int, int] = field(default_factory=dict)  # included replica -> the samples its contribution claimed
+    send_s: float = 0.0  # how long this member's own contributions took to reach their owners
 
 
 class Buffers:

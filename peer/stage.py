@@ -21,9 +21,10 @@ from potluck.peer.diloco import flatten_params, host_vector, load_flat
 from potluck.peer.model import build_layers, lm_loss
 from potluck.peer.piperound import PipelineBroken, PipelineStall
 from potluck.peer.runner import StageRunner
+from potluck.peer.window import Why
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.runtime.log import get_logger
-from potluck.protos.testkit.faults import fault
+from potluck.protos.testkit.faults import fault, tamper
 from potluck.protos.wire.limits import EVAL_BATCH
 
 log = get_logger(__name__)
@@ -32,10 +33,13 @@ Batch = tuple[list[int], torch.Tensor, torch.Tensor]  # sample ids, tokens, next
 
 
 class PipelineLink(Protocol):
-    """How a stage reaches its neighbours (see :class:`potluck.peer.pipeline.Pipeline`)."""
+    """How a stage reaches its neighbours (see :class:`potluck.peer.pipeline.Pipeline`). ``last``: stage 0 says
+    this step ends its inner phase; the stages after it read that from what they receive (``ended``)."""
+
+    ended: bool
 
     def train_step(self, layers: nn.ModuleList, inner: int, batch: Batch | None, device: torch.device,
-                   forward: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float: ...
+                   forward: Callable[[torch.Tensor], torch.Tensor] | None = None, last: bool = False) -> float: ...
 
     def evaluate(self, layers: nn.ModuleList, version: int, batches: list[Batch] | None, n_batches: int,
                  device: torch.device, forward: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float | None: ...
@@ -55,14 +59,26 @@ class Devices(Protocol):
     def load(self, params: list[nn.Parameter], theta: torch.Tensor, steps_done: int) -> None: ...
 
 
+class Pacer(Protocol):
+    """How many inner steps fit the round's window (:class:`potluck.peer.window.Pace`)."""
+
+    def next(self, done: int, now: float, ahead: float = 0.0) -> Why | None: ...
+
+    def stepped(self, seconds: float) -> None: ...
+
+    def step_s(self) -> float | None: ...
+
+
 @dataclass
 class InnerPhase:
-    """How an inner phase went: steps done, seconds, and why it stopped early ('' if it did not)."""
+    """How an inner phase went: steps done, seconds, why it stopped early ('' if it did not), and why it ended
+    when the round's window ended it."""
 
     steps: int
     seconds: float
     stalled: str = ""
     interrupted: bool = False
+    why: Why | None = None
 
 
 class StageWorker:
@@ -112,40 +128,68 @@ class StageWorker:
                 "layout": [[f"layers.{start + int(n.split('.', 1)[0])}.{n.split('.', 1)[1]}", list(p.shape)]
                            for n, p in self.layers.named_parameters()]}
 
+    def cap(self, spans: list[tuple[int, int]]) -> int:
+        """The most inner steps this phase may train: H, or fewer batches if the replica's share holds fewer
+        (stage 0 reads them; the stages after it follow stage 0)."""
+        h, b = self.rc.diloco.inner_steps, self.rc.train.batch_size
+        return min(h, sum(y - x for x, y in spans) // b) if self.first else h
+
     def inner_phase(self, spans: list[tuple[int, int]], stopping: threading.Event,
-                    on_step: Callable[[int, float, float], None], step: int = 0) -> InnerPhase:
-        """H inner AdamW steps on the samples at ``spans`` (global positions: this replica's share of the
-        step, which only stage 0 reads); ``on_step(i, loss, seconds)``."""
+                    on_step: Callable[[int, float, float], None], step: int = 0, pace: Pacer | None = None,
+                    ) -> InnerPhase:
+        """Inner AdamW steps on the samples at ``spans`` (global positions: this replica's share of the step,
+        which only stage 0 reads); ``on_step(i, loss, seconds)``. Without ``pace``, H of them; with it, as many as
+        fit the round's window (:mod:`potluck.peer.window`). In a pipeline stage 0 decides, and the stages
+        after it end with the step it marked its last."""
         rc = self.rc
+        cap = self.cap(spans)
         if self.first:
-            self.sampler = SpanSampler(spans, self.data.num_samples, rc.data.seed,
-                                       rc.diloco.inner_steps * rc.train.batch_size)
+            self.sampler = SpanSampler(spans, self.data.num_samples, rc.data.seed, cap * rc.train.batch_size)
         if self.devices is not None:
             self.devices.begin(step)
         if stopping.is_set():  # building the optimizer may wait seconds for torch._dynamo's import
             return InnerPhase(0, 0.0, interrupted=True)
         self.layers.train()
-        self._loaded = None  # the steps below change the parameters
         t0, h = time.monotonic(), rc.diloco.inner_steps
+        ended: Why | None = Why.DONE
         fault("inner.start", step)
-        for i in range(h):
+        i = 0
+        while i < cap:
             if stopping.is_set():
                 return InnerPhase(i, time.monotonic() - t0, interrupted=True)
+            last = i + 1 >= cap  # (a pipeline's stages after the first end with the step the first marks last)
+            if pace is not None and self.first:
+                if self.link is None:
+                    if (stop := pace.next(i, time.monotonic())) is not None:
+                        ended = stop
+                        break
+                elif (stop := pace.next(i + 1, time.monotonic(), ahead=pace.step_s() or 0.0)) is not None:
+                    last, ended = True, stop  # (decided a step ahead, so the stages after it know in time)
             if i == h // 2:
                 fault("inner.mid", step)
+            self._loaded = None  # the step below changes the parameters
             t_step = time.monotonic()
             try:
-                loss = self.train_step(self._next_batch(), i)
+                loss = self.train_step(self._next_batch(), i, last)
             except PipelineBroken:
                 raise  # not a stall to wait out: the peer stops on it (Peer.run)
             except PipelineStall as err:
                 return InnerPhase(i, time.monotonic() - t0, stalled=str(err))
-            on_step(i, loss, time.monotonic() - t_step)
-        assert self.optimizer is not None
-        self.optimizer.zero_grad(set_to_none=True)  # the outer step needs the memory more than the next step
-        return InnerPhase(h, time.monotonic() - t0)
+            seconds = time.monotonic() - t_step
+            if (slow := float(tamper("inner.step", step, 1.0))) > 1.0:  # a slower device, in tests (POTLUCK_FAULTS)
+                time.sleep((slow - 1.0) * seconds)
+                seconds *= slow
+            if pace is not None:
+                pace.stepped(seconds)
+            on_step(i, loss, seconds)
+            i += 1
+            if self.link is not None and (last if self.first else self.link.ended):
+                break
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)  # the outer step needs the memory more than the next step
+        return InnerPhase(i, time.monotonic() - t0, why=ended if pace is not None else None)
 
-    def train_step(self, batch: Batch | None, i: int = 0) -> float:
+    def train_step(self, batch: Batch | None, i: int = 0, last: bool = False) -> float:
         """One inner AdamW step on ``batch`` (stage 0's; other stages of a pipeline receive theirs): forward and
         backward (in micro-batches, or through the pipeline), gradient clipping, the update. Returns the loss,
         read off the device once a step (never once a micro-batch: each read waits for the device to drain)."""
@@ -154,7 +198,7 @@ class StageWorker:
         for group in self.optimizer.param_groups:
             group["lr"] = self._lr()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self._forward_backward(batch, i)
+        loss = self._forward_backward(batch, i, last)
         if self.devices is not None:  # the whole batch's gradients (and loss), on every device
             loss = self.devices.average(self.params, loss)
         if self.rc.train.grad_clip > 0:
@@ -178,11 +222,11 @@ class StageWorker:
         ids = self.sampler.next_ids(self.rc.train.batch_size)
         return (ids, *self.data.batch(ids))
 
-    def _forward_backward(self, batch: Batch | None, i: int) -> float:
+    def _forward_backward(self, batch: Batch | None, i: int, last: bool = False) -> float:
         if self.devices is not None:  # this device's rows of the batch
             batch = self.devices.split(batch)
         if self.link is not None:
-            return self.link.train_step(self.layers, i, batch, self.device, forward=self.runner)
+            return self.link.train_step(self.layers, i, batch, self.device, forward=self.runner, last=last)
         assert batch is not None
         _, x, y = batch
         while True:

@@ -246,8 +246,10 @@ class Tasklet:
         cells = rnd.group_members(self.stage, me.group if me is not None else 0)
         members = tuple(MemberAddr(m.peer_id, m.address) for m in cells)
         owners = () if all(m.owns for m in cells) else tuple(m.peer_id for m in cells if m.owns)  # probation
+        # the most work each may claim: its replica's share of the step (a round from before shares: unknown)
+        handed = tuple(sum(b - a for a, b in rnd.data_spans(step, m.replica)) for m in cells) if rnd.shares else ()
         return RoundInfo(step=step, members=members, me=self.tools.me, base_hash=self.base_hash(rnd, step),
-                         epoch=rnd.epoch, replicas=tuple(m.replica for m in cells), owners=owners)
+                         epoch=rnd.epoch, replicas=tuple(m.replica for m in cells), owners=owners, handed=handed)
 
     def base_hash(self, rnd: Round, step: int) -> str:
         """The hash of the state this member's group starts ``step`` from: the state held, or with grouped

@@ -19,6 +19,7 @@ from typing import Any
 from potluck import __version__
 from potluck.peer.allreduce import AllReduceStats
 from potluck.peer.progress import ProgressReporter
+from potluck.peer.window import Ended
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.runtime.log import get_logger, short_id
 from potluck.protos.testkit.faults import tamper
@@ -52,6 +53,8 @@ class Progress:
     sync_s: float = 0.0
     hidden_s: float = 0.0
     last_pipe: dict[str, int] = field(default_factory=dict)  # pipeline bytes of the last outer step, by kind
+    round_steps: int = 0  # inner steps the last inner phase trained
+    window_s: float | None = None  # where it expected the round's window to end
 
 
 class Telemetry:
@@ -67,6 +70,8 @@ class Telemetry:
         self.first_step_logged = False
         self._pipe_before: dict[str, int] = {}  # the pipeline's byte counters at the last outer step
         self.error = ""  # why this peer stopped, when it stops on an error it cannot heal (state "failed")
+        self.too_slow = ""  # why this peer contributes nothing while one inner step is longer than the window
+        self._phases: dict[int, tuple[Ended, int, float]] = {}  # step -> its inner phase, its samples and seconds
 
     def set_state(self, state: PeerState) -> bool:
         """Change the reported state; True if it changed (the caller heartbeats at once)."""
@@ -94,6 +99,18 @@ class Telemetry:
         p.samples_per_s = samples / max(p.step_time_s, 1e-9)
         self.reporter.step(i, p.loss, seconds, tokens)
 
+    def phase_ended(self, step: int, ended: Ended, samples: int, seconds: float) -> None:
+        """The inner phase of ``step`` ended after ``ended.steps`` steps on ``samples`` samples in ``seconds`` (its
+        window, why)."""
+        p = self.progress
+        p.round_steps, p.window_s = ended.steps, ended.window_s
+        self._phases[step] = (ended, samples, seconds)
+        for old in sorted(self._phases)[:-KEEP_STEPS]:
+            del self._phases[old]
+        if ended.steps < ended.cap and ended.why is not None and ended.steps:
+            log.info("inner phase of step %d: %d of %d steps (%s; window %s)", step, ended.steps, ended.cap,
+                     ended.why.value, f"{ended.window_s:.2f} s" if ended.window_s is not None else "unknown")
+
     def outer_step(self, stats: AllReduceStats, seconds: float, mean_norm: float, epoch: int, stage: int, replica: int,
                    state_hash: str | Future[str], pipe_total: dict[str, int] | None) -> None:
         """A committed outer step: its figures, logged and kept for the next heartbeats (``state_hash``
@@ -102,11 +119,14 @@ class Telemetry:
         flags = stats.flags
         if tamper("outer.report", stats.step, False) is True:  # a lying reporter (tests): every owner flagged the others
             flags = {owner: sorted(set(stats.flags) - {owner, self.peer_id}) for owner in stats.flags}
+        phase = self._phases.get(stats.step)
         report = StepReport(step=stats.step, epoch=epoch, stage=stage, replica=replica, state_hash=done,
                             outer_s=seconds, allreduce_s=stats.seconds, outer_bytes=stats.bytes_sent, members=stats.members,
                             contributors=min(stats.contributors.values(), default=0), dropped=stats.dropped,
-                            clipped=stats.clipped, rejected=stats.rejected, included=stats.included, flags=flags,
-                            t=time.time())
+                            clipped=stats.clipped, rejected=stats.rejected, included=stats.included,
+                            samples=[stats.samples.get(r, 0) for r in stats.included], flags=flags, t=time.time(),
+                            trained=phase[1] if phase else 0, inner_steps=phase[0].steps if phase else 0,
+                            window_s=phase[0].window_s if phase else None, phase_s=phase[2] if phase else 0.0)
         p = self.progress
         p.last_outer_s, p.outer_wait_s, p.last_outer_bytes = seconds, stats.wait_seconds, stats.bytes_sent
         p.sync_s += seconds
@@ -178,7 +198,8 @@ class Telemetry:
             recent=self._recent(),
             extras={"outer_wait_s": p.outer_wait_s, "step_time_s": p.step_time_s,
                     **({"pipe": p.last_pipe} if p.last_pipe else {}), **extras},
-            error=self.error[:500], audits=list(self.audits),
+            error=self.error[:500], audits=list(self.audits), round_steps=p.round_steps, window_s=p.window_s,
+            step_s=p.step_time_s, too_slow=self.too_slow[:500],
         )
 
     def first_step(self, joined_at: float, phases: dict[str, float]) -> None:

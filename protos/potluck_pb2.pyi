@@ -26,6 +26,7 @@ class Refusal(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     UNSUPPORTED: _ClassVar[Refusal]
     OVERLOADED: _ClassVar[Refusal]
     BAD_IDENTITY: _ClassVar[Refusal]
+    OVERCLAIM: _ClassVar[Refusal]
 REFUSAL_UNSPECIFIED: Refusal
 UNKNOWN_RUN: Refusal
 WRONG_STEP: Refusal
@@ -43,6 +44,7 @@ NO_STATE: Refusal
 UNSUPPORTED: Refusal
 OVERLOADED: Refusal
 BAD_IDENTITY: Refusal
+OVERCLAIM: Refusal
 
 class Header(_message.Message):
     __slots__ = ("run_id", "sender", "step", "epoch")
@@ -89,16 +91,20 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., codec: _Optional[str] = ..., scales: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., bits: _Optional[int] = ...) -> None: ...
 
 class PingRequest(_message.Message):
-    __slots__ = ("header", "sent_at", "padding", "reply_bytes")
+    __slots__ = ("header", "sent_at", "padding", "reply_bytes", "finished", "send_s")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     SENT_AT_FIELD_NUMBER: _ClassVar[int]
     PADDING_FIELD_NUMBER: _ClassVar[int]
     REPLY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    SEND_S_FIELD_NUMBER: _ClassVar[int]
     header: Header
     sent_at: float
     padding: bytes
     reply_bytes: int
-    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., sent_at: _Optional[float] = ..., padding: _Optional[bytes] = ..., reply_bytes: _Optional[int] = ...) -> None: ...
+    finished: bool
+    send_s: float
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., sent_at: _Optional[float] = ..., padding: _Optional[bytes] = ..., reply_bytes: _Optional[int] = ..., finished: _Optional[bool] = ..., send_s: _Optional[float] = ...) -> None: ...
 
 class PingReply(_message.Message):
     __slots__ = ("peer_id", "state", "version", "inner_step", "eta_s", "sent_at", "padding", "epoch")
@@ -121,7 +127,7 @@ class PingReply(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., inner_step: _Optional[int] = ..., eta_s: _Optional[float] = ..., sent_at: _Optional[float] = ..., padding: _Optional[bytes] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ShardChunk(_message.Message):
-    __slots__ = ("header", "shard", "num_shards", "attempt", "base_hash", "contributors", "tensor", "clipped", "rejected", "signer", "signature", "inputs", "input_digests")
+    __slots__ = ("header", "shard", "num_shards", "attempt", "base_hash", "contributors", "tensor", "clipped", "rejected", "signer", "signature", "inputs", "input_digests", "samples", "weights")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +141,8 @@ class ShardChunk(_message.Message):
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     INPUT_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     header: Header
     shard: int
     num_shards: int
@@ -148,7 +156,9 @@ class ShardChunk(_message.Message):
     signature: bytes
     inputs: _containers.RepeatedScalarFieldContainer[str]
     input_digests: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., attempt: _Optional[int] = ..., base_hash: _Optional[str] = ..., contributors: _Optional[_Iterable[str]] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., clipped: _Optional[_Iterable[str]] = ..., rejected: _Optional[_Iterable[str]] = ..., signer: _Optional[str] = ..., signature: _Optional[bytes] = ..., inputs: _Optional[_Iterable[str]] = ..., input_digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    samples: int
+    weights: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., attempt: _Optional[int] = ..., base_hash: _Optional[str] = ..., contributors: _Optional[_Iterable[str]] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., clipped: _Optional[_Iterable[str]] = ..., rejected: _Optional[_Iterable[str]] = ..., signer: _Optional[str] = ..., signature: _Optional[bytes] = ..., inputs: _Optional[_Iterable[str]] = ..., input_digests: _Optional[_Iterable[bytes]] = ..., samples: _Optional[int] = ..., weights: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class InputsRequest(_message.Message):
     __slots__ = ("header", "shard", "num_shards", "attempt", "skip")
@@ -261,7 +271,7 @@ class ActPacket(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., bits: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., scales: _Optional[bytes] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class PipeMessage(_message.Message):
-    __slots__ = ("header", "kind", "inner_step", "micro", "sample_ids", "labels", "label_shape", "versions", "first", "delta", "loss", "stage", "replica", "abort")
+    __slots__ = ("header", "kind", "inner_step", "micro", "sample_ids", "labels", "label_shape", "versions", "first", "delta", "loss", "stage", "replica", "abort", "last")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     INNER_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -276,6 +286,7 @@ class PipeMessage(_message.Message):
     STAGE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
     header: Header
     kind: str
     inner_step: int
@@ -290,7 +301,8 @@ class PipeMessage(_message.Message):
     stage: int
     replica: int
     abort: str
-    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., kind: _Optional[str] = ..., inner_step: _Optional[int] = ..., micro: _Optional[int] = ..., sample_ids: _Optional[_Iterable[int]] = ..., labels: _Optional[bytes] = ..., label_shape: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ..., first: _Optional[_Union[ActPacket, _Mapping]] = ..., delta: _Optional[_Union[ActPacket, _Mapping]] = ..., loss: _Optional[float] = ..., stage: _Optional[int] = ..., replica: _Optional[int] = ..., abort: _Optional[str] = ...) -> None: ...
+    last: bool
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., kind: _Optional[str] = ..., inner_step: _Optional[int] = ..., micro: _Optional[int] = ..., sample_ids: _Optional[_Iterable[int]] = ..., labels: _Optional[bytes] = ..., label_shape: _Optional[_Iterable[int]] = ..., versions: _Optional[_Iterable[int]] = ..., first: _Optional[_Union[ActPacket, _Mapping]] = ..., delta: _Optional[_Union[ActPacket, _Mapping]] = ..., loss: _Optional[float] = ..., stage: _Optional[int] = ..., replica: _Optional[int] = ..., abort: _Optional[str] = ..., last: _Optional[bool] = ...) -> None: ...
 
 class PipeChunk(_message.Message):
     __slots__ = ("head", "body_bytes", "data")

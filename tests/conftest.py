@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -45,3 +46,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     outcome = yield
     rep = outcome.get_result()
     setattr(item, f"rep_{rep.when}", rep)
+
+
+@pytest.fixture(autouse=True)
+def _potluck_logs_reach_caplog(request: pytest.FixtureRequest) -> Iterator[None]:
+    """potluck's logger stops at its own handler (``propagate = False``), so ``caplog`` saw its records only when an
+    earlier test had let them through: a test that reads caplog passed in the whole suite and failed alone."""
+    if "caplog" not in request.fixturenames:
+        yield
+        return
+    logger = logging.getLogger("potluck")
+    before, logger.propagate = logger.propagate, True
+    try:
+        yield
+    finally:
+        logger.propagate = before

@@ -139,3 +139,64 @@ def test_order_of_arrival_does_not_change_the_bits() -> None:
     a = run(xs)
     b = run(dict(reversed(list(xs.items()))))
     assert torch.equal(a.mean, b.mean) and a.clipped == b.clipped
+
+
+# ---------------------------------------------------------------------- weighted by the work in each contribution
+
+
+def numpy_weighted(xs: dict[str, np.ndarray], w: dict[str, int], clip_factor: float,
+                   reject_below: float | None) -> tuple[np.ndarray, set, set]:
+    """The weighted rule written out again: the same rejection; clipping of each norm per sqrt(weight) to
+    clip_factor x the lower median of those; a mean weighted by the kept weights, in float64."""
+    _, _, rejected = numpy_reference(xs, clip_factor, reject_below)
+    kept = [s for s in sorted(xs) if s not in rejected]
+    units = {s: np.linalg.norm(xs[s].astype(np.float64)) / np.sqrt(w[s]) for s in kept}
+    bound = clip_factor * sorted(units.values())[(len(kept) - 1) // 2]
+    clipped = {s for s in kept if units[s] > bound}
+    total_w = sum(w[s] for s in kept)
+    mean = sum(xs[s].astype(np.float64) * (bound / units[s] if s in clipped else 1.0) * w[s] / total_w for s in kept)
+    return mean, clipped, rejected
+
+
+@pytest.mark.parametrize("attack", ["none", "x1000", "sign-flip"])
+def test_weighted_mean_matches_the_numpy_reference(attack: str) -> None:
+    xs = honest(4, seed=3)
+    w = {"peer0": 160, "peer1": 40, "peer2": 80, "peer3": 8}
+    if attack == "x1000":
+        xs["peer2"] = xs["peer2"] * 1000
+    elif attack == "sign-flip":
+        xs["peer1"] = -xs["peer1"]
+    got = run(xs, clip_factor=4.0, reject_below=-0.1, weights=w)
+    want, clipped, rejected = numpy_weighted(xs, w, 4.0, -0.1)
+    np.testing.assert_allclose(got.mean.numpy(), want, rtol=1e-5, atol=1e-8)
+    assert set(got.clipped) == clipped and set(got.rejected) == rejected
+
+
+def test_weights_count_work_not_senders() -> None:
+    """Two members, one with four times the other's samples: the mean sits four fifths of the way to it."""
+    a, b = np.full(64, 1.0, np.float32), np.full(64, 2.0, np.float32)
+    got = run({"a": a, "b": b}, clip_factor=0.0, reject_below=None, weights={"a": 32, "b": 128})
+    np.testing.assert_allclose(got.mean.numpy(), np.full(64, 1.8), rtol=1e-6)
+
+
+def test_equal_weights_give_the_unweighted_bits() -> None:
+    """Every member with the same samples (every homogeneous round) averages exactly as before weights existed."""
+    xs = honest(5, seed=7)
+    xs["peer3"] = xs["peer3"] * 50  # clipped either way
+    plain = run(xs, clip_factor=4.0, reject_below=-0.1)
+    same = run(xs, clip_factor=4.0, reject_below=-0.1, weights=dict.fromkeys(xs, 160))
+    assert torch.equal(plain.mean, same.mean) and plain.clipped == same.clipped == ["peer3"]
+
+
+def test_a_faster_honest_member_is_not_clipped_for_its_speed() -> None:
+    """A pseudo-gradient of 16x the steps is up to 16x longer (steps that agree): per sqrt(work) it stays within
+    clip_factor 4 of the median, so it is averaged, not flagged (a flag counts toward eviction)."""
+    rng = np.random.default_rng(11)
+    direction = rng.standard_normal(256).astype(np.float32)
+    xs = {"fast": direction * 16, "mid": direction * 4 + 0.1 * rng.standard_normal(256).astype(np.float32),
+          "slow": direction * 1}
+    got = run(xs, clip_factor=4.0, reject_below=-0.1, weights={"fast": 16, "mid": 4, "slow": 1})
+    assert got.clipped == [] and got.rejected == []
+    scaled = run({**xs, "slow": direction * 100}, clip_factor=4.0, reject_below=-0.1,
+                 weights={"fast": 16, "mid": 4, "slow": 1})
+    assert scaled.clipped == ["slow"]  # a small claim with a long vector still is

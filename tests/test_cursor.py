@@ -103,7 +103,7 @@ def test_a_vote_counts_only_from_the_rounds_stage_0_and_only_for_the_coming_step
     liar = Report("b", 1, 0, "", included=((1, 0, ()),))  # stage 1 says replica 0 is not in v1
     far = Report("a", 0, 0, "", included=((1 + KEEP_ROUNDS + 1, 0, ()), (1, 0, (0, 7))))
     r.observe([liar, far], 1.0)
-    assert r.data._votes == {(1, 0): {"a": (0,)}}  # replica 7 is not in the round either
+    assert r.data._votes == {(1, 0): {"a": ((0, 0),)}}  # replica 7 is not in the round either (0: its whole share)
     r.data.commit(0, 10**9, r.round_at)  # a member claiming version 10**9: the fold stays bounded
     assert max(r.data.at) == 10**9 and len(r.data.at) <= 70
 

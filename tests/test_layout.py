@@ -69,12 +69,6 @@ def test_imports_point_one_way(folder: str) -> None:
     assert not bad, sorted(bad)
 
 
-@pytest.mark.parametrize("path", ["peer/daemon.py", "coordinator/app.py"])
-def test_the_entry_rooms_stay_small(path: str) -> None:
-    lines = len((ROOT / path).read_text().splitlines())
-    assert lines < 250, f"{path} has {lines} lines; move a responsibility into a room of its own"
-
-
 INITIALIZERS = ("__init__", "__post_init__", "setup")  # setup: how socketserver handlers initialise
 
 
@@ -103,7 +97,6 @@ def test_no_attribute_is_first_set_outside_init(folder: str) -> None:
     assert not bad, bad
 
 
-MAX_LINES = 450
 TRACKED = ("protos", "kernels", "compression", "peer", "coordinator", "potluck", "tests", "benchmarks")
 
 
@@ -113,10 +106,8 @@ def python_files() -> list[Path]:
                   if ".venv" not in p.parts and not p.name.endswith(("_pb2.py", "_pb2_grpc.py")))
 
 
-def test_no_file_is_over_450_lines() -> None:
-    """A file past this has a seam a newcomer must find first: split it there."""
-    long = [f"{p.relative_to(ROOT)}: {n}" for p in python_files() if (n := len(p.read_text().splitlines())) > MAX_LINES]
-    assert not long, long
+# No test caps a file's length: a cap made code split where the count ran out, not where the ideas part (a mixin
+# re-declaring its host's attributes, state shared across two files under one lock). Size is a smell for review.
 
 
 def test_no_private_name_is_imported_across_modules() -> None:

@@ -28,6 +28,7 @@ from potluck.peer.stage import StageWorker
 from potluck.peer.states import States
 from potluck.peer.tasklet import Tasklet
 from potluck.peer.telemetry import Telemetry
+from potluck.peer.window import Pace
 from potluck.protos.config.files import apply_overrides
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.net.transport import PeerClient, Traffic
@@ -60,7 +61,7 @@ def session(rc: RunConfig, device: str) -> SimpleNamespace:
     states = States(RUN, rc.sync.chunk_bytes, outer_snapshot(theta0, torch.zeros_like(theta0), 0, {"epoch": 0}))
     t = Tasklet(SimpleNamespace(addresses={}, me=ME, rc=rc), 0, worker, allreduce(rc, worker.numel, worker.pinned), None, states, None)  # type: ignore[arg-type]
     t.expect_next()
-    s = SimpleNamespace(rc=rc, tasklet=t, replica=0, cfg=SimpleNamespace(plan_wait_s=1.0),
+    s = SimpleNamespace(rc=rc, tasklet=t, replica=0, cfg=SimpleNamespace(plan_wait_s=1.0), inner=SimpleNamespace(pace=Pace()),
                         telemetry=Telemetry(ME, "test", 0.0, progress="off"), over=lambda: False,
                         set_state=lambda state: None, heartbeat=SimpleNamespace(wait_plan=lambda *a, **k: None, poke=lambda: None))
     s.follower = SimpleNamespace(failed=lambda step, now, epoch=0: pytest.fail(f"step {step} failed"),

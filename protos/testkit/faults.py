@@ -8,7 +8,9 @@ started with ``POTLUCK_FAULTS`` set acts on it when it reaches a named point::
 
 A peer can also be made Byzantine at ``outer.delta`` (its pseudo-gradient, before it is sent):
 ``outer.delta@*:scale=1000``, ``:flip`` (sign-flipped) or ``:nan``; these act at every matching
-step (:func:`tamper`), for the attack tests and ``benchmarks/poisoning.py``.
+step (:func:`tamper`), for the attack tests and ``benchmarks/poisoning.py``. The same mechanism makes a
+peer slow from a step on, as a weaker or shared device is: ``inner.step@5+:slow=8`` makes each of its inner
+steps take 8 times as long (it sleeps the difference: its CPU is free meanwhile, as a GPU-bound host's is).
 
 Each entry is ``point@step:action``; ``step`` may be ``*`` (any) or ``N+`` (step N or the first
 after it the process reaches: a peer that was recovering during step N does not miss it). Actions: ``kill`` (SIGKILL this
@@ -52,12 +54,16 @@ POINTS = {
     "dht.start": "a DHT process starts (its step: the process's DHT start count, 1 for the first)",
     "pipe.send": "a stage sends a pipeline message of an outer step (the oversize action only)",
     "owner.mean": "an owner's average of its shard, before it is encoded and signed (tamper actions only)",
+    "owner.weight": "the weight an owner gives its own contribution in its average (tamper actions only)",
+    "outer.samples": "the samples a member claims its contribution was trained on (tamper actions only)",
+    "inner.step": "each inner step of a peer (slow=F: the step takes F times as long, as on a slower device)",
     "owner.flags": "an owner's signed outcome: whom it says it clipped (the flag action only)",
     "outer.report": "a member's step report to the coordinator (the flag action only)",
 }
 # tamper actions each point takes: they change a value as a Byzantine peer would send it (see tamper)
 TAMPERS = {"outer.delta": ("flip", "nan", "scale="), "owner.mean": ("shift=", "scale=", "flip", "spike"),
-           "owner.flags": ("flag",), "outer.report": ("flag",)}
+           "owner.flags": ("flag",), "outer.report": ("flag",), "owner.weight": ("scale=",),
+           "outer.samples": ("scale=",), "inner.step": ("slow=",)}
 TAMPER = ("flip", "nan", "spike", "flag")
 # actions that change what the code at a point does, once, instead of acting on the process (see injected)
 BEHAVIOURS = {"pipe.send": ("oversize",)}
@@ -80,7 +86,7 @@ def parse(spec: str) -> list[Fault]:
             raise FaultSpecError(f"{ENV} entry {item!r} is not point@step:action") from None
         if point not in POINTS:
             raise FaultSpecError(f"{ENV}: unknown point {point!r} (known: {', '.join(sorted(POINTS))})")
-        tampers = action in TAMPER or action.startswith(("scale=", "shift="))
+        tampers = action in TAMPER or action.startswith(("scale=", "shift=", "slow="))
         if point in BEHAVIOURS or action in {a for acts in BEHAVIOURS.values() for a in acts}:
             if action not in BEHAVIOURS.get(point, ()):
                 raise FaultSpecError(f"{ENV}: {point!r} takes {' or '.join(BEHAVIOURS.get(point, ('no',)))}, "
@@ -178,4 +184,6 @@ def tamper(point: str, step: int, x: Any, offset: int = 0, pending: list[Fault] 
                 return x
             if action == "flag":
                 return True
+            if action.startswith("slow="):
+                return float(action.split("=", 1)[1])
     return x

@@ -93,6 +93,14 @@ class StepReport(Record):
     rejected: list[str] = Field(default_factory=list, max_length=256, description="contributors an owner left out")
     included: list[int] = Field(default_factory=list, max_length=1024, description="replicas whose contributions "
                                 "this version holds (stage 0: the data cursor returns the others' samples)")
+    samples: list[int] = Field(default_factory=list, max_length=1024, description="the samples each included "
+                               "replica's contribution was trained on, in the order of `included` (its weight; the "
+                               "data cursor returns the rest of its share); empty: each trained its whole share")
+    trained: int = Field(0, ge=0, description="the samples this member's own inner phase trained on (its weight)")
+    inner_steps: int = Field(0, ge=0, description="the inner steps this member trained in the step")
+    window_s: float | None = Field(None, ge=0, description="where this member's inner phase expected the round's "
+                                   "window to end, seconds after it began (None: not known yet)")
+    phase_s: float = Field(0.0, ge=0, description="seconds this member's inner phase of the step took")
     pipe: dict[str, int] = Field(default_factory=dict, max_length=8, description="pipeline bytes of the step, by kind")
     flags: dict[str, list[str]] = Field(default_factory=dict, max_length=MAX_OWNERS, description="each owner's signed "
                                         "outcome: the contributors it clipped or left out (the coordinator counts "
@@ -152,6 +160,13 @@ class PeerRecord(Record):
     ts: float = 0.0
     extras: dict[str, Any] = Field(default_factory=dict, max_length=16)
     error: str = Field("", max_length=TEXT_LEN, description="state failed: why the peer stopped, in one line")
+    round_steps: int = Field(0, ge=0, description="inner steps its last inner phase trained (the round's window "
+                             "decides how many: at most diloco.inner_steps)")
+    window_s: float | None = Field(None, ge=0, description="where its last inner phase expected the round's window to "
+                                   "end, seconds after it began (None: not known: the first round, or the fastest)")
+    step_s: float = Field(0.0, ge=0, description="seconds one of its inner steps takes (this device's speed)")
+    too_slow: str = Field("", max_length=TEXT_LEN, description="set while one of its inner steps takes longer than "
+                          "the round's whole window: why it contributes nothing, and what would help")
     audits: list[AuditReport] = Field(default_factory=list, max_length=16, description="its latest audits, newest last")
 
     @field_validator("dht_maddrs")

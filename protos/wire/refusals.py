@@ -48,6 +48,7 @@ STATUS_OF: dict[int, grpc.StatusCode] = {
     pb.UNSUPPORTED: grpc.StatusCode.UNIMPLEMENTED,
     pb.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     pb.BAD_IDENTITY: grpc.StatusCode.UNAUTHENTICATED,
+    pb.OVERCLAIM: grpc.StatusCode.PERMISSION_DENIED,
 }
 REFUSAL_KEY = "potluck-refusal-bin"
 

@@ -1,0 +1,125 @@
+"""The round's window: how many inner steps a member trains (pure rules, no clock, no network)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from potluck.models import stage_bounds
+from potluck.peer.data import Dataset
+from potluck.peer.stage import StageWorker
+from potluck.peer.window import Pace, Why, decide, too_slow_advice
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import RunConfig
+
+
+def test_a_step_that_ends_inside_the_window_starts() -> None:
+    assert decide(cap=20, done=3, at=3.0, step_s=1.0, end_s=10.0) is None
+    assert decide(cap=20, done=20, at=3.0, step_s=1.0, end_s=None) is Why.DONE
+    assert decide(cap=20, done=0, at=0.0, step_s=None, end_s=1.0) is None  # not measured yet: it trains (and measures)
+    assert decide(cap=20, done=5, at=5.0, step_s=1.0, end_s=None) is None  # no window known: H steps
+
+
+def test_a_step_that_would_end_after_the_window_does_not() -> None:
+    assert decide(cap=20, done=9, at=9.5, step_s=1.0, end_s=10.0) is Why.WINDOW
+    assert decide(cap=20, done=0, at=0.0, step_s=12.0, end_s=10.0) is Why.WINDOW  # too slow for even one step
+
+
+def test_equal_peers_each_train_every_step_whoever_finished_first() -> None:
+    """The rest of the phase within the slack past the window's end: finish it (a homogeneous swarm keeps H each)."""
+    assert decide(cap=20, done=19, at=19.2, step_s=1.0, end_s=19.0) is None  # 20.2 <= 19 x 1.1
+    assert decide(cap=20, done=17, at=17.2, step_s=1.0, end_s=19.0) is None  # 20.2 as well
+    assert decide(cap=20, done=10, at=10.0, step_s=1.0, end_s=10.0) is Why.WINDOW  # half the phase left: stop
+
+
+def test_pace_learns_the_window_from_the_round_before() -> None:
+    """A quarter-speed member: in its first round it stops when the fast one says it finished; in the next it
+    stops on its own, before a step that would end after the window, less the time its own sends take more."""
+    p = Pace()
+    p.begin(1, frozenset({"fast"}), cap=20, now=100.0)
+    for k in range(5):
+        assert p.next(k, 100.0 + 4.0 * k) is None
+        p.stepped(4.0)
+    assert p.finished(1, "fast", send_s=0.5, now=120.5)
+    assert not p.finished(1, "fast", send_s=0.5, now=121.0)  # the first word only
+    assert p.next(5, 120.5) is Why.SIGNALLED
+    assert p.end(5, Why.SIGNALLED).window_s == pytest.approx(20.5)
+    p.sent(1.5)  # its own contributions take a second longer to send than the fast one's
+    p.begin(2, frozenset({"fast"}), cap=20, now=200.0)  # its window: 20.5 + 0.5 - 1.5 = 19.5 s
+    assert p.next(0, 200.0) is None and p.step_s() == 4.0
+    for _ in range(4):
+        p.stepped(4.0)
+    assert p.next(3, 212.0) is None  # ends at 16 s
+    assert p.next(4, 216.0) is Why.WINDOW  # would end at 20 s: after the window, and 16 steps are left
+    assert p.end(4, Why.WINDOW).window_s == pytest.approx(19.5)
+
+
+def test_pace_ignores_other_steps_and_strangers() -> None:
+    p = Pace()
+    p.begin(3, frozenset({"a"}), cap=10, now=0.0)
+    assert not p.finished(2, "a", 0.0, 1.0) and not p.finished(3, "stranger", 0.0, 1.0)
+    assert p.finished(3, "a", 0.0, 1.0)
+    p.begin(7, frozenset({"a"}), cap=10, now=50.0)  # a gap of rounds: the old timing says nothing
+    p.stepped(1.0)
+    assert p.next(1, 52.0) is None
+
+
+def test_a_slowed_device_is_seen_at_its_next_step() -> None:
+    """Step times of the running phase count first: a device 8x slower from this phase on stops after one step."""
+    p = Pace()
+    p.begin(1, frozenset({"f"}), cap=20, now=0.0)
+    for _ in range(10):
+        p.stepped(1.0)
+    p.finished(1, "f", 0.0, 10.0)
+    p.begin(2, frozenset({"f"}), cap=20, now=100.0)
+    assert p.next(0, 100.0) is None
+    p.stepped(8.0)
+    assert p.next(1, 108.0) is Why.WINDOW  # 8 + 8 > 10, and the rest by far
+
+
+def test_too_slow_advice_names_what_helps() -> None:
+    text = too_slow_advice(12.0, 3.0, 8, stages=1)
+    assert "12.00 s" in text and "3.00 s" in text and "pipeline" in text and "batch_size" in text
+
+
+def worker(h: int = 6) -> StageWorker:
+    rc = apply_overrides(RunConfig(), {"model.d_model": 16, "model.n_layers": 1, "model.n_heads": 2,
+                                       "model.seq_len": 8, "train.batch_size": 2, "diloco.inner_steps": h})
+    return StageWorker(rc, 0, stage_bounds(rc.model, rc.pipeline)[0], torch.device("cpu"), Dataset(rc.data, rc.model),
+                       None)
+
+
+class Script:
+    """A pacer that ends the phase after ``stop_at`` steps (what the window would say), counting what it is told."""
+
+    def __init__(self, stop_at: int) -> None:
+        self.stop_at, self.seen, self.times = stop_at, [], []
+
+    def next(self, done: int, now: float, ahead: float = 0.0) -> Why | None:
+        self.seen.append(done)
+        return Why.WINDOW if done >= self.stop_at else None
+
+    def stepped(self, seconds: float) -> None:
+        self.times.append(seconds)
+
+    def step_s(self) -> float | None:
+        return None
+
+
+def test_the_worker_trains_what_the_window_allows_on_the_first_samples_of_its_share() -> None:
+    w = worker()
+    pace = Script(stop_at=2)
+    steps = []
+    phase = w.inner_phase([(0, 12)], threading.Event(), lambda i, loss, s: steps.append(i), 1, pace)  # type: ignore[arg-type]
+    assert phase.steps == 2 and phase.why is Why.WINDOW and steps == [0, 1] and len(pace.times) == 2
+    assert w.sampler is not None and w.sampler.position == 4  # the first 2 batches of the share, in order
+
+
+def test_the_worker_stops_at_its_share_and_at_h() -> None:
+    w = worker(h=6)
+    assert w.cap([(0, 7)]) == 3 and w.cap([(0, 100)]) == 6
+    phase = w.inner_phase([(0, 6)], threading.Event(), lambda *a: None, 1, Script(stop_at=99))  # type: ignore[arg-type]
+    assert phase.steps == 3 and phase.why is Why.DONE
+    assert w.inner_phase([(0, 6)], threading.Event(), lambda *a: None, 2, Script(stop_at=0)).steps == 0  # type: ignore[arg-type]
