@@ -12,6 +12,9 @@ A peer is made slower as a weaker or shared GPU would be: ``--throttle stop`` st
 process group (its DHT daemons too), 50 ms running in every ``50 / fraction`` ms, as the issue that asked for
 this measured it; ``--throttle sleep`` makes each of its inner steps take ``1 / fraction`` as long
 (``POTLUCK_FAULTS=inner.step@*:slow=F``: it sleeps the difference and answers the network meanwhile).
+``--base B`` throttles every peer by ``B`` more (the fast one runs ``B`` of a core): three peers at full,
+half and a quarter speed keep 1.75 cores busy, with the coordinator and four DHT daemons beside them, and
+on a 2-core box the fast peer's own steps then slow down by a third, which is the box, not the rounds.
 
 The figure is the swarm's tokens/s of *committed* steps: the tokens each step's included contributions were
 trained on (the coordinator's history), over the wall time from the first step's commit to the last's, so
@@ -50,6 +53,7 @@ def run_config(args: argparse.Namespace, peers: int, workdir: Path, eval_every: 
         "diloco.inner_steps": args.inner_steps, "diloco.outer_steps": args.outer_steps,
         "membership.min_peers": peers, "coordinator.host": "127.0.0.1", "coordinator.checkpoint_every": 0,
         "coordinator.journal_dir": str(workdir / "journal"), "data.eval_every": eval_every,
+        **dict(kv.split("=", 1) for kv in args.set),
     })
 
 
@@ -90,10 +94,11 @@ def run_swarm(args: argparse.Namespace, workdir: Path, speeds: list[float], eval
     try:
         swarm.start_coordinator(cfg)
         for i, speed in enumerate(speeds):
-            env = {"POTLUCK_FAULTS": f"inner.step@*:slow={1 / speed:g}"} if speed < 1 and args.throttle == "sleep" else None
+            runs = speed * args.base  # the share of a core's time it computes
+            env = {"POTLUCK_FAULTS": f"inner.step@*:slow={1 / runs:g}"} if runs < 1 and args.throttle == "sleep" else None
             proc = swarm.start_peer(name=f"peer-{i}-{int(round(speed * 100))}", env=env)
-            if speed < 1 and args.throttle == "stop":
-                throttles.append(Throttle(proc.pid, speed))
+            if runs < 1 and args.throttle == "stop":
+                throttles.append(Throttle(proc.pid, runs))
 
         def done(state: dict[str, Any]) -> bool:
             hist = state["history"]
@@ -146,18 +151,26 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--throttle", choices=["stop", "sleep"], default="stop")
+    parser.add_argument("--base", type=float, default=1.0, help="the fast peer's own share of a core (every peer is "
+                        "throttled by it too): below 1, a box with fewer cores than the swarm would keep busy measures "
+                        "the rounds, not its own contention")
     parser.add_argument("--runs", default="alone,fast+25,100/50/25,homogeneous")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds each swarm run may take")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="a run file field")
+    parser.add_argument("--keep", default="", help="keep each run's folder (logs, journal) under this folder")
     args = parser.parse_args()
     plans = {"alone": ([1.0], 0), "fast+25": ([1.0, 0.25], 0), "100/50/25": ([1.0, 0.5, 0.25], 0),
-             "homogeneous": ([1.0, 1.0], 1)}
+             "homogeneous": ([1.0, 1.0], 1), "two": ([1.0, 1.0], 0)}
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="potluck-bench-") as tmp:
+        if args.keep:
+            tmp = args.keep
         for name in args.runs.split(","):
             speeds, every = plans[name]
             results[name] = run_swarm(args, Path(tmp) / name.replace("/", "-").replace("+", "-"), speeds,
                                       every or args.outer_steps)
-    out: dict[str, Any] = {"benchmark": "hetero_swarm", "throttle": args.throttle, "inner_steps": args.inner_steps,
+    out: dict[str, Any] = {"benchmark": "hetero_swarm", "throttle": args.throttle, "base": args.base,
+                           "cpus": os.cpu_count(), "inner_steps": args.inner_steps,
                            "outer_steps": args.outer_steps, "batch": args.batch, "d_model": args.d_model,
                            "n_layers": args.n_layers, "seq_len": args.seq_len, "seed": args.seed}
     alone = results.get("alone", {}).get("tokens_per_s")

@@ -15,10 +15,12 @@ step), so by default the owner:
 **Weights.** Members of a round train as many inner steps as fit its window (:mod:`potluck.peer.window`),
 so a contribution carries the samples it was trained on, signed with it, and counts in proportion:
 ``mean = sum_s w_s x_s / sum_s w_s`` over the kept senders. Clipping compares norms per unit of work,
-``|x_s| / sqrt(w_s)``: a pseudo-gradient of more steps is longer (between not at all and linearly, as
-its steps agree), and the square root sits between the two, so an honest member up to 16x faster or
-slower than the median is never clipped for its speed, and a poisoner gets no more room than its
-claimed work, which the data it was handed bounds. Equal weights take the unweighted path bit for bit.
+``|x_s| / w_s ** 0.75``: a pseudo-gradient of more steps is longer, about linearly for a few AdamW steps
+and as their square root for many (measured on the built-in model: ``|delta|`` of 1 to 64 steps over
+``k ** 0.75`` stays within 0.30-0.44, over ``k`` it falls 3x, over ``sqrt(k)`` it grows 2.5x), so an honest
+member even 100x faster or slower than the median is not clipped for its speed, and a poisoner gets no
+more room than its claimed work, which the data it was handed bounds. Equal weights take the unweighted
+path bit for bit.
 
 Everything is a deterministic function of the decoded contributions, so an owner's result does not
 depend on arrival order, and the members (who all apply the owner's one re-quantized result) stay
@@ -48,6 +50,7 @@ class Reduced:
     rejected: list[str] = field(default_factory=list)
 
 
+WORK_EXPONENT = 0.75  # how a pseudo-gradient's norm grows with the samples in it, for clipping (see the module)
 CHUNK = 1 << 16  # elements per pass over the contributions: 256 KB of each, so a pass stays in cache
 
 
@@ -121,7 +124,7 @@ def robust_reduction(contributions: Mapping[str, torch.Tensor], numel: int, clip
     clipped: list[str] = []
     scale = dict.fromkeys(kept, 1.0)
     if clip_factor > 0 and len(kept) >= 2:
-        units = [math.sqrt(sq[senders.index(s)]) / math.sqrt(w[s]) for s in kept]  # a norm per unit of work
+        units = [math.sqrt(sq[senders.index(s)]) / w[s] ** WORK_EXPONENT for s in kept]  # a norm per unit of work
         bound = clip_factor * sorted(units)[(len(kept) - 1) // 2]  # the lower median
         for s, u in zip(kept, units, strict=True):
             if u > bound:

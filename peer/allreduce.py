@@ -129,6 +129,8 @@ class AllReduce(ShardInbox):
         # 1. reduce: our slice of every shard goes to its owner, signed (our own shard's too: encoded and
         # signed like any other, so what we average is what an auditor can check)
         sent: list[float] = []  # when each of our contributions was delivered (or given up), since t_start
+        if delta is None:  # nothing from us: the owners need not wait for it until their deadline
+            self._abstain(info)
         if delta is not None:
             for j, owner in enumerate(info.shard_owners):
                 lo, hi = bounds[j]
@@ -191,6 +193,13 @@ class AllReduce(ShardInbox):
                         "; ".join(f"shard {j}: {len(c)}" for j, c in enumerate(counted)))
         out = self._take_out()
         return torch.cat([r.values for r in results], out=out), stats
+
+    def _abstain(self, info: RoundInfo) -> None:
+        """Tell the other owners this member contributes nothing to the step (gRPC futures: nothing waits)."""
+        request = pb.PingRequest(header=pb.Header(run_id=self.run_id, sender=self.me, step=info.step, epoch=info.epoch),
+                                 sent_at=time.time(), abstain=True)
+        targets = [(info.address_of(o).address, o) for o in info.shard_owners if o != self.me]
+        self.client.ping_each(targets, request, PING_S, lambda peer, ok: None)
 
     def _submit(self, fn: Callable, *args: object) -> Future:
         return self._pool.submit(fn, *args)
@@ -267,7 +276,7 @@ class AllReduce(ShardInbox):
                 got = self._contribs.get((shard, attempt), {})
                 if forwarded_ok and shard in self._results:
                     break
-                waiting = expected - set(got) - rnd.dead
+                waiting = expected - set(got) - rnd.dead - self._abstained
                 if not waiting or time.monotonic() >= deadline or rnd.ahead:
                     break  # (a member already went past this step: it is lost here, stop collecting for it)
                 self._halt(rnd)

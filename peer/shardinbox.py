@@ -118,6 +118,7 @@ class ShardInbox:
         self._tamper = tamper  # POTLUCK_FAULTS' owner.* points (a test may give one member faults of its own)
         self._results: dict[int, ShardResult] = {}
         self._taken_over: set[int] = set()
+        self._abstained: set[str] = set()  # members that said they contribute nothing to the expected step
 
     # ---------------------------------------------------------------- state of the coming step
 
@@ -167,6 +168,7 @@ class ShardInbox:
         self._closed.clear()
         self._results.clear()
         self._taken_over.clear()
+        self._abstained.clear()
 
     def set_round(self, info: RoundInfo) -> bool:
         """Learn the members of the expected step; drops anything already received from non-members.
@@ -195,6 +197,14 @@ class ShardInbox:
                     log.warning("dropping a result received before the round was known: %s", err.reason)
                     del self._results[shard]
             return True
+
+    def abstains(self, header: pb.Header) -> None:
+        """``header.sender`` says it contributes nothing to ``header.step`` (of ``header.epoch``): its owners stop
+        waiting for it. (Authenticated by the caller's certificate; it speaks for itself only.)"""
+        with self._cond:
+            if (header.run_id, header.step, header.epoch) == (self.run_id, self._step, self._epoch):
+                self._abstained.add(header.sender)
+                self._cond.notify_all()
 
     def pending_contributions(self) -> int:
         """Contributions held for the expected step (for tests and the status page)."""

@@ -94,7 +94,8 @@ class StageWorker:
         self.runner = StageRunner(self.layers, rc.train, device, rc.pipeline.stages)  # precision, checkpointing, compile
         self.optimizer: torch.optim.Optimizer | None = None  # built on the first inner step (it imports torch._dynamo)
         self.sampler: SpanSampler | None = None
-        self.steps_done = 0  # inner steps over the whole run (the lr warm-up counts them)
+        self.steps_done = 0  # inner steps this worker trained (and the states it recovered), over the whole run
+        self.clock = 0  # the run's inner step the lr schedule is at: the swarm's, not this member's (see _lr)
         self.devices: Devices | None = None  # the other devices of a multi-device peer (torchrun)
         # micro-batches a batch is split into (single stage): train.grad_accum, or with 'auto' 1 until a batch
         # does not fit the device's memory, then doubled until one does
@@ -151,6 +152,7 @@ class StageWorker:
             return InnerPhase(0, 0.0, interrupted=True)
         self.layers.train()
         t0, h = time.monotonic(), rc.diloco.inner_steps
+        self.clock = (step - 1) * h if step >= 1 else self.steps_done
         ended: Why | None = Why.DONE
         fault("inner.start", step)
         i = 0
@@ -206,6 +208,7 @@ class StageWorker:
             torch.nn.utils.clip_grad_norm_(self.params, self.rc.train.grad_clip)
         self.runner.precision.step(self.optimizer)  # fp16: skipped if they overflowed
         self.steps_done += 1
+        self.clock += 1
         return loss
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
@@ -257,9 +260,13 @@ class StageWorker:
         return float(total)
 
     def _lr(self) -> float:
+        """The inner lr: a linear warm-up over ``train.warmup_steps`` of the *run's* inner steps (``clock``: H per
+        outer step before this one, and this phase's own): a member that trains fewer steps per round, being
+        slower, warms up with the model it trains, not over rounds of its own (at 3 steps a round it would still
+        be at a tenth of the lr when its pseudo-gradients met the others', clipped for being short)."""
         t = self.rc.train
-        if t.warmup_steps and self.steps_done < t.warmup_steps:
-            return t.lr * (self.steps_done + 1) / t.warmup_steps
+        if t.warmup_steps and self.clock < t.warmup_steps:
+            return t.lr * (self.clock + 1) / t.warmup_steps
         return t.lr
 
     @torch.no_grad()

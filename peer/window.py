@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 SLACK = 0.1  # a member finishes its phase if what is left ends within this share of the window past its end
 KEEP_STEP_TIMES = 16
+RETRY_AFTER = 4  # a member too slow for one step tries one again after this many rounds without (it may be faster now)
 
 
 class Why(enum.Enum):
@@ -99,6 +100,8 @@ class Pace:
         self._their_send_s = 0.0  # and how long that member's contribution took to send, the round before
         self._send_s = 0.0  # how long this member's own contributions took to send, the round before
         self._expect: float | None = None  # where this phase's window ends: from the round before
+        self._warm = False  # the process's first step (optimizer, lazy imports) says nothing of its speed: not counted
+        self._idle = 0  # rounds in a row this member was too slow for a single step
         self.last: Ended | None = None
 
     # ------------------------------------------------------------------ the training loop
@@ -121,6 +124,8 @@ class Pace:
             at = now - self._started + ahead
             end = self._signal if self._signal is not None else self._expect
             why = decide(cap=self._cap, done=done, at=at, step_s=self._step_time(), end_s=end, slack=self.slack)
+            if why is Why.WINDOW and done == 0 and self._idle >= RETRY_AFTER:
+                return None  # measure again: one step late once in a while, not out of the run for good
             if why is Why.WINDOW and self._signal is not None:
                 why = Why.SIGNALLED
             return why
@@ -132,6 +137,9 @@ class Pace:
     def stepped(self, seconds: float) -> None:
         """An inner step of the phase took ``seconds``."""
         with self._lock:
+            if not self._warm:
+                self._warm = True
+                return
             self._phase_steps.append(seconds)
             self._steps.append(seconds)
 
@@ -139,6 +147,7 @@ class Pace:
         """The phase ended after ``steps`` steps; what it was, kept as :attr:`last` (the telemetry reads it)."""
         with self._lock:
             window = self._signal if self._signal is not None else self._expect
+            self._idle = self._idle + 1 if steps == 0 and why is Why.WINDOW else 0
             self.last = Ended(steps, self._cap, window, why, self._step_time())
             return self.last
 

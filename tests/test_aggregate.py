@@ -146,11 +146,11 @@ def test_order_of_arrival_does_not_change_the_bits() -> None:
 
 def numpy_weighted(xs: dict[str, np.ndarray], w: dict[str, int], clip_factor: float,
                    reject_below: float | None) -> tuple[np.ndarray, set, set]:
-    """The weighted rule written out again: the same rejection; clipping of each norm per sqrt(weight) to
+    """The weighted rule written out again: the same rejection; clipping of each norm per weight ** 0.75 to
     clip_factor x the lower median of those; a mean weighted by the kept weights, in float64."""
     _, _, rejected = numpy_reference(xs, clip_factor, reject_below)
     kept = [s for s in sorted(xs) if s not in rejected]
-    units = {s: np.linalg.norm(xs[s].astype(np.float64)) / np.sqrt(w[s]) for s in kept}
+    units = {s: np.linalg.norm(xs[s].astype(np.float64)) / w[s] ** 0.75 for s in kept}
     bound = clip_factor * sorted(units.values())[(len(kept) - 1) // 2]
     clipped = {s for s in kept if units[s] > bound}
     total_w = sum(w[s] for s in kept)
@@ -189,7 +189,7 @@ def test_equal_weights_give_the_unweighted_bits() -> None:
 
 
 def test_a_faster_honest_member_is_not_clipped_for_its_speed() -> None:
-    """A pseudo-gradient of 16x the steps is up to 16x longer (steps that agree): per sqrt(work) it stays within
+    """A pseudo-gradient of 16x the steps is up to 16x longer (steps that agree): per work ** 0.75 it stays within
     clip_factor 4 of the median, so it is averaged, not flagged (a flag counts toward eviction)."""
     rng = np.random.default_rng(11)
     direction = rng.standard_normal(256).astype(np.float32)
