@@ -36,7 +36,7 @@ from __future__ import annotations
 import bisect
 import functools
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -203,9 +203,11 @@ class DataCursor:
     # ------------------------------------------------------------------ transitions
 
     def assign(self, committed: int, stage0: Sequence[tuple[str, int]], prev: Round | None = None,
-               epoch: int = 0) -> tuple[list[Share], int, list[tuple[int, int]]]:
+               epoch: int = 0, sizes: Mapping[str, int] | None = None) -> tuple[list[Share], int, list[tuple[int, int]]]:
         """The shares of round ``committed + 1`` for its stage-0 members (``(peer, replica)``), the
-        frontier after them, and the pool left (which later steps on the round's plan read first).
+        frontier after them, and the pool left (which later steps on the round's plan read first). ``sizes``:
+        the samples each member's speed fits in a round's window (default, and at most: ``per_replica``), what a
+        newcomer's share holds and what each later step on this plan reads (:attr:`Share.next`).
 
         Peers of one stage do not wait for this round: they start the step at once on the plan they
         hold (``prev``, in the same epoch), reading ``prev.data_spans(committed + 1, their old replica)``.
@@ -226,11 +228,15 @@ class DataCursor:
                 base = rest.with_back([x for r, spans in block.items() if r not in kept for x in spans])
             else:  # not where the cursor stands (a journal from before, a bug): hand out fresh samples
                 carried = {}
-        fresh = [replica for peer, replica in stage0 if peer not in carried]
-        spans, data_next = base.take([self.per_replica] * len(fresh))
-        given = dict(zip(fresh, spans, strict=True))
-        shares = [Share.made(replica, self.per_replica, carried[peer] if peer in carried else given[replica])
-                  for peer, replica in sorted(stage0, key=lambda pr: pr[1])]
+        size = {peer: max(1, min(self.per_replica, (sizes or {}).get(peer, self.per_replica))) for peer, _ in stage0}
+        fresh = [(peer, replica) for peer, replica in stage0 if peer not in carried]
+        spans, data_next = base.take([size[peer] for peer, _ in fresh])
+        given = {replica: s for (_, replica), s in zip(fresh, spans, strict=True)}
+        shares = []
+        for peer, replica in sorted(stage0, key=lambda pr: pr[1]):
+            mine = carried[peer] if peer in carried else given[replica]
+            shares.append(Share.made(replica, sum(b - a for a, b in mine), mine,
+                                     next=size[peer] if size[peer] != self.per_replica else 0))
         after = base.without([tuple(x) for share in shares for x in share.spans])
         return shares, after.frontier, list(after.pool[:POOL_IN_ROUND])
 

@@ -63,7 +63,7 @@ class PeerView:
         present = not self.lost and (not self.left or r.state == "finished")
         return Report(peer_id=r.peer_id, stage=r.stage, version=r.version, state_hash=r.state_hash, epoch=r.epoch,
                       prev_version=r.prev_version, prev_hash=r.prev_hash, live=present, gone=self.left or self.evicted,
-                      progress=(r.state, r.version, r.inner_step, moved),
+                      progress=(r.state, r.version, r.inner_step, moved), step_s=r.step_s,
                       included=tuple((x.step, x.epoch, tuple(x.included), tuple(x.samples))
                                      for x in r.recent if x.stage == 0))
 

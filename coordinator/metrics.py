@@ -110,6 +110,8 @@ def families(state: Mapping[str, Any]) -> list[Family]:
           run.get("compute_utilization"))
     gauge("potluck_last_outer_timestamp_seconds", "unix time the latest outer step was recorded",
           run.get("last_outer_at"))
+    gauge("potluck_round_window_seconds", "the newest committed step's window: its longest member inner phase",
+          run.get("window_s"))
     gauge("potluck_last_allreduce_seconds", "wall time of the slowest member in the latest outer step",
           run.get("last_allreduce_s"))
     gauge("potluck_waiting", "1 while the run is waiting (see waiting_reason in /api/v1/state)",
@@ -173,6 +175,10 @@ def _peer_families(peers: list[Mapping[str, Any]]) -> list[Family]:
     version = Family("potluck_peer_version", "gauge", "committed outer steps the peer holds")
     inner = Family("potluck_peer_inner_step", "gauge", "the peer's inner step in its current outer step")
     tps = Family("potluck_peer_tokens_per_second", "gauge", "the peer's training throughput")
+    steps = Family("potluck_peer_round_inner_steps", "gauge", "inner steps its last inner phase trained (at most H)")
+    step_s = Family("potluck_peer_step_seconds", "gauge", "seconds one of its inner steps takes")
+    share = Family("potluck_peer_work_share", "gauge", "its share of its newest committed step's work (stage 0)")
+    slow = Family("potluck_peer_too_slow", "gauge", "1 while one of its inner steps is longer than the round's window")
     tokens = Family("potluck_peer_tokens_total", "counter", "tokens the peer has trained")
     loss = Family("potluck_peer_loss", "gauge", "the peer's latest training loss")
     memory = Family("potluck_peer_memory_bytes", "gauge", "accelerator memory of the peer (0 on CPU)")
@@ -192,6 +198,10 @@ def _peer_families(peers: list[Mapping[str, Any]]) -> list[Family]:
         version.add(p.get("version"), peer=pid)
         inner.add(p.get("inner_step"), peer=pid)
         tps.add(p.get("tokens_per_s"), peer=pid)
+        steps.add(p.get("round_steps"), peer=pid)
+        step_s.add(p.get("step_s"), peer=pid)
+        share.add(p.get("work_share"), peer=pid)
+        slow.add(1 if p.get("too_slow") else 0, peer=pid)
         tokens.add(p.get("tokens_total"), peer=pid)
         loss.add(p.get("loss"), peer=pid)
         gb = p.get("memory_gb")
@@ -204,7 +214,8 @@ def _peer_families(peers: list[Mapping[str, Any]]) -> list[Family]:
         sync.add(p.get("sync_s"), peer=pid)
         clipped.add(p.get("clipped", 0), peer=pid)
         rejected.add(p.get("rejected", 0), peer=pid)
-    return [info, seen, version, inner, tps, tokens, loss, memory, sent, received, compute, sync, clipped, rejected]
+    return [info, seen, version, inner, tps, steps, step_s, share, slow, tokens, loss, memory, sent, received, compute,
+            sync, clipped, rejected]
 
 
 def _link_families(links: Mapping[str, Any]) -> list[Family]:

@@ -18,13 +18,14 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from potluck.coordinator.costmodel import CostModel, Topology, TopologyError
 from potluck.coordinator.scheduler import evolutionary_search
+from potluck.models import entry_costs, stage_bounds
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.net.swarm import LinkReport
 from potluck.protos.runtime.log import get_logger
@@ -139,23 +140,35 @@ class Request:
     held: Mapping[str, int]
     reports: Mapping[str, LinkReport]
     parameters: int
+    speeds: Mapping[str, float] = field(default_factory=dict)  # measured: stages' FLOPs per second of compute
     key: tuple = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("before", "held", "reports"):
+        for name in ("before", "held", "reports", "speeds"):
             object.__setattr__(self, name, dict(getattr(self, name)))
         object.__setattr__(self, "key", self._key())
 
     def _key(self) -> tuple:
-        """What the plan depends on: the peers, the grid's shape, where they are, and their links as
-        measured to within a factor of two (a link measured since the last search, or one whose RTT
-        or bandwidth has since doubled or halved, is worth a new search; noise is not)."""
+        """What the plan depends on: the peers, the grid's shape, where they are, and their links and
+        speeds as measured to within a factor of two (a link measured since the last search, one whose
+        RTT or bandwidth has since doubled or halved, or a device that did, is worth a new search; noise
+        is not)."""
         peers = set(self.ids)
         links = tuple(sorted(
             (p, q, round(math.log2(max(stat.rtt_ms, 1e-3))), round(math.log2(stat.bandwidth_mbps)))
             for p in self.ids if p in self.reports for q, stat in self.reports[p].links.items()
             if q in peers and stat.rtt_ms is not None and stat.bandwidth_mbps))
-        return self.ids, self.stages, self.replicas, tuple(sorted(self.before.items())), links
+        speeds = tuple(sorted((p, round(math.log2(v))) for p, v in self.speeds.items() if p in peers and v > 0))
+        return self.ids, self.stages, self.replicas, tuple(sorted(self.before.items())), links, speeds
+
+
+def compute_speeds(cfg: RunConfig, records: Sequence[PeerRecord], stages: int) -> dict[str, float]:
+    """Each peer's measured speed: the FLOPs of the stage it ran over the seconds one inner step of it computed
+    (``busy_s``: a pipeline's waits for its neighbours left out), so devices that ran different stages compare."""
+    flops = entry_costs(cfg.model, "flops")
+    bounds = stage_bounds(cfg.model, cfg.pipeline) if cfg.pipeline.stages == stages else None
+    cost = [sum(flops[a:b]) for a, b in bounds] if bounds is not None else [sum(flops) / stages] * stages
+    return {r.peer_id: cost[r.stage] / r.busy_s for r in records if r.busy_s > 0 and r.stage < stages}
 
 
 def place(cfg: RunConfig, req: Request, budget_s: float = 1.0,
@@ -169,9 +182,11 @@ def place(cfg: RunConfig, req: Request, budget_s: float = 1.0,
     if measured < len(ids) * (len(ids) - 1) // 2:
         return kept, None  # too little measured yet to beat the sticky grid
     c_pp, c_dp = payloads_gb(cfg, req.parameters)
+    compute, stage_seconds = relative_speeds(cfg, ids, req.speeds, stages)
     try:
         topo = Topology(delay_ms=delay.tolist(), bandwidth_gbps=gbps.tolist(), stages=stages, replicas=replicas,
-                        activation_gb=c_pp, gradient_gb=c_dp, outer_every=cfg.diloco.inner_steps)
+                        activation_gb=c_pp, gradient_gb=c_dp, outer_every=cfg.diloco.inner_steps,
+                        compute=compute, stage_seconds=stage_seconds)
     except TopologyError as err:
         log.warning("cannot plan from the measured links: %s", err)
         return kept, None
@@ -211,7 +226,8 @@ def grid_for(cfg: RunConfig, records: list[PeerRecord], stages: int, before: Map
     held = {r.peer_id: r.stage for r in records if r.version > 0}
     if stages > 1 and cfg.links.placement == "scheduler":
         params = sum({r.stage: r.parameters for r in records}.values())
-        placed = worker.poll(Request(tuple(ids), stages, replicas, before, held, links, params))
+        placed = worker.poll(Request(tuple(ids), stages, replicas, before, held, links, params,
+                                     compute_speeds(cfg, records, stages)))
         if placed is not None:
             return placed
     return sticky_placement(ids, stages, replicas, before, held), None
@@ -282,6 +298,19 @@ class PlacementWorker:
         with self._lock:
             if self._req is req:
                 self._result = result
+
+
+def relative_speeds(cfg: RunConfig, ids: Sequence[str], speeds: Mapping[str, float],
+                    stages: int) -> tuple[list[float] | None, float]:
+    """The cost model's ``compute`` (each device's speed over the median measured one; a device not measured yet
+    counts as the median) and ``stage_seconds`` (a mean stage on the median device); (None, 1.0) when no device
+    has been measured: placement then prices links alone."""
+    known = sorted(v for p, v in speeds.items() if p in set(ids) and v > 0)
+    if not known:
+        return None, 1.0
+    median = known[len(known) // 2]
+    stage_flops = sum(entry_costs(cfg.model, "flops")) / stages
+    return [speeds.get(p, median) / median for p in ids], stage_flops / median
 
 
 def _as_array(grid: Mapping[str, tuple[int, int]], index: Mapping[str, int], stages: int, replicas: int) -> np.ndarray:

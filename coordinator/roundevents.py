@@ -26,6 +26,7 @@ class Report:
     progress: tuple = ()  # changes whenever the peer makes visible progress (state, inner step, bytes)
     # stage 0: (step, epoch, replicas in that version[, the samples each trained on, in that order])
     included: tuple[tuple, ...] = ()
+    step_s: float = 0.0  # seconds one of its inner steps takes (0: not measured): its share of a round's data is sized by it
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ lifecycle testable step by step (``tests/test_rounds.py``), like a torchft ``Man
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import Counter, deque
@@ -49,6 +50,7 @@ from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.wire.records import Audit, Member, Round
 
 KEEP_DURATIONS = 8
+HEADROOM = 1.5  # a share holds this much more than its member's measured speed fits in the window (it may speed up)
 GATHERED = 0.8  # a fresh start's pings start once this share of the peers it waits for is live (see settling)
 
 
@@ -83,13 +85,17 @@ class Rounds(RollingBack):
     _hashes_set: int = 0  # how often the hashes were set from outside the reports (restored, adopted, pruned)
     wall: Callable[[], float] = time.time  # wall-clock stamps for the journal (every decision uses ``now``)
     data: DataCursor = field(default_factory=lambda: DataCursor(per_replica=1))  # who trains on which samples
+    batch: int = 1  # train.batch_size: a share holds whole batches
+    inner_steps: int = 1  # H: the fastest member's inner steps make the window
+    windows: bool = True  # diloco.rounds = "window": shares are sized by each member's measured speed
 
     @classmethod
     def for_run(cls, cfg: RunConfig) -> Rounds:
         m = cfg.membership
         return cls(stages=cfg.pipeline.stages, floor_s=m.round_timeout_floor_s, factor=m.round_timeout_factor,
                    grace_s=m.heartbeat_timeout_s, group_size=cfg.sync.group_size,
-                   data=DataCursor(cfg.diloco.inner_steps * cfg.train.batch_size))
+                   data=DataCursor(cfg.diloco.inner_steps * cfg.train.batch_size), batch=cfg.train.batch_size,
+                   inner_steps=cfg.diloco.inner_steps, windows=cfg.diloco.rounds == "window")
 
     # ------------------------------------------------------------------ views
 
@@ -345,7 +351,8 @@ class Rounds(RollingBack):
         hashes = [self.canonical(step - 1, s) if not self.group_size else "" for s in range(self.stages)]
         members, bases = groups.assign(members, step, self.group_size, self._holdings(reports, members))
         stage0 = [(m.peer_id, m.replica) for m in members if m.stage == 0]
-        shares, data_next, pool = self.data.assign(self.committed, stage0, self.round_at(self.committed), self.epoch)
+        shares, data_next, pool = self.data.assign(self.committed, stage0, self.round_at(self.committed), self.epoch,
+                                                   self._sizes(reports, {p for p, _ in stage0}))
         rnd = Round(step=step, members=sorted(members, key=lambda m: (m.stage, m.replica)), base_hash=hashes[0],
                     stages=self.stages, base_hashes=hashes if self.stages > 1 else [], epoch=self.epoch,
                     decided_at=decided_at, shares=shares, data_next=data_next, pool=pool, groups=bases,
@@ -355,6 +362,15 @@ class Rounds(RollingBack):
         for old in sorted(self.rounds)[:-KEEP_ROUNDS]:
             del self.rounds[old]
         return rnd
+
+    def _sizes(self, reports: Sequence[Report], stage0: Collection[str]) -> dict[str, int]:
+        """Samples each stage-0 member's speed fits in a round's window (H steps of the fastest of them), with
+        ``HEADROOM``, in whole batches, at most H batches (unmeasured members: H batches): the data it is handed."""
+        speed = {r.peer_id: r.step_s for r in reports if r.peer_id in stage0 and r.step_s > 0}
+        if not speed or not self.windows:  # (fixed rounds: every member trains H steps, on H batches)
+            return {}
+        window = self.inner_steps * min(speed.values())
+        return {p: self.batch * max(1, min(self.inner_steps, math.ceil(HEADROOM * window / s))) for p, s in speed.items()}
 
     def _holdings(self, reports: Sequence[Report], members: Sequence[Member]) -> dict[str, list[groups.Holding]]:
         """The states each live member holds of the stage it is placed on (its newest and the one before),

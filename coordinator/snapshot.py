@@ -79,6 +79,7 @@ def peer_rows(views: Sequence[PeerView], tasklet_of: Mapping[str, dict[str, int]
     of all their records added to it (tokens enter the model at stage 0: counted once per pipeline), and the first
     loss floor a record gives (None: none does) set as its fourth."""
     clipped, rejected = flag_counts(history)
+    worked = {h["step"]: h.get("samples") for h in history[-KEEP_DETAIL:]}  # step -> the samples of its contributions
     rows = []
     compute = sync = 0.0
     tokens, floor = 0, None
@@ -98,6 +99,7 @@ def peer_rows(views: Sequence[PeerView], tasklet_of: Mapping[str, dict[str, int]
         # (its keys stay the same ones, so its dicts never change size under the encoder)
         row = kept[4]
         row["last_seen_s"] = round(now - view.last_seen, 2)
+        row["work_share"] = work_share(r, worked)
         if clipped or row["clipped"]:
             row["clipped"] = clipped.get(pid, 0)
         if rejected or row["rejected"]:
@@ -112,6 +114,15 @@ def peer_rows(views: Sequence[PeerView], tasklet_of: Mapping[str, dict[str, int]
 
 
 _FIRST_SEEN = operator.attrgetter("first_seen")
+
+
+def work_share(r: PeerRecord, worked: Mapping[int, int | None]) -> float | None:
+    """The share of the newest committed step it reported that its own contribution was trained on (stage 0)."""
+    for report in reversed(r.recent):
+        total = worked.get(report.step)
+        if total:
+            return round(report.trained / total, 4) if report.stage == 0 else None
+    return None
 
 
 def flag_counts(history: Sequence[dict[str, Any]]) -> tuple[dict[str, int], dict[str, int]]:
@@ -157,7 +168,8 @@ def _row(r: PeerRecord, view: PeerView, tasklet: dict[str, int] | None) -> dict[
         "bytes_sent": r.bytes_sent, "bytes_received": r.bytes_received,
         "last_seen_s": None, "software": r.software, "state_hash": r.state_hash,
         "compute_s": r.compute_s, "sync_s": r.sync_s, "hidden_s": r.hidden_s, "relayed": VIA in r.address,
-        "clipped": 0, "rejected": 0,
+        "clipped": 0, "rejected": 0, "round_steps": r.round_steps, "step_s": r.step_s, "window_s": r.window_s,
+        "work_share": None, "too_slow": r.too_slow,
         "error": r.error if r.state == PeerState.FAILED else "",
     }
 
@@ -279,6 +291,7 @@ def build(run: RunInfo, cfg: RunConfig, views: Sequence[PeerView], rounds: Round
             "loss_floor": floor,
             "compute_utilization": compute / (compute + sync) if compute + sync > 0 else None,
             "last_outer_at": history[-1]["t"] if history else None,
+            "window_s": history[-1].get("window_s") if history else None,
             "last_allreduce_s": history[-1]["outer_s"] if history else None,
             "waiting_reason": waiting_reason(cfg, rounds, live, run.finished, peers, failed, by_id),
             "model_export": model_export(cfg, run.checkpoint_version),

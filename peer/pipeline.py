@@ -107,6 +107,7 @@ class Pipeline:
                            bursts=Bursts(on_transfer) if on_transfer is not None else None)
         self.in_flight = 0  # 1f1b with pipeline.in_flight unset: extra forwards ahead, measured each inner step
         self.ended = False  # the inner step trained last ends the inner phase (stage 0 marked it so)
+        self.busy_s = 0.0  # seconds of the inner step trained last spent computing (not waiting for neighbours)
 
     # ------------------------------------------------------------------ rounds
 
@@ -164,7 +165,7 @@ class Pipeline:
         timeout = self.cfg.pipe_timeout_s * (3 if inner == 0 else 1)
         held: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         loss_total: float | torch.Tensor = 0.0  # the last stage's stays on the device until the step ends
-        forward_s, waited_s = 0.0, 0.0
+        forward_s, waited_s, backward_s = 0.0, 0.0, 0.0
         ended = last if self.first else False
         for op, k in self.schedule(m):
             if op == "F":
@@ -202,7 +203,9 @@ class Pipeline:
                 waited_s += time.monotonic() - t0
                 loss_k = back.loss
                 out, holder = held.pop(k)
+                t_back = time.monotonic()
                 out.backward(arrived(back.grad).to(device, out.dtype))
+                backward_s += time.monotonic() - t_back
                 loss_total += loss_k
                 if holder is not None:
                     assert holder.grad is not None
@@ -215,6 +218,7 @@ class Pipeline:
             self.in_flight = min(m, math.ceil(waited_s / m / per_forward)) if waited_s > 0 else self.in_flight
         self.sends.flush(r)
         self.ended = ended
+        self.busy_s = forward_s + backward_s  # (the last stage's backward is in its forwards: loss.backward at once)
         return float(loss_total)
 
     def schedule(self, m: int) -> list[tuple[str, int]]:

@@ -37,6 +37,7 @@ class PipelineLink(Protocol):
     this step ends its inner phase; the stages after it read that from what they receive (``ended``)."""
 
     ended: bool
+    busy_s: float
 
     def train_step(self, layers: nn.ModuleList, inner: int, batch: Batch | None, device: torch.device,
                    forward: Callable[[torch.Tensor], torch.Tensor] | None = None, last: bool = False) -> float: ...
@@ -96,6 +97,7 @@ class StageWorker:
         self.sampler: SpanSampler | None = None
         self.steps_done = 0  # inner steps this worker trained (and the states it recovered), over the whole run
         self.clock = 0  # the run's inner step the lr schedule is at: the swarm's, not this member's (see _lr)
+        self.busy_s = 0.0  # seconds an inner step of this stage computes (a pipeline's waits left out), averaged
         self.devices: Devices | None = None  # the other devices of a multi-device peer (torchrun)
         # micro-batches a batch is split into (single stage): train.grad_accum, or with 'auto' 1 until a batch
         # does not fit the device's memory, then doubled until one does
@@ -178,9 +180,11 @@ class StageWorker:
             except PipelineStall as err:
                 return InnerPhase(i, time.monotonic() - t0, stalled=str(err))
             seconds = time.monotonic() - t_step
+            busy = self.link.busy_s if self.link is not None else seconds  # (a pipeline's: without the waits)
             if (slow := float(tamper("inner.step", step, 1.0))) > 1.0:  # a slower device, in tests (POTLUCK_FAULTS)
-                time.sleep((slow - 1.0) * seconds)
-                seconds *= slow
+                time.sleep((slow - 1.0) * busy)
+                seconds, busy = seconds + (slow - 1.0) * busy, busy * slow
+            self.busy_s = busy if self.busy_s == 0 else 0.9 * self.busy_s + 0.1 * busy
             if pace is not None:
                 pace.stepped(seconds)
             on_step(i, loss, seconds)

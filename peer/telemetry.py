@@ -177,7 +177,7 @@ class Telemetry:
 
     def record(self, *, address: str, version: int, state_hash: str, epoch: int, prev: tuple[int, str], stage: int,
                replica: int, device: Any, numel: int, loss_floor: float | None, maddrs: list[str],
-               traffic: tuple[dict[str, int], dict[str, int]], extras: dict[str, Any]) -> PeerRecord:
+               traffic: tuple[dict[str, int], dict[str, int]], extras: dict[str, Any], busy_s: float = 0.0) -> PeerRecord:
         p = self.progress
         cuda = getattr(device, "type", "cpu") == "cuda"
         import torch  # already loaded by the peer; kept out of this module's import time
@@ -199,7 +199,7 @@ class Telemetry:
             extras={"outer_wait_s": p.outer_wait_s, "step_time_s": p.step_time_s,
                     **({"pipe": p.last_pipe} if p.last_pipe else {}), **extras},
             error=self.error[:500], audits=list(self.audits), round_steps=p.round_steps, window_s=p.window_s,
-            step_s=p.step_time_s, too_slow=self.too_slow[:500],
+            step_s=p.step_time_s, busy_s=busy_s, too_slow=self.too_slow[:500],
         )
 
     def first_step(self, joined_at: float, phases: dict[str, float]) -> None:

@@ -97,6 +97,10 @@ def make_state(
             "bytes_received": {k: int(v * rng.uniform(0.9, 1.1)) for k, v in sent.items()},
             "last_seen_s": seen, "software": "potluck 0.1.0", "state_hash": f"{rng.getrandbits(64):016x}",
             "compute_s": round(rng.uniform(100, 1000), 2), "sync_s": round(rng.uniform(5, 60), 2), "hidden_s": 0.0, "relayed": False, "error": "",
+            "round_steps": rng.randint(1, 50), "step_s": round(rng.uniform(0.05, 2.0), 3),
+            "window_s": round(rng.uniform(5, 60), 2) if rng.random() < 0.7 else None,
+            "work_share": round(rng.uniform(0.01, 1.0), 4) if rng.random() < 0.8 else None,
+            "too_slow": "this peer is too slow for the round: ..." if rng.random() < 0.05 else "",
         })
         if place is not None:
             cells.append({"stage": place[0], "replica": place[1], "peer": pid, "state": state})
@@ -183,6 +187,7 @@ def make_state(
             "loss_floor": floor,
             "compute_utilization": compute / (compute + sync) if compute + sync else None,
             "last_outer_at": history[-1]["t"] if history else None,
+            "window_s": round(rng.uniform(5, 60), 2) if history else None,
             "last_allreduce_s": history[-1]["outer_s"] if history else None,
             "waiting_reason": "" if finished else waiting_reason,
             "model_export": {"version": (outer_steps if finished else steps // 5 * 5) or None,

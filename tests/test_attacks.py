@@ -41,7 +41,7 @@ STEPS, PEERS = 16, 3
 # a run long enough (steps of ~2 s here) that the attacks, prepared before the peers start, all land
 # mid-run (the test checks that they did)
 CONFIG = {"diloco.outer_steps": STEPS, "diloco.inner_steps": 100, "membership.min_peers": PEERS,
-          "data.eval_every": 2}
+          "data.eval_every": 2, "diloco.rounds": "fixed"}  # (the attacked run must end bit for bit as the honest one)
 
 
 def keys(directory: Path) -> list[Path]:

@@ -132,7 +132,8 @@ def test_shares_are_validated_and_later_steps_read_on_from_data_next() -> None:
 # ---------------------------------------------------------------------- 200 rounds of a hostile swarm
 
 N = 211  # training samples: an epoch is 211 positions
-COUNT = 6  # samples a replica trains per outer step (inner_steps x batch_size)
+COUNT = 6  # samples a replica trains per outer step at most (inner_steps x batch_size)
+BATCH = 2
 TIMEOUT = 5.0
 
 
@@ -142,6 +143,7 @@ class Sim:
 
     rng: random.Random
     stages: int
+    windows: bool = False  # peers of different speeds: each trains the first batches of its share that fit the window
     rounds: Rounds = field(init=False)
     table: PeerTable = field(init=False)
     now: float = 0.0
@@ -160,21 +162,22 @@ class Sim:
 
     def fresh_rounds(self) -> Rounds:
         return Rounds(stages=self.stages, floor_s=12.0, factor=4.0, settle_s=1.0, grace_s=TIMEOUT,
-                      data=DataCursor(COUNT))
+                      data=DataCursor(COUNT), batch=BATCH, inner_steps=COUNT // BATCH)
 
     # -------------------------------------------------------------- peers
 
     def join(self) -> None:
         pid = f"p{self.next_id:03d}"
         self.next_id += 1
-        self.alive[pid] = {"version": 0, "hash": "root", "epoch": 0, "prev": (-1, ""), "stage": 0, "recent": []}
+        self.alive[pid] = {"version": 0, "hash": "root", "epoch": 0, "prev": (-1, ""), "stage": 0, "recent": [],
+                           "step_s": self.rng.choice([1.0, 2.0, 3.0]) if self.windows else 0.0}
 
     def record(self, pid: str) -> PeerRecord:
         p = self.alive[pid]
         self.seq += 1
         return PeerRecord(peer_id=pid, address=f"{pid}:1", state="training", version=p["version"], state_hash=p["hash"],
                           epoch=p["epoch"], prev_version=p["prev"][0], prev_hash=p["prev"][1], stage=p["stage"],
-                          seq=self.seq, inner_step=self.seq, recent=p["recent"][-16:])
+                          seq=self.seq, inner_step=self.seq, recent=p["recent"][-16:], step_s=p["step_s"])
 
     def tick(self, dt: float = 1.0) -> list:
         self.now += dt
@@ -209,7 +212,7 @@ class Sim:
                 before = {m.peer_id: (m.stage, m.replica) for m in prev.members} if prev else {}
                 grid = sticky_placement(ids, self.stages, replicas, before)
                 self.plan_held = self.rounds.round_at(self.rounds.committed)  # what peers hold while it is decided
-                return self.rounds.decide(members(grid, [v.record for v in live]), self.now)
+                return self.rounds.decide(members(grid, [v.record for v in live]), self.now, reports=self.table.reports())
             self.tick()
         return None
 
@@ -251,8 +254,28 @@ class Sim:
             before = self.trained[base]
             after = before.copy()
             held = self.plan_held
+            worked = []
             for k in complete:
                 spans = rnd.data_spans(step, k)
+                if self.windows:  # the first batches of its share that fit the round's window, in order
+                    first_member = next(m for m in rnd.members if m.replica == k and m.stage == 0)
+                    fits = BATCH * max(1, min(COUNT // BATCH, round(COUNT // BATCH / self.alive[first_member.peer_id]["step_s"]
+                                                                    if first_member.peer_id in self.alive else 1)))
+                    fits = min(fits, sum(b - a for a, b in spans))
+                    if self.rng.random() < 0.2:  # it ran short: fewer batches than its share holds
+                        fits = BATCH * self.rng.randint(1, max(1, fits // BATCH))
+                    worked.append(fits)
+                    self.stats["partial"] += fits < sum(b - a for a, b in spans)
+                    spans = [(a, b) for a, b in spans]
+                    left, read = fits, []
+                    for a, b in spans:
+                        take = min(left, b - a)
+                        if take > 0:
+                            read.append((a, a + take))
+                        left -= take
+                    spans_trained = read
+                else:
+                    spans_trained = spans
                 first = next(m for m in rnd.members if m.replica == k and m.stage == 0)
                 old = held.member(first.peer_id) if held is not None and held.epoch == rnd.epoch else None
                 if step == rnd.step and old is not None and old.stage == 0:
@@ -260,7 +283,7 @@ class Sim:
                     early = held.data_spans(step, old.replica)
                     assert early == spans, f"step {step}: {first.peer_id} would read {early} early, {spans} on time"
                     self.stats["read ahead"] += 1
-                for a, b in spans:
+                for a, b in spans_trained:
                     after.update(range(a, b))
             new = hashlib.sha256(json.dumps(sorted(after.items())).encode()).hexdigest()[:16]
             self.trained[new] = after
@@ -269,8 +292,12 @@ class Sim:
                     p = self.alive[m.peer_id]
                     p.update(version=step, hash=new, epoch=rnd.epoch, prev=(step - 1, base))
                     p["recent"] = [*p["recent"], StepReport(step=step, epoch=rnd.epoch, stage=m.stage,
-                                                            replica=m.replica, included=complete)]
+                                                            replica=m.replica, included=complete, samples=worked)]
             base = new
+            if self.windows and self.rng.random() < 0.1:  # a device slows down or speeds up
+                pid = self.rng.choice(sorted(self.alive))
+                self.alive[pid]["step_s"] = self.rng.choice([1.0, 2.0, 3.0])
+                self.stats["speed change"] += 1
 
     def settle(self) -> None:
         """Ticks until the round in flight committed or failed (and rolled back)."""
@@ -289,9 +316,12 @@ class Sim:
                                          self.rounds.data.cursor(v))
 
 
-@pytest.mark.parametrize("stages,seed", [(1, 0), (2, 1), (1, 2)])
-def test_200_rounds_of_churn_never_repeat_or_skip_a_sample(stages: int, seed: int) -> None:
-    sim = Sim(random.Random(seed), stages)
+@pytest.mark.parametrize("stages,seed,windows", [(1, 0, False), (2, 1, False), (1, 2, False), (1, 3, True),
+                                                 (2, 4, True)])
+def test_200_rounds_of_churn_never_repeat_or_skip_a_sample(stages: int, seed: int, windows: bool) -> None:
+    """With ``windows``, peers of three speeds (changing at random) each train the first batches of their share that
+    fit the round's window, some fewer, and are handed shares by their speed: what they leave goes back."""
+    sim = Sim(random.Random(seed), stages, windows)
     for _ in range(4 * stages):
         sim.join()
     sim.tick()
@@ -313,6 +343,7 @@ def test_200_rounds_of_churn_never_repeat_or_skip_a_sample(stages: int, seed: in
         if rnd is None:
             continue
         decided += 1
+        sim.stats["sized"] += any(s.next for s in rnd.shares)
         away = 2 if sim.rng.random() < 0.05 else 0  # the coordinator is away: peers go on with the same plan
         sim.run(rnd, extra_steps=away)
         sim.stats["ran ahead"] += away
@@ -340,6 +371,8 @@ def test_200_rounds_of_churn_never_repeat_or_skip_a_sample(stages: int, seed: in
     assert sim.stats["RolledBack"] >= 1, sim.stats
     assert sim.stats["ran ahead"] > 0 and r.committed > 100 and epochs > 2, (sim.stats, r.committed, epochs)
     assert sim.stats["read ahead"] > 100, sim.stats
+    if windows:  # shares sized by speed, and partial phases, really happened
+        assert sim.stats["speed change"] > 5 and sim.stats["partial"] > 100 and sim.stats["sized"] > 50, sim.stats
     per_epoch = Counter(sample_ids([(p, p + 1) for p in sorted(final)], N, 0).tolist())
     assert max(per_epoch.values()) <= epochs + 1  # a sample id at most once per epoch
 

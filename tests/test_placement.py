@@ -143,3 +143,59 @@ def test_links_measured_after_a_search_found_too_few_are_searched_again() -> Non
     worker.stop(5)
     grid, replan = grid_for(cfg, records(), 2, before, feed, worker)  # type: ignore[misc]
     assert replan is not None and replan.evaluations > 0 and set(grid) == set(IDS)
+
+
+# ---------------------------------------------------------------------- measured compute
+
+
+def test_speeds_compare_devices_that_ran_different_stages() -> None:
+    """A peer's speed is its stage's FLOPs per second of its own compute: two devices equally fast on stages of
+    different sizes come out equal, and one that takes 4x as long for the same stage 4x slower."""
+    cfg = apply_overrides(RunConfig(), {"pipeline.stages": 2, "pipeline.layers": [2, 2]})  # stages of different FLOPs
+    flops = placement.entry_costs(cfg.model, "flops")
+    cost = [sum(flops[:2]), sum(flops[2:])]
+    assert cost[0] != cost[1]
+    recs = [PeerRecord(peer_id=IDS[0], address="x:1", stage=0, busy_s=cost[0] / 1e9),
+            PeerRecord(peer_id=IDS[1], address="x:2", stage=1, busy_s=cost[1] / 1e9),
+            PeerRecord(peer_id=IDS[2], address="x:3", stage=1, busy_s=4 * cost[1] / 1e9),
+            PeerRecord(peer_id=IDS[3], address="x:4", stage=1)]  # not measured yet
+    speeds = placement.compute_speeds(cfg, recs, 2)
+    assert speeds[IDS[0]] == pytest.approx(1e9) and speeds[IDS[1]] == pytest.approx(1e9)
+    assert speeds[IDS[2]] == pytest.approx(2.5e8) and IDS[3] not in speeds
+    relative, stage_s = placement.relative_speeds(cfg, IDS, speeds, 2)
+    assert relative == pytest.approx([1.0, 1.0, 0.25, 1.0]) and stage_s > 0
+    assert placement.relative_speeds(cfg, IDS, {}, 2) == (None, 1.0)
+    base = Request(tuple(IDS), 2, 2, {}, {}, links(12), 0, speeds).key
+    assert Request(tuple(IDS), 2, 2, {}, {}, links(12), 0, {**speeds, IDS[2]: 2.4e8}).key == base  # noise
+    assert Request(tuple(IDS), 2, 2, {}, {}, links(12), 0, {**speeds, IDS[2]: 1e8}).key != base  # 2.5x slower
+
+
+def test_a_4x_slower_device_is_placed_where_it_hurts_least() -> None:
+    """Five peers for a 2 x 2 grid, one of them 4x slower: priced by their measured speed the plan leaves it out,
+    and the plan the cost model gives for it is at least as good as the one that ignores compute (the figure is
+    in benchmarks/scheduler_compute.py)."""
+    from potluck.coordinator.costmodel import CostModel, Topology
+
+    cfg = apply_overrides(RunConfig(), {"pipeline.stages": 2, "model.d_model": 64, "model.n_layers": 2})
+    ids = [c * 8 for c in "abcde"]
+    reports: dict[str, LinkReport] = {}
+    for a in ids:
+        for b in ids:
+            if a != b:
+                reports.setdefault(a, LinkReport(peer_id=a)).links[b] = LinkStat(rtt_ms=20.0, bandwidth_mbps=200.0)
+    speeds = {p: (2.5e8 if p == ids[2] else 1e9) for p in ids}
+    before = {ids[0]: (0, 0), ids[1]: (1, 0), ids[2]: (0, 1), ids[3]: (1, 1)}  # the slow one holds a tasklet now
+    aware, _ = placement.place(cfg, Request(tuple(ids), 2, 2, before, {}, reports, 10**6, speeds), budget_s=0.5)
+    blind, _ = placement.place(cfg, Request(tuple(ids), 2, 2, before, {}, reports, 10**6), budget_s=0.5)
+    assert ids[2] not in aware, aware
+    compute, stage_s = placement.relative_speeds(cfg, ids, speeds, 2)
+    delay, gbps, _ = placement.link_matrices(ids, reports)
+    c_pp, c_dp = placement.payloads_gb(cfg, 10**6)
+    topo = Topology(delay_ms=delay.tolist(), bandwidth_gbps=gbps.tolist(), stages=2, replicas=2, activation_gb=c_pp,
+                    gradient_gb=c_dp, outer_every=cfg.diloco.inner_steps, compute=compute, stage_seconds=stage_s)
+    model, index = CostModel(topo), {p: i for i, p in enumerate(ids)}
+
+    def cost(grid: dict[str, tuple[int, int]]) -> float:
+        return model.plan(placement._as_array(grid, index, 2, 2)).cost
+
+    assert cost(aware) <= cost(blind) + 1e-9 and cost(aware) < cost(before)

@@ -15,6 +15,7 @@ pytestmark = pytest.mark.slow
 RUN = {
     "membership.min_peers": 4, "diloco.outer_steps": 5, "diloco.inner_steps": 10, "data.eval_every": 1,
     "sync.audit_fraction": 1.0, "model.d_model": 32, "model.n_layers": 1, "train.batch_size": 8,
+    "diloco.rounds": "fixed",  # (the runs are compared with each other: every member trains H steps in each)
 }
 
 

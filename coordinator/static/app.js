@@ -211,7 +211,10 @@
     $("insecure").hidden = r.security !== "insecure";
     setText("st-outer", r.outer_step + " / " + r.outer_steps_total);
     $("st-progress").style.width = (r.outer_steps_total ? Math.min(100, 100 * r.outer_step / r.outer_steps_total) : 0) + "%";
-    setText("st-inner", r.finished ? "all outer steps committed" : "inner step " + r.inner_step + " / " + r.inner_steps_per_outer);
+    setText("st-inner", r.finished ? "all outer steps committed" : "inner step " + r.inner_step + " / " + r.inner_steps_per_outer
+      + (r.window_s ? " · window " + num(r.window_s, 1) + " s" : ""));
+    $("st-inner").title = "each member trains as many inner steps as fit the round's window (the fastest member's " +
+      r.inner_steps_per_outer + "), its update weighed by the samples it trained on";
     setText("st-params", si(m.parameters));
     setText("st-model", ["parameters", m.family && m.family !== "tiny" && m.family, m.n_layers && m.n_layers + " layers", m.d_model && "d " + m.d_model,
       m.seq_len && "seq " + m.seq_len].filter(Boolean).join(" · "));
@@ -391,6 +394,13 @@
       title: (p) => "holds version " + p.version + " (the model after " + p.version + " outer steps)" +
         (p.state === "training" ? "; inner step " + p.inner_step + " of " + innerTotal() + " of outer step " + (p.version + 1) : "") },
     { key: "tokens_per_s", label: "tokens/s", cls: "num", value: (p) => p.tokens_per_s, text: (p) => (p.tokens_per_s ? si(p.tokens_per_s) : "–") },
+    { key: "work_share", label: "share of the round", cls: "num", value: (p) => (p.work_share === null ? -1 : p.work_share),
+      text: (p) => (p.too_slow ? "too slow" : (p.work_share === null ? "–" : Math.round(100 * p.work_share) + "% · " +
+        p.round_steps + " steps")),
+      title: (p) => (p.too_slow || ("its share of the newest committed step's work, and the inner steps its last phase " +
+        "trained (at most " + innerTotal() + ": as many as fit the round's window)" +
+        (p.step_s ? "; one inner step takes " + num(p.step_s, 2) + " s" : "") +
+        (p.window_s ? "; its window ended " + num(p.window_s, 1) + " s into the phase" : ""))) },
     { key: "loss", label: "loss", cls: "num", value: (p) => (p.loss === null ? Infinity : p.loss), text: (p) => num(p.loss, 3) },
     { key: "bytes", label: "sent / received", cls: "num", value: (p) => sumValues(p.bytes_sent),
       text: (p) => bytes(sumValues(p.bytes_sent)) + " / " + bytes(sumValues(p.bytes_received)),

@@ -129,6 +129,11 @@ class DiLoCoConfig(Section):
     overlap: bool = Field(
         False, description="one-step-delayed outer step: the all-reduce of step k runs while the inner steps of "
         "k + 1 go on, its result applied one outer step late (pipeline.stages = 1 only); false: blocking")
+    rounds: Literal["window", "fixed"] = Field(
+        "window", description="'window': a round lasts as long as its fastest member takes for inner_steps steps; "
+        "each member trains as many as fit (a slower one fewer: the rest of its data goes back to the pool) and its "
+        "pseudo-gradient counts by the samples it trained on, so peers of any speed add their work and none waits. "
+        "'fixed': every member trains inner_steps and the round waits for the slowest (a run repeats bit for bit)")
 
 
 class SyncConfig(Section):

@@ -165,6 +165,8 @@ class PeerRecord(Record):
     window_s: float | None = Field(None, ge=0, description="where its last inner phase expected the round's window to "
                                    "end, seconds after it began (None: not known: the first round, or the fastest)")
     step_s: float = Field(0.0, ge=0, description="seconds one of its inner steps takes (this device's speed)")
+    busy_s: float = Field(0.0, ge=0, description="seconds one inner step of its stage computes, waits for pipeline "
+                          "neighbours left out (how fast this device runs its layers: placement prices it)")
     too_slow: str = Field("", max_length=TEXT_LEN, description="set while one of its inner steps takes longer than "
                           "the round's whole window: why it contributes nothing, and what would help")
     audits: list[AuditReport] = Field(default_factory=list, max_length=16, description="its latest audits, newest last")
@@ -241,25 +243,33 @@ class Share(Record):
     :mod:`potluck.data.order`), handed out by the coordinator's data cursor (:mod:`potluck.coordinator.cursor`)."""
 
     replica: int = Field(ge=0)
-    count: int = Field(ge=0, description="samples per outer step: inner_steps x batch_size")
+    count: int = Field(ge=0, description="samples of the round's own step (at most inner_steps x batch_size)")
     spans: list[tuple[int, int]] = Field(default_factory=list, max_length=MAX_SHARE_SPANS,
                                          description="[start, stop) positions for the round's own step")
+    next: int = Field(0, ge=0, le=MAX_SHARE, description="samples of each later step run on this plan, sized to the "
+                      "replica's measured speed (0: count)")
 
     @model_validator(mode="after")
     def _spans_hold_count(self) -> Share:
         if any(a < 0 or b < a or b > MAX_POSITION for a, b in self.spans):
             raise ValueError(f"a span must be [start, stop) with 0 <= start <= stop <= {MAX_POSITION}")
-        if self.count > MAX_SHARE:
+        if self.count > MAX_SHARE or self.next > MAX_SHARE:
             raise ValueError(f"count {self.count} is more than {MAX_SHARE} samples per outer step")
         if sum(b - a for a, b in self.spans) != self.count:
             raise ValueError(f"the spans hold {sum(b - a for a, b in self.spans)} positions, not count = {self.count}")
         return self
 
+    @property
+    def later(self) -> int:
+        """Samples of each later step run on the round's plan."""
+        return self.next or self.count
+
     @classmethod
-    def made(cls, replica: int, count: int, spans: Sequence[tuple[int, int]]) -> Share:
+    def made(cls, replica: int, count: int, spans: Sequence[tuple[int, int]], next: int = 0) -> Share:
         """A share the coordinator's own cursor made, held to the same rules without pydantic's validation (5 ms
         of each decision at 1,000 replicas); a peer reading the plan validates it in full."""
-        share = cls.model_construct(replica=replica, count=count, spans=[(int(a), int(b)) for a, b in spans])
+        share = cls.model_construct(replica=replica, count=count, spans=[(int(a), int(b)) for a, b in spans],
+                                    next=int(next))
         if replica < 0 or len(share.spans) > MAX_SHARE_SPANS:
             raise ValueError(f"replica {replica} with {len(share.spans)} spans: not a share a round may hold")
         return share._spans_hold_count()
@@ -383,7 +393,7 @@ class Round(Record):
 
     def data_spans(self, step: int, replica: int) -> list[tuple[int, int]]:
         """The global sample positions ``replica`` trains on at ``step``: this round's share, or, for a later
-        step run on the same plan, the next ``count`` positions per replica (in replica order) of the
+        step run on the same plan, the next ``next`` positions per replica (in replica order) of the
         round's ``pool`` followed by everything from ``data_next`` on."""
         mine = self.share_of(replica)
         if mine is None or step < self.step:
@@ -392,7 +402,7 @@ class Round(Record):
             return [(a, b) for a, b in mine.spans]
         index = self._shares_index()  # (every replica's spans were a pass over every share: 0.15 s at 1,000)
         start = (step - self.step - 1) * index.total + index.before[replica]
-        return self._read_on(start, start + mine.count)
+        return self._read_on(start, start + mine.later)
 
     def _read_on(self, a: int, b: int) -> list[tuple[int, int]]:
         """Positions ``[a, b)`` of what later steps on this plan read: ``pool``'s spans, then ``data_next`` on."""

@@ -53,10 +53,10 @@ class MemberIndex:
         self.shares, self.share_count, self.by_replica = shares, len(shares), {}
         for s in shares:
             self.by_replica.setdefault(s.replica, s)
-        self.before, self.total, at = {}, sum(s.count for s in shares), 0
+        self.before, self.total, at = {}, sum(s.later for s in shares), 0  # (what each later step reads)
         for s in sorted(shares, key=lambda s: s.replica):
             self.before.setdefault(s.replica, at)
-            at += s.count
+            at += s.later
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, MemberIndex)
