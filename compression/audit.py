@@ -73,6 +73,7 @@ class Round:
     num_shards: int
     base_hash: str
     numel: int  # elements of the shard
+    handed: Mapping[str, int] = field(default_factory=dict)  # each member's samples of the step (empty: unchecked)
 
 
 class Unverifiable(ValueError):
@@ -127,6 +128,10 @@ def check(rnd: Round, claim: ResultClaim, inputs: Mapping[str, Signed], codec: C
             decoded[sender] = asm.result()
         except WireError as err:
             return f"it averaged a contribution of {short_id(sender)} that does not decode: {err}"
+    over = [f"{short_id(s)}'s claim of {inputs[s].samples} samples (it was handed {rnd.handed[s]})" for s in sorted(named)
+            if s in rnd.handed and inputs[s].samples > rnd.handed[s]]
+    if over:  # (an honest owner refuses such a contribution: it counts for more work than the data it was given)
+        return "it averaged " + "; ".join(over)
     honest = recompute({s: decoded[s] for s in named}, rnd.numel, codec, chunk_bytes, f"shard{rnd.shard}",
                        clip_factor, reject_below, {s: inputs[s].samples for s in named})
     lies = []

@@ -134,7 +134,9 @@ class Integrity:
                 others = [m for m in made.group_members(r.stage, r.group) if m.peer_id != rec.peer_id]
                 holders = [(rec.peer_id, rec.address)] + [(m.peer_id, m.address) for m in others]
                 shards = len(made.shard_owners(r.stage, r.group))
-                if self.verifier is not None and self.verifier.want(Accusation(r, rec.peer_id, tuple(holders), shards)):
+                handed = tuple(made.handed(r.step, r.stage, r.group).items())
+                if self.verifier is not None and self.verifier.want(Accusation(r, rec.peer_id, tuple(holders), shards,
+                                                                               handed)):
                     events.append((r.owner, f"{short_id(rec.peer_id)}, auditing shard {r.shard} of step {r.step}, "
                                             f"says its result is false ({r.reason}); checking the evidence"))
         return events
@@ -195,7 +197,8 @@ class Integrity:
             holders = tuple((m.peer_id, m.address) for m in sorted(cells, key=lambda m: m.peer_id != a.owner))
             report = AuditReport(step=a.step, epoch=a.epoch, stage=a.stage, group=a.group, shard=a.shard,
                                  owner=a.owner, verdict="lie")
-            if self.verifier.want(Accusation(report, "", holders, len(rnd.shard_owners(a.stage, a.group)))):
+            if self.verifier.want(Accusation(report, "", holders, len(rnd.shard_owners(a.stage, a.group)),
+                                             tuple(rnd.handed(a.step, a.stage, a.group).items()))):
                 self._final.add(key)
         return not self._final
 

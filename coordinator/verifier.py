@@ -21,7 +21,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -42,6 +42,7 @@ class Accusation:
     auditor: str  # '' when the coordinator audits a shard itself (the run's last step: no round comes after it)
     holders: tuple[tuple[str, str], ...]  # (peer id, address): the auditor first, then the owner and others
     num_shards: int
+    handed: tuple[tuple[str, int], ...] = ()  # each member's samples of the step: the most work its claim may be
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,8 @@ class Verifier:
         r = acc.report
         request = pb.ResultRequest(header=self._header(r), shard=r.shard, num_shards=acc.num_shards)
         chunks = list(self.client.fetch_result(address, request, self.timeout_s, peer=peer))
-        return claim_of(chunks, self.run_id, r.step, r.epoch, r.shard, acc.num_shards)
+        claim, rnd = claim_of(chunks, self.run_id, r.step, r.epoch, r.shard, acc.num_shards)
+        return claim, replace(rnd, handed=dict(acc.handed))
 
     def _inputs(self, acc: Accusation, peer: str, address: str) -> dict[str, Signed]:
         r = acc.report

@@ -412,7 +412,8 @@ class ShardInbox:
             numel = int(chunks[0].shape[0]) if chunks and chunks[0].shape else 0
             claim = ResultClaim(o.attempt, o.contributors, o.clipped, o.rejected, o.inputs, o.input_digests,
                                 Signed(chunks, o.signer, o.signature, digests), o.weights)
-            return HeldResult(claim, AuditRound(self.run_id, step, epoch, shard, k.round.shards, k.base_hash, numel))
+            handed = dict(zip(k.round.ids, k.round.handed, strict=True)) if k.round.handed else {}
+            return HeldResult(claim, AuditRound(self.run_id, step, epoch, shard, k.round.shards, k.base_hash, numel, handed))
 
     def own_input(self, step: int, epoch: int, shard: int, attempt: int) -> Signed | None:
         """This member's contribution to a shard of a kept step, as it signed it (an auditor need not fetch it)."""

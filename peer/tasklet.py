@@ -247,7 +247,8 @@ class Tasklet:
         members = tuple(MemberAddr(m.peer_id, m.address) for m in cells)
         owners = () if all(m.owns for m in cells) else tuple(m.peer_id for m in cells if m.owns)  # probation
         # the most work each may claim: its replica's share of the step (a round from before shares: unknown)
-        handed = tuple(sum(b - a for a, b in rnd.data_spans(step, m.replica)) for m in cells) if rnd.shares else ()
+        given = rnd.handed(step, self.stage, me.group if me is not None else 0)
+        handed = tuple(given[m.peer_id] for m in cells) if given else ()
         return RoundInfo(step=step, members=members, me=self.tools.me, base_hash=self.base_hash(rnd, step),
                          epoch=rnd.epoch, replicas=tuple(m.replica for m in cells), owners=owners, handed=handed)
 

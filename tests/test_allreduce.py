@@ -81,20 +81,23 @@ def members() -> Iterator[list[Member]]:
         m.close()
 
 
-def round_for(ms: list[Member], me: Member, addresses: dict[str, str] | None = None, step: int = 1) -> RoundInfo:
+def round_for(ms: list[Member], me: Member, addresses: dict[str, str] | None = None, step: int = 1,
+              handed: dict[str, int] | None = None) -> RoundInfo:
     order = sorted(ms, key=lambda m: m.id)
     addrs = {m.id: m.address for m in ms} | (addresses or {})
     me.addresses = addrs
-    return RoundInfo(step=step, members=tuple(MemberAddr(m.id, addrs[m.id]) for m in order), me=me.id, base_hash=BASE)
+    return RoundInfo(step=step, members=tuple(MemberAddr(m.id, addrs[m.id]) for m in order), me=me.id, base_hash=BASE,
+                     handed=tuple(handed[m.id] for m in order) if handed else ())
 
 
 def run_all(ms: list[Member], deltas: dict[str, torch.Tensor], wait_s: float, skip: set[str] = frozenset(),  # type: ignore[no-untyped-def]
-            step: int = 1):
+            step: int = 1, samples: dict[str, int] | None = None, handed: dict[str, int] | None = None):
     out: dict[str, object] = {}
 
     def go(m: Member) -> None:
         try:
-            out[m.id] = m.ar.run(round_for(ms, m, step=step), deltas[m.id], wait_s=wait_s, grace_s=1.0)
+            out[m.id] = m.ar.run(round_for(ms, m, step=step, handed=handed), deltas[m.id], wait_s=wait_s, grace_s=1.0,
+                                 samples=(samples or {}).get(m.id, 1))
         except Exception as err:
             out[m.id] = err
 
@@ -122,6 +125,30 @@ def test_all_members_end_bit_identical(members: list[Member]) -> None:
     assert float((means[0] - exact).abs().max()) < 2 * 0.05 / 127  # two quantizations of |x| < ~0.05
     stats = out[members[0].id][1]
     assert stats.contributors == {0: 3, 1: 3, 2: 3} and not stats.dropped
+
+
+def test_contributions_count_by_their_samples_and_a_claim_beyond_the_share_is_refused(members: list[Member]) -> None:
+    """Members of a round that trained 160, 40 and 80 samples: the mean weighs them so (within the int8 codec), every
+    member applies the same bits, and each knows what each contribution claimed. A member that claims 1,000 of a
+    share of 160 is refused by every other owner (OVERCLAIM): it is left out of the version, not weighed up."""
+    a, b, c = sorted(members, key=lambda m: m.id)
+    deltas = random_deltas(members)
+    samples, handed = {a.id: 160, b.id: 40, c.id: 80}, dict.fromkeys([a.id, b.id, c.id], 160)
+    out = run_all(members, deltas, wait_s=10, samples=samples, handed=handed)
+    means = [out[m.id][0] for m in members]
+    assert all(torch.equal(means[0], x) for x in means[1:])
+    weighted = sum(deltas[p] * w for p, w in samples.items()) / sum(samples.values())
+    assert float((means[0] - weighted).abs().max()) < 2 * 0.05 / 127
+    assert float((means[0] - torch.stack(list(deltas.values())).mean(0)).abs().max()) > 4 * 0.05 / 127  # not plain
+    assert out[a.id][1].samples == {0: 160, 1: 40, 2: 80}
+    for m in members:
+        m.ar.expect(2, BASE)
+        m.version = 1
+    greedy = {**samples, c.id: 1000}
+    out = run_all(members, deltas, wait_s=4, samples=greedy, handed=handed, step=2)
+    stats = out[a.id][1]
+    assert stats.included == [0, 1] and 2 not in stats.samples, stats  # its slices reached only its own shard
+    assert c.id in stats.partial
 
 
 def test_traffic_is_about_a_quarter_of_fp32(members: list[Member]) -> None:

@@ -113,3 +113,66 @@ def test_inputs_that_are_not_their_senders_prove_nothing(members: list[Member]) 
     with pytest.raises(Unverifiable, match="not signed by it"):
         check(held.round, held.claim, forged, Int8BlockCodec(BLOCK), 4096, CLIP, REJECT)
     assert check(held.round, held.claim, inputs, Int8BlockCodec(BLOCK), 4096, CLIP, REJECT) == ""
+
+
+def weighted_step(ms: list[Member], owner_fault: str = "", greedy: bool = False) -> list[Member]:
+    """Step 1 with members of different work (160, 40, 80, 120 samples of shares of 160): the owner of shard 0
+    tampering as told (``owner.weight``: it weighs its own contribution up in its average but signs the honest
+    weights), or, ``greedy``, claiming 1,000 samples itself (the others refuse it; only its own shard takes it)."""
+    from potluck.peer.allreduce import MemberAddr, RoundInfo
+
+    order = sorted(ms, key=lambda m: m.id)
+    samples = dict(zip([m.id for m in order], [160, 40, 80, 120], strict=True))
+    handed = tuple(160 for _ in order)
+    if owner_fault:
+        order[0].ar._tamper = functools.partial(faults.tamper, pending=parse(f"owner.weight@1:{owner_fault}"))
+    if greedy:
+        samples[order[0].id] = 1000
+    deltas = random_deltas(ms)
+    out: dict[str, object] = {}
+
+    def go(m: Member) -> None:
+        m.addresses = {o.id: o.address for o in ms}
+        info = RoundInfo(step=1, members=tuple(MemberAddr(o.id, o.address) for o in order), me=m.id,
+                         base_hash=order[0].ar._base, handed=handed)
+        try:
+            out[m.id] = m.ar.run(info, deltas[m.id], wait_s=4, grace_s=1.0, samples=samples[m.id])
+        except Exception as err:
+            out[m.id] = err
+
+    import threading
+
+    threads = [threading.Thread(target=go, args=(m,)) for m in ms]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(isinstance(v, tuple) for v in out.values()), out
+    for m in ms:
+        m.ar.expect(2, "c" * 32)
+    return order
+
+
+@pytest.mark.parametrize("how,says", [("mis-weigh", "not the average"), ("overclaim", "claim of 1000 samples")])
+def test_an_owner_that_weighs_wrong_is_proven(members: list[Member], how: str, says: str) -> None:
+    """Weights are signed by each contributor and recomputed by the auditor: an owner that gives its own contribution
+    ten times its signed weight, or averages its own claim of more samples than its replica was handed (every other
+    owner refused it), is proven a liar, by its auditor and by the coordinator's own check; honest owners pass."""
+    order = weighted_step(members, "scale=10" if how == "mis-weigh" else "", greedy=how == "overclaim")
+    report = audit(order, 0, 1)
+    assert report.verdict == "lie" and says in report.reason, report
+    assert audit(order, 2, 3).verdict == "ok"
+    auditor, owner = order[1], order[0]
+    verifier = Verifier(auditor.client, RUN, Identity.generate().peer_id, Int8BlockCodec(BLOCK), 4096, CLIP, REJECT)
+    try:
+        handed = tuple((m.id, 160) for m in order)
+        acc = Accusation(report, auditor.id, ((auditor.id, auditor.address), (owner.id, owner.address)), 4, handed)
+        ruling = verifier.rule(acc)
+        assert ruling.verdict == "lie" and says in ruling.detail, ruling
+    finally:
+        verifier.stop()
+
+
+def test_an_honest_owner_of_weighed_contributions_passes(members: list[Member]) -> None:
+    order = weighted_step(members)
+    assert all(audit(order, shard, (shard + 1) % 4).verdict == "ok" for shard in range(4))

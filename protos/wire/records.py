@@ -416,6 +416,13 @@ class Round(Record):
             i += 1
         return out
 
+    def handed(self, step: int, stage: int, group: int = 0) -> dict[str, int]:
+        """The samples each member of a group of ``stage`` was handed at ``step`` (its replica's share): the most
+        work it may claim for its contribution. Empty for a round from before shares (unchecked)."""
+        if not self.shares:
+            return {}
+        return {m.peer_id: sum(b - a for a, b in self.data_spans(step, m.replica)) for m in self.group_members(stage, group)}
+
     def base_hash_of(self, stage: int) -> str:
         if self.base_hashes:
             return self.base_hashes[stage] if stage < len(self.base_hashes) else ""
