@@ -50,7 +50,8 @@ from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.wire.records import Audit, Member, Round
 
 KEEP_DURATIONS = 8
-HEADROOM = 1.5  # a share holds this much more than its member's measured speed fits in the window (it may speed up)
+HEADROOM = 2.0  # a share holds this much more than its member's measured speed fits in the window (it may speed up,
+# and a shared device's step times vary: a share too small for the window leaves the member idle; too big, to the pool)
 GATHERED = 0.8  # a fresh start's pings start once this share of the peers it waits for is live (see settling)
 
 

@@ -79,7 +79,7 @@ def peer_rows(views: Sequence[PeerView], tasklet_of: Mapping[str, dict[str, int]
     of all their records added to it (tokens enter the model at stage 0: counted once per pipeline), and the first
     loss floor a record gives (None: none does) set as its fourth."""
     clipped, rejected = flag_counts(history)
-    worked = {h["step"]: h.get("samples") for h in history[-KEEP_DETAIL:]}  # step -> the samples of its contributions
+    worked = {h.get("step"): h.get("samples") for h in history[-KEEP_DETAIL:]}  # step -> its contributions' samples
     rows = []
     compute = sync = 0.0
     tokens, floor = 0, None

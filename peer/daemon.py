@@ -104,10 +104,10 @@ class Session:
         self.replica, self.waiting = -1, ""
         self.round_known = False  # the all-reduce knows the coordinator's round for the step in training
         self.training = 0  # the step whose inner phase runs (with diloco.overlap, the one before may still sync)
+        self.inner = InnerPhases(self.rc, self.me, telemetry)  # as many inner steps as fit each round's window
         self.heartbeat = tools.serve(lambda: self.tasklet, self.ping, self.record)
         self.phases = {**joined.phases, "setup": time.time() - joined.joined_at - joined.phases["manifest"]}
         self.ready_at, self.first_round_at, self.recovered_s = time.time(), 0.0, 0.0
-        self.inner = InnerPhases(self.rc, self.me, telemetry)  # as many inner steps as fit each round's window
         self.outer = OuterSteps(self)
         tools.announce(self.tasklet.worker.numel, self.phases)
 
@@ -246,5 +246,6 @@ class Session:
             address=tools.address, version=snap.version, state_hash=snap.hash, epoch=t.states.epoch,
             prev=t.states.prev_of(), stage=t.stage, replica=self.replica, device=tools.device, numel=t.worker.numel,
             loss_floor=tools.data.loss_floor, maddrs=tools.maddrs, traffic=tools.traffic.snapshot(), busy_s=t.worker.busy_s,
+            step_s=self.inner.pace.step_s(),
             extras={**({"buffers": t.pipeline.footprint()} if t.pipeline is not None else {}),
                     **({"devices": tools.devices.world} if tools.devices is not None else {})})

@@ -177,7 +177,10 @@ class Telemetry:
 
     def record(self, *, address: str, version: int, state_hash: str, epoch: int, prev: tuple[int, str], stage: int,
                replica: int, device: Any, numel: int, loss_floor: float | None, maddrs: list[str],
-               traffic: tuple[dict[str, int], dict[str, int]], extras: dict[str, Any], busy_s: float = 0.0) -> PeerRecord:
+               traffic: tuple[dict[str, int], dict[str, int]], extras: dict[str, Any], busy_s: float = 0.0,
+               step_s: float | None = None) -> PeerRecord:
+        """``step_s``: what one inner step takes (the window's measure: its first step's warm-up left out); else the
+        progress's running mean."""
         p = self.progress
         cuda = getattr(device, "type", "cpu") == "cuda"
         import torch  # already loaded by the peer; kept out of this module's import time
@@ -199,7 +202,7 @@ class Telemetry:
             extras={"outer_wait_s": p.outer_wait_s, "step_time_s": p.step_time_s,
                     **({"pipe": p.last_pipe} if p.last_pipe else {}), **extras},
             error=self.error[:500], audits=list(self.audits), round_steps=p.round_steps, window_s=p.window_s,
-            step_s=p.step_time_s, busy_s=busy_s, too_slow=self.too_slow[:500],
+            step_s=step_s if step_s is not None else p.step_time_s, busy_s=busy_s, too_slow=self.too_slow[:500],
         )
 
     def first_step(self, joined_at: float, phases: dict[str, float]) -> None:

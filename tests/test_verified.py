@@ -58,6 +58,22 @@ def audit(order: list[Member], shard: int, by: int) -> AuditReport:
     return auditor_of(auditor, []).audit(a, owner.address)
 
 
+def proven(order: list[Member], says: str, handed: tuple[tuple[str, int], ...] = ()) -> tuple[AuditReport, Verifier]:
+    """Shard 0's owner is found lying by its auditor (``says`` in the reason) and by the coordinator's own check of
+    the auditor's evidence, while shard 2's honest owner passes; the verifier, for more rulings (stop it)."""
+    report = audit(order, 0, 1)
+    assert report.verdict == "lie" and says in report.reason, report
+    assert audit(order, 2, 3).verdict == "ok"
+    auditor, owner = order[1], order[0]
+    verifier = Verifier(auditor.client, RUN, Identity.generate().peer_id, Int8BlockCodec(BLOCK), 4096, CLIP, REJECT)
+    acc = Accusation(report, auditor.id, ((auditor.id, auditor.address), (owner.id, owner.address)), 4, handed)
+    ruling = verifier.rule(acc)
+    if ruling.verdict != "lie" or says not in ruling.detail:
+        verifier.stop()
+        raise AssertionError(ruling)
+    return report, verifier
+
+
 def test_an_honest_owner_passes_its_audit(members: list[Member]) -> None:
     order = step_then_next(members)
     for shard in range(4):
@@ -76,15 +92,9 @@ def test_every_lie_of_an_owner_is_found_and_the_coordinator_agrees(members: list
     only the recomputation from the signed inputs finds it; the coordinator's check from the auditor's evidence
     finds the same, and the shards of honest owners pass."""
     order = step_then_next(members, tamper)
-    report = audit(order, 0, 1)
-    assert report.verdict == "lie" and says in report.reason, report
-    assert audit(order, 2, 3).verdict == "ok"
-    auditor, owner = order[1], order[0]
-    verifier = Verifier(auditor.client, RUN, Identity.generate().peer_id, Int8BlockCodec(BLOCK), 4096, CLIP, REJECT)
+    report, verifier = proven(order, says)
+    auditor = order[1]
     try:
-        acc = Accusation(report, auditor.id, ((auditor.id, auditor.address), (owner.id, owner.address)), 4)
-        ruling = verifier.rule(acc)
-        assert ruling.verdict == "lie" and says in ruling.detail, ruling
         honest = report.model_copy(update={"shard": 2, "owner": order[2].id})
         ruling = verifier.rule(Accusation(honest, auditor.id, ((order[2].id, order[2].address),), 4))
         assert ruling.verdict == "false", ruling  # crying wolf over an honest shard is the accuser's lie
@@ -159,18 +169,8 @@ def test_an_owner_that_weighs_wrong_is_proven(members: list[Member], how: str, s
     ten times its signed weight, or averages its own claim of more samples than its replica was handed (every other
     owner refused it), is proven a liar, by its auditor and by the coordinator's own check; honest owners pass."""
     order = weighted_step(members, "scale=10" if how == "mis-weigh" else "", greedy=how == "overclaim")
-    report = audit(order, 0, 1)
-    assert report.verdict == "lie" and says in report.reason, report
-    assert audit(order, 2, 3).verdict == "ok"
-    auditor, owner = order[1], order[0]
-    verifier = Verifier(auditor.client, RUN, Identity.generate().peer_id, Int8BlockCodec(BLOCK), 4096, CLIP, REJECT)
-    try:
-        handed = tuple((m.id, 160) for m in order)
-        acc = Accusation(report, auditor.id, ((auditor.id, auditor.address), (owner.id, owner.address)), 4, handed)
-        ruling = verifier.rule(acc)
-        assert ruling.verdict == "lie" and says in ruling.detail, ruling
-    finally:
-        verifier.stop()
+    _, verifier = proven(order, says, handed=tuple((m.id, 160) for m in order))
+    verifier.stop()
 
 
 def test_an_honest_owner_of_weighed_contributions_passes(members: list[Member]) -> None:
