@@ -61,7 +61,16 @@ class ModelConfig(Section):
             raise ValueError(f"unknown model.preset {preset!r}; known: {', '.join(LLAMA_PRESETS)}")
         if data.get("family", "llama") != "llama":
             raise ValueError(f"model.preset {preset!r} is a Llama-style size; it needs family = 'llama'")
-        return {**LLAMA_PRESETS[preset], **data, "family": "llama"}
+        return {**data, "family": "llama"}  # (its sizes are filled in after: decided by the preset, not set)
+
+    @model_validator(mode="after")
+    def _preset_sizes(self) -> ModelConfig:
+        """A preset's sizes, where the file sets none itself: not marked as set, so an override of the preset (a
+        ``--set model.preset=...`` over a file that names another) decides them again instead of keeping the old."""
+        for key, value in LLAMA_PRESETS.get(self.preset or "", {}).items():
+            if key not in self.model_fields_set:
+                self.__dict__[key] = value
+        return self
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelConfig:
