@@ -13,6 +13,7 @@ The checkpointer and the placement worker run on threads of their own; this loop
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from collections import deque
@@ -36,7 +37,7 @@ from potluck.coordinator.rounds import Rounds
 from potluck.coordinator.service import IDLE_CONNECTION_S, CoordinatorService, Pinger
 from potluck.coordinator.snapshot import RunInfo, Series, build
 from potluck.coordinator.status import StatusServer
-from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.config.runconfig import CoordinatorConfig, RunConfig
 from potluck.protos.config.section import ConfigError
 from potluck.protos.net.errors import CannotBind
 from potluck.protos.net.identity import Identity
@@ -57,6 +58,8 @@ class Coordinator:
         self.stopping, self.traffic, self._wake = threading.Event(), Traffic(), threading.Event()  # (wake: pings done)
         self.finish = Finish()  # the run's end: all steps committed, or the admin's request from the status page
         self.events: deque[dict[str, Any]] = deque(maxlen=500)
+        self._made_folder = not Path(c.journal_dir).exists()  # (a start that fails in a folder it made removes it)
+        self._serving = False
         self.journal, self.state = bootstrap.open_journal(cfg)  # checks the run first: a refused one writes nothing
         self.identity = Identity.load_or_create(Path(c.journal_dir) / "identity.key")
         self.id, self.run_id = self.identity.peer_id, self.state.run_id
@@ -101,9 +104,23 @@ class Coordinator:
             return 2
         finally:
             self.stop()
+            if self._made_folder and not self._serving:  # (it never served: no run to resume, nothing to keep)
+                shutil.rmtree(self.cfg.coordinator.journal_dir, ignore_errors=True)
 
     def start(self) -> None:
-        c, s = self.cfg.coordinator, self.state
+        s = self.state
+        c = bootstrap.kept_ports(self.cfg.coordinator, s)  # (where it listened before: its join address survives)
+        try:
+            self._serve(c)
+        except CannotBind as err:
+            raise bootstrap.kept_port_taken(err, c, s) from None
+        s.ports = {"dht": bootstrap.port_of(self.node.maddrs), "grpc": self.grpc.port, "status": self.status.port}
+        self._serving = True
+        self._save()
+        bootstrap.announce(self.info, self.publisher.manifest, self.rounds.committed, self.cfg, self.ready_file)
+
+    def _serve(self, c: CoordinatorConfig) -> None:
+        s = self.state
         self.rounds.restore(s.committed, s.epoch, s.rounds, s.hashes, s.outcomes, time.monotonic(), s.cursors)
         self.checkpointer.start()
         if resharded := bootstrap.resume_layout(self.rounds, self.checkpointer.served, self.state, self.cfg):
@@ -125,7 +142,6 @@ class Coordinator:
         self.publisher, self.info.samples = Publisher(self.node, manifest, self.gate.admission.revoked), manifest.data.samples
         self.publisher.publish(self.rounds.rounds.values())
         self._event("started", "", f"coordinator {__version__} serving run {self.run_id} at step {self.rounds.committed}")
-        bootstrap.announce(self.info, self.publisher.manifest, self.rounds.committed, self.cfg, self.ready_file)
 
     def stop(self) -> None:
         self.stopping.set()
@@ -148,6 +164,10 @@ class Coordinator:
         self.publisher.revoked_changed()
         for kind, pid, message, warn in announce(self.table.update(records, now, reader.peers.as_of), self.table, self.cfg):
             self._event(kind, pid, message, warn)
+            if kind in ("joined", "back"):  # (a restart rejoins the swarm through them, also before a step commits)
+                self.state.known_peers = bootstrap.known_peers([v.record for v in self.table.live()],
+                                                               self.state.known_peers)
+                self._dirty = max(self._dirty, 1)
         for pid, message in self.integrity.observe({v.record.peer_id: v.record for v in self.table.changed}, self.rounds.round_at):
             self._event("audit", pid, message, True)
         retract = partial(self.rounds.retract, reports=self.table.reports(), checkpoint=self.checkpointer.checkpoint(), now=now)

@@ -32,6 +32,7 @@ from potluck.protos.config.runconfig import CoordinatorConfig, RunConfig
 from potluck.protos.config.section import ConfigError
 from potluck.protos.net.certs import TlsIdentity
 from potluck.protos.net.dhtguard import run_key
+from potluck.protos.net.errors import CannotBind
 from potluck.protos.net.identity import Identity
 from potluck.protos.net.relay import RelayHub
 from potluck.protos.net.servicer import Handlers
@@ -60,6 +61,8 @@ def open_journal(cfg: RunConfig) -> tuple[Journal, JournalState]:
     if state is None or not state.committed_run():
         run_id = cfg.run_id or (state.run_id if state else "") or f"run-{secrets.token_hex(3)}"
         fresh = JournalState(run_id=run_id, config=cfg.manifest_sections(), created_at=time.time())
+        if state is not None:  # (restarted before its first committed step: the same address, the same peers)
+            fresh = state.carried(fresh)
         journal.save(fresh)
         return journal, fresh
     changed = changed_sections(journal.path, state, cfg)
@@ -108,6 +111,38 @@ def known_peers(live: list[PeerRecord], before: list[str], keep: int = 16) -> li
     """The DHT addresses a restarted coordinator rejoins through: the live peers' first, then those known before
     (one of them may be back; the live ones alone shrink to whoever was admitted after the last restart)."""
     return list(dict.fromkeys([m for rec in live for m in rec.dht_maddrs[:1]] + before))[:keep]
+
+
+PORTS = {"dht": ("dht_port", "--dht-port"), "grpc": ("grpc_port", "--grpc-port"), "status": ("status_port", "--status-port")}
+
+
+def kept_ports(c: CoordinatorConfig, state: JournalState) -> CoordinatorConfig:
+    """``c`` with the ports this run listened on before (its journal's) where ``c`` leaves the choice to the system
+    (0): a coordinator restarted with the same command is at the same join address and status page."""
+    kept = {field: state.ports[name] for name, (field, _) in PORTS.items()
+            if getattr(c, field) == 0 and state.ports.get(name)}
+    if kept:
+        log.info("listening where this run did before (its journal): %s",
+                 ", ".join(f"{name} port {state.ports[name]}" for name, (field, _) in PORTS.items() if field in kept))
+    return c.model_copy(update=kept)
+
+
+def kept_port_taken(err: CannotBind, c: CoordinatorConfig, state: JournalState) -> CannotBind:
+    """A bind failure on a port kept from the journal says so, and how to move the run (its peers find a
+    coordinator on new ports again by its id, through the DHT and the peers it knew)."""
+    for name, (field, flag) in PORTS.items():
+        if err.flag == flag and state.ports.get(name) == getattr(c, field) == err.port:
+            return KeptPortTaken(err.what, err.host, err.port, flag, f"coordinator.{field}", err.reason or "it is taken")
+    return err
+
+
+class KeptPortTaken(CannotBind):
+    """A port this run listened on before (kept in its journal, so that its address survives a restart) is taken."""
+
+    def __str__(self) -> str:
+        return (f"{self.what} {self.port} on {self.host}, where this run listened before (its journal keeps the port, "
+                f"so that its join address survives a restart), is taken ({self.reason}); stop what holds it, or move "
+                f"the run with {self.flag} PORT: its peers find it again by its id")
 
 
 def start_node(identity: Identity, identity_path: Path, c: CoordinatorConfig, known: list[str]) -> SwarmNode:
@@ -181,14 +216,18 @@ def public_host(c: CoordinatorConfig) -> str:
     return guessed
 
 
+def port_of(maddrs: list[str]) -> int:
+    """The TCP port of a node's multiaddrs (``/ip4/.../tcp/PORT/p2p/...``)."""
+    return int(maddrs[0].split("/tcp/")[1].split("/")[0])
+
+
 def join_address(node: SwarmNode, host: str, peer_id: str) -> str:
     """The multiaddr peers join through: one of the node's own at ``host`` if it has one."""
     maddrs = node.maddrs
     for m in maddrs:
         if host_of_multiaddr(m) == host:
             return m
-    port = maddrs[0].split("/tcp/")[1].split("/")[0]
-    return f"/ip4/{host}/tcp/{port}/p2p/{peer_id}"
+    return f"/ip4/{host}/tcp/{port_of(maddrs)}/p2p/{peer_id}"
 
 
 def announce(run: RunInfo, manifest: Manifest, committed: int, cfg: RunConfig, ready_file: str | None) -> None:

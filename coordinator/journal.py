@@ -60,6 +60,15 @@ class JournalState(BaseModel):
     admitted: dict[str, dict[str, Any]] = Field(default_factory=dict, description="peer -> its admission "
                                                 "(TLS key fingerprint, not_after, issued_at): a restarted "
                                                 "coordinator takes its peers' heartbeats at once")
+    ports: dict[str, int] = Field(default_factory=dict, description="the ports it listened on (dht, grpc, status): a "
+                                  "restart given none listens there again, so its join address survives")
+
+    def carried(self, fresh: JournalState) -> JournalState:
+        """``fresh`` (a run started over in this folder) with what belongs to the coordinator, not to the run's
+        steps: where it listened, the peers it knew and admitted, those it evicted (a restart before the first
+        committed step finds the same swarm at the same address)."""
+        return fresh.model_copy(update={"ports": dict(self.ports), "known_peers": list(self.known_peers),
+                                        "admitted": dict(self.admitted), "revoked": list(self.revoked)})
 
     @field_validator("hashes", mode="before")
     @classmethod

@@ -24,7 +24,7 @@ import threading
 import time
 
 from potluck.peer.data import DataError
-from potluck.peer.follower import Finish, Follower, Recover, Switch, Train, Wait
+from potluck.peer.follower import CannotGoOn, Finish, Follower, GiveUp, Recover, Switch, Train, Wait
 from potluck.peer.joining import Joined, Stopped, join
 from potluck.peer.keyfile import load_identity
 from potluck.peer.multidevice import Leader
@@ -80,7 +80,7 @@ class Peer:
         except (JoinError, ConfigError, NetemTopologyError, DataError, CannotBind) as err:
             log.error("%s", err)
             return 2
-        except PipelineBroken as err:
+        except (PipelineBroken, CannotGoOn) as err:
             log.error("this peer cannot go on: %s", err)
             self.telemetry.error = str(err)
             return 3
@@ -98,7 +98,8 @@ class Session:
     def __init__(self, cfg: PeerConfig, joined: Joined, tools: Toolbox, telemetry: Telemetry) -> None:
         self.cfg, self.joined, self.tools, self.telemetry = cfg, joined, tools, telemetry
         self.rc, self.me, self.stopping = tools.rc, tools.me, tools.stopping
-        self.follower = Follower(self.me, pipelined=self.rc.pipeline.stages > 1, plan_wait_s=cfg.plan_wait_s)
+        self.follower = Follower(self.me, pipelined=self.rc.pipeline.stages > 1, plan_wait_s=cfg.plan_wait_s,
+                                 coordinator_timeout_s=cfg.coordinator_timeout_s)
         tools.on_audit = telemetry.audited  # audit verdicts ride on this peer's heartbeats
         self.tasklet = Tasklet.build(tools, stage=0)
         self.replica, self.waiting = -1, ""
@@ -113,13 +114,16 @@ class Session:
 
     def train(self) -> None:
         while True:
-            action = self.follower.next(self.heartbeat.plan, self.outer.held(), time.monotonic(), self.outer.over())
+            action = self.follower.next(self.heartbeat.plan, self.outer.held(), time.monotonic(), self.outer.over(),
+                                        self.heartbeat.coordinator_silent_s())
             if self.outer.pending(action):
                 self.outer.land()  # anything but training the next step waits for the step in flight, then decides again
                 continue
             match action:
                 case Finish():
                     break
+                case GiveUp(reason=why):
+                    raise CannotGoOn(why)
                 case Wait() as wait:
                     self._wait(wait)
                 case Switch(stage=stage):

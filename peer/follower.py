@@ -8,6 +8,7 @@ plan it last read and the state it holds, :meth:`Follower.next` says what to do 
     Switch(stage)               the grid moved this peer to another stage: hold that stage's layers
     Recover(version, hash)      fetch exactly that state (behind, different, or rolled back)
     Train(round, step)          run the inner steps of ``step`` with ``round``'s grid, then its outer step
+    GiveUp(reason)              the coordinator has been away longer than ``coordinator_timeout_s``: stop
 
 The rules, for the newest round ``R`` this peer is a member of and the version ``v`` it holds:
 
@@ -82,12 +83,22 @@ class Train:
     step: int
 
 
-Action = Finish | Wait | Switch | Recover | Train
+@dataclass(frozen=True)
+class GiveUp:
+    reason: str
+
+
+class CannotGoOn(RuntimeError):
+    """A peer that cannot heal on its own: it stops, and its reason is its goodbye's ``error`` (exit code 3)."""
+
+
+Action = Finish | Wait | Switch | Recover | Train | GiveUp
 
 
 class Follower:
-    def __init__(self, me: str, *, pipelined: bool, plan_wait_s: float) -> None:
+    def __init__(self, me: str, *, pipelined: bool, plan_wait_s: float, coordinator_timeout_s: float = 0.0) -> None:
         self.me, self.pipelined, self.plan_wait_s = me, pipelined, plan_wait_s
+        self.coordinator_timeout_s = coordinator_timeout_s  # (0: train on the last plan however long it is away)
         self._failed: tuple[int, float, int] | None = None  # (step, when, epoch) of a step that failed here
 
     def failed(self, step: int, now: float, epoch: int = 0) -> None:
@@ -95,9 +106,13 @@ class Follower:
         the run is in a later epoch, that failure says nothing of the step there (a rollback abandoned it)."""
         self._failed = (step, now, epoch)
 
-    def next(self, plan: Plan | None, held: Held, now: float, finished: bool = False) -> Action:
+    def next(self, plan: Plan | None, held: Held, now: float, finished: bool = False, silent_s: float = 0.0) -> Action:
         if finished:
             return Finish()
+        if self.coordinator_timeout_s and silent_s > self.coordinator_timeout_s:
+            return GiveUp(f"the coordinator has not been heard from for {silent_s:.0f} s (peer.coordinator_timeout_s = "
+                          f"{self.coordinator_timeout_s:g}): this peer stops; start it again once the coordinator "
+                          "is back (or raise the timeout)")
         mine = [r for r in plan.rounds if r.member(self.me) is not None] if plan else []
         if not mine:
             return Wait("waiting for a place in the run: the coordinator adds peers at the next outer-step boundary")
@@ -127,7 +142,8 @@ class Follower:
             return Wait(f"waiting for the coordinator's round for step {step}", 0.5)
         return Train(latest, step)
 
-    def resolve(self, plan: Plan | None, step: int, stage: int, held_hash: str, epoch: int) -> Round | None:
+    def resolve(self, plan: Plan | None, step: int, stage: int, held_hash: str, epoch: int,
+                silent_s: float = 0.0) -> Round | None:
         """The round whose members average ``step`` with this peer: the coordinator's round for it if
         decided, else the last plan's (it is away). None if this peer is not in it, or not from the
         state it holds (its delta would not fit: it must recover instead), or if the last plan is of a newer
@@ -142,7 +158,9 @@ class Follower:
                         "discarding it", current.step - 1, current.epoch, step, epoch)
             return None
         if current.step != step:
-            log.warning("no decision from the coordinator for step %d; using the members of step %d", step, current.step)
+            away = f" (the coordinator has not been heard from for {silent_s:.0f} s)" if silent_s >= 10 else ""
+            log.warning("no decision from the coordinator for step %d; using the members of step %d%s", step,
+                        current.step, away)
         want = current.base_hash_of(stage)
         if current.step == step and want and want != held_hash:
             log.warning("step %d starts from %s, this peer holds %s", step, want[:12], held_hash[:12])

@@ -40,6 +40,7 @@ class Heartbeat(threading.Thread):
         self._halt = threading.Event()
         self._warned: set[str] = set()
         self._read_failures = 0  # DHT reads failed in a row (the first of a streak is warned)
+        self._coordinator_seen = time.monotonic()  # when the coordinator's manifest was last in the DHT (it refreshes it)
         self.on_plan: Callable[[Plan], None] | None = None  # told of each newer plan (on this thread)
 
     @property
@@ -72,6 +73,11 @@ class Heartbeat(threading.Thread):
                         version, timeout)
         return False
 
+    def coordinator_silent_s(self) -> float:
+        """Seconds since the coordinator's manifest was last found in the DHT: it refreshes it every few seconds and it
+        expires within a minute, so a coordinator that is gone (or moved out of this swarm's DHT) is silent."""
+        return time.monotonic() - self._coordinator_seen
+
     def poke(self) -> None:
         """Publish the record now instead of at the next interval."""
         self._poke.set()
@@ -103,8 +109,8 @@ class Heartbeat(threading.Thread):
             self._poke.wait(self.poll_s)
 
     def _publish(self) -> None:
-        rec = self.record()
-        try:
+        try:  # (a record that cannot be made, a bug, must not end the heartbeat: the peer would be lost, silently)
+            rec = self.record()
             if not self.node.publish_peer(rec, ttl=self.ttl_s):
                 log.warning("heartbeat not stored in the DHT (no DHT node accepted it)")
         except Exception as err:
@@ -137,6 +143,8 @@ class Heartbeat(threading.Thread):
         if self._read_failures:
             log.info("reading the plan from the DHT works again (after %d failures)", self._read_failures)
             self._read_failures = 0
+        if manifest is not None:
+            self._coordinator_seen = time.monotonic()
         newer = False
         with self._cond:
             if plan is not None and (self._plan is None or plan.seq > self._plan.seq):

@@ -248,7 +248,7 @@ class OuterSteps:
         epoch = epoch_of(held)
         plan = s.heartbeat.wait_plan(lambda p: p is not None and any(r.step == step or r.epoch > epoch for r in p.rounds),
                                      timeout=s.cfg.plan_wait_s)
-        rnd = s.follower.resolve(plan, step, s.tasklet.stage, held.hash, epoch)
+        rnd = s.follower.resolve(plan, step, s.tasklet.stage, held.hash, epoch, s.heartbeat.coordinator_silent_s())
         if rnd is None:
             return None
         info = s.tasklet.round_info(rnd, step)

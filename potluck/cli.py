@@ -138,7 +138,8 @@ def cmd_peer(args: argparse.Namespace) -> int:
     from potluck.protos.config.runconfig import PeerConfig
 
     fields = {k: getattr(args, k) for k in ("join", "host", "port", "dht_port", "announce_host", "device", "name",
-                                             "threads", "dht_client", "relay", "startup_timeout_s", "plan_wait_s", "netem", "region",
+                                             "threads", "dht_client", "relay", "startup_timeout_s", "plan_wait_s",
+                                             "coordinator_timeout_s", "netem", "region",
                                              "data_path", "identity", "token")
               if getattr(args, k) is not None}
     try:
@@ -323,6 +324,9 @@ def _add_peer(sub: Any) -> None:
                     help="seconds allowed for the DHT daemon to start (default 60)")
     pe.add_argument("--plan-wait-s", type=float, metavar="SECONDS",
                     help="seconds to wait for the coordinator's round decision (default 10)")
+    pe.add_argument("--coordinator-timeout-s", type=float, metavar="SECONDS",
+                    help="train on the last plan at most this long while the coordinator is away, then stop "
+                    "(default 1800; 0: never)")
     pe.add_argument("--netem", metavar="TOPOLOGY.json", help="emulate a WAN: delay and bandwidth per region pair")
     pe.add_argument("--region", help="this peer's region in the --netem topology (default: its entry there)")
     pe.add_argument("--progress", choices=("auto", "bar", "lines", "off"), default="auto",

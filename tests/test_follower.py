@@ -133,3 +133,18 @@ def test_a_plans_newest_epoch_starts_where_the_run_went_back_to() -> None:
     """What a peer's all-reduce learns of each new plan: an older epoch's round at or past (1, 1) was abandoned."""
     assert plan(rnd(2), rnd(3), rnd(1, epoch=1), rnd(2, epoch=1)).newest_epoch() == (1, 1)
     assert plan(rnd(4), rnd(5)).newest_epoch() == (0, 4) and Plan(seq=1, rounds=[]).newest_epoch() == (0, 0)
+
+
+def test_a_peer_gives_up_only_after_the_coordinator_was_away_its_timeout() -> None:
+    """Without the coordinator a peer trains on the last plan; past ``coordinator_timeout_s`` of silence it stops
+    (exit code 3, the reason on its goodbye), and with 0 it never does."""
+    from potluck.peer.follower import GiveUp
+
+    f = Follower("me", pipelined=False, plan_wait_s=1.0, coordinator_timeout_s=600.0)
+    plan = Plan(seq=1, rounds=[Round(step=1, members=[Member(peer_id="me", address="a:1")])])
+    held = Held(version=3, digest="h", stage=0, epoch=0, committed_at=0.0)
+    assert isinstance(f.next(plan, held, 100.0, silent_s=599.0), Train)
+    gave_up = f.next(plan, held, 100.0, silent_s=601.0)
+    assert isinstance(gave_up, GiveUp) and "601 s" in gave_up.reason and "coordinator_timeout_s" in gave_up.reason
+    forever = Follower("me", pipelined=False, plan_wait_s=1.0, coordinator_timeout_s=0.0)
+    assert isinstance(forever.next(plan, held, 100.0, silent_s=1e9), Train)

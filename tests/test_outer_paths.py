@@ -63,9 +63,11 @@ def session(rc: RunConfig, device: str) -> SimpleNamespace:
     t.expect_next()
     s = SimpleNamespace(rc=rc, tasklet=t, replica=0, cfg=SimpleNamespace(plan_wait_s=1.0), inner=SimpleNamespace(pace=Pace()),
                         telemetry=Telemetry(ME, "test", 0.0, progress="off"), over=lambda: False,
-                        set_state=lambda state: None, heartbeat=SimpleNamespace(wait_plan=lambda *a, **k: None, poke=lambda: None))
+                        set_state=lambda state: None, heartbeat=SimpleNamespace(wait_plan=lambda *a, **k: None, poke=lambda: None,
+                                                                      coordinator_silent_s=lambda: 0.0))
     s.follower = SimpleNamespace(failed=lambda step, now, epoch=0: pytest.fail(f"step {step} failed"),
-                                 resolve=lambda plan, step, stage, held, epoch: Round(step=step, members=[Member(peer_id=ME, address="-")]))
+                                 resolve=lambda plan, step, stage, held, epoch, silent_s=0.0: Round(
+                                     step=step, members=[Member(peer_id=ME, address="-")]))
     return s
 
 

@@ -5,9 +5,11 @@ numbers mean."""
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -135,6 +137,33 @@ def test_coordinator_refuses_a_port_in_use(procs: ProcessGroup, tmp_path: Path, 
                                            flag: str, what: str) -> None:
     out = refused(procs, tmp_path, ["coordinator", "--config", str(run_file(tmp_path)), flag, str(held_port)])
     assert f"{what} {held_port} on 127.0.0.1 is in use by another program; choose another with {flag}" in out
+    assert not (tmp_path / "journal").exists()  # a start that fails leaves no run folder behind
+
+
+@pytest.mark.slow
+def test_a_restart_whose_kept_port_is_taken_says_so_and_how_to_move(procs: ProcessGroup, tmp_path: Path) -> None:
+    """A coordinator listens where its run did before; when another program took that port meanwhile, it says so,
+    with the flag that moves the run, and leaves the run's folder as it was."""
+    import json
+    import signal
+
+    ready = tmp_path / "ready.json"
+    first = procs.spawn_potluck(["coordinator", "--config", str(run_file(tmp_path)), "--ready-file", str(ready)],
+                                tmp_path / "first.log")
+    deadline = time.monotonic() + 120
+    while not ready.exists() and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    port = int(json.loads(ready.read_text())["join"].split("/tcp/")[1].split("/")[0])
+    os.killpg(first.pid, signal.SIGINT)
+    assert first.wait(timeout=60) == 0
+    kept = json.loads((tmp_path / "journal" / "journal.json").read_text())["ports"]
+    assert kept["dht"] == port and kept["grpc"] and kept["status"]
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        out = refused(procs, tmp_path, ["coordinator", "--config", str(run_file(tmp_path))])
+    assert f"DHT port {port} on 127.0.0.1, where this run listened before" in out and "--dht-port PORT" in out, out
+    assert (tmp_path / "journal" / "journal.json").exists()
 
 
 @pytest.mark.slow
@@ -161,6 +190,7 @@ def test_peer_refuses_a_grpc_port_in_use(procs: ProcessGroup, tmp_path: Path, he
 
 PROBE = """
 import sys
+import time
 from potluck.cli import main
 rc = main(sys.argv[1:])
 heavy = sorted(m for m in ("torch", "hivemind", "grpc") if m in sys.modules)

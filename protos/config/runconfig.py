@@ -345,6 +345,9 @@ class PeerConfig(Section):
     plan_wait_s: float = Field(
         10.0, gt=0, description="wait this long for the coordinator's round decision before using the last plan"
     )
+    coordinator_timeout_s: float = Field(
+        1800.0, ge=0, description="train on the last plan at most this long while the coordinator is away (its "
+        "records gone from the DHT), saying so at every outer step; then stop with exit code 3. 0: never stop")
     identity: str = Field("", description="this peer's Ed25519 key file (created 0600 if missing); default "
                           "~/.potluck/peer.key, one peer at a time")
     token: str = Field("", description="the join token of a private run (or $POTLUCK_JOIN_TOKEN)")
