@@ -195,9 +195,11 @@ def test_a_swarm_trains_on_shards_from_a_folder_and_a_url(corpus: dict[str, Path
         raise
     run = state["run"]
     assert run["data"]["source"] == "shards" and run["data"]["repeats"] == 0
-    per_step = 2 * cfg.diloco.inner_steps * cfg.train.batch_size
-    assert run["data"]["trained"] == run["data"]["frontier"] == 3 * per_step and run["data"]["pool"] == 0
-    assert run["data"]["epoch"] == pytest.approx(3 * per_step / run["data"]["samples"])
+    # (each member trains what fits the round's window: what it did not reach went back to the pool, still free)
+    worked = sum(h["samples"] for h in state["history"])
+    assert run["data"]["trained"] == worked and run["data"]["trained"] + run["data"]["pool"] == run["data"]["frontier"]
+    assert worked <= 3 * 2 * cfg.diloco.inner_steps * cfg.train.batch_size
+    assert run["data"]["epoch"] == pytest.approx(worked / run["data"]["samples"])
     assert run["eval_perplexity"] == pytest.approx(math.exp(run["eval_loss"]))
     assert run["eval_loss"] < math.log(512)
     log = (tmp_path / "swarm" / "logs" / "peer-2.log").read_text()

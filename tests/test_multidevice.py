@@ -64,7 +64,8 @@ def start_torchrun_peer(swarm, name: str, env: dict[str, str]) -> subprocess.Pop
 
 def test_a_two_process_peer_is_one_member_and_its_ranks_agree(swarm, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     steps = 3
-    swarm.start_coordinator({"diloco.outer_steps": steps, "diloco.inner_steps": 6, "membership.min_peers": 2})
+    swarm.start_coordinator({"diloco.outer_steps": steps, "diloco.inner_steps": 6, "membership.min_peers": 2,
+                             "diloco.rounds": "fixed"})  # (both contribute every step: the ranks' agreement is checked)
     single = swarm.start_peer(name="single")
     hashes = tmp_path / "hashes"
     group = start_torchrun_peer(swarm, "two-procs", {"POTLUCK_DEVICE_HASHES": str(hashes)})

@@ -25,7 +25,9 @@ GRID = {
 def run(swarm, placement: str, outer_steps: int = 6) -> dict:  # type: ignore[no-untyped-def]
     topo = swarm.workdir / "regions.json"
     topo.write_text(json.dumps(REGIONS))
-    swarm.start_coordinator({**GRID, "links.placement": placement, "diloco.outer_steps": outer_steps},
+    # (every replica H steps: the two grids are compared by the seconds an outer step takes for the same work)
+    swarm.start_coordinator({**GRID, "links.placement": placement, "diloco.outer_steps": outer_steps,
+                             "diloco.rounds": "fixed"},
                             journal=f"journal-{placement}")
     for _ in range(8):
         swarm.start_peer("--netem", str(topo))
