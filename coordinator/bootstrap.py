@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import shlex
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -232,11 +233,15 @@ def join_address(node: SwarmNode, host: str, peer_id: str) -> str:
 
 def announce(run: RunInfo, manifest: Manifest, committed: int, cfg: RunConfig, ready_file: str | None) -> None:
     """Tell the operator (and a launcher waiting on ``ready_file``) where the run can be found."""
-    corpus = (f" --data-path FILE\n                (FILE: this run's corpus {cfg.data.path!r}, sha256 {manifest.data.sha256})"
-              if cfg.data.source == "bytes" else "")
-    journal = Path(cfg.coordinator.journal_dir)
-    token = (f" --token TOKEN\n                (TOKEN: this private run's join token, in {journal / 'join.token'})"
-             if cfg.admission.mode == "private" else "")
+    # the command pastes and runs on this machine as it is; the notes below it say what differs on another one
+    journal, flags, notes = Path(cfg.coordinator.journal_dir), [], []
+    if cfg.admission.mode == "private":
+        flags.append(f'--token "$(cat {shlex.quote(str((journal / "join.token").resolve()))})"')
+        notes.append("the join token is read from its file here; hand it to volunteers out of band")
+    if cfg.data.source == "bytes" and cfg.data.path:
+        flags.append(f"--data-path {shlex.quote(str(Path(cfg.data.path).expanduser().resolve()))}")
+        notes.append(f"on another machine, --data-path is its copy of the corpus (sha256 {manifest.data.sha256})")
+    more = "".join(f" {f}" for f in flags) + "".join(f"\n                ({n})" for n in notes)
     tls = f"  status TLS:   SHA-256 {run.fingerprint} (visitors compare it with their browser's)\n" if run.fingerprint else ""
     print(
         f"potluck coordinator ready\n"
@@ -245,7 +250,7 @@ def announce(run: RunInfo, manifest: Manifest, committed: int, cfg: RunConfig, r
         f"  status page:  {run.status_url}\n"
         f"{tls}"
         f"  admin token:  {journal / 'admin.token'} (or $POTLUCK_ADMIN_TOKEN)\n"
-        f"  start a peer: potluck peer --join {run.join_address}{token}{corpus}",
+        f"  start a peer: potluck peer --join {run.join_address}{more}",
         flush=True,
     )
     if ready_file:

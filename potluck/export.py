@@ -112,7 +112,7 @@ def _newest(journal_dir: str | Path, step: int | None) -> tuple[Any, list[Path]]
 
 def read_model(journal_dir: str | Path, step: int | None = None) -> tuple[dict[str, Any], Any, dict[str, Any], list[str]]:
     """(model config, verified whole-model snapshot, its manifest, skipped checkpoints) of the newest
-    valid checkpoint (or that of outer ``step``): what ``export`` and ``generate --journal`` read."""
+    valid checkpoint (or that of outer ``step``): what ``export`` and ``generate --journal-dir`` read."""
     store, manifests = _newest(journal_dir, step)
     errors = []
     for path in manifests:

@@ -1,7 +1,7 @@
 """``potluck generate``: sample text from a trained model.
 
 The model comes from what ``potluck export`` wrote (a Hugging Face folder, a ``.pt`` or a
-``.safetensors`` file), from any Hugging Face folder of a supported family, or, with ``--journal``,
+``.safetensors`` file), from any Hugging Face folder of a supported family, or, with ``--journal-dir``,
 from a live run's newest verified checkpoint. The prompt is read the way the run read its data: a
 tokenizer stored in the folder, else bytes (UTF-8) for byte-level runs, else token ids
 (``--prompt "3 17 5"``) for the synthetic source.
@@ -16,14 +16,14 @@ from typing import Any
 
 DESCRIPTION = """\
 Sample a continuation of --prompt from a model potluck trained: an exported
-folder or file (--model), or the newest checkpoint of a run (--journal, where
-the coordinator keeps its journal). Sampling: --temperature (0 = greedy),
+folder or file (--model), or the newest checkpoint of a run (--journal-dir,
+where the coordinator keeps its journal). Sampling: --temperature (0 = greedy),
 --top-k, --top-p; --seed makes it repeatable."""
 
 EXAMPLES = """\
 examples:
   potluck generate --model model-hf --prompt "Once upon a time"
-  potluck generate --journal potluck-run --prompt "The" --temperature 0.7
+  potluck generate --journal-dir potluck-run --prompt "The" --temperature 0.7
   potluck generate --model model.pt --prompt "3 17 5" --top-k 10
 """
 
@@ -64,7 +64,7 @@ class Tokenizer:
 
 
 def load(model: str | None, journal: str | None, step: int | None = None) -> tuple[Any, Tokenizer]:
-    """(the model in eval mode, its tokenizer) from ``--model`` or ``--journal``."""
+    """(the model in eval mode, its tokenizer) from ``--model`` or ``--journal-dir``."""
     from potluck.peer.model import Model, load_named
     from potluck.protos.config.runconfig import ModelConfig
 
@@ -138,8 +138,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", metavar="PATH", help="what potluck export wrote (folder, .pt, .safetensors) "
                      "or a Hugging Face folder")
-    src.add_argument("--journal", metavar="DIR", help="a run's journal dir: its newest verified checkpoint")
-    p.add_argument("--step", type=int, metavar="N", help="with --journal: the checkpoint of outer step N")
+    # (--journal-dir, as export and the coordinator name it; --journal, its first name, still reads)
+    src.add_argument("--journal-dir", "--journal", dest="journal", metavar="DIR",
+                     help="a run's journal dir: its newest verified checkpoint")
+    p.add_argument("--step", type=int, metavar="N", help="with --journal-dir: the checkpoint of outer step N")
     p.add_argument("--prompt", required=True, help="text to continue (token ids for synthetic-data runs)")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to sample (default 64)")
     p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 is greedy (default 0.8)")
