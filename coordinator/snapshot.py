@@ -310,7 +310,7 @@ def build(run: RunInfo, cfg: RunConfig, views: Sequence[PeerView], rounds: Round
         # a finished run keeps showing the links its peers measured last
         "links": links_state(links, peers),
         "events": list(events)[-200:],
-        "config": {"heartbeat_timeout_s": cfg.membership.heartbeat_timeout_s},
+        "config": {"heartbeat_timeout_s": cfg.membership.heartbeat_timeout_s, "heartbeat_s": cfg.membership.heartbeat_s},
         "coordinator": health or Health().section({}, len(views)),
         "_peers": peers,
     }
@@ -381,6 +381,17 @@ def _waiting(cfg: RunConfig, rounds: Rounds, live: list[dict[str, Any]],
     if syncing and behind:
         lost = sum(1 for p in members if p is None)
         extra = f" ({lost} lost)" if lost else ""
-        return (f"outer step {current.step}: {len(syncing)} of {len(members)} members are ready; "
-                f"waiting for {len(behind)}{extra}")
+        named = [_who(p, cfg) for p in behind if p is not None][:3]
+        since = f", decided {time.time() - current.decided_at:.0f} s ago" if current.decided_at else ""
+        return (f"outer step {current.step}: {len(syncing)} of {len(members)} members are ready; waiting for "
+                f"{len(behind)}{extra}{': ' + ', '.join(named) if named else ''}"
+                f"{' and more' if len(behind) - lost > len(named) else ''}{since}")
     return ""
+
+
+def _who(p: dict[str, Any], cfg: RunConfig) -> str:
+    """A member the round waits for, as the page names it: its id, what it does, and whether it went silent."""
+    doing = f"inner step {p['inner_step']}" if p["state"] == "training" else p["state"]
+    silent = p.get("last_seen_s") or 0.0
+    quiet = f", silent for {silent:.0f} s" if silent > 2 * cfg.membership.heartbeat_s else ""
+    return f"{p['short_id']} ({doing}{quiet})"

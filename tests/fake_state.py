@@ -212,7 +212,7 @@ def make_state(
         "peers_summary": peers_summary(table, len(shown)),
         "links": {"peers": link_ids, "rtt_ms": rtt, "bandwidth_mbps": bw},
         "events": events,
-        "config": {"heartbeat_timeout_s": heartbeat_timeout_s},
+        "config": {"heartbeat_timeout_s": heartbeat_timeout_s, "heartbeat_s": 1.0},
         "coordinator": {
             "ticks": 5000 + 7 * steps, "tick_s": {"p50": 0.004, "p99": 0.021, "max": 0.05, "window": 1000},
             "tick_cpu_s": {"p50": 0.003, "p99": 0.015, "max": 0.04, "window": 1000},

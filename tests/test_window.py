@@ -123,3 +123,25 @@ def test_the_worker_stops_at_its_share_and_at_h() -> None:
     phase = w.inner_phase([(0, 6)], threading.Event(), lambda *a: None, 1, Script(stop_at=99))  # type: ignore[arg-type]
     assert phase.steps == 3 and phase.why is Why.DONE
     assert w.inner_phase([(0, 6)], threading.Event(), lambda *a: None, 2, Script(stop_at=0)).steps == 0  # type: ignore[arg-type]
+
+
+def test_the_page_names_whom_a_round_waits_for_and_who_went_silent() -> None:
+    """One member synced, two not: the waiting reason names them, what they do, and one silent for 5 heartbeats."""
+    import time as clock
+
+    from potluck.coordinator.rounds import Rounds
+    from potluck.coordinator.snapshot import waiting_reason
+    from potluck.protos.wire.records import Member
+
+    cfg = apply_overrides(RunConfig(), {"membership.heartbeat_s": 1.0})
+    rounds = Rounds(stages=1)
+    rounds.decide([Member(peer_id=p, address=f"{p}:1", replica=i) for i, p in enumerate("abc")], 0.0,
+                  decided_at=clock.time() - 12)
+    live = [{"id": "a", "short_id": "a", "state": "syncing", "inner_step": 0, "last_seen_s": 0.5},
+            {"id": "b", "short_id": "b", "state": "training", "inner_step": 7, "last_seen_s": 0.4},
+            {"id": "c", "short_id": "c", "state": "syncing", "inner_step": 0, "last_seen_s": 0.3}]
+    live[2]["state"] = "recovering"
+    live[1]["last_seen_s"] = 5.0
+    why = waiting_reason(cfg, rounds, live, False, live)
+    assert why.startswith("outer step 1: 1 of 3 members are ready; waiting for 2: ") and "decided 12 s ago" in why, why
+    assert "b (inner step 7, silent for 5 s)" in why and "c (recovering)" in why, why

@@ -524,6 +524,10 @@
         td.dataset.col = col.key;
         if (col.key === "state") {
           td.appendChild(el("span", "state " + stateClass(p.state), p.state));
+          const beat = s.config && s.config.heartbeat_s;  // silent for two heartbeats or more: not lost yet, but quiet
+          if (beat && !GONE.has(p.state) && p.last_seen_s > 2 * beat) {
+            td.appendChild(el("span", "silent", " · silent " + Math.round(p.last_seen_s) + " s"));
+          }
         } else if (col.key === "last_seen_s") {
           page.lastSeenCells.push([td, p]);
         } else {
