@@ -36,6 +36,8 @@ from collections import deque
 from dataclasses import dataclass
 
 SLACK = 0.1  # a member finishes its phase if what is left ends within this share of the window past its end
+FIRST_STEP = 1.5  # a member's first step starts if it ends within this many windows: only a clearly slower one trains
+# none (with windows of tens of milliseconds, a loaded box's noise made members skip whole rounds)
 KEEP_STEP_TIMES = 16
 RETRY_AFTER = 4  # a member too slow for one step tries one again after this many rounds without (it may be faster now)
 
@@ -56,7 +58,8 @@ def decide(*, cap: int, done: int, at: float, step_s: float | None, end_s: float
     batches); ``step_s``: what one of its steps takes (None: not measured yet, so it trains); ``end_s``:
     where the window ends, in seconds from the start of this member's phase (None: not known). A step
     that ends inside the window starts; so does the rest of the phase if it ends within ``slack`` of
-    the window past its end (equal peers then all train ``cap`` steps, whoever finished first).
+    the window past its end (equal peers then all train ``cap`` steps, whoever finished first). The first step
+    starts unless it would end more than ``FIRST_STEP`` windows in: a member trains none only when clearly too slow.
     """
     if done >= cap:
         return Why.DONE
@@ -64,6 +67,8 @@ def decide(*, cap: int, done: int, at: float, step_s: float | None, end_s: float
         return None
     if at + step_s <= end_s or at + (cap - done) * step_s <= end_s * (1 + slack):
         return None
+    if done == 0 and at + step_s <= FIRST_STEP * end_s:
+        return None  # (one step, a little late, rather than none: it counts, and the round waits a fraction of it)
     return Why.WINDOW
 
 

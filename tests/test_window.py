@@ -24,7 +24,8 @@ def test_a_step_that_ends_inside_the_window_starts() -> None:
 
 def test_a_step_that_would_end_after_the_window_does_not() -> None:
     assert decide(cap=20, done=9, at=9.5, step_s=1.0, end_s=10.0) is Why.WINDOW
-    assert decide(cap=20, done=0, at=0.0, step_s=12.0, end_s=10.0) is Why.WINDOW  # too slow for even one step
+    assert decide(cap=20, done=0, at=0.0, step_s=16.0, end_s=10.0) is Why.WINDOW  # too slow for even one step
+    assert decide(cap=20, done=0, at=0.0, step_s=12.0, end_s=10.0) is None  # a first step a little late: it counts
 
 
 def test_equal_peers_each_train_every_step_whoever_finished_first() -> None:
