@@ -162,6 +162,9 @@ def cmd_peer(args: argparse.Namespace) -> int:
             identity = load_identity(cfg.identity)
         except IdentityError as err:
             raise UsageError(str(err)) from None
+        wrong = _wrong_join_address(cfg.join, cfg.host, cfg.dht_port)
+        if wrong:
+            raise UsageError(wrong)
     from potluck.peer import multidevice
     from potluck.protos.config.section import ConfigError
 
@@ -182,6 +185,25 @@ def cmd_peer(args: argparse.Namespace) -> int:
     finally:
         if leader is not None:
             leader.close("the peer stopped")
+
+
+def _wrong_join_address(join: str, host: str, dht_port: int) -> str:
+    """What is wrong with the join address, asked of whoever answers there in under a second (''
+    when its node is the coordinator it names, or nothing is known): nothing listening, another run's
+    node, or not a DHT node at all. The peer's own DHT port is checked first (that mistake is its own)."""
+    from potluck.protos.net import probe
+    from potluck.protos.net.errors import CannotBind, check_port_free
+    from potluck.protos.net.join import host_port, parse_join_address
+
+    try:
+        check_port_free("DHT port", host, dht_port, "--dht-port")
+    except CannotBind as err:
+        return str(err)
+    address, coordinator = parse_join_address(join)
+    where = host_port(address)
+    if where is None:
+        return ""
+    return probe.explain(address, *where, coordinator, probe.probe(*where))
 
 
 def _flag_error(error: Any) -> str:

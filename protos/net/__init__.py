@@ -1,4 +1,4 @@
-"""How processes reach each other: gRPC channels and servers, the relay, the DHT node and its record guard, identities and the run's certificates, join addresses, port errors.
+"""How processes reach each other: gRPC channels and servers, the relay, the DHT node and its record guard, identities and the run's certificates, join addresses and who answers at one, port errors.
 
 - ``transport``: gRPC plumbing of a peer: the PeerService server, a client with channel reuse, byte accounting
 - ``servicer``: The server side of PeerService: every call checked before a handler sees it
@@ -12,5 +12,6 @@
 - ``certs``: The run's certificate authority, and the short-lived certificates it issues to admitted peers
 - ``identity``: Identities and signatures: who wrote a record, and proof that they did
 - ``join``: A run's join address, as the coordinator prints it and a peer passes it to ``--join``
+- ``probe``: Who answers at a join address, asked in well under a second, before a peer starts its DHT node
 - ``errors``: Why a server could not bind its port, said the way a user fixes it
 """

@@ -28,3 +28,11 @@ def parse_join_address(address: str) -> tuple[str, str]:
     except IdentityError as err:
         raise JoinError(f"join address {address!r}: {err}") from None
     return address, coordinator
+
+
+def host_port(address: str) -> tuple[str, int] | None:
+    """The host and TCP port a join address names (``None`` for one that names no TCP port)."""
+    parts = address.split("/")
+    host = next((parts[i + 1] for i, p in enumerate(parts[:-1]) if p in ("ip4", "ip6", "dns", "dns4", "dns6")), None)
+    port = parts[parts.index("tcp") + 1] if "tcp" in parts[:-1] else ""
+    return (host, int(port)) if host and port.isdigit() else None
