@@ -132,7 +132,7 @@ class PeerTable:
             self.changed.append(view)
             if rec.state in GONE and not view.left:
                 view.left = True
-                events.append(("failed" if rec.state == PeerState.FAILED else "left", pid))
+                events.append((rec.state.value if rec.state in (PeerState.FAILED, PeerState.REFUSED) else "left", pid))
         self._views_changed([v.record.peer_id for v in self.changed])
         gone = 0
         for pid, view in self.peers.items():
@@ -215,6 +215,7 @@ def describe(kind: str, rec: PeerRecord, timeout_s: float) -> str:
     """The event-log line for a membership change."""
     return {"joined": f"joined from {rec.address} ({rec.device_name or rec.device})", "left": "left the run",
             "failed": f"stopped on an error: {rec.error or 'no reason given'}",
+            "refused": f"cannot take part: {rec.error or 'no reason given'}",
             "back": "is back", "lost": f"lost: no heartbeat for {timeout_s:.0f} s"}[kind]
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-PEER_STATES = ("joining", "waiting", "recovering", "training", "syncing", "finished", "left", "failed", "lost")
+PEER_STATES = ("joining", "waiting", "recovering", "training", "syncing", "finished", "left", "failed", "refused", "lost")
 
 
 @dataclass

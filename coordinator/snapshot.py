@@ -18,6 +18,7 @@ from typing import Any
 
 from potluck.coordinator.health import Health
 from potluck.coordinator.history import KEEP_DETAIL, public
+from potluck.coordinator.horizons import horizon
 from potluck.coordinator.membership import PeerView
 from potluck.coordinator.perround import PerRound
 from potluck.coordinator.rounds import Rounds
@@ -30,7 +31,7 @@ from potluck.protos.runtime.log import short_id
 from potluck.protos.wire.records import PeerRecord, Round
 from potluck.protos.wire.states import ABSENT, SAID_GOODBYE, PeerState
 
-_SILENT = SAID_GOODBYE | {PeerState.LOST}  # (a failed peer still shows its error among the live ones)
+_SILENT = SAID_GOODBYE | {PeerState.LOST, PeerState.REFUSED}  # (a failed peer still shows its error among the live ones)
 PEERS_INLINE = 200  # past this many known peers, `peers` holds the most telling ones; /api/v1/peers pages through all
 LINKS_PEERS = 64  # the links matrix covers at most this many peers (the first by tasklet): N x N does not scale
 # which peers an operator looks at first when not all fit (lower first): the ones that stopped, then the ones
@@ -42,7 +43,8 @@ _ROUND_JSON = PerRound(lambda r: r.model_dump(mode="json"))  # (the latest round
 _TASKLETS = PerRound(lambda r: {m.peer_id: {"stage": m.stage, "replica": m.replica} for m in r.members})
 _CELLS = PerRound(lambda r: [{"stage": m.stage, "replica": m.replica, "peer": m.peer_id, "state": PeerState.LOST}
                              for m in r.members])
-_ATTENTION = {PeerState.FAILED: 0, PeerState.LOST: 1, PeerState.LEFT: 3, PeerState.FINISHED: 3}
+_WAITING = (PeerState.WAITING, PeerState.JOINING)  # (rows that may wait for a place)
+_ATTENTION = {PeerState.FAILED: 0, PeerState.LOST: 1, PeerState.REFUSED: 2, PeerState.LEFT: 3, PeerState.FINISHED: 3}
 
 
 @dataclass
@@ -169,8 +171,8 @@ def _row(r: PeerRecord, view: PeerView, tasklet: dict[str, int] | None) -> dict[
         "last_seen_s": None, "software": r.software, "state_hash": r.state_hash,
         "compute_s": r.compute_s, "sync_s": r.sync_s, "hidden_s": r.hidden_s, "relayed": VIA in r.address,
         "clipped": 0, "rejected": 0, "round_steps": r.round_steps, "step_s": r.step_s, "window_s": r.window_s,
-        "work_share": None, "too_slow": r.too_slow,
-        "error": r.error if r.state == PeerState.FAILED else "",
+        "work_share": None, "too_slow": r.too_slow, "place_in_s": None,
+        "error": r.error if r.state in (PeerState.FAILED, PeerState.REFUSED) else "",
     }
 
 
@@ -256,10 +258,13 @@ def build(run: RunInfo, cfg: RunConfig, views: Sequence[PeerView], rounds: Round
     totals: list[Any] = [0.0, 0.0, 0, None]
     peers = peer_rows(views, tasklet_of, now, history, totals)
     compute, sync, tokens, floor = totals
+    horizons = horizon(history, rounds.committed, cfg.diloco.outer_steps, time.time(), run.started_at, run.finished)
+    place_in = horizons["next_step_in_s"]  # (a peer waiting for a place gets one at the next outer-step boundary)
     live, training, failed, by_id, by_state = [], [], [], {}, dict[str, int]()  # (one pass over every row for all)
     for p in peers:
         by_id[p["id"]], state = p, p["state"]
         by_state[state] = by_state.get(state, 0) + 1
+        p["place_in_s"] = place_in if p["tasklet"] is None and state in _WAITING else None
         if state not in _SILENT:
             live.append(p)
             if state == PeerState.TRAINING:
@@ -292,6 +297,7 @@ def build(run: RunInfo, cfg: RunConfig, views: Sequence[PeerView], rounds: Round
             "compute_utilization": compute / (compute + sync) if compute + sync > 0 else None,
             "last_outer_at": history[-1]["t"] if history else None,
             "window_s": history[-1].get("window_s") if history else None,
+            "horizon": horizons,
             "last_allreduce_s": history[-1]["outer_s"] if history else None,
             "waiting_reason": waiting_reason(cfg, rounds, live, run.finished, peers, failed, by_id),
             "model_export": model_export(cfg, run.checkpoint_version),

@@ -17,9 +17,12 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
+from potluck.coordinator.horizons import clock
+
 GRID_CHARS = {"training": "T", "syncing": "S", "recovering": "R", "joining": "J", "waiting": "W",
-              "finished": "F", "left": "L", "failed": "E", "lost": "X", "empty": "."}
-_ORDER = {"failed": 0, "lost": 0, "recovering": 1, "joining": 1, "waiting": 1, "syncing": 1, "training": 1, "finished": 2, "left": 2}
+              "finished": "F", "left": "L", "failed": "E", "refused": "N", "lost": "X", "empty": "."}
+_ORDER = {"failed": 0, "lost": 0, "refused": 0, "recovering": 1, "joining": 1, "waiting": 1, "syncing": 1, "training": 1,
+          "finished": 2, "left": 2}
 _RED, _YELLOW, _DIM, _RESET = "\x1b[31m", "\x1b[33m", "\x1b[2m", "\x1b[0m"
 
 
@@ -265,7 +268,7 @@ def summary(state: dict[str, Any], peers: int = 20, colour: bool = False) -> str
         return f"{code}{text}{_RESET}" if colour and code else text
 
     counted = state.get("peers_summary") or {}  # (the whole table, when the snapshot holds only part of it)
-    live = counted.get("live", sum(1 for p in table if p["state"] not in ("lost", "left", "finished", "failed")))
+    live = counted.get("live", sum(1 for p in table if p["state"] not in ("lost", "left", "finished", "failed", "refused")))
     lost = (counted.get("by_state") or {}).get("lost", sum(1 for p in table if p["state"] == "lost"))
     known = counted.get("total", len(table))
     badge = "  " + paint("FINISHED", "\x1b[35;1m") if run.get("finished") else ""
@@ -288,6 +291,11 @@ def summary(state: dict[str, Any], peers: int = 20, colour: bool = False) -> str
         f"last outer step {ago(gen - last) if last else 'none yet'}"
         + (f" · all-reduce {allreduce:.2f} s" if allreduce is not None else "")
     )
+    h = run.get("horizon") or {}
+    if not run.get("finished") and h.get("next_step_in_s") is not None:
+        late = h.get("overdue_s") or 0.0
+        lines.append((f"next outer step {clock(late)} late" if late > 0 else f"next outer step in ~{clock(h['next_step_in_s'])}")
+                     + f" · run ends in ~{clock(h.get('end_in_s'))} (an outer step takes ~{clock(h.get('outer_step_s'))})")
     if run.get("waiting_reason"):
         lines.append(paint(f"waiting: {run['waiting_reason']}", _YELLOW))
     export = run.get("model_export") or {}
@@ -335,7 +343,9 @@ def _peer_lines(table: list[dict[str, Any]], limit: int, timeout: float, paint: 
     for p in shown:
         t = p.get("tasklet")
         rows.append((
-            p["short_id"], (p.get("name") or "-")[:16], p["state"], f"{t['stage']}/{t['replica']}" if t else "-",
+            p["short_id"], (p.get("name") or "-")[:16],
+            p["state"] + (f" (place in ~{clock(p['place_in_s'])})" if p.get("place_in_s") is not None else ""),
+            f"{t['stage']}/{t['replica']}" if t else "-",
             f"v{p['version']}" + (f"·{p['inner_step']}" if p["state"] == "training" else ""),
             si(p.get("tokens_per_s")) if p.get("tokens_per_s") else "-", _num(p.get("loss"), 3),
             f"{human_bytes(sum((p.get('bytes_sent') or {}).values()))}/{human_bytes(sum((p.get('bytes_received') or {}).values()))}",
@@ -349,6 +359,10 @@ def _peer_lines(table: list[dict[str, Any]], limit: int, timeout: float, paint: 
     out = [f"peers: {len(shown)} of {len(table)} (lost first{more})", header.rstrip()]
     for p, r in zip(shown, rows, strict=True):
         line = "  " + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True))
-        stale = (p.get("last_seen_s") or 0) > timeout and p["state"] not in ("left", "finished", "failed")
-        out.append(paint(line.rstrip(), _RED if p["state"] in ("lost", "failed") or stale else _DIM if p["state"] in ("left", "finished") else ""))
+        stale = (p.get("last_seen_s") or 0) > timeout and p["state"] not in ("left", "finished", "failed", "refused")
+        out.append(paint(line.rstrip(), _RED if p["state"] in ("lost", "failed") or stale else _YELLOW if p["state"] == "refused"
+                         else _DIM if p["state"] in ("left", "finished") else ""))
+    for p in shown:  # why a peer stopped or could not take part, in its own words
+        if p.get("error") and p["state"] in ("failed", "refused"):
+            out.append(paint(f"  {p['short_id']} {p['state']}: {p['error']}", _RED if p["state"] == "failed" else _YELLOW))
     return out

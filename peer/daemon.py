@@ -24,7 +24,18 @@ import threading
 import time
 
 from potluck.peer.data import DataError
-from potluck.peer.follower import CannotGoOn, Finish, Follower, GiveUp, Recover, Switch, Train, Wait
+from potluck.peer.follower import (
+    PLACE,
+    CannotGoOn,
+    Finish,
+    Follower,
+    GiveUp,
+    Recover,
+    Switch,
+    Train,
+    Wait,
+    boundary_in,
+)
 from potluck.peer.joining import Joined, Stopped, join
 from potluck.peer.keyfile import load_identity
 from potluck.peer.multidevice import Leader
@@ -32,7 +43,7 @@ from potluck.peer.outersteps import OuterSteps
 from potluck.peer.phases import InnerPhases
 from potluck.peer.piperound import PipelineBroken
 from potluck.peer.states import epoch_of
-from potluck.peer.tasklet import Tasklet, Toolbox
+from potluck.peer.tasklet import CannotTakePart, Tasklet, Toolbox
 from potluck.peer.telemetry import Telemetry
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config.runconfig import PeerConfig
@@ -77,6 +88,11 @@ class Peer:
         except Stopped:
             log.info("stopped before joining the run")
             return 0
+        except CannotTakePart as err:
+            log.error("%s", err)
+            assert joined is not None  # (raised once admitted: its record is listed, with why)
+            self._say_refused(joined, err)
+            return 2
         except (JoinError, ConfigError, NetemTopologyError, DataError, CannotBind) as err:
             log.error("%s", err)
             return 2
@@ -92,6 +108,17 @@ class Peer:
                 joined.node.shutdown()
 
 
+    def _say_refused(self, joined: Joined, err: CannotTakePart) -> None:
+        """One record, state ``refused``, so the run's page shows this peer and why it cannot take part."""
+        rec = self.telemetry.refusal(err.device, err.memory_bytes, str(err))
+        ttl = 2 * joined.config.membership.heartbeat_timeout_s
+        try:
+            if not joined.node.publish_peer(rec, ttl=ttl):
+                log.warning("could not tell the coordinator why: its page will not list this peer")
+        except Exception as e:  # (a DHT that fails here changes nothing: the peer stops either way)
+            log.warning("could not tell the coordinator why (%s): its page will not list this peer", e)
+
+
 class Session:
     """One peer's part in one run, from admission to the end."""
 
@@ -102,7 +129,7 @@ class Session:
                                  coordinator_timeout_s=cfg.coordinator_timeout_s)
         tools.on_audit = telemetry.audited  # audit verdicts ride on this peer's heartbeats
         self.tasklet = Tasklet.build(tools, stage=0)
-        self.replica, self.waiting = -1, ""
+        self.replica, self.waiting, self.waiting_said = -1, "", 0.0
         self.round_known = False  # the all-reduce knows the coordinator's round for the step in training
         self.training = 0  # the step whose inner phase runs (with diloco.overlap, the one before may still sync)
         self.inner = InnerPhases(self.rc, self.me, telemetry)  # as many inner steps as fit each round's window
@@ -147,9 +174,11 @@ class Session:
     # ------------------------------------------------------------------ the steps of the loop
 
     def _wait(self, wait: Wait) -> None:
-        if wait.reason != self.waiting:
-            log.info("%s", wait.reason)
-            self.waiting = wait.reason
+        now = time.time()
+        if wait.reason != self.waiting or (wait.reason == PLACE and now - self.waiting_said > 60):
+            eta = boundary_in(self.heartbeat.plan, now) if wait.reason == PLACE else None
+            log.info("%s%s", wait.reason, "" if eta is None else f" (in about {eta:.0f} s, at the run's pace)")
+            self.waiting, self.waiting_said = wait.reason, now
         self.set_state(PeerState.WAITING)
         seq = self.heartbeat.plan.seq if self.heartbeat.plan else -1
         self.heartbeat.wait_plan(lambda p: p is not None and p.seq > seq, timeout=wait.seconds)

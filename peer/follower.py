@@ -93,6 +93,19 @@ class CannotGoOn(RuntimeError):
 
 
 Action = Finish | Wait | Switch | Recover | Train | GiveUp
+PLACE = "waiting for a place in the run: the coordinator adds peers at the next outer-step boundary"
+
+
+def boundary_in(plan: Plan | None, now: float) -> float | None:
+    """Seconds (from unix time ``now``) until the run's next outer-step boundary, from when the plan's consecutive
+    rounds were decided (the median gap is a step's length); None while the plan shows fewer than two steps."""
+    rounds = sorted((r for r in plan.rounds if r.decided_at), key=lambda r: r.step) if plan else []
+    gaps = sorted(b.decided_at - a.decided_at for a, b in zip(rounds, rounds[1:], strict=False)
+                  if b.step == a.step + 1 and b.decided_at > a.decided_at)
+    if not gaps:
+        return None
+    step = gaps[len(gaps) // 2]
+    return min(step, max(0.0, rounds[-1].decided_at + step - now))
 
 
 class Follower:
@@ -115,7 +128,7 @@ class Follower:
                           "is back (or raise the timeout)")
         mine = [r for r in plan.rounds if r.member(self.me) is not None] if plan else []
         if not mine:
-            return Wait("waiting for a place in the run: the coordinator adds peers at the next outer-step boundary")
+            return Wait(PLACE)
         latest = max(mine, key=lambda r: r.step)
         cell = latest.member(self.me)
         assert cell is not None

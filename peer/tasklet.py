@@ -36,6 +36,7 @@ from potluck.peer.stage import StageWorker
 from potluck.peer.states import States, epoch_of
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config.runconfig import PeerConfig, RunConfig
+from potluck.protos.config.section import ConfigError
 from potluck.protos.net.certs import TlsIdentity
 from potluck.protos.net.identity import Identity
 from potluck.protos.net.transport import PeerClient, PeerServer, RelayedServer, Traffic
@@ -47,6 +48,15 @@ from potluck.protos.wire.records import AuditReport, Manifest, PeerRecord, Plan,
 from potluck.protos.wire.refusals import log_refusal
 
 log = get_logger(__name__)
+
+
+class CannotTakePart(ConfigError):
+    """Admitted, this peer found it cannot train the run: its device holds less memory than the run needs a peer.
+    It says so in its one record (state ``refused``), so the coordinator's page lists it with the reason."""
+
+    def __init__(self, why: str, device: torch.device, memory_bytes: int) -> None:
+        super().__init__(why)
+        self.device, self.memory_bytes = device, memory_bytes
 
 RENEW_CHECK_S = 60.0
 
@@ -96,7 +106,11 @@ class Toolbox:
             budget_bytes_per_min=lc.budget_bytes_per_min))
         device = devices.device if devices is not None else pick_device(cfg.device)
         if devices is None:  # (a torchrun peer splits its batch over its devices: the estimate is per whole batch)
-            sizecheck.fits(rc, device.type, device_memory(device))  # one line, not the allocator's traceback
+            memory = device_memory(device)
+            try:
+                sizecheck.fits(rc, device.type, memory)  # one line, not the allocator's traceback
+            except ConfigError as err:
+                raise CannotTakePart(str(err), device, memory) from None
         return cls(cfg, rc, me, identity.sign, stopping, joined, device, Dataset(rc.data, rc.model),
                    stage_bounds(rc.model, rc.pipeline), netem, traffic, client, make_codec(rc.sync.codec, rc.sync.block_size),
                    links, tls=tls, maddrs=joined.node.maddrs[:4], devices=devices)

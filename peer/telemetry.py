@@ -205,6 +205,14 @@ class Telemetry:
             step_s=step_s if step_s is not None else p.step_time_s, busy_s=busy_s, too_slow=self.too_slow[:500],
         )
 
+    def refusal(self, device: Any, memory_bytes: int, why: str) -> PeerRecord:
+        """This peer's one record when, admitted, it finds it cannot take part (state ``refused``): the
+        coordinator's page lists it with ``why``, its device and the memory it has."""
+        return PeerRecord(peer_id=self.peer_id, address="", state=PeerState.REFUSED, device=getattr(device, "type", "cpu"),
+                          device_name=device_label(device), memory_gb=memory_bytes / 2**30, name=self.name,
+                          software=__version__, started_at=self.started_at, seq=next_seq(), ts=time.time(),
+                          error=why[:500])
+
     def first_step(self, joined_at: float, phases: dict[str, float]) -> None:
         """When this peer's first optimizer step is done, and where the time before it went (logged once)."""
         if self.first_step_logged:

@@ -20,6 +20,7 @@ import random
 import time
 from typing import Any
 
+from potluck.coordinator.horizons import horizon
 from potluck.coordinator.snapshot import inline_peers, peers_summary
 
 _B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
@@ -101,6 +102,7 @@ def make_state(
             "window_s": round(rng.uniform(5, 60), 2) if rng.random() < 0.7 else None,
             "work_share": round(rng.uniform(0.01, 1.0), 4) if rng.random() < 0.8 else None,
             "too_slow": "this peer is too slow for the round: ..." if rng.random() < 0.05 else "",
+            "place_in_s": None,  # (set below, from the run's horizon)
         })
         if place is not None:
             cells.append({"stage": place[0], "replica": place[1], "peer": pid, "state": state})
@@ -166,6 +168,9 @@ def make_state(
     compute = sum(p["compute_s"] for p in table)
     sync = sum(p["sync_s"] for p in table)
     by_id = {p["id"]: p for p in table}
+    horizons = horizon(history, steps, outer_steps, now, started, finished)
+    for p in table:
+        p["place_in_s"] = horizons["next_step_in_s"] if p["tasklet"] is None and p["state"] in ("waiting", "joining") else None
     return {
         "api": "potluck.status/v1",
         "generated_at": now,
@@ -188,6 +193,7 @@ def make_state(
             "compute_utilization": compute / (compute + sync) if compute + sync else None,
             "last_outer_at": history[-1]["t"] if history else None,
             "window_s": round(rng.uniform(5, 60), 2) if history else None,
+            "horizon": horizons,
             "last_allreduce_s": history[-1]["outer_s"] if history else None,
             "waiting_reason": "" if finished else waiting_reason,
             "model_export": {"version": (outer_steps if finished else steps // 5 * 5) or None,

@@ -296,3 +296,12 @@ def test_a_run_too_big_for_this_peer_is_warned_and_the_peer_refuses_it_in_one_li
     errors = [line for line in log.splitlines() if " ERROR " in line]
     assert "Traceback" not in log and len(errors) == 1, log
     assert "this run needs about" in errors[0] and "and this peer's cpu holds" in errors[0], errors
+    # issue 45: it was admitted, so the run's page lists it, refused, with why, and `potluck status` says it too
+    state = swarm.wait_state(lambda s: any(p["state"] == "refused" for p in s["peers"]), 60, "the refused peer listed")
+    row = next(p for p in state["peers"] if p["state"] == "refused")
+    assert "this run needs about" in row["error"] and row["device"] == "cpu" and row["memory_gb"] > 1, row
+    assert any(e["kind"] == "refused" and e["peer"] == row["id"] for e in state["events"]), state["events"]
+    assert state["peers_summary"]["live"] == 0, state["peers_summary"]
+    from potluck.coordinator.status_cli import summary
+
+    assert f"{row['short_id']} refused: this run needs about" in summary(state), summary(state)

@@ -26,6 +26,8 @@ def test_page_shows_every_peer_and_a_killed_one_turns_lost(swarm, tmp_path: Path
     state = swarm.wait_state(lambda s: s["run"]["outer_step"] >= 2 and len(s["round"]["members"]) == 3, 180,
                              "two outer steps with three members")
     ids = [m["peer_id"] for m in state["round"]["members"]]
+    h = state["run"]["horizon"]  # (issue 45: the next step and the run's end, from the steps measured)
+    assert h["outer_step_s"] > 0 and h["end_in_s"] >= h["next_step_in_s"] >= 0, h
     assert state["coordinator"]["gc"]["frozen"] > 100_000  # its start's objects: no full collection walks them again
     timeout_s = state["config"]["heartbeat_timeout_s"]
     with sync_playwright() as p:
@@ -38,6 +40,7 @@ def test_page_shows_every_peer_and_a_killed_one_turns_lost(swarm, tmp_path: Path
                 expect(page.locator(f'[data-testid=grid-cell][data-peer-id="{pid}"]')).to_have_count(1)
             page.wait_for_function(
                 "() => Number(document.querySelector('[data-testid=loss-chart]').dataset.points) >= 2", timeout=15_000)
+            expect(page.locator("[data-testid=stat-horizon]")).to_contain_text("run ends in ~")
             page.screenshot(path=str(artifacts / "swarm-running.png"), full_page=True)
 
             victim = next(i for i, proc in enumerate(swarm.peers) if proc.poll() is None)

@@ -15,8 +15,8 @@
   const FETCH_TIMEOUT_MS = 5000;
   const STREAM_SILENCE_MS = 15000; // the server pings every 5 s; longer silence means a broken stream
   const STALE_S = 15;            // the coordinator rebuilds its snapshot every tick; this long unchanged is suspicious
-  const STATES = ["training", "syncing", "recovering", "joining", "waiting", "finished", "left", "failed", "lost"];
-  const GONE = new Set(["lost", "left", "finished", "failed"]);
+  const STATES = ["training", "syncing", "recovering", "joining", "waiting", "finished", "left", "failed", "refused", "lost"];
+  const GONE = new Set(["lost", "left", "finished", "failed", "refused"]);
 
   const $ = (id) => document.getElementById(id);
   const page = {
@@ -57,6 +57,17 @@
     if (s < 5400) return Math.round(s / 60) + " min ago";
     if (s < 172800) return (s / 3600).toFixed(1) + " h ago";
     return Math.round(s / 86400) + " d ago";
+  }
+  function within(s) {  // a wait, as a person reads it (the coordinator's horizons.clock)
+    if (s < 90) return Math.round(s) + " s";
+    if (s < 5400) return Math.round(s / 60) + " min";
+    if (s < 172800) return (s / 3600).toFixed(1) + " h";
+    return (s / 86400).toFixed(1) + " days";
+  }
+  function horizonText(h) {
+    if (!h || h.next_step_in_s === null || h.next_step_in_s === undefined) return "";
+    const next = h.overdue_s > 0 ? "next step " + within(h.overdue_s) + " late" : "next step in ~" + within(h.next_step_in_s);
+    return next + " · run ends in ~" + within(h.end_in_s) + " (a step takes ~" + within(h.outer_step_s) + ")";
   }
   function duration(s) {
     if (s === null || s === undefined || !isFinite(s)) return "–";
@@ -213,6 +224,7 @@
     $("st-progress").style.width = (r.outer_steps_total ? Math.min(100, 100 * r.outer_step / r.outer_steps_total) : 0) + "%";
     setText("st-inner", r.finished ? "all outer steps committed" : "inner step " + r.inner_step + " / " + r.inner_steps_per_outer
       + (r.window_s ? " · window " + num(r.window_s, 1) + " s" : ""));
+    setText("st-horizon", r.finished ? "" : horizonText(r.horizon));
     $("st-inner").title = "each member trains as many inner steps as fit the round's window (the fastest member's " +
       r.inner_steps_per_outer + "), its update weighed by the samples it trained on";
     setText("st-params", si(m.parameters));
@@ -527,6 +539,12 @@
           const beat = s.config && s.config.heartbeat_s;  // silent for two heartbeats or more: not lost yet, but quiet
           if (beat && !GONE.has(p.state) && p.last_seen_s > 2 * beat) {
             td.appendChild(el("span", "silent", " · silent " + Math.round(p.last_seen_s) + " s"));
+          }
+          if (p.place_in_s !== null && p.place_in_s !== undefined) {  // waiting for a place: the next step boundary
+            td.appendChild(el("span", "why", " · place in ~" + within(p.place_in_s)));
+          }
+          if (p.error && (p.state === "failed" || p.state === "refused")) {  // why it stopped, or cannot take part
+            td.appendChild(el("span", "why", " · " + p.error));
           }
         } else if (col.key === "last_seen_s") {
           page.lastSeenCells.push([td, p]);

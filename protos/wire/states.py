@@ -19,11 +19,12 @@ class PeerState(StrEnum):
     LOST = "lost"  # the coordinator stopped hearing from it (never in a peer's own record)
     FINISHED = "finished"  # the run ended and this peer saw it
     FAILED = "failed"  # stopped on an error it cannot heal (its record's ``error`` says which)
+    REFUSED = "refused"  # admitted, then found it cannot take part (too little memory, say): its ``error`` says why
 
 
-# ended its part on purpose (a goodbye, or the run's end); with FAILED: this process takes no part again
+# ended its part on purpose (a goodbye, or the run's end); with FAILED and REFUSED: this process takes no part again
 SAID_GOODBYE = frozenset({PeerState.LEFT, PeerState.FINISHED})
-GONE = SAID_GOODBYE | {PeerState.FAILED}
+GONE = SAID_GOODBYE | {PeerState.FAILED, PeerState.REFUSED}
 # not there as the coordinator sees it: gone, or silent past the heartbeat timeout
 ABSENT = GONE | {PeerState.LOST}
 
