@@ -13,8 +13,8 @@ state (``base_hashes``: per stage, the hash of version ``v - 1``). Each round en
   coordinator gives the peers of a journaled round time to show up), or no member made visible
   progress for ``floor_s`` (the round is *silent*), or, once step durations have been measured,
   the round is older than ``factor`` times their median (and at least ``floor_s``). Deadlines come
-  from measured step times with a configurable floor (LESSONS: fixed timeouts cannot fit every
-  network), never from a constant.
+  from measured step times with a configurable floor (a fixed timeout cannot fit every network: one
+  long enough for a slow home link leaves a fast cluster idle after a failure), never from a constant.
 * **rolled back**: the run goes on from the newest version that every stage can still be had at:
   held by a live peer (its current state or the one before it, both served) or in the newest
   checkpoint; version 0 (theta_0, which every peer builds from the run's seed) always can. The

@@ -17,8 +17,8 @@ Routes (documented for users in docs/status-api.md)::
     GET  /healthz                 "ok"
     POST /api/v1/admin/<action>   runs ``actions[action](body)``; needs ``Authorization: Bearer <admin_token>``
 
-Anything that changes the run needs the admin token (LESSONS: an unauthenticated "kill replica"
-button); without one the server is read-only. Admin calls need a header a browser never sends
+Anything that changes the run needs the admin token (a page anyone can open must not carry a "kill
+replica" button that works for anyone); without one the server is read-only. Admin calls need a header a browser never sends
 cross-site without a CORS preflight, which this server does not answer, so a page elsewhere cannot
 trigger them with a visitor's browser.
 

@@ -2,7 +2,7 @@
 
 Everything a peer trains with comes from the manifest the coordinator signed, never from the peer's
 own files, so a swarm cannot silently train with two configs. The address a peer announces is the
-one other machines reach it at (LESSONS: peers that announced 127.0.0.1 could not be reached), and
+one other machines reach it at (peers that announced 127.0.0.1 could not be reached by others), and
 every failure to join says what was tried and what to check.
 
 The one thing a peer brings from its own disk is its data: a byte corpus (``data.source = "bytes"``)

@@ -1,7 +1,7 @@
 """What a peer reports about itself: its progress, its last outer steps, and its heartbeat record.
 
 The same figures reach the logs, Ping replies, the DHT record the coordinator reads, and through it
-the status page and ``/metrics`` (LESSONS: every byte and wait we measure should be visible). The
+the status page and ``/metrics`` (every byte and wait a peer measures is shown somewhere). The
 inner steps also reach the volunteer's own screen, through :mod:`potluck.peer.progress`.
 """
 

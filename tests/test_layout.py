@@ -1,8 +1,10 @@
-"""The code's shape is part of its design (shared/ARCHITECTURE.md): layering, small rooms, plain classes."""
+"""The code's shape is part of its design (docs/architecture.md): layering, rooms with maps, plain classes, and a
+repository that stands alone (no file cites a document outside it)."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -119,3 +121,23 @@ def test_no_private_name_is_imported_across_modules() -> None:
                 bad += [f"{p.relative_to(ROOT)}: {node.module}.{a.name}" for a in node.names
                         if a.name.startswith("_") and not a.name.startswith("__")]
     assert not bad, bad
+
+
+# what only the team's own notes held (outside this repository): a file that cites them sends a reader nowhere
+OUTSIDE = ("LESSONS", "ARCHITECTURE.md", "STYLE.md", "design card", "../shared", "shared/")
+
+
+def test_no_file_cites_a_document_outside_the_repository() -> None:
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    cited = []
+    for name in tracked:
+        path = ROOT / name
+        if path.suffix in (".png", ".svg", ".ico") or name == "tests/test_layout.py" or not path.is_file():
+            continue
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            continue
+        cited += [f"{name}:{i}: {line.strip()}" for i, line in enumerate(text.splitlines(), 1)
+                  if any(word in line for word in OUTSIDE)]
+    assert not cited, "\n".join(cited)
