@@ -42,6 +42,7 @@ from potluck.local import get_state, wait_for
 from potluck.procs import ProcessGroup
 from potluck.protos.config.runconfig import PeerConfig, RunConfig
 from potluck.protos.net.identity import Identity
+from potluck.protos.net.probe import Answer, Kind
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKERFILE = REPO / "docker" / "Dockerfile"
@@ -155,6 +156,7 @@ def launched(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> Any:
         m.setattr("potluck.coordinator.app.Coordinator", start)
         m.setattr("potluck.peer.daemon.Peer", start)
         m.setattr("potluck.peer.keyfile.load_identity", lambda path="": Identity.generate())  # not this machine's key
+        m.setattr("potluck.protos.net.probe.probe", lambda *a, **k: Answer(Kind.UNKNOWN))  # (no coordinator to ask)
         try:
             args.fn(args)
         except UsageError as err:
