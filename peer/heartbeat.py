@@ -1,10 +1,11 @@
-"""The peer's only DHT user: a thread that heartbeats the peer's record and watches the plan.
+"""The peer's heartbeat: a thread that stores the peer's record and watches the plan.
 
 Every ``heartbeat_s`` (or at once when :meth:`Heartbeat.poke`d, e.g. right after an outer step
 commits) it stores the peer's signed :class:`PeerRecord`, which expires after
 ``heartbeat_timeout_s``: a peer that stops refreshing disappears from the swarm by itself. Between
 heartbeats it re-reads the coordinator's plan and manifest; records that fail verification are
-logged and ignored, and the last good ones stay in force.
+logged and ignored, and the last good ones stay in force. (The links and admission threads use the same DHT node,
+through its pipe lock.)
 """
 
 from __future__ import annotations
