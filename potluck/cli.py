@@ -116,7 +116,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     from potluck.coordinator.app import Coordinator
     from potluck.protos.net.identity import IdentityError
     from potluck.protos.runtime.log import get_logger
-    from potluck.protos.runtime.stopping import install_stop_handlers
+    from potluck.protos.runtime.stopping import exit_process, install_stop_handlers
 
     given = shed()  # (the imports are done, and the DHT process, which would share those pages, is not forked yet)
     try:  # opening the run (journal, keys, data) refuses what cannot work, in one line
@@ -125,7 +125,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         raise UsageError(str(err)) from None
     get_logger("potluck.coordinator").info("gave back %.0f MB of library pages its imports touched", given / 2**20)
     install_stop_handlers(coordinator.stopping)
-    return coordinator.run()
+    exit_process(coordinator.run())
 
 
 # PeerConfig field -> the flag that sets it, where the two are not spelled alike
@@ -175,16 +175,17 @@ def cmd_peer(args: argparse.Namespace) -> int:
     if group is not None and not group.leads:
         return multidevice.Helper(group, cfg.threads).run()
     from potluck.peer.daemon import Peer
-    from potluck.protos.runtime.stopping import install_stop_handlers
+    from potluck.protos.runtime.stopping import exit_process, install_stop_handlers
 
     leader = multidevice.Leader(group) if group is not None else None
     try:
         peer = Peer(cfg, progress=args.progress, devices=leader, identity=identity)
         install_stop_handlers(peer.stopping)
-        return peer.run()
+        code = peer.run()
     finally:
         if leader is not None:
             leader.close("the peer stopped")
+    exit_process(code)  # (the interpreter's teardown after it only costs time: see exit_process)
 
 
 def _wrong_join_address(join: str, host: str, dht_port: int) -> str:

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from potluck.protos.runtime.stopping import DIE_WITH_ENV
+from potluck.protos.runtime.stopping import DIE_WITH_ENV, exit_process
 
 PRELOAD = ("numpy", "scipy.optimize", "torch", "torch._dynamo", "torch.optim", "hivemind.dht", "pydantic",
            "cryptography.x509", "safetensors.torch", "blake3")
@@ -272,7 +272,7 @@ def _child(request: dict[str, Any], log: int, close: list[socket.socket], fds: t
         traceback.print_exc()
         code = 1
     finally:
-        _exit_like_python(code)
+        exit_process(code)  # (as the interpreter would, less its teardown)
 
 
 def own_locks() -> None:
@@ -288,20 +288,6 @@ def own_locks() -> None:
         mpfuture.MPFuture.reset_backend()  # (the three locks, anew; no future exists yet here)
     if aio is not None:
         aio._AsyncContextWrapper.EXECUTOR_LOCK = mp.Lock()
-
-
-def _exit_like_python(code: int) -> None:
-    """What the interpreter does at exit (wait for non-daemon threads, run ``atexit``, flush), then leave."""
-    import atexit
-
-    try:
-        threading._shutdown()  # type: ignore[attr-defined]
-        atexit._run_exitfuncs()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-    finally:
-        os._exit(code)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -272,6 +273,33 @@ def test_second_sigterm_during_shutdown_exits_at_once(swarm: LocalSwarm) -> None
     signal_twice(swarm.coordinator, swarm.logs / "coordinator.log")
     # both shutdowns were held: the second signal cut each short
     assert peer.returncode == swarm.coordinator.returncode == 128 + signal.SIGTERM
+
+
+OWN_LINE = re.compile(r"\d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR|CRITICAL) +\[(peer|potluck)[] ]")  # potluck's logger's
+
+
+@pytest.mark.parametrize("codec", ["torch", "triton"])
+def test_ctrl_c_peer_writes_only_its_own_log_lines(swarm: LocalSwarm, codec: str) -> None:
+    """Ctrl+C in a volunteer's terminal once the peer trains (SIGINT to its process group): all that reaches its
+    output (its DHT process's too) is potluck's own log lines, not one line from a library. Triton's nanobind leak
+    report was 30 of them, printed by the interpreter's teardown; so the peer is a fresh interpreter, as a terminal
+    starts it (the fork server's children leave without that teardown). ``triton``: the codec ran Triton's kernels
+    (in Triton's interpreter, on CPU); ``torch``: it did not (Triton is loaded all the same: torch._dynamo imports it)."""
+    swarm.start_coordinator(RUN)
+    swarm.procs.fork = False  # (the peer, not the coordinator: its own interpreter)
+    peer = swarm.start_peer(env={"POTLUCK_TRITON": "force", "TRITON_INTERPRET": "1"} if codec == "triton" else None)
+    log = swarm.logs / "peer-0.log"
+    trained = "outer step 1:" if codec == "triton" else "first training step"  # (the first: after the codec's kernels)
+    wait_for(lambda: trained in log.read_text() or peer.poll() is not None, START_S, f"the peer's {trained!r} line")
+    assert peer.poll() is None, tail(log)
+    if codec == "triton":
+        assert "libtriton" in Path(f"/proc/{peer.pid}/maps").read_text()
+    os.killpg(peer.pid, signal.SIGINT)
+    wait_for(lambda: peer.poll() is not None and not group_alive(peer.pid), EXIT_S, "the peer's process group to go")
+    lines = log.read_text(errors="replace").splitlines()
+    foreign = [line for line in lines if not OWN_LINE.match(line)]
+    assert not foreign, f"{len(foreign)} lines not potluck's own:\n" + "\n".join(lines)
+    assert peer.returncode == 0 and any("received signal 2" in line for line in lines), tail(log)
 
 
 def sessions_alive(sids: set[int]) -> dict[int, str]:

@@ -16,9 +16,9 @@ signal is set.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import faulthandler
-import gc
 import multiprocessing
 import os
 import signal
@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import NoReturn
 
 from potluck.protos.runtime.log import get_logger
 
@@ -91,16 +92,28 @@ def install_stop_handlers(stopping: threading.Event, *, grace_s: float = DEFAULT
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
-    atexit.register(_skip_final_collections, signalled)
     _child_subreaper(True)  # orphans below us (a p2pd whose DHT process died) are ours to reap, not init's
 
 
-def _skip_final_collections(signalled: threading.Event) -> None:
-    """After a stop signal, leave the objects alive at exit to the OS: the interpreter's final garbage
-    collections over torch's object graph take most of a second (several on a loaded machine), time
-    the watchdog cannot cut short, since daemon threads no longer run by then."""
-    if signalled.is_set():
-        gc.freeze()
+def exit_process(code: int) -> NoReturn:
+    """Leave as the interpreter does at exit (wait for the non-daemon threads, run the ``atexit`` handlers, flush
+    stdout and stderr), less the teardown that follows: an entry point's last call once its process has stopped,
+    and how the fork server's children end (:mod:`potluck.forkserver`).
+
+    That teardown gives the OS back nothing it would not take anyway, but its garbage collections over torch's
+    object graph take a second or more (several on a loaded machine; time the watchdog cannot cut short, since
+    daemon threads no longer run by then), and it ends with the extensions' own exit checks: nanobind's (Triton's)
+    reports, in some 30 lines, every object of theirs still alive. (Freezing the objects at exit instead, to skip
+    those collections, kept all of them alive: that report was what a peer printed after Ctrl+C.)
+    """
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):  # (a closed or broken stream: nothing more can be said there)
+                stream.flush()
+    finally:
+        os._exit(code)
 
 
 def _overdue(signum: int, grace_s: float) -> None:
