@@ -13,6 +13,7 @@ The checkpointer and the placement worker run on threads of their own; this loop
 
 from __future__ import annotations
 
+import shlex
 import shutil
 import threading
 import time
@@ -35,7 +36,7 @@ from potluck.coordinator.publisher import Publisher
 from potluck.coordinator.reader import Reader
 from potluck.coordinator.rounds import Rounds
 from potluck.coordinator.service import IDLE_CONNECTION_S, CoordinatorService, Pinger
-from potluck.coordinator.snapshot import RunInfo, Series, build
+from potluck.coordinator.snapshot import RunInfo, Series, build, export_command
 from potluck.coordinator.status import StatusServer
 from potluck.protos.config.runconfig import CoordinatorConfig, RunConfig
 from potluck.protos.config.section import ConfigError
@@ -215,6 +216,9 @@ class Coordinator:
             self.state.checkpoints = [p.name for p in self.checkpointer.store.manifests()]
             self.publisher.update(checkpoint_version=done.version)
             self._event("checkpoint", "", f"v{done.version} written to {done.path.name}")
+            if done.version >= self.cfg.diloco.outer_steps or self.state.finished:  # (the page shows JOURNAL_DIR for it)
+                journal = shlex.quote(str(Path(self.cfg.coordinator.journal_dir).expanduser().resolve()))
+                print(f"  export the model: {export_command(self.cfg, journal)}", flush=True)
 
     def _maybe_finish(self, now: float) -> None:
         done, admin = self.finish.due(self.cfg, self.rounds, self.table.reports(), now, self.integrity)

@@ -208,8 +208,12 @@ def model_export(cfg: RunConfig, version: int) -> dict[str, Any]:
     as an absolute path is not shown on the public page: JOURNAL_DIR stands for it)."""
     journal = cfg.coordinator.journal_dir
     shown = "JOURNAL_DIR" if journal.startswith(("/", "~")) else journal
-    out = "model.pt" if cfg.model.family == "tiny" else "model-hf"
-    return {"version": version or None, "command": f"potluck export --journal-dir {shown} --out {out}"}
+    return {"version": version or None, "command": export_command(cfg, shown)}
+
+
+def export_command(cfg: RunConfig, journal: str) -> str:
+    """The command that writes the run's model from the journal at ``journal`` (as it should be shown)."""
+    return f"potluck export --journal-dir {journal} --out {'model.pt' if cfg.model.family == 'tiny' else 'model-hf'}"
 
 
 def model_parameters(m: ModelConfig) -> int:

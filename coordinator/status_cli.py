@@ -256,6 +256,16 @@ def _num(x: float | None, digits: int) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def join_notes(run: dict[str, Any]) -> list[str]:
+    """What a volunteer adds to the join command for this run, said before they find out from an error."""
+    notes = []
+    if run.get("admission") == "private":
+        notes.append("a private run: potluck peer also needs --token, with the token its operator hands out")
+    if (run.get("data") or {}).get("source") == "bytes":
+        notes.append("a run on a text file: potluck peer also needs --data-path, with your copy of it (the run checks its sha256)")
+    return notes
+
+
 def summary(state: dict[str, Any], peers: int = 20, colour: bool = False) -> str:
     """The terminal view of a snapshot: header, waiting reason, grid, a compact peers table."""
     run = state["run"]
@@ -303,6 +313,7 @@ def summary(state: dict[str, Any], peers: int = 20, colour: bool = False) -> str
         lines.append(f"the model (v{export['version']}), on the coordinator's machine: {export['command']}")
     elif not run.get("finished") and run.get("join_address"):
         lines.append(f"lend a GPU: potluck peer --join {run['join_address']}")
+        lines += [f"  ({note})" for note in join_notes(run)]
     lines.append(f"snapshot {time.strftime('%H:%M:%S', time.localtime(gen))} (coordinator clock)")
 
     lines.append("")

@@ -138,9 +138,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", metavar="PATH", help="what potluck export wrote (folder, .pt, .safetensors) "
                      "or a Hugging Face folder")
-    # (--journal-dir, as export and the coordinator name it; --journal, its first name, still reads)
-    src.add_argument("--journal-dir", "--journal", dest="journal", metavar="DIR",
-                     help="a run's journal dir: its newest verified checkpoint")
+    # (--journal-dir, as export and the coordinator name it; --journal, its first name, still reads, out of --help)
+    src.add_argument("--journal-dir", dest="journal", metavar="DIR", help="a run's journal dir: its newest verified checkpoint")
+    src.add_argument("--journal", dest="journal", help=argparse.SUPPRESS)  # the old spelling
     p.add_argument("--step", type=int, metavar="N", help="with --journal-dir: the checkpoint of outer step N")
     p.add_argument("--prompt", required=True, help="text to continue (token ids for synthetic-data runs)")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to sample (default 64)")

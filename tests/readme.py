@@ -92,6 +92,40 @@ TEXT = README.read_text()
 BLOCKS = fenced_blocks(TEXT)
 BASH = [argv for b in BLOCKS if b.lang == "bash" for argv in commands(b.text)]
 
+
+@dataclass(frozen=True)
+class Section:
+    """The part of the README under one heading, down to the next heading of its level or above."""
+
+    title: str
+    first: int  # its heading's line, 1-based
+    last: int  # its last line
+    prose: str  # its text without its fenced blocks
+    blocks: tuple[Block, ...]
+
+    def lines(self) -> list[str]:
+        """Its bash lines (continued lines joined), in the order written."""
+        return [line for b in self.blocks if b.lang == "bash" for line in b.text.replace("\\\n", " ").splitlines()
+                if line.strip()]
+
+    def commands(self) -> list[list[str]]:
+        """Its bash commands, in the order written."""
+        return [argv for line in self.lines() for argv in commands(line)]
+
+
+def section(title: str, markdown: str = "") -> Section:
+    """The README's section headed ``title`` (any level: ``### Your own text``)."""
+    markdown = markdown or TEXT
+    lines = prose(markdown).splitlines()
+    heads = [(i + 1, len(m[1]), m[2].strip()) for i, line in enumerate(lines) if (m := re.match(r"^(#+) (.+)$", line))]
+    at = [k for k, (_, _, t) in enumerate(heads) if t == title]
+    assert len(at) == 1, f"the README should have one section '{title}', it has {len(at)}"
+    first, level, _ = heads[at[0]]
+    last = next((line - 1 for line, lv, _ in heads[at[0] + 1:] if lv <= level), len(lines))
+    blocks = tuple(b for b in fenced_blocks(markdown) if first < b.line <= last)
+    return Section(title, first, last, "\n".join(lines[first - 1:last]), blocks)
+
+
 # ---------------------------------------------------------------------- what the commands name
 
 def fill(arg: str) -> str:

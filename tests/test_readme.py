@@ -16,22 +16,29 @@ unchecked.
 * ``python``: it compiles and its imports resolve; :mod:`test_readme_runs` runs it on a model it trained.
 
 Inline code that reads as a command (``potluck ...``, ``python -m ...``), a flag (``--host ...``)
-or a config field (``data.path``, ``admission.mode = "private"``) is checked the same way. The slow
-tests, which train the README's runs with a real coordinator and peers and run its status, export and
-Python lines against them, are in :mod:`test_readme_runs`; what both read of the README, in :mod:`readme`.
+or a config field (``data.path``, ``admission.mode = "private"``) is checked the same way.
+
+One slow test here runs "A real run" as a new user would, its sections in order in one folder, with real
+coordinators and peers, and checks that each ends as the README says. The other slow tests, which train
+single runs of the README and compare what they make, are in :mod:`test_readme_runs`; what both read of
+the README, in :mod:`readme`.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import hashlib
 import importlib
 import importlib.util
+import json
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import tomllib
+from dataclasses import dataclass
 from importlib.metadata import packages_distributions
 from pathlib import Path
 from typing import Annotated, Any
@@ -46,19 +53,24 @@ from readme import (
     REPO,
     TEXT,
     Block,
+    Section,
     commands,
     inline_code,
     parse,
     potluck_exe,
+    section,
     subparsers,
 )
 
 from potluck.cli import UsageError
 from potluck.coordinator import bootstrap
+from potluck.local import get_state, wait_for
+from potluck.procs import ProcessGroup
 from potluck.protos.config.files import apply_overrides, load_config
 from potluck.protos.config.runcheck import check_run
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.net.identity import Identity
+from potluck.protos.net.probe import Answer, Kind
 
 CI = REPO / ".ci" / "run"
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
@@ -97,6 +109,7 @@ def run_potluck(argv: list[str], sandbox: Path, monkeypatch: pytest.MonkeyPatch)
         m.chdir(sandbox)
         m.setattr(stand_ins[args.command], start)
         m.setattr("potluck.peer.keyfile.load_identity", lambda path="": Identity.generate())  # not the user's key
+        m.setattr("potluck.protos.net.probe.probe", lambda *a, **k: Answer(Kind.UNKNOWN))  # (no coordinator to ask)
         try:
             args.fn(args)
         except UsageError as err:
@@ -382,3 +395,261 @@ SUBCOMMANDS = sorted({argv[1] for argv in BASH if argv[0] == "potluck"}
 def test_the_installed_command_answers(sub: str, tmp_path: Path) -> None:
     done = subprocess.run([potluck_exe(), sub, "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.startswith(f"usage: potluck {sub}"), done.stderr
+
+
+# ---------------------------------------------------------------------- the sections, for real, in order
+
+REAL_RUN = ("On one machine first", "Volunteers on other machines", "Your own text", "Real data: token shards",
+            "Train a real model")
+# What a test must change in a section's coordinator command, and nothing else: its fixed public ports become
+# any free ones on 127.0.0.1 (the README's own default), and its training is shortened where the README's is long.
+SHORTER = {"Volunteers on other machines": {"diloco.outer_steps": 2, "diloco.inner_steps": 5},
+           "Your own text": {"diloco.outer_steps": 2, "diloco.inner_steps": 5},
+           "Real data: token shards": {"diloco.outer_steps": 2, "diloco.inner_steps": 5},
+           "Train a real model": {"diloco.outer_steps": 1, "diloco.inner_steps": 2}}
+LOCAL = {"--host": "127.0.0.1", "--dht-port": "0", "--grpc-port": "0", "--status-port": "0"}
+JOIN_PLACEHOLDER = re.compile(r"/ip4/[\d.]+/tcp/(\d+|PORT)/p2p/12D3KooW\.\.\.")
+
+
+@dataclass
+class Printed:
+    """What a coordinator printed at start-up: ``potluck coordinator ready`` and the lines below it."""
+
+    run: str
+    join: str
+    status: str
+    start_a_peer: str
+    notes: list[str]
+
+    @classmethod
+    def read(cls, log: str) -> Printed | None:
+        block = log[log.find("potluck coordinator ready"):] if "potluck coordinator ready" in log else ""
+        fields = dict(re.findall(r"^  ([\w ]+): +(.*)$", block, re.MULTILINE))
+        if "start a peer" not in fields:
+            return None
+        notes = re.findall(r"^ {16}\((.*)\)$", block, re.MULTILINE)
+        return cls(fields["run"], fields["join address"], fields["status page"], fields["start a peer"], notes)
+
+
+class Newcomer:
+    """Someone following the README from the top, in one folder (``root``), each command as written and in turn:
+    potluck's processes through ``procs`` (reaped whatever happens), their output in ``logs``."""
+
+    def __init__(self, root: Path, procs: ProcessGroup, home: Path) -> None:
+        self.root, self.procs, self.env = root, procs, {"HOME": str(home)}  # (a peer's key goes to ~/.potluck)
+        self.logs = root.parent / "logs"
+        self.logs.mkdir(exist_ok=True)
+        self.count = 0
+        self.coordinator: subprocess.Popen | None = None
+        self.printed: Printed | None = None
+
+    def start(self, argv: list[str]) -> tuple[subprocess.Popen, Path]:
+        assert argv[0] == "potluck", argv
+        self.count += 1
+        log = self.logs / f"{self.count:02d}-{'-'.join(w for w in argv[1:3] if re.fullmatch('[a-z]+', w))}.log"
+        log.write_text(f"$ {shlex.join(argv)}\n")
+        return self.procs.spawn_potluck(argv[1:], log, self.env), log
+
+    def run(self, argv: list[str], timeout: float) -> str:
+        """``argv`` to its end: what it printed (it must exit 0)."""
+        proc, log = self.start(argv)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{shlex.join(argv)} still runs after {timeout:.0f} s:\n{tail(log)}")
+        assert code == 0, f"{shlex.join(argv)} exited with {code}:\n{tail(log)}"
+        return log.read_text()
+
+    def start_coordinator(self, argv: list[str]) -> Printed:
+        proc, log = self.start(argv)
+        self.coordinator = proc
+        printed = wait_for(lambda: Printed.read(log.read_text()) or proc.poll() is not None, 120,
+                           f"{shlex.join(argv)} to print its start-a-peer line")
+        assert isinstance(printed, Printed), f"{shlex.join(argv)} exited with {proc.returncode}:\n{tail(log)}"
+        self.printed = printed
+        return printed
+
+    def state(self) -> dict[str, Any]:
+        assert self.printed is not None
+        state = get_state(self.printed.status)
+        assert state is not None, f"no state from {self.printed.status}"
+        return state
+
+    def ctrl_c(self) -> None:
+        """Stop the coordinator as the README says (Ctrl+C): it exits 0."""
+        assert self.coordinator is not None and self.coordinator.poll() is None, "the coordinator exited by itself"
+        self.coordinator.send_signal(signal.SIGINT)
+        assert self.coordinator.wait(timeout=60) == 0
+        self.coordinator = None
+
+
+def tail(log: Path, lines: int = 60) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def localized(argv: list[str], title: str) -> list[str]:
+    """A section's coordinator command with this test's changes: see LOCAL and SHORTER."""
+    out = [LOCAL.get(argv[i - 1], a) if i else a for i, a in enumerate(argv)]
+    for key, value in SHORTER.get(title, {}).items():
+        out += ["--set", f"{key}={value}"]
+    return out
+
+
+def joined(argv: list[str], printed: Printed) -> list[str]:
+    """A README peer command with the join address the coordinator printed in place of its placeholder."""
+    at = argv.index("--join") + 1
+    assert JOIN_PLACEHOLDER.fullmatch(argv[at]), f"{shlex.join(argv)}: not a join address placeholder"
+    return [*argv[:at], printed.join, *argv[at + 1:]]
+
+
+def python_blocks(sec: Section) -> list[Block]:
+    return [b for b in sec.blocks if b.lang == "python"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_real_run_sections_run_in_order_in_one_folder(procs: ProcessGroup, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new user runs "A real run" from the top, in one folder, each section's commands as written: its coordinator,
+    a peer (the section's own command, else the ``start a peer:`` line the coordinator printed), then its status,
+    export and generate lines and its Python blocks; and each section ends as the README says it does. (A user who
+    did so found the volunteers' coordinator resuming the first run, already over: its peer said "done at version 0".)
+
+    Changed from the README, and only so: the volunteers' coordinator binds 127.0.0.1 and any free ports instead of
+    its public ones, the join address and status page are the printed ones instead of the README's placeholders,
+    and every run but the first trains a couple of outer steps (SHORTER). The README's other ways to start a peer
+    (``--relay``) and its run files for the same runs are checked by test_block, not run."""
+    (tmp_path / "work").mkdir()
+    root = clone(tmp_path / "work")
+    home = tmp_path / "home"
+    monkeypatch.chdir(root)  # (where potluck's processes start)
+    user = Newcomer(root, procs, home)
+    try:
+        first_run(user, section(REAL_RUN[0]))
+        volunteers(user, section(REAL_RUN[1]))
+        own_text(user, section(REAL_RUN[2]))
+        shards(user, section(REAL_RUN[3]))
+        real_model(user, section(REAL_RUN[4]))
+    except BaseException:
+        procs.stop()
+        for log in sorted(user.logs.glob("*.log")):
+            print(f"===== {log.name} =====\n{tail(log, 80)}")
+        raise
+
+
+def trains_to_the_end(user: Newcomer, argv: list[str], outer_steps: int) -> dict[str, Any]:
+    """``potluck peer ...`` trains the run's ``outer_steps`` and exits 0; the run's state then."""
+    user.run(argv, timeout=300)
+    state = wait_for(lambda: (s := user.state())["run"]["finished"] and s, 60, "the run to be finished")
+    assert [h["step"] for h in state["history"]] == list(range(1, outer_steps + 1)), state["history"]
+    return state
+
+
+def a_new_run(printed: Printed, run_id: str, outer_steps: int) -> None:
+    assert printed.run == f"{run_id} (outer step 0 of {outer_steps})", f"not a new run: {printed.run}"
+
+
+def run_id(user: Newcomer, coordinator: list[str]) -> str:
+    return load_config(user.root / parse(coordinator[1:]).config).run_id
+
+
+def first_run(user: Newcomer, sec: Section) -> None:
+    coordinator, shown_peer, export = sec.commands()
+    cfg = load_config(user.root / parse(coordinator[1:]).config)
+    claimed = re.search(r"trains the (\d+) outer steps of `([^`]+)`", sec.prose)
+    assert claimed and int(claimed[1]) == cfg.diloco.outer_steps and claimed[2] == coordinator[3], claimed
+
+    printed = user.start_coordinator(localized(coordinator, sec.title))
+    a_new_run(printed, cfg.run_id, cfg.diloco.outer_steps)
+    shape = re.escape(shlex.join(shown_peer)).replace("PORT", r"\d+").replace(r"12D3KooW\.\.\.", r"12D3KooW\w{44}")
+    assert re.fullmatch(shape, printed.start_a_peer), (printed.start_a_peer, shlex.join(shown_peer))
+    peer = shlex.split(printed.start_a_peer)  # "run it in a second terminal"
+    trains_to_the_end(user, peer, cfg.diloco.outer_steps)
+    assert user.coordinator is not None and user.coordinator.poll() is None, "it keeps serving until Ctrl+C"
+    user.ctrl_c()
+
+    shown = user.run(export, timeout=120)  # the trained model: the run's last version
+    assert f"wrote v{cfg.diloco.outer_steps} " in shown and (user.root / export[export.index("--out") + 1]).is_file()
+    for block in python_blocks(sec):
+        done = subprocess.run([sys.executable, "-c", block.text], cwd=user.root, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, f"{block}:\n{done.stderr}"
+
+
+def volunteers(user: Newcomer, sec: Section) -> None:
+    coordinator, peer, relayed, status = sec.commands()
+    assert "--relay" in relayed  # another way to start the same peer: checked by test_block
+    journal = user.root / (parse(coordinator[1:]).journal_dir or "potluck-run")
+    first = user.root / "potluck-run"
+    before = {p: p.read_bytes() for p in first.glob("*.json")}
+    printed = user.start_coordinator(localized(coordinator, sec.title))
+    cfg = load_config(user.root / parse(coordinator[1:]).config)
+    outer_steps = SHORTER[sec.title]["diloco.outer_steps"]
+    a_new_run(printed, cfg.run_id, outer_steps)
+    assert journal.is_dir() and {p: p.read_bytes() for p in first.glob("*.json")} == before  # the first run's, untouched
+    trains_to_the_end(user, joined(peer, printed), outer_steps)
+
+    url = [a for a in status if a.startswith("http")]
+    assert len(url) == 1, status
+    wait_for(lambda: user.state()["run"]["model_export"]["version"], 60, "the final checkpoint")
+    shown = user.run([printed.status if a in url else a for a in status], timeout=60)
+    export = f"potluck export --journal-dir {journal.name} --out model.pt"
+    assert f"run {cfg.run_id} " in shown and "FINISHED" in shown and export in shown, shown
+    user.ctrl_c()
+    # "Started again with the same command ... a join address survives a restart" (ports left to the system here)
+    again = user.start_coordinator(localized(coordinator, sec.title))
+    assert again.join == printed.join and again.run == f"{cfg.run_id} (outer step {outer_steps} of {outer_steps})"
+    user.ctrl_c()
+
+
+def own_text(user: Newcomer, sec: Section) -> None:
+    cat, coordinator, peer = sec.commands()
+    run_cat(next(line for line in sec.lines() if commands(line) == [cat]), user.root)  # through bash, as written
+    corpus = user.root / cat[-1]
+    printed = user.start_coordinator(localized(coordinator, sec.title))
+    a_new_run(printed, run_id(user, coordinator), SHORTER[sec.title]["diloco.outer_steps"])
+    assert f"--data-path {corpus.resolve()}" in printed.start_a_peer, printed.start_a_peer
+    sha = hashlib.sha256(corpus.read_bytes()).hexdigest()
+    assert any(sha in note for note in printed.notes), printed.notes  # the corpus `cat` made, by its sha256
+    state = trains_to_the_end(user, joined(peer, printed), SHORTER[sec.title]["diloco.outer_steps"])
+    assert state["run"]["data"]["source"] == "bytes" and state["run"]["model"]["vocab_size"] == 256, state["run"]
+    user.ctrl_c()
+
+
+def shards(user: Newcomer, sec: Section) -> None:
+    prepare, coordinator = sec.commands()
+    shown = user.run(prepare, timeout=120)
+    folder = user.root / prepare[prepare.index("--out") + 1]
+    index = json.loads((folder / "index.json").read_text())
+    printed = user.start_coordinator(localized(coordinator, sec.title))
+    a_new_run(printed, run_id(user, coordinator), SHORTER[sec.title]["diloco.outer_steps"])
+    state = trains_to_the_end(user, shlex.split(printed.start_a_peer), SHORTER[sec.title]["diloco.outer_steps"])
+    run = state["run"]
+    assert run["data"]["source"] == "shards" and run["eval_loss"] is not None and run["eval_perplexity"], run
+    assert index["splits"]["eval"], index  # (--eval-fraction: the held-out split the eval loss is of)
+    assert f"index sha256 {hashlib.sha256((folder / 'index.json').read_bytes()).hexdigest()}" in shown, shown
+    user.ctrl_c()
+
+
+def real_model(user: Newcomer, sec: Section) -> None:
+    coordinator, export, generate = sec.commands()
+    cfg = load_config(user.root / parse(coordinator[1:]).config)
+    outer_steps = SHORTER[sec.title]["diloco.outer_steps"]
+    # (the first run's "--exit-when-finished makes it exit too", here: the state is read before the run ends)
+    printed = user.start_coordinator(localized(coordinator, sec.title) + ["--exit-when-finished"])
+    a_new_run(printed, cfg.run_id, outer_steps)
+    model = user.state()["run"]["model"]
+    claimed = re.search(r"trains a ([\d.]+)M-parameter", sec.prose)
+    assert claimed and f"{model['parameters'] / 1e6:.1f}" == claimed[1] and model["family"] == "llama", (claimed, model)
+    user.run(shlex.split(printed.start_a_peer), timeout=300)
+    assert user.coordinator is not None and user.coordinator.wait(timeout=60) == 0
+
+    shown = user.run(export, timeout=300)
+    assert f"wrote v{outer_steps} " in shown and (user.root / export[export.index("--out") + 1] / "config.json").is_file()
+    shown = user.run(generate, timeout=300)
+    prompt = generate[generate.index("--prompt") + 1]
+    assert shown.splitlines()[1].startswith(prompt), shown  # (under the command line the log starts with)
+    for block in python_blocks(sec):
+        done = subprocess.run([sys.executable, "-c", block.text], cwd=user.root, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, f"{block}:\n{done.stderr}"

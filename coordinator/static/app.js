@@ -255,6 +255,8 @@
     const join = !r.finished && r.join_address;
     $("join").hidden = !join;
     setText("join-cmd", join ? "potluck peer --join " + r.join_address : "");
+    setText("join-notes", !join ? "" : [r.admission === "private" && "a private run: potluck peer also needs --token, with the token its operator hands out",
+      r.data && r.data.source === "bytes" && "a run on a text file: potluck peer also needs --data-path, with your copy of it"].filter(Boolean).join("; "));
     const ex = r.model_export || {};
     $("model-howto").hidden = !r.finished;
     setText("model-howto-text", !r.finished ? "" : ex.version
