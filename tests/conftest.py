@@ -20,7 +20,10 @@ ARTIFACTS = Path(os.environ.get("POTLUCK_ARTIFACTS", Path(__file__).resolve().pa
 
 
 @pytest.fixture
-def procs() -> Iterator[ProcessGroup]:
+def procs(request: pytest.FixtureRequest) -> Iterator[ProcessGroup]:
+    if request.node.get_closest_marker("slow") is None:  # the fast tier starts no coordinator and no peer
+        pytest.fail(f"{request.node.nodeid} starts potluck processes (the procs or swarm fixture): mark it "
+                    "@pytest.mark.slow, so `pytest -m 'not slow'` stays the quick loop", pytrace=False)
     group = ProcessGroup(fork=True)
     try:
         yield group

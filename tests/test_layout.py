@@ -141,3 +141,19 @@ def test_no_file_cites_a_document_outside_the_repository() -> None:
         cited += [f"{name}:{i}: {line.strip()}" for i, line in enumerate(text.splitlines(), 1)
                   if any(word in line for word in OUTSIDE)]
     assert not cited, "\n".join(cited)
+
+
+def test_every_test_that_starts_a_swarm_is_marked_slow() -> None:
+    """The fast tier (``-m "not slow"``) starts no coordinator and no peer: a test taking the ``procs`` or ``swarm``
+    fixture is marked slow (the fixture itself fails an unmarked one at run time; this finds them all at once)."""
+    unmarked = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        module_slow = any(isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)
+                          and "slow" in ast.unparse(n.value) for n in tree.body)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test"):
+                starts = {a.arg for a in node.args.args} & {"procs", "swarm"}
+                if starts and not module_slow and not any("slow" in ast.unparse(d) for d in node.decorator_list):
+                    unmarked.append(f"{path.name}::{node.name} ({', '.join(sorted(starts))})")
+    assert not unmarked, unmarked
