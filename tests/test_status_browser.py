@@ -74,13 +74,23 @@ def serve(state: dict[str, Any], **kw: Any) -> StatusServer:
     return StatusServer("127.0.0.1", 0, lambda: state, **kw)
 
 
+def until(page: Page, expression: str, timeout_s: float = 30.0) -> None:
+    """Wait until ``expression`` is true in the page, asked from here. (Playwright's ``wait_for_function`` polls inside
+    the page with ``new Function``, which the page's CSP forbids: it failed whenever the condition was not already
+    true at its first look, on a loaded box.)"""
+    deadline = time.monotonic() + timeout_s
+    while not page.evaluate(expression):
+        assert time.monotonic() < deadline, f"not true within {timeout_s:.0f} s: {expression}"
+        page.wait_for_timeout(50)
+
+
 def load_timing(page: Page, url: str) -> dict[str, float]:
     """Navigate and return the page's own marks (ms after navigation start) plus the test's wall time."""
     t0 = time.perf_counter()
     page.goto(url)
     page.wait_for_selector("[data-testid=peer-row]")
     wall_ms = (time.perf_counter() - t0) * 1000
-    page.wait_for_function("window.potluck.firstRenderMs !== null")
+    until(page, "window.potluck.firstRenderMs !== null")
     timing: dict[str, float] = page.evaluate(
         "({message: potluck.firstMessageMs, table: potluck.firstTableMs, all: potluck.firstRenderMs, render: potluck.renderMs})")
     return {**timing, "wall": wall_ms}
@@ -115,7 +125,7 @@ def test_thousand_peers_render_fast_and_paginate(page: Page, errors: list[str], 
         first_page = rows.first.get_attribute("data-peer-id")
         page.click("[data-testid=page-next]")
         assert info.get_attribute("data-page") == "2"
-        page.wait_for_function(f"document.querySelector('[data-testid=peer-row]').dataset.peerId === '{state['_peers'][50]['id']}'")
+        until(page, f"document.querySelector('[data-testid=peer-row]').dataset.peerId === '{state['_peers'][50]['id']}'")
         assert rows.first.get_attribute("data-peer-id") == state["_peers"][50]["id"] != first_page
 
         cells = page.locator("[data-testid=grid-cell]")
@@ -166,7 +176,7 @@ def test_details_polling_fallback_and_untrusted_names(page: Page, errors: list[s
     try:
         page.goto(srv.url)
         page.wait_for_selector("[data-testid=peer-row]")
-        page.wait_for_function("window.potluck.mode === 'polling'")
+        until(page, "window.potluck.mode === 'polling'")
         assert page.inner_text("[data-testid=waiting-reason]") == "Waiting: waiting for peers: 1 of 2 needed to start"
         assert page.locator("[data-testid=finished-badge]").is_hidden()
         assert page.locator("[data-testid=insecure-badge]").is_visible()  # plaintext gRPC: said at the top

@@ -38,8 +38,9 @@ def test_page_shows_every_peer_and_a_killed_one_turns_lost(swarm, tmp_path: Path
             for pid in ids:
                 expect(page.locator(f'[data-testid=peer-row][data-peer-id="{pid}"]')).to_have_count(1, timeout=15_000)
                 expect(page.locator(f'[data-testid=grid-cell][data-peer-id="{pid}"]')).to_have_count(1)
-            page.wait_for_function(
-                "() => Number(document.querySelector('[data-testid=loss-chart]').dataset.points) >= 2", timeout=15_000)
+            # (asked from here: Playwright's wait_for_function polls with new Function, which the page's CSP forbids)
+            swarm.wait_for(lambda: page.evaluate(
+                "Number(document.querySelector('[data-testid=loss-chart]').dataset.points) >= 2"), 15, "2 points in the loss chart")
             expect(page.locator("[data-testid=stat-horizon]")).to_contain_text("run ends in ~")
             page.screenshot(path=str(artifacts / "swarm-running.png"), full_page=True)
 
