@@ -97,6 +97,7 @@ def test_real_nodes_keep_the_victims_heartbeat_and_drop_the_forgeries() -> None:
         a.shutdown()
 
 
+@pytest.mark.slow
 def test_a_frozen_dht_process_is_a_clear_timeout_not_a_hang() -> None:
     """A DHT process that stops answering (SIGSTOP: a wedged p2pd or a swapped-out child) must not take
     the caller with it: every call says so within ``call_timeout_s``, and works again once it answers."""

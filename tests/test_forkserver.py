@@ -29,6 +29,7 @@ def coordinator_args(tmp_path: Path) -> list[str]:
     return ["coordinator", "--config", str(run_file), "--ready-file", str(tmp_path / "ready.json")]
 
 
+@pytest.mark.slow
 def test_a_forked_process_is_potluck_with_its_own_arguments_environment_directory_log_and_session(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
@@ -53,6 +54,7 @@ def test_a_forked_process_is_potluck_with_its_own_arguments_environment_director
         wait_for(lambda: not group_alive(coord.pid), 20, "the coordinator's DHT process and p2pd to go")
 
 
+@pytest.mark.slow
 def test_a_killed_child_reports_its_signal_and_a_killed_server_takes_its_children_along(tmp_path: Path) -> None:
     server = ForkServer()
     try:
@@ -74,6 +76,7 @@ def test_a_killed_child_reports_its_signal_and_a_killed_server_takes_its_childre
         server.stop()
 
 
+@pytest.mark.slow
 def test_a_malformed_request_is_refused_and_the_server_serves_the_next(tmp_path: Path) -> None:
     server = ForkServer()
     try:
@@ -93,6 +96,7 @@ def test_a_malformed_request_is_refused_and_the_server_serves_the_next(tmp_path:
         server.stop()
 
 
+@pytest.mark.slow
 def test_the_fork_server_can_be_turned_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("POTLUCK_FORKSERVER", "0")
     with ProcessGroup(fork=True) as procs:
@@ -118,6 +122,7 @@ print("own locks")
 """
 
 
+@pytest.mark.slow
 def test_a_forked_process_owns_hivemind_s_locks() -> None:
     """hivemind makes its process-wide multiprocessing locks at import: every fork of the server would share the
     server's, and a peer SIGKILLed while it held one hung the DHT start of the next coordinator (3 failures in

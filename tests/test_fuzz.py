@@ -146,6 +146,7 @@ def valid_contribution(sender: str) -> list[pb.ShardChunk]:
     return signed(chunks, key) if key is not None else chunks
 
 
+@pytest.mark.slow
 @CASES
 @given(st.builds(pb.PingRequest, header=headers, sent_at=st.floats(allow_nan=True), padding=blobs,
                  reply_bytes=st.integers(-(2**31), 2**31 - 1)))
@@ -153,6 +154,7 @@ def test_ping(peer: FuzzedPeer, request: pb.PingRequest) -> None:
     call(peer, "Ping", request)
 
 
+@pytest.mark.slow
 @CASES
 @given(st.lists(chunks, min_size=0, max_size=3), st.integers(0, 2**32))
 def test_push_contribution(peer: FuzzedPeer, stream: list[pb.ShardChunk], seed: int) -> None:
@@ -160,6 +162,7 @@ def test_push_contribution(peer: FuzzedPeer, stream: list[pb.ShardChunk], seed: 
     call(peer, "PushContribution", [mutated(c, seed) for c in valid_contribution(STRANGER)], stream=True)
 
 
+@pytest.mark.slow
 @CASES
 @given(st.lists(chunks, min_size=0, max_size=3), st.integers(0, 2**32))
 def test_push_result(peer: FuzzedPeer, stream: list[pb.ShardChunk], seed: int) -> None:
@@ -167,18 +170,21 @@ def test_push_result(peer: FuzzedPeer, stream: list[pb.ShardChunk], seed: int) -
     call(peer, "PushResult", [mutated(c, seed) for c in valid_contribution(STRANGER)], stream=True)
 
 
+@pytest.mark.slow
 @CASES
 @given(st.builds(pb.ResultRequest, header=headers, shard=int32s, num_shards=int32s))
 def test_fetch_result(peer: FuzzedPeer, request: pb.ResultRequest) -> None:
     call(peer, "FetchResult", request, response_stream=True)
 
 
+@pytest.mark.slow
 @CASES
 @given(st.builds(pb.InputsRequest, header=headers, shard=int32s, num_shards=int32s, attempt=int32s))
 def test_fetch_inputs(peer: FuzzedPeer, request: pb.InputsRequest) -> None:
     call(peer, "FetchInputs", request, response_stream=True)
 
 
+@pytest.mark.slow
 @CASES
 @given(st.builds(pb.StateInfoRequest, header=headers, stage=st.integers(-3, 3), version=st.one_of(st.none(), ints)))
 def test_get_state_info(peer: FuzzedPeer, request: pb.StateInfoRequest) -> None:
@@ -189,10 +195,12 @@ def test_get_state_info(peer: FuzzedPeer, request: pb.StateInfoRequest) -> None:
 @given(st.builds(pb.StateRequest, header=headers, version=ints, stage=st.integers(-3, 3),
                  ranges=st.lists(st.builds(pb.Range, name=st.sampled_from(["theta", "momentum", "x", ""]),
                                            offset=ints, numel=ints), max_size=3)))
+@pytest.mark.slow
 def test_fetch_state(peer: FuzzedPeer, request: pb.StateRequest) -> None:
     call(peer, "FetchState", request, response_stream=True)
 
 
+@pytest.mark.slow
 @CASES
 @given(pipes, st.lists(st.integers(-2, 1 << 40), max_size=6), st.integers(0, 2**32))
 def test_push_pipe(peer: FuzzedPeer, message: pb.PipeMessage, sizes: list[int], seed: int) -> None:

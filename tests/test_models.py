@@ -191,6 +191,7 @@ def test_pretrained_weights_that_do_not_fit_are_refused(hf_dirs, tmp_path) -> No
     json.loads((bad / "config.json").read_text())
 
 
+@pytest.mark.slow
 def test_an_exported_folder_generates_and_loads_back_bit_exact(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import subprocess
     import sys

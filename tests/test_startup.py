@@ -40,6 +40,7 @@ def _hang_start(monkeypatch: pytest.MonkeyPatch, nth: int) -> None:
     monkeypatch.setattr(faults, "_pending", faults.parse(f"dht.start@{dht_starts() + nth}:hang"))
 
 
+@pytest.mark.slow
 def test_a_start_after_a_failed_rejoin_that_hangs_is_a_join_error_within_the_timeout(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _hang_start(monkeypatch, 2)  # the rejoin (start 1) fails on its own; the new swarm's start (2) hangs

@@ -312,6 +312,7 @@ def test_export_cli_refuses_in_one_line(tmp_path: Path) -> None:
     assert (tmp_path / "model.pt").read_text() == "keep me"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("out, family, data", [("model.pt", "tiny", ""), ("model.safetensors", "tiny", "markov"),
                                                ("model-hf", "llama", "bytes"), ("hf-ids", "llama", "markov")])
 def test_export_prints_lines_that_load_what_it_wrote(tmp_path: Path, out: str, family: str, data: str) -> None:
