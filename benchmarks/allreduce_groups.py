@@ -42,7 +42,7 @@ from benchargs import bench_parser
 from diloco_allreduce import Member  # (benchmarks/ is on the path of a script run from it)
 
 from potluck.compression.int8 import Int8BlockCodec
-from potluck.coordinator.groups import partition
+from potluck.coordinator.rounds.groups import partition
 from potluck.peer.allreduce import MemberAddr, RoundInfo
 from potluck.protos.net.certs import CertificateAuthority
 

@@ -29,7 +29,7 @@ def measure_spread(members: int, group_size: int, numel: int, block: int, rounds
                    procs: int) -> dict:
     """Median wall time and mean bytes per member of ``rounds`` all-reduces (after a warm-up), members in
     ``procs`` worker processes."""
-    from potluck.coordinator.groups import partition
+    from potluck.coordinator.rounds.groups import partition
     from potluck.peer.shards import MemberAddr, RoundInfo
 
     ctx = mp.get_context("spawn")

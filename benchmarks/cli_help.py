@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from potluck.cli import build_parser
-from potluck.coordinator.journal import Journal, JournalState
+from potluck.coordinator.store.journal import Journal, JournalState
 from potluck.protos.config.files import apply_overrides, dump_toml
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.net.identity import Identity

@@ -4,7 +4,7 @@ Two real swarms (a coordinator and ``--peers`` peer processes, hivemind DHT, gRP
 S = 1, the same model, data, seed and number of outer and inner steps, so the same tokens:
 
 * ``grouped``: ``sync.group_size = --group-size``: each outer step every member averages with its
-  group only (rows on odd steps, diagonals on even ones; :mod:`potluck.coordinator.groups`), and the
+  group only (rows on odd steps, diagonals on even ones; :mod:`potluck.coordinator.rounds.groups`), and the
   groups end each step with different states;
 * ``full``: ``sync.group_size = 0``: every step averages all members (today's all-reduce).
 

@@ -20,7 +20,7 @@ from typing import Any
 from benchargs import bench_parser
 from hivemind.utils import MSGPackSerializer
 
-from potluck.coordinator.publisher import Publisher
+from potluck.coordinator.swarm.publisher import Publisher
 from potluck.peer.heartbeat import Heartbeat
 from potluck.protos.net.dhtguard import run_key
 from potluck.protos.net.identity import Identity

@@ -1,10 +1,10 @@
 """The scheduler with measured compute: does pricing each device's speed place a slow one where it hurts least?
 
-Random WAN topologies (``coordinator/topology.py``: devices on a plane, delay by distance, log-normal uplinks),
+Random WAN topologies (``coordinator/placement/topology.py``: devices on a plane, delay by distance, log-normal uplinks),
 ``--stages`` x ``--replicas`` tasklets on that many devices plus ``--spare`` more, all of one speed but one,
 ``--slow`` times slower (as a weaker GPU, or a peer measured 4x slower by its ``busy_s``). For each topology the
 evolutionary search runs twice with the same budget and seed: once given the devices' speeds (what live
-placement now feeds it, :func:`potluck.coordinator.placement.compute_speeds`) and once without (what it did
+placement now feeds it, :func:`potluck.coordinator.placement.placement.compute_speeds`) and once without (what it did
 before). Both plans are then priced by the cost model *with* the speeds, the swarm's real cost: the figure is
 the ratio (aware / blind; <= 1 is at least as good) and how often the aware plan keeps the slow device out of
 the grid when it can. Baseline (blind) and figure come from the same run.
@@ -25,9 +25,9 @@ import sys
 import numpy as np
 from benchargs import bench_parser
 
-from potluck.coordinator.costmodel import CostModel, Topology
-from potluck.coordinator.scheduler import evolutionary_search
-from potluck.coordinator.topology import generate_random_topology
+from potluck.coordinator.placement.costmodel import CostModel, Topology
+from potluck.coordinator.placement.scheduler import evolutionary_search
+from potluck.coordinator.placement.topology import generate_random_topology
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Tasklet scheduler: how far the evolutionary search lands from the best known plan, per family of swarm.
 
 For every family, size and seed it generates one topology and job shape, runs
-:func:`~potluck.coordinator.scheduler.evolutionary_search` for ``--budget`` seconds (a fresh
+:func:`~potluck.coordinator.placement.scheduler.evolutionary_search` for ``--budget`` seconds (a fresh
 cost model, as ``potluck schedule`` does) and compares its cost with a *reference* found in the
 same run, in ``--long-factor`` times the budget, as the best cost of:
 
@@ -73,8 +73,8 @@ from typing import Any
 import numpy as np
 from scheduler_swarms import FAMILIES, SCALE_FROM, Instance, Swarm, generate, job_shape, scale_job_shape  # noqa: F401  (benchmarks/ is on the path of a script run from it)
 
-from potluck.coordinator.costmodel import CostModel, Topology, canonical, plan_cost
-from potluck.coordinator.scheduler import (
+from potluck.coordinator.placement.costmodel import CostModel, Topology, canonical, plan_cost
+from potluck.coordinator.placement.scheduler import (
     Groups,
     blocks_layout,
     evolutionary_search,

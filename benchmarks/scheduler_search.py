@@ -24,9 +24,13 @@ from typing import Any
 
 import numpy as np
 
-from potluck.coordinator.costmodel import Topology, plan_cost
-from potluck.coordinator.scheduler import blocks_layout, evolutionary_search, random_search
-from potluck.coordinator.topology import generate_geo_topology, generate_random_topology, is_region_layout
+from potluck.coordinator.placement.costmodel import Topology, plan_cost
+from potluck.coordinator.placement.scheduler import blocks_layout, evolutionary_search, random_search
+from potluck.coordinator.placement.topology import (
+    generate_geo_topology,
+    generate_random_topology,
+    is_region_layout,
+)
 
 
 def topologies(seed: int) -> list[tuple[str, Topology, int | None]]:

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from potluck.coordinator.costmodel import Topology
+from potluck.coordinator.placement.costmodel import Topology
 
 SCALE_FROM = 256  # devices; from here on, volunteer-swarm job shapes (scale_job_shape)
 

@@ -78,7 +78,7 @@ COORDINATOR = """
 import tempfile
 from pathlib import Path
 from potluck.compression.transfer import Snapshot, tensors_hash
-from potluck.coordinator.checkpoint import CheckpointStore, consolidate
+from potluck.coordinator.store.checkpoint import CheckpointStore, consolidate
 from potluck.models import entry_costs
 costs = entry_costs(cfg, "params")
 def stage(s):  # stage s's snapshot as the checkpointer receives it from its members

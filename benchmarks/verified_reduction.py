@@ -11,7 +11,7 @@ holds) and recomputes the result. Printed, per member and step (medians):
   ``time_ratio``: all-reduce + audit over the all-reduce (target <= 1.3);
 * ``bytes_ratio``: all-reduce + audit bytes over the all-reduce's (target <= 1.5);
 * the catch probability of a lying owner per step: measured over ``--draws`` draws of the coordinator's
-  own audit picker (:class:`potluck.coordinator.integrity.Integrity`) at ``--fraction``, against its
+  own audit picker (:class:`potluck.coordinator.trust.integrity.Integrity`) at ``--fraction``, against its
   analytic value (``fraction`` x the share of the liar's possible auditors that are honest), and, on the
   real path, the share of audited lies found (every one: the recomputation is exact).
 
@@ -31,8 +31,8 @@ from collections.abc import Iterator
 import torch
 
 from potluck.compression.int8 import Int8BlockCodec
-from potluck.coordinator.integrity import Integrity
-from potluck.coordinator.trust import Trust
+from potluck.coordinator.trust.integrity import Integrity
+from potluck.coordinator.trust.trust import Trust
 from potluck.peer.allreduce import AllReduce, MemberAddr, RoundInfo
 from potluck.peer.audit import Auditor
 from potluck.protos import potluck_pb2 as pb

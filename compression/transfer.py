@@ -81,7 +81,7 @@ class Snapshot:
 class SnapshotServer:
     """GetStateInfo / FetchState handlers over the latest published :class:`Snapshot`, and the one
     before it: a member one step ahead of a failed round rolls back to it, and its peers fetch it
-    from here (see :mod:`potluck.coordinator.rounds`)."""
+    from here (see :mod:`potluck.coordinator.rounds.rounds`)."""
 
     def __init__(self, run_id: str, chunk_bytes: int, keep: int = 1) -> None:
         self.run_id, self.chunk_bytes, self.keep = run_id, chunk_bytes, keep

@@ -23,21 +23,22 @@ from pathlib import Path
 from typing import Any, cast
 
 from potluck import __version__
-from potluck.coordinator import bootstrap, history, roundevents
-from potluck.coordinator.admission import Gatekeeper
-from potluck.coordinator.checkpointer import Checkpointer, Job
-from potluck.coordinator.finishing import Finish
+from potluck.coordinator import bootstrap
 from potluck.coordinator.health import Health
-from potluck.coordinator.integrity import Integrity
-from potluck.coordinator.journal import JournalError
-from potluck.coordinator.membership import PeerTable, announce, describe_round
-from potluck.coordinator.placement import PlacementWorker, grid_for, members
-from potluck.coordinator.publisher import Publisher
-from potluck.coordinator.reader import Reader
-from potluck.coordinator.rounds import Rounds
-from potluck.coordinator.service import IDLE_CONNECTION_S, CoordinatorService, Pinger
-from potluck.coordinator.snapshot import RunInfo, Series, build, export_command
-from potluck.coordinator.status import StatusServer
+from potluck.coordinator.placement.placement import PlacementWorker, grid_for, members
+from potluck.coordinator.rounds import history, roundevents
+from potluck.coordinator.rounds.finishing import Finish
+from potluck.coordinator.rounds.rounds import Rounds
+from potluck.coordinator.status.snapshot import RunInfo, Series, build, export_command
+from potluck.coordinator.status.status import StatusServer
+from potluck.coordinator.store.checkpointer import Checkpointer, Job
+from potluck.coordinator.store.journal import JournalError
+from potluck.coordinator.swarm.membership import PeerTable, announce, describe_round
+from potluck.coordinator.swarm.publisher import Publisher
+from potluck.coordinator.swarm.reader import Reader
+from potluck.coordinator.swarm.service import IDLE_CONNECTION_S, CoordinatorService, Pinger
+from potluck.coordinator.trust.admission import Gatekeeper
+from potluck.coordinator.trust.integrity import Integrity
 from potluck.protos.config.runconfig import CoordinatorConfig, RunConfig
 from potluck.protos.config.section import ConfigError
 from potluck.protos.net.errors import CannotBind

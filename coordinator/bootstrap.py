@@ -18,14 +18,20 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from potluck.coordinator import history
-from potluck.coordinator.checkpointer import Served
-from potluck.coordinator.journal import Journal, JournalState, changed_sections, kept_secret, write_atomic
 from potluck.coordinator.preflight import preflight
-from potluck.coordinator.rounds import Rounds
-from potluck.coordinator.snapshot import RunInfo
-from potluck.coordinator.status import StatusServer
-from potluck.coordinator.status_tls import status_tls
+from potluck.coordinator.rounds import history
+from potluck.coordinator.rounds.rounds import Rounds
+from potluck.coordinator.status.snapshot import RunInfo
+from potluck.coordinator.status.status import StatusServer
+from potluck.coordinator.status.status_tls import status_tls
+from potluck.coordinator.store.checkpointer import Served
+from potluck.coordinator.store.journal import (
+    Journal,
+    JournalState,
+    changed_sections,
+    kept_secret,
+    write_atomic,
+)
 from potluck.data import DataError
 from potluck.data.corpus import ShardCorpus, locate
 from potluck.protos.config.runcheck import file_identity, markov_identity, non_public

@@ -4,7 +4,7 @@
 or gRPC load and before its journal directory is touched, so a run that cannot work is refused in one
 line in well under a second: a corpus its peers could not train on (:func:`~potluck.protos.config.runcheck.check_run`),
 a model no peer could hold (:mod:`~potluck.models.sizecheck`), a journal directory that holds
-another run (:func:`~potluck.coordinator.journal.changed_sections`). The coordinator runs it again when
+another run (:func:`~potluck.coordinator.store.journal.changed_sections`). The coordinator runs it again when
 it opens the run (:func:`potluck.coordinator.bootstrap.open_journal`), where it logs what it found.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from potluck.coordinator.journal import changed_sections, read_journal
+from potluck.coordinator.store.journal import changed_sections, read_journal
 from potluck.models import sizecheck
 from potluck.protos.config.runcheck import check_run
 from potluck.protos.config.runconfig import RunConfig

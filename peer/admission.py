@@ -4,7 +4,7 @@ The request is a record signed by the peer's identity (``potluck/<coordinator>/a
 TLS key's public half and, for a private run, a proof that it knows the join token. The answer is
 the coordinator's certificate record (``potluck/<coordinator>/certs``), checked before use: signed
 by the coordinator, chaining to the CA in the run manifest, naming this peer and this TLS key.
-See :mod:`potluck.coordinator.admission` for the coordinator's side and the run's policy.
+See :mod:`potluck.coordinator.trust.admission` for the coordinator's side and the run's policy.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Every sample has an integer id and is a pure function of the data config and that id, so any peer
 can produce sample 1234 without coordination and AC-SGD can keep one buffer per id. Which ids a
 replica trains on in a step is the coordinator's decision (spans of the run's order, see
-:mod:`potluck.coordinator.cursor`), read here by :class:`SpanSampler`. Token shards
+:mod:`potluck.coordinator.rounds.cursor`), read here by :class:`SpanSampler`. Token shards
 (:mod:`potluck.data.corpus`) and byte files are memory-mapped, never read whole into RAM.
 
 The built-in source is a random Markov chain of order ``k`` over ``vocab_size`` tokens (Dirichlet

@@ -1,6 +1,6 @@
 """A peer's side of the round lifecycle: one pure state machine from the plan to the next action.
 
-The coordinator decides rounds (:mod:`potluck.coordinator.rounds`); a peer *follows* them. Given the
+The coordinator decides rounds (:mod:`potluck.coordinator.rounds.rounds`); a peer *follows* them. Given the
 plan it last read and the state it holds, :meth:`Follower.next` says what to do now, as one of::
 
     Finish                      the run is over

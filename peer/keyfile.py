@@ -2,7 +2,7 @@
 
 ``potluck peer`` claims it before anything heavy loads or its DHT node starts, so a second peer started
 with the same file on this machine is told at once, in one line, to use its own (``--identity FILE``).
-A copy of the file on another machine is the coordinator's to notice (:mod:`potluck.coordinator.admission`).
+A copy of the file on another machine is the coordinator's to notice (:mod:`potluck.coordinator.trust.admission`).
 """
 
 from __future__ import annotations

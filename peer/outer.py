@@ -6,7 +6,7 @@
     mean         <- all-reduce(delta)                   (int8 over gRPC; every member gets the same bits)
     theta_global <- Nesterov(theta_global, mean)        (lr 0.7, momentum 0.9 by default)
 
-With grouped averaging (``sync.group_size``, :mod:`potluck.coordinator.groups`) the members of a group
+With grouped averaging (``sync.group_size``, :mod:`potluck.coordinator.rounds.groups`) the members of a group
 hold different states (each the result of the group it averaged with last), so a group averages whole
 outer steps, not only pseudo-gradients::
 

@@ -102,8 +102,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     if args.insecure:
         extra["coordinator.insecure"] = True
     cfg = _run_config(args, extra)
-    from potluck.coordinator.journal import JournalError
     from potluck.coordinator.preflight import preflight
+    from potluck.coordinator.store.journal import JournalError
     from potluck.protos.config.section import ConfigError
 
     try:  # what refuses a run (no corpus, too big, another run's journal): before torch, hivemind or any write
@@ -364,7 +364,8 @@ def _add_peer(sub: Any) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from potluck import export, generate
-    from potluck.coordinator import schedule_cli, status_cli
+    from potluck.coordinator.placement import schedule_cli
+    from potluck.coordinator.status import status_cli
     from potluck.data import cli as data_cli
 
     p = Parser(prog="potluck", description=DESCRIPTION, epilog=QUICKSTART, formatter_class=HelpFormatter)

@@ -99,7 +99,7 @@ prints the lines that load it):
 
 
 def _newest(journal_dir: str | Path, step: int | None) -> tuple[Any, list[Path]]:
-    from potluck.coordinator.checkpoint import CheckpointStore
+    from potluck.coordinator.store.checkpoint import CheckpointStore
 
     store = CheckpointStore(Path(journal_dir) / "checkpoints")
     manifests = store.manifests()
@@ -144,7 +144,7 @@ def read_model(journal_dir: str | Path, step: int | None = None) -> tuple[dict[s
 
 def named_theta(snap: Any) -> dict[str, Any]:
     """The snapshot's parameters by their potluck names (``layers.<entry>.<name>``)."""
-    from potluck.coordinator.checkpoint import layer_of, split_by_layout
+    from potluck.coordinator.store.checkpoint import layer_of, split_by_layout
 
     layout = [(n, list(s)) for n, s in snap.meta["layout"]]
     named = split_by_layout(snap.tensors["theta"], layout)

@@ -20,8 +20,8 @@ import random
 import time
 from typing import Any
 
-from potluck.coordinator.horizons import horizon
-from potluck.coordinator.snapshot import inline_peers, peers_summary
+from potluck.coordinator.status.horizons import horizon
+from potluck.coordinator.status.snapshot import inline_peers, peers_summary
 
 _B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
 KINDS = ("activations", "gradients", "outer")

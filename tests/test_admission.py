@@ -1,4 +1,4 @@
-"""The coordinator's admission policy and evictions (coordinator/admission.py), without a swarm.
+"""The coordinator's admission policy and evictions (coordinator/trust/admission.py), without a swarm.
 
 Real keys and certificates throughout: the CA issues X.509 certificates that the peers' TLS side
 (:class:`potluck.protos.net.certs.TlsIdentity`) must accept, and refusals are what a peer is told.
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from potluck.coordinator.admission import Admission, Gatekeeper
-from potluck.coordinator.evictions import RECENT_STEPS
-from potluck.coordinator.trust import Trust
+from potluck.coordinator.trust.admission import Admission, Gatekeeper
+from potluck.coordinator.trust.evictions import RECENT_STEPS
+from potluck.coordinator.trust.trust import Trust
 from potluck.protos.config.files import apply_overrides
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.net.certs import (
@@ -415,7 +415,7 @@ def test_a_request_already_answered_is_not_looked_at_again_until_its_certificate
     """The coordinator reviews the requests it holds every tick; one answered (admitted with a fresh certificate,
     or refused) is passed over, its key not hashed and its proof not checked again, until its certificate is due
     for renewal; an eviction still answers it at once."""
-    from potluck.coordinator import admission as module
+    from potluck.coordinator.trust import admission as module
     hashed: list[str] = []
     real = module.fingerprint
     monkeypatch.setattr(module, "fingerprint", lambda pem: hashed.append("x") or real(pem))

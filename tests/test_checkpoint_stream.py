@@ -28,16 +28,16 @@ from potluck.compression.transfer import (
     probe_sources,
     tensors_hash,
 )
-from potluck.coordinator.checkpoint import (
+from potluck.coordinator.store.checkpoint import (
     FORMAT,
     CheckpointStore,
     consolidate,
     slice_stage,
     split_by_layout,
 )
-from potluck.coordinator.checkpointer import Checkpointer, Job, Written
-from potluck.coordinator.service import CoordinatorService
-from potluck.coordinator.tensorfile import tensor_ranges
+from potluck.coordinator.store.checkpointer import Checkpointer, Job, Written
+from potluck.coordinator.store.tensorfile import tensor_ranges
+from potluck.coordinator.swarm.service import CoordinatorService
 from potluck.models import build_stage, stage_bounds
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config.files import apply_overrides
@@ -331,7 +331,7 @@ import json, sys
 import torch
 from pathlib import Path
 from potluck.compression.transfer import Snapshot, tensors_hash
-from potluck.coordinator.checkpoint import CheckpointStore, consolidate, slice_stage
+from potluck.coordinator.store.checkpoint import CheckpointStore, consolidate, slice_stage
 def status(field):  # in KiB; VmHWM is this process's peak RSS (ru_maxrss may carry the forking parent's)
     return int(next(line for line in open("/proc/self/status") if line.startswith(field + ":")).split()[1])
 n = 8 << 20  # float32 values of one stage's theta (and momentum): 64 MiB per stage

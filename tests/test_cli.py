@@ -49,7 +49,7 @@ def test_building_the_parser_imports_nothing_heavy(tmp_path: Path) -> None:
 
 def test_schedule_searches_without_torch_or_hivemind(tmp_path: Path) -> None:
     """``potluck schedule`` is numpy and scipy only: its help answers in well under half a second."""
-    statement = "from potluck.coordinator import schedule_cli, scheduler"
+    statement = "from potluck.coordinator.placement import schedule_cli, scheduler"
     assert loaded_after(statement, ("torch", "hivemind", "grpc", "transformers"), tmp_path) == ""
 
 
@@ -169,7 +169,7 @@ def test_a_private_runs_join_token_is_taken_as_the_coordinator_prints_it(tmp_pat
     """The coordinator says ``potluck peer --join ... --token TOKEN``. A token that began with "-" (1 in 64 of the
     urlsafe ones) was read as an option: "argument --token: expected one argument" (a suite's private-run test
     timed out on it once in a while)."""
-    from potluck.coordinator.journal import kept_secret
+    from potluck.coordinator.store.journal import kept_secret
 
     parser = build_parser()
     for i in range(300):

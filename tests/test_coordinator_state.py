@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from potluck.compression.transfer import Snapshot
-from potluck.coordinator.checkpoint import CheckpointStore
-from potluck.coordinator.journal import Journal, JournalError, JournalState
+from potluck.coordinator.store.checkpoint import CheckpointStore
+from potluck.coordinator.store.journal import Journal, JournalError, JournalState
 
 
 def test_journal_round_trip_and_corruption(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -35,7 +35,7 @@ def test_a_journal_keeps_each_rounds_json_between_saves_and_writes_what_a_whole_
     """Rounds are dumped once and spliced into later saves (they were 70 % of a 1,000-member journal); the file
     still reads back as the whole state, after a round is replaced (a new object: never changed in place), a
     new one decided and the oldest pruned."""
-    from potluck.coordinator.journal import KEEP_ROUNDS
+    from potluck.coordinator.store.journal import KEEP_ROUNDS
     from potluck.protos.wire.records import Member, Round
 
     def rnd(step: int, n: int, base: str = "") -> Round:
@@ -106,7 +106,7 @@ def _stage_snapshot(cfg, start: int, stop: int, stage: int, version: int = 3):  
 def test_checkpoints_consolidate_stages_and_re_split_into_any_number(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import torch
 
-    from potluck.coordinator.checkpoint import CheckpointStore, consolidate, slice_stage
+    from potluck.coordinator.store.checkpoint import CheckpointStore, consolidate, slice_stage
     from potluck.models import stage_bounds
     from potluck.protos.config.files import apply_overrides
     from potluck.protos.config.runconfig import RunConfig

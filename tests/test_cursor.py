@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from potluck.coordinator.cursor import Cursor, DataCursor, merge
-from potluck.coordinator.journal import JournalState
-from potluck.coordinator.membership import PeerTable
-from potluck.coordinator.placement import members, sticky_placement
-from potluck.coordinator.roundevents import Checkpoint, Failed
-from potluck.coordinator.rounds import Rounds
+from potluck.coordinator.placement.placement import members, sticky_placement
+from potluck.coordinator.rounds.cursor import Cursor, DataCursor, merge
+from potluck.coordinator.rounds.roundevents import Checkpoint, Failed
+from potluck.coordinator.rounds.rounds import Rounds
+from potluck.coordinator.store.journal import JournalState
+from potluck.coordinator.swarm.membership import PeerTable
 from potluck.data import DataError
 from potluck.data.order import permute, permute_one, sample_ids
 from potluck.peer.data import SpanSampler
@@ -93,8 +93,8 @@ def test_take_serves_the_pool_first_then_the_frontier() -> None:
 def test_a_vote_counts_only_from_the_rounds_stage_0_and_only_for_the_coming_steps() -> None:
     """A stage-1 member cannot say which replicas' samples a version holds, a vote for a step far ahead
     is not kept, and a version far ahead folds in bounded time."""
-    from potluck.coordinator.roundevents import Report
-    from potluck.coordinator.rounds import KEEP_ROUNDS
+    from potluck.coordinator.rounds.roundevents import Report
+    from potluck.coordinator.rounds.rounds import KEEP_ROUNDS
     from potluck.protos.wire.records import Member
 
     r = Rounds(stages=2, data=DataCursor(4))

@@ -36,8 +36,8 @@ import yaml
 from fake_state import fresh_state
 
 from potluck.cli import UsageError, build_parser
-from potluck.coordinator.status import StatusServer
-from potluck.coordinator.status_cli import state_url
+from potluck.coordinator.status.status import StatusServer
+from potluck.coordinator.status.status_cli import state_url
 from potluck.local import get_state, wait_for
 from potluck.procs import ProcessGroup
 from potluck.protos.config.runconfig import PeerConfig, RunConfig

@@ -14,9 +14,9 @@ from pydantic import ValidationError
 
 from potluck.compression.int8 import Int8BlockCodec
 from potluck.compression.transfer import Snapshot
-from potluck.coordinator.groups import assign, choose_base, group_count, partition
-from potluck.coordinator.integrity import Integrity
-from potluck.coordinator.trust import Trust
+from potluck.coordinator.rounds.groups import assign, choose_base, group_count, partition
+from potluck.coordinator.trust.integrity import Integrity
+from potluck.coordinator.trust.trust import Trust
 from potluck.peer.allreduce import AllReduce, MemberAddr, RoundInfo
 from potluck.peer.audit import Auditor
 from potluck.peer.diloco import outer_snapshot
@@ -335,7 +335,7 @@ def test_a_stage_averaged_as_one_group_has_at_most_max_owners_owners_and_their_r
 
     from hivemind.utils import MSGPackSerializer
 
-    from potluck.coordinator.rounds import Rounds
+    from potluck.coordinator.rounds.rounds import Rounds
     from potluck.peer.telemetry import KEEP_STEPS
     from potluck.protos.net.dhtguard import MAX_RECORD_BYTES
     from potluck.protos.net.identity import Identity

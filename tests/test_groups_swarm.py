@@ -7,7 +7,7 @@ import math
 import pytest
 from swarm import alarming
 
-from potluck.coordinator.groups import partition
+from potluck.coordinator.rounds.groups import partition
 
 pytestmark = pytest.mark.slow
 

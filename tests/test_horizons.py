@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from fake_state import make_state
 
-from potluck.coordinator.horizons import RECENT, clock, horizon, step_length
-from potluck.coordinator.status_cli import summary
+from potluck.coordinator.status.horizons import RECENT, clock, horizon, step_length
+from potluck.coordinator.status.status_cli import summary
 from potluck.peer.follower import boundary_in
 from potluck.protos.wire.records import Member, Plan, Round
 

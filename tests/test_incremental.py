@@ -10,10 +10,10 @@ import random
 
 import pytest
 
-from potluck.coordinator.membership import PeerTable
-from potluck.coordinator.placement import members, sticky_placement
-from potluck.coordinator.roundevents import Checkpoint
-from potluck.coordinator.rounds import Rounds
+from potluck.coordinator.placement.placement import members, sticky_placement
+from potluck.coordinator.rounds.roundevents import Checkpoint
+from potluck.coordinator.rounds.rounds import Rounds
+from potluck.coordinator.swarm.membership import PeerTable
 from potluck.protos.wire.records import PeerRecord, StepReport
 
 

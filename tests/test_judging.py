@@ -15,9 +15,9 @@ from types import SimpleNamespace
 import pytest
 from test_admission import RUN, _Node, asking
 
-from potluck.coordinator.admission import Gatekeeper
-from potluck.coordinator.evictions import RECENT_STEPS
-from potluck.coordinator.trust import Trust
+from potluck.coordinator.trust.admission import Gatekeeper
+from potluck.coordinator.trust.evictions import RECENT_STEPS
+from potluck.coordinator.trust.trust import Trust
 from potluck.protos.config.files import apply_overrides
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.wire.records import GroupBase, Member, PeerRecord, Round, StepReport

@@ -4,6 +4,7 @@ repository that stands alone (no file cites a document outside it)."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 from pathlib import Path
 
@@ -25,7 +26,12 @@ ALLOWED = {
 FOLDER_OF = {"protos": "protos", "kernels": "kernels", "compression": "compression", "peer": "peer",
              "coordinator": "coordinator", "models": "models", "data": "data"}
 PATH_OF = {"models": "potluck/models", "data": "potluck/data"}
-ROOMS_OF_PROTOS = ("wire", "net", "config", "runtime", "testkit")
+# The folders that are rooms, each with a map, and the rooms of each (a new room is a decision: name it here).
+ROOMS_OF = {"protos": ("wire", "net", "config", "runtime", "testkit"),
+            "coordinator": ("rounds", "placement", "trust", "store", "swarm", "status")}
+# What stays outside a room: protos' generator (the protocol and its generated code sit beside it), and the
+# coordinator's process itself (its loop, its start, its preflight, its own health).
+LOOSE = {"protos": {"generate"}, "coordinator": {"app", "bootstrap", "preflight", "health"}}
 
 
 def modules(folder: str) -> list[Path]:
@@ -51,17 +57,57 @@ def potluck_imports(path: Path) -> set[str]:
     return out
 
 
-def test_protos_is_rooms_each_with_its_map() -> None:
-    """protos/ holds the protocol and its generated code; everything else lives in a room whose __init__ says
-    what each of its modules holds."""
-    loose = sorted(p.name for p in (ROOT / "protos").glob("*.py")
-                   if p.name not in ("__init__.py", "generate.py") and not p.name.endswith(("_pb2.py", "_pb2_grpc.py")))
-    assert not loose, f"modules outside a room of protos/: {loose}"
-    for room in ROOMS_OF_PROTOS:
-        doc = ast.get_docstring(ast.parse((ROOT / "protos" / room / "__init__.py").read_text())) or ""
-        named = {p.stem for p in (ROOT / "protos" / room).glob("*.py") if p.name != "__init__.py"}
-        missing = sorted(m for m in named if f"``{m}``" not in doc)
-        assert not missing, f"protos/{room}/__init__.py does not say what {missing} hold"
+def entries(doc: str) -> dict[str, str]:
+    """A map's lines, ``- ``name``: what it holds`` (wrapped lines indented), by name."""
+    out: dict[str, str] = {}
+    name = None
+    for line in doc.splitlines():
+        if m := re.match(r"- ``(\w+)``: (.*)", line):
+            name, out[m[1]] = m[1], m[2]
+        elif name and line.startswith("  ") and line.strip():
+            out[name] += " " + line.strip()
+        else:
+            name = None
+    return out
+
+
+def opens(said: str, path: Path) -> bool:
+    """Does a map's line for a module say what the module's docstring opens with, up to a full stop?"""
+    doc = " ".join((ast.get_docstring(ast.parse(path.read_text())) or "").split())
+    said = " ".join(said.split()).rstrip(".")
+    return doc.startswith(said) and doc[len(said):][:1] in ("", ".")
+
+
+def docstring(path: Path) -> str:
+    return ast.get_docstring(ast.parse(path.read_text())) or ""
+
+
+@pytest.mark.parametrize("folder", ROOMS_OF)
+def test_folder_is_rooms_each_with_its_map(folder: str) -> None:
+    """Every module lives in a room (or is one the folder keeps at its top, ``LOOSE``); the folder's
+    ``__init__`` names each room and each module at its top, and each room's ``__init__`` says first what the
+    room is, then lists exactly its modules, each with what its docstring opens with."""
+    base = ROOT / folder
+    rooms = sorted(d.name for d in base.iterdir() if (d / "__init__.py").exists())
+    assert rooms == sorted(ROOMS_OF[folder]), f"{folder}/'s rooms are {rooms}: name a new one in ROOMS_OF"
+    loose = {p.stem for p in base.glob("*.py")
+             if p.name != "__init__.py" and not p.name.endswith(("_pb2.py", "_pb2_grpc.py"))}
+    assert loose == LOOSE[folder], f"modules outside a room of {folder}/: {sorted(loose - LOOSE[folder])}"
+    top = docstring(base / "__init__.py")
+    unnamed = [name for name in [*rooms, *sorted(loose)] if f"``{name}``" not in top]
+    assert not unnamed, f"{folder}/__init__.py does not name {unnamed}"
+    wrong = [f"{folder}/__init__.py: {name}" for name, said in entries(top).items()
+             if name in loose and not opens(said, base / f"{name}.py")]
+    for room in rooms:
+        doc = docstring(base / room / "__init__.py")
+        assert doc and not doc.startswith("- "), f"{folder}/{room}/__init__.py does not say first what the room is"
+        said = entries(doc)
+        named = {p.stem for p in (base / room).glob("*.py") if p.name != "__init__.py"}
+        assert set(said) == named, (f"{folder}/{room}/__init__.py lists {sorted(set(said) - named)} that are not "
+                                    f"there and leaves out {sorted(named - set(said))}")
+        wrong += [f"{folder}/{room}/__init__.py: {name}" for name in sorted(named)
+                  if not opens(said[name], base / room / f"{name}.py")]
+    assert not wrong, f"a map's line is not what its module's docstring opens with: {wrong}"
 
 
 @pytest.mark.parametrize("folder", FOLDERS)

@@ -119,7 +119,7 @@ def test_a_client_forgets_the_channels_of_a_peer_lost_and_only_those() -> None:
 
 
 def test_the_peer_table_says_when_a_peer_is_lost_or_evicted_once() -> None:
-    from potluck.coordinator.membership import PeerTable
+    from potluck.coordinator.swarm.membership import PeerTable
     from potluck.protos.wire.records import PeerRecord
 
     lost: list[str] = []
@@ -141,7 +141,7 @@ def test_the_peer_tables_reports_are_made_again_exactly_when_a_view_changes() ->
     a peer lost, back, evicted, forgotten) it is what making every view's report anew gives."""
     import random
 
-    from potluck.coordinator.membership import PeerTable
+    from potluck.coordinator.swarm.membership import PeerTable
     from potluck.protos.wire.records import PeerRecord
 
     rng = random.Random(5)

@@ -10,10 +10,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from potluck.coordinator import service
 from potluck.coordinator.health import Health
-from potluck.coordinator.membership import PeerTable
-from potluck.coordinator.service import Pinger
+from potluck.coordinator.swarm import service
+from potluck.coordinator.swarm.membership import PeerTable
+from potluck.coordinator.swarm.service import Pinger
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.wire.records import PeerRecord
 

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from potluck.coordinator import placement
-from potluck.coordinator.placement import PlacementWorker, Request, grid_for
+from potluck.coordinator.placement import placement
+from potluck.coordinator.placement.placement import PlacementWorker, Request, grid_for
 from potluck.protos.config.files import apply_overrides
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.net.swarm import LinkReport, LinkStat
@@ -174,7 +174,7 @@ def test_a_4x_slower_device_is_placed_where_it_hurts_least() -> None:
     """Five peers for a 2 x 2 grid, one of them 4x slower: priced by their measured speed the plan leaves it out,
     and the plan the cost model gives for it is at least as good as the one that ignores compute (the figure is
     in benchmarks/scheduler_compute.py)."""
-    from potluck.coordinator.costmodel import CostModel, Topology
+    from potluck.coordinator.placement.costmodel import CostModel, Topology
 
     cfg = apply_overrides(RunConfig(), {"pipeline.stages": 2, "model.d_model": 64, "model.n_layers": 2})
     ids = [c * 8 for c in "abcde"]

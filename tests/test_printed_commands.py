@@ -85,15 +85,15 @@ AUDIENCE: dict[str, tuple[str, ...]] = {
     "potluck/cli.py::_flag_error": ("peer",),
     "coordinator": ("coordinator",),
     "coordinator/bootstrap.py::announce": ("peer",),  # the flags of the start-a-peer line it prints
-    "coordinator/admission.py": ("peer",),  # its refusals reach the peer refused
-    "coordinator/status_cli.py": ("status",),
-    "coordinator/status_cli.py::": ("status", "coordinator"),  # (_PLAIN: "its coordinator runs without --status-tls")
-    "coordinator/schedule_cli.py": ("schedule",),
+    "coordinator/trust/admission.py": ("peer",),  # its refusals reach the peer refused
+    "coordinator/status/status_cli.py": ("status",),
+    "coordinator/status/status_cli.py::": ("status", "coordinator"),  # (_PLAIN: "its coordinator runs without --status-tls")
+    "coordinator/placement/schedule_cli.py": ("schedule",),
     "peer": ("peer",),
     "protos": ("coordinator", "peer"),
-    "coordinator/static": (),  # the status page (JavaScript, CSS: "--fg"): only the potluck commands it shows
+    "coordinator/status/static": (),  # the status page (JavaScript, CSS: "--fg"): only the potluck commands it shows
 }
-PAGE = ("coordinator/static/app.js", "coordinator/static/index.html")
+PAGE = ("coordinator/status/static/app.js", "coordinator/status/static/index.html")
 FOREIGN = r"torchrun|pip|protoc|docker|python -m (?!potluck\b)[\w.]+"  # (their flags are theirs)
 CLAUSE_END = re.compile(r"[)'`,;\n]|\. ")  # what ends the clause a command is named in
 COMMAND = re.compile(rf"\bpotluck (?P<sub>data [a-z]+|[a-z]+)\b|(?<![\w-])(?P<flag>--[a-z][a-z0-9-]*)|\b(?P<foreign>{FOREIGN})\b")
@@ -453,7 +453,7 @@ def test_the_join_line_says_what_a_private_or_text_run_also_needs() -> None:
     """``lend a GPU:`` on a private run on a text file: the flags its errors would name, said before them."""
     from fake_state import make_state
 
-    from potluck.coordinator.status_cli import summary
+    from potluck.coordinator.status.status_cli import summary
 
     state = make_state()
     assert "also needs" not in summary(state)

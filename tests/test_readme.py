@@ -314,7 +314,7 @@ def test_the_sections_work_in_the_order_written(tmp_path: Path, monkeypatch: pyt
     its run is then taken as trained (its journal committed to the last step, as the user's run would be);
     an export must read a journal an earlier coordinator wrote, of a model that form can hold, and
     ``generate --model`` a folder an earlier export wrote."""
-    from potluck.coordinator.journal import Journal, JournalError
+    from potluck.coordinator.store.journal import Journal, JournalError
     from potluck.protos.config.section import ConfigError
 
     root = clone(tmp_path)

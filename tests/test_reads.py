@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from hivemind.utils import MSGPackSerializer
 
-from potluck.coordinator.membership import PeerTable
+from potluck.coordinator.swarm.membership import PeerTable
 from potluck.protos.net.feed import open_record
 from potluck.protos.net.identity import Identity
 from potluck.protos.wire.envelope import seal

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from potluck.coordinator.admission import Gatekeeper
-from potluck.coordinator.history import fold, roll_back
-from potluck.coordinator.membership import PeerTable
-from potluck.coordinator.placement import members, sticky_placement
-from potluck.coordinator.roundevents import Checkpoint, Committed, Failed, RolledBack
-from potluck.coordinator.rounds import REGATHER, Rounds
+from potluck.coordinator.placement.placement import members, sticky_placement
+from potluck.coordinator.rounds.history import fold, roll_back
+from potluck.coordinator.rounds.roundevents import Checkpoint, Committed, Failed, RolledBack
+from potluck.coordinator.rounds.rounds import REGATHER, Rounds
+from potluck.coordinator.swarm.membership import PeerTable
+from potluck.coordinator.trust.admission import Gatekeeper
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.wire.records import PeerRecord, StepReport
 

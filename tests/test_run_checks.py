@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from potluck.coordinator import bootstrap
-from potluck.coordinator.journal import Journal, JournalError
+from potluck.coordinator.store.journal import Journal, JournalError
 from potluck.peer.data import DataError
 from potluck.peer.joining import warn_unreachable, with_local_data
 from potluck.protos.config.files import apply_overrides, parse_config
@@ -302,6 +302,6 @@ def test_a_run_too_big_for_this_peer_is_warned_and_the_peer_refuses_it_in_one_li
     assert "this run needs about" in row["error"] and row["device"] == "cpu" and row["memory_gb"] > 1, row
     assert any(e["kind"] == "refused" and e["peer"] == row["id"] for e in state["events"]), state["events"]
     assert state["peers_summary"]["live"] == 0, state["peers_summary"]
-    from potluck.coordinator.status_cli import summary
+    from potluck.coordinator.status.status_cli import summary
 
     assert f"{row['short_id']} refused: this run needs about" in summary(state), summary(state)

@@ -27,15 +27,15 @@ from fake_state import make_state
 from hivemind.utils import get_dht_time
 from rawhttp import raw_request
 
-from potluck.coordinator import history
-from potluck.coordinator.integrity import Integrity
-from potluck.coordinator.membership import PeerTable
-from potluck.coordinator.publisher import Publisher
-from potluck.coordinator.rounds import Rounds
-from potluck.coordinator.service import Pinger
-from potluck.coordinator.snapshot import PEERS_INLINE, RunInfo, Series, build
-from potluck.coordinator.status import StatusServer
-from potluck.coordinator.trust import Trust
+from potluck.coordinator.rounds import history
+from potluck.coordinator.rounds.rounds import Rounds
+from potluck.coordinator.status.snapshot import PEERS_INLINE, RunInfo, Series, build
+from potluck.coordinator.status.status import StatusServer
+from potluck.coordinator.swarm.membership import PeerTable
+from potluck.coordinator.swarm.publisher import Publisher
+from potluck.coordinator.swarm.service import Pinger
+from potluck.coordinator.trust.integrity import Integrity
+from potluck.coordinator.trust.trust import Trust
 from potluck.peer.heartbeat import Heartbeat
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos import potluck_pb2_grpc as pb_grpc
@@ -255,7 +255,7 @@ def test_the_plan_holds_the_newest_rounds_that_fit_and_says_when_none_does(monke
         def sealed_size(self, value: dict, ttl: float) -> int:
             return len(json.dumps(value["body"].decode()))
 
-    monkeypatch.setattr("potluck.coordinator.publisher.MAX_PLAN_BYTES", 64 << 10)
+    monkeypatch.setattr("potluck.coordinator.swarm.publisher.MAX_PLAN_BYTES", 64 << 10)
     pub = Publisher(Node(), Manifest(run_id="r", coordinator=COORD.peer_id, config={}), set())  # type: ignore[arg-type]
 
     def rounds(n: int) -> list[Round]:

@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
-from potluck.coordinator.history import KEEP_DETAIL
-from potluck.coordinator.integrity import Integrity
-from potluck.coordinator.membership import PeerTable
-from potluck.coordinator.rounds import KEEP_ROUNDS, Rounds
-from potluck.coordinator.snapshot import PEERS_INLINE, flag_counts, grid_cells, inline_peers, peer_rows
-from potluck.coordinator.trust import Trust
+from potluck.coordinator.rounds.history import KEEP_DETAIL
+from potluck.coordinator.rounds.rounds import KEEP_ROUNDS, Rounds
+from potluck.coordinator.status.snapshot import PEERS_INLINE, flag_counts, grid_cells, inline_peers, peer_rows
+from potluck.coordinator.swarm.membership import PeerTable
+from potluck.coordinator.trust.integrity import Integrity
+from potluck.coordinator.trust.trust import Trust
 from potluck.protos.config.files import apply_overrides
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.net.identity import Identity

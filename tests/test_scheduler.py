@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from potluck.coordinator.costmodel import (
+from potluck.coordinator.placement.costmodel import (
     CostModel,
     HeldKarp,
     Topology,
@@ -23,9 +23,13 @@ from potluck.coordinator.costmodel import (
     heuristic_path,
     plan_cost,
 )
-from potluck.coordinator.schedule_cli import register
-from potluck.coordinator.scheduler import blocks_layout, evolutionary_search, random_search
-from potluck.coordinator.topology import generate_geo_topology, generate_random_topology, is_region_layout
+from potluck.coordinator.placement.schedule_cli import register
+from potluck.coordinator.placement.scheduler import blocks_layout, evolutionary_search, random_search
+from potluck.coordinator.placement.topology import (
+    generate_geo_topology,
+    generate_random_topology,
+    is_region_layout,
+)
 
 FIXTURE = Path(__file__).parent / "fixtures" / "scheduler_golden.json"
 TERMS = ("cost", "dp_cost", "pp_cost", "compute_cost", "migration_cost")
@@ -261,7 +265,7 @@ def test_migration_weight_keeps_the_previous_plan() -> None:
 
 
 def schedule(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "potluck.coordinator.schedule_cli", *args],
+    return subprocess.run([sys.executable, "-m", "potluck.coordinator.placement.schedule_cli", *args],
                           capture_output=True, text=True, timeout=60)
 
 
@@ -311,8 +315,8 @@ def test_structured_seeds_find_the_boxes_and_keep_segments_inside_them() -> None
     """Two 4-GPU boxes (fast inside) and four single GPUs, all joined by one slow link: the places are
     read off the links alone, and a seed keeps each 2-stage segment of every pipeline inside a box --
     what the search's greedy seed alone never reached on this kind of swarm."""
-    from potluck.coordinator.costmodel import CostModel, Topology, plan_cost
-    from potluck.coordinator.scheduler import evolutionary_search, places, segment_seeds
+    from potluck.coordinator.placement.costmodel import CostModel, Topology, plan_cost
+    from potluck.coordinator.placement.scheduler import evolutionary_search, places, segment_seeds
 
     box = np.repeat([0, 0, 0, 0, 1, 1, 1, 1, 2, 3, 4, 5], 1)
     same = box[:, None] == box[None, :]
@@ -332,7 +336,7 @@ def test_structured_seeds_find_the_boxes_and_keep_segments_inside_them() -> None
 def test_path_lower_bound_never_exceeds_the_exact_path() -> None:
     """The pruning bound (a minimum spanning tree, plus each node's cheapest position) is a lower bound
     of Held-Karp's exact open path on random matrices, and equal to it on a line."""
-    from potluck.coordinator.costmodel import HeldKarp, path_lower_bound
+    from potluck.coordinator.placement.costmodel import HeldKarp, path_lower_bound
 
     rng = np.random.default_rng(0)
     for n in (2, 3, 5, 8):
@@ -350,7 +354,7 @@ def test_path_lower_bound_never_exceeds_the_exact_path() -> None:
 
 
 def test_power_mean_lies_between_mean_and_max_and_rewards_gathering() -> None:
-    from potluck.coordinator.costmodel import power_mean
+    from potluck.coordinator.placement.costmodel import power_mean
 
     rng = np.random.default_rng(1)
     for _ in range(50):
@@ -368,8 +372,8 @@ def test_power_mean_lies_between_mean_and_max_and_rewards_gathering() -> None:
 def test_places_are_nested_and_see_boxes_through_jitter() -> None:
     """Two data centres of 8-GPU boxes: NVLink inside a box, a jittered fabric inside a data centre, a
     slow link between: the groupings nest, and both the boxes and the data centres are among them."""
-    from potluck.coordinator.costmodel import CostModel, Topology
-    from potluck.coordinator.scheduler import places
+    from potluck.coordinator.placement.costmodel import CostModel, Topology
+    from potluck.coordinator.placement.scheduler import places
 
     rng = np.random.default_rng(2)
     dc, box = np.repeat([0, 1], 16), np.repeat(np.arange(4), 8)
@@ -389,7 +393,7 @@ def test_places_are_nested_and_see_boxes_through_jitter() -> None:
 def test_a_solved_swarm_stops_early_and_a_time_budget_buys_restarts() -> None:
     """Restarts replace stopping on a plateau, but a small swarm whose restarts find nothing new stops
     ("stalled") long before a generous budget is spent; a reproducible run stays reproducible."""
-    from potluck.coordinator.scheduler import evolutionary_search
+    from potluck.coordinator.placement.scheduler import evolutionary_search
 
     t = generate_random_topology(8, 2, 2, seed=4)
     result = evolutionary_search(t, seed=0, budget_seconds=30.0)

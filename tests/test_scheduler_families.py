@@ -14,8 +14,8 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from potluck.coordinator.costmodel import CostModel, check_assignment, plan_cost
-from potluck.coordinator.scheduler import evolutionary_search
+from potluck.coordinator.placement.costmodel import CostModel, check_assignment, plan_cost
+from potluck.coordinator.placement.scheduler import evolutionary_search
 
 
 def _load() -> ModuleType:

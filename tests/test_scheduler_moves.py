@@ -1,6 +1,6 @@
 """Volunteer swarms, where a stage costs its slowest GPU: the rank seed whose two fastest groups are
 split by stage time, the local search's compute re-splits of a pair of groups
-(:func:`~potluck.coordinator.moves.compute_resplits`), and the first two descents sharing the budget."""
+(:func:`~potluck.coordinator.placement.moves.compute_resplits`), and the first two descents sharing the budget."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from test_scheduler_families import sf  # the benchmark module, loaded from its file
 
-from potluck.coordinator import scheduler
-from potluck.coordinator.costmodel import CostModel, Topology, check_assignment
-from potluck.coordinator.layouts import device_quality, rank_seeds
-from potluck.coordinator.moves import compute_resplits
-from potluck.coordinator.scheduler import SearchRun, local_search
+from potluck.coordinator.placement import scheduler
+from potluck.coordinator.placement.costmodel import CostModel, Topology, check_assignment
+from potluck.coordinator.placement.layouts import device_quality, rank_seeds
+from potluck.coordinator.placement.moves import compute_resplits
+from potluck.coordinator.placement.scheduler import SearchRun, local_search
 
 
 def test_a_rank_seed_splits_the_two_fastest_groups_by_stage_time() -> None:

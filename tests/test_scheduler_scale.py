@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 from test_scheduler_families import sf  # the benchmark module, loaded from its file
 
-from potluck.coordinator.costmodel import (
+from potluck.coordinator.placement.costmodel import (
     CostModel,
     Topology,
     bottleneck_matching_cost,
     canonical,
     check_assignment,
 )
-from potluck.coordinator.layouts import (
+from potluck.coordinator.placement.layouts import (
     RANKED_GREEDY,
     chained_layout,
     device_quality,
@@ -30,8 +30,8 @@ from potluck.coordinator.layouts import (
     ranked_greedy_seeds,
     segment_seeds,
 )
-from potluck.coordinator.pairterms import PairTerms
-from potluck.coordinator.scheduler import (
+from potluck.coordinator.placement.pairterms import PairTerms
+from potluck.coordinator.placement.scheduler import (
     GUIDED_SWAPS,
     PAIR_SWAPS,
     RANDOM_TAIL,

@@ -18,8 +18,8 @@ from fake_state import fresh_state, make_state
 from prometheus_client.parser import text_string_to_metric_families
 from rawhttp import raw_request
 
-from potluck.coordinator import status_cli
-from potluck.coordinator.status import STATIC_DIR, StatusServer
+from potluck.coordinator.status import status_cli
+from potluck.coordinator.status.status import STATIC_DIR, StatusServer
 
 TOKEN = "s3cret-token"
 
@@ -366,7 +366,7 @@ def test_state_urls() -> None:
 def test_throughput_is_per_outer_step_and_the_model_export_is_said() -> None:
     """Issue 27: the throughput chart sampled instantaneous tokens/s, which fell to 0 at every sync; the
     history now carries each step's tokens and its rate since the step before (inner steps and sync)."""
-    from potluck.coordinator.snapshot import model_export, step_rates
+    from potluck.coordinator.status.snapshot import model_export, step_rates
     from potluck.protos.config.files import apply_overrides
     from potluck.protos.config.runconfig import RunConfig
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from fake_state import make_state
 
-from potluck.coordinator.status import StatusServer
+from potluck.coordinator.status.status import StatusServer
 
 CHROMIUM = "/usr/bin/chromium"
 if not Path(CHROMIUM).exists():

@@ -24,9 +24,9 @@ import pytest
 from fake_state import make_state
 from rawhttp import raw_request
 
-from potluck.coordinator.httpserver import Limits
-from potluck.coordinator.status import StatusServer
-from potluck.coordinator.status_tls import status_tls
+from potluck.coordinator.status.httpserver import Limits
+from potluck.coordinator.status.status import StatusServer
+from potluck.coordinator.status.status_tls import status_tls
 from potluck.protos.config.files import apply_overrides
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.config.section import ConfigError
@@ -311,7 +311,7 @@ def test_status_tls_config_is_validated() -> None:
 
 def test_potluck_status_reads_a_self_signed_page_only_with_its_fingerprint(
         tmp_path: Path, serve: Callable[..., StatusServer]) -> None:
-    from potluck.coordinator.status_cli import StatusUnavailable, fetch, state_url
+    from potluck.coordinator.status.status_cli import StatusUnavailable, fetch, state_url
 
     tls, fp = status_tls(None, None, True, tmp_path, host="127.0.0.1")
     srv = serve(tls=tls)

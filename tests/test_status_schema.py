@@ -11,7 +11,7 @@ import pytest
 from fake_state import fresh_state, make_state
 from test_status_api import request
 
-from potluck.coordinator.status import STATIC_DIR, StatusServer
+from potluck.coordinator.status.status import STATIC_DIR, StatusServer
 
 
 def dumps(snap: dict[str, Any]) -> str:
@@ -68,11 +68,11 @@ def test_state_is_versioned_and_matches_the_schema(state: dict[str, Any]) -> Non
 
 def test_the_coordinators_own_snapshot_matches_the_schema() -> None:
     """Builds a snapshot with the coordinator's own fold (no network) so schema and builder cannot drift."""
-    from potluck.coordinator.history import fold
-    from potluck.coordinator.membership import PeerTable
-    from potluck.coordinator.placement import members, sticky_placement
-    from potluck.coordinator.rounds import Rounds
-    from potluck.coordinator.snapshot import RunInfo, Series, build
+    from potluck.coordinator.placement.placement import members, sticky_placement
+    from potluck.coordinator.rounds.history import fold
+    from potluck.coordinator.rounds.rounds import Rounds
+    from potluck.coordinator.status.snapshot import RunInfo, Series, build
+    from potluck.coordinator.swarm.membership import PeerTable
     from potluck.protos.config.runconfig import RunConfig
     from potluck.protos.wire.records import PeerRecord, StepReport
 
@@ -100,11 +100,11 @@ def rolled_back_pipeline_snapshot() -> dict[str, Any]:
     what the status API can say: steps 1 and 2 commit (an owner clips one update, rejects another, an
     all-reduce goes on without a member), stage 1's members vanish during round 3, so it fails and the
     run rolls back to the checkpoint of v1 in epoch 1, and two newcomers fill a new round 2."""
-    from potluck.coordinator import history
-    from potluck.coordinator.membership import PeerTable
-    from potluck.coordinator.roundevents import Checkpoint, RolledBack
-    from potluck.coordinator.rounds import Rounds
-    from potluck.coordinator.snapshot import RunInfo, Series, build
+    from potluck.coordinator.rounds import history
+    from potluck.coordinator.rounds.roundevents import Checkpoint, RolledBack
+    from potluck.coordinator.rounds.rounds import Rounds
+    from potluck.coordinator.status.snapshot import RunInfo, Series, build
+    from potluck.coordinator.swarm.membership import PeerTable
     from potluck.protos.config.runconfig import RunConfig
     from potluck.protos.net.swarm import LinkReport, LinkStat
     from potluck.protos.wire.records import Member, PeerRecord, StepReport

@@ -11,8 +11,9 @@ from functools import partial
 
 import pytest
 
-from potluck.coordinator import health, history
+from potluck.coordinator import health
 from potluck.coordinator.health import MAX_WAITS, SNAPSHOT_SHARE, STALE_S, Health
+from potluck.coordinator.rounds import history
 from potluck.protos.wire.records import Member, PeerRecord, Round, StepReport
 
 
@@ -96,7 +97,7 @@ def test_a_long_ticks_journal_write_waits_a_few_ticks_at_most() -> None:
 def test_a_long_ticks_new_plan_is_published_by_the_next_tick_never_later() -> None:
     """A tick that decided a round of 1,000 members has run long: sealing and storing the plan waits one tick
     (the caller is told, and starts that tick at once), never two; a short tick publishes at once."""
-    from potluck.coordinator.publisher import Publisher
+    from potluck.coordinator.swarm.publisher import Publisher
     from potluck.protos.net.identity import Identity
     from potluck.protos.wire.envelope import seal
     from potluck.protos.wire.records import Manifest

@@ -53,7 +53,7 @@ def test_check_port_free(held_port: int) -> None:
 
 
 def test_status_server_refuses_a_port_in_use(held_port: int) -> None:
-    from potluck.coordinator.status import StatusServer
+    from potluck.coordinator.status.status import StatusServer
 
     with pytest.raises(PortInUse) as info:
         StatusServer("127.0.0.1", held_port, dict)
@@ -200,7 +200,7 @@ print(rc, ",".join(heavy) or "-")
 
 def mistake(tmp_path: Path, name: str) -> list[str]:
     """One of issue 27's usage mistakes (8-9 s each, after torch, hivemind and a DHT node), set up in tmp_path."""
-    from potluck.coordinator.journal import Journal, JournalState
+    from potluck.coordinator.store.journal import Journal, JournalState
     from potluck.protos.config.files import apply_overrides, dump_toml
     from potluck.protos.config.runconfig import RunConfig
 
@@ -254,7 +254,7 @@ def write_checkpoint(journal: Path, version: int = 5, family: str = "tiny", data
     import torch
 
     from potluck.compression.transfer import Snapshot
-    from potluck.coordinator.checkpoint import CheckpointStore
+    from potluck.coordinator.store.checkpoint import CheckpointStore
     from potluck.peer.model import TinyGPT
     from potluck.protos.config.runconfig import ModelConfig
 

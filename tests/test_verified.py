@@ -12,7 +12,7 @@ from test_allreduce import BLOCK, RUN, Member, random_deltas, run_all
 
 from potluck.compression.audit import Signed, Unverifiable, check
 from potluck.compression.int8 import Int8BlockCodec
-from potluck.coordinator.verifier import Accusation, Verifier
+from potluck.coordinator.trust.verifier import Accusation, Verifier
 from potluck.peer.audit import Auditor
 from potluck.protos.net.identity import Identity
 from potluck.protos.testkit import faults

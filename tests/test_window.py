@@ -130,8 +130,8 @@ def test_the_page_names_whom_a_round_waits_for_and_who_went_silent() -> None:
     """One member synced, two not: the waiting reason names them, what they do, and one silent for 5 heartbeats."""
     import time as clock
 
-    from potluck.coordinator.rounds import Rounds
-    from potluck.coordinator.snapshot import waiting_reason
+    from potluck.coordinator.rounds.rounds import Rounds
+    from potluck.coordinator.status.snapshot import waiting_reason
     from potluck.protos.wire.records import Member
 
     cfg = apply_overrides(RunConfig(), {"membership.heartbeat_s": 1.0})

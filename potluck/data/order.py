@@ -3,7 +3,7 @@
 A run of ``n`` training samples (ids ``0..n-1``) reads them in the order of *global positions*
 ``g = 0, 1, 2, ...``: position ``g`` is sample ``perm_e(g mod n)`` of epoch ``e = g div n``, where
 ``perm_e`` is a pseudo-random permutation of ``0..n-1`` seeded by (data seed, epoch). The
-coordinator's cursor (:mod:`potluck.coordinator.cursor`) hands each round's replicas disjoint ranges
+coordinator's cursor (:mod:`potluck.coordinator.rounds.cursor`) hands each round's replicas disjoint ranges
 of positions; a peer turns its range into sample ids here, with no table of ``n`` entries anywhere:
 the permutation is a keyed Feistel network over the smallest even-bit power of two ``>= n``,
 cycle-walked back into ``0..n-1`` (Black & Rogaway's construction), so any position maps to its

@@ -4,7 +4,7 @@
 - ``servicer``: The server side of PeerService: every call checked before a handler sees it
 - ``relay``: NAT traversal: calls to a peer that accepts no connections, relayed over a stream it opened itself
 - ``swarm``: A hivemind DHT node with typed, signed access to potluck's records
-- ``hivemindenv``: What hivemind reads from the environment at its import, set before it
+- ``hivemindenv``: What hivemind reads from the environment when it is imported: set before its first import
 - ``dhtprocess``: hivemind's DHT process as potluck runs it: tied to its parent, out of the terminal's signals, its command pipe read whole, and its start counted (the ``dht.start`` fault point)
 - ``feed``: Per-peer records read incrementally, and the DHT-process side of the calls that make it cheap
 - ``spill``: Big records to the DHT process through a file, not its pipe

@@ -194,7 +194,7 @@ class Member(Record):
 class GroupBase(Record):
     """The state the members of one averaging group start a grouped outer step from: a version of their
     stage they all hold (or fetch), so that averaging their differing states needs only small differences
-    from it (see :mod:`potluck.coordinator.groups`). ``hash`` '' means each member's own current state."""
+    from it (see :mod:`potluck.coordinator.rounds.groups`). ``hash`` '' means each member's own current state."""
 
     stage: int = Field(ge=0)
     group: int = Field(ge=0, le=MAX_GROUPS)
@@ -240,7 +240,7 @@ MAX_SHARE_SPANS = 64  # spans of one share
 
 class Share(Record):
     """The samples one stage-0 replica trains on in the round's step: spans of global positions (see
-    :mod:`potluck.data.order`), handed out by the coordinator's data cursor (:mod:`potluck.coordinator.cursor`)."""
+    :mod:`potluck.data.order`), handed out by the coordinator's data cursor (:mod:`potluck.coordinator.rounds.cursor`)."""
 
     replica: int = Field(ge=0)
     count: int = Field(ge=0, description="samples of the round's own step (at most inner_steps x batch_size)")

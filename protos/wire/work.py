@@ -4,7 +4,7 @@ An open run admits anyone; ``admission.pow_bits`` makes each new key find a nonc
 ``sha256(run id | peer id | nonce)`` starts with that many zero bits, about ``2 ** bits`` hashes (20
 bits: about a second of one core; every further bit doubles it). It is bound to the run and to the key,
 so it is paid once per key per run and cannot be reused for another key. It buys time, not safety:
-probation (:mod:`potluck.coordinator.trust`) is what keeps fresh keys from owning shards or voting.
+probation (:mod:`potluck.coordinator.trust.trust`) is what keeps fresh keys from owning shards or voting.
 """
 
 from __future__ import annotations

@@ -1,0 +1,236 @@
+"""Roles and proofs: who may own a shard, who audits which, what an accusation is worth.
+
+Admission (:mod:`potluck.coordinator.trust.admission`) decides who takes part; this room decides what an
+admitted peer is trusted with, and acts on proof that it abused it:
+
+* **Owners.** A round's members own shards only once past probation (:mod:`potluck.coordinator.trust.trust`);
+  the others contribute and gather. Set on each :class:`~potluck.protos.wire.records.Member` of a round.
+* **Audits.** When a round is decided, each shard result of the step committed just before is picked
+  for an audit with probability ``sync.audit_fraction``, its auditor drawn at random among the eligible
+  members that hold that result (members of that round, not its owner). Owners signed their results
+  before the draw, so none knows whether or by whom it will be checked.
+* **Groups.** With grouped averaging (``sync.group_size``) each group of a stage runs a verified
+  all-reduce of its own: its shards are numbered within it, owned by its members past probation (all of
+  them while none is), and audited by another of its members, the only peers that hold its results.
+* **Accusations.** An auditor that finds a lie says so in its record; the :class:`~potluck.coordinator.
+  verifier.Verifier` checks the evidence itself. A proven lie evicts the owner and takes the run back to
+  before that step; a false accusation evicts the auditor; the page shows both.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from potluck.compression.int8 import make_codec
+from potluck.coordinator.rounds.roundevents import Report
+from potluck.coordinator.rounds.rounds import KEEP_ROUNDS, Rounds
+from potluck.coordinator.trust.trust import Trust
+from potluck.coordinator.trust.verifier import Accusation, Ruling, Verifier
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.net.transport import PeerClient
+from potluck.protos.runtime.log import short_id
+from potluck.protos.wire.records import (
+    MAX_AUDITS,
+    MAX_OWNERS,
+    Audit,
+    AuditReport,
+    Member,
+    PeerRecord,
+    Round,
+    ShardOf,
+)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the coordinator does with a ruling: evict ``evict`` (if any), take back ``retract`` (a step, 0:
+    none), and say ``message``."""
+
+    evict: str
+    retract: int
+    message: str
+    kind: str  # the event's kind: "proven" (a lie, its owner evicted), "evicted" (a false accuser), "audit"
+    warn: bool = True  # worth a warning in the log (an audit that found nothing wrong is not)
+
+
+@dataclass
+class Integrity:
+    cfg: RunConfig
+    trust: Trust
+    verifier: Verifier | None = None
+    rng: random.Random = field(default_factory=random.SystemRandom)
+    _reported: set[tuple] = field(default_factory=set)
+    _final: set[tuple[int, ...]] = field(default_factory=set)  # the coordinator's own audits, unruled
+    _assigned: dict[tuple[int, ...], Audit] = field(default_factory=dict)  # audits in decided rounds
+    _answered: set[tuple[int, ...]] = field(default_factory=set)  # ... whose auditor reported
+
+    @classmethod
+    def for_run(cls, cfg: RunConfig, client: PeerClient, run_id: str, me: str, trust_json: dict | None) -> Integrity:
+        s = cfg.sync
+        verifier = Verifier(client, run_id, me, make_codec(s.codec, s.block_size), s.chunk_bytes, s.clip_factor,
+                            s.reject_below)
+        return cls(cfg, Trust.from_json(trust_json, cfg.admission.probation_steps), verifier)
+
+    # ------------------------------------------------------------------ deciding a round
+
+    def roles(self, members: list[Member], rounds: Rounds) -> tuple[list[Member], list[Audit]]:
+        """The members of the next round with their shard ownership set, and the audits it carries."""
+        members = self.trust.assign_owners(members, None if rounds.group_size else MAX_OWNERS, self.rng.random)
+        audits = self.audits(rounds.rounds.get(rounds.committed), members)
+        self._assigned.update({shard_key(a): a for a in audits})
+        return members, audits
+
+    def audits(self, made: Round | None, members: Sequence[Member]) -> list[Audit]:
+        """Audits of the shards of ``made`` (the round that produced the committed version)."""
+        fraction = self.cfg.sync.audit_fraction
+        if made is None or fraction <= 0:
+            return []
+        next_ids = {m.peer_id for m in members}
+        out = []
+        for stage, group, cells in groups_of(made):
+            owners = made.shard_owners(stage, group)
+            # who holds the result: its group in that round; who will be around to check it: of the next one
+            pool = sorted(p for p in self.trust.eligible(cells) if p in next_ids)  # (sorted once, not per shard)
+            for shard, owner in enumerate(owners):
+                if self.rng.random() >= fraction:
+                    continue
+                at = bisect.bisect_left(pool, owner)
+                mine = at < len(pool) and pool[at] == owner  # the candidates are the pool without the owner
+                if len(pool) > mine:
+                    i = self.rng.randrange(len(pool) - mine)  # (draws as rng.choice of the candidates would)
+                    out.append(Audit(step=made.step, epoch=made.epoch, stage=stage, group=group, shard=shard,
+                                     owner=owner, auditor=pool[i + 1 if mine and i >= at else i]))
+        if len(out) > MAX_AUDITS:  # (a round carries at most that many: past it, a random subset of the shards)
+            out = sorted(self.rng.sample(out, MAX_AUDITS), key=lambda a: (a.stage, a.shard))
+        return out
+
+    # ------------------------------------------------------------------ what auditors report
+
+    def observe(self, records: dict[str, PeerRecord], round_at: Callable[[int], Round | None]) -> list[tuple[str, str]]:
+        """Reports of the auditors that were picked: a lie goes to the verifier; events as (peer, message). Each report
+        is acted on once, so ``records`` need only be those that changed since the last call (the coordinator gives
+        its table's: at 1,000 peers a pass over every record was 1 ms of every tick)."""
+        events: list[tuple[str, str]] = []
+        for rec in records.values():
+            for r in rec.audits:
+                self._answered.add(shard_key(r))
+                key = (*shard_key(r), r.owner, rec.peer_id, r.verdict)
+                if key in self._reported or r.verdict == "ok":
+                    continue
+                self._reported.add(key)
+                made, assigned = round_at(r.step), round_at(r.step + 1)
+                picked = assigned is not None and any(
+                    (*shard_key(a), a.owner, a.auditor) == (*shard_key(r), r.owner, rec.peer_id)
+                    for a in assigned.audits)
+                if not picked or made is None:
+                    continue  # nobody asked it: an accusation nobody can weigh is not acted on
+                if r.verdict == "unserved":
+                    events.append((r.owner, f"did not show the inputs of its shard {r.shard} of step {r.step} to "
+                                            f"its auditor {short_id(rec.peer_id)}: {r.reason}"))
+                    continue
+                others = [m for m in made.group_members(r.stage, r.group) if m.peer_id != rec.peer_id]
+                holders = [(rec.peer_id, rec.address)] + [(m.peer_id, m.address) for m in others]
+                shards = len(made.shard_owners(r.stage, r.group))
+                handed = tuple(made.handed(r.step, r.stage, r.group).items())
+                if self.verifier is not None and self.verifier.want(Accusation(r, rec.peer_id, tuple(holders), shards,
+                                                                               handed)):
+                    events.append((r.owner, f"{short_id(rec.peer_id)}, auditing shard {r.shard} of step {r.step}, "
+                                            f"says its result is false ({r.reason}); checking the evidence"))
+        return events
+
+    def verdicts(self) -> list[Verdict]:
+        return [self.verdict(r) for r in (self.verifier.results() if self.verifier is not None else [])]
+
+    def judge(self, revoke: Callable[[str], None], retract: Callable[[int, str], list],
+              event: Callable[[str, str, str, bool], None]) -> list:
+        """Carry out the rulings made since the last call: evict whom each names (``revoke``: admission's), say
+        so (``event``), and take back the step a proven lie made (``retract``); the rounds' events of that."""
+        out: list = []
+        for v in self.verdicts():
+            event(v.kind, self.evict(v, revoke), v.message, v.warn)
+            if v.retract:
+                out += retract(v.retract, v.message)
+        return out
+
+    def verdict(self, ruling: Ruling) -> Verdict:
+        r, auditor = ruling.accusation.report, ruling.accusation.auditor
+        where = f"shard {r.shard} of step {r.step}"
+        self._final.discard(shard_key(r))
+        if not auditor and ruling.verdict != "lie":  # the coordinator's own audit
+            return Verdict("", 0, f"{where} audited by the coordinator: "
+                                  f"{'ok' if ruling.verdict == 'false' else ruling.detail}", "audit",
+                           warn=ruling.verdict != "false")
+        if ruling.verdict == "lie":
+            return Verdict(r.owner, r.step, f"proven: its signed result of {where} is not the average of the signed "
+                                            f"contributions it names ({ruling.detail}); evicted, and the run goes "
+                                            f"back to before step {r.step}", "proven")
+        if ruling.verdict == "false":
+            return Verdict(auditor, 0, f"evicted: it said {short_id(r.owner)}'s result of {where} was false, and it "
+                                       f"is not ({ruling.detail})", "evicted")
+        return Verdict("", 0, f"could not check {short_id(auditor)}'s accusation against {short_id(r.owner)} ({where}): "
+                              f"{ruling.detail}", "audit")
+
+    def audited_to_the_end(self, round_at: Callable[[int], Round | None], committed: int) -> bool:
+        """Before the run ends, every audit is done: the last step has no next round to carry its audits, and a
+        peer that ran ahead on the last plan may have finished before it saw its audit of the step before.
+        The coordinator audits those shards itself (the last step's each with the usual probability), and the
+        run ends once they are ruled on."""
+        if self.cfg.sync.audit_fraction <= 0 or self.verifier is None:
+            return True
+        made = round_at(committed)
+        if made is not None and made.step == committed and (made.step, made.epoch, -1, -1, -1) not in self._answered:
+            self._answered.add((made.step, made.epoch, -1, -1, -1))  # (the last step: drawn once)
+            for stage, group, _ in groups_of(made):
+                for shard, owner in enumerate(made.shard_owners(stage, group)):
+                    if self.rng.random() < self.cfg.sync.audit_fraction:
+                        a = Audit(step=made.step, epoch=made.epoch, stage=stage, group=group, shard=shard,
+                                  owner=owner, auditor="")
+                        self._assigned[shard_key(a)] = a
+        for key, a in list(self._assigned.items()):
+            if key in self._answered or (rnd := round_at(a.step)) is None or rnd.epoch != a.epoch:
+                continue
+            self._answered.add(key)
+            cells = rnd.group_members(a.stage, a.group)
+            holders = tuple((m.peer_id, m.address) for m in sorted(cells, key=lambda m: m.peer_id != a.owner))
+            report = AuditReport(step=a.step, epoch=a.epoch, stage=a.stage, group=a.group, shard=a.shard,
+                                 owner=a.owner, verdict="lie")
+            if self.verifier.want(Accusation(report, "", holders, len(rnd.shard_owners(a.stage, a.group)),
+                                             tuple(rnd.handed(a.step, a.stage, a.group).items()))):
+                self._final.add(key)
+        return not self._final
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def committed(self, rnd: Round | None, step: int, reports: Iterable[Report]) -> None:
+        self.trust.committed(rnd, step, reports)
+        cut = step - KEEP_ROUNDS - 1  # (the rounds before are gone: an audit of them can be weighed no more; kept, the
+        self._reported = {k for k in self._reported if k[0] >= cut}  # audits seen grew by each shard audited in the run)
+        self._answered = {k for k in self._answered if k[0] >= cut}
+        self._assigned = {k: a for k, a in self._assigned.items() if k[0] >= cut}
+
+    def rolled_back(self, to_version: int) -> None:
+        self.trust.rolled_back(to_version)
+
+    def evict(self, verdict: Verdict, revoke: Callable[[str], None]) -> str:
+        """Carry out a verdict's eviction (``revoke``: admission's); the peer evicted, '' if none."""
+        if verdict.evict:
+            revoke(verdict.evict)
+            self.trust.forget(verdict.evict)
+        return verdict.evict
+
+    def stop(self) -> None:
+        if self.verifier is not None:
+            self.verifier.stop()
+
+
+def shard_key(s: ShardOf) -> tuple[int, int, int, int, int]:
+    """What names one shard result of a run: step, epoch, stage, group, shard."""
+    return s.step, s.epoch, s.stage, s.group, s.shard
+
+
+def groups_of(rnd: Round) -> list[tuple[int, int, list[Member]]]:
+    """Each averaging group of ``rnd`` as (stage, group, its members in shard order)."""
+    return [(stage, group, cells) for stage in range(rnd.stages) for group, cells in rnd.stage_groups(stage).items()]
