@@ -471,8 +471,9 @@ class Newcomer:
 
     def state(self) -> dict[str, Any]:
         assert self.printed is not None
-        state = get_state(self.printed.status)
-        assert state is not None, f"no state from {self.printed.status}"
+        status = self.printed.status  # ("ready" is printed before the first tick's snapshot: 503 until it is built)
+        state = wait_for(lambda: get_state(status), 60, f"a state from {status}")
+        assert isinstance(state, dict), state
         return state
 
     def ctrl_c(self) -> None:
