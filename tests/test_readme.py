@@ -175,8 +175,11 @@ def check_command(argv: list[str], sandbox: Path, monkeypatch: pytest.MonkeyPatc
         run_potluck(argv[1:], sandbox, monkeypatch)
     elif argv[:3] == ["python", "-m", "potluck"]:
         run_potluck(argv[3:], sandbox, monkeypatch)
-    elif argv[:3] == ["python", "-m", "pytest"]:
-        assert argv == ci_test_command(), f"the README runs {shlex.join(argv)}, .ci/run {shlex.join(ci_test_command())}"
+    elif argv[:3] == ["python", "-m", "pytest"]:  # CI's command, or its fast tier (the markers pyproject declares)
+        fast = [*ci_test_command(), "-m", "not slow"]
+        assert argv in (ci_test_command(), fast), f"the README runs {shlex.join(argv)}, .ci/run {shlex.join(ci_test_command())}"
+        if argv == fast:
+            assert any(m.startswith("slow:") for m in PYPROJECT["tool"]["pytest"]["ini_options"]["markers"])
     elif head == "cat" and ">" in argv:
         made = sandbox / argv[-1]
         assert made.is_file() and made.stat().st_size > 0, f"{shlex.join(argv)} made nothing"
