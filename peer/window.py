@@ -105,6 +105,7 @@ class Pace:
         self._their_send_s = 0.0  # and how long that member's contribution took to send, the round before
         self._send_s = 0.0  # how long this member's own contributions took to send, the round before
         self._expect: float | None = None  # where this phase's window ends: from the round before
+        self._aligned = False  # this phase began when the step before committed, as its cohort's did
         self._warm = False  # the process's first step (optimizer, lazy imports) says nothing of its speed: not counted
         self._idle = 0  # rounds in a row this member was too slow for a single step
         self.last: Ended | None = None
@@ -115,10 +116,14 @@ class Pace:
         """The phase of ``step`` starts at ``now`` (monotonic); ``cohort``: who may end it early (the members this one
         averages with); ``cap``: the most steps it may train."""
         with self._lock:
-            if self._signal is not None and step == self._step + 1:  # when the fastest member finished, the round before
+            # when the fastest member finished, the round before, if that phase began with its cohort's: a member's first
+            # phase (joined, recovered, after a gap) begins whenever its round reached it, and a word timed from that start
+            # made the window of a quarter-speed peer that started late look five times shorter than it was
+            if self._signal is not None and step == self._step + 1 and self._aligned:
                 self._expect = max(0.0, self._signal + self._their_send_s - self._send_s)
             elif step != self._step:
-                self._expect = None  # (a gap: another round's timing says nothing of this one)
+                self._expect = None  # (a gap, or a first phase: its timing says nothing of this one)
+            self._aligned = step == self._step + 1  # (phases after a commit begin together: the members commit it together)
             self._step, self._cohort, self._started, self._cap = step, cohort, now, cap
             self._signal, self._phase_steps = None, []
 

@@ -39,22 +39,39 @@ def test_pace_learns_the_window_from_the_round_before() -> None:
     """A quarter-speed member: in its first round it stops when the fast one says it finished; in the next it
     stops on its own, before a step that would end after the window, less the time its own sends take more."""
     p = Pace()
-    p.begin(1, frozenset({"fast"}), cap=20, now=100.0)
+    p.begin(1, frozenset({"fast"}), cap=20, now=0.0)  # its first phase, begun whenever its round reached it
+    p.end(0, None)
+    p.begin(2, frozenset({"fast"}), cap=20, now=100.0)  # begun as the step before committed: with its cohort
     for k in range(5):
         assert p.next(k, 100.0 + 4.0 * k) is None
         p.stepped(4.0)
-    assert p.finished(1, "fast", send_s=0.5, now=120.5)
-    assert not p.finished(1, "fast", send_s=0.5, now=121.0)  # the first word only
+    assert p.finished(2, "fast", send_s=0.5, now=120.5)
+    assert not p.finished(2, "fast", send_s=0.5, now=121.0)  # the first word only
     assert p.next(5, 120.5) is Why.SIGNALLED
     assert p.end(5, Why.SIGNALLED).window_s == pytest.approx(20.5)
     p.sent(1.5)  # its own contributions take a second longer to send than the fast one's
-    p.begin(2, frozenset({"fast"}), cap=20, now=200.0)  # its window: 20.5 + 0.5 - 1.5 = 19.5 s
+    p.begin(3, frozenset({"fast"}), cap=20, now=200.0)  # its window: 20.5 + 0.5 - 1.5 = 19.5 s
     assert p.next(0, 200.0) is None and p.step_s() == 4.0
     for _ in range(4):
         p.stepped(4.0)
     assert p.next(3, 212.0) is None  # ends at 16 s
     assert p.next(4, 216.0) is Why.WINDOW  # would end at 20 s: after the window, and 16 steps are left
     assert p.end(4, Why.WINDOW).window_s == pytest.approx(19.5)
+
+
+def test_a_first_phase_teaches_no_window() -> None:
+    """A member's first phase begins whenever its round reached it (here 15 s after the fast one's): the fast one's
+    word, 5 s into it, says nothing of how long a round is, so the next phase has no window to stop at and a slow
+    step there is not 'too slow' (the full suite once saw a quarter-speed peer sit a round out for it)."""
+    p = Pace()
+    p.begin(1, frozenset({"fast"}), cap=12, now=15.0)
+    p.stepped(0.5)  # (its warm-up step)
+    assert p.finished(1, "fast", send_s=0.1, now=20.0)
+    assert p.end(1, Why.SIGNALLED).window_s == pytest.approx(5.0)
+    p.begin(2, frozenset({"fast"}), cap=12, now=30.0)
+    p.stepped(7.0)
+    assert p.next(1, 37.0) is None  # no window known: it trains on until the word comes
+    assert p.end(2, None).window_s is None
 
 
 def test_pace_ignores_other_steps_and_strangers() -> None:
@@ -70,11 +87,12 @@ def test_pace_ignores_other_steps_and_strangers() -> None:
 def test_a_slowed_device_is_seen_at_its_next_step() -> None:
     """Step times of the running phase count first: a device 8x slower from this phase on stops after one step."""
     p = Pace()
-    p.begin(1, frozenset({"f"}), cap=20, now=0.0)
+    p.begin(1, frozenset({"f"}), cap=20, now=-50.0)  # (a first phase: it teaches no window)
+    p.begin(2, frozenset({"f"}), cap=20, now=0.0)
     for _ in range(10):
         p.stepped(1.0)
-    p.finished(1, "f", 0.0, 10.0)
-    p.begin(2, frozenset({"f"}), cap=20, now=100.0)
+    p.finished(2, "f", 0.0, 10.0)
+    p.begin(3, frozenset({"f"}), cap=20, now=100.0)
     assert p.next(0, 100.0) is None
     p.stepped(8.0)
     assert p.next(1, 108.0) is Why.WINDOW  # 8 + 8 > 10, and the rest by far
