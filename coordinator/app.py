@@ -116,6 +116,7 @@ class Coordinator:
             self._serve(c)
         except CannotBind as err:
             raise bootstrap.kept_port_taken(err, c, s) from None
+        assert self.grpc is not None and self.status is not None  # (_serve started both)
         s.ports = {"dht": bootstrap.port_of(self.node.maddrs), "grpc": self.grpc.port, "status": self.status.port}
         self._serving = True
         self._save()
@@ -152,8 +153,9 @@ class Coordinator:
             self._save()  # the history's latest figures, on a clean shutdown
         except OSError as err:
             log.warning("could not save the journal on shutdown: %s", err)
-        stop_each((self.status and self.status.stop, self.grpc and self.grpc.stop, self.checkpointer.stop, self.placement.stop,
-                   self.integrity.stop, self.client.close, self.node and self.node.shutdown), "stopping the coordinator")
+        stop_each((self.status.stop if self.status else None, self.grpc.stop if self.grpc else None,
+                   self.checkpointer.stop, self.placement.stop, self.integrity.stop, self.client.close,
+                   self.node and self.node.shutdown), "stopping the coordinator")
 
     def tick(self) -> None:
         began = time.thread_time()  # (a long tick leaves a commit's history and snapshot to the next)

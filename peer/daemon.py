@@ -185,6 +185,7 @@ class Session:
 
     def _begin(self, rnd: Round, step: int) -> None:
         t, me = self.tasklet, rnd.member(self.me)
+        assert me is not None  # (a Train's round is one this peer is a member of: Follower.next)
         self.replica, self.waiting = me.replica, ""
         self.first_round_at = self.first_round_at or time.time()
         set_context(step=step)

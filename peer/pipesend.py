@@ -178,8 +178,13 @@ class Sends:
             slots.release()
             return None
         self._held(+1)
+
+        def delivered(_: Future) -> None:
+            self._held(-1)
+            slots.release()
+
         push = self._pushers[out.direction].submit(self._deliver, msg, out)
-        push.add_done_callback(lambda _: (self._held(-1), slots.release()))
+        push.add_done_callback(delivered)
         if tracked:
             self._on_wire.append((set(out.ids or ()), push))
         return push

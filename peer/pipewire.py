@@ -38,7 +38,7 @@ class Outbound:
     """An encoded pipeline message: the head and the bytes of its bulk fields, in :data:`BODY` order."""
 
     head: pb.PipeMessage
-    body: tuple[bytes, bytes, bytes, bytes, bytes]
+    body: tuple[bytes, ...]  # one per field of BODY
 
     @property
     def nbytes(self) -> int:

@@ -129,6 +129,7 @@ class StageRunner:
     def _compile(self, x: torch.Tensor) -> list[Callable[[torch.Tensor], torch.Tensor]] | None:
         """Each layer compiled, and tried forward and backward on a copy of ``x`` (the backward graph is
         compiled on its first use: a failure there must not happen in the middle of a training step)."""
+        compiled: list[Callable[[torch.Tensor], torch.Tensor]]
         try:
             if self.compile_scope == "stage":  # one graph: fusions across layers, one guard check a forward
                 whole = torch.compile(lambda t: forward_layers(self.layers, t, self.checkpoint), backend=self.compile_backend)

@@ -131,9 +131,9 @@ class Toolbox:
             self.server = PeerServer(service, self.traffic, host=self.cfg.host, port=self.cfg.port, netem=self.netem,
                                      tls=self.tls, revoked=self.revoked, on_reject=log_refusal)
             self.address = f"{self.joined.announce_host}:{self.server.port}"
-        m = self.rc.membership
-        heartbeat = self.heartbeat = Heartbeat(self.joined.node, self.joined.manifest, record, m.heartbeat_s,
-                                               m.heartbeat_timeout_s)
+        ms = self.rc.membership
+        heartbeat = self.heartbeat = Heartbeat(self.joined.node, self.joined.manifest, record, ms.heartbeat_s,
+                                               ms.heartbeat_timeout_s)
         # a rollback stops an abandoned epoch's all-reduce at once (read off the plan, not at its deadline)
         heartbeat.on_plan = lambda plan: tasklet().allreduce.supersede(*plan.newest_epoch())
         heartbeat.start()

@@ -189,8 +189,9 @@ def _serve(path: str) -> None:
     server.bind(path + ".tmp")
     server.listen(64)
     os.rename(path + ".tmp", path)  # (the path appears once the imports are done and it listens)
+    watched: list[socket.socket | int] = [server, wake_r]
     while True:
-        ready = select.select([server, wake_r], [], [], 1.0)[0]
+        ready = select.select(watched, [], [], 1.0)[0]
         if wake_r in ready:
             with contextlib.suppress(BlockingIOError):
                 os.read(wake_r, 512)

@@ -110,8 +110,7 @@ class ProcessGroup:
     def spawn_potluck(self, args: Sequence[str], log_path: str | Path | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
         """Run the installed ``potluck`` package: ``-P`` keeps a ``./potluck`` folder in the working
         directory (a clone's root, seen from its parent) from shadowing it."""
-        server = fork_server() if self.fork and log_path is not None else None
-        if server is not None:
+        if self.fork and log_path is not None and (server := fork_server()) is not None:
             try:
                 proc = server.spawn(list(args), log_path, _child_env(env))
             except OSError as err:  # no fork server here (it could not start, or CUDA came up in it): no forks

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -432,7 +432,7 @@ def check_assignment(topology: Topology, assignment: np.ndarray | Sequence[Seque
     return arr.astype(np.int64)
 
 
-def canonical(assignment: np.ndarray) -> list[tuple[int, ...]]:
+def canonical(assignment: np.ndarray | Iterable[Iterable[int]]) -> list[tuple[int, ...]]:
     """Groups as sorted tuples: the cache keys of :class:`CostModel`."""
     return [tuple(sorted(int(d) for d in row)) for row in assignment]
 

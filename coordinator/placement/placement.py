@@ -186,7 +186,8 @@ def place(cfg: RunConfig, req: Request, budget_s: float = 1.0,
     try:
         topo = Topology(delay_ms=delay.tolist(), bandwidth_gbps=gbps.tolist(), stages=stages, replicas=replicas,
                         activation_gb=c_pp, gradient_gb=c_dp, outer_every=cfg.diloco.inner_steps,
-                        compute=compute, stage_seconds=stage_seconds)
+                        compute=None if compute is None else np.asarray(compute, dtype=np.float64),
+                        stage_seconds=stage_seconds)
     except TopologyError as err:
         log.warning("cannot plan from the measured links: %s", err)
         return kept, None

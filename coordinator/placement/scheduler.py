@@ -185,9 +185,9 @@ def local_search(run: SearchRun, groups: Groups, score: Score, rng: np.random.Ge
         k += 1
         improved, found = True, False
         tried: set[tuple[int, int]] = set()  # this visit's swaps, not guided again after a success
-        for a, b in compute_resplits(run.model, quality, groups[i], groups[j]) if quality is not None and j >= 0 else ():
+        for left, right in compute_resplits(run.model, quality, groups[i], groups[j]) if quality is not None and j >= 0 else ():
             trial = list(groups)
-            trial[i], trial[j] = a, b
+            trial[i], trial[j] = left, right
             new = run.score(trial, score.cost + smooth * score.soft, smooth)
             if new is not None and better(new, score, smooth):
                 groups, score, found = trial, new, True
@@ -356,12 +356,12 @@ def evolutionary_search(topology: Topology, *, seed: int = 0, budget_seconds: fl
             if fruitless >= stall_restarts:
                 break
             assert run.best is not None
-            before = run.best[0]
+            best_before = run.best[0]
             # every other restart descends on the cost alone: the smoothing that crosses plateaus
             # can also lead away from a plan that only plain swaps reach
             _restart(run, pop, starts, rng, smooth, smooth if restarts % 2 else 0.0, local_search_evals)
             restarts, stalled = restarts + 1, 0
-            fruitless = 0 if better(run.best[0], before) else fruitless + 1
+            fruitless = 0 if better(run.best[0], best_before) else fruitless + 1
             continue
         generations += 1
         before = run.best[0] if run.best else None

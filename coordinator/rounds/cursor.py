@@ -46,6 +46,7 @@ from potluck.protos.wire.records import Round, Share
 log = get_logger(__name__)
 
 Span = tuple[int, int]
+Say = tuple[tuple[int, int], ...]  # a stage-0 member's vote: (replica, samples of its share trained on), ...
 KEEP_CURSORS = 64  # committed versions whose cursor is kept: a rollback goes back at most to the one before the last
 POOL_IN_ROUND = 32  # pool spans a round record carries for later steps (a share read from them stays < 64 spans;
                     # the plan record is <= 64 KiB)
@@ -186,8 +187,8 @@ class DataCursor:
 
     per_replica: int  # samples a replica trains on in one outer step: inner_steps x batch_size
     at: dict[int, Cursor] = field(default_factory=lambda: {0: Cursor()})
-    _votes: dict[tuple[int, int], dict[str, tuple[int, ...]]] = field(default_factory=dict)  # (step, epoch) -> peer -> say
-    _says: dict[tuple[int, int], dict[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)  # ... -> say -> itself
+    _votes: dict[tuple[int, int], dict[str, Say]] = field(default_factory=dict)  # (step, epoch) -> peer -> say
+    _says: dict[tuple[int, int], dict[Say, Say]] = field(default_factory=dict)  # ... -> say -> itself
     repeats: int = 0  # positions a step was handed that were not free (a bug if ever > 0; counted, logged)
     returned: int = 0  # positions handed back to the pool since this process started (dead, stalled, rejected)
     _kept: Any = field(default=None, compare=False, repr=False)  # (key, (base, round), what _held made of them)
@@ -237,7 +238,7 @@ class DataCursor:
             mine = carried[peer] if peer in carried else given[replica]
             shares.append(Share.made(replica, sum(b - a for a, b in mine), mine,
                                      next=size[peer] if size[peer] != self.per_replica else 0))
-        after = base.without([tuple(x) for share in shares for x in share.spans])
+        after = base.without([(a, b) for share in shares for a, b in share.spans])
         return shares, after.frontier, list(after.pool[:POOL_IN_ROUND])
 
     def warm(self, committed: int, prev: Round | None, epoch: int) -> None:

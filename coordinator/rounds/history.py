@@ -161,7 +161,8 @@ class Folder:
         if new > 0 and waits("fold"):  # (asked only when a commit is due)
             self._unfolded = pending
             return history, False
-        self._unfolded, window, touched = [], history[-KEEP_DETAIL:], set()
+        self._unfolded, window = [], history[-KEEP_DETAIL:]
+        touched: set[int] = set()
         if new > 0 and self.dirty:  # (the reports of the entries about to leave the window go: their totals first)
             leaving = {h["step"] for h in window[:max(0, len(window) + new - KEEP_DETAIL)]}
             aggregate({h["step"]: h for h in window}, self.dirty & leaving, self.dirty)

@@ -41,8 +41,8 @@ _ROUND_JSON = PerRound(lambda r: r.model_dump(mode="json"))  # (the latest round
 # and the cells made anew at each build a seventh); the tasklet dicts are shared by the rows of every snapshot of the
 # round, never changed, and a build sets each cell's state in place (see grid_cells)
 _TASKLETS = PerRound(lambda r: {m.peer_id: {"stage": m.stage, "replica": m.replica} for m in r.members})
-_CELLS = PerRound(lambda r: [{"stage": m.stage, "replica": m.replica, "peer": m.peer_id, "state": PeerState.LOST}
-                             for m in r.members])
+_CELLS: PerRound[list[dict[str, Any]]] = PerRound(lambda r: [
+    {"stage": m.stage, "replica": m.replica, "peer": m.peer_id, "state": PeerState.LOST} for m in r.members])
 _WAITING = (PeerState.WAITING, PeerState.JOINING)  # (rows that may wait for a place)
 _ATTENTION = {PeerState.FAILED: 0, PeerState.LOST: 1, PeerState.REFUSED: 2, PeerState.LEFT: 3, PeerState.FINISHED: 3}
 
@@ -76,7 +76,8 @@ class Series:
 
 
 def peer_rows(views: Sequence[PeerView], tasklet_of: Mapping[str, dict[str, int]], now: float,
-              history: Sequence[dict[str, Any]] = (), totals: list[float] | None = None) -> list[dict[str, Any]]:
+              history: Sequence[dict[str, Any]] = (), totals: list[Any] | None = None,
+              ) -> list[dict[str, Any]]:
     """Every peer's row, in the order they first showed up. ``totals`` (given): [compute_s, sync_s, tokens trained]
     of all their records added to it (tokens enter the model at stage 0: counted once per pipeline), and the first
     loss floor a record gives (None: none does) set as its fourth."""
@@ -118,7 +119,7 @@ def peer_rows(views: Sequence[PeerView], tasklet_of: Mapping[str, dict[str, int]
 _FIRST_SEEN = operator.attrgetter("first_seen")
 
 
-def work_share(r: PeerRecord, worked: Mapping[int, int | None]) -> float | None:
+def work_share(r: PeerRecord, worked: Mapping[int | None, int | None]) -> float | None:
     """The share of the newest committed step it reported that its own contribution was trained on (stage 0)."""
     for report in reversed(r.recent):
         total = worked.get(report.step)

@@ -153,7 +153,7 @@ class Checkpointer:
 
     def written(self) -> list[Written]:
         """The checkpoints written since the last call (one that could not be is said in the log)."""
-        out = []
+        out: list[Written] = []
         while True:
             try:
                 done = self._results.get_nowait()

@@ -107,8 +107,8 @@ class PeerTable:
         now = time.monotonic() if now is None else now
         if read_at is not None:
             if self._read_at is not None and read_at - self._read_at > BLIND_S:
-                for view in self.peers.values():
-                    view.last_seen += read_at - self._read_at
+                for seen in self.peers.values():
+                    seen.last_seen += read_at - self._read_at
             self._read_at = now = read_at
         events: list[tuple[str, str]] = []
         self.changed = []

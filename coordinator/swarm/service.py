@@ -150,7 +150,8 @@ class Pinger:
                 self._answer, self._again, self._proven, self._short = (set(), set(), now, now), {}, None, False
                 known = set(proven()) | {r.peer_id for r in records if self._fresh(r, now - self.primed_s)}
                 if todo := [r for r in records if r.peer_id not in known and r.peer_id not in self._priming]:
-                    return self._start(todo)
+                    self._start(todo)
+                    return None
                 if not due:
                     return None
             return self._offer(records, proven, now, short)
@@ -161,7 +162,8 @@ class Pinger:
             self._proven = set(proven())
         there, missing, unasked = self._sort(records, self._proven)
         if unasked:
-            return self._start(unasked)
+            self._start(unasked)
+            return None
         if short(len(there)) and missing:
             for r in missing:  # (busy when pinged, or joined since: their own pings, not everyone's again)
                 if r.peer_id not in self._priming and now - self._again.get(r.peer_id, -float("inf")) > PING_TIMEOUT_S:
@@ -222,9 +224,13 @@ class Pinger:
                     self._primer = None
                     return
             where = {r.peer_id: r.address for r in batch}
+
+            def answered(peer: str, ok: bool, at: dict[str, str] = where) -> None:
+                self._primed(peer, at[peer], ok)
+
             try:  # (each answer as it comes: at a join burst, batches of 150 waited 0.8 s for their slowest)
                 self.client.ping_each([(a, p) for p, a in where.items()], ping_request(self.run_id, self.me),
-                                      PING_TIMEOUT_S, lambda peer, ok, at=where: self._primed(peer, at[peer], ok))
+                                      PING_TIMEOUT_S, answered)
             except Exception:  # (a bug here must not stop the primer: the decision pings them itself)
                 for pid in where:
                     self._primed(pid, where[pid], False)

@@ -141,8 +141,7 @@ class Admission:
                 continue
             have = self.admitted.get(pid)
             fp = self.fingerprint(pid, req)
-            fresh = have is not None and have.tls_fingerprint == fp and now < have.issued_at + self.lifetime_s / 2
-            if fresh:
+            if have is not None and have.tls_fingerprint == fp and now < have.issued_at + self.lifetime_s / 2:
                 self._settled[pid] = (req, have.issued_at + self.lifetime_s / 2)  # (until it is due for renewal)
                 continue
             if have is None and len(self._recent) >= self.max_per_minute:

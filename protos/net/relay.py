@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.runtime.log import get_logger, short_id
@@ -50,8 +51,8 @@ _END = object()
 @dataclass(frozen=True)
 class Method:
     name: str
-    request: type
-    reply: type
+    request: type[Message]
+    reply: type[Message]
     client_streaming: bool
     server_streaming: bool
 

@@ -20,7 +20,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from potluck.protos.net import hivemindenv, spill
 from potluck.protos.net.errors import check_port_free
@@ -196,6 +196,7 @@ class SwarmNode:
         spilled = self.spill.write(value) if not direct and len(value.get("body", b"")) > spill.SPILL_BYTES else None
         with self._pipe_lock:  # hivemind's DHT pipe is not safe for concurrent senders
             if direct:  # (to the coordinator's own node; a file written for another path would never be read)
+                assert subkey is not None  # (direct: stored under a subkey)
                 future = self.dht.run_coroutine(partial(store_at, peer=self.coordinator, key=key, subkey=subkey,
                                                         value=value, expiration=expires), return_future=True)
             elif spilled is not None:
@@ -335,7 +336,7 @@ class SwarmNode:
                 refused.append(f"{what} {str(subkey)[-6:]}: {err}")
         return records, refused
 
-    def changes(self, kind: str, ack: int | None, local: bool = False, what: str | type[BaseModel] = "") -> Any:
+    def changes(self, kind: str, ack: int | None, local: bool = False, what: str | type[Record] = "") -> Any:
         """Start reading the ``kind`` records (stored one per peer) that changed since the read ``ack``
         acknowledged (None: all of them); returns a future of ``(read id, {subkey: item}, [gone subkeys], held)``.
 

@@ -25,8 +25,11 @@ import functools
 import gc
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from _ctypes import CFuncPtr
 
 NEVER = 1 << 30  # a generation-2 threshold that automatic collection never reaches
 
@@ -140,7 +143,7 @@ def resident() -> int:
 
 
 @functools.cache
-def _libc(name: str) -> Callable[..., int] | None:
+def _libc(name: str) -> CFuncPtr | None:
     """A C library call (glibc's ``malloc_trim``, ``mallopt``), looked up once (each lookup makes a library
     object whose cycles a collection would find as garbage); None where the C library has no such call."""
     try:

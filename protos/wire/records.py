@@ -251,6 +251,11 @@ class Share(Record):
 
     @model_validator(mode="after")
     def _spans_hold_count(self) -> Share:
+        return self._held_to_rules()
+
+    def _held_to_rules(self) -> Share:
+        """The share, if its spans are [start, stop) positions that hold ``count`` (else ValueError): the
+        validator's rule, which :meth:`made` applies too."""
         if any(a < 0 or b < a or b > MAX_POSITION for a, b in self.spans):
             raise ValueError(f"a span must be [start, stop) with 0 <= start <= stop <= {MAX_POSITION}")
         if self.count > MAX_SHARE or self.next > MAX_SHARE:
@@ -272,7 +277,7 @@ class Share(Record):
                                     next=int(next))
         if replica < 0 or len(share.spans) > MAX_SHARE_SPANS:
             raise ValueError(f"replica {replica} with {len(share.spans)} spans: not a share a round may hold")
-        return share._spans_hold_count()
+        return share._held_to_rules()
 
 
 class Round(Record):

@@ -23,8 +23,10 @@ class MemberIndex:
             self.by_id.setdefault(m.peer_id, m)  # the first, as a scan would find
         self.cells: dict[tuple[int, int | None], list[Member]] | None = None  # (stage, group or None) -> members
         self.shares: list[Share] | None = None
-        self.share_count, self.by_replica = 0, {}
-        self.before, self.total = {}, 0  # samples of the shares of lower replicas; of all shares
+        self.share_count = 0
+        self.by_replica: dict[int, Share] = {}
+        self.before: dict[int, int] = {}  # samples of the shares of lower replicas
+        self.total = 0  # samples of all shares
         self.read: tuple[list[tuple[int, int]], tuple[int, int], list[tuple[int, int]], list[int]] | None = None
 
     def reads(self, pool: list[tuple[int, int]], last: tuple[int, int]) -> tuple[list[tuple[int, int]], list[int]]:
