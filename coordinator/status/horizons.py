@@ -23,8 +23,14 @@ RECENT = 5  # commit gaps the step length is the median of
 
 def step_length(history: Sequence[dict[str, Any]], started_at: float = 0.0) -> float | None:
     """Seconds one outer step takes, measured (None before the first commit)."""
-    gaps = [b["t"] - a["t"] for a, b in zip(history, history[1:], strict=False) if b["step"] == a["step"] + 1]
-    gaps = [g for g in gaps[-RECENT:] if g > 0]
+    recent: list[float] = []  # the newest RECENT gaps between consecutive steps, newest first (the snapshot asks each
+    for k in range(len(history) - 1, 0, -1):  # second: walk back from the end, not over the whole history)
+        if len(recent) == RECENT:
+            break
+        a, b = history[k - 1], history[k]
+        if b["step"] == a["step"] + 1:
+            recent.append(b["t"] - a["t"])
+    gaps = [g for g in recent if g > 0]
     if gaps:
         return float(statistics.median(gaps))
     if history and started_at and history[0]["step"] == 1 and history[0]["t"] > started_at:
