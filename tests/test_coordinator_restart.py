@@ -32,8 +32,8 @@ def ctrl_c(swarm) -> None:  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("moved", [False, True])
 def test_a_coordinator_restarted_before_its_first_step_finds_its_swarm(swarm, moved: bool) -> None:  # type: ignore[no-untyped-def]
     first = swarm.start_coordinator(RUN)
-    for _ in range(2):
-        swarm.start_peer()
+    swarm.start_peer()
+    swarm.start_peer(env={**os.environ, "POTLUCK_FAULTS": "inner.step@1+:slow=3"})  # (volunteers are never alike)
     swarm.wait_state(lambda s: s["round"] is not None and s["run"]["outer_step"] == 0
                      and s["peers_summary"]["live"] == 2, 120, "the first round decided, nothing committed")
     ctrl_c(swarm)
