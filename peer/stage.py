@@ -165,11 +165,13 @@ class StageWorker:
             if pace is not None and self.first:
                 if self.link is None:
                     if (stop := pace.next(i, time.monotonic())) is not None:
+                        if i < h // 2:
+                            fault("inner.mid", step)  # (a phase its window ends early still passes its middle)
                         ended = stop
                         break
                 elif (stop := pace.next(i + 1, time.monotonic(), ahead=pace.step_s() or 0.0)) is not None:
                     last, ended = True, stop  # (decided a step ahead, so the stages after it know in time)
-            if i == h // 2:
+            if i == h // 2 or (last and i < h // 2):
                 fault("inner.mid", step)
             self._loaded = None  # the step below changes the parameters
             t_step = time.monotonic()
