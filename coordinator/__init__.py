@@ -3,6 +3,7 @@
 The process itself, at the top:
 
 - ``app``: The coordinator: hosts a run's DHT, decides its rounds, keeps its journal, serves its status
+- ``decisions``: What the coordinator's loop decides, as values: ``decide(state, inputs, now) -> (state, actions)``
 - ``bootstrap``: Bringing a coordinator up: its journal, identity, DHT node and the addresses it tells the world
 - ``preflight``: What a coordinator checks before it loads anything heavy or writes anything
 - ``health``: How the coordinator itself is doing: the cost of its tick and decisions, and its memory

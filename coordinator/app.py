@@ -2,14 +2,15 @@
 
 It is not on the data path (peers keep training on the last plan while it is away). Every ``tick_s``::
 
-    read the peers' signed records                    (membership: who is live)
-    fold them into the round lifecycle                 (rounds: committed | failed -> rolled back)
-    act on what happened                               (journal, checkpoints, history, events)
-    decide the next round when it is time              (placement off the loop, published in the DHT)
-    rebuild the status snapshot
+    gather      read the peers' signed records             (membership: who is live)
+                fold them into the round lifecycle          (rounds: committed | failed -> rolled back)
+                place and decide the next round when due    (placement off the loop)
+    decide      what to do about it, as values             (decisions.decide: pure)
+    carry out   journal saves (written off the loop), plans put in the DHT, checkpoints asked for, log lines
+    then        rebuild the status snapshot
 
-The checkpointer and the placement worker run on threads of their own; this loop alone applies their results.
-"""
+The checkpointer, the placement worker, the pinger and the journal writer run on threads of their own; this loop
+alone applies their results."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from potluck import __version__
-from potluck.coordinator import bootstrap
+from potluck.coordinator import bootstrap, decisions
 from potluck.coordinator.health import Health
 from potluck.coordinator.placement.placement import PlacementWorker, grid_for, members
 from potluck.coordinator.rounds import history, roundevents
@@ -32,7 +33,7 @@ from potluck.coordinator.rounds.rounds import Rounds
 from potluck.coordinator.status.snapshot import RunInfo, Series, build, export_command
 from potluck.coordinator.status.status import StatusServer
 from potluck.coordinator.store.checkpointer import Checkpointer, Job
-from potluck.coordinator.store.journal import JournalError
+from potluck.coordinator.store.journal import JournalError, JournalWriter
 from potluck.coordinator.swarm.membership import PeerTable, announce, describe_round
 from potluck.coordinator.swarm.publisher import Publisher
 from potluck.coordinator.swarm.reader import Reader
@@ -57,12 +58,14 @@ class Coordinator:
         c = cfg.coordinator
         self.cfg, self.exit_when_finished, self.ready_file = cfg, exit_when_finished, ready_file
         set_context(role="coordinator")  # (its id once its identity is loaded, below)
-        self.stopping, self.traffic, self._wake = threading.Event(), Traffic(), threading.Event()  # (wake: pings done)
+        self.stopping, self.traffic = threading.Event(), Traffic()
+        self._wake = threading.Event()  # set by what finished off the loop (pings, a journal save): the next tick now
         self.finish = Finish()  # the run's end: all steps committed, or the admin's request from the status page
         self.events: deque[dict[str, Any]] = deque(maxlen=500)
         self._made_folder = not Path(c.journal_dir).exists()  # (a start that fails in a folder it made removes it)
         self._serving = False
         self.journal, self.state = bootstrap.open_journal(cfg)  # checks the run first: a refused one writes nothing
+        self.writer = JournalWriter(self.journal, done=self._wake.set)  # (saves off the loop)
         self.identity = Identity.load_or_create(Path(c.journal_dir) / "identity.key")
         self.id, self.run_id = self.identity.peer_id, self.state.run_id
         self.table, self.rounds = PeerTable.for_run(cfg), Rounds.for_run(cfg)
@@ -70,19 +73,21 @@ class Coordinator:
         self.tls = None if c.insecure else self.gate.tls  # gRPC with peers over mutual TLS unless --insecure
         self.client = PeerClient(self.traffic, tls=self.tls, idle_connection_s=IDLE_CONNECTION_S)
         self.pinger = Pinger(self.client, self.run_id, self.id, done=self._wake.set)  # (off the loop; it wakes it)
-        self.gate.admission.on_revoke, self.table.on_lost, self.table.on_seen = self.table.evict, self.client.forget, \
-            self.pinger.prime  # (revoked: in no later round; lost: its channels close; seen: pinged before a decision)
+        self.gate.admission.on_revoke = self.table.evict  # (revoked: in no later round)
+        self.table.on_lost = self.client.forget  # (lost: its channels close)
+        self.table.on_seen = self.pinger.prime  # (seen: pinged before a decision)
         self.checkpointer = Checkpointer.for_run(cfg, self.client, self.run_id, self.id)
         self.integrity = Integrity.for_run(cfg, self.client, self.run_id, self.id, self.state.trust)
-        self.gate.evictions.trusted, self.gate.evictions.trust_moved = self.integrity.trust.eligible, self.integrity.trust.moved
+        self.gate.evictions.trusted = self.integrity.trust.eligible
+        self.gate.evictions.trust_moved = self.integrity.trust.moved
         self.placement = PlacementWorker(cfg, cfg.links.search_budget_s)
         self.series, self.health, self.folder = Series(), Health(settle=True), history.Folder()
         self.node = self.reader = self.publisher = cast(Any, None)  # (the DHT node, its reader and publisher: start())
         self.grpc: PeerServer | None = None
         self.status: StatusServer | None = None
         self.info = RunInfo(self.run_id, self.id, "", "", time.time(), self.state.finished)
-        self._snapshot, self._dirty = dict[str, Any](), 0  # (1: to journal; 2: now, a failure or rollback)
-        self._decided: tuple[Any, dict[str, tuple[int, int]], float] | None = None  # (a round, to journal then publish)
+        self._snapshot = dict[str, Any]()
+        self.loop = decisions.LoopState(decisions.Rules(cfg.diloco.outer_steps, c.checkpoint_every))
         set_context(role="coordinator", peer_id=self.id)
 
     def run(self) -> int:
@@ -153,121 +158,149 @@ class Coordinator:
             self._save()  # the history's latest figures, on a clean shutdown
         except OSError as err:
             log.warning("could not save the journal on shutdown: %s", err)
-        stop_each((self.status.stop if self.status else None, self.grpc.stop if self.grpc else None,
+        stop_each((self.writer.stop, self.status.stop if self.status else None, self.grpc.stop if self.grpc else None,
                    self.checkpointer.stop, self.placement.stop, self.integrity.stop, self.client.close,
                    self.node and self.node.shutdown), "stopping the coordinator")
 
     def tick(self) -> None:
-        began = time.thread_time()  # (a long tick leaves a commit's history and snapshot to the next)
-        now, reader = time.monotonic(), self.reader
-        refused = reader.poll(now)  # what the DHT reads brought (only the records that changed), refusals said once
-        records, events = self.gate.tick(self.node, reader.peers.records, self.rounds.round_at, self.client,
-                                         (reader.admissions.records, refused), reader.peers.take)
-        for kind, pid, message in events:  # (kinds from the admission room, never read off the message's text)
-            self._event(kind, pid, message)
-        self.publisher.revoked_changed()
-        for kind, pid, message, warn in announce(self.table.update(records, now, reader.peers.as_of), self.table, self.cfg):
-            self._event(kind, pid, message, warn)
-            if kind in ("joined", "back"):  # (a restart rejoins the swarm through them, also before a step commits)
-                self.state.known_peers = bootstrap.known_peers([v.record for v in self.table.live()],
-                                                               self.state.known_peers)
-                self._dirty = max(self._dirty, 1)
-        for pid, message in self.integrity.observe({v.record.peer_id: v.record for v in self.table.changed}, self.rounds.round_at):
-            self._event("audit", pid, message, True)
-        retract = partial(self.rounds.retract, reports=self.table.reports(), checkpoint=self.checkpointer.checkpoint(), now=now)
-        for ev in self.integrity.judge(self.gate.admission.revoke, retract, self._event) + self.rounds.observe(
-                self.table.reports(), now, self.checkpointer.checkpoint(), self.table.take_changed()):
-            self._on(ev)
-        self._checkpoints_done()
-        self._maybe_finish(now)
-        self._maybe_decide(now)  # (then the plan, before a fold's or a save's work: peers wait for it)
-        if self._decided is not None or self.publisher.publish(self.rounds.rounds.values(), partial(
-                self.health.waits, "plan", began, 1)) or self.gate.admission.more:
-            self._wake.set()  # (a long tick's plan, admissions past a tick's budget: the next tick starts at once)
-        self.state.history, added = self.folder.fold(self.state.history, self.table.records(changed=True), self.rounds.round_at,
-                                                     self.rounds.committed, self.table.records(), partial(self.health.waits, began=began))
-        self._dirty |= added  # (admissions: every few seconds at most; a long tick's commit: on the next tick)
-        if (self._dirty or self.gate.admission.journal_due()) and (self._dirty > 1 or not self.health.waits("journal", began)):
-            self._save()
-        self.info.finished, self.info.checkpoint_version = self.state.finished, self.publisher.manifest.checkpoint_version
-        if self.health.snapshot_due(now, added, self.cfg.coordinator.tick_s, self.health.long(began) or self._decided is not None):
+        """One turn of the loop: gather what happened, decide what to do (:func:`decisions.decide`, pure), carry it
+        out, then the status snapshot."""
+        began, now = time.thread_time(), time.monotonic()  # (a long tick leaves what may wait to the next)
+        inputs = self._gather(now, began)
+        self.loop, actions = decisions.decide(self.loop, inputs, now)
+        for action in actions:
+            self._carry_out(action)
+        if self.loop.hurried or self.gate.admission.more:
+            self._wake.set()  # (a save owed, admissions past a tick's budget: the next tick starts at once)
+        self.info.finished = self.state.finished
+        self.info.checkpoint_version = self.publisher.manifest.checkpoint_version
+        long = self.health.long(began) or self.loop.holding
+        if self.health.snapshot_due(now, inputs.history_added, self.cfg.coordinator.tick_s, long):
             self._snapshot = build(self.info, self.cfg, list(self.table.peers.values()), self.rounds, self.state.history,
-                                   self.state.rolled_back, self.events, self.series, reader.links.records,
-                                   health=self.health.section(reader.stats(), len(self.table.peers)))
+                                   self.state.rolled_back, self.events, self.series, self.reader.links.records,
+                                   health=self.health.section(self.reader.stats(), len(self.table.peers)))
             self.health.snapshot_built(now)
 
-    def _on(self, ev: object) -> None:
-        self._dirty = max(self._dirty, 1 if isinstance(ev, roundevents.Committed) else 2)
-        if isinstance(ev, roundevents.Committed):
-            fault("coordinator.committed", ev.step)
-            self.integrity.committed(self.rounds.round_at(ev.step), ev.step, self.table.reports())
-            self.state.known_peers = bootstrap.known_peers([v.record for v in self.table.live()], self.state.known_peers)
-            every, v, rnd = self.cfg.coordinator.checkpoint_every, ev.step, self.rounds.round_at(ev.step)
-            if every and rnd is not None and (v // every > ev.since // every or v >= self.cfg.diloco.outer_steps):
-                self.checkpointer.want(Job.of(rnd, v, self.rounds.canonical, self.rounds.data.cursor(v)))
-        elif isinstance(ev, roundevents.Failed):
-            self._event("failed", "", f"round {ev.round.step} (epoch {ev.round.epoch}) failed: {ev.reason}")
-        elif isinstance(ev, roundevents.RolledBack):
-            self.integrity.rolled_back(ev.to_version)
-            self.state.history, undone = history.roll_back(self.state.history, ev.to_version)
-            self.state.rolled_back = (self.state.rolled_back + undone)[-200:]
-            self._event("rollback", "", f"rolled back from step {ev.from_step} to v{ev.to_version} ({ev.source}); epoch {ev.epoch}")
-
-    def _checkpoints_done(self) -> None:
-        for done in self.checkpointer.written():
+    def _gather(self, now: float, began: float) -> decisions.Inputs:
+        """What happened since the tick before: the peers' records read and folded into the membership, the audits
+        and the round lifecycle, checkpoints written, the run's end, a round placed and decided when one is due;
+        the plan republished where it changed and the history made to follow the rounds (both are views of the
+        rounds, kept by the loop that owns them)."""
+        if self.writer.error is not None:
+            raise JournalError(f"could not write the journal {self.journal.path}: {self.writer.error}")
+        refused = self.reader.poll(now)  # what the DHT reads brought (only the records that changed), refusals said once
+        records, notes = self.gate.tick(self.node, self.reader.peers.records, self.rounds.round_at, self.client,
+                                        (self.reader.admissions.records, refused), self.reader.peers.take)
+        for kind, pid, message in notes:  # (kinds from the admission room, never read off the message's text)
+            self._event(kind, pid, message)
+        self.publisher.revoked_changed()
+        met = False
+        for kind, pid, message, warn in announce(self.table.update(records, now, self.reader.peers.as_of), self.table,
+                                                 self.cfg):
+            self._event(kind, pid, message, warn)
+            met = met or kind in ("joined", "back")  # (a restart rejoins the swarm through them)
+        changed = {v.record.peer_id: v.record for v in self.table.changed}
+        for pid, message in self.integrity.observe(changed, self.rounds.round_at):
+            self._event("audit", pid, message, True)
+        reports, checkpoint = self.table.reports(), self.checkpointer.checkpoint()
+        retract = partial(self.rounds.retract, reports=reports, checkpoint=checkpoint, now=now)
+        events = self.integrity.judge(self.gate.admission.revoke, retract, self._event)
+        events += self.rounds.observe(reports, now, checkpoint, self.table.take_changed())
+        for ev in events:
+            if isinstance(ev, roundevents.RolledBack):  # (before the fold: no report of the new epoch is folded into a step undone)
+                self.state.history, undone = history.roll_back(self.state.history, ev.to_version)
+                self.state.rolled_back = (self.state.rolled_back + undone)[-200:]
+        written = self.checkpointer.written()
+        for done in written:
             self.rounds.adopt_checkpoint(done.checkpoint)
-            self.state.checkpoints = [p.name for p in self.checkpointer.store.manifests()]
-            self.publisher.update(checkpoint_version=done.version)
-            self._event("checkpoint", "", f"v{done.version} written to {done.path.name}")
-            if done.version >= self.cfg.diloco.outer_steps or self.state.finished:  # (the page shows JOURNAL_DIR for it)
-                journal = shlex.quote(str(Path(self.cfg.coordinator.journal_dir).expanduser().resolve()))
-                print(f"  export the model: {export_command(self.cfg, journal)}", flush=True)
+        over, admin = self.finish.due(self.cfg, self.rounds, self.table.reports(), now, self.integrity)
+        decided = None if self.loop.holding or self.state.finished else self._placed(now)
+        if not self.loop.holding and decided is None:  # (never a round not journaled yet; before a fold: peers wait)
+            if self.publisher.publish(self.rounds.rounds.values(), partial(self.health.waits, "plan", began, 1)):
+                self._wake.set()  # (a long tick's plan: the next tick starts at once)
+        self.state.history, added = self.folder.fold(self.state.history, self.table.records(changed=True),
+                                                     self.rounds.round_at, self.rounds.committed, self.table.records(),
+                                                     partial(self.health.waits, began=began))
+        return decisions.Inputs(
+            committed=self.rounds.committed, finished=self.state.finished, events=tuple(events),
+            checkpoints=tuple(decisions.Written(d.version, d.path.name) for d in written), peers_met=met,
+            history_added=added, admissions_due=self.gate.admission.journal_due(), over=over, admin=admin,
+            decided=decided, durable=self.writer.durable, long=self.health.long(began))
 
-    def _maybe_finish(self, now: float) -> None:
-        done, admin = self.finish.due(self.cfg, self.rounds, self.table.reports(), now, self.integrity)
-        if admin is not None:
-            self._event("admin", "", f"run ended by the admin at outer step {self.rounds.committed}{admin}")
-        if not self.state.finished and done:
-            self.state.finished, self._dirty = True, 2
-            self.publisher.update(finished=True)
-            self._event("finished", "", f"run ended at outer step {self.rounds.committed}")
-
-    def _maybe_decide(self, now: float) -> None:
-        if self._decided is not None:  # (the round the tick before decided: journaled before anyone can act on it)
-            (r, before, t0), self._decided = self._decided, None
-            self._save()
-            self.publisher.new_plan(self.rounds.rounds.values())
-            self._event("round", "", describe_round(r, before))
-            self.health.decided(time.monotonic() - t0)
-            fault("coordinator.decided", r.step)
+    def _placed(self, now: float) -> decisions.Decided | None:
+        """The next round, placed and decided, when one is due and its pings are in; else None (not due, its pings
+        still out, not one whole pipeline yet, or the placement's search still running off this loop)."""
         live, made = self.table.live(), self.rounds.rounds.get(self.rounds.committed)
-        due = self.health.due(self.rounds.ready_to_decide(len(live), self.cfg.membership.min_peers, now, self.table.reports()), now)
-        if self.state.finished or self.rounds.committed >= self.cfg.diloco.outer_steps or not (
-                due or self.rounds.settling(len(live), self.cfg.membership.min_peers)):
-            return
+        min_peers = self.cfg.membership.min_peers
+        due = self.health.due(self.rounds.ready_to_decide(len(live), min_peers, now, self.table.reports()), now)
+        if self.rounds.committed >= self.cfg.diloco.outer_steps or not (due or self.rounds.settling(len(live), min_peers)):
+            return None
         at_work = partial(self.table.at_work, self.rounds.committed, self.rounds.epoch, made)  # (they need no ping)
-        short = partial(self.rounds.short_of, live=len(live), min_peers=self.cfg.membership.min_peers, now=now)
+        short = partial(self.rounds.short_of, live=len(live), min_peers=min_peers, now=now)
         if (answered := self.pinger.poll((v.record for v in live), at_work, due, short)) is None:
-            return  # (settling, the pings start, kept; they run off this loop; a fresh start waits for min_peers a while)
-        records, t0 = answered[0], self.health.decision_began(answered[1])  # (from when it was due, or its pings)
+            return None  # (settling, the pings start, kept; they run off this loop; a fresh start waits for min_peers a while)
+        records, began = answered[0], self.health.decision_began(answered[1])  # (from when it was due, or its pings)
         before = {m.peer_id: (m.stage, m.replica) for m in getattr(made, "members", [])}
         placed = grid_for(self.cfg, records, self.rounds.stages, before, self.reader.links.records, self.placement)
         if placed is None:
-            return  # not one whole pipeline yet, or the search still runs off this loop
+            return None
         if (replan := placed[1]) is not None and any(before.get(pid) != cell for pid, cell in placed[0].items()):
             self._event("replan", "", replan.describe())
         cells, audits = self.integrity.roles(members(placed[0], records), self.rounds)  # owners past probation; audits
-        # (journaled, then on the plan, by the next tick at once: with its journal write in one, the heaviest ticks)
-        self._decided = self.rounds.decide(cells, now, time.time(), self.table.reports(), audits), before, t0
+        return decisions.Decided(self.rounds.decide(cells, now, time.time(), self.table.reports(), audits), before, began)
 
-    def _save(self) -> None:
+    def _carry_out(self, action: decisions.Action) -> None:
+        """The executor: one action :func:`decisions.decide` chose, done."""
+        match action:
+            case decisions.Note(kind, peer, message, warn):
+                self._event(kind, peer, message, warn)
+            case decisions.Commit(step):
+                fault("coordinator.committed", step)
+                self.integrity.committed(self.rounds.round_at(step), step, self.table.reports())
+                self._remember_peers()
+            case decisions.WantCheckpoint(step):
+                if (rnd := self.rounds.round_at(step)) is not None:
+                    self.checkpointer.want(Job.of(rnd, step, self.rounds.canonical, self.rounds.data.cursor(step)))
+            case decisions.RollBack(to_version):
+                self.integrity.rolled_back(to_version)
+            case decisions.AdoptCheckpoint(version):
+                self.state.checkpoints = [p.name for p in self.checkpointer.store.manifests()]
+                self.publisher.update(checkpoint_version=version)
+            case decisions.PrintExport():
+                journal = shlex.quote(str(Path(self.cfg.coordinator.journal_dir).expanduser().resolve()))
+                print(f"  export the model: {export_command(self.cfg, journal)}", flush=True)  # (the page shows JOURNAL_DIR)
+            case decisions.MarkFinished():
+                self.state.finished = True
+                self.publisher.update(finished=True)
+            case decisions.RememberPeers():
+                self._remember_peers()
+            case decisions.Save(ticket):
+                self.writer.submit(self._encode(), ticket)
+            case decisions.Publish(decided):
+                self.publisher.new_plan(self.rounds.rounds.values())
+                self._event("round", "", describe_round(decided.round, decided.before))
+                self.health.decided(time.monotonic() - decided.began)
+                fault("coordinator.decided", decided.round.step)
+
+    def _remember_peers(self) -> None:
+        self.state.known_peers = bootstrap.known_peers([v.record for v in self.table.live()], self.state.known_peers)
+
+    def _encode(self) -> bytes:
+        """The journal's bytes: the run's state as the loop holds it now."""
         s, r = self.state, self.rounds
         r.prune_hashes()
-        s.committed, s.epoch, s.rounds, s.hashes, s.cursors = r.committed, r.epoch, list(r.rounds.values()), r.hashes, r.data.to_json()
-        s.outcomes, s.revoked, s.trust, s.admitted = ([vars(o) for o in r.outcomes], sorted(self.gate.admission.revoked),
-                                                      self.integrity.trust.to_json(), self.gate.admission.journaled())
-        self.journal.save(s)
-        self._dirty = 0
+        s.committed, s.epoch, s.rounds, s.hashes = r.committed, r.epoch, list(r.rounds.values()), r.hashes
+        s.cursors, s.outcomes = r.data.to_json(), [vars(o) for o in r.outcomes]
+        s.revoked, s.trust = sorted(self.gate.admission.revoked), self.integrity.trust.to_json()
+        s.admitted = self.gate.admission.journaled()
+        return self.journal.encode(s)
+
+    def _save(self) -> None:
+        """Save the journal now and wait for it (outside the loop's ticks: the start, a reshard, the stop)."""
+        self.writer.submit(self._encode(), 0)
+        self.writer.flush()
+        if self.writer.error is not None:
+            raise self.writer.error
 
     def _event(self, kind: str, peer: str, message: str, warn: bool = False) -> None:
         self.events.append({"t": time.time(), "kind": kind, "peer": peer, "message": message})

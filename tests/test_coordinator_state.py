@@ -133,3 +133,49 @@ def test_checkpoints_consolidate_stages_and_re_split_into_any_number(tmp_path) -
         consolidate([parts[0], _stage_snapshot(two, *stage_bounds(two.model, two.pipeline)[1], 1, version=4)])
     with pytest.raises(ValueError, match="not after the previous stage"):
         consolidate([parts[1], parts[0]])
+
+
+def test_the_journal_writer_writes_off_the_callers_thread_and_says_which_save_is_durable(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The loop encodes and hands over; the writer's thread writes (atomically) and calls back; ``durable`` is the
+    newest ticket on disk; ``flush`` waits for all of it; a stopped writer takes nothing more."""
+    import threading
+
+    from potluck.coordinator.store.journal import JournalWriter
+
+    j, woken = Journal(tmp_path), threading.Event()
+    writer = JournalWriter(j, done=woken.set)
+    try:
+        for ticket in (1, 2, 3):
+            writer.submit(j.encode(JournalState(run_id="r", config={}, created_at=1.0, committed=ticket)), ticket)
+        assert writer.flush(timeout=30) and woken.is_set()
+        assert writer.durable == 3 and writer.error is None
+        loaded = j.load()
+        assert loaded is not None and loaded.committed == 3, "the newest save is the one on disk"
+    finally:
+        writer.stop()
+    with pytest.raises(RuntimeError, match="stopped"):
+        writer.submit(b"{}", 4)
+
+
+def test_a_journal_write_that_fails_is_reported_and_a_later_one_heals_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A write the disk refuses leaves ``durable`` where it was and sets ``error`` (the loop stops on it: exit
+    code 2); the old journal is untouched; once the disk takes writes again the next save clears it."""
+    from potluck.coordinator.store.journal import JournalWriter
+
+    j = Journal(tmp_path / "journal")
+    writer = JournalWriter(j)
+    try:
+        writer.submit(j.encode(JournalState(run_id="r", config={}, created_at=1.0, committed=1)), 1)
+        assert writer.flush(timeout=30) and writer.durable == 1
+        j.path.unlink()
+        (j.path / "in-the-way").mkdir(parents=True)  # (a folder where the journal goes: even root cannot replace it)
+        writer.submit(j.encode(JournalState(run_id="r", config={}, created_at=1.0, committed=2)), 2)
+        assert writer.flush(timeout=30)
+        assert writer.durable == 1 and isinstance(writer.error, OSError)
+        (j.path / "in-the-way").rmdir()
+        j.path.rmdir()
+        writer.submit(j.encode(JournalState(run_id="r", config={}, created_at=1.0, committed=3)), 3)
+        assert writer.flush(timeout=30)
+        assert writer.durable == 3 and writer.error is None
+    finally:
+        writer.stop()

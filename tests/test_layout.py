@@ -30,8 +30,8 @@ PATH_OF = {"models": "potluck/models", "data": "potluck/data"}
 ROOMS_OF = {"protos": ("wire", "net", "config", "runtime", "testkit"),
             "coordinator": ("rounds", "placement", "trust", "store", "swarm", "status")}
 # What stays outside a room: protos' generator (the protocol and its generated code sit beside it), and the
-# coordinator's process itself (its loop, its start, its preflight, its own health).
-LOOSE = {"protos": {"generate"}, "coordinator": {"app", "bootstrap", "preflight", "health"}}
+# coordinator's process itself (its loop and what it decides, its start, its preflight, its own health).
+LOOSE = {"protos": {"generate"}, "coordinator": {"app", "decisions", "bootstrap", "preflight", "health"}}
 
 
 def modules(folder: str) -> list[Path]:

@@ -124,3 +124,24 @@ def test_admin_actions_need_the_coordinators_token(swarm) -> None:  # type: igno
     assert post(token) == 200
     state = swarm.wait_state(lambda s: s["run"]["finished"], 30, "the run to end by the admin's action")
     assert any(e.get("kind") == "admin" for e in state["events"])
+
+
+def test_a_coordinator_that_cannot_write_its_journal_exits_with_an_error(swarm) -> None:  # type: ignore[no-untyped-def]
+    """The journal is written off the loop; a write the disk refuses still stops the coordinator (it could not
+    resume the run): an ERROR naming the journal and exit code 2, not a thread's silent failure."""
+    import json
+    import urllib.request
+
+    ready = swarm.start_coordinator()
+    journal = swarm.workdir / "journal" / "journal.json"
+    journal.unlink()
+    (journal / "in-the-way").mkdir(parents=True)  # (the journal's place taken by a folder: even root cannot write it)
+    token = (swarm.workdir / "journal" / "admin.token").read_text().strip()
+    req = urllib.request.Request(ready["status_url"] + "api/v1/admin/finish", data=json.dumps({}).encode(),
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"},
+                                 method="POST")
+    with urllib.request.urlopen(req, timeout=5) as resp:  # (the run's end is journaled at once: the write fails)
+        assert resp.status == 200
+    assert swarm.coordinator.wait(timeout=60) == 2
+    log = (swarm.logs / "coordinator.log").read_text()
+    assert "ERROR" in log and f"could not write the journal {journal}" in log, log[-2000:]

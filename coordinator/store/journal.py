@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import secrets
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -166,13 +168,76 @@ class Journal:
         return read_journal(self.dir)
 
     def save(self, state: JournalState) -> None:
+        write_atomic(self.path, self.encode(state))
+
+    def encode(self, state: JournalState) -> bytes:
+        """The journal's bytes for ``state`` (its rounds cut to those kept). Made on the thread that owns the state;
+        written by :meth:`save` or, off the coordinator's loop, by a :class:`JournalWriter`."""
         state.rounds = kept_rounds(state.rounds)
         state.v = JOURNAL_VERSION
         # (a big step's members' reports stay in memory; pydantic's own serializer: at 1,000 members the json
         # module's indenting encoder, written in Python, took ~0.1 s of the coordinator's loop, this ~10 ms)
         kept = state.model_copy(update={"history": [journaled(h) for h in state.history]})
         body = kept.model_dump_json(indent=1, exclude={"rounds"})
-        write_atomic(self.path, f'{body[:-2]},\n "rounds": [{",".join(self._dumped(state.rounds))}]\n}}'.encode())
+        return f'{body[:-2]},\n "rounds": [{",".join(self._dumped(state.rounds))}]\n}}'.encode()
+
+
+class JournalWriter:
+    """Writes the journal off the coordinator's loop: the loop encodes a save (:meth:`Journal.encode`, on the thread
+    that owns the state) and hands the bytes over with a ticket; a thread of its own writes them (temporary file,
+    fsync, rename) and calls ``done``. A save handed over while another waits replaces it: the newer holds all the
+    older did. :attr:`durable` is the newest ticket on disk (a decided round's plan waits for its save's ticket);
+    :attr:`error` the write that failed (the loop stops on it: a coordinator that cannot keep its journal cannot
+    resume its run)."""
+
+    def __init__(self, journal: Journal, done: Callable[[], None] = lambda: None) -> None:
+        self.journal, self._done = journal, done
+        self.durable, self.error = 0, None
+        self._cv = threading.Condition()
+        self._pending: tuple[int, bytes] | None = None
+        self._writing = self._closed = False
+        self._thread = threading.Thread(target=self._run, name="journal-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, body: bytes, ticket: int) -> None:
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the journal writer is stopped")
+            self._pending = (ticket, body)
+            self._cv.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every save handed over is on disk (or failed); False if ``timeout`` ran out first."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._pending is None and not self._writing, timeout)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Write what was handed over, then end the thread."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._pending is not None or self._closed)
+                if self._pending is None:
+                    return  # (closed, nothing left to write)
+                (ticket, body), self._pending, self._writing = self._pending, None, True
+            try:
+                write_atomic(self.journal.path, body)
+            except OSError as err:
+                with self._cv:
+                    self.error = err
+            else:
+                with self._cv:
+                    self.durable, self.error = max(self.durable, ticket), None  # (a failure the disk healed from)
+            finally:
+                with self._cv:
+                    self._writing = False
+                    self._cv.notify_all()
+                self._done()
 
 
 def kept_rounds(rounds: list[Round]) -> list[Round]:
