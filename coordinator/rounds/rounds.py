@@ -19,8 +19,10 @@ state (``base_hashes``: per stage, the hash of version ``v - 1``). Each round en
   held by a live peer (its current state or the one before it, both served) or in the newest
   checkpoint; version 0 (theta_0, which every peer builds from the run's seed) always can. The
   *epoch* grows by one, so a member still holding a version of the failed epoch knows it must roll
-  back, and its stragglers' messages are refused. (Failing and rolling back are
-  :mod:`potluck.coordinator.rounds.rollback`'s part of the lifecycle.)
+  back, and its stragglers' messages are refused. (Whether a round failed, the round a retraction fails and
+  where the run goes back to are decided, as values, by :mod:`potluck.coordinator.rounds.rollback`'s pure
+  functions; :class:`Rounds` owns the state and applies the :class:`~potluck.coordinator.rounds.rollback.Rollback`
+  they return to it, in ``_roll_back``.)
 
 Nothing here does I/O or reads a clock of its own: the coordinator feeds it peer reports and the
 time (``now``, monotonic seconds), and acts on the events it returns. That is what makes the
@@ -36,9 +38,9 @@ from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from potluck.coordinator.rounds import groups
+from potluck.coordinator.rounds import groups, rollback
 from potluck.coordinator.rounds.cursor import DataCursor
-from potluck.coordinator.rounds.rollback import KEEP_ROUNDS, REGATHER, RollingBack
+from potluck.coordinator.rounds.rollback import REGATHER, Rollback
 from potluck.coordinator.rounds.roundevents import (
     Checkpoint,
     Committed,
@@ -49,6 +51,7 @@ from potluck.coordinator.rounds.roundevents import (
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.wire.records import Audit, Member, Round
 
+KEEP_ROUNDS = 16  # decided rounds kept (and failed rounds' outcomes)
 KEEP_DURATIONS = 8
 HEADROOM = 2.0  # a share holds this much more than its member's measured speed fits in the window (it may speed up,
 # and a shared device's step times vary: a share too small for the window leaves the member idle; too big, to the pool)
@@ -56,7 +59,7 @@ GATHERED = 0.8  # a fresh start's pings start once this share of the peers it wa
 
 
 @dataclass
-class Rounds(RollingBack):
+class Rounds:
     """Committed step, decided rounds, canonical hashes and the epoch of a run."""
 
     stages: int
@@ -184,7 +187,10 @@ class Rounds(RollingBack):
             events.append(Committed(step, since, seconds))
         pending = self.pending()
         if pending is not None:
-            reason = self._failure(pending, reports, now)
+            reason = rollback.failure(pending, reports, now, started=self._started.setdefault(pending.step, now),
+                                      restored=(pending.step, pending.epoch) in self._restored, progress=self._progress,
+                                      grace_s=self.grace_s, floor_s=self.floor_s, factor=self.factor,
+                                      deadline_s=self.deadline_s())
             if reason:
                 events.extend(self._fail(pending, reason, reports, checkpoint, now))
         self._folded = self._context()
@@ -291,6 +297,52 @@ class Rounds(RollingBack):
             if old is None or old[0] != r.progress:
                 self._progress[r.peer_id] = (r.progress, now)
 
+    # ------------------------------------------------------------------ failing (decided in rollback, applied here)
+
+    def retract(self, step: int, reason: str, reports: Sequence[Report], checkpoint: Checkpoint | None,
+                now: float) -> list[Event]:
+        """Step ``step`` committed a proven lie (verified reduction): the run goes back to a version before it,
+        whatever came after, and the round running now (if any) fails with it."""
+        rnd = rollback.retracting(step, self.committed, self.pending(), self.round_at(step))
+        return [] if rnd is None else self._fail(rnd, reason, reports, checkpoint, now, ceiling=step - 1)
+
+    def rollback_target(self, reports: Sequence[Report], checkpoint: Checkpoint | None,
+                        ceiling: int | None = None) -> tuple[int, str]:
+        """The newest version at or below the committed one (and ``ceiling``) that every stage can be had at,
+        and from where (:func:`~potluck.coordinator.rounds.rollback.rollback_target`, of this run's state)."""
+        return rollback.rollback_target(reports, checkpoint, committed=self.committed, stages=self.stages,
+                                        hashes=self.hashes, grouped=bool(self.group_size), round_at=self.round_at,
+                                        ceiling=ceiling)
+
+    def _fail(self, rnd: Round, reason: str, reports: Sequence[Report], checkpoint: Checkpoint | None,
+              now: float, ceiling: int | None = None) -> list[Event]:
+        """``rnd`` failed for ``reason``: decide where the run goes back to (no further than ``ceiling``) and go."""
+        return self._roll_back(rollback.decide_rollback(
+            rnd, reason, reports, checkpoint, committed=self.committed, epoch=self.epoch, stages=self.stages,
+            hashes=self.hashes, grouped=bool(self.group_size), round_at=self.round_at, ceiling=ceiling), now)
+
+    def _roll_back(self, rb: Rollback, now: float) -> list[Event]:
+        """Apply ``rb`` to the run's state, the one place a failure changes it: the rounds and hashes past its target
+        go (the checkpoint's, if it is of the target, become canonical), the data cursor goes back with them, a new
+        epoch begins, and the next round is a fresh start that waits for the failed round's members."""
+        target = rb.target
+        for step in [s for s in self.rounds if s > target]:
+            del self.rounds[step]
+            self._started.pop(step, None)
+        for by_version in self.hashes.values():
+            for v in [v for v in by_version if v > target]:
+                del by_version[v]
+        if rb.checkpoint is not None:
+            for stage, h in rb.checkpoint.hashes.items():
+                self.hashes.setdefault(stage, {})[target] = h
+        self.epoch, self.committed = rb.epoch, target
+        self.data.roll_back(target, rb.checkpoint.cursor if rb.checkpoint is not None else None)
+        self._committed_at, self._failed_at = now, now
+        self._regather, self._fresh_start = rb.regather, True
+        self.outcomes.append(rb.outcome(self.wall()))
+        self.outcomes = self.outcomes[-KEEP_ROUNDS:]
+        return rb.events()
+
     # ------------------------------------------------------------------ deciding
 
     def settled(self, now: float, grace_s: float | None = None, reports: Sequence[Report] = ()) -> bool:
@@ -379,7 +431,7 @@ class Rounds(RollingBack):
         stage = {m.peer_id: m.stage for m in members}
         out: dict[str, list[groups.Holding]] = {}
         for r in reports:
-            if not r.live or stage.get(r.peer_id) != r.stage or not self._on_line(r):
+            if not r.live or stage.get(r.peer_id) != r.stage or not rollback.on_line(r, self.round_at(r.version)):
                 continue
             out[r.peer_id] = [(r.version, r.state_hash)] + ([(r.prev_version, r.prev_hash)] if r.prev_version >= 0 else [])
         return out
