@@ -62,10 +62,10 @@ def _member(idx: int, args: argparse.Namespace, ca_path: str, conn, barrier) -> 
 
     class Handlers:
         def push_contribution(self, chunks):  # type: ignore[no-untyped-def]
-            return ar.on_contribution(chunks)
+            return ar.inbox.on_contribution(chunks)
 
         def push_result(self, chunks):  # type: ignore[no-untyped-def]
-            return ar.on_result(chunks)
+            return ar.inbox.on_result(chunks)
 
     server = PeerServer(Handlers(), traffic, host="127.0.0.1", port=0, tls=tls)
     try:

@@ -103,10 +103,10 @@ class Member:
         self.address = f"127.0.0.1:{self.server.port}"
 
     def push_contribution(self, chunks):  # type: ignore[no-untyped-def]
-        return self.ar.on_contribution(chunks)
+        return self.ar.inbox.on_contribution(chunks)
 
     def push_result(self, chunks):  # type: ignore[no-untyped-def]
-        return self.ar.on_result(chunks)
+        return self.ar.inbox.on_result(chunks)
 
     def close(self) -> None:
         self.server.stop(0.1)

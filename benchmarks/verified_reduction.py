@@ -60,20 +60,20 @@ class Node:
         self.server = PeerServer(self, self.traffic, host="127.0.0.1", port=0)
         self.address = f"127.0.0.1:{self.server.port}"
         self.reports: list = []
-        self.auditor = Auditor(RUN, self.id, self.client, Int8BlockCodec(BLOCK), CHUNK, 4.0, -0.1, self.ar.held_result,
-                               lambda a, inputs: None, self.reports.append, self.ar.own_input)
+        self.auditor = Auditor(RUN, self.id, self.client, Int8BlockCodec(BLOCK), CHUNK, 4.0, -0.1, self.ar.inbox.held_result,
+                               lambda a, inputs: None, self.reports.append, self.ar.inbox.own_input)
 
     def push_contribution(self, chunks: Iterator[pb.ShardChunk]) -> pb.Ack:
-        return self.ar.on_contribution(chunks)
+        return self.ar.inbox.on_contribution(chunks)
 
     def push_result(self, chunks: Iterator[pb.ShardChunk]) -> pb.Ack:
-        return self.ar.on_result(chunks)
+        return self.ar.inbox.on_result(chunks)
 
     def fetch_result(self, request: pb.ResultRequest) -> Iterator[pb.ShardChunk]:
-        return self.ar.on_fetch_result(request)
+        return self.ar.inbox.on_fetch_result(request)
 
     def fetch_inputs(self, request: pb.InputsRequest) -> Iterator[pb.ShardChunk]:
-        return self.ar.on_fetch_inputs(request)
+        return self.ar.inbox.on_fetch_inputs(request)
 
     def sent(self, kind: str) -> int:
         return self.traffic.snapshot()[0].get(kind, 0)
@@ -164,7 +164,7 @@ def main() -> None:
         honest_ok = sum(r.verdict == "ok" for r in reports) / max(1, len(reports))
         # the real path's detection of an audited lie: one member shifts its mean, every shard audited
         liar = sorted(nodes, key=lambda n: n.id)[0]
-        liar.ar._tamper = functools.partial(faults.tamper, pending=faults.parse("owner.mean@*:shift=0.5"))
+        liar.ar.tamper = functools.partial(faults.tamper, pending=faults.parse("owner.mean@*:shift=0.5"))
         for n in nodes:
             n.reports.clear()
         step(nodes, args.steps + 1, args.numel)

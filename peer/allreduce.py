@@ -24,15 +24,18 @@ half-averaged update, and an empty average (zeros that momentum would still turn
 never commits.
 
 Messages for a step can arrive before this member reaches it (it may still be running inner steps);
-the receiving half (:class:`~potluck.peer.shardinbox.ShardInbox`) keeps them, checked, until it does.
-Each run of the procedure is a value, a :class:`ReduceRound`, handed to every thread that acts for it.
+the receiving half, a :class:`~potluck.peer.shardinbox.ShardInbox` the procedure holds (``inbox``: the RPC
+handlers and what they keep), keeps them, checked, until it does. The procedure owns the condition both
+share and passes it in; it reaches the inbox's state only through the inbox's methods. Each run of the
+procedure is a value, a :class:`ReduceRound`, handed to every thread that acts for it.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 
 import grpc
@@ -46,9 +49,11 @@ from potluck.compression.aggregate import (
     tensor_digest,
 )
 from potluck.compression.audit import Signed
+from potluck.compression.int8 import Codec
 from potluck.compression.stream import EncodedStream
+from potluck.peer.diloco import host_vector
 from potluck.peer.reduceround import Phase, ReduceRound
-from potluck.peer.shardinbox import ShardInbox
+from potluck.peer.shardinbox import ShardInbox, result_stream
 from potluck.peer.shards import (
     AllReduceStats,
     IncompleteRound,
@@ -58,8 +63,9 @@ from potluck.peer.shards import (
     shard_bounds,
 )
 from potluck.protos import potluck_pb2 as pb
+from potluck.protos.net.transport import PeerClient
 from potluck.protos.runtime.log import get_logger, short_id
-from potluck.protos.testkit.faults import fault
+from potluck.protos.testkit.faults import fault, tamper
 from potluck.protos.wire.refusals import is_silent, is_unreachable, refusal_of, refused, rpc_reason
 from potluck.protos.wire.states import CATCHING_UP, GONE, NOT_PARTICIPATING, PeerState
 
@@ -67,9 +73,10 @@ log = get_logger(__name__)
 
 # (what callers of the all-reduce import from here)
 __all__ = ["AllReduce", "AllReduceStats", "IncompleteRound", "MemberAddr", "Outcome", "Phase", "ReduceRound",
-           "RoundInfo", "reduce_mean", "shard_bounds"]
+           "RoundInfo", "reduce_mean", "result_stream", "shard_bounds"]
 
 PING_S = 2.0
+CODEC_WORKERS = 2
 
 
 def _went_past(err: grpc.RpcError, info: RoundInfo) -> bool:
@@ -80,9 +87,83 @@ def _went_past(err: grpc.RpcError, info: RoundInfo) -> bool:
                                     or (refused.code == pb.WRONG_EPOCH and refused.at_epoch > info.epoch))
 
 
-class AllReduce(ShardInbox):
-    """One peer's outer all-reduce: the receiving half (:class:`ShardInbox`: the RPC handlers and what they
-    keep) and the procedure (:meth:`run`), which acts for one :class:`ReduceRound` at a time."""
+class AllReduce:
+    """One peer's outer all-reduce: the procedure (:meth:`run`), which acts for one :class:`ReduceRound` at a
+    time, and the receiving half it holds (``inbox``, a :class:`ShardInbox`: the RPC handlers and what they
+    keep), which the peer's service hands the all-reduce's RPCs to.
+
+    Its condition is the procedure's: it waits on it for what the inbox receives and for what its round's
+    threads mark (members dead or ahead), so it gives it to both, and holds it while it reads the inbox's view
+    of a shard. The send and codec pools, the result vector made ahead of time and the plan's newest epoch
+    are the procedure's own.
+    """
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        me: str,
+        numel: int,
+        codec: Codec,
+        client: PeerClient,
+        chunk_bytes: int,
+        rpc_timeout: float,
+        ping: Callable[[str, float], pb.PingReply],
+        stopping: threading.Event | None = None,
+        sign: Callable[[bytes], bytes] | None = None,
+        clip_factor: float = 4.0,
+        reject_below: float | None = -0.1,
+        pinned: bool = False,
+    ) -> None:
+        """``pinned``: the mean (which becomes theta_global) in page-locked memory, for a GPU peer's copy."""
+        self.run_id, self.me, self.numel, self.codec = run_id, me, numel, codec
+        self.pinned = pinned
+        self.sign = sign or (lambda digest: b"")
+        self.clip_factor, self.reject_below = clip_factor, reject_below
+        self.stopping = stopping or threading.Event()
+        self.client, self.chunk_bytes, self.rpc_timeout, self._ping = client, chunk_bytes, rpc_timeout, ping
+        self._cond = threading.Condition()  # (re-entrant: the inbox's methods take it again while this holds it)
+        self.inbox = ShardInbox(run_id=run_id, me=me, numel=numel, codec=codec, cond=self._cond)
+        self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="allreduce")
+        self._out: Future | None = None  # the next result's whole vector, its pages touched ahead of time
+        # encodes chunk i + 1 while chunk i is on the wire, and an owner's result a few chunks at a time
+        self._codec_pool = ThreadPoolExecutor(max_workers=CODEC_WORKERS, thread_name_prefix="codec")
+        # the plan's newest epoch and its first step: a round of an earlier epoch at or past it was abandoned
+        self._newest: tuple[int, int] = (0, 0)
+        self.tamper = tamper  # POTLUCK_FAULTS' owner.* points (a test may give one member faults of its own)
+
+    # ---------------------------------------------------------------- the coming step
+
+    def expect(self, step: int, base_hash: str | Future[str], epoch: int = 0) -> None:
+        """Get ready for ``step`` (of ``epoch``) from the theta_global hashed to ``base_hash``: the inbox accepts
+        its messages from now (:meth:`ShardInbox.expect`), and the vector its result goes to is made."""
+        self.inbox.expect(step, base_hash, epoch)
+        if self._out is None:
+            # the result becomes the caller's new theta: a fresh vector, whose first writes would cost
+            # page faults inside the round (40 ms for 80 MB here); touched now, while the inner phase runs
+            # (a pinned one is resident already, and after the first step torch's host allocator reuses one)
+            self._out = self._codec_pool.submit(self._fresh_out)
+
+    def _take_out(self) -> torch.Tensor:
+        """The vector the next result is written into (made ahead of time by :meth:`expect`)."""
+        out, self._out = (self._out.result() if self._out is not None else torch.empty(self.numel)), None
+        return out
+
+    def _fresh_out(self) -> torch.Tensor:
+        out = host_vector(self.numel, self.pinned)
+        return out if self.pinned and out.is_pinned() else out.zero_()
+
+    def supersede(self, epoch: int, from_step: int) -> None:
+        """The plan's newest epoch is ``epoch`` and begins at ``from_step``: a round of an earlier epoch at or past
+        that step in progress was abandoned (the run rolled back past it, or that round failed) and stops now
+        (:meth:`run`), not at its deadline (which held up a rerun 6 s); one before it still stands.
+        (No lock: the heartbeat's thread calls it, and the procedure's waits look every 50 ms.)"""
+        if epoch > self._newest[0]:
+            self._newest = (epoch, from_step)
+
+    def abandoned(self, info: RoundInfo) -> bool:
+        epoch, from_step = self._newest
+        return info.epoch < epoch and info.step >= from_step
 
     # ---------------------------------------------------------------- the procedure
 
@@ -96,10 +177,10 @@ class AllReduce(ShardInbox):
         """
         t_start = time.monotonic()
         sent_before = self.client.traffic.snapshot()[0].get("outer", 0)
-        with self._cond:
-            if (info.step, info.base_hash) != (self._step, self._base):
-                raise ValueError(f"round {info.step} from {info.base_hash[:12]} but expecting {self._step} from {self._base[:12]}")
-        self.set_round(info)
+        step, base = self.inbox.expecting()
+        if (info.step, info.base_hash) != (step, base):
+            raise ValueError(f"round {info.step} from {info.base_hash[:12]} but expecting {step} from {base[:12]}")
+        self.inbox.set_round(info)
         deadline = t_start + wait_s
         # a member still fetching the round's base state (a joiner, or one re-assigned) is waited for
         # `grace_s`; the others wait `grace_s` past the deadline for each result: a backup that freezes
@@ -166,7 +247,7 @@ class AllReduce(ShardInbox):
 
         futures_wait(rnd.pending, timeout=grace_s)  # our own broadcasts: finish sending before training on
         with self._cond:
-            results = [self._results[j] for j in range(n)]
+            results = self.inbox.results(n)
             stats.dropped = sorted(rnd.dead)
         stats.seconds = time.monotonic() - t_start
         stats.send_s = max(sent, default=0.0)
@@ -204,6 +285,19 @@ class AllReduce(ShardInbox):
     def _submit(self, fn: Callable, *args: object) -> Future:
         return self._pool.submit(fn, *args)
 
+    def _contribution_digest(self, info: RoundInfo, shard: int, attempt: int, digests: list[bytes], samples: int) -> bytes:
+        return contribution_digest(self.run_id, info.step, info.epoch, shard, info.shards, attempt, info.base_hash,
+                                   self.me, digests, samples)
+
+    def _own_contribution(self, info: RoundInfo, shard: int, attempt: int, values: torch.Tensor, samples: int) -> None:
+        """This member's slice of a shard it reduces, as any contributor sends it: encoded and signed, then handed
+        to the inbox, which decodes it as it does the others'."""
+        chunks = list(EncodedStream.of(f"shard{shard}", values, self.codec, self.chunk_bytes, self._codec_pool))
+        digests = [tensor_digest(t) for t in chunks]
+        signed = Signed(chunks, self.me, self.sign(self._contribution_digest(info, shard, attempt, digests, samples)),
+                        digests, samples)
+        self.inbox.add_own_contribution(info, shard, attempt, signed)
+
     def _chunks(self, info: RoundInfo, shard: int, attempt: int, tensors: Iterable[pb.Tensor],
                 samples: int) -> Iterator[pb.ShardChunk]:
         """A contribution's chunks, each naming its work (``samples``); the last carries this member's signature
@@ -218,14 +312,12 @@ class AllReduce(ShardInbox):
             if i == len(tensors) - 1:
                 chunk.signer = self.me
                 chunk.signature = self.sign(self._contribution_digest(info, shard, attempt, digests, samples))
-                with self._cond:  # kept: an audit of this shard needs this contribution, and need not fetch it
-                    if (info.step, info.epoch) == (self._step, self._epoch):
-                        self._sent[(shard, attempt)] = Signed(tensors, self.me, chunk.signature, list(digests), samples)
+                self.inbox.keep_sent(info, shard, attempt, Signed(tensors, self.me, chunk.signature, list(digests), samples))
             yield chunk
 
     def _results_of(self, info: RoundInfo, shard: int, tensors: list[pb.Tensor], outcome: Outcome) -> Iterator[pb.ShardChunk]:
         hdr = pb.Header(run_id=self.run_id, sender=self.me, step=info.step, epoch=info.epoch)
-        return self._result_chunks(hdr, shard, info.shards, info.base_hash, tensors, outcome)
+        return result_stream(hdr, shard, info.shards, info.base_hash, tensors, outcome)
 
     def _halt(self, rnd: ReduceRound) -> None:
         """Raise if the procedure must stop waiting: the peer stops, or ``rnd``'s epoch was abandoned."""
@@ -271,12 +363,11 @@ class AllReduce(ShardInbox):
         t0 = time.monotonic()
         expected = set(info.ids) - {self.me}  # (our own contribution, if any, is in already)
         next_ping = 0.0
-        with self._cond:
+        with self._cond:  # (held across the inbox's calls: one view of the shard, and nothing arrives unseen)
             while True:
-                got = self._contribs.get((shard, attempt), {})
-                if forwarded_ok and shard in self._results:
+                if forwarded_ok and self.inbox.result(shard) is not None:
                     break
-                waiting = expected - set(got) - rnd.dead - self._abstained
+                waiting = self.inbox.awaited(shard, attempt, expected) - rnd.dead
                 if not waiting or time.monotonic() >= deadline or rnd.ahead:
                     break  # (a member already went past this step: it is lost here, stop collecting for it)
                 self._halt(rnd)
@@ -285,10 +376,8 @@ class AllReduce(ShardInbox):
                     for pid in waiting:
                         self._submit(self._probe, rnd, pid)
                 self._cond.wait(timeout=0.05)
-            self._closed.add((shard, attempt))
-            forwarded = self._results.get(shard) if forwarded_ok else None
-            got = dict(self._contribs.get((shard, attempt), {}))
-            signed = dict(self._inputs.get((shard, attempt), {}))
+            got, signed = self.inbox.close_shard(shard, attempt)
+            forwarded = self.inbox.result(shard) if forwarded_ok else None
         stats.wait_seconds += time.monotonic() - t0
         if forwarded is not None:  # we hold the owner's result already: hand on exactly that (its signature too)
             result_chunks, outcome = forwarded.chunks, forwarded.outcome
@@ -296,15 +385,15 @@ class AllReduce(ShardInbox):
             lo, hi = bounds[shard]
             weights = {s: signed[s].samples for s in got}  # as each sender signed it (an over-claim was refused)
             if self.me in weights:  # (a Byzantine owner that weighs its own contribution up, in tests: owner.weight)
-                weights[self.me] = int(self._tamper("owner.weight", info.step, weights[self.me]))
+                weights[self.me] = int(self.tamper("owner.weight", info.step, weights[self.me]))
             red = robust_reduction(got, hi - lo, self.clip_factor, self.reject_below, weights)
             step = info.step
 
             def mean(a: int, b: int) -> torch.Tensor:  # (a Byzantine owner, in tests: POTLUCK_FAULTS owner.mean)
-                return self._tamper("owner.mean", step, red.mean(a, b), a)
+                return self.tamper("owner.mean", step, red.mean(a, b), a)
 
             clipped = red.clipped
-            if self._tamper("owner.flags", step, False) is True:  # an honest mean, with false flags (tests)
+            if self.tamper("owner.flags", step, False) is True:  # an honest mean, with false flags (tests)
                 clipped = sorted(set(red.contributors) - {self.me})
             # summed in float32 and re-quantized a chunk at a time, chunks on the codec workers, each
             # hashed there as soon as it is made
@@ -369,7 +458,7 @@ class AllReduce(ShardInbox):
                 break
         if not backup_ok:
             return
-        self._store_own_result(info, shard, chunks, outcome)
+        self.inbox.store_own_result(info, shard, chunks, outcome)
         for peer in info.members:
             if peer is backup or rnd.is_dead(peer.peer_id) or peer.peer_id == self.me:
                 continue
@@ -426,7 +515,7 @@ class AllReduce(ShardInbox):
         wanted = list(range(info.shards)) if shards is None else shards
         with self._cond:
             while True:
-                missing = [j for j in wanted if j not in self._results]
+                missing = self.inbox.missing_results(wanted)
                 if not missing or time.monotonic() >= deadline:
                     return missing
                 self._halt(rnd)
@@ -449,15 +538,13 @@ class AllReduce(ShardInbox):
         owner = info.shard_owners[shard]
         if backup.peer_id == self.me:
             log.info("taking over shard %d of step %d from %s", shard, info.step, short_id(owner))
-            with self._cond:
-                self._taken_over.add(shard)
+            self.inbox.take_over(shard)
             if delta is not None:
                 self._own_contribution(info, shard, 1, delta[lo:hi], rnd.samples)
             self._reduce_shard(rnd, shard, 1, bounds, deadline, stats, forwarded_ok=True)  # (the owner is dead)
         elif delta is not None:
-            with self._cond:
-                if shard in self._results:
-                    return
+            if self.inbox.result(shard) is not None:
+                return
             self._submit(self._send, "takeover", rnd, backup, shard, 1, delta[lo:hi], lambda p, e: None)
 
     def close(self) -> None:

@@ -269,7 +269,7 @@ class Session:
     def ping(self, request: pb.PingRequest) -> pb.PingReply:
         self.inner.heard(request)  # (a member it averages with may say it trained its whole phase)
         if request.abstain:  # (or that it has nothing to contribute: its owners need not wait for it)
-            self.tasklet.allreduce.abstains(request.header)
+            self.tasklet.allreduce.inbox.abstains(request.header)
         held = self.tasklet.states.current
         return self.telemetry.ping_reply(request, held.version, epoch_of(held))
 

@@ -34,7 +34,8 @@ class ReduceRound:
     whatever it marks is dropped once that round is DONE, and a newer round cannot see it.
 
     ``dead``, ``ahead`` and ``phase`` are guarded by ``cond`` (the all-reduce's condition, which the
-    procedure waits on); every change notifies it. ``pending`` is the procedure thread's own.
+    procedure waits on and also gives its inbox); every change notifies it. ``pending`` is the procedure
+    thread's own.
     """
 
     def __init__(self, info: RoundInfo, cond: threading.Condition, catch_up_until: float, backup_timeout: float,

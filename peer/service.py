@@ -1,7 +1,7 @@
 """The gRPC facade of a peer: what every message must satisfy, then the room that owns it.
 
 Each RPC is handed to the part of the peer that owns its state: Ping to telemetry, the all-reduce's
-three RPCs to the running :class:`~potluck.peer.allreduce.AllReduce`, state transfers to the
+four RPCs to the running :class:`~potluck.peer.allreduce.AllReduce`'s inbox, state transfers to the
 committed :class:`~potluck.peer.states.States`, pipeline messages to the stage's
 :class:`~potluck.peer.pipeline.Pipeline`. Those rooms are replaced when the peer changes stage, so
 the facade asks for the current one on every call.
@@ -34,18 +34,18 @@ class PeerService:
         return self._ping(request)
 
     def push_contribution(self, chunks: Iterator[pb.ShardChunk]) -> pb.Ack:
-        return self._allreduce().on_contribution(chunks)
+        return self._allreduce().inbox.on_contribution(chunks)
 
     def push_result(self, chunks: Iterator[pb.ShardChunk]) -> pb.Ack:
-        return self._allreduce().on_result(chunks)
+        return self._allreduce().inbox.on_result(chunks)
 
     def fetch_result(self, request: pb.ResultRequest) -> Iterator[pb.ShardChunk]:
         self._check(request.header)
-        return self._allreduce().on_fetch_result(request)
+        return self._allreduce().inbox.on_fetch_result(request)
 
     def fetch_inputs(self, request: pb.InputsRequest) -> Iterator[pb.ShardChunk]:
         self._check(request.header)
-        return self._allreduce().on_fetch_inputs(request)
+        return self._allreduce().inbox.on_fetch_inputs(request)
 
     def get_state_info(self, request: pb.StateInfoRequest) -> pb.StateInfo:
         self._check(request.header)

@@ -5,13 +5,18 @@ the inbox keeps them, checked, until it does, and drops what the round, once kno
 non-members. Nothing is stored until a whole stream checks out (run, step, epoch, membership, base
 state, shard bounds, signature). The step that ends is kept, with its results and an owner's signed
 inputs, for :data:`KEEP_STEPS` steps: audits of it ask for them (FetchResult, FetchInputs).
+
+The procedure (:class:`~potluck.peer.allreduce.AllReduce`) holds one inbox and reaches it only through its public
+methods: it hands over what it makes itself (its own contribution, its own results, what it sent), closes a shard
+when it reduces it, and reads what arrived. Both share one condition, which the procedure makes and passes in:
+it waits on it for what arrives here, and its :class:`~potluck.peer.reduceround.ReduceRound` notifies it too.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -20,22 +25,18 @@ from potluck.compression.aggregate import contribution_digest, result_digest, te
 from potluck.compression.audit import ResultClaim, Signed
 from potluck.compression.audit import Round as AuditRound
 from potluck.compression.int8 import Codec
-from potluck.compression.stream import Assembler, EncodedStream, WireError
+from potluck.compression.stream import Assembler, WireError
 from potluck.peer.audit import HeldResult
-from potluck.peer.diloco import host_vector
 from potluck.peer.shards import Buffers, Outcome, RoundInfo, ShardResult, shard_bounds
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.net.identity import verify
-from potluck.protos.net.transport import PeerClient
 from potluck.protos.runtime.log import get_logger, short_id
-from potluck.protos.testkit.faults import tamper
 from potluck.protos.wire.refusals import Rejected
 
 log = get_logger(__name__)
 
 MAX_PENDING_SENDERS = 4096
 KEEP_STEPS = 3  # steps kept for audits: encoded results and inputs, about 2 bytes a parameter each
-CODEC_WORKERS = 2
 
 
 @dataclass(frozen=True)
@@ -66,44 +67,19 @@ class ShardInbox:
 
     It holds, for the step it expects (:meth:`expect`), the contributions to the shards this member
     reduces, the owners' results, and the last few steps kept for audits. All of it is guarded by
-    ``_cond`` (a Condition: the procedure, :class:`~potluck.peer.allreduce.AllReduce`, waits on it for
-    what arrives); gRPC handler threads and the procedure's threads touch it only under that lock.
+    ``cond``, a Condition the procedure (:class:`~potluck.peer.allreduce.AllReduce`) owns and passes in:
+    the procedure waits on it for what arrives, and may hold it across several calls here to read one
+    consistent view (so its lock must be re-entrant, as a plain ``Condition()``'s is: each method takes it
+    again). gRPC handler threads and the procedure's threads touch this state only under it, and every
+    arrival notifies it.
     """
 
-    def __init__(
-        self,
-        *,
-        run_id: str,
-        me: str,
-        numel: int,
-        codec: Codec,
-        client: PeerClient,
-        chunk_bytes: int,
-        rpc_timeout: float,
-        ping: Callable[[str, float], pb.PingReply],
-        stopping: threading.Event | None = None,
-        sign: Callable[[bytes], bytes] | None = None,
-        clip_factor: float = 4.0,
-        reject_below: float | None = -0.1,
-        pinned: bool = False,
-    ) -> None:
-        """``pinned``: the mean (which becomes theta_global) in page-locked memory, for a GPU peer's copy."""
+    def __init__(self, *, run_id: str, me: str, numel: int, codec: Codec, cond: threading.Condition) -> None:
         self.run_id, self.me, self.numel, self.codec = run_id, me, numel, codec
-        self.pinned = pinned
-        self.sign = sign or (lambda digest: b"")
-        self.clip_factor, self.reject_below = clip_factor, reject_below
-        self.stopping = stopping or threading.Event()
-        self.client, self.chunk_bytes, self.rpc_timeout, self._ping = client, chunk_bytes, rpc_timeout, ping
-        self._cond = threading.Condition()
-        self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="allreduce")
+        self._cond = cond
         self._buffers = Buffers()
-        self._out: Future | None = None  # the next result's whole vector, its pages touched ahead of time
-        # encodes chunk i + 1 while chunk i is on the wire, and an owner's result a few chunks at a time
-        self._codec_pool = ThreadPoolExecutor(max_workers=CODEC_WORKERS, thread_name_prefix="codec")
         self._step = -1
         self._epoch = 0
-        # the plan's newest epoch and its first step: a round of an earlier epoch at or past it was abandoned
-        self._newest: tuple[int, int] = (0, 0)
         self._base_hash: str | Future[str] = ""  # read _base
         self._round: RoundInfo | None = None
         self._contribs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
@@ -115,7 +91,6 @@ class ShardInbox:
         self._evidence: dict[tuple[int, int, int, int], dict[str, Signed]] = {}  # inputs fetched in an audit
         self._sent: dict[tuple[int, int], Signed] = {}  # this member's own contributions, as it signed them
         self._closed: set[tuple[int, int]] = set()
-        self._tamper = tamper  # POTLUCK_FAULTS' owner.* points (a test may give one member faults of its own)
         self._results: dict[int, ShardResult] = {}
         self._taken_over: set[int] = set()
         self._abstained: set[str] = set()  # members that said they contribute nothing to the expected step
@@ -138,20 +113,11 @@ class ShardInbox:
             self._step, self._base_hash, self._epoch, self._round = step, base_hash, epoch, None
             self._reset()
             self._cond.notify_all()
-        if self._out is None:
-            # the result becomes the caller's new theta: a fresh vector, whose first writes would cost
-            # page faults inside the round (40 ms for 80 MB here); touched now, while the inner phase runs
-            # (a pinned one is resident already, and after the first step torch's host allocator reuses one)
-            self._out = self._codec_pool.submit(self._fresh_out)
 
-    def _take_out(self) -> torch.Tensor:
-        """The vector the next result is written into (made ahead of time by :meth:`expect`)."""
-        out, self._out = (self._out.result() if self._out is not None else torch.empty(self.numel)), None
-        return out
-
-    def _fresh_out(self) -> torch.Tensor:
-        out = host_vector(self.numel, self.pinned)
-        return out if self.pinned and out.is_pinned() else out.zero_()
+    def expecting(self) -> tuple[int, str]:
+        """The expected step and the hash of the theta_global it is computed from (waited for if still hashed)."""
+        with self._cond:
+            return self._step, self._base
 
     @property
     def _base(self) -> str:
@@ -214,18 +180,6 @@ class ShardInbox:
     def result_count(self) -> int:
         with self._cond:
             return len(self._results)
-
-    def supersede(self, epoch: int, from_step: int) -> None:
-        """The plan's newest epoch is ``epoch`` and begins at ``from_step``: a round of an earlier epoch at or past
-        that step in progress was abandoned (the run rolled back past it, or that round failed) and stops now
-        (:meth:`AllReduce.run`), not at its deadline (which held up a rerun 6 s); one before it still stands.
-        (No lock: the heartbeat's thread calls it, and the procedure's waits look every 50 ms.)"""
-        if epoch > self._newest[0]:
-            self._newest = (epoch, from_step)
-
-    def abandoned(self, info: RoundInfo) -> bool:
-        epoch, from_step = self._newest
-        return info.epoch < epoch and info.step >= from_step
 
     # ---------------------------------------------------------------- RPC handlers
 
@@ -374,7 +328,7 @@ class ShardInbox:
             if found is None:
                 raise Rejected(pb.NO_STATE, f"no result for shard {request.shard} of step {h.step}")
             hdr = pb.Header(run_id=self.run_id, sender=self.me, step=step, epoch=epoch)
-        yield from self._result_chunks(hdr, request.shard, request.num_shards, base, found[0], found[1])
+        yield from result_stream(hdr, request.shard, request.num_shards, base, found[0], found[1])
 
     def on_fetch_inputs(self, request: pb.InputsRequest) -> Iterator[pb.ShardChunk]:
         """The contributions a shard's result was averaged from, each as its sender signed it: an owner's of the
@@ -430,27 +384,29 @@ class ShardInbox:
             for old in sorted(self._evidence)[:-4]:
                 del self._evidence[old]
 
-    # ---------------------------------------------------------------- what this member itself holds
+    # ---------------------------------------------------------------- what the procedure hands in and reads
 
-    def _contribution_digest(self, info: RoundInfo, shard: int, attempt: int, digests: list[bytes], samples: int) -> bytes:
-        return contribution_digest(self.run_id, info.step, info.epoch, shard, info.shards, attempt, info.base_hash,
-                                   self.me, digests, samples)
-
-    def _own_contribution(self, info: RoundInfo, shard: int, attempt: int, values: torch.Tensor, samples: int) -> None:
-        """This member's slice of a shard it reduces, as any contributor sends it: encoded, signed, decoded."""
-        chunks = list(EncodedStream.of(f"shard{shard}", values, self.codec, self.chunk_bytes, self._codec_pool))
-        digests = [tensor_digest(t) for t in chunks]
-        asm = Assembler(f"shard{shard}", values.numel(), self.codec, out=self._buffers.take(values.numel()))
-        for t in chunks:
+    def add_own_contribution(self, info: RoundInfo, shard: int, attempt: int, signed: Signed) -> None:
+        """This member's own slice of a shard it reduces, encoded and signed as any contributor sends it (by the
+        procedure): decoded here like any other, so what it averages is what an auditor can check."""
+        lo, hi = shard_bounds(self.numel, info.shards, self.codec.align)[shard]
+        asm = Assembler(f"shard{shard}", hi - lo, self.codec, out=self._buffers.take(hi - lo))
+        for t in signed.chunks:
             asm.add(t)
-        signed = Signed(chunks, self.me, self.sign(self._contribution_digest(info, shard, attempt, digests, samples)),
-                        digests, samples)
         with self._cond:
             self._contribs.setdefault((shard, attempt), {})[self.me] = asm.result()
             self._inputs.setdefault((shard, attempt), {})[self.me] = signed
             self._cond.notify_all()
 
-    def _store_own_result(self, info: RoundInfo, shard: int, chunks: list[pb.Tensor], outcome: Outcome) -> None:
+    def keep_sent(self, info: RoundInfo, shard: int, attempt: int, signed: Signed) -> None:
+        """This member's contribution to another owner's shard, as it signed it: an audit of that shard needs it,
+        and need not fetch it. (Dropped if the expected step moved on while it was sent.)"""
+        with self._cond:
+            if (info.step, info.epoch) == (self._step, self._epoch):
+                self._sent[(shard, attempt)] = signed
+
+    def store_own_result(self, info: RoundInfo, shard: int, chunks: list[pb.Tensor], outcome: Outcome) -> None:
+        """A result this member reduced (or forwards, as a backup taking over), as it distributes it."""
         lo, hi = shard_bounds(self.numel, info.shards, self.codec.align)[shard]
         asm = Assembler(f"shard{shard}", hi - lo, self.codec, out=self._buffers.take(hi - lo))
         for t in chunks:
@@ -460,13 +416,47 @@ class ShardInbox:
                 self._results[shard] = ShardResult(asm.result(), chunks, outcome)
             self._cond.notify_all()
 
-    @staticmethod
-    def _result_chunks(hdr: pb.Header, shard: int, num_shards: int, base: str, tensors: list[pb.Tensor],
-                       o: Outcome) -> Iterator[pb.ShardChunk]:
-        for i, t in enumerate(tensors):
-            chunk = pb.ShardChunk(header=hdr, shard=shard, num_shards=num_shards, attempt=o.attempt, base_hash=base,
-                                  contributors=o.contributors, clipped=o.clipped, rejected=o.rejected, tensor=t,
-                                  inputs=o.inputs, input_digests=o.input_digests, weights=o.weights)
-            if i == len(tensors) - 1:
-                chunk.signer, chunk.signature = o.signer, o.signature
-            yield chunk
+    def awaited(self, shard: int, attempt: int, expected: set[str]) -> set[str]:
+        """Those of ``expected`` whose contribution to ``shard`` (``attempt``) is not in and who did not abstain."""
+        with self._cond:
+            return expected - set(self._contribs.get((shard, attempt), {})) - self._abstained
+
+    def close_shard(self, shard: int, attempt: int) -> tuple[dict[str, torch.Tensor], dict[str, Signed]]:
+        """This member reduces ``shard`` (``attempt``) now: later contributions to it are refused
+        (ALREADY_REDUCED), and its inputs can be fetched. Returns the contributions, decoded and as signed."""
+        with self._cond:
+            self._closed.add((shard, attempt))
+            return dict(self._contribs.get((shard, attempt), {})), dict(self._inputs.get((shard, attempt), {}))
+
+    def take_over(self, shard: int) -> None:
+        """This member reduces ``shard`` again (attempt 1): the owner's late result and attempt-0 contributions
+        are refused from now (TAKEN_OVER, ALREADY_REDUCED)."""
+        with self._cond:
+            self._taken_over.add(shard)
+
+    def result(self, shard: int) -> ShardResult | None:
+        with self._cond:
+            return self._results.get(shard)
+
+    def missing_results(self, shards: list[int]) -> list[int]:
+        """Those of ``shards`` with no result yet, in the order given."""
+        with self._cond:
+            return [j for j in shards if j not in self._results]
+
+    def results(self, num_shards: int) -> list[ShardResult]:
+        """Every shard's result, in shard order (the caller checked none is missing)."""
+        with self._cond:
+            return [self._results[j] for j in range(num_shards)]
+
+
+def result_stream(hdr: pb.Header, shard: int, num_shards: int, base: str, tensors: list[pb.Tensor],
+                  o: Outcome) -> Iterator[pb.ShardChunk]:
+    """A signed result as it goes on the wire (its outcome in every chunk, the signature in the last): sent by
+    its owner or a backup, and served again for an audit (FetchResult)."""
+    for i, t in enumerate(tensors):
+        chunk = pb.ShardChunk(header=hdr, shard=shard, num_shards=num_shards, attempt=o.attempt, base_hash=base,
+                              contributors=o.contributors, clipped=o.clipped, rejected=o.rejected, tensor=t,
+                              inputs=o.inputs, input_digests=o.input_digests, weights=o.weights)
+        if i == len(tensors) - 1:
+            chunk.signer, chunk.signature = o.signer, o.signature
+        yield chunk

@@ -243,9 +243,9 @@ class Tasklet:
                               ping=tools.ping_member, stopping=tools.stopping, sign=tools.sign,
                               clip_factor=rc.sync.clip_factor, reject_below=rc.sync.reject_below, pinned=worker.pinned)
         auditor = Auditor(rc.run_id, tools.me, tools.client, tools.codec, rc.sync.chunk_bytes, rc.sync.clip_factor,
-                          rc.sync.reject_below, allreduce.held_result,
-                          lambda a, inputs: allreduce.keep_evidence(a.step, a.epoch, a.shard, a.attempt, inputs),
-                          lambda report: tools.on_audit(report), allreduce.own_input)
+                          rc.sync.reject_below, allreduce.inbox.held_result,
+                          lambda a, inputs: allreduce.inbox.keep_evidence(a.step, a.epoch, a.shard, a.attempt, inputs),
+                          lambda report: tools.on_audit(report), allreduce.inbox.own_input)
         theta0 = worker.theta()
         first = outer_snapshot(theta0, torch.zeros_like(theta0), 0, {**worker.meta(), "epoch": 0})
         tasklet = cls(tools, stage, worker, allreduce, pipeline, States(rc.run_id, rc.sync.chunk_bytes, first), auditor)
@@ -298,7 +298,7 @@ class Tasklet:
             if (held if isinstance(held, str) else held.result()) != info.base_hash:  # a group's base, not the held
                 self.allreduce.expect(info.step, info.base_hash, self.states.epoch)
                 self.expected = (info.step, info.base_hash)
-        return self.allreduce.set_round(info)
+        return self.allreduce.inbox.set_round(info)
 
     def learn_round(self, plan: Plan | None, step: int) -> bool:
         """Once the coordinator's round for ``step`` is known (it may arrive while this tasklet trains on the

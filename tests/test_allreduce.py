@@ -16,7 +16,15 @@ from signing import signed
 from potluck.compression.aggregate import result_digest, tensor_digest
 from potluck.compression.int8 import Int8BlockCodec
 from potluck.compression.stream import encode_chunks
-from potluck.peer.allreduce import AllReduce, IncompleteRound, MemberAddr, Outcome, RoundInfo, shard_bounds
+from potluck.peer.allreduce import (
+    AllReduce,
+    IncompleteRound,
+    MemberAddr,
+    Outcome,
+    RoundInfo,
+    result_stream,
+    shard_bounds,
+)
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.net.identity import Identity
 from potluck.protos.net.transport import PeerClient, PeerServer, Traffic
@@ -53,13 +61,13 @@ class Member:
         return pb.PingReply(peer_id=self.id, state=self.state, version=self.version)
 
     def push_contribution(self, chunks):  # type: ignore[no-untyped-def]
-        return self.ar.on_contribution(chunks)
+        return self.ar.inbox.on_contribution(chunks)
 
     def push_result(self, chunks):  # type: ignore[no-untyped-def]
-        return self.ar.on_result(chunks)
+        return self.ar.inbox.on_result(chunks)
 
     def fetch_result(self, request):  # type: ignore[no-untyped-def]
-        return self.ar.on_fetch_result(request)
+        return self.ar.inbox.on_fetch_result(request)
 
     def close(self) -> None:
         self.server.stop(0.1)
@@ -189,7 +197,7 @@ def test_late_member_within_the_deadline_is_included(members: list[Member]) -> N
     early.start()
     # c starts only once both others have pushed their contributions into its mailbox
     deadline = time.monotonic() + 20
-    while c.ar.pending_contributions() < 2 and time.monotonic() < deadline:
+    while c.ar.inbox.pending_contributions() < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     mc = c.ar.run(round_for(members, c), deltas[c.id], wait_s=20, grace_s=1.0)
     early.join(timeout=60)
@@ -356,7 +364,7 @@ def NAN_SCALES(scales: bytes) -> bytes:  # noqa: N802 (used like a constant in t
 def test_bad_contribution_is_rejected_and_changes_nothing(members: list[Member], over, refusal, match) -> None:  # type: ignore[no-untyped-def]
     order = sorted(members, key=lambda m: m.id)
     target, sender = order[0], order[1]
-    target.ar.set_round(round_for(members, target))
+    target.ar.inbox.set_round(round_for(members, target))
     sender_id = over.pop("sender", sender.id)
     identity = sender.identity
     if sender_id == "stranger":
@@ -373,7 +381,7 @@ def test_bad_contribution_is_rejected_and_changes_nothing(members: list[Member],
     assert match in err.value.details()
     if refusal == pb.WRONG_STEP:
         assert info.at_step == 1  # the sender learns where the receiver is
-    assert target.ar.pending_contributions() == 0
+    assert target.ar.inbox.pending_contributions() == 0
     assert target.traffic.rejected  # counted for the status page
 
 
@@ -383,7 +391,7 @@ def test_nan_values_never_leave_a_member(members: list[Member]) -> None:
     a = members[0]
     with pytest.raises(Exception, match="NaN"):
         list(encode_chunks("x", bad, Int8BlockCodec(BLOCK), 1 << 20))
-    assert a.ar.pending_contributions() == 0
+    assert a.ar.inbox.pending_contributions() == 0
 
 
 def test_malformed_bytes_are_rejected(members: list[Member]) -> None:
@@ -394,7 +402,7 @@ def test_malformed_bytes_are_rejected(members: list[Member]) -> None:
     with pytest.raises(grpc.RpcError) as err:
         call(iter([b"\xff\xff\xff not a protobuf"]), timeout=5)
     assert err.value.code() != grpc.StatusCode.OK
-    assert target.ar.pending_contributions() == 0
+    assert target.ar.inbox.pending_contributions() == 0
     channel.close()
 
 
@@ -408,7 +416,7 @@ def forged_result(target: Member, author: Member, shard: int, attempt: int = 0, 
     if tamper:
         tensors[0].payload = bytes(len(tensors[0].payload))
     outcome = Outcome(attempt, contributors, [], [], signer or author.id, author.identity.sign(digest))
-    return AllReduce._result_chunks(pb.Header(run_id=RUN, sender=author.id, step=1), shard, 3, BASE, tensors, outcome)
+    return result_stream(pb.Header(run_id=RUN, sender=author.id, step=1), shard, 3, BASE, tensors, outcome)
 
 
 @pytest.mark.parametrize("case", ["not-the-owner", "tampered", "claims-the-owner"])
@@ -417,7 +425,7 @@ def test_a_forged_result_is_refused(members: list[Member], case: str) -> None:
     owner's shard, nor alter a result it forwards."""
     order = sorted(members, key=lambda m: m.id)
     target, author = order[0], order[1]
-    target.ar.set_round(round_for(members, target))
+    target.ar.inbox.set_round(round_for(members, target))
     owner = order[2]  # shard 2 belongs to order[2]
     chunks = {"not-the-owner": lambda: forged_result(target, author, shard=2),
               "tampered": lambda: forged_result(target, owner, shard=2, tamper=True),
@@ -425,17 +433,17 @@ def test_a_forged_result_is_refused(members: list[Member], case: str) -> None:
     with pytest.raises(grpc.RpcError) as err:
         author.client.push_result(target.address, chunks, timeout=5)
     assert refusal_of(err.value).code == pb.BAD_IDENTITY, err.value.details()
-    assert target.ar.result_count() == 0
+    assert target.ar.inbox.result_count() == 0
     ok = forged_result(target, owner, shard=2)  # the owner's own, signed result is taken, whoever delivers it
     author.client.push_result(target.address, ok, timeout=5)
-    assert target.ar.result_count() == 1
+    assert target.ar.inbox.result_count() == 1
 
 
 def test_bad_result_is_rejected(members: list[Member]) -> None:
     order = sorted(members, key=lambda m: m.id)
     target, sender = order[0], order[1]
-    target.ar.set_round(round_for(members, target))
+    target.ar.inbox.set_round(round_for(members, target))
     with pytest.raises(grpc.RpcError) as err:
         sender.client.push_result(target.address, chunks_for(target, sender.id, shard=1, tensor={"dtype": "int8"}), timeout=5)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and refusal_of(err.value).code == pb.BAD_MESSAGE
-    assert target.ar.result_count() == 0
+    assert target.ar.inbox.result_count() == 0

@@ -60,7 +60,7 @@ def test_a_probe_of_a_past_round_answering_late_changes_nothing_in_the_next() ->
         step2 = threading.Thread(target=lambda: second.update(run_all(ms, deltas, wait_s=30, skip={c.id}, step=2)))
         step2.start()
         deadline = time.monotonic() + 30
-        while a.ar.pending_contributions() < 2 and time.monotonic() < deadline:  # a runs step 2, waiting for c
+        while a.ar.inbox.pending_contributions() < 2 and time.monotonic() < deadline:  # a runs step 2, waiting for c
             time.sleep(0.01)
         with a.cond:  # now the probes of step 1 answer
             a.gate.set()
@@ -100,7 +100,7 @@ def test_a_rollback_stops_an_abandoned_epochs_all_reduce_at_once() -> None:
         t0 = time.monotonic()
         runner = threading.Thread(target=lambda: done.update(run_all(ms, deltas, wait_s=30, skip={ms[2].id})))
         runner.start()
-        while sum(m.ar.pending_contributions() for m in ms[:2]) < 2 and time.monotonic() < t0 + 30:
+        while sum(m.ar.inbox.pending_contributions() for m in ms[:2]) < 2 and time.monotonic() < t0 + 30:
             time.sleep(0.01)  # (until each holds the other's contribution: both are in the step, waiting)
         for m in ms[:2]:
             m.ar.supersede(0, 0)  # (the plan's epoch as it was: nothing to stop)

@@ -49,7 +49,7 @@ class FuzzedPeer:
         self.allreduce = AllReduce(run_id=RUN, me=me, numel=NUMEL, codec=Int8BlockCodec(256), client=self.client,
                                    chunk_bytes=4096, rpc_timeout=2.0, ping=lambda pid, t: pb.PingReply(state="training"))
         self.allreduce.expect(1, BASE)
-        self.allreduce.set_round(RoundInfo(1, tuple(MemberAddr(m, "127.0.0.1:1") for m in MEMBERS), me, BASE))
+        self.allreduce.inbox.set_round(RoundInfo(1, tuple(MemberAddr(m, "127.0.0.1:1") for m in MEMBERS), me, BASE))
         self.snap = outer_snapshot(torch.arange(NUMEL, dtype=torch.float32), torch.zeros(NUMEL), 3, {"stage": 1})
         self.states = SnapshotServer(RUN, 4096)
         self.states.publish(self.snap)
@@ -66,7 +66,7 @@ class FuzzedPeer:
         self.channel = grpc.insecure_channel(self.address)
 
     def unchanged(self) -> bool:
-        return (self.allreduce.pending_contributions() == 0 and self.allreduce.result_count() == 0
+        return (self.allreduce.inbox.pending_contributions() == 0 and self.allreduce.inbox.result_count() == 0
                 and self.states.current is self.snap and not self.pipeline.inbox.current().mail)
 
     def close(self) -> None:
@@ -216,7 +216,7 @@ def test_the_valid_contribution_the_mutations_start_from_is_accepted() -> None:
     fresh = FuzzedPeer()
     try:
         PeerClient(Traffic()).push_contribution(fresh.address, iter(valid_contribution(MEMBERS[1])), 5)
-        assert fresh.allreduce.pending_contributions() == 1
+        assert fresh.allreduce.inbox.pending_contributions() == 1
     finally:
         fresh.close()
 

@@ -161,13 +161,13 @@ class Peer:
         return pb.PingReply(peer_id=self.id, state="syncing", version=self.version)
 
     def push_contribution(self, chunks):  # type: ignore[no-untyped-def]
-        return self.ar.on_contribution(chunks)
+        return self.ar.inbox.on_contribution(chunks)
 
     def push_result(self, chunks):  # type: ignore[no-untyped-def]
-        return self.ar.on_result(chunks)
+        return self.ar.inbox.on_result(chunks)
 
     def fetch_inputs(self, request: pb.InputsRequest):  # type: ignore[no-untyped-def]
-        return self.ar.on_fetch_inputs(request)
+        return self.ar.inbox.on_fetch_inputs(request)
 
     def holding(self) -> list[tuple[int, str]]:
         return [(s.version, s.hash) for s in self.states[-2:]]
@@ -264,7 +264,7 @@ def audit_each_group(peers: list[Peer], rnd: Round) -> None:
             a = Audit(step=rnd.step, stage=0, group=group, shard=shard, owner=owner, auditor=auditor.id)
             for who, verdict in ((auditor, "ok"), (stranger, "unserved")):
                 checker = Auditor("groups", who.id, who.client, Int8BlockCodec(BLOCK), 4096, 4.0, -0.1,
-                                  who.ar.held_result, lambda a, inputs: None, lambda r: None, who.ar.own_input)
+                                  who.ar.inbox.held_result, lambda a, inputs: None, lambda r: None, who.ar.inbox.own_input)
                 report = checker.audit(a, by_id[owner].address)
                 assert (report.verdict, report.group, report.shard) == (verdict, group, shard), report
 

@@ -26,7 +26,7 @@ CLIP, REJECT = 4.0, -0.1
 def members() -> Iterator[list[Member]]:
     ms = [Member() for _ in range(4)]
     for m in ms:
-        m.fetch_inputs = m.ar.on_fetch_inputs  # type: ignore[attr-defined]
+        m.fetch_inputs = m.ar.inbox.on_fetch_inputs  # type: ignore[attr-defined]
     yield ms
     for m in ms:
         m.close()
@@ -38,7 +38,7 @@ def step_then_next(ms: list[Member], tamper: str = "") -> list[Member]:
     order = sorted(ms, key=lambda m: m.id)
     if tamper:
         point = "owner.flags" if tamper == "flag" else "owner.mean"
-        order[0].ar._tamper = functools.partial(faults.tamper, pending=parse(f"{point}@1:{tamper}"))
+        order[0].ar.tamper = functools.partial(faults.tamper, pending=parse(f"{point}@1:{tamper}"))
     out = run_all(ms, random_deltas(ms), wait_s=10)
     assert all(isinstance(v, tuple) for v in out.values()), out
     for m in ms:
@@ -47,9 +47,9 @@ def step_then_next(ms: list[Member], tamper: str = "") -> list[Member]:
 
 
 def auditor_of(m: Member, reports: list[AuditReport]) -> Auditor:
-    return Auditor(RUN, m.id, m.client, Int8BlockCodec(BLOCK), 4096, CLIP, REJECT, m.ar.held_result,
-                   lambda a, inputs: m.ar.keep_evidence(a.step, a.epoch, a.shard, a.attempt, inputs), reports.append,
-                   m.ar.own_input)
+    return Auditor(RUN, m.id, m.client, Int8BlockCodec(BLOCK), 4096, CLIP, REJECT, m.ar.inbox.held_result,
+                   lambda a, inputs: m.ar.inbox.keep_evidence(a.step, a.epoch, a.shard, a.attempt, inputs), reports.append,
+                   m.ar.inbox.own_input)
 
 
 def audit(order: list[Member], shard: int, by: int) -> AuditReport:
@@ -106,7 +106,7 @@ def test_inputs_that_are_not_their_senders_prove_nothing(members: list[Member]) 
     """An owner (or a holder) that shows a contribution under another sender's name, or altered after it was
     signed, proves nothing against anyone: the check says so instead of blaming the owner."""
     order = step_then_next(members)
-    held = order[1].ar.held_result(1, 0, 0)
+    held = order[1].ar.inbox.held_result(1, 0, 0)
     assert held is not None
     from potluck.compression.audit import decode_streams
     from potluck.protos import potluck_pb2 as pb
@@ -135,7 +135,7 @@ def weighted_step(ms: list[Member], owner_fault: str = "", greedy: bool = False)
     samples = dict(zip([m.id for m in order], [160, 40, 80, 120], strict=True))
     handed = tuple(160 for _ in order)
     if owner_fault:
-        order[0].ar._tamper = functools.partial(faults.tamper, pending=parse(f"owner.weight@1:{owner_fault}"))
+        order[0].ar.tamper = functools.partial(faults.tamper, pending=parse(f"owner.weight@1:{owner_fault}"))
     if greedy:
         samples[order[0].id] = 1000
     deltas = random_deltas(ms)
@@ -144,7 +144,7 @@ def weighted_step(ms: list[Member], owner_fault: str = "", greedy: bool = False)
     def go(m: Member) -> None:
         m.addresses = {o.id: o.address for o in ms}
         info = RoundInfo(step=1, members=tuple(MemberAddr(o.id, o.address) for o in order), me=m.id,
-                         base_hash=order[0].ar._base, handed=handed)
+                         base_hash=order[0].ar.inbox.expecting()[1], handed=handed)
         try:
             out[m.id] = m.ar.run(info, deltas[m.id], wait_s=4, grace_s=1.0, samples=samples[m.id])
         except Exception as err:
