@@ -192,7 +192,8 @@ class JournalWriter:
 
     def __init__(self, journal: Journal, done: Callable[[], None] = lambda: None) -> None:
         self.journal, self._done = journal, done
-        self.durable, self.error = 0, None
+        self.durable = 0
+        self.error: OSError | None = None
         self._cv = threading.Condition()
         self._pending: tuple[int, bytes] | None = None
         self._writing = self._closed = False
