@@ -35,6 +35,7 @@ from potluck.coordinator.status.status import StatusServer
 from potluck.coordinator.store.checkpointer import Checkpointer, Job
 from potluck.coordinator.store.journal import JournalError, JournalWriter
 from potluck.coordinator.swarm.membership import PeerTable, announce, describe_round
+from potluck.coordinator.swarm.pings import Waiting
 from potluck.coordinator.swarm.publisher import Publisher
 from potluck.coordinator.swarm.reader import Reader
 from potluck.coordinator.swarm.service import IDLE_CONNECTION_S, CoordinatorService, Pinger
@@ -237,9 +238,9 @@ class Coordinator:
             return None
         at_work = partial(self.table.at_work, self.rounds.committed, self.rounds.epoch, made)  # (they need no ping)
         short = partial(self.rounds.short_of, live=len(live), min_peers=min_peers, now=now)
-        if (answered := self.pinger.poll((v.record for v in live), at_work, due, short)) is None:
-            return None  # (settling, the pings start, kept; they run off this loop; a fresh start waits for min_peers a while)
-        records, began = answered[0], self.health.decision_began(answered[1])  # (from when it was due, or its pings)
+        if isinstance(answered := self.pinger.poll((v.record for v in live), at_work, due, short), Waiting):
+            return None  # (answered.why: pings started, or in flight, off this loop; settling; short of min_peers)
+        records, began = answered.records, self.health.decision_began(answered.began)  # (from when it was due, or its pings)
         before = {m.peer_id: (m.stage, m.replica) for m in getattr(made, "members", [])}
         placed = grid_for(self.cfg, records, self.rounds.stages, before, self.reader.links.records, self.placement)
         if placed is None:

@@ -32,6 +32,7 @@ from potluck.coordinator.rounds.rounds import Rounds
 from potluck.coordinator.status.snapshot import PEERS_INLINE, RunInfo, Series, build
 from potluck.coordinator.status.status import StatusServer
 from potluck.coordinator.swarm.membership import PeerTable
+from potluck.coordinator.swarm.pings import Answer, Polled, Waiting, Why
 from potluck.coordinator.swarm.publisher import Publisher
 from potluck.coordinator.swarm.service import Pinger
 from potluck.coordinator.trust.integrity import Integrity
@@ -325,10 +326,10 @@ def test_a_decisions_pings_run_off_the_loop_and_wake_it_when_done() -> None:
     pinger = Pinger(client, "run", "me", done=answered.set)
     recs = [PeerRecord(peer_id=f"p{i}", address="127.0.0.1:1", seq=1) for i in range(3)]  # nobody listens there
     t0 = time.monotonic()
-    assert pinger.poll(recs) is None and time.monotonic() - t0 < 0.5  # it does not wait for the answers
+    assert pinger.poll(recs) == Waiting(Why.STARTED) and time.monotonic() - t0 < 0.5  # it does not wait for them
     assert answered.wait(30)
     answer = pinger.poll(recs)
-    assert answer is not None and answer[0] == [] and answer[1] >= t0
+    assert isinstance(answer, Answer) and answer.records == [] and answer.began >= t0
     client.close()
 
 
@@ -380,11 +381,12 @@ def test_a_decision_pings_only_the_peers_its_reports_do_not_show_at_work() -> No
             return [False] * len(targets)
 
     pinger = Pinger(Client(), "run", "me")  # type: ignore[arg-type]
-    deadline, answer = time.monotonic() + 30, None
-    while answer is None and time.monotonic() < deadline:
+    answer: Polled = Waiting(Why.STARTED)
+    deadline = time.monotonic() + 30
+    while not isinstance(answer, Answer) and time.monotonic() < deadline:
         answer = pinger.poll(recs.values(), lambda: proven)
         time.sleep(0.02)
-    assert answer is not None and sorted(r.peer_id for r in answer[0]) == ["a", "b"]
+    assert isinstance(answer, Answer) and sorted(r.peer_id for r in answer.records) == ["a", "b"]
     assert sorted(pinged) == ["new", "old", "other-epoch"]
 
 
@@ -399,10 +401,10 @@ def test_a_peer_evicted_while_the_decisions_pings_ran_is_not_in_the_round() -> N
             return [True] * len(targets)
 
     pinger, deadline = Pinger(Client(), "run", "me"), time.monotonic() + 30  # type: ignore[arg-type]
-    assert pinger.poll(recs) is None  # (the pings start: all three)
-    while (answer := pinger.poll(recs[:2])) is None and time.monotonic() < deadline:  # (then only two are live)
+    assert pinger.poll(recs) == Waiting(Why.STARTED)  # (the pings start: all three)
+    while isinstance(answer := pinger.poll(recs[:2]), Waiting) and time.monotonic() < deadline:  # (then only two)
         time.sleep(0.02)
-    assert answer is not None and [r.peer_id for r in answer[0]] == ["a", "b"]
+    assert isinstance(answer, Answer) and [r.peer_id for r in answer.records] == ["a", "b"]
 
 
 def test_a_rounds_audits_stay_within_its_bound_and_draw_as_before() -> None:
