@@ -153,7 +153,7 @@ def test_contributions_count_by_their_samples_and_a_claim_beyond_the_share_is_re
         m.ar.expect(2, BASE)
         m.version = 1
     greedy = {**samples, c.id: 1000}
-    out = run_all(members, deltas, wait_s=4, samples=greedy, handed=handed, step=2)
+    out = run_all(members, deltas, wait_s=2.5, samples=greedy, handed=handed, step=2)  # (c's refused: waited out)
     stats = out[a.id][1]
     assert stats.included == [0, 1] and 2 not in stats.samples, stats  # its slices reached only its own shard
     assert c.id in stats.partial
@@ -183,9 +183,9 @@ def test_dead_member_is_dropped_at_once_and_its_shard_taken_over(members: list[M
 def test_stalled_member_is_dropped_after_the_deadline(members: list[Member]) -> None:
     a, b, c = members  # c answers pings ("training") but never reaches its outer step
     t0 = time.monotonic()
-    out = run_all(members, random_deltas(members), wait_s=3, skip={c.id})
+    out = run_all(members, random_deltas(members), wait_s=1, skip={c.id})  # (a and b's contributions: milliseconds)
     elapsed = time.monotonic() - t0
-    assert 2.5 < elapsed < 12
+    assert 0.5 < elapsed < 12
     assert torch.equal(out[a.id][0], out[b.id][0])
 
 
@@ -245,7 +245,7 @@ def test_an_owner_the_round_went_on_without_never_commits_its_own_result(members
     from the one a and b applied (split brain)."""
     a, b, c = members
     deltas = random_deltas(members, seed=7)
-    done = run_all(members, deltas, wait_s=2, skip={c.id})
+    done = run_all(members, deltas, wait_s=1, skip={c.id})
     assert torch.equal(done[a.id][0], done[b.id][0]) and c.id in done[a.id][1].dropped
     for m in (a, b):
         m.ar.expect(2, "n" * 32)
@@ -256,7 +256,7 @@ def test_an_owner_the_round_went_on_without_never_commits_its_own_result(members
 def test_a_step_nobody_contributed_to_never_commits(members: list[Member]) -> None:
     """All replicas stalled (a dead pipeline stage): the average of nothing is zeros, which the outer
     momentum would still turn into a step. No member may commit it."""
-    out = run_all(members, {m.id: None for m in members}, wait_s=5)
+    out = run_all(members, {m.id: None for m in members}, wait_s=0.5)  # (nothing comes, however long it waits)
     assert all(isinstance(out[m.id], IncompleteRound) and "nothing to average" in str(out[m.id]) for m in members), out
 
 

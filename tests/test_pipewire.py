@@ -288,7 +288,7 @@ def test_a_message_too_big_stays_too_big_when_its_first_try_is_answered_not_yet(
     RESOURCE_EXHAUSTED instead of the fault vanishing with the first try (CI saw that race)."""
     from potluck.protos.testkit import faults
     monkeypatch.setattr(faults, "_pending", faults.parse("pipe.send@1:oversize"))
-    cfg = config(**{"pipeline.pipe_timeout_s": 2.0})  # the receiver waits this long for its round, then NOT_YET
+    cfg = config(**{"pipeline.pipe_timeout_s": 1.0})  # the receiver waits this long for its round, then NOT_YET
     a, b = Host(cfg, 0, "stage0"), Host(cfg, 1, "stage1")
     hosts += [a, b]
     a.pipe.begin_round(1, 0, None, Neighbour(b.id, b.address))

@@ -70,7 +70,7 @@ def test_the_estimate_is_the_biggest_stage_with_its_state_and_activations() -> N
 
 
 @pytest.mark.parametrize("over, field", [({"model__d_model": 1_000_000}, "model.d_model"),
-                                         ({"model__n_layers": 10_000_000}, "model.n_layers"),
+                                         ({"model__n_layers": 2_000_000}, "model.n_layers"),
                                          ({"model__seq_len": 10_000_000}, "model.seq_len"),
                                          ({"train__batch_size": 100_000_000, "train__grad_accum": 1},
                                           "train.batch_size")])

@@ -146,7 +146,7 @@ def weighted_step(ms: list[Member], owner_fault: str = "", greedy: bool = False)
         info = RoundInfo(step=1, members=tuple(MemberAddr(o.id, o.address) for o in order), me=m.id,
                          base_hash=order[0].ar.inbox.expecting()[1], handed=handed)
         try:
-            out[m.id] = m.ar.run(info, deltas[m.id], wait_s=4, grace_s=1.0, samples=samples[m.id])
+            out[m.id] = m.ar.run(info, deltas[m.id], wait_s=2.5, grace_s=1.0, samples=samples[m.id])
         except Exception as err:
             out[m.id] = err
 
