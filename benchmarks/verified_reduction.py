@@ -15,6 +15,10 @@ holds) and recomputes the result. Printed, per member and step (medians):
   analytic value (``fraction`` x the share of the liar's possible auditors that are honest), and, on the
   real path, the share of audited lies found (every one: the recomputation is exact).
 
+* ``receipts``: the all-reduce with signed receipts (an owner signs for each contribution it keeps; a member
+  checks its receipts against the results) against the same without them, two sets of members alternating
+  steps in the same run at ``--receipts-numel`` values: ``time_ratio`` (target <= 1.05) and ``bytes_ratio``.
+
     python benchmarks/verified_reduction.py [--members 4] [--numel 4000000] [--steps 5] [--fraction 0.5]
 """
 
@@ -47,7 +51,7 @@ RUN, BLOCK, CHUNK = "bench-verified", 2048, 1 << 20
 
 
 class Node:
-    def __init__(self, numel: int) -> None:
+    def __init__(self, numel: int, receipts: bool = True) -> None:
         self.identity = Identity.generate()
         self.id = self.identity.peer_id
         self.version = 0  # what a ping says this member holds: the step before the running one
@@ -56,7 +60,7 @@ class Node:
         self.ar = AllReduce(run_id=RUN, me=self.id, numel=numel, codec=Int8BlockCodec(BLOCK), client=self.client,
                             chunk_bytes=CHUNK, rpc_timeout=60.0,
                             ping=lambda pid, t: pb.PingReply(state="training", version=self.version),
-                            sign=self.identity.sign)
+                            sign=self.identity.sign, receipts=receipts)
         self.server = PeerServer(self, self.traffic, host="127.0.0.1", port=0)
         self.address = f"127.0.0.1:{self.server.port}"
         self.reports: list = []
@@ -77,6 +81,11 @@ class Node:
 
     def sent(self, kind: str) -> int:
         return self.traffic.snapshot()[0].get(kind, 0)
+
+    def both_ways(self, kind: str) -> int:
+        """Bytes sent and received (the receipts ride on the acknowledgements a member receives)."""
+        sent, received = self.traffic.snapshot()
+        return sent.get(kind, 0) + received.get(kind, 0)
 
     def close(self) -> None:
         self.server.stop(0.1)
@@ -129,6 +138,33 @@ def audit_all(nodes: list[Node], k: int) -> float:
     return time.perf_counter() - t0
 
 
+def receipts_cost(members: int, numel: int, steps: int) -> dict:
+    """The all-reduce with signed receipts against the same without them, in the same run: two sets of ``members``
+    nodes, their steps alternating (so both see the same box), each step's time and bytes (both ways) per member."""
+    sets = {True: [Node(numel, receipts=True) for _ in range(members)],
+            False: [Node(numel, receipts=False) for _ in range(members)]}
+    times: dict[bool, list[float]] = {True: [], False: []}
+    traffic: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        for k in range(1, steps + 1):
+            for on in ((True, False) if k % 2 else (False, True)):
+                before = [n.both_ways("outer") for n in sets[on]]
+                times[on].append(step(sets[on], k, numel))
+                traffic[on].append(sum(n.both_ways("outer") - b for n, b in zip(sets[on], before, strict=True)) / members)
+        receipted = sum(1 for n in sets[True] for j in range(members) if (c := n.ar.inbox.sent(j, 0)) is not None
+                        and c.receipt)  # (of the last step: every contribution sent to another owner)
+    finally:
+        for n in sets[True] + sets[False]:
+            n.close()
+    with_s, without_s = (statistics.median(times[on][1:] or times[on]) for on in (True, False))
+    with_b, without_b = (statistics.median(traffic[on]) for on in (True, False))
+    return {"members": members, "numel": numel, "steps": steps, "with_s": round(with_s, 4),
+            "without_s": round(without_s, 4), "time_ratio": round(with_s / without_s, 4), "target_time_ratio": 1.05,
+            "bytes_per_member_with": round(with_b), "bytes_per_member_without": round(without_b),
+            "bytes_ratio": round(with_b / without_b, 5), "receipted_last_step": receipted,
+            "sent_last_step": members * (members - 1)}
+
+
 def catch_probability(members: int, fraction: float, draws: int) -> tuple[float, float]:
     """How often the coordinator's picker audits a lying owner's shard in a step (by an honest member)."""
     cfg = apply_overrides(RunConfig(), {"sync.audit_fraction": fraction})
@@ -147,6 +183,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--fraction", type=float, default=0.5)
     ap.add_argument("--draws", type=int, default=20000)
+    ap.add_argument("--receipts-numel", type=int, default=20_000_000, help="the vector of the receipts comparison")
+    ap.add_argument("--receipts-steps", type=int, default=6, help="steps of each set in the receipts comparison")
     args = ap.parse_args()
     torch.set_num_threads(1)
     nodes = [Node(args.numel) for _ in range(args.members)]
@@ -175,6 +213,7 @@ def main() -> None:
         for n in nodes:
             n.close()
     measured, analytic = catch_probability(args.members, args.fraction, args.draws)
+    receipts = receipts_cost(args.members, args.receipts_numel, args.receipts_steps)
     a, v = statistics.median(ar_s[1:] or ar_s), statistics.median(audit_s[1:] or audit_s)
     b, ab = statistics.median(ar_bytes), statistics.median(audit_bytes)
     print(json.dumps({
@@ -186,6 +225,7 @@ def main() -> None:
         "honest_audits_passed": honest_ok, "audited_lies_found": found,
         "catch_probability_per_step": {"fraction": args.fraction, "measured": round(measured, 4),
                                        "analytic": analytic, "draws": args.draws},
+        "receipts": receipts,
     }))
 
 

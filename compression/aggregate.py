@@ -237,6 +237,15 @@ def contribution_digest(run_id: str, step: int, epoch: int, shard: int, num_shar
     return h.digest()
 
 
+def receipt_digest(contribution: bytes) -> bytes:
+    """What an owner signs to acknowledge a contribution (its :func:`contribution_digest`, which names the run,
+    step, epoch, shard, attempt, sender, work and chunks): a receipt. A result its owner signs must name every
+    contribution it receipted, so a contributor it left out holds a proof (its receipt and the signed result)."""
+    h = hashlib.blake2b(digest_size=32, person=b"potluck-receipt")
+    h.update(contribution)
+    return h.digest()
+
+
 @dataclass(frozen=True)
 class Recomputed:
     """A shard's result as its inputs make it: the digests of its encoded chunks and who counted how."""

@@ -26,7 +26,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from potluck.compression.aggregate import contribution_digest, recompute, result_digest, tensor_digest
+from potluck.compression.aggregate import (
+    contribution_digest,
+    receipt_digest,
+    recompute,
+    result_digest,
+    tensor_digest,
+)
 from potluck.compression.int8 import Codec
 from potluck.compression.stream import Assembler, WireError
 from potluck.protos import potluck_pb2 as pb
@@ -43,6 +49,7 @@ class Signed:
     signature: bytes
     digests: list[bytes] = field(default_factory=list)  # each chunk's tensor_digest (computed if empty)
     samples: int = 0  # a contribution's claimed work (its weight, signed with it); unused for a result
+    receipt: bytes = b""  # a contribution's receipt: its owner's signature over receipt_digest (b"": none)
 
     def chunk_digests(self) -> list[bytes]:
         return self.digests or [tensor_digest(t) for t in self.chunks]
@@ -148,6 +155,31 @@ def check(rnd: Round, claim: ResultClaim, inputs: Mapping[str, Signed], codec: C
     return "; ".join(lies)
 
 
+def omitted(rnd: Round, claim: ResultClaim, sender: str, contribution: Signed) -> tuple[bool, str]:
+    """Does a signed result leave out a contribution its signer receipted? ``(True, what)`` is a proof: the owner
+    acknowledged ``sender``'s contribution (its signature over :func:`receipt_digest`) and signed a result that
+    does not name it. ``(False, why)`` when the material proves the accusation false: the result names it, the
+    receipt is not the signer's, or the contribution claims more work than its sender was handed (an owner
+    leaves that out rightly). Raises :class:`Unverifiable` when it proves nothing either way: the result is not
+    signed by who it says, or the contribution is not ``sender``'s."""
+    if not result_signed(rnd, claim):
+        raise Unverifiable(f"the result of shard {rnd.shard} is not signed by {short_id(claim.result.signer)}")
+    digest = input_digest(rnd, claim.attempt, sender, contribution)
+    if contribution.signer != sender or not verify(sender, digest, contribution.signature):
+        raise Unverifiable(f"the contribution shown as {short_id(sender)}'s is not signed by it")
+    owner = claim.result.signer
+    if not contribution.receipt or not verify(owner, receipt_digest(digest), contribution.receipt):
+        return False, f"{short_id(sender)} shows no receipt of {short_id(owner)}'s for that contribution"
+    if sender in rnd.handed and contribution.samples > rnd.handed[sender]:
+        return False, (f"{short_id(sender)}'s contribution claims {contribution.samples} samples, more than the "
+                       f"{rnd.handed[sender]} it was handed: an owner leaves it out")
+    named = dict(zip(claim.inputs, claim.input_digests, strict=False))
+    if named.get(sender) == digest:
+        return False, f"its result names {short_id(sender)}'s contribution"
+    return True, (f"it receipted {short_id(sender)}'s contribution to shard {rnd.shard} (attempt {claim.attempt}) "
+                  f"and signed a result that {'names another' if sender in named else 'leaves it out'}")
+
+
 def decode_streams(chunks: Sequence[pb.ShardChunk]) -> dict[str, Signed]:
     """Contributions as they arrive from FetchInputs: each sender's chunks in order, its signature on the last."""
     out: dict[str, Signed] = {}
@@ -158,7 +190,7 @@ def decode_streams(chunks: Sequence[pb.ShardChunk]) -> dict[str, Signed]:
             raise Unverifiable(f"a second contribution of {short_id(sender)} in one answer")
         pieces.setdefault(sender, []).append(c.tensor)
         if c.signature:
-            out[sender] = Signed(pieces.pop(sender), c.signer, c.signature, samples=c.samples)
+            out[sender] = Signed(pieces.pop(sender), c.signer, c.signature, samples=c.samples, receipt=c.receipt)
     if pieces:
         raise Unverifiable(f"unsigned contributions of {', '.join(map(short_id, pieces))}")
     return out

@@ -43,6 +43,7 @@ import torch
 
 from potluck.compression.aggregate import (
     contribution_digest,
+    receipt_digest,
     reduce_mean,
     result_digest,
     robust_reduction,
@@ -60,9 +61,11 @@ from potluck.peer.shards import (
     MemberAddr,
     Outcome,
     RoundInfo,
+    ShardResult,
     shard_bounds,
 )
 from potluck.protos import potluck_pb2 as pb
+from potluck.protos.net.identity import verify
 from potluck.protos.net.transport import PeerClient
 from potluck.protos.runtime.log import get_logger, short_id
 from potluck.protos.testkit.faults import fault, tamper
@@ -114,8 +117,11 @@ class AllReduce:
         clip_factor: float = 4.0,
         reject_below: float | None = -0.1,
         pinned: bool = False,
+        receipts: bool = True,
     ) -> None:
-        """``pinned``: the mean (which becomes theta_global) in page-locked memory, for a GPU peer's copy."""
+        """``pinned``: the mean (which becomes theta_global) in page-locked memory, for a GPU peer's copy.
+        ``receipts``: sign a receipt for each contribution this member keeps as an owner, and hold owners to theirs
+        (off only to measure what they cost: ``benchmarks/verified_reduction.py``)."""
         self.run_id, self.me, self.numel, self.codec = run_id, me, numel, codec
         self.pinned = pinned
         self.sign = sign or (lambda digest: b"")
@@ -123,7 +129,9 @@ class AllReduce:
         self.stopping = stopping or threading.Event()
         self.client, self.chunk_bytes, self.rpc_timeout, self._ping = client, chunk_bytes, rpc_timeout, ping
         self._cond = threading.Condition()  # (re-entrant: the inbox's methods take it again while this holds it)
-        self.inbox = ShardInbox(run_id=run_id, me=me, numel=numel, codec=codec, cond=self._cond)
+        self.receipts = receipts and sign is not None
+        self.inbox = ShardInbox(run_id=run_id, me=me, numel=numel, codec=codec, cond=self._cond,
+                                sign=sign if self.receipts else None)
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="allreduce")
         self._out: Future | None = None  # the next result's whole vector, its pages touched ahead of time
         # encodes chunk i + 1 while chunk i is on the wire, and an owner's result a few chunks at a time
@@ -272,6 +280,8 @@ class AllReduce:
             log.warning("step %d: contributions of %s arrived too late for some shards (counted in %s)", info.step,
                         ", ".join(short_id(p) for p in stats.partial),
                         "; ".join(f"shard {j}: {len(c)}" for j, c in enumerate(counted)))
+        if self.receipts:
+            stats.omitted = self._omissions(info, results)
         out = self._take_out()
         return torch.cat([r.values for r in results], out=out), stats
 
@@ -335,9 +345,10 @@ class AllReduce:
         tensors = EncodedStream.of(f"shard{shard}", values, self.codec, self.chunk_bytes, self._codec_pool)
         while True:
             try:
-                self.client.push_contribution(peer.address, self._chunks(info, shard, attempt, tensors, rnd.samples),
-                                              self.rpc_timeout,
-                                              peer=peer.peer_id)
+                ack = self.client.push_contribution(peer.address, self._chunks(info, shard, attempt, tensors,
+                                                                                rnd.samples), self.rpc_timeout,
+                                                    peer=peer.peer_id)
+                self._check_receipt(info, peer.peer_id, shard, attempt, ack.receipt)
                 return True
             except grpc.RpcError as err:
                 refused = refusal_of(err)
@@ -353,6 +364,41 @@ class AllReduce:
                     continue  # the owner is still fetching this round's base state: try again shortly
                 on_error(peer, err)
                 return False
+
+    def _check_receipt(self, info: RoundInfo, owner: str, shard: int, attempt: int, receipt: bytes) -> None:
+        """Keep ``owner``'s receipt of this member's contribution to ``shard``: its result must name that contribution,
+        or this member holds a proof (:meth:`_omissions`). An owner that acknowledges without a valid receipt is
+        said in the log (it may not yet sign them: an older version)."""
+        if not self.receipts:
+            return
+        mine = self.inbox.sent(shard, attempt)
+        if mine is None:
+            return  # (the expected step moved on while it was sent)
+        digest = self._contribution_digest(info, shard, attempt, mine.chunk_digests(), mine.samples)
+        if receipt and verify(owner, receipt_digest(digest), receipt):
+            self.inbox.receipted(info, shard, attempt, receipt)
+        else:
+            log.warning("%s acknowledged this peer's contribution to shard %d of step %d without a valid receipt",
+                        short_id(owner), shard, info.step)
+
+    def _omissions(self, info: RoundInfo, results: list[ShardResult]) -> list[tuple[int, int, str]]:
+        """The results whose signer receipted this member's contribution and left it out: (shard, attempt, signer)
+        each, with the contribution and its receipt kept as evidence for the coordinator's check."""
+        out = []
+        for j, r in enumerate(results):
+            o = r.outcome
+            mine = self.inbox.sent(j, o.attempt) if j != info.shard else None
+            if mine is None or not mine.receipt:
+                continue
+            digest = self._contribution_digest(info, j, o.attempt, mine.chunk_digests(), mine.samples)
+            if dict(zip(o.inputs, o.input_digests, strict=False)).get(self.me) == digest or not verify(
+                    o.signer, receipt_digest(digest), mine.receipt):
+                continue  # named, or a result of someone who never receipted it (a taker's)
+            log.warning("%s receipted this peer's contribution to shard %d of step %d and left it out of its signed "
+                        "result: reported to the coordinator, with the proof", short_id(o.signer), j, info.step)
+            self.inbox.keep_evidence(info.step, info.epoch, j, o.attempt, {self.me: mine})
+            out.append((j, o.attempt, o.signer))
+        return out
 
     def _reduce_shard(
         self, rnd: ReduceRound, shard: int, attempt: int, bounds: list[tuple[int, int]], deadline: float,
@@ -383,6 +429,9 @@ class AllReduce:
             result_chunks, outcome = forwarded.chunks, forwarded.outcome
         else:
             lo, hi = bounds[shard]
+            if (drop := self.tamper("owner.drop", info.step, "")) in ("others", "one"):  # a Byzantine owner (tests):
+                gone = sorted(set(got) - {self.me})[:None if drop == "others" else 1]  # receipted, then left out
+                got = {s: v for s, v in got.items() if s not in gone}
             weights = {s: signed[s].samples for s in got}  # as each sender signed it (an over-claim was refused)
             if self.me in weights:  # (a Byzantine owner that weighs its own contribution up, in tests: owner.weight)
                 weights[self.me] = int(self.tamper("owner.weight", info.step, weights[self.me]))

@@ -35,6 +35,7 @@ from potluck.peer.states import epoch_of
 from potluck.peer.tasklet import Tasklet
 from potluck.protos.runtime.log import get_logger, set_context
 from potluck.protos.testkit.faults import fault
+from potluck.protos.wire.records import AuditReport
 from potluck.protos.wire.states import PeerState
 
 if TYPE_CHECKING:
@@ -142,6 +143,10 @@ class OuterSteps:
         s, t = self.s, self.s.tasklet
         s.telemetry.outer_step(done.stats, sync_s, done.mean_norm, info.epoch, t.stage, max(s.replica, 0),
                                done.snapshot.digest, asdict(t.pipeline.traffic) if t.pipeline is not None else None)
+        for shard, attempt, owner in done.stats.omitted:  # a proof the coordinator checks (its receipt, the result)
+            s.telemetry.audited(AuditReport(step=step, epoch=info.epoch, stage=t.stage, group=info.group, shard=shard,
+                                            attempt=attempt, owner=owner, verdict="omitted", t=time.time(),
+                                            reason="it receipted this peer's contribution and left it out"))
         fault("outer.committed", step)
         every = s.rc.data.eval_every
         if every and step % every == 0 and contribute:

@@ -14,14 +14,15 @@ it waits on it for what arrives here, and its :class:`~potluck.peer.reduceround.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
-from potluck.compression.aggregate import contribution_digest, result_digest, tensor_digest
+from potluck.compression.aggregate import contribution_digest, receipt_digest, result_digest, tensor_digest
 from potluck.compression.audit import ResultClaim, Signed
 from potluck.compression.audit import Round as AuditRound
 from potluck.compression.int8 import Codec
@@ -74,8 +75,10 @@ class ShardInbox:
     arrival notifies it.
     """
 
-    def __init__(self, *, run_id: str, me: str, numel: int, codec: Codec, cond: threading.Condition) -> None:
+    def __init__(self, *, run_id: str, me: str, numel: int, codec: Codec, cond: threading.Condition,
+                 sign: Callable[[bytes], bytes] | None = None) -> None:
         self.run_id, self.me, self.numel, self.codec = run_id, me, numel, codec
+        self._sign = sign  # (this member's key: each contribution it keeps is receipted; None: no receipts)
         self._cond = cond
         self._buffers = Buffers()
         self._step = -1
@@ -271,7 +274,9 @@ class ShardInbox:
             by_sender[first.header.sender] = values
             self._inputs.setdefault(key, {})[sender] = Signed(kept, sender, last.signature, digests, first.samples)
             self._cond.notify_all()
-        return pb.Ack(received_bytes=sum(t.ByteSize() for t in kept))
+        # (signed once it is kept: this shard's result must now name it, or the sender holds a proof)
+        receipt = self._sign(receipt_digest(signed)) if self._sign is not None else b""
+        return pb.Ack(received_bytes=sum(t.ByteSize() for t in kept), receipt=receipt)
 
     def on_result(self, chunks: Iterator[pb.ShardChunk]) -> pb.Ack:
         digests: list[bytes] = []
@@ -353,7 +358,7 @@ class ShardInbox:
                 chunk = pb.ShardChunk(header=hdr, shard=request.shard, num_shards=num_shards, attempt=request.attempt,
                                       base_hash=base, tensor=t, samples=c.samples)
                 if i == len(c.chunks) - 1:
-                    chunk.signer, chunk.signature = c.signer, c.signature
+                    chunk.signer, chunk.signature, chunk.receipt = c.signer, c.signature, c.receipt
                 yield chunk
 
     def held_result(self, step: int, epoch: int, shard: int) -> HeldResult | None:
@@ -378,9 +383,11 @@ class ShardInbox:
             return k.sent.get((shard, attempt)) or k.inputs.get((shard, attempt), {}).get(self.me)
 
     def keep_evidence(self, step: int, epoch: int, shard: int, attempt: int, inputs: dict[str, Signed]) -> None:
-        """Inputs an audit found a lie with: served to the coordinator (FetchInputs) for its own check."""
+        """Inputs an audit found a lie with, or this member's own receipted contribution an owner left out: served
+        to the coordinator (FetchInputs) for its own check."""
         with self._cond:
-            self._evidence[(step, epoch, shard, attempt)] = inputs
+            self._evidence[(step, epoch, shard, attempt)] = {**self._evidence.get((step, epoch, shard, attempt), {}),
+                                                             **inputs}
             for old in sorted(self._evidence)[:-4]:
                 del self._evidence[old]
 
@@ -397,6 +404,20 @@ class ShardInbox:
             self._contribs.setdefault((shard, attempt), {})[self.me] = asm.result()
             self._inputs.setdefault((shard, attempt), {})[self.me] = signed
             self._cond.notify_all()
+
+    def receipted(self, info: RoundInfo, shard: int, attempt: int, receipt: bytes) -> Signed | None:
+        """The owner's receipt of this member's contribution to ``shard`` (``attempt``), kept with it; the contribution
+        as kept (None if the expected step moved on, or it was never kept)."""
+        with self._cond:
+            if (info.step, info.epoch) != (self._step, self._epoch) or (shard, attempt) not in self._sent:
+                return None
+            self._sent[(shard, attempt)] = dataclasses.replace(self._sent[(shard, attempt)], receipt=receipt)
+            return self._sent[(shard, attempt)]
+
+    def sent(self, shard: int, attempt: int) -> Signed | None:
+        """This member's contribution to ``shard`` (``attempt``) of the expected step, as signed (and receipted)."""
+        with self._cond:
+            return self._sent.get((shard, attempt))
 
     def keep_sent(self, info: RoundInfo, shard: int, attempt: int, signed: Signed) -> None:
         """This member's contribution to another owner's shard, as it signed it: an audit of that shard needs it,

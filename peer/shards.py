@@ -34,6 +34,7 @@ class RoundInfo:
     replicas: tuple[int, ...] = ()  # each member's replica in the round (default: its position)
     owners: tuple[str, ...] = ()  # the members that own a shard, in shard order (default: every member)
     handed: tuple[int, ...] = ()  # each member's samples of the step: its replica's share (empty: not known)
+    group: int = 0  # the stage's averaging group this all-reduce is (sync.group_size; 0: the whole stage)
 
     def handed_to(self, peer_id: str) -> int | None:
         """The samples ``peer_id``'s replica was handed for this step (the most work it may claim); None: unknown."""
@@ -125,6 +126,7 @@ class AllReduceStats:
     included: list[int] = field(default_factory=list)  # replicas whose contributions the result holds (any shard)
     samples: dict[int, int] = field(default_factory=dict)  # included replica -> the samples its contribution claimed
     send_s: float = 0.0  # how long this member's own contributions took to reach their owners
+    omitted: list[tuple[int, int, str]] = field(default_factory=list)  # (shard, attempt, owner): receipted, left out
 
 
 class Buffers:

@@ -264,7 +264,8 @@ class Tasklet:
         given = rnd.handed(step, self.stage, me.group if me is not None else 0)
         handed = tuple(given[m.peer_id] for m in cells) if given else ()
         return RoundInfo(step=step, members=members, me=self.tools.me, base_hash=self.base_hash(rnd, step),
-                         epoch=rnd.epoch, replicas=tuple(m.replica for m in cells), owners=owners, handed=handed)
+                         epoch=rnd.epoch, replicas=tuple(m.replica for m in cells), owners=owners, handed=handed,
+                         group=me.group if me is not None else 0)
 
     def base_hash(self, rnd: Round, step: int) -> str:
         """The hash of the state this member's group starts ``step`` from: the state held, or with grouped

@@ -129,7 +129,7 @@ class PingReply(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., inner_step: _Optional[int] = ..., eta_s: _Optional[float] = ..., sent_at: _Optional[float] = ..., padding: _Optional[bytes] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ShardChunk(_message.Message):
-    __slots__ = ("header", "shard", "num_shards", "attempt", "base_hash", "contributors", "tensor", "clipped", "rejected", "signer", "signature", "inputs", "input_digests", "samples", "weights")
+    __slots__ = ("header", "shard", "num_shards", "attempt", "base_hash", "contributors", "tensor", "clipped", "rejected", "signer", "signature", "inputs", "input_digests", "samples", "weights", "receipt")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,7 @@ class ShardChunk(_message.Message):
     INPUT_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
     header: Header
     shard: int
     num_shards: int
@@ -160,7 +161,8 @@ class ShardChunk(_message.Message):
     input_digests: _containers.RepeatedScalarFieldContainer[bytes]
     samples: int
     weights: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., attempt: _Optional[int] = ..., base_hash: _Optional[str] = ..., contributors: _Optional[_Iterable[str]] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., clipped: _Optional[_Iterable[str]] = ..., rejected: _Optional[_Iterable[str]] = ..., signer: _Optional[str] = ..., signature: _Optional[bytes] = ..., inputs: _Optional[_Iterable[str]] = ..., input_digests: _Optional[_Iterable[bytes]] = ..., samples: _Optional[int] = ..., weights: _Optional[_Iterable[int]] = ...) -> None: ...
+    receipt: bytes
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., attempt: _Optional[int] = ..., base_hash: _Optional[str] = ..., contributors: _Optional[_Iterable[str]] = ..., tensor: _Optional[_Union[Tensor, _Mapping]] = ..., clipped: _Optional[_Iterable[str]] = ..., rejected: _Optional[_Iterable[str]] = ..., signer: _Optional[str] = ..., signature: _Optional[bytes] = ..., inputs: _Optional[_Iterable[str]] = ..., input_digests: _Optional[_Iterable[bytes]] = ..., samples: _Optional[int] = ..., weights: _Optional[_Iterable[int]] = ..., receipt: _Optional[bytes] = ...) -> None: ...
 
 class InputsRequest(_message.Message):
     __slots__ = ("header", "shard", "num_shards", "attempt", "skip")
@@ -177,12 +179,14 @@ class InputsRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., attempt: _Optional[int] = ..., skip: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Ack(_message.Message):
-    __slots__ = ("received_bytes", "handler_s")
+    __slots__ = ("received_bytes", "handler_s", "receipt")
     RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     HANDLER_S_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
     received_bytes: int
     handler_s: float
-    def __init__(self, received_bytes: _Optional[int] = ..., handler_s: _Optional[float] = ...) -> None: ...
+    receipt: bytes
+    def __init__(self, received_bytes: _Optional[int] = ..., handler_s: _Optional[float] = ..., receipt: _Optional[bytes] = ...) -> None: ...
 
 class ResultRequest(_message.Message):
     __slots__ = ("header", "shard", "num_shards")

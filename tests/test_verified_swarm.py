@@ -106,3 +106,32 @@ def test_fresh_keys_own_no_shard_and_outvote_nobody_during_probation(swarm, tmp_
             work[m["peer_id"]] = work.get(m["peer_id"], 0) + 1
     assert any(len(r["members"]) > 3 for r in journal["rounds"])  # the fresh keys did take part
     assert all(p.poll() is None or p.returncode == 0 for p in honest)
+
+
+@pytest.mark.parametrize("drop", ["others", "one"])
+def test_an_owner_that_leaves_out_what_it_receipted_is_proven_evicted_and_its_steps_undone(  # type: ignore[no-untyped-def]
+        swarm, tmp_path: Path, drop: str) -> None:
+    """The owner of a shard signs a receipt for every contribution and averages only its own (``others``; its own
+    pseudo-gradient sign-flipped and 10x larger, issue 47's attack) or leaves out one honest contributor
+    (``one``). Its result is honestly the average of the inputs it names, so its audit passes; but a contributor
+    it left out holds its receipt and the signed result, reports them, and the coordinator checks them: the owner
+    is proven within 2 outer steps, evicted, and the run goes back to before the step; the three honest peers
+    train to the end, within 2 % of an honest-only run."""
+    attack = f"owner.drop@*:{drop}" + (",outer.delta@*:scale=-10" if drop == "others" else "")
+    attacked = run(swarm, 4, attack)
+    proven = [e for e in attacked["events"] if e["kind"] == "proven"]
+    assert proven and "receipted" in proven[0]["message"], [e for e in attacked["events"]
+                                                             if e["kind"] in ("audit", "proven", "evicted")]
+    first = int(proven[0]["message"].split("of step ")[1].split(")")[0])
+    assert first <= 2, proven[0]["message"]
+    liar_id = proven[0]["peer"]
+    assert any(e["kind"] == "rollback" and f"to v{first - 1}" in e["message"] for e in attacked["events"])
+    assert not [e for e in attacked["events"] if e["kind"] in ("proven", "evicted") and e["peer"] != liar_id]
+    assert liar_id not in {m["peer_id"] for m in attacked["round"]["members"]}
+    if drop != "others":
+        return
+    fresh(swarm, tmp_path, "honest")
+    honest = run(swarm, 3)
+    loss, ref = attacked["history"][-1]["eval_loss"], honest["history"][-1]["eval_loss"]
+    assert abs(loss - ref) <= 0.02 * ref, (loss, ref)
+    print(f"eval loss: an owner leaving out what it receipted {loss:.4f}, honest-only {ref:.4f}")

@@ -116,6 +116,10 @@ class Integrity:
         events: list[tuple[str, str]] = []
         for rec in records.values():
             for r in rec.audits:
+                if r.verdict == "omitted":  # (any contributor may hold such a proof: no pick needed; not an audit)
+                    if (made := round_at(r.step)) is not None and (e := self._omission(r, rec.peer_id, made)):
+                        events.append(e)
+                    continue
                 self._answered.add(shard_key(r))
                 key = (*shard_key(r), r.owner, rec.peer_id, r.verdict)
                 if key in self._reported or r.verdict == "ok":
@@ -141,6 +145,22 @@ class Integrity:
                                             f"says its result is false ({r.reason}); checking the evidence"))
         return events
 
+    def _omission(self, r: AuditReport, accuser: str, made: Round) -> tuple[str, str] | None:
+        """A contributor says ``r.owner`` receipted its contribution and left it out of its signed result: to the
+        verifier if both were members of that group and ``r.owner`` could sign that shard's result (its owner, or
+        after a take-over any owner of the group); the event, or None when nobody can weigh it."""
+        cells = made.group_members(r.stage, r.group)
+        ids, owners = {m.peer_id for m in cells}, made.shard_owners(r.stage, r.group)
+        if accuser not in ids or r.shard >= len(owners) or (owners[r.shard] != r.owner if r.attempt == 0
+                                                              else r.owner not in owners):
+            return None
+        holders = [(m.peer_id, m.address) for m in sorted(cells, key=lambda m: m.peer_id != accuser)]  # (accuser first)
+        handed = tuple(made.handed(r.step, r.stage, r.group).items())
+        if self.verifier is None or not self.verifier.want(Accusation(r, accuser, tuple(holders), len(owners), handed)):
+            return None
+        return r.owner, (f"{short_id(accuser)} says it receipted its contribution to shard {r.shard} of step {r.step} "
+                         "and left it out of its signed result; checking the proof")
+
     def verdicts(self) -> list[Verdict]:
         return [self.verdict(r) for r in (self.verifier.results() if self.verifier is not None else [])]
 
@@ -163,6 +183,15 @@ class Integrity:
             return Verdict("", 0, f"{where} audited by the coordinator: "
                                   f"{'ok' if ruling.verdict == 'false' else ruling.detail}", "audit",
                            warn=ruling.verdict != "false")
+        if r.verdict == "omitted":
+            if ruling.verdict == "lie":
+                return Verdict(r.owner, r.step, f"proven: {ruling.detail} ({where}); evicted, and the run goes back to "
+                                                f"before step {r.step}", "proven")
+            if ruling.verdict == "false":
+                return Verdict(auditor, 0, f"evicted: it said {short_id(r.owner)} left its contribution out of {where}, "
+                                           f"and it did not ({ruling.detail})", "evicted")
+            return Verdict("", 0, f"could not check {short_id(auditor)}'s proof against {short_id(r.owner)} ({where}): "
+                                  f"{ruling.detail}", "audit")
         if ruling.verdict == "lie":
             return Verdict(r.owner, r.step, f"proven: its signed result of {where} is not the average of the signed "
                                             f"contributions it names ({ruling.detail}); evicted, and the run goes "

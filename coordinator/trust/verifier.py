@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 import grpc
 
-from potluck.compression.audit import ResultClaim, Round, Signed, Unverifiable, check, decode_streams
+from potluck.compression.audit import ResultClaim, Round, Signed, Unverifiable, check, decode_streams, omitted
 from potluck.compression.int8 import Codec
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.net.transport import PeerClient
@@ -60,14 +60,17 @@ class Verifier:
                                                                                  reject_below, timeout_s)
         self._todo: queue.Queue[Accusation | None] = queue.Queue()
         self._done: queue.Queue[Ruling] = queue.Queue()
-        self._seen: set[tuple[int, int, int, int, str]] = set()
+        self._seen: set[tuple[int, int, int, int, int, str, str, str]] = set()
         self._thread = threading.Thread(target=self._run, name="verifier", daemon=True)
         self._thread.start()
 
     def want(self, accusation: Accusation) -> bool:
-        """Check ``accusation`` (once per step, epoch, stage, shard and owner); False if it was seen already."""
+        """Check ``accusation`` (an audit's once per step, epoch, stage, shard and owner; an omission's once per
+        accuser too: a false one must not keep a true one, or an audit, from being checked); False if it was seen
+        already."""
         r = accusation.report
-        key = (r.step, r.epoch, r.stage, r.shard, r.owner)
+        key = (r.step, r.epoch, r.stage, r.group, r.shard, r.owner, r.verdict,
+               accusation.auditor if r.verdict == "omitted" else "")
         if key in self._seen:
             return False
         self._seen.add(key)
@@ -92,6 +95,8 @@ class Verifier:
                 self._done.put(Ruling(acc, "unverifiable", f"the check failed: {err}"))
 
     def rule(self, acc: Accusation) -> Ruling:
+        if acc.report.verdict == "omitted":
+            return self.rule_omission(acc)
         r = acc.report
         failures = []
         for peer, address in acc.holders:
@@ -112,6 +117,32 @@ class Verifier:
             return Ruling(acc, "lie", lie) if lie else Ruling(acc, "false", "its result is the average of its signed "
                                                                             "inputs")
         return Ruling(acc, "unverifiable", "no holder served the evidence (" + "; ".join(failures)[:300] + ")")
+
+    def rule_omission(self, acc: Accusation) -> Ruling:
+        """A contributor's proof that an owner left its receipted contribution out of its signed result: the result
+        (from the accuser, else any member: its signature makes the holder irrelevant) and the contribution with the
+        owner's receipt (only the accuser holds that) ruled with :func:`potluck.compression.audit.omitted`."""
+        r, accuser = acc.report, acc.auditor
+        address = dict(acc.holders).get(accuser, "")
+        try:
+            shown = self._inputs(acc, accuser, address).get(accuser)
+        except (grpc.RpcError, Unverifiable, ValueError) as err:
+            return Ruling(acc, "unverifiable", f"{short_id(accuser)} did not show its receipt: "
+                          f"{rpc_reason(err) if isinstance(err, grpc.RpcError) else err}")
+        if shown is None:
+            return Ruling(acc, "false", f"{short_id(accuser)} shows no contribution of its own to that shard")
+        failures = []
+        for peer, at in acc.holders:
+            try:
+                claim, rnd = self._result(acc, peer, at)
+                if claim.attempt != r.attempt or claim.result.signer != r.owner:
+                    raise Unverifiable(f"its result is attempt {claim.attempt}, signed by {short_id(claim.result.signer)}")
+                proven, detail = omitted(rnd, claim, accuser, shown)
+            except (grpc.RpcError, Unverifiable, ValueError) as err:
+                failures.append(f"{short_id(peer)}: {rpc_reason(err) if isinstance(err, grpc.RpcError) else err}")
+                continue
+            return Ruling(acc, "lie" if proven else "false", detail)
+        return Ruling(acc, "unverifiable", "no holder served the owner's result (" + "; ".join(failures)[:300] + ")")
 
     def _header(self, r: AuditReport) -> pb.Header:
         return pb.Header(run_id=self.run_id, sender=self.me, step=r.step, epoch=r.epoch)

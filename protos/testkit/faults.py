@@ -58,13 +58,15 @@ POINTS = {
     "outer.samples": "the samples a member claims its contribution was trained on (tamper actions only)",
     "inner.step": "each inner step of a peer (slow=F: the step takes F times as long, as on a slower device)",
     "owner.flags": "an owner's signed outcome: whom it says it clipped (the flag action only)",
+    "owner.drop": "the contributions an owner averages, after it receipted them (others: all but its own; one: the "
+                  "first other), in tests of omission proofs",
     "outer.report": "a member's step report to the coordinator (the flag action only)",
 }
 # tamper actions each point takes: they change a value as a Byzantine peer would send it (see tamper)
 TAMPERS = {"outer.delta": ("flip", "nan", "scale="), "owner.mean": ("shift=", "scale=", "flip", "spike"),
            "owner.flags": ("flag",), "outer.report": ("flag",), "owner.weight": ("scale=",),
-           "outer.samples": ("scale=",), "inner.step": ("slow=",)}
-TAMPER = ("flip", "nan", "spike", "flag")
+           "outer.samples": ("scale=",), "inner.step": ("slow=",), "owner.drop": ("others", "one")}
+TAMPER = ("flip", "nan", "spike", "flag", "others", "one")
 # actions that change what the code at a point does, once, instead of acting on the process (see injected)
 BEHAVIOURS = {"pipe.send": ("oversize",)}
 
@@ -184,6 +186,8 @@ def tamper(point: str, step: int, x: Any, offset: int = 0, pending: list[Fault] 
                 return x
             if action == "flag":
                 return True
+            if action in ("others", "one"):
+                return action
             if action.startswith("slow="):
                 return float(action.split("=", 1)[1])
     return x

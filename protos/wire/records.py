@@ -225,9 +225,10 @@ class Audit(ShardOf):
 class AuditReport(ShardOf):
     """What an auditor found: ``ok``; ``lie`` (the signed result is not what the signed inputs make, or the
     inputs shown are not those the result names: a proof the coordinator checks); ``unserved`` (the owner
-    did not show its inputs)."""
+    did not show its inputs). Or what a contributor found, auditor or not: ``omitted`` (the owner receipted
+    its contribution and signed a result that leaves it out: a proof the coordinator checks too)."""
 
-    verdict: Literal["ok", "lie", "unserved"]
+    verdict: Literal["ok", "lie", "unserved", "omitted"]
     reason: str = Field("", max_length=TEXT_LEN)
     t: float = 0.0
 

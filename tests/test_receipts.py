@@ -1,0 +1,140 @@
+"""Signed receipts: an owner signs for every contribution it keeps, and a result that leaves a receipted one out is
+a proof the contributor holds. Over real gRPC in one process (members as in tests/test_allreduce.py), and the
+proof's rule on its own (potluck.compression.audit.omitted) with keys and digests made here."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+
+import pytest
+from test_allreduce import BASE, BLOCK, RUN, Member, random_deltas, run_all
+
+from potluck.compression.aggregate import contribution_digest, receipt_digest, result_digest, tensor_digest
+from potluck.compression.audit import ResultClaim, Round, Signed, Unverifiable, omitted
+from potluck.compression.int8 import Int8BlockCodec
+from potluck.coordinator.trust.verifier import Accusation, Verifier
+from potluck.peer.shards import AllReduceStats
+from potluck.protos import potluck_pb2 as pb
+from potluck.protos.net.identity import Identity, verify
+from potluck.protos.testkit import faults
+from potluck.protos.testkit.faults import parse
+from potluck.protos.wire.records import AuditReport
+
+
+@pytest.fixture
+def members() -> Iterator[list[Member]]:
+    ms = [Member() for _ in range(4)]
+    for m in ms:
+        m.fetch_inputs = m.ar.inbox.on_fetch_inputs  # type: ignore[attr-defined]
+    yield ms
+    for m in ms:
+        m.close()
+
+
+def step(ms: list[Member], drop: str = "") -> tuple[list[Member], dict[str, AllReduceStats]]:
+    """All-reduce step 1 (shard 0's owner dropping what it receipted as told), then every member expects step 2
+    (step 1 is kept). The members in shard order, and each one's stats."""
+    order = sorted(ms, key=lambda m: m.id)
+    if drop:
+        order[0].ar.tamper = functools.partial(faults.tamper, pending=parse(f"owner.drop@1:{drop}"))
+    out = run_all(ms, random_deltas(ms), wait_s=10)
+    assert all(isinstance(v, tuple) for v in out.values()), out
+    for m in ms:
+        m.ar.expect(2, "c" * 32)
+    return order, {pid: v[1] for pid, v in out.items()}  # type: ignore[index]
+
+
+def report_of(order: list[Member], shard: int = 0) -> AuditReport:
+    return AuditReport(step=1, epoch=0, shard=shard, owner=order[shard].id, verdict="omitted")
+
+
+def rule(order: list[Member], accuser: Member, shard: int = 0) -> tuple[str, str]:
+    verifier = Verifier(accuser.client, RUN, Identity.generate().peer_id, Int8BlockCodec(BLOCK), 4096, 4.0, -0.1)
+    try:
+        holders = ((accuser.id, accuser.address), (order[shard].id, order[shard].address))
+        ruling = verifier.rule(Accusation(report_of(order, shard), accuser.id, holders, 4))
+        return ruling.verdict, ruling.detail
+    finally:
+        verifier.stop()
+
+
+def test_every_contribution_kept_is_receipted_and_an_honest_step_leaves_nobody_out(members: list[Member]) -> None:
+    order, stats = step(members)
+    assert all(s.omitted == [] for s in stats.values())
+    for k, m in enumerate(order):  # (the step moved on: what each sent, as the kept step holds it)
+        for j, owner in enumerate(order):
+            if j == k:
+                continue
+            mine = m.ar.inbox.own_input(1, 0, j, 0)
+            assert mine is not None
+            d = contribution_digest(RUN, 1, 0, j, 4, 0, BASE, m.id, mine.chunk_digests(), mine.samples)
+            assert mine.receipt and verify(owner.id, receipt_digest(d), mine.receipt), (k, j)
+
+
+@pytest.mark.parametrize("drop,left_out", [("others", 3), ("one", 1)])
+def test_an_owner_that_leaves_out_what_it_receipted_is_proven_by_each_it_left_out(
+        members: list[Member], drop: str, left_out: int) -> None:
+    """Shard 0's owner receipts every contribution and averages only its own (or drops one honest contributor):
+    its result is validly signed and its audit would pass (it names only what it averaged). Each contributor it
+    left out finds it at once and holds the proof; the coordinator's check of that proof says lie; a contributor
+    that was named, or one crying wolf over an honest shard, is found false."""
+    order, stats = step(members, drop)
+    accusers = [m for m in order[1:] if stats[m.id].omitted]
+    assert len(accusers) == left_out
+    assert all(stats[m.id].omitted == [(0, 0, order[0].id)] for m in accusers)
+    for accuser in accusers:
+        verdict, detail = rule(order, accuser)
+        assert verdict == "lie" and "receipted" in detail, detail
+    for m in [m for m in order[1:] if m not in accusers]:  # (it named them: an accusation from them is false)
+        assert cry_wolf(order, m, 0) == "false"
+    assert cry_wolf(order, order[0], 2) == "false", "shard 2's owner is honest: it named order[0]'s contribution"
+    assert rule(order, order[3], 1)[0] == "unverifiable", "an accuser that shows no receipt proves nothing"
+
+
+def cry_wolf(order: list[Member], m: Member, shard: int) -> str:
+    """``m`` accuses ``shard``'s owner, showing its own receipted contribution, which the result names."""
+    mine = m.ar.inbox.own_input(1, 0, shard, 0)
+    assert mine is not None and mine.receipt
+    m.ar.inbox.keep_evidence(1, 0, shard, 0, {m.id: mine})
+    verdict, detail = rule(order, m, shard)
+    assert verdict != "false" or "names" in detail, detail
+    return verdict
+
+
+# ---------------------------------------------------------------- the rule, on values made here
+
+def signed_round(owner: Identity, sender: Identity, *, name_it: bool = True, receipt_by: Identity | None = None,
+                 samples: int = 8, handed: int = 8) -> tuple[Round, ResultClaim, str, Signed]:
+    rnd = Round(RUN, 3, 1, 0, 2, "base", 4, {sender.peer_id: handed})
+    chunk = pb.Tensor(name="shard0", payload=b"\x01\x02\x03\x04", numel=4)
+    digests = [tensor_digest(chunk)]
+    d = contribution_digest(RUN, 3, 1, 0, 2, 0, "base", sender.peer_id, digests, samples)
+    contribution = Signed([chunk], sender.peer_id, sender.sign(d), digests, samples,
+                          (receipt_by or owner).sign(receipt_digest(d)))
+    other = Identity.generate()
+    inputs = sorted([owner.peer_id, other.peer_id] + ([sender.peer_id] if name_it else []))
+    input_digests = [d if p == sender.peer_id else bytes(32) for p in inputs]
+    result_digests = [tensor_digest(chunk)]
+    sig = owner.sign(result_digest(RUN, 3, 1, 0, 2, 0, "base", inputs, [], [], result_digests,
+                                   zip(inputs, input_digests, strict=True), [1] * len(inputs)))
+    claim = ResultClaim(0, inputs, [], [], inputs, input_digests, Signed([chunk], owner.peer_id, sig, result_digests),
+                        [1] * len(inputs))
+    return rnd, claim, sender.peer_id, contribution
+
+
+def test_the_omission_rule() -> None:
+    owner, sender = Identity.generate(), Identity.generate()
+    assert omitted(*signed_round(owner, sender, name_it=False))[0] is True
+    assert omitted(*signed_round(owner, sender, name_it=True))[0] is False, "named: no proof"
+    proven, why = omitted(*signed_round(owner, sender, name_it=False, receipt_by=Identity.generate()))
+    assert not proven and "no receipt" in why, "a receipt by someone else proves nothing against the owner"
+    proven, why = omitted(*signed_round(owner, sender, name_it=False, samples=9, handed=8))
+    assert not proven and "more than" in why, "an over-claim is left out rightly"
+    rnd, claim, _, contribution = signed_round(owner, sender, name_it=False)
+    with pytest.raises(Unverifiable):  # a result not signed by its signer
+        omitted(rnd, ResultClaim(**{**vars(claim), "result": Signed(claim.result.chunks, owner.peer_id, b"x" * 64)}),
+                sender.peer_id, contribution)
+    with pytest.raises(Unverifiable):  # a contribution not signed by its sender
+        omitted(rnd, claim, sender.peer_id, Signed(contribution.chunks, sender.peer_id, b"y" * 64,
+                                                   contribution.digests, contribution.samples, contribution.receipt))
