@@ -184,7 +184,7 @@ def main() -> None:
     ap.add_argument("--fraction", type=float, default=0.5)
     ap.add_argument("--draws", type=int, default=20000)
     ap.add_argument("--receipts-numel", type=int, default=20_000_000, help="the vector of the receipts comparison")
-    ap.add_argument("--receipts-steps", type=int, default=6, help="steps of each set in the receipts comparison")
+    ap.add_argument("--receipts-steps", type=int, default=12, help="steps of each set in the receipts comparison")
     args = ap.parse_args()
     torch.set_num_threads(1)
     nodes = [Node(args.numel) for _ in range(args.members)]
