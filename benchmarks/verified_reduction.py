@@ -15,6 +15,9 @@ holds) and recomputes the result. Printed, per member and step (medians):
   analytic value (``fraction`` x the share of the liar's possible auditors that are honest), and, on the
   real path, the share of audited lies found (every one: the recomputation is exact).
 
+* ``colluding_pair_caught_per_step``: a lying owner whose accomplice, if picked, audits it "ok": how often another
+  member audits its shard in a step (``sync.audit_fraction = 1`` and the default ``sync.second_audit``), measured
+  over ``--draws`` draws of the picker against its analytic value and against one auditor a shard;
 * ``receipts``: the all-reduce with signed receipts (an owner signs for each contribution it keeps; a member
   checks its receipts against the results) against the same without them, two sets of members alternating
   steps in the same run at ``--receipts-numel`` values: ``time_ratio`` (target <= 1.05) and ``bytes_ratio``.
@@ -176,6 +179,23 @@ def catch_probability(members: int, fraction: float, draws: int) -> tuple[float,
     return caught / draws, fraction  # every possible auditor of the liar's shard is honest here
 
 
+def colluders_caught(members: int, fraction: float, second: float, draws: int) -> dict:
+    """How often a lying owner whose accomplice says "ok" to whatever it audits is caught in a step: an audit of its
+    shard by anyone but the accomplice. Analytic: ``fraction x (1 - (1 - second) / (members - 1))`` (the accomplice
+    is the first auditor with probability 1 / (members - 1); then a second auditor, drawn with probability
+    ``second``, is honest)."""
+    cfg = apply_overrides(RunConfig(), {"sync.audit_fraction": fraction, "sync.second_audit": second})
+    integrity = Integrity(cfg, Trust(0))
+    ids = [f"12D3KooWpeer{i}" for i in range(members)]
+    made = Round(step=1, members=[Member(peer_id=p, address="-", replica=i) for i, p in enumerate(ids)])
+    liar, accomplice = ids[0], ids[1]
+    caught = sum(any(a.owner == liar and a.auditor != accomplice for a in integrity.audits(made, made.members))
+                 for _ in range(draws))
+    return {"fraction": fraction, "second_audit": second, "measured": round(caught / draws, 4),
+            "analytic": round(fraction * (1 - (1 - second) / (members - 1)), 4),
+            "without_second_audits": round(fraction * (1 - 1 / (members - 1)), 4), "draws": draws}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--members", type=int, default=4)
@@ -214,6 +234,7 @@ def main() -> None:
             n.close()
     measured, analytic = catch_probability(args.members, args.fraction, args.draws)
     receipts = receipts_cost(args.members, args.receipts_numel, args.receipts_steps)
+    pair = colluders_caught(args.members, 1.0, RunConfig().sync.second_audit, args.draws)
     a, v = statistics.median(ar_s[1:] or ar_s), statistics.median(audit_s[1:] or audit_s)
     b, ab = statistics.median(ar_bytes), statistics.median(audit_bytes)
     print(json.dumps({
@@ -225,7 +246,7 @@ def main() -> None:
         "honest_audits_passed": honest_ok, "audited_lies_found": found,
         "catch_probability_per_step": {"fraction": args.fraction, "measured": round(measured, 4),
                                        "analytic": analytic, "draws": args.draws},
-        "receipts": receipts,
+        "receipts": receipts, "colluding_pair_caught_per_step": pair,
     }))
 
 

@@ -30,6 +30,7 @@ from potluck.compression.int8 import Codec
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.net.transport import PeerClient
 from potluck.protos.runtime.log import get_logger, short_id
+from potluck.protos.testkit.faults import tamper
 from potluck.protos.wire.records import Audit, AuditReport, Plan
 from potluck.protos.wire.refusals import rpc_reason
 
@@ -151,7 +152,7 @@ class Auditor:
                         self.reject_below)
         except Unverifiable as err:
             return verdict("unserved", str(err))
-        if not lie:
+        if not lie or tamper("audit.verdict", a.step, False) is True:  # (an auditor colluding with the owner: tests)
             return verdict("ok")
         self.keep(a, inputs)  # the evidence, for the coordinator to fetch and check for itself
         return verdict("lie", lie)

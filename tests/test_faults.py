@@ -23,7 +23,7 @@ def test_spin_keeps_the_thread_busy_for_its_seconds(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(faults, "_pending", parse("placement.search@*:spin=0.2"))
     t0, c0 = time.monotonic(), time.thread_time()
     faults.fault("placement.search")
-    assert time.monotonic() - t0 >= 0.2 and time.thread_time() - c0 >= 0.1  # busy, not asleep
+    assert time.thread_time() - c0 >= 0.2 and time.monotonic() - t0 >= 0.2  # busy, not asleep (its CPU time: any load)
     assert faults._pending == []
 
 

@@ -411,7 +411,7 @@ def test_a_rounds_audits_stay_within_its_bound_and_draw_as_before() -> None:
     """Auditors are drawn from a pool sorted once per stage (once per shard was a second at 1,000 owners);
     the draws are those of the per-shard choice it replaces, and past MAX_AUDITS shards a round carries a
     random MAX_AUDITS of them (Round.audits' own bound: more made the round invalid)."""
-    cfg = apply_overrides(RunConfig(), {"sync.audit_fraction": 0.5})
+    cfg = apply_overrides(RunConfig(), {"sync.audit_fraction": 0.5, "sync.second_audit": 0.0})
 
     def stage_of(n: int) -> Round:
         return Round(step=3, members=[Member(peer_id=f"12D3KooW{i:044d}", address="x:1", replica=i) for i in range(n)])
@@ -437,3 +437,30 @@ def test_a_rounds_audits_stay_within_its_bound_and_draw_as_before() -> None:
     assert all(a.auditor != a.owner for a in audits)
     Round(step=4, members=big.members, audits=audits)  # a valid round
 
+
+
+def test_a_share_of_audited_shards_gets_a_second_independent_auditor() -> None:
+    """``sync.second_audit``: a drawn share of the audited shards has a second auditor, never the owner nor the first
+    (an auditor colluding with the owner cannot hide its lie); none with 0, every one with 1, about the share in
+    between; a pool of one other member has no second."""
+    def stage_of(n: int) -> Round:
+        return Round(step=3, members=[Member(peer_id=f"12D3KooW{i:044d}", address="x:1", replica=i) for i in range(n)])
+
+    made = stage_of(8)
+    for share, low, high in ((0.0, 0.0, 0.0), (1.0, 1.0, 1.0), (0.25, 0.2, 0.3)):
+        cfg = apply_overrides(RunConfig(), {"sync.audit_fraction": 1.0, "sync.second_audit": share})
+        integrity = Integrity(cfg, Trust(probation_steps=0), rng=random.Random(3))
+        seconds = 0
+        for _ in range(200):
+            audits = integrity.audits(made, made.members)
+            by_shard: dict[int, list[str]] = {}
+            for a in audits:
+                by_shard.setdefault(a.shard, []).append(a.auditor)
+                assert a.auditor != a.owner
+            assert len(by_shard) == 8 and all(len(set(v)) == len(v) <= 2 for v in by_shard.values())
+            seconds += sum(len(v) == 2 for v in by_shard.values())
+        assert low <= seconds / 1600 <= high, (share, seconds / 1600)
+    pair = stage_of(2)
+    cfg = apply_overrides(RunConfig(), {"sync.audit_fraction": 1.0, "sync.second_audit": 1.0})
+    assert [len([a for a in Integrity(cfg, Trust(probation_steps=0)).audits(pair, pair.members) if a.shard == j])
+            for j in range(2)] == [1, 1]

@@ -101,8 +101,14 @@ class Integrity:
                 mine = at < len(pool) and pool[at] == owner  # the candidates are the pool without the owner
                 if len(pool) > mine:
                     i = self.rng.randrange(len(pool) - mine)  # (draws as rng.choice of the candidates would)
+                    first = pool[i + 1 if mine and i >= at else i]
                     out.append(Audit(step=made.step, epoch=made.epoch, stage=stage, group=group, shard=shard,
-                                     owner=owner, auditor=pool[i + 1 if mine and i >= at else i]))
+                                     owner=owner, auditor=first))
+                    second = self.cfg.sync.second_audit  # (drawn only when asked for: the draws are otherwise as before)
+                    if second > 0 and len(pool) - mine >= 2 and self.rng.random() < second:  # (a colluder's lie)
+                        others = [p for p in pool if p not in (owner, first)]
+                        out.append(Audit(step=made.step, epoch=made.epoch, stage=stage, group=group, shard=shard,
+                                         owner=owner, auditor=others[self.rng.randrange(len(others))]))
         if len(out) > MAX_AUDITS:  # (a round carries at most that many: past it, a random subset of the shards)
             out = sorted(self.rng.sample(out, MAX_AUDITS), key=lambda a: (a.stage, a.shard))
         return out

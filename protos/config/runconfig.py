@@ -165,6 +165,11 @@ class SyncConfig(Section):
         "has an auditor, picked after the step, recompute from their signed inputs during the next inner phase; a "
         "result that is not the average of what its owner signed it was averaged from gets the owner evicted and "
         "the run rolled back to before it (0: no audits)")
+    second_audit: float = Field(
+        0.25, ge=0, le=1, description="verified reduction: the share of audited shard results given a second, "
+        "independent auditor (drawn by the coordinator among the others that hold it), so that an auditor colluding "
+        "with the owner it audits does not hide its lie; each costs what an audit costs: the shard's inputs fetched "
+        "(0: one auditor a shard)")
 
     @field_validator("group_size")
     @classmethod

@@ -17,7 +17,8 @@ after it the process reaches: a peer that was recovering during step N does not 
 process and, if it leads its process group, the whole group: its DHT child and p2pd, like a machine
 losing power), ``stop`` (SIGSTOP likewise: a frozen machine, until someone sends SIGCONT), ``exit``
 (exit at once, status 3), ``hang`` (block this thread forever), ``sleep=SECONDS``, ``spin=SECONDS``
-(keep this thread busy in Python bytecode, holding the GIL as a CPU-bound search does). Every entry fires
+(keep this thread busy in Python bytecode for SECONDS of its own CPU time, holding the GIL as a CPU-bound search
+does). Every entry fires
 once. The points are listed in ``POINTS``; code calls :func:`fault` at each of them. A few points take an
 action that changes what the code there does instead (:data:`BEHAVIOURS`, read with :func:`injected`):
 ``pipe.send@N:oversize`` sends one pipeline message of step N with a piece over gRPC's size cap, a send that
@@ -58,6 +59,7 @@ POINTS = {
     "outer.samples": "the samples a member claims its contribution was trained on (tamper actions only)",
     "inner.step": "each inner step of a peer (slow=F: the step takes F times as long, as on a slower device)",
     "owner.flags": "an owner's signed outcome: whom it says it clipped (the flag action only)",
+    "audit.verdict": "an auditor's verdict (ok: it says ok whatever it found, colluding with the owner), in tests",
     "owner.drop": "the contributions an owner averages, after it receipted them (others: all but its own; one: the "
                   "first other), in tests of omission proofs",
     "outer.report": "a member's step report to the coordinator (the flag action only)",
@@ -65,8 +67,8 @@ POINTS = {
 # tamper actions each point takes: they change a value as a Byzantine peer would send it (see tamper)
 TAMPERS = {"outer.delta": ("flip", "nan", "scale="), "owner.mean": ("shift=", "scale=", "flip", "spike"),
            "owner.flags": ("flag",), "outer.report": ("flag",), "owner.weight": ("scale=",),
-           "outer.samples": ("scale=",), "inner.step": ("slow=",), "owner.drop": ("others", "one")}
-TAMPER = ("flip", "nan", "spike", "flag", "others", "one")
+           "outer.samples": ("scale=",), "inner.step": ("slow=",), "owner.drop": ("others", "one"), "audit.verdict": ("ok",)}
+TAMPER = ("flip", "nan", "spike", "flag", "others", "one", "ok")
 # actions that change what the code at a point does, once, instead of acting on the process (see injected)
 BEHAVIOURS = {"pipe.send": ("oversize",)}
 
@@ -142,9 +144,9 @@ def fault(point: str, step: int | None = None) -> None:
         os._exit(3)
     elif action == "hang":
         threading.Event().wait()
-    elif action.startswith("spin="):
-        end = time.monotonic() + float(action.split("=", 1)[1])
-        while time.monotonic() < end:
+    elif action.startswith("spin="):  # (its own CPU time, not the clock's: on a loaded box it runs longer, never less)
+        end = time.thread_time() + float(action.split("=", 1)[1])
+        while time.thread_time() < end:
             sum(i * i for i in range(1000))
     else:
         time.sleep(float(action.split("=", 1)[1]))
@@ -184,7 +186,7 @@ def tamper(point: str, step: int, x: Any, offset: int = 0, pending: list[Fault] 
                     x = x.clone()
                     x[0] = 1e6
                 return x
-            if action == "flag":
+            if action in ("flag", "ok"):
                 return True
             if action in ("others", "one"):
                 return action
