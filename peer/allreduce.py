@@ -118,6 +118,7 @@ class AllReduce:
         reject_below: float | None = -0.1,
         pinned: bool = False,
         receipts: bool = True,
+        quorum: float = 0.5,
     ) -> None:
         """``pinned``: the mean (which becomes theta_global) in page-locked memory, for a GPU peer's copy.
         ``receipts``: sign a receipt for each contribution this member keeps as an owner, and hold owners to theirs
@@ -130,6 +131,7 @@ class AllReduce:
         self.client, self.chunk_bytes, self.rpc_timeout, self._ping = client, chunk_bytes, rpc_timeout, ping
         self._cond = threading.Condition()  # (re-entrant: the inbox's methods take it again while this holds it)
         self.receipts = receipts and sign is not None
+        self.quorum = quorum  # (sync.quorum: the share of the step's live contributors an owner's result must name)
         self.inbox = ShardInbox(run_id=run_id, me=me, numel=numel, codec=codec, cond=self._cond,
                                 sign=sign if self.receipts else None)
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="allreduce")
@@ -235,6 +237,9 @@ class AllReduce:
         rnd.enter(Phase.GATHERING)
         result_deadline = deadline + grace_s
         missing = self._wait_results(rnd, result_deadline)
+        if self.receipts:  # (before the quorum drops any: a result not adopted still proves its owner's omission)
+            stats.omitted = self._omissions(info, {j: r for j in range(n) if (r := self.inbox.result(j)) is not None})
+        short = self._drop_short(rnd, [j for j in range(n) if j not in missing])
 
         # 3. take over the shards of owners that died or never answered -- unless the others already
         # committed this step without us, in which case ours would be a minority result: recover instead
@@ -242,14 +247,18 @@ class AllReduce:
             raise IncompleteRound(f"step {info.step}: {short_id(rnd.ahead[0])} already went past it without this peer")
         for j in missing:
             rnd.mark_dead(info.shard_owners[j])
+        missing = sorted(set(missing) | set(short))  # (an owner short of a quorum is alive: it gets the backup's result)
+        stats.short = short
         if missing:
             rnd.enter(Phase.TAKING_OVER)
             # a member that learned early that an owner is gone still gives its backup, which may only
             # notice at its own result deadline, the time to take the shard over
             takeover_deadline = max(time.monotonic(), result_deadline) + 2 * max(grace_s, 2.0)
             for j in missing:
-                self._take_over(rnd, j, bounds, delta, takeover_deadline, stats)
+                self._take_over(rnd, j, bounds, delta, takeover_deadline, stats, short=j in short)
             still = self._wait_results(rnd, takeover_deadline, shards=missing)
+            if self.receipts:  # (a taker is held to its receipts too)
+                stats.omitted += self._omissions(info, {j: r for j in missing if (r := self.inbox.result(j)) is not None})
             if still:
                 raise IncompleteRound(f"step {info.step}: no result for shard(s) {still} after take-over")
 
@@ -280,8 +289,6 @@ class AllReduce:
             log.warning("step %d: contributions of %s arrived too late for some shards (counted in %s)", info.step,
                         ", ".join(short_id(p) for p in stats.partial),
                         "; ".join(f"shard {j}: {len(c)}" for j, c in enumerate(counted)))
-        if self.receipts:
-            stats.omitted = self._omissions(info, results)
         out = self._take_out()
         return torch.cat([r.values for r in results], out=out), stats
 
@@ -381,11 +388,42 @@ class AllReduce:
             log.warning("%s acknowledged this peer's contribution to shard %d of step %d without a valid receipt",
                         short_id(owner), shard, info.step)
 
-    def _omissions(self, info: RoundInfo, results: list[ShardResult]) -> list[tuple[int, int, str]]:
+    def _live(self, n: int) -> set[str]:
+        """The step's live contributors as the results held show them: everyone any of them names."""
+        out: set[str] = set()
+        for j in range(n):
+            if (res := self.inbox.result(j)) is not None:
+                out |= set(res.outcome.contributors) | set(res.outcome.rejected)
+        return out
+
+    def _short(self, res: ShardResult, live: set[str]) -> bool:
+        """An owner's result (attempt 0) naming fewer than ``quorum`` of ``live``: not adopted. A taker's is: it
+        averaged what was sent to it again, after the owner's was not."""
+        named = set(res.outcome.contributors) | set(res.outcome.rejected)
+        return res.outcome.attempt == 0 and self.quorum > 0 and len(named) < self.quorum * len(live)
+
+    def _drop_short(self, rnd: ReduceRound, held: list[int]) -> list[int]:
+        """The results of ``held`` short of a quorum (:meth:`_short`), dropped: a later delivery of one is refused, and
+        the shard's backup takes it over from the contributions sent to it again. An owner that averages only its
+        own (or leaves out most of the others) changes nothing that way, receipted or not."""
+        info, out = rnd.info, []
+        live = self._live(info.shards)
+        for j in held:
+            if (res := self.inbox.result(j)) is None or not self._short(res, live):
+                continue
+            named = len(set(res.outcome.contributors) | set(res.outcome.rejected))
+            log.warning("shard %d of step %d: the result of %s names %d of the step's %d live contributors (sync.quorum "
+                        "%.2f): not adopted; its backup takes the shard over", j, info.step,
+                        short_id(res.outcome.signer), named, len(live), self.quorum)
+            self.inbox.drop_result(j)
+            out.append(j)
+        return out
+
+    def _omissions(self, info: RoundInfo, results: dict[int, ShardResult]) -> list[tuple[int, int, str]]:
         """The results whose signer receipted this member's contribution and left it out: (shard, attempt, signer)
         each, with the contribution and its receipt kept as evidence for the coordinator's check."""
         out = []
-        for j, r in enumerate(results):
+        for j, r in results.items():
             o = r.outcome
             mine = self.inbox.sent(j, o.attempt) if j != info.shard else None
             if mine is None or not mine.receipt:
@@ -397,22 +435,27 @@ class AllReduce:
             log.warning("%s receipted this peer's contribution to shard %d of step %d and left it out of its signed "
                         "result: reported to the coordinator, with the proof", short_id(o.signer), j, info.step)
             self.inbox.keep_evidence(info.step, info.epoch, j, o.attempt, {self.me: mine})
+            self.inbox.keep_result_evidence(info.step, info.epoch, j, r)
             out.append((j, o.attempt, o.signer))
         return out
 
     def _reduce_shard(
         self, rnd: ReduceRound, shard: int, attempt: int, bounds: list[tuple[int, int]], deadline: float,
-        stats: AllReduceStats, forwarded_ok: bool = False,
+        stats: AllReduceStats, forwarded_ok: bool = False, unawaited: frozenset[str] = frozenset(),
     ) -> None:
-        """Collect contributions to ``shard``, then average, encode once and distribute the result."""
+        """Collect contributions to ``shard``, then average, encode once and distribute the result. ``unawaited``: members
+        whose contribution is not waited for (an owner whose result fell short of a quorum: taking its shard over, its
+        backup does not wait on it; it counts if it comes in time)."""
         info = rnd.info
         t0 = time.monotonic()
-        expected = set(info.ids) - {self.me}  # (our own contribution, if any, is in already)
+        expected = set(info.ids) - {self.me} - unawaited  # (our own contribution, if any, is in already)
         next_ping = 0.0
         with self._cond:  # (held across the inbox's calls: one view of the shard, and nothing arrives unseen)
             while True:
-                if forwarded_ok and self.inbox.result(shard) is not None:
-                    break
+                if forwarded_ok and (held := self.inbox.result(shard)) is not None:
+                    if not self._short(held, self._live(info.shards)):
+                        break
+                    self._drop_short(rnd, [shard])  # (the owner's, short of a quorum: not handed on)
                 waiting = self.inbox.awaited(shard, attempt, expected) - rnd.dead
                 if not waiting or time.monotonic() >= deadline or rnd.ahead:
                     break  # (a member already went past this step: it is lost here, stop collecting for it)
@@ -564,6 +607,8 @@ class AllReduce:
         wanted = list(range(info.shards)) if shards is None else shards
         with self._cond:
             while True:
+                if shards is not None:  # (taking over: an owner's late result short of a quorum is not adopted either)
+                    self._drop_short(rnd, [j for j in wanted if self.inbox.result(j) is not None])
                 missing = self.inbox.missing_results(wanted)
                 if not missing or time.monotonic() >= deadline:
                     return missing
@@ -576,7 +621,7 @@ class AllReduce:
 
     def _take_over(
         self, rnd: ReduceRound, shard: int, bounds: list[tuple[int, int]], delta: torch.Tensor | None,
-        deadline: float, stats: AllReduceStats,
+        deadline: float, stats: AllReduceStats, short: bool = False,
     ) -> None:
         info = rnd.info
         backup = next((p for p in info.ring_after(shard) if not rnd.is_dead(p.peer_id)), None)
@@ -590,7 +635,8 @@ class AllReduce:
             self.inbox.take_over(shard)
             if delta is not None:
                 self._own_contribution(info, shard, 1, delta[lo:hi], rnd.samples)
-            self._reduce_shard(rnd, shard, 1, bounds, deadline, stats, forwarded_ok=True)  # (the owner is dead)
+            self._reduce_shard(rnd, shard, 1, bounds, deadline, stats, forwarded_ok=True,  # (the owner is dead, or
+                               unawaited=frozenset({owner}) if short else frozenset())  # its result fell short)
         elif delta is not None:
             if self.inbox.result(shard) is not None:
                 return

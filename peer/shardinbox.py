@@ -32,6 +32,7 @@ from potluck.peer.shards import Buffers, Outcome, RoundInfo, ShardResult, shard_
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.net.identity import verify
 from potluck.protos.runtime.log import get_logger, short_id
+from potluck.protos.testkit.faults import tamper
 from potluck.protos.wire.refusals import Rejected
 
 log = get_logger(__name__)
@@ -92,6 +93,9 @@ class ShardInbox:
         # audit from the coordinator's next round, which a peer running ahead on the last plan may see late)
         self._kept: dict[tuple[int, int], Kept] = {}
         self._evidence: dict[tuple[int, int, int, int], dict[str, Signed]] = {}  # inputs fetched in an audit
+        # results that left out this member's receipted contribution, kept as they were signed (one not adopted for
+        # want of a quorum is gone from the results): the coordinator fetches them to check the proof
+        self._evidence_results: dict[tuple[int, int, int, int], tuple[list[pb.Tensor], Outcome, str]] = {}
         self._sent: dict[tuple[int, int], Signed] = {}  # this member's own contributions, as it signed them
         self._closed: set[tuple[int, int]] = set()
         self._results: dict[int, ShardResult] = {}
@@ -258,6 +262,8 @@ class ShardInbox:
                                      first.attempt, first.base_hash, sender, digests, first.samples)
         if last.signer != sender or not verify(sender, signed, last.signature):
             raise Rejected(pb.BAD_IDENTITY, f"contribution of {short_id(sender)} not signed by it", sender)
+        if tamper("owner.refuse", first.header.step, False) is True:  # an owner that refuses everything (tests)
+            raise Rejected(pb.OVERLOADED, "this owner takes no contribution", sender)
         with self._cond:
             self._check_header(first)  # the step may have moved on while the stream arrived
             if self._round is not None and (why := overclaim(self._round, sender, first.samples)):
@@ -324,7 +330,9 @@ class ShardInbox:
             if h.run_id != self.run_id:
                 raise Rejected(pb.UNKNOWN_RUN, f"unknown run id {h.run_id!r}")
             found: tuple[list[pb.Tensor], Outcome] | None = None
-            if h.step == self._step and request.shard in self._results:
+            if (e := self._evidence_results.get((h.step, h.epoch, request.shard, request.attempt))) is not None:
+                found, step, epoch, base = (e[0], e[1]), h.step, h.epoch, e[2]
+            elif h.step == self._step and request.shard in self._results:
                 res = self._results[request.shard]
                 found, step, epoch, base = (res.chunks, res.outcome), self._step, self._epoch, self._base
             elif (k := self._kept.get((h.step, h.epoch))) is not None and request.shard in k.results:
@@ -381,6 +389,15 @@ class ShardInbox:
             if k is None:
                 return None
             return k.sent.get((shard, attempt)) or k.inputs.get((shard, attempt), {}).get(self.me)
+
+    def keep_result_evidence(self, step: int, epoch: int, shard: int, result: ShardResult) -> None:
+        """A result that left out this member's receipted contribution, as its signer signed it: served (FetchResult,
+        by attempt) even once it is dropped or the step is gone from the kept ones."""
+        with self._cond:
+            o = result.outcome
+            self._evidence_results[(step, epoch, shard, o.attempt)] = (result.chunks, o, self._base)
+            for old in sorted(self._evidence_results)[:-4]:
+                del self._evidence_results[old]
 
     def keep_evidence(self, step: int, epoch: int, shard: int, attempt: int, inputs: dict[str, Signed]) -> None:
         """Inputs an audit found a lie with, or this member's own receipted contribution an owner left out: served
@@ -454,6 +471,14 @@ class ShardInbox:
         are refused from now (TAKEN_OVER, ALREADY_REDUCED)."""
         with self._cond:
             self._taken_over.add(shard)
+
+    def drop_result(self, shard: int) -> None:
+        """The owner's result of ``shard`` is not adopted (short of a quorum): forgotten, and refused from now
+        (TAKEN_OVER), as after a take-over: the shard's backup reduces it again."""
+        with self._cond:
+            self._taken_over.add(shard)
+            if (res := self._results.pop(shard, None)) is not None:
+                self._buffers.give([res.values])
 
     def result(self, shard: int) -> ShardResult | None:
         with self._cond:

@@ -127,6 +127,7 @@ class AllReduceStats:
     samples: dict[int, int] = field(default_factory=dict)  # included replica -> the samples its contribution claimed
     send_s: float = 0.0  # how long this member's own contributions took to reach their owners
     omitted: list[tuple[int, int, str]] = field(default_factory=list)  # (shard, attempt, owner): receipted, left out
+    short: list[int] = field(default_factory=list)  # shards whose owner's result named too few (sync.quorum): taken over
 
 
 class Buffers:

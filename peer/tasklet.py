@@ -241,7 +241,8 @@ class Tasklet:
         allreduce = AllReduce(run_id=rc.run_id, me=tools.me, numel=numel, codec=tools.codec, client=tools.client,
                               chunk_bytes=rc.sync.chunk_bytes, rpc_timeout=rc.sync.rpc_timeout_s,
                               ping=tools.ping_member, stopping=tools.stopping, sign=tools.sign,
-                              clip_factor=rc.sync.clip_factor, reject_below=rc.sync.reject_below, pinned=worker.pinned)
+                              clip_factor=rc.sync.clip_factor, reject_below=rc.sync.reject_below, pinned=worker.pinned,
+                              quorum=rc.sync.quorum)
         auditor = Auditor(rc.run_id, tools.me, tools.client, tools.codec, rc.sync.chunk_bytes, rc.sync.clip_factor,
                           rc.sync.reject_below, allreduce.inbox.held_result,
                           lambda a, inputs: allreduce.inbox.keep_evidence(a.step, a.epoch, a.shard, a.attempt, inputs),

@@ -189,14 +189,16 @@ class Ack(_message.Message):
     def __init__(self, received_bytes: _Optional[int] = ..., handler_s: _Optional[float] = ..., receipt: _Optional[bytes] = ...) -> None: ...
 
 class ResultRequest(_message.Message):
-    __slots__ = ("header", "shard", "num_shards")
+    __slots__ = ("header", "shard", "num_shards", "attempt")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     header: Header
     shard: int
     num_shards: int
-    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
+    attempt: int
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class StateInfoRequest(_message.Message):
     __slots__ = ("header", "stage", "version")

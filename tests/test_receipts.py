@@ -8,6 +8,7 @@ import functools
 from collections.abc import Iterator
 
 import pytest
+import torch
 from test_allreduce import BASE, BLOCK, RUN, Member, random_deltas, run_all
 
 from potluck.compression.aggregate import contribution_digest, receipt_digest, result_digest, tensor_digest
@@ -32,17 +33,26 @@ def members() -> Iterator[list[Member]]:
         m.close()
 
 
-def step(ms: list[Member], drop: str = "") -> tuple[list[Member], dict[str, AllReduceStats]]:
+def step(ms: list[Member], drop: str = "") -> tuple[list[Member], dict[str, AllReduceStats], dict[str, torch.Tensor]]:
     """All-reduce step 1 (shard 0's owner dropping what it receipted as told), then every member expects step 2
-    (step 1 is kept). The members in shard order, and each one's stats."""
+    (step 1 is kept). The members in shard order, each one's stats and each one's mean; the members agree, and
+    unless an honest contributor was left out of an adopted result, their mean is every member's delta averaged (a
+    result short of a quorum is taken over by its backup)."""
     order = sorted(ms, key=lambda m: m.id)
     if drop:
         order[0].ar.tamper = functools.partial(faults.tamper, pending=parse(f"owner.drop@1:{drop}"))
-    out = run_all(ms, random_deltas(ms), wait_s=10)
+    deltas = random_deltas(ms)
+    out = run_all(ms, deltas, wait_s=10)
     assert all(isinstance(v, tuple) for v in out.values()), out
+    means = {pid: v[0] for pid, v in out.items()}  # type: ignore[index]
+    first = next(iter(means.values()))
+    assert all(torch.equal(first, x) for x in means.values()), "members disagree"
+    if drop != "one":
+        exact = torch.stack(list(deltas.values())).mean(0)
+        assert float((first - exact).abs().max()) < 2 * 0.05 / 127, "a contribution was lost"
     for m in ms:
         m.ar.expect(2, "c" * 32)
-    return order, {pid: v[1] for pid, v in out.items()}  # type: ignore[index]
+    return order, {pid: v[1] for pid, v in out.items()}, means  # type: ignore[index]
 
 
 def report_of(order: list[Member], shard: int = 0) -> AuditReport:
@@ -60,8 +70,8 @@ def rule(order: list[Member], accuser: Member, shard: int = 0) -> tuple[str, str
 
 
 def test_every_contribution_kept_is_receipted_and_an_honest_step_leaves_nobody_out(members: list[Member]) -> None:
-    order, stats = step(members)
-    assert all(s.omitted == [] for s in stats.values())
+    order, stats, _ = step(members)
+    assert all(s.omitted == [] and s.short == [] for s in stats.values())
     for k, m in enumerate(order):  # (the step moved on: what each sent, as the kept step holds it)
         for j, owner in enumerate(order):
             if j == k:
@@ -79,10 +89,13 @@ def test_an_owner_that_leaves_out_what_it_receipted_is_proven_by_each_it_left_ou
     its result is validly signed and its audit would pass (it names only what it averaged). Each contributor it
     left out finds it at once and holds the proof; the coordinator's check of that proof says lie; a contributor
     that was named, or one crying wolf over an honest shard, is found false."""
-    order, stats = step(members, drop)
+    order, stats, _ = step(members, drop)
     accusers = [m for m in order[1:] if stats[m.id].omitted]
     assert len(accusers) == left_out
     assert all(stats[m.id].omitted == [(0, 0, order[0].id)] for m in accusers)
+    # averaging only its own, its result names 1 of the step's 4 contributors: short of the quorum (0.5), taken over
+    # by shard 0's backup, so nothing is lost; leaving one out, it names 3 of 4: adopted, and only proven
+    assert all(s.short == ([0] if drop == "others" else []) for s in stats.values()), {k: v.short for k, v in stats.items()}
     for accuser in accusers:
         verdict, detail = rule(order, accuser)
         assert verdict == "lie" and "receipted" in detail, detail

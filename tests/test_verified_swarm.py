@@ -155,3 +155,25 @@ def test_an_auditor_colluding_with_a_lying_owner_does_not_hide_its_lie(swarm) ->
     assert any(e["kind"] == "rollback" and "to v0" in e["message"] for e in state["events"])
     assert not [e for e in state["events"] if e["kind"] in ("proven", "evicted") and e["peer"] != liar_id]
     assert liar_id not in {m["peer_id"] for m in state["round"]["members"]}
+
+
+def test_an_owner_that_refuses_every_contribution_is_worked_around_by_its_backup(swarm, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """An owner refuses every contribution sent to it (OVERLOADED) and signs a result of its own alone, at every
+    step: no receipt, so no proof, but its result names 1 of the step's 4 contributors, short of the quorum
+    (``sync.quorum`` 0.5): every member drops it and the shard's backup takes it over from the slices sent to it
+    again. Training goes on, every step has all four members, and nothing is lost: the run ends where an honest
+    run of four ends (2 %)."""
+    attacked = run(swarm, 4, "owner.refuse@*:all")
+    assert [h["members"] for h in attacked["history"]] == [4] * RUN["diloco.outer_steps"]
+    assert not [e for e in attacked["events"] if e["kind"] in ("failed", "rollback", "proven")], attacked["events"]
+    floor = 10.0  # (sync.deadline_floor_s: the owner waits for what it refuses until its deadline, then the backup)
+    assert all(h["outer_s"] is not None and h["outer_s"] < floor for h in attacked["history"]), attacked["history"]
+    logs = "".join(p.read_text() for p in swarm.logs.glob("peer-*.log"))
+    assert "not adopted; its backup takes the shard over" in logs
+    fresh(swarm, tmp_path, "honest")
+    honest = run(swarm, 4)
+    loss, ref = attacked["history"][-1]["eval_loss"], honest["history"][-1]["eval_loss"]
+    assert abs(loss - ref) <= 0.02 * ref, (loss, ref)
+    print(f"eval loss: an owner refusing every contribution {loss:.4f}, honest {ref:.4f}; outer step seconds "
+          f"{[round(h['outer_s'] or 0, 2) for h in attacked['history']]} (honest "
+          f"{[round(h['outer_s'] or 0, 2) for h in honest['history']]})")

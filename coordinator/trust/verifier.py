@@ -149,7 +149,7 @@ class Verifier:
 
     def _result(self, acc: Accusation, peer: str, address: str) -> tuple[ResultClaim, Round]:
         r = acc.report
-        request = pb.ResultRequest(header=self._header(r), shard=r.shard, num_shards=acc.num_shards)
+        request = pb.ResultRequest(header=self._header(r), shard=r.shard, num_shards=acc.num_shards, attempt=r.attempt)
         chunks = list(self.client.fetch_result(address, request, self.timeout_s, peer=peer))
         claim, rnd = claim_of(chunks, self.run_id, r.step, r.epoch, r.shard, acc.num_shards)
         return claim, replace(rnd, handed=dict(acc.handed))

@@ -160,6 +160,10 @@ class SyncConfig(Section):
         "coordinator splits a stage's members into groups of at most this many, each averaging on its own, "
         "regrouped every step so that up to group_size^2 members mix in two steps; a grouped step sends theta "
         "and momentum (2x the bytes). 0: every member of a stage in one group")
+    quorum: float = Field(
+        0.5, ge=0, le=1, description="an owner's result is adopted only if it names (averaged or rejected) at least "
+        "this share of the step's live contributors (those any result of the step names); one that names fewer is "
+        "taken over by the shard's backup, as if its owner had sent none (0: every result is adopted)")
     audit_fraction: float = Field(
         1.0, ge=0, le=1, description="verified reduction: the share of each step's shard results the coordinator "
         "has an auditor, picked after the step, recompute from their signed inputs during the next inner phase; a "

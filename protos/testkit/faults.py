@@ -59,6 +59,7 @@ POINTS = {
     "outer.samples": "the samples a member claims its contribution was trained on (tamper actions only)",
     "inner.step": "each inner step of a peer (slow=F: the step takes F times as long, as on a slower device)",
     "owner.flags": "an owner's signed outcome: whom it says it clipped (the flag action only)",
+    "owner.refuse": "the contributions an owner is sent (all: each refused, OVERLOADED, but its own), in tests",
     "audit.verdict": "an auditor's verdict (ok: it says ok whatever it found, colluding with the owner), in tests",
     "owner.drop": "the contributions an owner averages, after it receipted them (others: all but its own; one: the "
                   "first other), in tests of omission proofs",
@@ -67,8 +68,8 @@ POINTS = {
 # tamper actions each point takes: they change a value as a Byzantine peer would send it (see tamper)
 TAMPERS = {"outer.delta": ("flip", "nan", "scale="), "owner.mean": ("shift=", "scale=", "flip", "spike"),
            "owner.flags": ("flag",), "outer.report": ("flag",), "owner.weight": ("scale=",),
-           "outer.samples": ("scale=",), "inner.step": ("slow=",), "owner.drop": ("others", "one"), "audit.verdict": ("ok",)}
-TAMPER = ("flip", "nan", "spike", "flag", "others", "one", "ok")
+           "outer.samples": ("scale=",), "inner.step": ("slow=",), "owner.drop": ("others", "one"), "audit.verdict": ("ok",), "owner.refuse": ("all",)}
+TAMPER = ("flip", "nan", "spike", "flag", "others", "one", "ok", "all")
 # actions that change what the code at a point does, once, instead of acting on the process (see injected)
 BEHAVIOURS = {"pipe.send": ("oversize",)}
 
@@ -186,7 +187,7 @@ def tamper(point: str, step: int, x: Any, offset: int = 0, pending: list[Fault] 
                     x = x.clone()
                     x[0] = 1e6
                 return x
-            if action in ("flag", "ok"):
+            if action in ("flag", "ok", "all"):
                 return True
             if action in ("others", "one"):
                 return action
