@@ -74,7 +74,7 @@ class Coordinator:
         self.tls = None if c.insecure else self.gate.tls  # gRPC with peers over mutual TLS unless --insecure
         self.client = PeerClient(self.traffic, tls=self.tls, idle_connection_s=IDLE_CONNECTION_S)
         self.pinger = Pinger(self.client, self.run_id, self.id, done=self._wake.set)  # (off the loop; it wakes it)
-        self.gate.admission.on_revoke = self.table.evict  # (revoked: in no later round)
+        self.gate.admission.on_revoke = self._revoked  # (revoked: in no later round; its shards audited again)
         self.table.on_lost = self.client.forget  # (lost: its channels close)
         self.table.on_seen = self.pinger.prime  # (seen: pinged before a decision)
         self.checkpointer = Checkpointer.for_run(cfg, self.client, self.run_id, self.id)
@@ -282,6 +282,12 @@ class Coordinator:
                 self._event("round", "", describe_round(decided.round, decided.before))
                 self.health.decided(time.monotonic() - decided.began)
                 fault("coordinator.decided", decided.round.step)
+
+    def _revoked(self, peer_id: str) -> None:
+        """A peer evicted, for whatever reason: in no later round, and the shards it owned that no auditor vouched for
+        are audited again (or rolled back: :meth:`Integrity.evicted`)."""
+        self.table.evict(peer_id)
+        self.integrity.evicted(peer_id, self.rounds.round_at, self.rounds.committed)
 
     def _remember_peers(self) -> None:
         self.state.known_peers = bootstrap.known_peers([v.record for v in self.table.live()], self.state.known_peers)

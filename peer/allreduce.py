@@ -441,14 +441,15 @@ class AllReduce:
 
     def _reduce_shard(
         self, rnd: ReduceRound, shard: int, attempt: int, bounds: list[tuple[int, int]], deadline: float,
-        stats: AllReduceStats, forwarded_ok: bool = False, unawaited: frozenset[str] = frozenset(),
+        stats: AllReduceStats, forwarded_ok: bool = False, patience: dict[str, float] | None = None,
     ) -> None:
-        """Collect contributions to ``shard``, then average, encode once and distribute the result. ``unawaited``: members
-        whose contribution is not waited for (an owner whose result fell short of a quorum: taking its shard over, its
-        backup does not wait on it; it counts if it comes in time)."""
+        """Collect contributions to ``shard``, then average, encode once and distribute the result. ``patience``: members
+        waited for only until the time given (an owner whose result fell short of a quorum: taking its shard over, its
+        backup gives its slice a ping's time, not the deadline, for it may be frozen; it counts if it comes in time)."""
         info = rnd.info
         t0 = time.monotonic()
-        expected = set(info.ids) - {self.me} - unawaited  # (our own contribution, if any, is in already)
+        expected = set(info.ids) - {self.me}  # (our own contribution, if any, is in already)
+        patience = patience or {}
         next_ping = 0.0
         with self._cond:  # (held across the inbox's calls: one view of the shard, and nothing arrives unseen)
             while True:
@@ -457,6 +458,7 @@ class AllReduce:
                         break
                     self._drop_short(rnd, [shard])  # (the owner's, short of a quorum: not handed on)
                 waiting = self.inbox.awaited(shard, attempt, expected) - rnd.dead
+                waiting -= {p for p, until in patience.items() if time.monotonic() >= until}
                 if not waiting or time.monotonic() >= deadline or rnd.ahead:
                     break  # (a member already went past this step: it is lost here, stop collecting for it)
                 self._halt(rnd)
@@ -636,7 +638,7 @@ class AllReduce:
             if delta is not None:
                 self._own_contribution(info, shard, 1, delta[lo:hi], rnd.samples)
             self._reduce_shard(rnd, shard, 1, bounds, deadline, stats, forwarded_ok=True,  # (the owner is dead, or
-                               unawaited=frozenset({owner}) if short else frozenset())  # its result fell short)
+                               patience={owner: time.monotonic() + PING_S} if short else None)  # its result fell short)
         elif delta is not None:
             if self.inbox.result(shard) is not None:
                 return

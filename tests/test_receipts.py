@@ -151,3 +151,49 @@ def test_the_omission_rule() -> None:
     with pytest.raises(Unverifiable):  # a contribution not signed by its sender
         omitted(rnd, claim, sender.peer_id, Signed(contribution.chunks, sender.peer_id, b"y" * 64,
                                                    contribution.digests, contribution.samples, contribution.receipt))
+
+
+# ---------------------------------------------------------------- an evicted owner's steps
+
+def test_an_evicted_owners_unvouched_shards_are_audited_again_or_rolled_back() -> None:
+    """When a peer is evicted, for whatever reason, the shards it owned in the kept steps that no picked auditor
+    vouched for go to the coordinator's own audit; a ruling of "lie" proves it, "false" leaves the step, and
+    "unverifiable" (gone with its inputs) takes the run back to before that step. Values only: a verifier that
+    records what it is asked."""
+    from potluck.coordinator.trust.integrity import Integrity
+    from potluck.coordinator.trust.trust import Trust
+    from potluck.coordinator.trust.verifier import Ruling
+    from potluck.protos.config.runconfig import RunConfig
+    from potluck.protos.wire.records import Audit, Member, PeerRecord
+    from potluck.protos.wire.records import Round as PlanRound
+
+    class Asked:
+        def __init__(self) -> None:
+            self.asked: list[Accusation] = []
+
+        def want(self, acc: Accusation) -> bool:
+            self.asked.append(acc)
+            return True
+
+    ids = [Identity.generate().peer_id for _ in range(3)]
+    x = ids[0]
+    members = [Member(peer_id=p, address=f"h:{i}", replica=i) for i, p in enumerate(ids)]
+    rounds = {s: PlanRound(step=s, members=members) for s in (1, 2, 3)}
+    shard_of_x = [m.peer_id for m in members].index(x)
+    rounds[2] = rounds[2].model_copy(update={"audits": [Audit(step=1, shard=shard_of_x, owner=x, auditor=ids[1])]})
+    asked = Asked()
+    integrity = Integrity(RunConfig(), Trust(0), verifier=asked)  # type: ignore[arg-type]
+    vouch = PeerRecord(peer_id=ids[1], address="h:1", audits=[AuditReport(step=1, shard=shard_of_x, owner=x,
+                                                                          verdict="ok")])
+    integrity.observe({ids[1]: vouch}, rounds.get)
+    assert integrity.evicted(x, rounds.get, 3) == 2
+    assert sorted(a.report.step for a in asked.asked) == [2, 3], "step 1 was vouched for by its picked auditor"
+    assert all(a.auditor == "" and a.report.owner == x and a.holders[0][0] == x for a in asked.asked)
+    assert integrity.evicted(x, rounds.get, 3) == 0, "asked once"
+    by_step = {a.report.step: a for a in asked.asked}
+    lie = integrity.verdict(Ruling(by_step[2], "lie", "not the average"))
+    assert (lie.evict, lie.retract, lie.kind) == (x, 2, "proven")
+    gone = integrity.verdict(Ruling(by_step[3], "unverifiable", "no holder served the evidence"))
+    assert (gone.evict, gone.retract) == ("", 3) and "goes back to before step 3" in gone.message
+    ok = integrity.verdict(Ruling(by_step[3], "false", "its result is the average"))
+    assert (ok.evict, ok.retract) == ("", 0)

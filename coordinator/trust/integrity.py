@@ -66,6 +66,9 @@ class Integrity:
     _final: set[tuple[int, ...]] = field(default_factory=set)  # the coordinator's own audits, unruled
     _assigned: dict[tuple[int, ...], Audit] = field(default_factory=dict)  # audits in decided rounds
     _answered: set[tuple[int, ...]] = field(default_factory=set)  # ... whose auditor reported
+    _vouched: dict[tuple[int, ...], set[str]] = field(default_factory=dict)  # shard -> picked auditors that said ok
+    _oks: set[tuple] = field(default_factory=set)  # ok reports seen (each looked at once)
+    _rechecks: set[tuple[int, ...]] = field(default_factory=set)  # an evicted owner's shards, audited by the coordinator
 
     @classmethod
     def for_run(cls, cfg: RunConfig, client: PeerClient, run_id: str, me: str, trust_json: dict | None) -> Integrity:
@@ -128,6 +131,11 @@ class Integrity:
                     continue
                 self._answered.add(shard_key(r))
                 key = (*shard_key(r), r.owner, rec.peer_id, r.verdict)
+                if r.verdict == "ok" and key not in self._oks:
+                    self._oks.add(key)
+                    if (nxt := round_at(r.step + 1)) is not None and any(
+                            (*shard_key(a), a.owner, a.auditor) == key[:-1] for a in nxt.audits):
+                        self._vouched.setdefault(shard_key(r), set()).add(rec.peer_id)
                 if key in self._reported or r.verdict == "ok":
                     continue
                 self._reported.add(key)
@@ -167,6 +175,31 @@ class Integrity:
         return r.owner, (f"{short_id(accuser)} says it receipted its contribution to shard {r.shard} of step {r.step} "
                          "and left it out of its signed result; checking the proof")
 
+    def evicted(self, peer_id: str, round_at: Callable[[int], Round | None], committed: int) -> int:
+        """``peer_id`` was evicted (for whatever reason): the shards it owned in the kept steps that no picked auditor
+        vouched for are audited again, by the coordinator itself; one that cannot be (its owner gone with its inputs)
+        is rolled back (:meth:`verdict`), so damage done before the eviction does not stay in the model. Returns how
+        many it audits."""
+        if self.verifier is None:
+            return 0
+        asked = 0
+        for step in range(max(1, committed - KEEP_ROUNDS + 1), committed + 1):
+            if (rnd := round_at(step)) is None or rnd.step != step:
+                continue
+            for stage, group, cells in groups_of(rnd):
+                owners = rnd.shard_owners(stage, group)
+                for shard, owner in enumerate(owners):
+                    key = (step, rnd.epoch, stage, group, shard)
+                    if owner != peer_id or self._vouched.get(key, set()) - {peer_id} or key in self._rechecks:
+                        continue
+                    self._rechecks.add(key)
+                    holders = tuple((m.peer_id, m.address) for m in sorted(cells, key=lambda m: m.peer_id != owner))
+                    report = AuditReport(step=step, epoch=rnd.epoch, stage=stage, group=group, shard=shard, owner=owner,
+                                         verdict="lie")
+                    asked += self.verifier.want(Accusation(report, "", holders, len(owners),
+                                                           tuple(rnd.handed(step, stage, group).items())))
+        return asked
+
     def verdicts(self) -> list[Verdict]:
         return [self.verdict(r) for r in (self.verifier.results() if self.verifier is not None else [])]
 
@@ -185,6 +218,16 @@ class Integrity:
         r, auditor = ruling.accusation.report, ruling.accusation.auditor
         where = f"shard {r.shard} of step {r.step}"
         self._final.discard(shard_key(r))
+        if not auditor and shard_key(r) in self._rechecks:  # an evicted owner's shard, audited again
+            if ruling.verdict == "lie":
+                return Verdict(r.owner, r.step, f"proven after its eviction: its signed result of {where} is not the "
+                                                f"average of its signed inputs ({ruling.detail}); the run goes back to "
+                                                f"before step {r.step}", "proven")
+            if ruling.verdict == "false":
+                return Verdict("", 0, f"{where}, owned by the evicted {short_id(r.owner)}: audited by the coordinator: ok",
+                               "audit", warn=False)
+            return Verdict("", r.step, f"{where}, owned by the evicted {short_id(r.owner)}, could not be audited "
+                                       f"({ruling.detail}): the run goes back to before step {r.step}", "audit")
         if not auditor and ruling.verdict != "lie":  # the coordinator's own audit
             return Verdict("", 0, f"{where} audited by the coordinator: "
                                   f"{'ok' if ruling.verdict == 'false' else ruling.detail}", "audit",
@@ -245,6 +288,9 @@ class Integrity:
         self._reported = {k for k in self._reported if k[0] >= cut}  # audits seen grew by each shard audited in the run)
         self._answered = {k for k in self._answered if k[0] >= cut}
         self._assigned = {k: a for k, a in self._assigned.items() if k[0] >= cut}
+        self._vouched = {k: v for k, v in self._vouched.items() if k[0] >= cut}
+        self._oks = {k for k in self._oks if k[0] >= cut}
+        self._rechecks = {k for k in self._rechecks if k[0] >= cut}
 
     def rolled_back(self, to_version: int) -> None:
         self.trust.rolled_back(to_version)
