@@ -193,5 +193,7 @@ def test_a_peer_evicted_for_its_contributions_leaves_no_lasting_damage(swarm, tm
     fresh(swarm, tmp_path, "honest")
     honest = run(swarm, 3, overrides={"diloco.outer_steps": 6})
     loss, ref = attacked["history"][-1]["eval_loss"], honest["history"][-1]["eval_loss"]
-    assert abs(loss - ref) <= 0.02 * ref, (loss, ref)
+    # (damage is a higher loss; lower is the honest work the attacker's own shard averaged while it owned one: -0.2 to
+    # -1.4 % in runs here, as its eviction came a step earlier or later)
+    assert loss <= 1.02 * ref, (loss, ref)
     print(f"eval loss: a peer evicted for its contributions {loss:.4f}, honest-only {ref:.4f}")
