@@ -460,7 +460,11 @@ def test_a_share_of_audited_shards_gets_a_second_independent_auditor() -> None:
             assert len(by_shard) == 8 and all(len(set(v)) == len(v) <= 2 for v in by_shard.values())
             seconds += sum(len(v) == 2 for v in by_shard.values())
         assert low <= seconds / 1600 <= high, (share, seconds / 1600)
-    pair = stage_of(2)
+    big = stage_of(700)  # (700 shards, 1,400 audits asked: over 4x the bound a round carries)
     cfg = apply_overrides(RunConfig(), {"sync.audit_fraction": 1.0, "sync.second_audit": 1.0})
+    audits = Integrity(cfg, Trust(probation_steps=0), rng=random.Random(5)).audits(big, big.members)
+    assert len(audits) == MAX_AUDITS and all(a.auditor != a.owner for a in audits)
+    Round(step=4, members=big.members, audits=audits)  # a valid round
+    pair = stage_of(2)
     assert [len([a for a in Integrity(cfg, Trust(probation_steps=0)).audits(pair, pair.members) if a.shard == j])
             for j in range(2)] == [1, 1]
