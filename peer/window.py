@@ -120,7 +120,9 @@ class Pace:
             # phase (joined, recovered, after a gap) begins whenever its round reached it, and a word timed from that start
             # made the window of a quarter-speed peer that started late look five times shorter than it was
             if self._signal is not None and step == self._step + 1 and self._aligned:
-                self._expect = max(0.0, self._signal + self._their_send_s - self._send_s)
+                # (a slower uplink stops earlier, by at most half the window: with phases shorter than a send, as an
+                # overlapped run of a tiny model has, the difference made the window 0 s and the member "too slow")
+                self._expect = max(0.5 * self._signal, self._signal + self._their_send_s - self._send_s)
             elif step != self._step:
                 self._expect = None  # (a gap, or a first phase: its timing says nothing of this one)
             self._aligned = step == self._step + 1  # (phases after a commit begin together: the members commit it together)

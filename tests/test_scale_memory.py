@@ -319,7 +319,8 @@ def test_shed_gives_back_the_pages_a_library_mapping_had_touched(tmp_path: Path)
 def test_the_audits_the_coordinator_remembers_are_those_of_the_rounds_it_keeps() -> None:
     """The audits drawn and the auditors' reports seen were kept for the whole run: a few per shard per step, for
     ever. They are kept for the rounds the coordinator keeps; within those, a report seen again is acted on once."""
-    cfg = apply_overrides(RunConfig(), {"sync.audit_fraction": 1.0})
+    # (one auditor a shard: with second audits a shard's "unserved" is said by each of its two auditors)
+    cfg = apply_overrides(RunConfig(), {"sync.audit_fraction": 1.0, "sync.second_audit": 0.0})
     integrity = Integrity(cfg, Trust(probation_steps=0), rng=random.Random(3))
     members = [Member(peer_id=f"12D3KooW{i:044d}", address="x:1", replica=i) for i in range(8)]
     rounds: dict[int, Round] = {1: Round(step=1, members=members)}

@@ -59,6 +59,24 @@ def test_pace_learns_the_window_from_the_round_before() -> None:
     assert p.end(4, Why.WINDOW).window_s == pytest.approx(19.5)
 
 
+def test_a_send_longer_than_the_window_shortens_it_by_half_at_most() -> None:
+    """Phases shorter than a send (an overlapped run of a tiny model: 15 steps of 3 ms, sends of 0.3 s): the send
+    difference once made the window 0 s and the member "too slow" for every round. It stops earlier by at most half
+    the window, and trains."""
+    p = Pace()
+    p.begin(1, frozenset({"fast"}), cap=15, now=0.0)
+    p.end(0, None)
+    p.begin(2, frozenset({"fast"}), cap=15, now=10.0)
+    p.stepped(0.003)
+    p.stepped(0.003)
+    assert p.finished(2, "fast", send_s=0.0, now=10.05)
+    p.end(2, Why.SIGNALLED)
+    p.sent(0.3)
+    p.begin(3, frozenset({"fast"}), cap=15, now=20.0)
+    assert p.next(0, 20.0) is None, "a first step that fits half the window"
+    assert p.end(0, None).window_s == pytest.approx(0.025)
+
+
 def test_a_first_phase_teaches_no_window() -> None:
     """A member's first phase begins whenever its round reached it (here 15 s after the fast one's): the fast one's
     word, 5 s into it, says nothing of how long a round is, so the next phase has no window to stop at and a slow
