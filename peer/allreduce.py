@@ -407,8 +407,11 @@ class AllReduce:
         the shard's backup takes it over from the contributions sent to it again. An owner that averages only its
         own (or leaves out most of the others) changes nothing that way, receipted or not."""
         info, out = rnd.info, []
-        live = self._live(info.shards)
-        for j in held:
+        owners = [j for j in held if (r := self.inbox.result(j)) is not None and r.outcome.attempt == 0]
+        if self.quorum <= 0 or not owners:
+            return out  # (nothing an owner signed to judge: the step's live contributors need not be counted, as the
+        live = self._live(info.shards)  # take-over's wait for a taker's result asks every 50 ms)
+        for j in owners:
             if (res := self.inbox.result(j)) is None or not self._short(res, live):
                 continue
             named = len(set(res.outcome.contributors) | set(res.outcome.rejected))
