@@ -406,7 +406,8 @@ class AllReduce:
         """The results of ``held`` short of a quorum (:meth:`_short`), dropped: a later delivery of one is refused, and
         the shard's backup takes it over from the contributions sent to it again. An owner that averages only its
         own (or leaves out most of the others) changes nothing that way, receipted or not."""
-        info, out = rnd.info, []
+        info = rnd.info
+        out: list[int] = []
         owners = [j for j in held if (r := self.inbox.result(j)) is not None and r.outcome.attempt == 0]
         if self.quorum <= 0 or not owners:
             return out  # (nothing an owner signed to judge: the step's live contributors need not be counted, as the
