@@ -203,6 +203,8 @@ class Coordinator:
         changed = {v.record.peer_id: v.record for v in self.table.changed}
         for pid, message in self.integrity.observe(changed, self.rounds.round_at):
             self._event("audit", pid, message, True)
+        for kind, pid, message in self.integrity.complaints(changed, self.rounds.round_at):
+            self._event(kind, pid, message, True)
         reports, checkpoint = self.table.reports(), self.checkpointer.checkpoint()
         retract = partial(self.rounds.retract, reports=reports, checkpoint=checkpoint, now=now)
         events = self.integrity.judge(self.gate.admission.revoke, retract, self._event)

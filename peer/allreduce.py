@@ -249,6 +249,7 @@ class AllReduce:
             rnd.mark_dead(info.shard_owners[j])
         missing = sorted(set(missing) | set(short))  # (an owner short of a quorum is alive: it gets the backup's result)
         stats.short = short
+        stats.unreceipted = sorted(rnd.unreceipted.items())
         if missing:
             rnd.enter(Phase.TAKING_OVER)
             # a member that learned early that an owner is gone still gives its backup, which may only
@@ -355,7 +356,8 @@ class AllReduce:
                 ack = self.client.push_contribution(peer.address, self._chunks(info, shard, attempt, tensors,
                                                                                 rnd.samples), self.rpc_timeout,
                                                     peer=peer.peer_id)
-                self._check_receipt(info, peer.peer_id, shard, attempt, ack.receipt)
+                if not self._check_receipt(info, peer.peer_id, shard, attempt, ack.receipt) and kind == "contribution":
+                    self._withheld(rnd, peer, shard, values, "it acknowledged it without a valid receipt", True)
                 return True
             except grpc.RpcError as err:
                 refused = refusal_of(err)
@@ -370,23 +372,57 @@ class AllReduce:
                         and rnd.phase is not Phase.DONE and not rnd.is_dead(peer.peer_id)):
                     continue  # the owner is still fetching this round's base state: try again shortly
                 on_error(peer, err)
+                if kind == "contribution" and (why := self._unreceipted_why(rnd, err)):
+                    self._withheld(rnd, peer, shard, values, why[0], why[1])
                 return False
 
-    def _check_receipt(self, info: RoundInfo, owner: str, shard: int, attempt: int, receipt: bytes) -> None:
+    def _unreceipted_why(self, rnd: ReduceRound, err: grpc.RpcError) -> tuple[str, bool] | None:
+        """Why an owner's failure to take this member's contribution sends it to the shard's backup: (why, whether the
+        owner is to blame: named in this member's report). None for a refusal of the round's own (a step, epoch or base
+        the other is not at: the round moved on, or one of the two is behind) or of this member's own making."""
+        if is_unreachable(err):
+            return "it is unreachable", False  # (gone: the take-over needs it at the backup; nobody is blamed)
+        if is_silent(err):
+            return f"it did not answer in {self.rpc_timeout:g} s", True
+        info = refusal_of(err)
+        code = info.code if info is not None else -1
+        if code in (pb.OVERLOADED, pb.NOT_OWNER) or (code == pb.ALREADY_REDUCED and time.monotonic() < rnd.deadline):
+            return f"it refused it ({pb.Refusal.Name(code)}) before the round's deadline", True
+        return None
+
+    def _withheld(self, rnd: ReduceRound, owner: MemberAddr, shard: int, values: torch.Tensor, why: str,
+                  blame: bool) -> None:
+        """``owner`` neither receipted this member's contribution to ``shard`` nor refused it for the round's reasons:
+        sent to the shard's backup at once (attempt 1: the take-over, by want of a quorum or of the owner, then has it,
+        and need not wait for it), and, if the owner is to blame, named in this member's report of the step (an owner
+        named so in several steps by several members loses its ownership: the coordinator's
+        :class:`~potluck.coordinator.trust.integrity.Integrity`)."""
+        info = rnd.info
+        if blame and rnd.not_receipted(shard, why):
+            log.warning("%s did not receipt this peer's contribution to shard %d of step %d: %s; sent to its backup "
+                        "and reported", short_id(owner.peer_id), shard, info.step, why)
+        backup = next((p for p in info.ring_after(shard) if not rnd.is_dead(p.peer_id)), None)
+        if backup is None or backup.peer_id == self.me or rnd.phase is Phase.DONE or self.abandoned(info):
+            return  # (this member as the backup adds its own when it takes the shard over)
+        if self._send("witness", rnd, backup, shard, 1, values, lambda p, e: None):
+            rnd.sent_to_backup(shard, backup.peer_id)
+
+    def _check_receipt(self, info: RoundInfo, owner: str, shard: int, attempt: int, receipt: bytes) -> bool:
         """Keep ``owner``'s receipt of this member's contribution to ``shard``: its result must name that contribution,
-        or this member holds a proof (:meth:`_omissions`). An owner that acknowledges without a valid receipt is
-        said in the log (it may not yet sign them: an older version)."""
+        or this member holds a proof (:meth:`_omissions`). False if the owner acknowledged it without a valid receipt
+        (said in the log; the caller sends the contribution to the backup and names the owner)."""
         if not self.receipts:
-            return
+            return True
         mine = self.inbox.sent(shard, attempt)
         if mine is None:
-            return  # (the expected step moved on while it was sent)
+            return True  # (the expected step moved on while it was sent)
         digest = self._contribution_digest(info, shard, attempt, mine.chunk_digests(), mine.samples)
         if receipt and verify(owner, receipt_digest(digest), receipt):
             self.inbox.receipted(info, shard, attempt, receipt)
-        else:
-            log.warning("%s acknowledged this peer's contribution to shard %d of step %d without a valid receipt",
-                        short_id(owner), shard, info.step)
+            return True
+        log.warning("%s acknowledged this peer's contribution to shard %d of step %d without a valid receipt",
+                    short_id(owner), shard, info.step)
+        return False
 
     def _live(self, n: int) -> set[str]:
         """The step's live contributors as the results held show them: everyone any of them names."""
@@ -644,8 +680,8 @@ class AllReduce:
             self._reduce_shard(rnd, shard, 1, bounds, deadline, stats, forwarded_ok=True,  # (the owner is dead, or
                                patience={owner: time.monotonic() + PING_S} if short else None)  # its result fell short)
         elif delta is not None:
-            if self.inbox.result(shard) is not None:
-                return
+            if self.inbox.result(shard) is not None or rnd.backup_holds(shard, backup.peer_id):
+                return  # (sent there already: its owner did not receipt it)
             self._submit(self._send, "takeover", rnd, backup, shard, 1, delta[lo:hi], lambda p, e: None)
 
     def close(self) -> None:

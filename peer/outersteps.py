@@ -147,6 +147,16 @@ class OuterSteps:
             s.telemetry.audited(AuditReport(step=step, epoch=info.epoch, stage=t.stage, group=info.group, shard=shard,
                                             attempt=attempt, owner=owner, verdict="omitted", t=time.time(),
                                             reason="it receipted this peer's contribution and left it out"))
+        owners = info.shard_owners
+        for shard, why in done.stats.unreceipted:  # (a complaint, not a proof: weighed by how many say it, how often)
+            s.telemetry.audited(AuditReport(step=step, epoch=info.epoch, stage=t.stage, group=info.group, shard=shard,
+                                            owner=owners[shard], verdict="unreceipted", t=time.time(),
+                                            reason=f"it did not receipt this peer's contribution: {why}"[:200]))
+        for shard in done.stats.short:
+            s.telemetry.audited(AuditReport(step=step, epoch=info.epoch, stage=t.stage, group=info.group, shard=shard,
+                                            owner=owners[shard], verdict="short", t=time.time(),
+                                            reason="its result named too few of the step's contributors (sync.quorum): "
+                                                   "not adopted; its backup took the shard over"))
         fault("outer.committed", step)
         every = s.rc.data.eval_every
         if every and step % every == 0 and contribute:

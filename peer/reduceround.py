@@ -48,6 +48,27 @@ class ReduceRound:
         self.dead: set[str] = set()  # members not waited for any more (unreachable, gone, or not in this step)
         self.ahead: list[str] = []  # members already past this step (it went on without us)
         self.pending: list[Future] = []  # our result broadcasts, finished before run() returns
+        # shards whose owner did not receipt this member's contribution (why), and the backup it went to instead
+        self.unreceipted: dict[int, str] = {}
+        self.witnessed: dict[int, str] = {}
+
+    def not_receipted(self, shard: int, why: str) -> bool:
+        """The owner of ``shard`` neither receipted this member's contribution nor refused it for a reason of the
+        round's (its step, epoch or base): said once; False once the round is DONE (nothing acts for it then)."""
+        with self.cond:
+            if self.phase is Phase.DONE or shard in self.unreceipted:
+                return False
+            self.unreceipted[shard] = why
+            return True
+
+    def sent_to_backup(self, shard: int, backup: str) -> None:
+        with self.cond:
+            self.witnessed[shard] = backup
+
+    def backup_holds(self, shard: int, backup: str) -> bool:
+        """Did this member already send its contribution to ``shard`` to ``backup`` (attempt 1)?"""
+        with self.cond:
+            return self.witnessed.get(shard) == backup
 
     def mark_dead(self, peer_id: str, why: str = "") -> None:
         with self.cond:

@@ -80,6 +80,7 @@ class ShardInbox:
                  sign: Callable[[bytes], bytes] | None = None) -> None:
         self.run_id, self.me, self.numel, self.codec = run_id, me, numel, codec
         self._sign = sign  # (this member's key: each contribution it keeps is receipted; None: no receipts)
+        self.tamper = tamper  # (a Byzantine owner's refusals, in tests: POTLUCK_FAULTS owner.refuse)
         self._cond = cond
         self._buffers = Buffers()
         self._step = -1
@@ -262,7 +263,7 @@ class ShardInbox:
                                      first.attempt, first.base_hash, sender, digests, first.samples)
         if last.signer != sender or not verify(sender, signed, last.signature):
             raise Rejected(pb.BAD_IDENTITY, f"contribution of {short_id(sender)} not signed by it", sender)
-        if tamper("owner.refuse", first.header.step, False) is True:  # an owner that refuses everything (tests)
+        if self.tamper("owner.refuse", first.header.step, False) is True:  # an owner that refuses everything (tests)
             raise Rejected(pb.OVERLOADED, "this owner takes no contribution", sender)
         with self._cond:
             self._check_header(first)  # the step may have moved on while the stream arrived

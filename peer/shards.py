@@ -128,6 +128,7 @@ class AllReduceStats:
     send_s: float = 0.0  # how long this member's own contributions took to reach their owners
     omitted: list[tuple[int, int, str]] = field(default_factory=list)  # (shard, attempt, owner): receipted, left out
     short: list[int] = field(default_factory=list)  # shards whose owner's result named too few (sync.quorum): taken over
+    unreceipted: list[tuple[int, str]] = field(default_factory=list)  # (shard, why): its owner took no contribution
 
 
 class Buffers:

@@ -15,6 +15,11 @@ admitted peer is trusted with, and acts on proof that it abused it:
 * **Accusations.** An auditor that finds a lie says so in its record; the :class:`~potluck.coordinator.
   verifier.Verifier` checks the evidence itself. A proven lie evicts the owner and takes the run back to
   before that step; a false accusation evicts the auditor; the page shows both.
+* **Complaints.** What a member cannot prove, it says: an owner that neither receipted its contribution nor
+  refused it for the round's reasons (``unreceipted``), or whose result fell short of the quorum (``short``).
+  An owner named so in ``sync.demote_after`` of the last :data:`COMPLAINT_STEPS` steps, by at least two members
+  past probation, loses shard ownership for ``sync.demote_steps`` steps: withholding costs every step a take-over,
+  and one member with a bad link to it (or one liar) cannot demote it alone.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ from potluck.protos.wire.records import (
     ShardOf,
 )
 
+COMPLAINT_STEPS = 16  # complaints against an owner count over this many steps
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -69,6 +76,8 @@ class Integrity:
     _vouched: dict[tuple[int, ...], set[str]] = field(default_factory=dict)  # shard -> picked auditors that said ok
     _oks: set[tuple] = field(default_factory=set)  # ok reports seen (each looked at once)
     _rechecks: set[tuple[int, ...]] = field(default_factory=set)  # an evicted owner's shards, audited by the coordinator
+    _named: dict[str, dict[int, set[str]]] = field(default_factory=dict)  # owner -> step -> members complaining
+    _said_short: set[tuple] = field(default_factory=set)  # short results the page was told of
 
     @classmethod
     def for_run(cls, cfg: RunConfig, client: PeerClient, run_id: str, me: str, trust_json: dict | None) -> Integrity:
@@ -81,7 +90,8 @@ class Integrity:
 
     def roles(self, members: list[Member], rounds: Rounds) -> tuple[list[Member], list[Audit]]:
         """The members of the next round with their shard ownership set, and the audits it carries."""
-        members = self.trust.assign_owners(members, None if rounds.group_size else MAX_OWNERS, self.rng.random)
+        members = self.trust.assign_owners(members, None if rounds.group_size else MAX_OWNERS, self.rng.random,
+                                           step=rounds.committed + 1)
         audits = self.audits(rounds.rounds.get(rounds.committed), members)
         self._assigned.update({shard_key(a): a for a in audits})
         return members, audits
@@ -125,6 +135,8 @@ class Integrity:
         events: list[tuple[str, str]] = []
         for rec in records.values():
             for r in rec.audits:
+                if r.verdict in ("unreceipted", "short"):  # (complaints: :meth:`complaints`)
+                    continue
                 if r.verdict == "omitted":  # (any contributor may hold such a proof: no pick needed; not an audit)
                     if (made := round_at(r.step)) is not None and (e := self._omission(r, rec.peer_id, made)):
                         events.append(e)
@@ -158,6 +170,50 @@ class Integrity:
                     events.append((r.owner, f"{short_id(rec.peer_id)}, auditing shard {r.shard} of step {r.step}, "
                                             f"says its result is false ({r.reason}); checking the evidence"))
         return events
+
+    def complaints(self, records: dict[str, PeerRecord], round_at: Callable[[int], Round | None]
+                   ) -> list[tuple[str, str, str]]:
+        """The complaints in ``records`` (``unreceipted``, ``short``), each counted once per step and member: from a
+        member of that step's group, past probation then, against the owner of the shard it names. A short result is
+        said on the page once; an owner named in ``sync.demote_after`` of the last :data:`COMPLAINT_STEPS` steps by two
+        or more members is demoted (:meth:`~potluck.coordinator.trust.trust.Trust.demote`). Events as (kind, peer,
+        message)."""
+        out: list[tuple[str, str, str]] = []
+        for rec in records.values():
+            for r in rec.audits:
+                if r.verdict not in ("unreceipted", "short") or (made := round_at(r.step)) is None:
+                    continue
+                cells, owners = made.group_members(r.stage, r.group), made.shard_owners(r.stage, r.group)
+                if (r.shard >= len(owners) or owners[r.shard] != r.owner or r.owner == rec.peer_id
+                        or rec.peer_id not in self.trust.eligible(cells, before=r.step)):
+                    continue  # (nobody can weigh it: not a member then, not trusted then, or not that shard's owner)
+                if r.verdict == "short" and (key := (*shard_key(r), r.owner)) not in self._said_short:
+                    self._said_short.add(key)
+                    out.append(("short", r.owner, f"its result of shard {r.shard} of step {r.step} named too few of "
+                                                  f"the step's contributors (sync.quorum {self.cfg.sync.quorum:g}): not "
+                                                  "adopted; its backup took the shard over"))
+                    for old in sorted(self._said_short)[:-4 * MAX_AUDITS]:
+                        self._said_short.discard(old)
+                self._named.setdefault(r.owner, {}).setdefault(r.step, set()).add(rec.peer_id)
+                if (e := self._demote(r.owner)) is not None:
+                    out.append(e)
+        return out
+
+    def _demote(self, owner: str) -> tuple[str, str, str] | None:
+        """``owner`` demoted if the complaints against it are enough (:meth:`complaints`): the event."""
+        after, by_step = self.cfg.sync.demote_after, self._named[owner]
+        newest = max(by_step)
+        for s in [s for s in by_step if s <= newest - COMPLAINT_STEPS]:
+            del by_step[s]
+        accusers = set().union(*by_step.values())
+        if after <= 0 or len(by_step) < after or len(accusers) < 2:
+            return None
+        del self._named[owner]
+        until = newest + 1 + self.cfg.sync.demote_steps
+        self.trust.demote(owner, until)
+        return ("demoted", owner, f"{len(accusers)} members said it withheld (contributions it did not receipt, or "
+                                  f"results short of the quorum) in {len(by_step)} of the last {COMPLAINT_STEPS} steps: "
+                                  f"it owns no shard before step {until} (it still trains and contributes)")
 
     def _omission(self, r: AuditReport, accuser: str, made: Round) -> tuple[str, str] | None:
         """A contributor says ``r.owner`` receipted its contribution and left it out of its signed result: to the

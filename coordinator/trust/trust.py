@@ -35,6 +35,7 @@ class Trust:
     probation_steps: int = 3
     work: dict[str, list[int]] = field(default_factory=dict)  # peer -> committed steps it made as a member
     founders: set[str] = field(default_factory=set)  # the members of the run's first round
+    demoted: dict[str, int] = field(default_factory=dict)  # peer -> the step until which it owns no shard
     _moved: set[str] = field(default_factory=set, compare=False, repr=False)  # whose trust as of a step changed
 
     def committed(self, rnd: Round | None, step: int, reports: Iterable[Report]) -> None:
@@ -85,19 +86,28 @@ class Trust:
         trusted = {m.peer_id for m in members if self.trusted(m.peer_id, before)}
         return trusted or {m.peer_id for m in members if m.peer_id in self.founders} or {m.peer_id for m in members}
 
+    def demote(self, peer_id: str, until: int) -> None:
+        """``peer_id`` owns no shard in the rounds of steps before ``until`` (several members said it withheld: it
+        left their contributions unreceipted, or its results short of a quorum). It still trains and contributes."""
+        self.demoted[peer_id] = max(until, self.demoted.get(peer_id, 0))
+
     def assign_owners(self, members: Sequence[Member], cap: int | None = None,
-                      draw: Callable[[], float] = random.random) -> list[Member]:
+                      draw: Callable[[], float] = random.random, step: int | None = None) -> list[Member]:
         """``members`` with ``owns`` set: per stage, its eligible members own its shards (the first round's
-        members are the run's founders); ``cap``: at most that many per stage, those with the most verified work,
+        members are the run's founders), but for those demoted (:meth:`demote`) as of ``step``, unless that leaves
+        none; ``cap``: at most that many per stage, those with the most verified work,
         ties drawn by ``draw`` (a peer id is cheap to grind: never its order) (a stage averaged as one group of
         1,000: each member reports every owner's outcome in each heartbeat, which must fit a DHT record; the
         others contribute to every shard and gather every result, as on probation)."""
         if not self.founders and not self.work:
             self.founders = {m.peer_id for m in members}
+        if step is not None:
+            self.demoted = {p: until for p, until in self.demoted.items() if until > step}
         out = []
         for stage in sorted({m.stage for m in members}):
             cells = [m for m in members if m.stage == stage]
             owners = self.eligible(cells)
+            owners = (owners - set(self.demoted)) or owners
             if cap is not None and len(owners) > cap:
                 owners = set(sorted(owners, key=lambda p: (-len(self.work.get(p, ())), draw()))[:cap])
             out += [m if m.owns == (m.peer_id in owners) else m.model_copy(update={"owns": m.peer_id in owners})
@@ -106,9 +116,10 @@ class Trust:
 
     def to_json(self) -> dict[str, Any]:
         return {"probation_steps": self.probation_steps, "work": {p: list(s) for p, s in self.work.items()},
-                "founders": sorted(self.founders)}
+                "founders": sorted(self.founders), "demoted": dict(self.demoted)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any] | None, probation_steps: int) -> Trust:
         work = {str(p): sorted(int(s) for s in steps) for p, steps in ((data or {}).get("work") or {}).items()}
-        return cls(probation_steps, work, {str(p) for p in (data or {}).get("founders") or []})
+        demoted = {str(p): int(u) for p, u in ((data or {}).get("demoted") or {}).items()}
+        return cls(probation_steps, work, {str(p) for p in (data or {}).get("founders") or []}, demoted)

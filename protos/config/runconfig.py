@@ -174,6 +174,12 @@ class SyncConfig(Section):
         "independent auditor (drawn by the coordinator among the others that hold it), so that an auditor colluding "
         "with the owner it audits does not hide its lie; each costs what an audit costs: the shard's inputs fetched "
         "(0: one auditor a shard)")
+    demote_after: int = Field(
+        3, ge=0, le=64, description="an owner named in this many of the last 16 steps, by at least two members past "
+        "probation, for a result short of the quorum or for a contribution it neither receipted nor refused for the "
+        "round's reasons, loses shard ownership for demote_steps steps (it still trains and contributes; a complaint "
+        "is not a proof: nobody is evicted for it) (0: never)")
+    demote_steps: int = Field(50, ge=1, description="outer steps a demoted owner owns no shard")
 
     @field_validator("group_size")
     @classmethod

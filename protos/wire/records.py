@@ -226,9 +226,12 @@ class AuditReport(ShardOf):
     """What an auditor found: ``ok``; ``lie`` (the signed result is not what the signed inputs make, or the
     inputs shown are not those the result names: a proof the coordinator checks); ``unserved`` (the owner
     did not show its inputs). Or what a contributor found, auditor or not: ``omitted`` (the owner receipted
-    its contribution and signed a result that leaves it out: a proof the coordinator checks too)."""
+    its contribution and signed a result that leaves it out: a proof the coordinator checks too); ``unreceipted``
+    (the owner neither receipted its contribution nor refused it for the round's reasons: it went to the backup);
+    ``short`` (the owner's result named fewer than a quorum of the step's contributors: its backup took it over).
+    The last two are complaints, not proofs: an owner named in several steps by several members loses ownership."""
 
-    verdict: Literal["ok", "lie", "unserved", "omitted"]
+    verdict: Literal["ok", "lie", "unserved", "omitted", "unreceipted", "short"]
     reason: str = Field("", max_length=TEXT_LEN)
     t: float = 0.0
 

@@ -1,0 +1,162 @@
+"""Withholding has a cost: a contribution an owner neither receipts nor refuses for the round's reasons goes to the
+shard's backup at once and is named in the contributor's report; an owner named so (or for results short of the
+quorum) in several steps by several members past probation loses shard ownership for a while. Over real gRPC in one
+process (members as in tests/test_allreduce.py) for the peer's half; values made here for the coordinator's."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+
+import pytest
+import torch
+from pydantic import ValidationError
+from test_allreduce import Member, random_deltas, run_all
+
+from potluck.coordinator.trust.integrity import COMPLAINT_STEPS, Integrity
+from potluck.coordinator.trust.trust import Trust
+from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.net.identity import Identity
+from potluck.protos.testkit import faults
+from potluck.protos.testkit.faults import parse
+from potluck.protos.wire.records import AuditReport, PeerRecord
+from potluck.protos.wire.records import Member as PlanMember
+from potluck.protos.wire.records import Round as PlanRound
+
+
+@pytest.fixture
+def members() -> Iterator[list[Member]]:
+    ms = [Member() for _ in range(4)]
+    yield ms
+    for m in ms:
+        m.close()
+
+
+def test_a_refused_contribution_goes_to_the_backup_at_once_and_its_owner_is_named(members: list[Member]) -> None:
+    """Shard 0's owner refuses every contribution (OVERLOADED) and averages its own alone. Each contributor names it
+    (unreceipted) and sends its slice to the shard's backup as soon as it is refused; the owner's result names 1 of 4,
+    short of the quorum, so the backup takes the shard over with what it already holds: nothing is lost, and every
+    member applies the exact mean. The backup's own slice is not sent anywhere: it adds it when it takes over."""
+    order = sorted(members, key=lambda m: m.id)
+    order[0].ar.inbox.tamper = functools.partial(faults.tamper, pending=parse("owner.refuse@1:all"))
+    backup, received = order[1], []
+    handler = backup.push_contribution
+
+    def counted(chunks):  # type: ignore[no-untyped-def]
+        def seen():  # type: ignore[no-untyped-def]
+            for i, c in enumerate(chunks):
+                if i == 0:
+                    received.append((c.header.sender, c.shard, c.attempt))
+                yield c
+        return handler(seen())
+
+    backup.push_contribution = counted  # type: ignore[method-assign]
+    deltas = random_deltas(members)
+    out = run_all(members, deltas, wait_s=10)
+    assert all(isinstance(v, tuple) for v in out.values()), out
+    means = [out[m.id][0] for m in order]  # type: ignore[index]
+    assert all(torch.equal(means[0], x) for x in means[1:]), "members disagree"
+    exact = torch.stack(list(deltas.values())).mean(0)
+    assert float((means[0] - exact).abs().max()) < 2 * 0.05 / 127, "a contribution was lost"
+    stats = {m.id: out[m.id][1] for m in order}  # type: ignore[index]
+    for m in order[1:]:
+        assert [s for s, _ in stats[m.id].unreceipted] == [0], (m.id, stats[m.id].unreceipted)
+        assert "OVERLOADED" in stats[m.id].unreceipted[0][1]
+        assert stats[m.id].short == [0]
+    assert stats[order[0].id].unreceipted == [], "the owner sent to itself: nothing to name"
+    assert stats[backup.id].taken_over == [0]
+    # each other member's slice of shard 0 reached the backup once: sent when refused, not again for the take-over
+    again = sorted(sender for sender, shard, attempt in received if (shard, attempt) == (0, 1))
+    assert again == sorted(m.id for m in order if m is not backup), received
+
+
+def test_an_honest_step_names_nobody(members: list[Member]) -> None:
+    out = run_all(members, random_deltas(members), wait_s=10)
+    assert all(isinstance(v, tuple) and v[1].unreceipted == [] and v[1].short == [] for v in out.values()), out
+
+
+# ---------------------------------------------------------------- the coordinator's half, on values made here
+
+IDS = sorted(Identity.generate().peer_id for _ in range(4))
+X = IDS[0]  # shard 0's owner, named
+
+
+def rounds(steps: int) -> dict[int, PlanRound]:
+    members = [PlanMember(peer_id=p, address=f"h:{i}", replica=i, owns=True) for i, p in enumerate(IDS)]
+    return {s: PlanRound(step=s, members=members) for s in range(1, steps + 1)}
+
+
+def complaint(step: int, by: str, verdict: str = "unreceipted", owner: str = X, shard: int = 0) -> PeerRecord:
+    return PeerRecord(peer_id=by, address="h", audits=[AuditReport(step=step, shard=shard, owner=owner,
+                                                                   verdict=verdict)])  # type: ignore[arg-type]
+
+
+def integrity(**sync: object) -> Integrity:
+    cfg = RunConfig.model_validate({"sync": {"demote_after": 3, "demote_steps": 10, **sync}})
+    return Integrity(cfg, Trust(0, founders=set(IDS)))
+
+
+def test_an_owner_named_by_two_members_in_three_steps_loses_ownership_for_a_while() -> None:
+    """One member naming the owner at every step demotes nobody (a bad link, or a liar); a second member's word in
+    the third step does. The next rounds give the owner no shard (it still takes part), until ``sync.demote_steps``
+    have passed; the journal keeps the demotion."""
+    made = rounds(6)
+    ig = integrity()
+    events = []
+    for step in (1, 2, 3):
+        events += ig.complaints({IDS[1]: complaint(step, IDS[1])}, made.get)
+    assert events == [] and not ig.trust.demoted, "one member alone demotes nobody"
+    events += ig.complaints({IDS[2]: complaint(3, IDS[2], "short")}, made.get)
+    assert [(k, p) for k, p, _ in events] == [("short", X), ("demoted", X)], events
+    assert "owns no shard before step 14" in events[-1][2]
+    assert ig.complaints({IDS[2]: complaint(3, IDS[2], "short")}, made.get) == [], "each said once"
+    members = [m.model_copy(update={"owns": False}) for m in made[1].members]
+    owns = {m.peer_id: m.owns for m in ig.trust.assign_owners(members, step=5)}
+    assert owns == {p: p != X for p in IDS}
+    again = Trust.from_json(ig.trust.to_json(), 0)
+    assert again.demoted == {X: 14}
+    owns = {m.peer_id: m.owns for m in again.assign_owners(members, step=14)}
+    assert owns == dict.fromkeys(IDS, True) and again.demoted == {}, "its time served, it owns again"
+
+
+def test_complaints_nobody_can_weigh_count_for_nothing() -> None:
+    """Not a member of that step, not past probation then, naming itself, naming a peer for a shard it does not own,
+    a step the coordinator does not know: none counts; nor do complaints older than the window; demote_after 0
+    demotes nobody."""
+    made = rounds(40)
+    stranger = Identity.generate().peer_id
+    ig = integrity()
+    for step in (1, 2, 3):
+        for rec in (complaint(step, stranger), complaint(step, X), complaint(step, IDS[1], owner=IDS[2]),
+                    complaint(step + 100, IDS[1])):
+            assert ig.complaints({rec.peer_id: rec}, made.get) == []
+    assert not ig.trust.demoted
+    fresh = Integrity(RunConfig.model_validate({"sync": {"demote_after": 3}}), Trust(3, founders={X}))
+    for step in (1, 2, 3):  # (the founders own while nobody is trusted: the others are on probation)
+        for by in IDS[1:3]:
+            assert fresh.complaints({by: complaint(step, by)}, made.get) == []
+    assert not fresh.trust.demoted
+    ig = integrity()
+    for step, by in ((1, IDS[1]), (2, IDS[2]), (2 + COMPLAINT_STEPS, IDS[1])):
+        ig.complaints({by: complaint(step, by)}, made.get)
+    assert not ig.trust.demoted, "steps 1 and 2 fell out of the window"
+    never = integrity(demote_after=0)
+    for step in range(1, 10):
+        for by in IDS[1:]:
+            never.complaints({by: complaint(step, by)}, made.get)
+    assert not never.trust.demoted
+
+
+def test_a_stage_of_demoted_owners_still_has_owners() -> None:
+    trust = Trust(0, founders=set(IDS))
+    for p in IDS:
+        trust.demote(p, 20)
+    members = [PlanMember(peer_id=p, address="h", replica=i) for i, p in enumerate(IDS)]
+    assert all(m.owns for m in trust.assign_owners(members, step=5))
+
+
+@pytest.mark.parametrize("bad", [{"demote_after": -1}, {"demote_after": 65}, {"demote_steps": 0},
+                                 {"demote_after": "often"}])
+def test_bad_demotion_settings_are_refused(bad: dict) -> None:
+    with pytest.raises(ValidationError):
+        RunConfig.model_validate({"sync": bad})
