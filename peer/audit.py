@@ -153,6 +153,6 @@ class Auditor:
         except Unverifiable as err:
             return verdict("unserved", str(err))
         if not lie or tamper("audit.verdict", a.step, False) is True:  # (an auditor colluding with the owner: tests)
-            return verdict("ok")
+            return verdict("ok").model_copy(update={"result": held.claim.result.signature.hex()})
         self.keep(a, inputs)  # the evidence, for the coordinator to fetch and check for itself
         return verdict("lie", lie)

@@ -160,3 +160,65 @@ def test_a_stage_of_demoted_owners_still_has_owners() -> None:
 def test_bad_demotion_settings_are_refused(bad: dict) -> None:
     with pytest.raises(ValidationError):
         RunConfig.model_validate({"sync": bad})
+
+
+# ---------------------------------------------------------------- colluding auditors
+
+class Rulings:
+    """A verifier that rules as told (the proofs themselves are tested in tests/test_receipts.py)."""
+
+    def __init__(self) -> None:
+        self.ready: list = []
+
+    def want(self, acc: object) -> bool:
+        return True
+
+    def results(self) -> list:
+        out, self.ready = self.ready, []
+        return out
+
+
+@pytest.mark.parametrize("ok_first", [True, False])
+def test_an_auditor_that_said_ok_to_a_proven_lie_is_evicted_with_its_owner(ok_first: bool) -> None:
+    """Shard 0 of step 1 (owner X) is audited by A, which says ok, and by B, which says lie; the lie is proven. A
+    recomputed (or said it did) a result from inputs fixed by their digests, deterministically: its ok is false, and
+    it is evicted with X, whichever of its report and the proof comes first. An auditor that said ok to another,
+    honest shard is not; nor is one that said ok to a shard proven only to leave a contribution out, nor one that
+    said ok to another result of the same shard (an owner signing two may have shown it an honest one)."""
+    from potluck.coordinator.trust.verifier import Accusation, Ruling
+    from potluck.protos.wire.records import Audit
+
+    a, b = IDS[1], IDS[2]
+    made = rounds(2)
+    made[2] = made[2].model_copy(update={"audits": [Audit(step=1, shard=0, owner=X, auditor=a),
+                                                    Audit(step=1, shard=0, owner=X, auditor=b),
+                                                    Audit(step=1, shard=1, owner=a, auditor=IDS[3])]})
+    rulings = Rulings()
+    ig = Integrity(RunConfig(), Trust(0, founders=set(IDS)), verifier=rulings)  # type: ignore[arg-type]
+
+    def ok(by: str, shard: int, owner: str, result: str = "ab" * 64) -> None:
+        ig.observe({by: PeerRecord(peer_id=by, address="h", audits=[AuditReport(step=1, shard=shard, owner=owner,
+                                                                                verdict="ok", result=result)])}, made.get)
+
+    lie = AuditReport(step=1, shard=0, owner=X, verdict="lie")
+    ok(IDS[3], 1, a)
+    if ok_first:
+        ok(a, 0, X)
+    rulings.ready = [Ruling(Accusation(lie, b, (), 4), "lie", "not the average", "ab" * 64)]
+    verdicts = ig.verdicts()
+    if not ok_first:
+        assert [(v.evict, v.kind) for v in verdicts] == [(X, "proven")]
+        ok(a, 0, X)
+        verdicts += ig.verdicts()
+    assert [(v.evict, v.kind) for v in verdicts] == [(X, "proven"), (a, "evicted")], verdicts
+    assert "said ok" in verdicts[-1].message
+    ok(a, 0, X)
+    assert ig.verdicts() == [], "evicted once"
+    omission = AuditReport(step=1, shard=1, owner=a, verdict="omitted")
+    rulings.ready = [Ruling(Accusation(omission, b, (), 4), "lie", "left out what it receipted")]
+    assert [(v.evict, v.kind) for v in ig.verdicts()] == [(a, "proven")], "IDS[3]'s ok was not false: it is not evicted"
+    other = AuditReport(step=1, shard=2, owner=IDS[3], verdict="lie")
+    made[2] = made[2].model_copy(update={"audits": [Audit(step=1, shard=2, owner=IDS[3], auditor=b)]})
+    ok(b, 2, IDS[3], result="cd" * 64)
+    rulings.ready = [Ruling(Accusation(other, X, (), 4), "lie", "not the average", "ab" * 64)]
+    assert [(v.evict, v.kind) for v in ig.verdicts()] == [(IDS[3], "proven")], "b said ok to another result"

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from potluck.protos.net.identity import Identity
+
 pytestmark = pytest.mark.slow
 
 RUN = {
@@ -17,6 +19,7 @@ RUN = {
     "sync.audit_fraction": 1.0, "model.d_model": 32, "model.n_layers": 1, "train.batch_size": 8,
     "diloco.rounds": "fixed",  # (the runs are compared with each other: every member trains H steps in each)
 }
+SLOW = "inner.step@*:slow=2"  # an honest peer at half speed: volunteers' devices differ
 
 
 def run(swarm, peers: int, liar: str = "", overrides: dict | None = None, slow: str = "") -> dict:  # type: ignore[no-untyped-def]
@@ -120,18 +123,19 @@ def test_an_owner_that_leaves_out_what_it_receipted_is_proven_evicted_and_its_st
     is proven within 2 outer steps, evicted, and the run goes back to before the step; the three honest peers
     train to the end, within 2 % of an honest-only run."""
     attack = f"owner.drop@*:{drop}" + (",outer.delta@*:scale=-10" if drop == "others" else "")
-    attacked = run(swarm, 4, attack)
+    attacked = run(swarm, 4, attack, slow=SLOW)
     proven = [e for e in attacked["events"] if e["kind"] == "proven"]
     assert proven and "receipted" in proven[0]["message"], [e for e in attacked["events"]
                                                              if e["kind"] in ("audit", "proven", "evicted")]
     first = int(proven[0]["message"].split("of step ")[1].split(")")[0])
     assert first <= 2, proven[0]["message"]
     liar_id = proven[0]["peer"]
-    assert any(e["kind"] == "rollback" and f"to v{first - 1}" in e["message"] for e in attacked["events"])
+    said = [e for e in attacked["events"] if e["kind"] not in ("round", "joined", "started", "replan")]
+    assert any(e["kind"] == "rollback" and f"to v{first - 1}" in e["message"] for e in attacked["events"]), said
     assert not [e for e in attacked["events"] if e["kind"] in ("proven", "evicted") and e["peer"] != liar_id]
     assert liar_id not in {m["peer_id"] for m in attacked["round"]["members"]}
     fresh(swarm, tmp_path, "honest")
-    honest = run(swarm, 3)
+    honest = run(swarm, 3, slow=SLOW)
     loss, ref = attacked["history"][-1]["eval_loss"], honest["history"][-1]["eval_loss"]
     assert abs(loss - ref) <= 0.02 * ref, (loss, ref)
     print(f"eval loss: an owner leaving out what it receipted ({drop}) {loss:.4f}, honest-only {ref:.4f}")
@@ -141,8 +145,9 @@ def test_an_auditor_colluding_with_a_lying_owner_does_not_hide_its_lie(swarm) ->
     """Three peers: an owner that shifts its mean at every step, an accomplice that says "ok" to every audit it runs,
     and an honest peer. With every audited shard given a second auditor (``sync.second_audit = 1``) the honest one
     audits the liar's shard whoever is drawn first: the lie of step 1 is proven, the liar evicted and the run rolled
-    back, and nobody honest is evicted. (At the default 0.25 and R = 4 such a pair is caught with probability 0.75 a
-    step, against 0.67 with one auditor: ``benchmarks/verified_reduction.py`` measures it.)"""
+    back, and nobody honest is evicted; the accomplice's ok to a proven lie is false, and it is evicted too. (At the
+    default 0.25 and R = 4 such a pair is caught with probability 0.75 a step, against 0.67 with one auditor:
+    ``benchmarks/verified_reduction.py`` measures it.)"""
     swarm.start_coordinator({**RUN, "membership.min_peers": 3, "sync.second_audit": 1.0})
     swarm.start_peer(env={**os.environ, "POTLUCK_FAULTS": "owner.mean@*:shift=0.5"})
     swarm.start_peer(env={**os.environ, "POTLUCK_FAULTS": "audit.verdict@*:ok"})
@@ -153,8 +158,10 @@ def test_an_auditor_colluding_with_a_lying_owner_does_not_hide_its_lie(swarm) ->
     assert proven and "step 1" in proven[0]["message"], [e for e in state["events"] if e["kind"] in ("audit", "proven")]
     liar_id = proven[0]["peer"]
     assert any(e["kind"] == "rollback" and "to v0" in e["message"] for e in state["events"])
-    assert not [e for e in state["events"] if e["kind"] in ("proven", "evicted") and e["peer"] != liar_id]
-    assert liar_id not in {m["peer_id"] for m in state["round"]["members"]}
+    accomplice = Identity.load_or_create(swarm.key(1)).peer_id
+    evicted = {e["peer"] for e in state["events"] if e["kind"] in ("proven", "evicted")}
+    assert evicted == {liar_id, accomplice}, [e for e in state["events"] if e["kind"] in ("audit", "proven", "evicted")]
+    assert not evicted & {m["peer_id"] for m in state["round"]["members"]}
 
 
 def test_an_owner_that_refuses_every_contribution_is_worked_around_by_its_backup(swarm, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -164,8 +171,8 @@ def test_an_owner_that_refuses_every_contribution_is_worked_around_by_its_backup
     over from the slices each sent it as soon as they were refused. Training goes on, every step has all four members,
     and nothing is lost: the run ends where an honest run of four ends (2 %). The page says why each time; named by
     three members in three steps, the owner loses its shard (``sync.demote_after``) and the steps after are plain."""
-    steps, slow = 7, "inner.step@*:slow=2"
-    attacked = run(swarm, 4, "owner.refuse@*:all", {"diloco.outer_steps": steps}, slow=slow)
+    steps = 7
+    attacked = run(swarm, 4, "owner.refuse@*:all", {"diloco.outer_steps": steps}, slow=SLOW)
     assert [h["members"] for h in attacked["history"]] == [4] * steps
     assert not [e for e in attacked["events"] if e["kind"] in ("failed", "rollback", "proven")], attacked["events"]
     floor = 10.0  # (sync.deadline_floor_s: the owner waits for what it refuses until its deadline, then the backup)
@@ -180,9 +187,9 @@ def test_an_owner_that_refuses_every_contribution_is_worked_around_by_its_backup
     took = [h["outer_s"] for h in attacked["history"]]
     assert took[-1] < min(took[:3]), f"the steps after its demotion need no take-over: {took}"
     fresh(swarm, tmp_path, "honest")
-    honest = run(swarm, 4, overrides={"diloco.outer_steps": steps}, slow=slow)
+    honest = run(swarm, 4, overrides={"diloco.outer_steps": steps}, slow=SLOW)
     loss, ref = attacked["history"][-1]["eval_loss"], honest["history"][-1]["eval_loss"]
-    assert abs(loss - ref) <= 0.02 * ref, (loss, ref)
+    assert abs(loss - ref) <= 0.02 * ref, (loss, ref, attacked["history"], honest["history"])
     print(f"eval loss: an owner refusing every contribution {loss:.4f}, honest {ref:.4f}; outer step seconds "
           f"{[round(h['outer_s'] or 0, 2) for h in attacked['history']]} (honest "
           f"{[round(h['outer_s'] or 0, 2) for h in honest['history']]})")
@@ -193,7 +200,7 @@ def test_a_peer_evicted_for_its_contributions_leaves_no_lasting_damage(swarm, tm
     owners reject it, their signed flags get it evicted (``admission.evict_after``), and the shards it owned that
     no picked auditor vouched for are audited again by the coordinator, or rolled back. The honest three end within
     2 % of an honest-only run."""
-    attacked = run(swarm, 4, "outer.delta@*:scale=-10", {"diloco.outer_steps": 6})
+    attacked = run(swarm, 4, "outer.delta@*:scale=-10", {"diloco.outer_steps": 6}, slow=SLOW)
     evicted = [e for e in attacked["events"] if e["kind"] == "evicted"]
     assert evicted, [e for e in attacked["events"] if e["kind"] in ("audit", "proven", "evicted")]
     bad = evicted[0]["peer"]
@@ -202,7 +209,7 @@ def test_a_peer_evicted_for_its_contributions_leaves_no_lasting_damage(swarm, tm
     rechecked = [e for e in attacked["events"] if e["kind"] == "audit" and "owned by the evicted" in e["message"]]
     print("after the eviction:", [e["message"] for e in rechecked])
     fresh(swarm, tmp_path, "honest")
-    honest = run(swarm, 3, overrides={"diloco.outer_steps": 6})
+    honest = run(swarm, 3, overrides={"diloco.outer_steps": 6}, slow=SLOW)
     loss, ref = attacked["history"][-1]["eval_loss"], honest["history"][-1]["eval_loss"]
     # (damage is a higher loss; lower is the honest work the attacker's own shard averaged while it owned one: -0.2 to
     # -1.4 % in runs here, as its eviction came a step earlier or later)

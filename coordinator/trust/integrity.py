@@ -72,10 +72,14 @@ class Integrity:
     _reported: set[tuple] = field(default_factory=set)
     _final: set[tuple[int, ...]] = field(default_factory=set)  # the coordinator's own audits, unruled
     _assigned: dict[tuple[int, ...], Audit] = field(default_factory=dict)  # audits in decided rounds
+    _picked: set[tuple] = field(default_factory=set)  # (*shard, owner, auditor) of every audit of a decided round
     _answered: set[tuple[int, ...]] = field(default_factory=set)  # ... whose auditor reported
     _vouched: dict[tuple[int, ...], set[str]] = field(default_factory=dict)  # shard -> picked auditors that said ok
     _oks: set[tuple] = field(default_factory=set)  # ok reports seen (each looked at once)
     _rechecks: set[tuple[int, ...]] = field(default_factory=set)  # an evicted owner's shards, audited by the coordinator
+    _lies: dict[tuple[int, ...], tuple[str, str]] = field(default_factory=dict)  # shard -> (owner, the result proven)
+    _oks_of: dict[tuple[int, ...], dict[str, str]] = field(default_factory=dict)  # shard -> picked auditor -> result
+    _colluders: list[Verdict] = field(default_factory=list)  # auditors that said ok to a proven lie, to evict
     _named: dict[str, dict[int, set[str]]] = field(default_factory=dict)  # owner -> step -> members complaining
     _said_short: set[tuple] = field(default_factory=set)  # short results the page was told of
 
@@ -94,6 +98,7 @@ class Integrity:
                                            step=rounds.committed + 1)
         audits = self.audits(rounds.rounds.get(rounds.committed), members)
         self._assigned.update({shard_key(a): a for a in audits})
+        self._picked.update((*shard_key(a), a.owner, a.auditor) for a in audits)
         return members, audits
 
     def audits(self, made: Round | None, members: Sequence[Member]) -> list[Audit]:
@@ -145,17 +150,16 @@ class Integrity:
                 key = (*shard_key(r), r.owner, rec.peer_id, r.verdict)
                 if r.verdict == "ok" and key not in self._oks:
                     self._oks.add(key)
-                    if (nxt := round_at(r.step + 1)) is not None and any(
-                            (*shard_key(a), a.owner, a.auditor) == key[:-1] for a in nxt.audits):
+                    if self._was_picked(r, rec.peer_id, round_at):
                         self._vouched.setdefault(shard_key(r), set()).add(rec.peer_id)
+                        self._oks_of.setdefault(shard_key(r), {})[rec.peer_id] = r.result
+                        if shard_key(r) in self._lies:  # (its ok came after the lie was proven)
+                            self._colluders += self._vouchers(shard_key(r))
                 if key in self._reported or r.verdict == "ok":
                     continue
                 self._reported.add(key)
-                made, assigned = round_at(r.step), round_at(r.step + 1)
-                picked = assigned is not None and any(
-                    (*shard_key(a), a.owner, a.auditor) == (*shard_key(r), r.owner, rec.peer_id)
-                    for a in assigned.audits)
-                if not picked or made is None:
+                made = round_at(r.step)
+                if not self._was_picked(r, rec.peer_id, round_at) or made is None:
                     continue  # nobody asked it: an accusation nobody can weigh is not acted on
                 if r.verdict == "unserved":
                     events.append((r.owner, f"did not show the inputs of its shard {r.shard} of step {r.step} to "
@@ -215,6 +219,15 @@ class Integrity:
                                   f"results short of the quorum) in {len(by_step)} of the last {COMPLAINT_STEPS} steps: "
                                   f"it owns no shard before step {until} (it still trains and contributes)")
 
+    def _was_picked(self, r: AuditReport, auditor: str, round_at: Callable[[int], Round | None]) -> bool:
+        """Was ``auditor`` picked to audit the shard ``r`` names? As a round this coordinator decided said (a rollback
+        may have replaced the round that carried the audit since), or the round of the step after as kept."""
+        if (*shard_key(r), r.owner, auditor) in self._picked:
+            return True
+        nxt = round_at(r.step + 1)
+        return nxt is not None and any((*shard_key(a), a.owner, a.auditor) == (*shard_key(r), r.owner, auditor)
+                                       for a in nxt.audits)
+
     def _omission(self, r: AuditReport, accuser: str, made: Round) -> tuple[str, str] | None:
         """A contributor says ``r.owner`` receipted its contribution and left it out of its signed result: to the
         verifier if both were members of that group and ``r.owner`` could sign that shard's result (its owner, or
@@ -257,7 +270,31 @@ class Integrity:
         return asked
 
     def verdicts(self) -> list[Verdict]:
-        return [self.verdict(r) for r in (self.verifier.results() if self.verifier is not None else [])]
+        """The verdicts of the rulings made since the last call, and after each proven lie the eviction of every picked
+        auditor that said ok to it (:meth:`_vouchers`)."""
+        out = []
+        for ruling in self.verifier.results() if self.verifier is not None else []:
+            v = self.verdict(ruling)
+            out.append(v)
+            if v.kind == "proven" and ruling.accusation.report.verdict != "omitted":
+                key = shard_key(ruling.accusation.report)
+                self._lies[key] = (v.evict, ruling.result)
+                out += self._vouchers(key)
+        out += self._colluders
+        self._colluders = []
+        return out
+
+    def _vouchers(self, key: tuple[int, ...]) -> list[Verdict]:
+        """Evictions of the picked auditors that said ok to the shard result ``key``, which is proven a lie: to that very
+        result, by its signature (an owner that signs two results may have shown an honest auditor the other).
+        Recomputing from the inputs its owner signed for is deterministic, and the inputs shown must be those the result
+        names by digest, so an honest auditor cannot say ok to it: it colluded with the owner (or did not audit at
+        all). Each is evicted once."""
+        (owner, proven), oks = self._lies[key], self._oks_of.pop(key, {})
+        step, shard = key[0], key[-1]
+        return [Verdict(p, 0, f"evicted: it audited shard {shard} of step {step} and said ok; that result is proven "
+                              f"false (its owner {short_id(owner)} evicted for it)", "evicted")
+                for p, result in sorted(oks.items()) if p != owner and proven and result == proven]
 
     def judge(self, revoke: Callable[[str], None], retract: Callable[[int, str], list],
               event: Callable[[str, str, str, bool], None]) -> list:
@@ -344,7 +381,10 @@ class Integrity:
         self._reported = {k for k in self._reported if k[0] >= cut}  # audits seen grew by each shard audited in the run)
         self._answered = {k for k in self._answered if k[0] >= cut}
         self._assigned = {k: a for k, a in self._assigned.items() if k[0] >= cut}
+        self._picked = {k for k in self._picked if k[0] >= cut}
         self._vouched = {k: v for k, v in self._vouched.items() if k[0] >= cut}
+        self._lies = {k: v for k, v in self._lies.items() if k[0] >= cut}
+        self._oks_of = {k: v for k, v in self._oks_of.items() if k[0] >= cut}
         self._oks = {k for k in self._oks if k[0] >= cut}
         self._rechecks = {k for k in self._rechecks if k[0] >= cut}
 

@@ -50,6 +50,7 @@ class Ruling:
     accusation: Accusation
     verdict: str  # lie | false | unverifiable
     detail: str
+    result: str = ""  # the signature (hex) of the result ruled on
 
 
 class Verifier:
@@ -114,8 +115,9 @@ class Verifier:
             if claim.result.signer != r.owner:
                 return Ruling(acc, "unverifiable", f"the result held is signed by {short_id(claim.result.signer)}, "
                               f"not by the accused {short_id(r.owner)}")
-            return Ruling(acc, "lie", lie) if lie else Ruling(acc, "false", "its result is the average of its signed "
-                                                                            "inputs")
+            signed = claim.result.signature.hex()
+            return (Ruling(acc, "lie", lie, signed) if lie else
+                    Ruling(acc, "false", "its result is the average of its signed inputs", signed))
         return Ruling(acc, "unverifiable", "no holder served the evidence (" + "; ".join(failures)[:300] + ")")
 
     def rule_omission(self, acc: Accusation) -> Ruling:

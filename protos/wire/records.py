@@ -232,6 +232,8 @@ class AuditReport(ShardOf):
     The last two are complaints, not proofs: an owner named in several steps by several members loses ownership."""
 
     verdict: Literal["ok", "lie", "unserved", "omitted", "unreceipted", "short"]
+    result: str = Field("", max_length=HASH_LEN, description="an audit's: the signature (hex) of the result it judged "
+                        "(an ok to one result says nothing of another its owner signed)")
     reason: str = Field("", max_length=TEXT_LEN)
     t: float = 0.0
 
