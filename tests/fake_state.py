@@ -96,6 +96,7 @@ def make_state(
             "tokens_total": rng.randint(10**5, 10**8),
             "bytes_sent": sent,
             "bytes_received": {k: int(v * rng.uniform(0.9, 1.1)) for k, v in sent.items()},
+            "send_bps": float(sum(sent.values()) // 3600), "peak_send_bps": float(sum(sent.values()) // 60),
             "last_seen_s": seen, "software": "potluck 0.1.0", "state_hash": f"{rng.getrandbits(64):016x}",
             "compute_s": round(rng.uniform(100, 1000), 2), "sync_s": round(rng.uniform(5, 60), 2), "hidden_s": 0.0, "relayed": False, "error": "",
             "round_steps": rng.randint(1, 50), "step_s": round(rng.uniform(0.05, 2.0), 3),

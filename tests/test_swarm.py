@@ -6,6 +6,7 @@ import math
 import os
 import signal
 import time
+import urllib.request
 
 import pytest
 from swarm import alarming
@@ -19,7 +20,7 @@ def hashes_agree(state: dict) -> list[int]:
 
 
 def test_three_peers_train_and_stay_identical(swarm) -> None:  # type: ignore[no-untyped-def]
-    swarm.start_coordinator({"diloco.outer_steps": 8, "diloco.inner_steps": 15, "membership.min_peers": 3})
+    ready = swarm.start_coordinator({"diloco.outer_steps": 8, "diloco.inner_steps": 15, "membership.min_peers": 3})
     for _ in range(3):
         swarm.start_peer()
     state = swarm.wait_state(
@@ -40,6 +41,13 @@ def test_three_peers_train_and_stay_identical(swarm) -> None:  # type: ignore[no
     # int8 all-reduce: about a quarter of what fp32 would have sent
     sent, fp32 = sum(h["bytes"]["outer"] for h in hist), sum(h["bytes_fp32"]["outer"] for h in hist)
     assert 0 < sent < 0.3 * fp32
+    # each peer's uplink: its peak second carried some of what it sent, at least its recent mean (issue 48)
+    rows = [p for p in state["peers"] if p["id"] in state["history"][-1]["state_hashes"]]
+    assert len(rows) == 3
+    assert all(0 < p["peak_send_bps"] <= sum(p["bytes_sent"].values()) and p["send_bps"] <= p["peak_send_bps"]
+               for p in rows), [(p["send_bps"], p["peak_send_bps"], p["bytes_sent"]) for p in rows]
+    metrics = urllib.request.urlopen(ready["status_url"].rstrip("/") + "/metrics", timeout=10).read().decode()
+    assert all(f'potluck_peer_peak_send_bytes_per_second{{peer="{p["id"]}"}}' in metrics for p in rows)
     for proc in swarm.peers:
         proc.wait(timeout=60)
         assert proc.returncode == 0

@@ -184,6 +184,8 @@ def _peer_families(peers: list[Mapping[str, Any]]) -> list[Family]:
     memory = Family("potluck_peer_memory_bytes", "gauge", "accelerator memory of the peer (0 on CPU)")
     sent = Family("potluck_peer_bytes_sent_total", "counter", "bytes the peer has sent, by kind")
     received = Family("potluck_peer_bytes_received_total", "counter", "bytes the peer has received, by kind")
+    rate = Family("potluck_peer_send_bytes_per_second", "gauge", "bytes per second the peer sent over its last 10 s")
+    peak = Family("potluck_peer_peak_send_bytes_per_second", "gauge", "the most bytes the peer sent in one second")
     compute = Family("potluck_peer_compute_seconds_total", "counter", "seconds the peer spent in inner steps")
     sync = Family("potluck_peer_sync_seconds_total", "counter", "seconds the peer spent in outer steps")
     clipped = Family("potluck_peer_clipped_total", "counter", "outer steps in which an owner clipped the peer's update")
@@ -210,12 +212,14 @@ def _peer_families(peers: list[Mapping[str, Any]]) -> list[Family]:
             sent.add(n, peer=pid, kind=kind)
         for kind, n in sorted((p.get("bytes_received") or {}).items()):
             received.add(n, peer=pid, kind=kind)
+        rate.add(p.get("send_bps"), peer=pid)
+        peak.add(p.get("peak_send_bps"), peer=pid)
         compute.add(p.get("compute_s"), peer=pid)
         sync.add(p.get("sync_s"), peer=pid)
         clipped.add(p.get("clipped", 0), peer=pid)
         rejected.add(p.get("rejected", 0), peer=pid)
-    return [info, seen, version, inner, tps, steps, step_s, share, slow, tokens, loss, memory, sent, received, compute,
-            sync, clipped, rejected]
+    return [info, seen, version, inner, tps, steps, step_s, share, slow, tokens, loss, memory, sent, received, rate, peak,
+            compute, sync, clipped, rejected]
 
 
 def _link_families(links: Mapping[str, Any]) -> list[Family]:

@@ -168,7 +168,8 @@ def _row(r: PeerRecord, view: PeerView, tasklet: dict[str, int] | None) -> dict[
         "address": r.address, "device": r.device, "device_name": r.device_name, "memory_gb": r.memory_gb,
         "tasklet": tasklet, "version": r.version, "inner_step": r.inner_step, "loss": r.loss,
         "eval_loss": r.eval_loss, "tokens_per_s": r.tokens_per_s, "tokens_total": r.tokens_total,
-        "bytes_sent": r.bytes_sent, "bytes_received": r.bytes_received,
+        "bytes_sent": r.bytes_sent, "bytes_received": r.bytes_received, "send_bps": r.send_bps,
+        "peak_send_bps": r.peak_send_bps,
         "last_seen_s": None, "software": r.software, "state_hash": r.state_hash,
         "compute_s": r.compute_s, "sync_s": r.sync_s, "hidden_s": r.hidden_s, "relayed": VIA in r.address,
         "clipped": 0, "rejected": 0, "round_steps": r.round_steps, "step_s": r.step_s, "window_s": r.window_s,
@@ -321,7 +322,8 @@ def build(run: RunInfo, cfg: RunConfig, views: Sequence[PeerView], rounds: Round
         # a finished run keeps showing the links its peers measured last
         "links": links_state(links, peers),
         "events": list(events)[-200:],
-        "config": {"heartbeat_timeout_s": cfg.membership.heartbeat_timeout_s, "heartbeat_s": cfg.membership.heartbeat_s},
+        "config": {"heartbeat_timeout_s": cfg.membership.heartbeat_timeout_s, "heartbeat_s": cfg.membership.heartbeat_s,
+                   "outer_codec": cfg.sync.codec, "inner_steps": cfg.diloco.inner_steps},
         "coordinator": health or Health().section({}, len(views)),
         "_peers": peers,
     }

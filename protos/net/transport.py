@@ -69,18 +69,48 @@ CHANNEL_OPTIONS = [
 ]
 
 
-class Traffic:
-    """Thread-safe byte counters by kind (``outer``, ``state``, ``probe``, ...) and direction."""
+RATE_WINDOWS = 10  # the send rate is the mean of this many whole seconds
 
-    def __init__(self) -> None:
+
+class Traffic:
+    """Thread-safe byte counters by kind (``outer``, ``state``, ``probe``, ...) and direction, and the send rate:
+    bytes sent in each whole second of ``clock`` (all kinds together: one uplink carries them all), its mean over the
+    last :data:`RATE_WINDOWS` seconds and its peak second since the start (what a volunteer's uplink must carry at
+    once: an outer step sends its bytes in a burst every H inner steps)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._lock = threading.Lock()
         self.sent: dict[str, int] = defaultdict(int)
         self.received: dict[str, int] = defaultdict(int)
         self.rejected: dict[str, int] = defaultdict(int)
+        self._clock = clock
+        self._second = int(clock())  # the second being counted, its bytes, the whole seconds before it
+        self._in_second = 0
+        self._seconds: list[int] = []
+        self._peak = 0
+
+    def _roll(self) -> None:
+        """(Under the lock) close the seconds that have passed since the last send."""
+        now = int(self._clock())
+        if now == self._second:
+            return
+        self._peak = max(self._peak, self._in_second)
+        self._seconds = (self._seconds + [self._in_second] + [0] * min(now - self._second - 1, RATE_WINDOWS))[
+            -RATE_WINDOWS:]
+        self._second, self._in_second = now, 0
 
     def add_sent(self, kind: str, n: int) -> None:
         with self._lock:
             self.sent[kind] += n
+            self._roll()
+            self._in_second += n
+
+    def send_rate(self) -> tuple[float, float]:
+        """Bytes per second sent: the mean over the last :data:`RATE_WINDOWS` whole seconds (fewer since the start),
+        and the peak of any whole second since the start."""
+        with self._lock:
+            self._roll()
+            return (sum(self._seconds) / len(self._seconds) if self._seconds else 0.0), float(self._peak)
 
     def add_received(self, kind: str, n: int) -> None:
         with self._lock:

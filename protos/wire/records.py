@@ -138,6 +138,9 @@ class PeerRecord(Record):
     bytes_received: dict[str, int] = Field(default_factory=dict, max_length=16)
     last_outer_s: float = Field(0.0, ge=0, description="wall time of this peer's last outer step")
     last_outer_bytes: int = Field(0, ge=0, description="bytes this peer sent in its last outer all-reduce")
+    send_bps: float = Field(0.0, ge=0, description="bytes per second it sent, all kinds, over its last 10 s")
+    peak_send_bps: float = Field(0.0, ge=0, description="the most bytes it sent in one second since it started: what "
+                                 "its uplink must carry at once")
     compute_s: float = Field(0.0, ge=0, description="total seconds spent in inner steps")
     sync_s: float = Field(0.0, ge=0, description="total seconds the training loop spent in outer steps (network and "
                           "waiting)")

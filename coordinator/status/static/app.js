@@ -418,7 +418,11 @@
     { key: "loss", label: "loss", cls: "num", value: (p) => (p.loss === null ? Infinity : p.loss), text: (p) => num(p.loss, 3) },
     { key: "bytes", label: "sent / received", cls: "num", value: (p) => sumValues(p.bytes_sent),
       text: (p) => bytes(sumValues(p.bytes_sent)) + " / " + bytes(sumValues(p.bytes_received)),
-      title: (p) => "sent: " + byKind(p.bytes_sent) + "\nreceived: " + byKind(p.bytes_received) },
+      title: (p) => "sent: " + byKind(p.bytes_sent) + "\nreceived: " + byKind(p.bytes_received) +
+        "\nsending " + bytes(p.send_bps || 0) + "/s over the last 10 s; peak " + bytes(p.peak_send_bps || 0) + "/s" },
+    { key: "peak_send", label: "peak uplink", cls: "num", value: (p) => p.peak_send_bps || 0,
+      text: (p) => bytes(p.peak_send_bps || 0) + "/s",
+      title: (p) => "the most it sent in one second since it started (now " + bytes(p.send_bps || 0) + "/s over 10 s)" },
     { key: "relayed", label: "reached", value: (p) => (p.relayed ? relayBytes(p) : -1),
       text: (p) => (p.relayed ? "relayed · " + bytes(relayBytes(p)) : "direct"),
       title: (p) => (p.relayed ? "accepts no connections (behind a NAT): its traffic crosses the coordinator's relay, " +
