@@ -42,8 +42,8 @@ def tensorboard_texts(folder: Path) -> dict[str, list[tuple[int, str]]]:
 
 
 def wandb_records(folder: Path) -> list[dict[str, Any]]:
-    """The records of the one offline run under ``folder`` (W&B's ``dir``)."""
-    logs = sorted(folder.glob("wandb/offline-run-*/run-*.wandb"))
+    """The records of the one offline run in ``folder`` (``wandb`` of W&B's ``dir``)."""
+    logs = sorted(folder.glob("offline-run-*/run-*.wandb"))
     assert len(logs) == 1, f"one offline W&B run expected under {folder}: {logs}"
     exe = Path(sys.executable).parent / "wandb"
     done = subprocess.run([str(exe), "leet", "inspect", "--json", str(logs[0])], capture_output=True, text=True,

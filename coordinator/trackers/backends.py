@@ -25,7 +25,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,7 @@ class TrackerError(RuntimeError):
     """A tracker that could not start: the run is not started (the message names the tracker and the fix)."""
 
 
-def missing(names: list[str]) -> list[str]:
+def missing(names: Sequence[str]) -> list[str]:
     """The trackers of ``names`` whose library is not installed."""
     return [n for n in names if importlib.util.find_spec(MODULES[n]) is None]
 
@@ -110,10 +110,10 @@ class WandB(Tracker):
 
     def open(self, config: dict[str, Any], step: int) -> None:
         self.wandb = importlib.import_module("wandb")
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder.parent.mkdir(parents=True, exist_ok=True)  # (W&B keeps its runs in a folder "wandb" of ``dir``)
         settings = self.wandb.Settings(console="off", disable_git=True, disable_code=True, quiet=True)
         self.run = self.wandb.init(project=self.project, name=self.run_name, id=wandb_id(self.run_id),
-                                   dir=str(self.folder), resume="allow", settings=settings)
+                                   dir=str(self.folder.parent), resume="allow", settings=settings)
         self.run.config.update(config, allow_val_change=True)  # (a resumed run's: the config it runs with now)
         self.run.define_metric("outer_step")
         self.run.define_metric("*", step_metric="outer_step")  # (a step trained again after a rollback goes back)
