@@ -16,4 +16,5 @@ and its rooms, each with a map of its own:
 - ``store``: What the coordinator keeps on disk: its journal, and the run's checkpoints (fetched, written, served)
 - ``swarm``: How the coordinator meets the swarm: what it reads from the DHT, who is there, what it publishes, what it answers and pings over gRPC
 - ``status``: The run's status for people and scrapers: the snapshot, the HTTP(S) server and its page, the JSON API, /metrics, and ``potluck status``
+- ``trackers``: The run in experiment trackers (TensorBoard, Weights & Biases, MLflow): what the status page shows, logged once per committed outer step, off the coordinator's loop
 """

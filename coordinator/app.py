@@ -7,10 +7,10 @@ It is not on the data path (peers keep training on the last plan while it is awa
                 place and decide the next round when due    (placement off the loop)
     decide      what to do about it, as values             (decisions.decide: pure)
     carry out   journal saves (written off the loop), plans put in the DHT, checkpoints asked for, log lines
-    then        rebuild the status snapshot
+    then        rebuild the status snapshot, and hand its new points to the experiment trackers (never waiting)
 
-The checkpointer, the placement worker, the pinger and the journal writer run on threads of their own; this loop
-alone applies their results."""
+The checkpointer, the placement worker, the pinger, the journal writer and the trackers run on threads of their own;
+this loop alone applies their results."""
 
 from __future__ import annotations
 
@@ -39,6 +39,8 @@ from potluck.coordinator.swarm.pings import Waiting
 from potluck.coordinator.swarm.publisher import Publisher
 from potluck.coordinator.swarm.reader import Reader
 from potluck.coordinator.swarm.service import IDLE_CONNECTION_S, CoordinatorService, Pinger
+from potluck.coordinator.trackers.backends import TrackerError
+from potluck.coordinator.trackers.feed import Trackers
 from potluck.coordinator.trust.admission import Gatekeeper
 from potluck.coordinator.trust.integrity import Integrity
 from potluck.protos.config.runconfig import CoordinatorConfig, RunConfig
@@ -88,6 +90,7 @@ class Coordinator:
         self.status: StatusServer | None = None
         self.info = RunInfo(self.run_id, self.id, "", "", time.time(), self.state.finished)
         self._snapshot = dict[str, Any]()
+        self.trackers = Trackers(cfg, self.run_id)  # (opened at the start; fed each snapshot, off the loop)
         self.loop = decisions.LoopState(decisions.Rules(cfg.diloco.outer_steps, c.checkpoint_every))
         set_context(role="coordinator", peer_id=self.id)
 
@@ -107,7 +110,7 @@ class Coordinator:
                 self._wake.wait(max(0.0, self.cfg.coordinator.tick_s - (time.monotonic() - t0)))  # (or a decision's
                 self._wake.clear()  # pings are in: it is decided at once, not up to a tick later)
             return 0
-        except (ConfigError, JournalError, CannotBind, JoinError) as err:
+        except (ConfigError, JournalError, CannotBind, JoinError, TrackerError) as err:
             log.error("%s", err)
             return 2
         finally:
@@ -117,6 +120,7 @@ class Coordinator:
 
     def start(self) -> None:
         s = self.state
+        self.trackers.start(s.committed, s.epoch)  # (first: a tracker that cannot start leaves nothing started)
         c = bootstrap.kept_ports(self.cfg.coordinator, s)  # (where it listened before: its join address survives)
         try:
             self._serve(c)
@@ -159,7 +163,7 @@ class Coordinator:
             self._save()  # the history's latest figures, on a clean shutdown
         except OSError as err:
             log.warning("could not save the journal on shutdown: %s", err)
-        stop_each((self.writer.stop, self.status.stop if self.status else None, self.grpc.stop if self.grpc else None,
+        stop_each((partial(self.trackers.close, self._snapshot, time.monotonic()), self.writer.stop, self.status.stop if self.status else None, self.grpc.stop if self.grpc else None,
                    self.checkpointer.stop, self.placement.stop, self.integrity.stop, self.client.close,
                    self.node and self.node.shutdown), "stopping the coordinator")
 
@@ -181,6 +185,7 @@ class Coordinator:
                                    self.state.rolled_back, self.events, self.series, self.reader.links.records,
                                    health=self.health.section(self.reader.stats(), len(self.table.peers)))
             self.health.snapshot_built(now)
+            self.trackers.offer(self._snapshot, now)
 
     def _gather(self, now: float, began: float) -> decisions.Inputs:
         """What happened since the tick before: the peers' records read and folded into the membership, the audits

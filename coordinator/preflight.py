@@ -4,7 +4,8 @@
 or gRPC load and before its journal directory is touched, so a run that cannot work is refused in one
 line in well under a second: a corpus its peers could not train on (:func:`~potluck.protos.config.runcheck.check_run`),
 a model no peer could hold (:mod:`~potluck.models.sizecheck`), a journal directory that holds
-another run (:func:`~potluck.coordinator.store.journal.changed_sections`). The coordinator runs it again when
+another run (:func:`~potluck.coordinator.store.journal.changed_sections`), a tracker whose library is not
+installed (:func:`~potluck.coordinator.trackers.backends.missing`). The coordinator runs it again when
 it opens the run (:func:`potluck.coordinator.bootstrap.open_journal`), where it logs what it found.
 """
 
@@ -14,9 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from potluck.coordinator.store.journal import changed_sections, read_journal
+from potluck.coordinator.trackers.backends import missing
 from potluck.models import sizecheck
 from potluck.protos.config.runcheck import check_run
 from potluck.protos.config.runconfig import RunConfig
+from potluck.protos.config.section import ConfigError
 
 
 @dataclass
@@ -31,6 +34,10 @@ class Checked:
 def preflight(cfg: RunConfig) -> Checked:
     """Refuse (ConfigError or JournalError, one line naming the fix) a run that cannot work; writes nothing."""
     notes = check_run(cfg).notes
+    if absent := missing(cfg.coordinator.trackers):
+        extras = ",".join(absent)
+        raise ConfigError(f"coordinator.trackers names {', '.join(absent)}, not installed here: pip install "
+                          f"'potluck[{extras}]' (or leave {'them' if len(absent) > 1 else 'it'} out)")
     estimate = sizecheck.check_size(cfg)
     state = read_journal(cfg.coordinator.journal_dir)
     if state is not None:

@@ -94,7 +94,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         for k, v in (("host", args.host), ("dht_port", args.dht_port), ("status_port", args.status_port),
                      ("grpc_port", args.grpc_port), ("journal_dir", args.journal_dir), ("announce_host", args.announce_host),
                      ("status_tls", args.status_tls), ("status_tls_cert", args.status_tls_cert),
-                     ("status_tls_key", args.status_tls_key))
+                     ("status_tls_key", args.status_tls_key), ("trackers", args.tracker))
         if v is not None
     }
     if args.status_tls is None and (args.status_tls_cert or args.status_tls_key):
@@ -308,6 +308,9 @@ def _add_coordinator(sub: Any) -> None:
     c.add_argument("--status-tls-key", metavar="FILE", help="PEM private key of --status-tls-cert")
     c.add_argument("--insecure", action="store_true", help="plaintext gRPC between peers, no certificates: local "
                    "experiments only (the status page says so)")
+    c.add_argument("--tracker", action="append", choices=("tensorboard", "wandb", "mlflow"), metavar="NAME",
+                   help="also log the run to this experiment tracker: tensorboard, wandb or mlflow (again for "
+                   "another; each an extra: pip install 'potluck[wandb]'); coordinator.trackers in the run file")
     c.add_argument("--exit-when-finished", action="store_true", help="exit once all outer steps are committed")
     c.add_argument("--ready-file", metavar="FILE", help="write a JSON file with the join address once serving")
     c.set_defaults(fn=cmd_coordinator)

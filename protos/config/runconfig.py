@@ -306,6 +306,29 @@ class CoordinatorConfig(Section):
     status_tls_cert: str | None = Field(
         None, description="PEM certificate of the status page, its chain after it (status_tls = 'files')")
     status_tls_key: str | None = Field(None, description="PEM private key of status_tls_cert (status_tls = 'files')")
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=list, description="experiment trackers the run is logged to, each an extra to install "
+        "(pip install 'potluck[wandb]'): 'tensorboard', 'wandb', 'mlflow'. Once per committed outer step (its "
+        "losses, tokens/s, tokens trained, live peers, bytes by kind, outer-step time), the run's config once, "
+        "rollbacks and evictions as events; written off the coordinator's loop (a list, or 'a,b' on --set)")
+    tracker_dir: str = Field("", description="the trackers' local files (TensorBoard's event files, W&B's run "
+                             "folder, MLflow's file store when MLFLOW_TRACKING_URI is unset); '' = journal_dir/trackers")
+    tracker_project: str = Field("potluck", min_length=1, description="the W&B project and the MLflow experiment "
+                                 "the run is logged to")
+    tracker_run_name: str = Field("", description="the run's name in the trackers; '' = the run id")
+
+    @field_validator("trackers", mode="before")
+    @classmethod
+    def _tracker_list(cls, v: Any) -> Any:
+        """``--set coordinator.trackers=tensorboard,wandb`` (a string) is the list it names."""
+        return [t.strip() for t in v.split(",") if t.strip()] if isinstance(v, str) else v
+
+    @field_validator("trackers")
+    @classmethod
+    def _trackers_once(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"{v}: each tracker is named once")
+        return v
 
     @model_validator(mode="after")
     def _status_tls_files(self) -> CoordinatorConfig:
