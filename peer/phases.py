@@ -40,7 +40,8 @@ class InnerPhases:
     def heard(self, request: pb.PingRequest) -> None:
         """A ping: from a member of this round that says it trained its whole phase, the window ends now."""
         if request.finished:
-            self.pace.finished(request.header.step, request.header.sender, request.send_s, time.monotonic())
+            self.pace.finished(request.header.step, request.header.sender, request.send_s, time.monotonic(),
+                               request.phase_s)
 
     def run(self, tasklet: Tasklet, rnd: Round, step: int, replica: int, stopping: threading.Event,
             on_step: Callable[[int, float, float], None]) -> InnerPhase:
@@ -57,7 +58,7 @@ class InnerPhases:
             log.warning("replica %d stalled at inner step %d: %s; contributing nothing to outer step %d",
                         replica, phase.steps, phase.stalled, step)
         elif windowed and phase.why is Why.DONE and phase.steps >= self.rc.diloco.inner_steps and cohort:
-            self._say_finished(tasklet, rnd, step)
+            self._say_finished(tasklet, rnd, step, phase.seconds)
         if phase.steps == 0 and phase.why is Why.WINDOW and not phase.interrupted:
             advice = too_slow_advice(ended.step_s or 0.0, ended.window_s or 0.0, self.rc.train.batch_size,
                                      self.rc.pipeline.stages)
@@ -68,9 +69,9 @@ class InnerPhases:
             self.telemetry.too_slow = ""
         return phase
 
-    def _say_finished(self, tasklet: Tasklet, rnd: Round, step: int) -> None:
-        """Tell the members this one averages with that it trained its whole phase."""
+    def _say_finished(self, tasklet: Tasklet, rnd: Round, step: int, phase_s: float) -> None:
+        """Tell the members this one averages with that it trained its whole phase, in ``phase_s`` seconds."""
         request = pb.PingRequest(header=pb.Header(run_id=self.rc.run_id, sender=self.me, step=step, epoch=rnd.epoch),
-                                 sent_at=time.time(), finished=True, send_s=self.pace.send_s())
+                                 sent_at=time.time(), finished=True, send_s=self.pace.send_s(), phase_s=phase_s)
         targets = [(m.address, m.peer_id) for m in rnd.cohort(self.me) if m.peer_id != self.me]
         tasklet.tools.client.ping_each(targets, request, FINISHED_PING_S, lambda peer, ok: None)

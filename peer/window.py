@@ -103,6 +103,7 @@ class Pace:
         self._cap = 0
         self._signal: float | None = None  # when (since the phase began) a member of the round finished its phase
         self._their_send_s = 0.0  # and how long that member's contribution took to send, the round before
+        self._their_phase_s = 0.0  # and how long that member's phase took, on its own clock (the window's length)
         self._send_s = 0.0  # how long this member's own contributions took to send, the round before
         self._expect: float | None = None  # where this phase's window ends: from the round before
         self._aligned = False  # this phase began when the step before committed, as its cohort's did
@@ -122,7 +123,7 @@ class Pace:
             if self._signal is not None and step == self._step + 1 and self._aligned:
                 # (a slower uplink stops earlier, by at most half the window: with phases shorter than a send, as an
                 # overlapped run of a tiny model has, the difference made the window 0 s and the member "too slow")
-                self._expect = max(0.5 * self._signal, self._signal + self._their_send_s - self._send_s)
+                self._expect = max(0.5 * self._their_phase_s, self._their_phase_s + self._their_send_s - self._send_s)
             elif step != self._step:
                 self._expect = None  # (a gap, or a first phase: its timing says nothing of this one)
             self._aligned = step == self._step + 1  # (phases after a commit begin together: the members commit it together)
@@ -174,13 +175,18 @@ class Pace:
 
     # ------------------------------------------------------------------ the ping handler's thread
 
-    def finished(self, step: int, sender: str, send_s: float, now: float) -> bool:
-        """``sender`` says it trained its whole phase of ``step`` (its contributions took ``send_s`` to send the
-        round before). The first such word of a member of this round marks the window's end; True if it did."""
+    def finished(self, step: int, sender: str, send_s: float, now: float, phase_s: float = 0.0) -> bool:
+        """``sender`` says it trained its whole phase of ``step``, in ``phase_s`` seconds of its own (0: it did not say;
+        an older version), its contributions taking ``send_s`` to send the round before. The first such word of a
+        member of this round ends this phase at its next step; the next phase's window is ``phase_s`` long, not the
+        time the word took to come since this member's own phase began (the members' starts are skewed by their
+        commits' landing: with phases of tens of milliseconds the skew made the window ~0 s, and a member "too slow").
+        True if it marked the window."""
         with self._lock:
             if step != self._step or sender not in self._cohort or self._signal is not None:
                 return False
             self._signal, self._their_send_s = max(0.0, now - self._started), max(0.0, send_s)
+            self._their_phase_s = phase_s if phase_s > 0 else self._signal
             return True
 
     # ------------------------------------------------------------------ inside

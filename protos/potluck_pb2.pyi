@@ -91,7 +91,7 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., codec: _Optional[str] = ..., scales: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., bits: _Optional[int] = ...) -> None: ...
 
 class PingRequest(_message.Message):
-    __slots__ = ("header", "sent_at", "padding", "reply_bytes", "finished", "send_s", "abstain")
+    __slots__ = ("header", "sent_at", "padding", "reply_bytes", "finished", "send_s", "abstain", "phase_s")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     SENT_AT_FIELD_NUMBER: _ClassVar[int]
     PADDING_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class PingRequest(_message.Message):
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     SEND_S_FIELD_NUMBER: _ClassVar[int]
     ABSTAIN_FIELD_NUMBER: _ClassVar[int]
+    PHASE_S_FIELD_NUMBER: _ClassVar[int]
     header: Header
     sent_at: float
     padding: bytes
@@ -106,7 +107,8 @@ class PingRequest(_message.Message):
     finished: bool
     send_s: float
     abstain: bool
-    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., sent_at: _Optional[float] = ..., padding: _Optional[bytes] = ..., reply_bytes: _Optional[int] = ..., finished: _Optional[bool] = ..., send_s: _Optional[float] = ..., abstain: _Optional[bool] = ...) -> None: ...
+    phase_s: float
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., sent_at: _Optional[float] = ..., padding: _Optional[bytes] = ..., reply_bytes: _Optional[int] = ..., finished: _Optional[bool] = ..., send_s: _Optional[float] = ..., abstain: _Optional[bool] = ..., phase_s: _Optional[float] = ...) -> None: ...
 
 class PingReply(_message.Message):
     __slots__ = ("peer_id", "state", "version", "inner_step", "eta_s", "sent_at", "padding", "epoch")

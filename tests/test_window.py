@@ -77,6 +77,36 @@ def test_a_send_longer_than_the_window_shortens_it_by_half_at_most() -> None:
     assert p.end(0, None).window_s == pytest.approx(0.025)
 
 
+def test_the_window_is_the_finishers_own_phase_not_when_its_word_came() -> None:
+    """Tiny phases (15 steps of 3 ms: 50 ms) and a member whose phase began 40 ms after the finisher's (its commit
+    landed later: a relay's latency, an overlapped step): the word comes 10 ms into its own phase. Timed from there,
+    the next window was 10 ms and the member "too slow (window 0.00 s)" in every round (the full suite's relay and
+    overlap tests once); the finisher says its phase took 50 ms, and that is the window. An older finisher that says
+    nothing (phase_s 0) leaves the rule as it was."""
+    p = Pace()
+    p.begin(1, frozenset({"fast"}), cap=15, now=0.0)
+    p.end(0, None)
+    p.begin(2, frozenset({"fast"}), cap=15, now=10.0)
+    p.stepped(0.003)
+    p.stepped(0.003)
+    assert p.finished(2, "fast", send_s=0.0, now=10.01, phase_s=0.05)
+    assert p.next(1, 10.01) is Why.SIGNALLED
+    p.end(1, Why.SIGNALLED)
+    p.begin(3, frozenset({"fast"}), cap=15, now=20.0)
+    for k in range(10):
+        assert p.next(k, 20.0 + 0.003 * k) is None, k
+        p.stepped(0.003)
+    assert p.end(10, None).window_s == pytest.approx(0.05)
+    old = Pace()
+    old.begin(1, frozenset({"fast"}), cap=15, now=0.0)
+    old.end(0, None)
+    old.begin(2, frozenset({"fast"}), cap=15, now=10.0)
+    assert old.finished(2, "fast", send_s=0.0, now=10.01)
+    old.end(0, Why.SIGNALLED)
+    old.begin(3, frozenset({"fast"}), cap=15, now=20.0)
+    assert old.end(0, None).window_s == pytest.approx(0.01)
+
+
 def test_a_first_phase_teaches_no_window() -> None:
     """A member's first phase begins whenever its round reached it (here 15 s after the fast one's): the fast one's
     word, 5 s into it, says nothing of how long a round is, so the next phase has no window to stop at and a slow
