@@ -228,3 +228,20 @@ def test_recompute_is_deterministic_and_is_the_owners_encoding() -> None:
     b = recompute(dict(reversed(list(contributions.items()))), 5000, codec, 4096, "shard0", 4.0, -0.1)
     assert a == b and len(a.digests) == 1 + 5000 // 8192
     assert a.contributors == sorted(contributions)
+
+
+def test_config_takes_int4_with_its_own_block_by_default() -> None:
+    from potluck.compression.int4 import DEFAULT_BLOCK
+    from potluck.protos.config.files import ConfigError, apply_overrides, parse_config
+    from potluck.protos.config.runconfig import INT4_BLOCK_SIZE, RunConfig
+
+    assert INT4_BLOCK_SIZE == DEFAULT_BLOCK
+    cfg = apply_overrides(RunConfig(), {"sync.codec": "int4"})
+    assert (cfg.sync.codec, cfg.sync.block_size) == ("int4", 128)
+    assert cfg.model_dump(exclude_unset=True)["sync"]["block_size"] == 128  # set, so it travels as is
+    assert parse_config({"sync": {"codec": "int4", "block_size": 2048}}, source="x").sync.block_size == 2048
+    assert RunConfig().sync.block_size == 2048 and RunConfig().sync.codec == "int8"
+    with pytest.raises(ConfigError, match="block_size must be even"):
+        apply_overrides(RunConfig(), {"sync.codec": "int4", "sync.block_size": 1001})
+    codec = make_codec(cfg.sync.codec, cfg.sync.block_size)
+    assert isinstance(codec, Int4BlockCodec) and codec.block_size == 128
