@@ -139,6 +139,8 @@ def main() -> None:
         "baseline": f"{base['codec']}:{base['block_size']}", "parameters": d.numel(),
         "targets": {"bytes_ratio": 0.55, "loss_ratio": 1.01},
         "variants": {f"{r['codec']}:{r['block_size']}": r for r in results},
+        "int4_rel_error_by_block": {b: {"rel_error": round(rel_error("int4", b, d), 5), "bytes_per_element": 0.5 + 4 / b}
+                                    for b in (32, 64, 128, 256, 512, 2048)},
     }))
     sys.stdout.flush()
 
