@@ -7,10 +7,12 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
 from potluck.compression.aggregate import recompute
 from potluck.compression.int4 import Int4BlockCodec
-from potluck.compression.int8 import CodecError, Encoded, Int8BlockCodec, make_codec
+from potluck.compression.int8 import MAX_ABS, CodecError, Encoded, Int8BlockCodec, make_codec
 from potluck.compression.stream import Assembler, chunk_elements, encode_chunks
 from potluck.kernels.quant import pack_bits, quantize_rows
 from potluck.peer.allreduce import shard_bounds
@@ -245,3 +247,32 @@ def test_config_takes_int4_with_its_own_block_by_default() -> None:
         apply_overrides(RunConfig(), {"sync.codec": "int4", "sync.block_size": 1001})
     codec = make_codec(cfg.sync.codec, cfg.sync.block_size)
     assert isinstance(codec, Int4BlockCodec) and codec.block_size == 128
+
+
+CODE_BYTE = st.builds(lambda lo, hi: lo | hi << 4, st.integers(0, 14), st.integers(0, 14))
+ANY_SCALE = st.one_of(st.floats(0, 1e4, width=32), st.floats(width=32))
+
+
+@settings(max_examples=300, deadline=None)
+@given(numel=st.integers(-1, 70), data=st.data())
+def test_any_message_decodes_to_bounded_finite_values_or_is_refused(numel: int, data: st.DataObject) -> None:
+    """Messages of the right sizes (mostly), bytes mostly of codes, scales of any float32: refused (and nothing
+    written), or decoded to finite values within MAX_ABS, each its nibble minus 7 times its block's scale."""
+    nbytes, nblocks = (max(numel, 0) + 1) // 2, -(-max(numel, 0) // 16)
+    payload = bytes(data.draw(st.lists(st.one_of(CODE_BYTE, st.integers(0, 255)), min_size=nbytes,
+                                       max_size=nbytes + data.draw(st.sampled_from([0, 0, 0, 1])))))
+    scales = np.array(data.draw(st.lists(ANY_SCALE, min_size=nblocks, max_size=nblocks)), np.float32).tobytes()
+    codec = Int4BlockCodec(16)
+    out = torch.full((max(numel, 0),), 7.0)
+    try:
+        codec.decode_into(Encoded("int4", numel, payload, scales, 4), out)
+    except CodecError:
+        event("refused")
+        assert bool((out == 7.0).all())  # refused: nothing written
+        return
+    event("decoded")
+    assert bool(torch.isfinite(out).all()) and (not out.numel() or float(out.abs().max()) <= MAX_ABS)
+    nibbles = [b >> shift & 15 for b in payload for shift in (0, 4)][:numel]
+    per_element = np.repeat(np.frombuffer(scales, np.float32), 16)[:numel]
+    want = (np.array(nibbles, np.float32) - np.float32(7)) * per_element
+    assert out.numpy().tobytes() == want.astype(np.float32).tobytes()
