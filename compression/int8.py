@@ -225,14 +225,16 @@ def decode_target(out: torch.Tensor, numel: int) -> torch.Tensor:
 CODECS = ("int8", "int4", "raw")
 
 
-def make_codec(name: str, block_size: int = 2048) -> Codec:
-    """The codec ``sync.codec`` names, with ``block_size`` elements per scale (int8 and int4)."""
+def make_codec(name: str, block_size: int | None = None) -> Codec:
+    """The codec ``sync.codec`` names, with ``block_size`` elements per scale (int8 and int4; by default each
+    codec's own: 2048 for int8, 128 for int4)."""
     if name == "int8":
-        return Int8BlockCodec(block_size)
+        return Int8BlockCodec(2048 if block_size is None else block_size)
     if name == "int4":
-        from potluck.compression.int4 import Int4BlockCodec  # (int4 builds on this module's helpers)
+        # (imported here: int4 builds on this module's helpers)
+        from potluck.compression.int4 import DEFAULT_BLOCK, Int4BlockCodec
 
-        return Int4BlockCodec(block_size)
+        return Int4BlockCodec(DEFAULT_BLOCK if block_size is None else block_size)
     if name == "raw":
         return RawCodec()
     raise CodecError(f"unknown codec {name!r} (known: {', '.join(CODECS)})")

@@ -202,6 +202,7 @@ def test_block_must_be_even() -> None:
         make_codec("int4", 1001)
     codec = make_codec("int4", 256)
     assert isinstance(codec, Int4BlockCodec) and codec.block_size == codec.align == 256
+    assert getattr(make_codec("int4"), "block_size", None) == 128 and getattr(make_codec("int8"), "block_size", None) == 2048
     with pytest.raises(CodecError, match="int4"):
         make_codec("int2")
 
