@@ -1,4 +1,4 @@
-"""CPU codec throughput: the int8 all-reduce codec as the peer runs it, against the plain torch reference.
+"""CPU codec throughput: the int8 (or int4) all-reduce codec as the peer runs it, against the plain torch reference.
 
 The reference is what the issue measured (``kernels/quant.py`` on the whole vector, one thread): the
 vector as ``[blocks, 2048]`` rows through :func:`~potluck.kernels.quant.quantize_rows` (absmax,
@@ -10,11 +10,13 @@ straight into a reused output with ``decode_into``, chunks on the workers (as a 
 streams of several senders at once); and the owner's reduction, three members' contributions summed
 in float32 and re-quantized a chunk at a time, against sum + encode of whole vectors.
 
+With ``--codec int4`` (blocks of ``--block``, 128 for int4 by default) the codec is the 4-bit one and the
+reference adds :func:`~potluck.kernels.quant.pack_bits` / :func:`~potluck.kernels.quant.unpack_bits` at 4 bits.
 Both sides produce the same bytes (checked). Figures are GB/s of float32 input; the reference runs
 with one torch thread, ours with one torch thread per worker. Prints one JSON line; the target
 (issue 17) is ours >= 3x the reference with threads.
 
-    python benchmarks/codec_throughput.py [--numel 16000000] [--threads 2] [--reps 5]
+    python benchmarks/codec_throughput.py [--numel 16000000] [--threads 2] [--reps 5] [--codec int8|int4] [--block 2048]
 """
 
 from __future__ import annotations
@@ -31,9 +33,8 @@ import torch
 from potluck.compression.aggregate import Reduction
 from potluck.compression.int8 import Encoded, make_codec
 from potluck.compression.stream import EncodedStream
-from potluck.kernels.quant import dequantize_rows, quantize_rows
+from potluck.kernels.quant import dequantize_rows, pack_bits, quantize_rows, unpack_bits
 
-BLOCK = 2048
 CHUNK_BYTES = 1 << 20
 
 
@@ -54,21 +55,25 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="codec workers (ours)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--members", type=int, default=3, help="contributions the owner reduces")
+    ap.add_argument("--codec", choices=["int8", "int4"], default="int8")
+    ap.add_argument("--block", type=int, default=0, help="elements per scale (0: 2048 for int8, 128 for int4)")
     args = ap.parse_args()
-    if args.numel % BLOCK:
-        raise SystemExit(f"--numel must be a multiple of {BLOCK} (the reference has no partial block)")
+    block = args.block or (2048 if args.codec == "int8" else 128)
+    bits = 8 if args.codec == "int8" else 4
+    if args.numel % block:
+        raise SystemExit(f"--numel must be a multiple of {block} (the reference has no partial block)")
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randn(args.numel, generator=gen).mul_(0.01) for _ in range(args.members)]
     x = xs[0]
-    codec = make_codec("int8", BLOCK)
+    codec = make_codec(args.codec, block)
     pool = ThreadPoolExecutor(args.threads, thread_name_prefix="codec")
     gb = args.numel * 4 / 1e9
 
     # -- encode
     def ref_encode(v: torch.Tensor = x) -> tuple[bytes, bytes]:
-        codes, scales = quantize_rows(v.view(-1, BLOCK), 8)
-        return codes.numpy().tobytes(), scales.numpy().tobytes()
+        codes, scales = quantize_rows(v.view(-1, block), bits)
+        return pack_bits(codes, bits).numpy().tobytes(), scales.numpy().tobytes()
 
     def our_encode(v: torch.Tensor = x) -> list:
         return list(EncodedStream.of("x", v, codec, CHUNK_BYTES, pool))
@@ -80,11 +85,12 @@ def main() -> None:
     enc_ref, enc_ours = timed(ref_encode, args.reps), timed(our_encode, args.reps)
 
     # -- decode
-    codes_t, scales_t = quantize_rows(x.view(-1, BLOCK), 8)
+    codes_t, scales_t = quantize_rows(x.view(-1, block), bits)
+    packed_t = pack_bits(codes_t, bits)
     out = torch.empty(args.numel)
 
     def ref_decode() -> torch.Tensor:
-        return dequantize_rows(codes_t, scales_t).reshape(-1)
+        return dequantize_rows(unpack_bits(packed_t, bits, args.numel).view(-1, block), scales_t).reshape(-1)
 
     def decode_chunk(c) -> None:  # type: ignore[no-untyped-def]
         codec.decode_into(Encoded(c.codec, c.numel, c.payload, c.scales, c.bits), out[c.offset : c.offset + c.numel])
@@ -99,7 +105,7 @@ def main() -> None:
 
     # -- the owner's reduction: decode every member's contribution, average in float32, re-encode
     # (both from decoded contributions: decoding them is the decode figure above)
-    decoded = {f"m{k}": dequantize_rows(*quantize_rows(v.view(-1, BLOCK), 8)).reshape(-1) for k, v in enumerate(xs)}
+    decoded = {f"m{k}": dequantize_rows(*quantize_rows(v.view(-1, block), bits)).reshape(-1) for k, v in enumerate(xs)}
 
     def ref_reduce() -> tuple[bytes, bytes]:
         total = torch.zeros(args.numel)
@@ -123,7 +129,8 @@ def main() -> None:
                 "reference_s": round(ref_s, 4), "ours_s": round(ours_s, 4), "speedup": round(ref_s / ours_s, 2)}
 
     print(json.dumps({
-        "benchmark": "codec_throughput", "numel": args.numel, "threads": args.threads,
+        "benchmark": "codec_throughput", "codec": args.codec, "block": block, "numel": args.numel,
+        "threads": args.threads,
         "encode": rates(enc_ref, enc_ours), "decode": rates(dec_ref, dec_ours),
         # GB/s of the members' float32 input: members x numel x 4 bytes
         "owner_reduce": {**rates(red_ref, red_ours, len(xs)), "same_codes_as_reference": same_reduce},

@@ -1,4 +1,5 @@
-"""Codecs for the outer all-reduce: int8 with one absmax scale per block, and raw fp32.
+"""Codecs for the outer all-reduce: int8 with one absmax scale per block, and raw fp32 (int4, two codes a
+byte, is :mod:`potluck.compression.int4`; :func:`make_codec` builds any of them by name).
 
 The int8 codec cuts a flat float32 vector into blocks of ``block_size`` elements and stores each
 as int8 codes plus one float32 scale (:mod:`potluck.kernels.quant`), so the error on any element is
@@ -49,7 +50,7 @@ class Encoded:
 class Codec(Protocol):
     name: str
     align: int  # chunks of a stream must start at multiples of this many elements
-    bytes_per_element: int  # payload bytes per element (side data not counted)
+    bytes_per_element: float  # payload bytes per element (side data not counted; 0.5 for int4)
     bits: int  # bit width of the codes, 0 for unquantized codecs
 
     def encode(self, x: torch.Tensor) -> Encoded: ...
@@ -59,7 +60,7 @@ class Codec(Protocol):
     def decode_into(self, enc: Encoded, out: torch.Tensor) -> None: ...
 
 
-def _flat_float(x: torch.Tensor) -> torch.Tensor:
+def flat_float(x: torch.Tensor) -> torch.Tensor:
     if x.dim() != 1:
         raise CodecError(f"codecs take flat vectors, got shape {tuple(x.shape)}")
     return x.detach().to("cpu", torch.float32).contiguous()
@@ -70,11 +71,11 @@ class RawCodec:
 
     name = "raw"
     align = 1
-    bytes_per_element = 4
+    bytes_per_element: float = 4
     bits = 0
 
     def encode(self, x: torch.Tensor) -> Encoded:
-        x = _flat_float(x)
+        x = flat_float(x)
         return Encoded(self.name, x.numel(), x.numpy().tobytes())
 
     def decode(self, enc: Encoded) -> torch.Tensor:
@@ -93,14 +94,14 @@ class RawCodec:
             raise CodecError("raw payload holds NaN or Inf")
         if values.size and float(np.abs(values).max()) > MAX_ABS:
             raise CodecError(f"raw payload holds values beyond +-{MAX_ABS:g}")
-        _target(out, enc.numel).numpy()[:] = values
+        decode_target(out, enc.numel).numpy()[:] = values
 
 
 class Int8BlockCodec:
     """int8 codes with one float32 absmax scale per ``block_size`` elements."""
 
     name = "int8"
-    bytes_per_element = 1
+    bytes_per_element: float = 1
     bits = 8
 
     def __init__(self, block_size: int = 2048) -> None:
@@ -119,26 +120,14 @@ class Int8BlockCodec:
             copies = [kdevice.start_host_copy(t) for t in on_device]
             codes, scales = (c.wait() for c in copies)
         else:
-            codes, scales = self._quantize(_flat_float(x))
+            codes, scales = self._quantize(flat_float(x))
         if not bool(torch.isfinite(scales).all()):  # a NaN or Inf anywhere makes its block's absmax one
             raise CodecError("refusing to encode NaN or Inf")
         return Encoded(self.name, codes.numel(), codes.numpy().tobytes(), scales.numpy().tobytes(), bits=8)
 
     def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The torch reference (and CPU path) of :meth:`encode`: codes and scales of a flat float32 CPU vector."""
-        n, bs = x.numel(), self.block_size
-        full = n - n % bs
-        codes = torch.empty(n, dtype=torch.int8)
-        scales = torch.empty(self._blocks(n), dtype=torch.float32)
-        if full:  # whole blocks in place, no padded copy of the vector
-            quantize_blocks(x[:full].view(-1, bs), codes[:full].view(-1, bs), scales[: full // bs])
-        if full < n:  # the last, partial block, padded with zeros (which change neither its scale nor its codes)
-            tail = torch.zeros(1, bs)
-            tail[0, : n - full] = x[full:]
-            tail_codes = torch.empty(1, bs, dtype=torch.int8)
-            quantize_blocks(tail, tail_codes, scales[-1:])
-            codes[full:] = tail_codes[0, : n - full]
-        return codes, scales
+        return quantize_vector(x, self.block_size, 127)
 
     def decode(self, enc: Encoded, device: torch.device | str | None = None) -> torch.Tensor:
         """The float32 vector ``enc`` holds, on CPU or on ``device`` (a CUDA device decodes there, same bits)."""
@@ -156,7 +145,7 @@ class Int8BlockCodec:
         they lie in the message: no copy of them, no float32 temporary. On error ``out`` is untouched."""
         codes, scales = self._checked(enc)
         n, bs = enc.numel, self.block_size
-        target = _target(out, n)
+        target = decode_target(out, n)
         full = n - n % bs
         with warnings.catch_warnings():  # read-only views of the message: nothing here writes to them
             warnings.simplefilter("ignore", UserWarning)
@@ -191,21 +180,41 @@ class Int8BlockCodec:
         return codes, scales
 
 
-def quantize_blocks(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
-    """:func:`~potluck.kernels.quant.quantize_rows` at 8 bits, written into ``codes`` and ``scales``.
+def quantize_vector(x: torch.Tensor, block_size: int, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes in ``[-qmax, qmax]`` and one float32 scale per ``block_size`` elements of a flat float32
+    CPU vector: the torch reference of the int8 (``qmax`` 127) and int4 (``qmax`` 7) codecs' encoding."""
+    n, bs = x.numel(), block_size
+    full = n - n % bs
+    codes = torch.empty(n, dtype=torch.int8)
+    scales = torch.empty(-(-n // bs), dtype=torch.float32)
+    if full:  # whole blocks in place, no padded copy of the vector
+        quantize_blocks(x[:full].view(-1, bs), codes[:full].view(-1, bs), scales[: full // bs], qmax)
+    if full < n:  # the last, partial block, padded with zeros (which change neither its scale nor its codes)
+        tail = torch.zeros(1, bs)
+        tail[0, : n - full] = x[full:]
+        tail_codes = torch.empty(1, bs, dtype=torch.int8)
+        quantize_blocks(tail, tail_codes, scales[-1:], qmax)
+        codes[full:] = tail_codes[0, : n - full]
+    return codes, scales
 
-    The same operations (absmax / 127, divide, round half to even, clamp), in fewer passes over
+
+def quantize_blocks(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, qmax: int = 127) -> None:
+    """:func:`~potluck.kernels.quant.quantize_rows` at 8 bits (``qmax`` 127; 7 for 4 bits), written into
+    ``codes`` and ``scales``.
+
+    The same operations (absmax / qmax, divide, round half to even, clamp), in fewer passes over
     memory: the absmax from the rows' max and min (no ``|x|`` temporary), one division into a
     scratch row block, and the rounding, clamping and int8 conversion in place.
     """
     torch.maximum(x.amax(dim=1), x.amin(dim=1).neg_(), out=scales)  # (torch.aminmax is 20x slower here)
-    scales.div_(127).abs_()  # abs: a block of negative zeros gets the scale +0.0, not -0.0, like max |x|
+    scales.div_(qmax).abs_()  # abs: a block of negative zeros gets the scale +0.0, not -0.0, like max |x|
     safe = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)
     y = torch.div(x, safe)  # an all-zero block (scale 0) divides by 1 and stays zero
-    codes.copy_(y.round_().clamp_(-127, 127))
+    codes.copy_(y.round_().clamp_(-qmax, qmax))
 
 
-def _target(out: torch.Tensor, numel: int) -> torch.Tensor:
+def decode_target(out: torch.Tensor, numel: int) -> torch.Tensor:
+    """``out``, checked to be what a codec's ``decode_into`` writes: flat, contiguous float32 on the CPU, ``numel`` long."""
     if out.dtype != torch.float32 or out.device.type != "cpu" or out.dim() != 1 or not out.is_contiguous():
         raise ValueError(f"decode_into needs a contiguous flat float32 CPU tensor, got {out.dtype} {tuple(out.shape)}")
     if out.numel() != numel:
@@ -213,9 +222,19 @@ def _target(out: torch.Tensor, numel: int) -> torch.Tensor:
     return out
 
 
-def make_codec(name: str, block_size: int = 2048) -> Codec:
+CODECS = ("int8", "int4", "raw")
+
+
+def make_codec(name: str, block_size: int | None = None) -> Codec:
+    """The codec ``sync.codec`` names, with ``block_size`` elements per scale (int8 and int4; by default each
+    codec's own: 2048 for int8, 128 for int4)."""
     if name == "int8":
-        return Int8BlockCodec(block_size)
+        return Int8BlockCodec(2048 if block_size is None else block_size)
+    if name == "int4":
+        # (imported here: int4 builds on this module's helpers)
+        from potluck.compression.int4 import DEFAULT_BLOCK, Int4BlockCodec
+
+        return Int4BlockCodec(DEFAULT_BLOCK if block_size is None else block_size)
     if name == "raw":
         return RawCodec()
-    raise CodecError(f"unknown codec {name!r} (known: int8, raw)")
+    raise CodecError(f"unknown codec {name!r} (known: {', '.join(CODECS)})")

@@ -25,8 +25,10 @@ class WireError(ValueError):
 
 
 def chunk_elements(codec: Codec, chunk_bytes: int) -> int:
-    per_chunk = max(codec.align, (chunk_bytes // codec.bytes_per_element) // codec.align * codec.align)
-    return per_chunk
+    """Elements of a chunk: as many whole ``align``-blocks as ``chunk_bytes`` of payload hold (at least one).
+    A codec's ``bytes_per_element`` may be a fraction (int4: 0.5), the count is a whole number of blocks."""
+    fit = int(chunk_bytes // codec.bytes_per_element)
+    return max(codec.align, fit // codec.align * codec.align)
 
 
 def encode_chunks(name: str, x: torch.Tensor, codec: Codec, chunk_bytes: int) -> Iterator[pb.Tensor]:

@@ -2,7 +2,8 @@
 
 The torch code in :mod:`potluck.kernels.quant` and :mod:`potluck.compression.int8` is the spec and
 the CPU path. A tensor on a CUDA device is instead handed to the Triton kernels
-(:mod:`potluck.kernels.triton_int8`, :mod:`potluck.kernels.triton_channels`), which return the same
+(:mod:`potluck.kernels.triton_int8`, :mod:`potluck.kernels.triton_int4`,
+:mod:`potluck.kernels.triton_channels`), which return the same
 bits, so a peer's choice of device never shows on the wire. Each ``*`` function below returns the
 kernel's result, or ``None`` when the caller should run its torch reference: a CPU tensor, no
 ``triton``, or a kernel that failed to compile or run (logged once, then not tried again).
@@ -18,7 +19,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -28,7 +29,17 @@ log = get_logger(__name__)
 ENV = "POTLUCK_TRITON"
 T = TypeVar("T")
 
-_modules: tuple[ModuleType, ModuleType] | None = None
+
+
+class Kernels(NamedTuple):
+    """The Triton kernel modules, one per codec."""
+
+    int8: ModuleType
+    int4: ModuleType
+    channels: ModuleType
+
+
+_modules: Kernels | None = None
 _import_tried = False
 _disabled: set[str] = set()
 _side_streams: dict[int, Any] = {}
@@ -43,14 +54,14 @@ def policy() -> str:
     return "auto"
 
 
-def _kernels() -> tuple[ModuleType, ModuleType] | None:
+def _kernels() -> Kernels | None:
     """The Triton kernel modules, imported on first use (``None`` without a working ``triton``)."""
     global _modules, _import_tried
     if not _import_tried:
         _import_tried = True
         try:
-            from potluck.kernels import triton_channels, triton_int8
-            _modules = (triton_int8, triton_channels)
+            from potluck.kernels import triton_channels, triton_int4, triton_int8
+            _modules = Kernels(triton_int8, triton_int4, triton_channels)
         except Exception as e:  # ImportError, or a triton that cannot initialise here
             if policy() == "force":
                 raise
@@ -66,13 +77,13 @@ def uses_triton(t: torch.Tensor, name: str = "") -> bool:
     return _kernels() is not None
 
 
-def _call(name: str, t: torch.Tensor, fn: Callable[[ModuleType, ModuleType], T]) -> T | None:
+def _call(name: str, t: torch.Tensor, fn: Callable[[Kernels], T]) -> T | None:
     if not uses_triton(t, name):
         return None
     kernels = _kernels()
     assert kernels is not None
     try:
-        return fn(*kernels)
+        return fn(kernels)
     except Exception as e:
         if policy() == "force":
             raise
@@ -83,18 +94,35 @@ def _call(name: str, t: torch.Tensor, fn: Callable[[ModuleType, ModuleType], T])
 
 def int8_quantize(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Codes and scales of a flat vector, blocks of ``block_size`` (non-finite blocks: scale ``inf``)."""
-    return _call("int8_quantize", x, lambda k8, _: k8.quantize_blocks(x, block_size))
+    return _call("int8_quantize", x, lambda k: k.int8.quantize_blocks(x, block_size))
 
 
 def int8_dequantize(codes: torch.Tensor, scales: torch.Tensor, block_size: int) -> torch.Tensor | None:
-    return _call("int8_dequantize", codes, lambda k8, _: k8.dequantize_blocks(codes, scales, block_size))
+    return _call("int8_dequantize", codes, lambda k: k.int8.dequantize_blocks(codes, scales, block_size))
 
 
 def int8_mean_requantize(
     codes: torch.Tensor, scales: torch.Tensor, block_size: int, factors: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The owner's fused decode, float32 mean and re-quantization (:func:`~potluck.kernels.triton_int8.mean_requantize`)."""
-    return _call("int8_mean", codes, lambda k8, _: k8.mean_requantize(codes, scales, block_size, factors))
+    return _call("int8_mean", codes, lambda k: k.int8.mean_requantize(codes, scales, block_size, factors))
+
+
+def int4_quantize(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Packed 4-bit codes and scales of a flat vector, blocks of ``block_size`` (non-finite blocks: scale ``inf``)."""
+    return _call("int4_quantize", x, lambda k: k.int4.quantize_blocks(x, block_size))
+
+
+def int4_dequantize(packed: torch.Tensor, scales: torch.Tensor, block_size: int, numel: int) -> torch.Tensor | None:
+    return _call("int4_dequantize", packed, lambda k: k.int4.dequantize_blocks(packed, scales, block_size, numel))
+
+
+def int4_mean_requantize(
+    packed: torch.Tensor, scales: torch.Tensor, block_size: int, numel: int, factors: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The owner's fused decode, float32 mean and 4-bit re-quantization (:func:`~potluck.kernels.triton_int4.mean_requantize`)."""
+    return _call("int4_mean", packed,
+                 lambda k: k.int4.mean_requantize(packed, scales, block_size, numel, factors))
 
 
 def channels_quantize_pack(
@@ -107,8 +135,8 @@ def channels_quantize_pack(
     want_out: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """Packed codes, scales and reconstruction (or updated buffer) of per-channel quantization."""
-    return _call("channels", x, lambda _, kc: kc.quantize_pack(x, bits, m=m, scales=scales, noise=noise,
-                                                                 want_out=want_out))
+    return _call("channels", x, lambda k: k.channels.quantize_pack(x, bits, m=m, scales=scales, noise=noise,
+                                                                   want_out=want_out))
 
 
 class HostCopy:

@@ -39,7 +39,7 @@ def round_half_even(y):
 
 
 @triton.jit
-def _absmax_bad(x):
+def absmax_bad(x):
     """``(max |x|, count of NaN/Inf)`` of a tile (masked lanes hold 0)."""
     ax = tl.abs(x)
     bad = tl.sum(((x != x) | (ax == float("inf"))).to(tl.int32), axis=0)
@@ -63,7 +63,7 @@ def _quantize_kernel(x_ptr, stride, n, bs, codes_ptr, scales_ptr, TILE: tl.const
         idx = start + offs
         mask = (offs < bs) & (idx < n)
         x = tl.load(x_ptr + idx * stride, mask=mask, other=0.0).to(tl.float32)
-        amax, bad = _absmax_bad(x)
+        amax, bad = absmax_bad(x)
         scale = tl.where(bad > 0, float("inf"), tl.div_rn(amax, 127.0))
         _store_codes(x, scale, codes_ptr, idx, mask)
     else:
@@ -73,7 +73,7 @@ def _quantize_kernel(x_ptr, stride, n, bs, codes_ptr, scales_ptr, TILE: tl.const
             idx = start + t + offs
             mask = (t + offs < bs) & (idx < n)
             x = tl.load(x_ptr + idx * stride, mask=mask, other=0.0).to(tl.float32)
-            a, k = _absmax_bad(x)
+            a, k = absmax_bad(x)
             amax = tl.maximum(amax, a)
             bad += k
         scale = tl.where(bad > 0, float("inf"), tl.div_rn(amax, 127.0))
@@ -123,7 +123,7 @@ def _mean_kernel(codes_ptr, scales_ptr, factors_ptr, k, kf, n, nb, bs, out_codes
         idx = start + offs
         mask = (offs < bs) & (idx < n)
         acc = _mean_tile(codes_ptr, scales_ptr, factors_ptr, k, kf, n, nb, b, idx, mask, HAS_FACTORS, DIVIDE)
-        amax, bad = _absmax_bad(tl.where(mask, acc, 0.0))
+        amax, bad = absmax_bad(tl.where(mask, acc, 0.0))
         scale = tl.where(bad > 0, float("inf"), tl.div_rn(amax, 127.0))
         _store_codes(acc, scale, out_codes_ptr, idx, mask)
     else:  # a block larger than a tile: the mean is computed twice rather than stored
@@ -133,7 +133,7 @@ def _mean_kernel(codes_ptr, scales_ptr, factors_ptr, k, kf, n, nb, bs, out_codes
             idx = start + t + offs
             mask = (t + offs < bs) & (idx < n)
             acc = _mean_tile(codes_ptr, scales_ptr, factors_ptr, k, kf, n, nb, b, idx, mask, HAS_FACTORS, DIVIDE)
-            a, c = _absmax_bad(tl.where(mask, acc, 0.0))
+            a, c = absmax_bad(tl.where(mask, acc, 0.0))
             amax = tl.maximum(amax, a)
             bad += c
         scale = tl.where(bad > 0, float("inf"), tl.div_rn(amax, 127.0))

@@ -36,6 +36,7 @@ from potluck.protos.wire.records import MAX_OWNERS
 
 BYTE_VOCAB = 256  # byte-level data: one token per byte value
 MAX_RECORD_TTL_S = 300.0  # the DHT refuses records asking to live longer (potluck.protos.net.dhtguard)
+INT4_BLOCK_SIZE = 128  # sync.block_size of an int4 run that sets none (potluck.compression.int4 measured it)
 MAX_MARKOV_ENTRIES = 1 << 24  # transition-table entries of the synthetic source (2 float64 arrays of 128 MiB)
 
 
@@ -139,8 +140,12 @@ class DiLoCoConfig(Section):
 class SyncConfig(Section):
     """The outer all-reduce over gRPC: codec and deadlines."""
 
-    codec: Literal["int8", "raw"] = Field("int8", description="'int8' (per-block absmax) or 'raw' (fp32)")
-    block_size: int = Field(2048, ge=16, le=1 << 20, description="elements per int8 scale")
+    codec: Literal["int8", "int4", "raw"] = Field(
+        "int8", description="'int8' (per-block absmax, 1 byte an element), 'int4' (per-block absmax, two codes a "
+        "byte: 0.53x int8's bytes at its blocks of 128) or 'raw' (fp32)")
+    block_size: int = Field(
+        2048, ge=16, le=1 << 20, description=f"elements per int8 or int4 scale (int4: even; when not set, "
+        f"{INT4_BLOCK_SIZE} for int4, 2048 otherwise)")
     chunk_bytes: int = Field(1 << 20, ge=1 << 12, le=1 << 22, description="payload bytes per gRPC message")
     deadline_floor_s: float = Field(
         10.0, gt=0, description="minimum wait for a slow member before it is dropped from the outer step"
@@ -180,6 +185,20 @@ class SyncConfig(Section):
         "round's reasons, loses shard ownership for demote_steps steps (it still trains and contributes; a complaint "
         "is not a proof: nobody is evicted for it) (0: never)")
     demote_steps: int = Field(50, ge=1, description="outer steps a demoted owner owns no shard")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _int4_blocks_by_default(cls, data: Any) -> Any:
+        """An int4 run that names no block size gets int4's (set explicitly, so it travels and is journaled as is)."""
+        if isinstance(data, dict) and data.get("codec") == "int4" and "block_size" not in data:
+            return {**data, "block_size": INT4_BLOCK_SIZE}
+        return data
+
+    @model_validator(mode="after")
+    def _int4_blocks_are_whole_bytes(self) -> SyncConfig:
+        if self.codec == "int4" and self.block_size % 2:
+            raise ValueError(f"codec 'int4' packs two codes a byte: block_size must be even, got {self.block_size}")
+        return self
 
     @field_validator("group_size")
     @classmethod
