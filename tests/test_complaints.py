@@ -110,6 +110,8 @@ def test_an_owner_named_by_two_members_in_three_steps_loses_ownership_for_a_whil
     assert [(k, p) for k, p, _ in events] == [("short", X), ("demoted", X)], events
     assert "owns no shard before step 14" in events[-1][2]
     assert ig.complaints({IDS[2]: complaint(3, IDS[2], "short")}, made.get) == [], "each said once"
+    for step in (1, 2, 3):  # (records repeat their reports for a while: what it was demoted for counts once)
+        assert ig.complaints({IDS[1]: complaint(step, IDS[1]), IDS[3]: complaint(step, IDS[3])}, made.get) == []
     members = [m.model_copy(update={"owns": False}) for m in made[1].members]
     owns = {m.peer_id: m.owns for m in ig.trust.assign_owners(members, step=5)}
     assert owns == {p: p != X for p in IDS}
@@ -148,11 +150,29 @@ def test_complaints_nobody_can_weigh_count_for_nothing() -> None:
 
 
 def test_a_stage_of_demoted_owners_still_has_owners() -> None:
-    trust = Trust(0, founders=set(IDS))
+    """Every eligible member demoted: the others own (on probation or not); every member demoted: the eligible."""
+    members = [PlanMember(peer_id=p, address="h", replica=i) for i, p in enumerate(IDS)]
+    trust = Trust(3, founders=set(IDS[:2]))
+    for p in IDS[:2]:
+        trust.demote(p, 20)
+    assert {m.peer_id for m in trust.assign_owners(members, step=5) if m.owns} == set(IDS[2:])
     for p in IDS:
         trust.demote(p, 20)
+    assert {m.peer_id for m in trust.assign_owners(members, step=5) if m.owns} == set(IDS[:2])
+
+
+def test_the_first_founder_past_probation_does_not_own_every_shard_alone() -> None:
+    """A run's founders own from its first step. The first of them credited with its probation's work (its reports
+    came first) once became the only eligible one, the sole owner of its stage's all-reduce for a round: with one
+    shard there is no quorum to fall short of, and an owner refusing every contribution averaged its own alone (the
+    refusal swarm test, under load). Founders stay eligible beside whoever is trusted; a later key waits."""
+    founders, late = IDS[:3], IDS[3]
+    trust = Trust(3, work={founders[0]: [1, 2, 3]}, founders=set(founders))
     members = [PlanMember(peer_id=p, address="h", replica=i) for i, p in enumerate(IDS)]
-    assert all(m.owns for m in trust.assign_owners(members, step=5))
+    assert trust.eligible(members) == set(founders)
+    assert {m.peer_id for m in trust.assign_owners(members) if m.owns} == set(founders)
+    trust.work[late] = [4, 5, 6]
+    assert trust.eligible(members) == set(IDS)
 
 
 @pytest.mark.parametrize("bad", [{"demote_after": -1}, {"demote_after": 65}, {"demote_steps": 0},

@@ -82,6 +82,7 @@ class Integrity:
     _colluders: list[Verdict] = field(default_factory=list)  # auditors that said ok to a proven lie, to evict
     _named: dict[str, dict[int, set[str]]] = field(default_factory=dict)  # owner -> step -> members complaining
     _said_short: set[tuple] = field(default_factory=set)  # short results the page was told of
+    _cleared: dict[str, int] = field(default_factory=dict)  # owner -> newest step of the complaints it was demoted for
 
     @classmethod
     def for_run(cls, cfg: RunConfig, client: PeerClient, run_id: str, me: str, trust_json: dict | None) -> Integrity:
@@ -189,6 +190,7 @@ class Integrity:
                     continue
                 cells, owners = made.group_members(r.stage, r.group), made.shard_owners(r.stage, r.group)
                 if (r.shard >= len(owners) or owners[r.shard] != r.owner or r.owner == rec.peer_id
+                        or r.step <= self._cleared.get(r.owner, 0)  # (what it was demoted for, repeated in records)
                         or rec.peer_id not in self.trust.eligible(cells, before=r.step)):
                     continue  # (nobody can weigh it: not a member then, not trusted then, or not that shard's owner)
                 if r.verdict == "short" and (key := (*shard_key(r), r.owner)) not in self._said_short:
@@ -213,6 +215,7 @@ class Integrity:
         if after <= 0 or len(by_step) < after or len(accusers) < 2:
             return None
         del self._named[owner]
+        self._cleared[owner] = newest
         until = newest + 1 + self.cfg.sync.demote_steps
         self.trust.demote(owner, until)
         return ("demoted", owner, f"{len(accusers)} members said it withheld (contributions it did not receipt, or "

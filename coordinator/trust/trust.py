@@ -79,12 +79,14 @@ class Trust:
         return len(steps) >= p and (before is None or p == 0 or steps[p - 1] < before)  # (a tick asks it per member)
 
     def eligible(self, members: Sequence[Member], before: int | None = None) -> set[str]:
-        """Of one stage's members, those who may own a shard and audit: the trusted ones; while none is, the
-        run's founders among them (a run's first steps); with neither, all of them. ``before``: as trust stood
-        when that step ran (what a member reports of a step counts only if it was past probation then: trust
-        earned later does not reach back to the steps it reported while still on probation)."""
-        trusted = {m.peer_id for m in members if self.trusted(m.peer_id, before)}
-        return trusted or {m.peer_id for m in members if m.peer_id in self.founders} or {m.peer_id for m in members}
+        """Of one stage's members, those who may own a shard and audit: the trusted ones and the run's founders
+        among them (owners from the run's first step: were they eligible only while nobody was trusted, the first
+        founder past probation would own every shard alone until the others' reports came, and a sole owner has no
+        quorum to fall short of); with neither, all of them. ``before``: as trust stood when that step ran (what a
+        member reports of a step counts only if it was past probation then: trust earned later does not reach back
+        to the steps it reported while still on probation)."""
+        out = {m.peer_id for m in members if self.trusted(m.peer_id, before) or m.peer_id in self.founders}
+        return out or {m.peer_id for m in members}
 
     def demote(self, peer_id: str, until: int) -> None:
         """``peer_id`` owns no shard in the rounds of steps before ``until`` (several members said it withheld: it
@@ -107,7 +109,8 @@ class Trust:
         for stage in sorted({m.stage for m in members}):
             cells = [m for m in members if m.stage == stage]
             owners = self.eligible(cells)
-            owners = (owners - set(self.demoted)) or owners
+            # (if that leaves none: the others, probation or not, before a demoted one)
+            owners = (owners - set(self.demoted)) or ({m.peer_id for m in cells} - set(self.demoted)) or owners
             if cap is not None and len(owners) > cap:
                 owners = set(sorted(owners, key=lambda p: (-len(self.work.get(p, ())), draw()))[:cap])
             out += [m if m.owns == (m.peer_id in owners) else m.model_copy(update={"owns": m.peer_id in owners})
