@@ -29,7 +29,13 @@ entropy floor was 1.6-2.8x the blocking run's. Judge it over several seeds and l
 
 Targets (issue 16): eval loss overlap / blocking <= 1.03 and overlap / sync <= 1.03.
 
+With ``--fragments F`` it compares streaming outer steps instead, at equal tokens, both swarms blocking:
+``whole`` (``sync.fragments = 1``, H = ``--inner-steps``, ``--outer-steps``) against ``streamed``
+(``sync.fragments = F``, H / F inner steps, F x the outer steps: each fragment synced every H inner steps,
+1/F of the bytes a step), both with ``diloco.rounds = "fixed"`` (equal tokens, repeatable). Target (issue): streamed's final eval loss within 1 % of whole's.
+
     python benchmarks/overlap_quality.py [--peers 4] [--inner-steps 50] [--outer-steps 10] [--batch 16] [--d-model 64] [--n-layers 2]
+    python benchmarks/overlap_quality.py --fragments 4 [--peers 4] [--inner-steps 48] [--outer-steps 4]
 """
 
 from __future__ import annotations
@@ -65,9 +71,10 @@ def run_config(args: argparse.Namespace, **overrides: object) -> RunConfig:
     })
 
 
-def run_swarm(args: argparse.Namespace, workdir: Path, overlap: bool) -> dict:
+def run_swarm(args: argparse.Namespace, workdir: Path, overlap: bool, **overrides: object) -> dict:
     workdir.mkdir(parents=True)
-    cfg = run_config(args, **{"diloco.overlap": overlap, "coordinator.journal_dir": str(workdir / "journal")})
+    cfg = run_config(args, **{"diloco.overlap": overlap, "coordinator.journal_dir": str(workdir / "journal"),
+                              **overrides})
     swarm = LocalSwarm(workdir)
     gone_at = 0.0
 
@@ -125,7 +132,11 @@ def main() -> None:
     swarm_arguments(parser, peers=4, outer_steps=10)
     parser.add_argument("--order", choices=["blocking-first", "overlap-first"], default="overlap-first")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds each swarm run may take")
+    parser.add_argument("--fragments", type=int, default=0,
+                        help="F > 1: compare sync.fragments = F (H / F inner steps, F x the outer steps) with F = 1")
     args = parser.parse_args()
+    if args.fragments > 1:
+        return fragments_quality(args)
     modes = [True, False] if args.order == "overlap-first" else [False, True]
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="potluck-bench-") as tmp:
@@ -146,6 +157,31 @@ def main() -> None:
         "excess_over_floor": {k: round(v - floor, 4) for k, v in (("overlap", o), ("blocking", b), ("sync", s))}
         if floor is not None else None,
         "order": args.order, **results,
+    }))
+    sys.stdout.flush()
+
+
+def fragments_quality(args: argparse.Namespace) -> None:
+    """Streaming outer steps against whole ones at equal tokens (see the module): one JSON line."""
+    f = args.fragments
+    if args.inner_steps % f:
+        sys.exit(f"--inner-steps {args.inner_steps} is not a multiple of --fragments {f}: the runs would differ in tokens")
+    steps = args.outer_steps * f
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="potluck-bench-") as tmp:
+        # fixed rounds: every member trains every inner step in both, so the tokens are equal and the runs repeat
+        results["whole"] = run_swarm(args, Path(tmp) / "whole", False, **{"diloco.rounds": "fixed"})
+        results["streamed"] = run_swarm(args, Path(tmp) / "streamed", False, **{
+            "diloco.rounds": "fixed", "sync.fragments": f, "diloco.inner_steps": args.inner_steps // f, "diloco.outer_steps": steps,
+            "data.eval_every": steps})
+    w, st = results["whole"]["final_eval_loss"], results["streamed"]["final_eval_loss"]
+    print(json.dumps({
+        "benchmark": "overlap_quality", "comparison": "fragments",
+        "peers": args.peers, "stages": 1, "fragments": f, "seed": args.seed, "d_model": args.d_model,
+        "n_layers": args.n_layers, "batch_per_peer": args.batch, "codec": "int8",
+        "whole": {"inner_steps": args.inner_steps, "outer_steps": args.outer_steps, **results["whole"]},
+        "streamed": {"inner_steps": args.inner_steps // f, "outer_steps": steps, **results["streamed"]},
+        "eval_loss_f1": w, f"eval_loss_f{f}": st, "ratio_streamed_vs_whole": round(st / w, 4), "target_ratio": 1.01,
     }))
     sys.stdout.flush()
 

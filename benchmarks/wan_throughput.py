@@ -51,7 +51,19 @@ machine to itself).
 Target (issue): potluck's tokens/s >= 4x the baseline's (the AC-SGD paper reports 4.3x / 4.9x end to
 end over slow networks).
 
+Streaming outer steps (``--fragments F``, default 4; 0 leaves them out): two more swarms of the same model,
+links and peers as pure DiLoCo (S = 1, R = 4, int8 all-reduce), so that a peer's sends are its outer steps
+(and the links' small probes), not activations: ``whole`` (``sync.fragments = 1``, H = ``--inner-steps``,
+``--outer-steps``) and ``streamed`` (``sync.fragments = F``, H / F inner steps, F x the outer steps: the same
+tokens, each fragment synced every H inner steps). For each: every peer's peak second of sends
+(``peak_send_bps``, :meth:`~potluck.protos.net.transport.Traffic.send_rate`, read on the last poll before the
+run is finished, so the coordinator's fetch of the final state is not in it) and the outer bytes a member
+sent per step over the step's all-reduce seconds, at the step where that is highest (``peak_outer_bps``).
+Target (issue): F = 4's peak <= 0.35x F = 1's. ``--only`` runs some of the swarms (the JSON line then holds
+the figures of those).
+
     python benchmarks/wan_throughput.py [--inner-steps 50] [--outer-steps 2] [--baseline-steps 50] [--mbps 100] [--delay-ms 50]
+    python benchmarks/wan_throughput.py --only whole,streamed --fragments 4 --inner-steps 8 --outer-steps 2
 """
 
 from __future__ import annotations
@@ -76,6 +88,7 @@ PEERS, STAGES = 4, 2
 POTLUCK = {"pipeline.compression": "acsgd", "pipeline.bits": 4, "pipeline.grad_bits": 8, "sync.codec": "int8"}
 POTLUCK_1F1B = {**POTLUCK, "pipeline.schedule": "1f1b"}
 BASELINE = {"pipeline.compression": "none", "pipeline.grad_bits": 32, "sync.codec": "raw"}
+DILOCO = {"pipeline.stages": 1, "sync.codec": "int8"}  # (4 replicas of the whole model: sends are outer steps)
 
 
 def run_swarm(args: argparse.Namespace, workdir: Path, settings: dict[str, Any], inner: int, outer: int) -> dict:
@@ -87,7 +100,8 @@ def run_swarm(args: argparse.Namespace, workdir: Path, settings: dict[str, Any],
         "run_id": "bench-wan",
         "model.d_model": 240, "model.n_layers": 3, "model.n_heads": 4, "model.seq_len": 64,
         "train.batch_size": args.batch, "data.num_samples": args.num_samples,
-        "pipeline.stages": STAGES, "pipeline.micro_batches": args.micro_batches,
+        "pipeline.stages": STAGES, "pipeline.micro_batches": args.micro_batches if settings.get(
+            "pipeline.stages", STAGES) > 1 else 1,
         "diloco.inner_steps": inner, "diloco.outer_steps": outer,
         "links.placement": "sticky",
         "membership.min_peers": PEERS, "coordinator.host": "127.0.0.1", "coordinator.checkpoint_every": 0,
@@ -99,10 +113,13 @@ def run_swarm(args: argparse.Namespace, workdir: Path, settings: dict[str, Any],
     first_tokens = 0  # tokens already trained when the window opened: not counted
     gone_at = 0.0
     live: list[float] = []
+    peaks: dict[str, float] = {}  # each peer's peak second of sends, on the last poll before the run finished
 
     def done(state: dict) -> bool:
         nonlocal first_token, first_tokens, gone_at
         run = state["run"]
+        if not run["finished"]:
+            peaks.update({p["id"]: p["peak_send_bps"] for p in state["peers"] if p.get("peak_send_bps")})
         if first_token is None and run["tokens_trained"] > 0:
             first_token, first_tokens = time.monotonic(), run["tokens_trained"]
         if first_token is not None and not run["finished"] and run["tokens_per_s"] > 0:
@@ -129,11 +146,18 @@ def run_swarm(args: argparse.Namespace, workdir: Path, settings: dict[str, Any],
     fp32 = {k: sum(h["bytes_fp32"].get(k, 0) for h in hist) for k in ("activations", "gradients", "outer")}
     sent = {k: sum(h["bytes"].get(k, 0) for h in hist) for k in ("activations", "gradients", "outer")}
     outer_s = [h["outer_s"] for h in hist if h["outer_s"] is not None]
+    outer_bps = [h["bytes"]["outer"] / max(len(h["state_hashes"]), 1) / h["allreduce_s"] for h in hist
+                 if h.get("allreduce_s") and h["state_hashes"]]
+    per_step = [h["bytes"]["outer"] / max(len(h["state_hashes"]), 1) for h in hist if h["state_hashes"]]
     return {
+        "peak_send_bps_per_peer": sorted(round(v) for v in peaks.values()),
+        "peak_send_bps_max": round(max(peaks.values())) if peaks else None,
+        "peak_outer_bps": round(max(outer_bps)) if outer_bps else None,
+        "outer_bytes_per_member_step": round(statistics.mean(per_step)) if per_step else None,
         "inner_steps": inner, "outer_steps": outer,
         "tokens": tokens,
         "tokens_in_window": tokens - first_tokens,
-        "tokens_expected": inner * outer * args.batch * cfg.model.seq_len * (PEERS // STAGES),
+        "tokens_expected": inner * outer * args.batch * cfg.model.seq_len * (PEERS // cfg.pipeline.stages),
         "wall_s": round(wall, 1),
         "tokens_per_s": round((tokens - first_tokens) / wall, 1),
         "live_tokens_per_s_median": round(statistics.median(live), 1) if live else None,
@@ -165,39 +189,69 @@ def main() -> None:
     parser.add_argument("--delay-ms", type=float, default=50.0)
     parser.add_argument("--order", choices=["baseline-first", "potluck-first"], default="baseline-first")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds each run may take")
+    parser.add_argument("--fragments", type=int, default=4, help="F of the streamed run (0: no whole/streamed runs)")
+    parser.add_argument("--only", default="", help="comma-separated runs: baseline, potluck, potluck_1f1b, whole, "
+                        "streamed (default: all)")
     args = parser.parse_args()
     baseline_steps = args.baseline_steps or args.outer_steps * args.inner_steps
+    f = max(args.fragments, 1)
     runs: dict[str, tuple[dict[str, Any], int, int]] = {
         "potluck": (POTLUCK, args.inner_steps, args.outer_steps), "baseline": (BASELINE, 1, baseline_steps),
-        "potluck_1f1b": (POTLUCK_1F1B, args.inner_steps, args.outer_steps)}
+        "potluck_1f1b": (POTLUCK_1F1B, args.inner_steps, args.outer_steps),
+        "whole": (DILOCO, args.inner_steps, args.outer_steps),
+        "streamed": ({**DILOCO, "sync.fragments": f}, max(args.inner_steps // f, 1), args.outer_steps * f)}
     order = ["baseline", "potluck", "potluck_1f1b"] if args.order == "baseline-first" else [
         "potluck", "potluck_1f1b", "baseline"]
+    order += ["whole", "streamed"] if args.fragments else []
+    if args.only:
+        wanted = set(args.only.split(","))
+        if wanted - set(runs):
+            parser.error(f"--only: unknown runs {sorted(wanted - set(runs))}; they are {sorted(runs)}")
+        order = [name for name in order if name in wanted]
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="potluck-bench-") as tmp:
         for name in order:
             settings, inner, outer = runs[name]
             results[name] = run_swarm(args, Path(tmp) / name, settings, inner, outer)
-    p, b, f = results["potluck"], results["baseline"], results["potluck_1f1b"]
-    grad_ratio = b["bytes_vs_fp32"]["gradients"]
-    baseline_gradients = "fp32" if grad_ratio is not None and grad_ratio > 0.99 else (
-        f"NOT fp32: {grad_ratio}x fp32 bytes (pipeline.grad_bits = 32 did not reach the peers; this favours "
-        "the baseline)")
-    print(json.dumps({
+    line: dict[str, Any] = {
         "benchmark": "wan_throughput",
         "peers": PEERS, "stages": STAGES, "replicas": PEERS // STAGES,
         "micro_batches": args.micro_batches, "batch": args.batch, "peer_threads": args.peer_threads, "seq_len": 64, "d_model": 240, "n_layers": 3,
         "link_mbps": args.mbps, "link_delay_ms_one_way": args.delay_ms,
-        "tokens_per_s_potluck": p["tokens_per_s"], "tokens_per_s_baseline": b["tokens_per_s"],
-        "speedup": round(p["tokens_per_s"] / b["tokens_per_s"], 2), "target_speedup": 4.0,
-        "tokens_per_s_potluck_1f1b": f["tokens_per_s"], "speedup_1f1b": round(f["tokens_per_s"] / b["tokens_per_s"], 2),
-        "1f1b_vs_gpipe": round(f["tokens_per_s"] / p["tokens_per_s"], 3),
-        "baseline_gradients": baseline_gradients,
-        "potluck": {"config": "GPipe, acsgd 4-bit activations, 8-bit gradients, int8 all-reduce every H steps", **p},
-        "potluck_1f1b": {"config": "the same with 1F1B", **f},
-        "baseline": {"config": "fp32 activations and gradients, fp32 all-reduce every step (H = 1)", **b},
-    }))
+    }
+    p, b, g = results.get("potluck"), results.get("baseline"), results.get("potluck_1f1b")
+    if p is not None and b is not None and g is not None:
+        grad_ratio = b["bytes_vs_fp32"]["gradients"]
+        baseline_gradients = "fp32" if grad_ratio is not None and grad_ratio > 0.99 else (
+            f"NOT fp32: {grad_ratio}x fp32 bytes (pipeline.grad_bits = 32 did not reach the peers; this favours "
+            "the baseline)")
+        line.update({
+            "tokens_per_s_potluck": p["tokens_per_s"], "tokens_per_s_baseline": b["tokens_per_s"],
+            "speedup": round(p["tokens_per_s"] / b["tokens_per_s"], 2), "target_speedup": 4.0,
+            "tokens_per_s_potluck_1f1b": g["tokens_per_s"], "speedup_1f1b": round(g["tokens_per_s"] / b["tokens_per_s"], 2),
+            "1f1b_vs_gpipe": round(g["tokens_per_s"] / p["tokens_per_s"], 3),
+            "baseline_gradients": baseline_gradients})
+    w, st = results.get("whole"), results.get("streamed")
+    if w is not None and st is not None:
+        line.update({
+            "fragments": f, "fragments_grid": "S = 1 x R = 4 (the stages/replicas above are the pipelined runs')",
+            "peak_send_bps_f1": w["peak_send_bps_max"], f"peak_send_bps_f{f}": st["peak_send_bps_max"],
+            "peak_send_ratio": round(st["peak_send_bps_max"] / w["peak_send_bps_max"], 3)
+            if w["peak_send_bps_max"] and st["peak_send_bps_max"] else None,
+            "peak_outer_bps_f1": w["peak_outer_bps"], f"peak_outer_bps_f{f}": st["peak_outer_bps"],
+            "peak_outer_ratio": round(st["peak_outer_bps"] / w["peak_outer_bps"], 3)
+            if w["peak_outer_bps"] and st["peak_outer_bps"] else None,
+            "outer_bytes_per_step_ratio": round(st["outer_bytes_per_member_step"] / w["outer_bytes_per_member_step"], 3)
+            if w["outer_bytes_per_member_step"] and st["outer_bytes_per_member_step"] else None,
+            "target_peak_ratio": 0.35})
+    configs = {"potluck": "GPipe, acsgd 4-bit activations, 8-bit gradients, int8 all-reduce every H steps",
+               "potluck_1f1b": "the same with 1F1B",
+               "baseline": "fp32 activations and gradients, fp32 all-reduce every step (H = 1)",
+               "whole": "S = 1, R = 4, int8 all-reduce of the whole model every H steps (sync.fragments = 1)",
+               "streamed": f"S = 1, R = 4, sync.fragments = {f}: 1/{f} of the model every H / {f} steps"}
+    line.update({name: {"config": configs[name], **r} for name, r in results.items()})
+    print(json.dumps(line))
     sys.stdout.flush()
-
 
 if __name__ == "__main__":
     main()

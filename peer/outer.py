@@ -18,6 +18,10 @@ pseudo-gradient. ``base`` is a state every member of the group holds bit for bit
 usually the group's common result of two steps before), so what travels is small differences, and
 every member adds the same mean to the same base: the group ends bit-identical.
 
+With ``sync.fragments = F > 1`` (:mod:`potluck.peer.fragments`) step ``s`` averages and steps fragment
+``(s - 1) mod F`` of the vector only: ``delta`` is that fragment's pseudo-gradient, zero-padded to the
+all-reduce's ``m`` elements, and the rest of ``theta_global`` and the momentum is committed as it was.
+
 The all-reduce waits for a slow member up to a deadline derived from the measured inner phase
 (``deadline_factor`` x its duration, at least ``deadline_floor_s``), never a constant.
 """
@@ -32,6 +36,7 @@ import torch
 from potluck.compression.transfer import Snapshot
 from potluck.peer.allreduce import AllReduce, AllReduceStats, RoundInfo
 from potluck.peer.diloco import all_finite, nesterov_step, outer_snapshot
+from potluck.peer.fragments import fragment_bounds, fragment_of, fragment_step
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.runtime.log import get_logger
 from potluck.protos.testkit.faults import fault, tamper
@@ -44,6 +49,14 @@ class OuterResult:
     snapshot: Snapshot  # the new theta_global and momentum, version ``step``
     stats: AllReduceStats
     mean_norm: float
+    bounds: tuple[int, int] | None = None  # the fragment this step synced (sync.fragments > 1), else the whole
+
+
+def step_fragment(rc: RunConfig, n: int, align: int, step: int) -> tuple[int, int] | None:
+    """``[lo, hi)`` of the ``n``-element vector outer step ``step`` syncs, or None: the whole (``sync.fragments``
+    1)."""
+    f = rc.sync.fragments
+    return fragment_bounds(n, f, align, fragment_of(step, f)) if f > 1 else None
 
 
 def pseudo_gradient(start: torch.Tensor, theta_local: torch.Tensor) -> torch.Tensor:
@@ -74,6 +87,16 @@ def outer_step(rc: RunConfig, allreduce: AllReduce, info: RoundInfo, held: Snaps
     if base is not None:
         return _grouped(rc, allreduce, info, held, base, delta, wait_s, meta, samples)
     mean, stats = allreduce.run(info, delta, wait_s=wait_s, grace_s=max(2.0, 0.25 * wait_s), samples=samples)
+    bounds = step_fragment(rc, theta.numel(), allreduce.codec.align, info.step)
+    if bounds is not None:
+        lo, hi = bounds
+        mean_norm = float(mean[: hi - lo].norm())
+        if not math.isfinite(mean_norm):
+            raise ValueError("the averaged pseudo-gradient holds NaN or Inf")
+        new_theta, new_m = fragment_step(theta, held.tensors["momentum"], mean, lo, hi, d.outer_lr, d.outer_momentum,
+                                         d.nesterov)
+        snap = outer_snapshot(new_theta, new_m, info.step, {**meta, "epoch": info.epoch}, hash_later=True)
+        return OuterResult(snap, stats, mean_norm, bounds)
     # the step needs only the mean (a fresh vector, which it turns into the new theta); delta's buffer, read
     # by nobody once the round is complete, takes the new momentum: no model-sized vector to page in
     spare, delta = delta, None

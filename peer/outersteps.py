@@ -30,7 +30,8 @@ from potluck.compression.transfer import Snapshot
 from potluck.peer.allreduce import IncompleteRound, RoundInfo
 from potluck.peer.diloco import all_finite, host_vector
 from potluck.peer.follower import Action, Held, Train
-from potluck.peer.outer import OuterResult, outer_step, pseudo_gradient
+from potluck.peer.fragments import fragment_delta
+from potluck.peer.outer import OuterResult, outer_step, pseudo_gradient, step_fragment
 from potluck.peer.states import epoch_of
 from potluck.peer.tasklet import Tasklet
 from potluck.protos.runtime.log import get_logger, set_context
@@ -127,7 +128,14 @@ class OuterSteps:
                         "its inner steps", step)
             return self._fail(step)
         held = t.states.current
-        delta = pseudo_gradient(held.tensors["theta"], t.worker.theta()) if contribute else None
+        theta = held.tensors["theta"]
+        bounds = step_fragment(s.rc, theta.numel(), t.allreduce.codec.align, step)
+        local = None
+        if bounds is None:
+            delta = pseudo_gradient(theta, t.worker.theta()) if contribute else None
+        else:  # streaming: this step's fragment only; the others train on from where this member has them
+            local = t.worker.theta() if contribute else None  # (a stalled phase goes back to theta_global whole)
+            delta = fragment_delta(theta, local, *bounds, t.allreduce.numel) if local is not None else None
         try:
             done = outer_step(s.rc, t.allreduce, info, held, delta, inner_seconds, t.worker.meta(), self._base(info),
                               samples)
@@ -135,7 +143,10 @@ class OuterSteps:
             log.warning("%s; recovering state from the other members", err)
             return self._fail(step, info.epoch)
         s.inner.pace.sent(done.stats.send_s)
-        t.adopt(done.snapshot)
+        if local is not None and bounds is not None:
+            lo, hi = bounds
+            local[lo:hi] = done.snapshot.tensors["theta"][lo:hi]
+        t.adopt(done.snapshot, local)
         self._committed(step, done, info, time.monotonic() - t0, contribute)
 
     def _committed(self, step: int, done: OuterResult, info: RoundInfo, sync_s: float, contribute: bool) -> None:
@@ -179,13 +190,17 @@ class OuterSteps:
         """
         t = self.s.tasklet
         theta_local = t.worker.theta()
-        landed = self.inflight is not None
+        before = self.inflight
+        landed = before is not None
         if landed and not self.land(load=False):  # (its wait counts as the step before's)
             return  # the step before did not commit here: this phase trained from a state the swarm does not hold
         if interrupted:
             if landed:  # as a landed step leaves the worker: at the committed theta_global
                 t.worker.load(t.states.current.tensors["theta"])
             return
+        if self.s.rc.sync.fragments > 1:
+            return self._overlapped_fragment(step, inner_seconds, start, theta_local,
+                                             before.step if before is not None else None, contribute, samples)
         t0 = time.monotonic()
         delta = pseudo_gradient(start, theta_local) if contribute else None
         if delta is not None and not all_finite(delta):
@@ -196,6 +211,35 @@ class OuterSteps:
         # the committed theta_global plus this member's own progress, until the average of it arrives
         t.worker.load(torch.sub(theta, delta, out=host_vector(theta.numel(), t.worker.pinned)) if delta is not None
                       else theta)
+        self._fly(step, held, delta, inner_seconds, samples, t0)
+
+    def _overlapped_fragment(self, step: int, inner_seconds: float, start: torch.Tensor, theta_local: torch.Tensor,
+                             landed: int | None, contribute: bool, samples: int) -> None:
+        """:meth:`_overlapped` with streaming outer steps: the fragment of the step just landed (``landed``) goes
+        on from its new theta_global plus what the phase since trained on it (``start - theta_local`` there, as
+        the whole vector does without fragments); this step's fragment contributes ``theta_global - theta_local``
+        there and, like every other fragment, trains on locally until its average lands."""
+        t, t0 = self.s.tasklet, time.monotonic()
+        held = t.states.current
+        theta = held.tensors["theta"]
+        n, align = theta.numel(), t.allreduce.codec.align
+        if landed is not None and (was := step_fragment(self.s.rc, n, align, landed)) is not None:
+            lo, hi = was
+            progress = torch.sub(start[lo:hi], theta_local[lo:hi])
+            torch.sub(theta[lo:hi], progress, out=theta_local[lo:hi])
+        bounds = step_fragment(self.s.rc, n, align, step)
+        assert bounds is not None
+        delta = fragment_delta(theta, theta_local, *bounds, t.allreduce.numel) if contribute else None
+        if delta is not None and not all_finite(delta):
+            log.error("local training produced NaN/Inf; contributing nothing to step %d", step)
+            delta = None
+        t.worker.load(theta_local if delta is not None else theta)  # (a stalled phase: back to theta_global whole)
+        self._fly(step, held, delta, inner_seconds, samples, t0)
+
+    def _fly(self, step: int, held: Snapshot, delta: torch.Tensor | None, inner_seconds: float, samples: int,
+             t0: float) -> None:
+        """Resolve ``step``'s round and start its outer step on a thread (see :meth:`_overlapped`)."""
+        t = self.s.tasklet
         info = self._resolve(step)
         if info is None:
             log.warning("step %d is not this peer's to commit (not a member after all, or rolled back); discarding "
@@ -244,7 +288,14 @@ class OuterSteps:
             self._fail(flight.step, flight.info.epoch)
             return False
         if load:
-            self.s.tasklet.worker.load(flight.done.snapshot.tensors["theta"])
+            t, theta = self.s.tasklet, flight.done.snapshot.tensors["theta"]
+            if flight.done.bounds is None:
+                t.worker.load(theta)
+            else:  # streaming: the landed fragment at its new theta_global, the others as this member trained them
+                lo, hi = flight.done.bounds
+                local = t.worker.theta()
+                local[lo:hi] = theta[lo:hi]
+                t.worker.load(local)
         set_context(step=flight.step)
         self._committed(flight.step, flight.done, flight.info, flight.blocked_s + time.monotonic() - t0, flight.contributed)
         return True

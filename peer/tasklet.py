@@ -25,6 +25,7 @@ from potluck.peer.audit import Auditor
 from potluck.peer.data import Dataset
 from potluck.peer.diloco import outer_snapshot
 from potluck.peer.follower import Recover
+from potluck.peer.fragments import fragment_size
 from potluck.peer.heartbeat import Heartbeat
 from potluck.peer.joining import Joined, device_memory, pick_device
 from potluck.peer.links import LinkConfig, LinkProber
@@ -238,6 +239,8 @@ class Tasklet:
             tools.devices.attach(worker)  # the other processes build the same worker and hold its theta
         # grouped averaging averages theta and momentum (as differences from the group's base): twice the vector
         numel = worker.numel * (2 if rc.sync.group_size else 1)
+        if rc.sync.fragments > 1:  # streaming outer steps: each all-reduces one fragment (zero-padded to m)
+            numel = fragment_size(worker.numel, rc.sync.fragments, tools.codec.align)
         allreduce = AllReduce(run_id=rc.run_id, me=tools.me, numel=numel, codec=tools.codec, client=tools.client,
                               chunk_bytes=rc.sync.chunk_bytes, rpc_timeout=rc.sync.rpc_timeout_s,
                               ping=tools.ping_member, stopping=tools.stopping, sign=tools.sign,
@@ -337,9 +340,11 @@ class Tasklet:
         self.close()
         return Tasklet.build(self.tools, stage)
 
-    def adopt(self, snap: Snapshot) -> None:
-        """Hold ``snap`` as theta_global (committed here or recovered) and train on from it."""
-        self.worker.load(snap.tensors["theta"], int(snap.meta.get("inner_steps", self.worker.steps_done)))
+    def adopt(self, snap: Snapshot, local: torch.Tensor | None = None) -> None:
+        """Hold ``snap`` as theta_global (committed here or recovered) and train on from it, or from ``local``
+        (streaming outer steps: the fragments not synced go on from this member's own progress)."""
+        self.worker.load(snap.tensors["theta"] if local is None else local,
+                         int(snap.meta.get("inner_steps", self.worker.steps_done)))
         self.states.commit(replace(snap, meta={**self.worker.meta(), "epoch": epoch_of(snap)}))  # (its hash may still be under way)
         self.expect_next()
         set_context(step=snap.version)

@@ -122,7 +122,9 @@ class TrainConfig(Section):
 class DiLoCoConfig(Section):
     """The outer loop (Douillard et al. 2023): H inner steps, then Nesterov on the mean pseudo-gradient."""
 
-    inner_steps: int = Field(50, ge=1, description="H: inner steps per outer step")
+    inner_steps: int = Field(
+        50, ge=1, description="H: inner steps per outer step (with sync.fragments = F each fragment is synced "
+        "every F outer steps: set H/F here to keep H inner steps between a fragment's syncs)")
     outer_steps: int = Field(20, ge=1, description="outer steps in the whole run")
     outer_lr: float = Field(0.7, gt=0)
     outer_momentum: float = Field(0.9, ge=0, lt=1)
@@ -185,6 +187,13 @@ class SyncConfig(Section):
         "round's reasons, loses shard ownership for demote_steps steps (it still trains and contributes; a complaint "
         "is not a proof: nobody is evicted for it) (0: never)")
     demote_steps: int = Field(50, ge=1, description="outer steps a demoted owner owns no shard")
+    fragments: int = Field(
+        1, ge=1, le=64, description="streaming outer steps (Streaming DiLoCo): the stage's parameters are cut into "
+        "this many contiguous fragments of equal size and outer step s all-reduces and Nesterov-steps fragment "
+        "(s - 1) mod fragments only, cutting each step's outer bytes by this factor; the other fragments train on "
+        "locally until their turn (set diloco.inner_steps to H / fragments to keep H inner steps between a "
+        "fragment's syncs). A peer that restarts or joins starts from the committed state (its unsynced local "
+        "progress is lost). Not with sync.group_size. 1: the whole stage every step")
 
     @model_validator(mode="before")
     @classmethod
@@ -491,6 +500,10 @@ class RunConfig(Section):
         if p.stages > 1 and self.diloco.overlap:
             raise ValueError("diloco.overlap needs pipeline.stages = 1: a pipeline starts each step only on the "
                              "coordinator's round for it, which waits for the step before")
+        if self.sync.fragments > 1 and self.sync.group_size:
+            raise ValueError(f"sync.fragments = {self.sync.fragments} needs sync.group_size = 0: a grouped step "
+                             "averages whole states of members that hold different ones, a fragment's step only "
+                             "one slice of a state every member holds alike; use one or the other")
         return self
 
     @field_validator("run_id")
