@@ -47,6 +47,7 @@ def _member(idx: int, args: argparse.Namespace, ca_path: str, conn, barrier) -> 
     from potluck.protos.net.certs import CertificateAuthority, TlsIdentity
     from potluck.protos.net.identity import Identity
     from potluck.protos.net.transport import PeerClient, PeerServer, Traffic
+    from potluck.protos.runtime.heap import Heap
 
     torch.set_num_threads(args.threads)
     identity = Identity.generate()
@@ -68,6 +69,7 @@ def _member(idx: int, args: argparse.Namespace, ca_path: str, conn, barrier) -> 
             return ar.inbox.on_result(chunks)
 
     server = PeerServer(Handlers(), traffic, host="127.0.0.1", port=0, tls=tls)
+    Heap().settle(time.monotonic())  # as a peer does once set up (potluck.peer.daemon.Session): collections off the step
     try:
         conn.send((identity.peer_id, f"127.0.0.1:{server.port}"))
         members = tuple(MemberAddr(p, a) for p, a in sorted(conn.recv()))

@@ -51,6 +51,7 @@ from potluck.protos.config.section import ConfigError
 from potluck.protos.net.errors import CannotBind
 from potluck.protos.net.identity import Identity
 from potluck.protos.net.swarm import JoinError
+from potluck.protos.runtime.heap import Heap
 from potluck.protos.runtime.log import get_logger, set_context
 from potluck.protos.testkit.faults import fault
 from potluck.protos.testkit.netem import NetemTopologyError
@@ -138,6 +139,12 @@ class Session:
         self.ready_at, self.first_round_at, self.recovered_s = time.time(), 0.0, 0.0
         self.outer = OuterSteps(self)
         tools.announce(self.tasklet.worker.numel, self.phases)
+        # the cycle collector off the steps' critical path: what the peer holds once set up (torch, hivemind, gRPC,
+        # the model: ~200,000 objects) is frozen, and full collections run between steps (_begin), not wherever an
+        # allocation in the all-reduce's threads happened to trigger one (a full pass walked all of it: 39 % of the
+        # busy CPU of benchmarks/allreduce_vs_hivemind.py's members)
+        self.heap = Heap()
+        self.heap.settle(time.monotonic())
 
     def train(self) -> None:
         while True:
@@ -188,6 +195,8 @@ class Session:
         assert me is not None  # (a Train's round is one this peer is a member of: Follower.next)
         self.replica, self.waiting = me.replica, ""
         self.first_round_at = self.first_round_at or time.time()
+        if self.heap.due(time.monotonic()):
+            self.heap.collect(time.monotonic())
         set_context(step=step)
         self.set_state(PeerState.TRAINING)
         self.telemetry.begin_inner(step, self.rc.diloco.inner_steps, self.tools.device)
