@@ -45,8 +45,8 @@ def wandb_records(folder: Path) -> list[dict[str, Any]]:
     """The records of the one offline run in ``folder`` (``wandb`` of W&B's ``dir``)."""
     logs = sorted(folder.glob("offline-run-*/run-*.wandb"))
     assert len(logs) == 1, f"one offline W&B run expected under {folder}: {logs}"
-    exe = Path(sys.executable).parent / "wandb"
-    done = subprocess.run([str(exe), "leet", "inspect", "--json", str(logs[0])], capture_output=True, text=True,
+    # (the interpreter's own wandb, whichever environment it was installed into)
+    done = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(logs[0])], capture_output=True, text=True,
                           timeout=120, env={**os.environ, "WANDB_SILENT": "true"})
     assert done.returncode == 0, done.stderr
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
