@@ -210,3 +210,40 @@ def test_a_runs_kept_checkpoints_land_in_the_store_with_its_state_hashes(swarm, 
     finally:
         for k in env:
             os.environ.pop(k, None)
+
+
+@pytest.mark.slow
+def test_a_coordinator_whose_bucket_is_missing_exits_2_saying_so(procs: ProcessGroup, tmp_path: Path) -> None:
+    from swarm import run_config
+
+    from potluck.protos.config.files import dump_toml
+
+    server = S3Server(procs, tmp_path / "moto.log")
+    server.start()
+    run = tmp_path / "run.toml"
+    run.write_text(dump_toml(run_config({"coordinator.checkpoint_url": "s3://no-such-bucket/run"}, tmp_path / "j")))
+    log = tmp_path / "coordinator.log"
+    coord = procs.spawn_potluck(["coordinator", "--config", str(run)], log, env=server.env())
+    assert coord.wait(timeout=120) == 2
+    errors = [line for line in log.read_text().splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "bucket 'no-such-bucket' does not exist" in errors[0], log.read_text()[-2000:]
+    assert not (tmp_path / "j").exists()  # (it never served: the folder it made is gone)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_store_that_dies_is_on_the_page_and_the_run_goes_on(swarm, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    server = S3Server(swarm.procs, tmp_path / "moto.log")
+    server.start()
+    server.bucket(BUCKET)
+    swarm.start_coordinator({"coordinator.checkpoint_every": 1, "coordinator.checkpoint_url": f"s3://{BUCKET}/dies",
+                             "diloco.outer_steps": 2, "membership.min_peers": 2}, env=server.env())
+    server.kill()  # (after the start's look at the bucket: the store is gone for the whole run)
+    for _ in range(2):
+        swarm.start_peer()
+    state = swarm.wait_state(
+        lambda s: s["run"]["finished"] and any(e["kind"] == "checkpoint" and "v2 " in e["message"] for e in s["events"])
+        and any(e["message"].startswith("checkpoint upload failing: ") for e in s["events"]),
+        300, "the run's end, its checkpoints written, and the store failing on the page")
+    assert [h["step"] for h in state["history"]] == [1, 2]
+    assert "checkpoint upload failing: " in (swarm.workdir / "logs" / "coordinator.log").read_text()
