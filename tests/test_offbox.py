@@ -68,6 +68,33 @@ def test_bad_urls_are_refused_with_what_to_write() -> None:
             open_store(url)
 
 
+def test_resuming_refuses_a_journal_that_holds_a_run_an_empty_store_and_another_model(tmp_path: Path) -> None:
+    from swarm import run_config
+
+    from potluck.coordinator.store.journal import Journal, JournalState
+    from potluck.coordinator.store.offbox import backup_identity, resume_journal
+
+    cfg = run_config({}, tmp_path / "journal")
+    Journal(tmp_path / "journal").save(JournalState(run_id="r", config=cfg.manifest_sections(), created_at=1.0,
+                                                    committed=3))
+    with pytest.raises(ConfigError, match="holds run 'r' at outer step 3: give another --journal-dir"):
+        resume_journal(cfg, f"file://{tmp_path}/store")
+    fresh = run_config({}, tmp_path / "fresh")
+    with pytest.raises(ConfigError, match="no complete checkpoint there"):
+        resume_journal(fresh, f"file://{tmp_path}/store")
+    store = CheckpointStore(tmp_path / "store")
+    store.write_stages(2, stage_snapshots(cfg_for("tiny", 1), 2), {"run_id": "r", "model": {"d_model": 7}})
+    with pytest.raises(ConfigError, match="its checkpoint v2 is of another model"):
+        resume_journal(fresh, f"file://{tmp_path}/store")
+    assert not (tmp_path / "fresh" / "journal.json").exists()
+    with pytest.raises(ConfigError, match="holds no run"):
+        backup_identity(tmp_path / "fresh", tmp_path / "keys")
+    (tmp_path / "journal" / "identity.key").write_bytes(b"k")
+    assert backup_identity(tmp_path / "journal", tmp_path / "keys") == ["identity.key"]
+    with pytest.raises(ConfigError, match="exists"):
+        backup_identity(tmp_path / "journal", tmp_path / "keys")
+
+
 def test_a_missing_bucket_is_refused_at_the_start(s3: S3Server) -> None:
     with pytest.raises(ConfigError, match="bucket 'no-such-bucket' does not exist"):
         probe(open_store("s3://no-such-bucket/run"))
@@ -247,3 +274,61 @@ def test_a_store_that_dies_is_on_the_page_and_the_run_goes_on(swarm, tmp_path: P
         300, "the run's end, its checkpoints written, and the store failing on the page")
     assert [h["step"] for h in state["history"]] == [1, 2]
     assert "checkpoint upload failing: " in (swarm.workdir / "logs" / "coordinator.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_a_run_goes_on_on_a_new_box_from_its_store_and_its_backed_up_identity(swarm, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+    import subprocess
+    import sys
+
+    from swarm import run_config
+
+    from potluck.coordinator.store.offbox import resume_journal
+
+    group = ProcessGroup()  # (the store outlives the first box's processes)
+    try:
+        server = S3Server(group, tmp_path / "moto.log")
+        server.start()
+        server.bucket(BUCKET)
+        url = f"s3://{BUCKET}/moved"
+        overrides = {"coordinator.checkpoint_every": 1, "coordinator.checkpoint_url": url, "membership.min_peers": 2}
+        first = swarm.start_coordinator({**overrides, "diloco.outer_steps": 2}, env=server.env())
+        for _ in range(2):
+            swarm.start_peer()
+        before = swarm.wait_state(lambda s: s["run"]["finished"] and any(
+            e["kind"] == "checkpoint" and "v2 " in e["message"] for e in s["events"]), 300, "2 steps and their checkpoint")
+        for k, v in server.env().items():
+            monkeypatch.setenv(k, v)
+        remote = open_store(url)
+        wait_for(lambda: [c.version for c in complete(remote)] == [2, 1], 60, "v2 in the store")
+        backup = subprocess.run([sys.executable, "-m", "potluck", "coordinator", "--config", str(swarm.workdir / "run.toml"),
+                                 "--backup-identity", str(tmp_path / "secrets")], capture_output=True, text=True,
+                                timeout=120)
+        assert backup.returncode == 0, backup.stderr
+        assert {"identity.key", "ca.key"} <= {p.name for p in (tmp_path / "secrets").iterdir()}
+        swarm.procs.stop()
+        swarm.peers.clear()
+        # the new box: a fresh journal with the run's secrets, started from the store's newest checkpoint
+        new = swarm.workdir / "journal-new"
+        shutil.copytree(tmp_path / "secrets", new)
+        said = resume_journal(run_config({**overrides, "diloco.outer_steps": 4}, new), url)
+        assert "checkpoint v2 downloaded" in said
+        again = swarm.start_coordinator({**overrides, "diloco.outer_steps": 4}, journal="journal-new", env=server.env())
+        assert again["join"] == first["join"] or again["join"].endswith(first["join"].rsplit("/", 1)[-1])
+        for _ in range(2):
+            swarm.start_peer()
+        after = swarm.wait_state(lambda s: s["run"]["finished"], 300, "steps 3 and 4 on the new box")
+        assert after["run"]["coordinator"] == before["run"]["coordinator"]
+        assert after["run"]["run_id"] == before["run"]["run_id"]
+        hist = {h["step"]: h for h in after["history"]}
+        assert sorted(hist) == [1, 2, 3, 4] and hist[1]["loss"] is None  # (the first box's steps: known, not measured)
+        # the new peers recovered the first box's v2 from the new coordinator, and the loss goes on from there
+        for peer in ("peer-0", "peer-1"):  # (their logs go on in the same files)
+            assert "recovered v2" in (swarm.workdir / "logs" / f"{peer}.log").read_text()
+        assert hist[3]["eval_loss"] < before["history"][-1]["eval_loss"] + 0.15
+        wait_for(lambda: [c.version for c in complete(remote)] == [4, 3, 2], 60, "v4 in the store (keep 3)")
+    finally:
+        group.stop(timeout=10)

@@ -218,7 +218,9 @@ def mistake(tmp_path: Path, name: str) -> list[str]:
             "url": ["coordinator", "--config", str(run), "--set", 'coordinator.checkpoint_url="bogus://x/y"',
                     "--journal-dir", "new"],
             "bucket": ["coordinator", "--config", str(run), "--set", 'coordinator.checkpoint_url="s3:///runs/a"',
-                       "--journal-dir", "new"]}[name]
+                       "--journal-dir", "new"],
+            "resume": ["coordinator", "--config", str(run), "--journal-dir", "new", "--resume-from", "bogus://x/y"],
+            "backup": ["coordinator", "--config", str(run), "--journal-dir", "new", "--backup-identity", "keys"]}[name]
 
 
 @pytest.mark.parametrize("name, says", [
@@ -231,6 +233,8 @@ def mistake(tmp_path: Path, name: str) -> list[str]:
     ("seq", "model.seq_len = 10000000: this run needs about"),
     ("url", "coordinator.checkpoint_url 'bogus://x/y': unknown scheme 'bogus' (s3, gs, file, ... : fsspec's)"),
     ("bucket", "coordinator.checkpoint_url 's3:///runs/a' names no bucket: s3://BUCKET/PREFIX"),
+    ("resume", "coordinator.checkpoint_url 'bogus://x/y': unknown scheme 'bogus'"),
+    ("backup", "new holds no run (no identity.key): give the run's --journal-dir"),
 ])
 def test_usage_mistakes_are_answered_before_torch_hivemind_or_any_write(tmp_path: Path, name: str, says: str) -> None:
     """Checked before the heavy imports (what took 8-9 s), in one line, exit status 2; nothing written

@@ -26,7 +26,9 @@ as the local folder (the newest ``keep_checkpoints``). The invariants it keeps:
 
 The reader side, :func:`complete` and :func:`download`, lists the store's complete checkpoints
 (manifest present, every file it names present) newest first and fetches one into a local folder laid
-out as the coordinator's, each file hash-checked, the manifest written last.
+out as the coordinator's, each file hash-checked, the manifest written last. On a new box,
+:func:`resume_journal` (``potluck coordinator --resume-from URL``) starts a fresh journal from the newest,
+and :func:`backup_identity` (``--backup-identity PATH``) copies out what makes the run the same run.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -415,3 +418,67 @@ def download(remote: Remote, checkpoint: RemoteCheckpoint, dest: Path) -> Path:
         path.unlink(missing_ok=True)
         raise
     return path
+
+
+# ---------------------------------------------------------------------------------------------- a run on a new box
+
+SECRETS = ("identity.key", "ca.key", "join.token", "admin.token", "status-tls.key", "status-tls.pem")
+"""What in a journal directory makes a run the same run elsewhere: the coordinator's identity (its id is in the join
+address and names every DHT key of the run), the run's CA key (peers' certificates chain to it), the join and admin
+tokens, and the status page's own certificate (visitors compared its fingerprint)."""
+
+
+def backup_identity(journal_dir: Path, dest: Path) -> list[str]:
+    """Copy the run's secret material (:data:`SECRETS`, those present) from ``journal_dir`` into the new folder
+    ``dest`` (0700, each file 0600); returns the names copied. Raises ConfigError when there is no identity to copy
+    or ``dest`` exists (never over another run's keys)."""
+    if not (journal_dir / "identity.key").exists():
+        raise ConfigError(f"{journal_dir} holds no run (no identity.key): give the run's --journal-dir")
+    if dest.exists():
+        raise ConfigError(f"{dest} exists: --backup-identity writes a new folder")
+    dest.mkdir(parents=True, mode=0o700)
+    copied = []
+    for name in SECRETS:
+        if (journal_dir / name).exists():
+            fd = os.open(dest / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write((journal_dir / name).read_bytes())
+            copied.append(name)
+    return copied
+
+
+def resume_journal(cfg: Any, url: str) -> str:
+    """Start ``cfg``'s fresh journal directory from the newest complete checkpoint at ``url``: the checkpoint
+    downloaded (hash-checked) into its ``checkpoints/``, and a journal committed at its version, with its stages'
+    hashes and data cursor, so the coordinator goes on from the step after it (peers recover the checkpoint from it).
+    Secret material put there beforehand (:func:`backup_identity`'s files) makes it the same run. Raises ConfigError
+    (a journal that already holds a run, no complete checkpoint, another model or stage count). Returns a line for
+    the log."""
+    from potluck.coordinator.store.journal import Journal, JournalState, read_journal
+
+    journal_dir = Path(cfg.coordinator.journal_dir)
+    held = read_journal(journal_dir)
+    if held is not None and held.committed_run():
+        raise ConfigError(f"--resume-from starts a fresh journal, and {journal_dir} holds run {held.run_id!r} at "
+                          f"outer step {held.committed}: give another --journal-dir")
+    remote = open_store(url)
+    found = complete(remote)
+    if not found:
+        raise ConfigError(f"--resume-from {url}: no complete checkpoint there")
+    newest = found[0]
+    m = newest.manifest
+    if m.get("model") is not None and m["model"] != cfg.model.model_dump(mode="json"):
+        raise ConfigError(f"--resume-from {url}: its checkpoint v{newest.version} is of another model; resume with the "
+                          "run's [model] section")
+    stages = m.get("stages") or []
+    if len(stages) != cfg.pipeline.stages:
+        raise ConfigError(f"--resume-from {url}: its checkpoint has {len(stages)} stages; resume with pipeline.stages = "
+                          f"{len(stages)} (and change it at a later restart)")
+    download(remote, newest, journal_dir / "checkpoints")
+    v = newest.version
+    state = JournalState(run_id=str(m.get("run_id") or cfg.run_id), config=cfg.manifest_sections(),
+                         created_at=time.time(), committed=v, hashes={int(e["stage"]): {v: e["hash"]} for e in stages},
+                         cursors={str(v): m["data_cursor"]} if m.get("data_cursor") is not None else {},
+                         checkpoints=[newest.name], finished=v >= cfg.diloco.outer_steps)
+    Journal(journal_dir).save(state)
+    return f"resuming run {state.run_id} from {url}: checkpoint v{v} downloaded and verified into {journal_dir}"
