@@ -11,7 +11,7 @@ Two measurements, one JSON line:
    once (its uploader's first pass), and its ``coordinator.tick_s`` p99 from ``/api/v1/state`` is read when the
    store holds the manifest; the baseline is the same coordinator without the URL, read after as long.
 
-    python benchmarks/checkpoint_upload.py [--mb 600] [--tick-s 0.05] [--no-tick]
+    python benchmarks/checkpoint_upload.py [--mb 600] [--tick-s 0.05] [--no-tick] [--store-nice 19]
 
 The box is shared (2 cores here): moto, the uploader and the copy share them, so the upload is an upper bound on
 what a store on another machine costs the coordinator's box.
@@ -54,8 +54,8 @@ def stages(total_bytes: int) -> Iterator[Snapshot]:
         del theta, tensors
 
 
-def moto(procs: ProcessGroup, log: Path) -> str:
-    proc = procs.spawn([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", "0"], log)
+def moto(procs: ProcessGroup, log: Path, nice: int) -> str:
+    proc = procs.spawn(["nice", "-n", str(nice), sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", "0"], log)
 
     def port() -> str | None:
         if proc.poll() is not None:
@@ -119,12 +119,14 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=600, help="the checkpoint's size on disk, MB")
     parser.add_argument("--tick-s", type=float, default=0.05, help="the coordinator's tick (its p99 window: 1,000 ticks)")
     parser.add_argument("--no-tick", action="store_true", help="upload vs copy only")
+    parser.add_argument("--store-nice", type=int, default=0, help="moto's CPU priority (19: it stands in for a store on "
+                        "another machine, and takes the box's cores only when the coordinator leaves them)")
     args = parser.parse_args()
     procs = ProcessGroup()
     with tempfile.TemporaryDirectory(prefix="potluck-upload-") as tmp:
         work = Path(tmp)
         try:
-            moto(procs, work / "moto.log")
+            moto(procs, work / "moto.log", args.store_nice)
             store = CheckpointStore(work / "ckpt", keep=1)
             store.write_stages(1, stages(args.mb * 10**6), {"run_id": "bench"})
             size = sum(f.stat().st_size for f in store.dir.glob("ckpt-*"))
@@ -137,7 +139,7 @@ def main() -> None:
                 "benchmark": "checkpoint_upload", "checkpoint_bytes": size, "upload_s": round(upload_s, 3),
                 "upload_bytes_sent": up.sent_bytes, "copy_s": round(copy_s, 3),
                 "upload_over_copy": round(upload_s / copy_s, 2), "target_upload_over_copy": 1.5,
-                "verify": "every file read back from the store and its SHA-256 compared",
+                "verify": "every file read back from the store and its SHA-256 compared", "store_nice": args.store_nice,
             }
             shutil.rmtree(work / "copy")
             if not args.no_tick:
