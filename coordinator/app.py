@@ -219,6 +219,8 @@ class Coordinator:
                 self.state.history, undone = history.roll_back(self.state.history, ev.to_version)
                 self.state.rolled_back = (self.state.rolled_back + undone)[-200:]
         written = self.checkpointer.written()
+        for message, warn in self.checkpointer.upload_news():  # (the store failing or back: the page's events)
+            self._event("checkpoint", "", message, warn)
         for done in written:
             self.rounds.adopt_checkpoint(done.checkpoint)
         over, admin = self.finish.due(self.cfg, self.rounds, self.table.reports(), now, self.integrity)

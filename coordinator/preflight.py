@@ -5,7 +5,8 @@ or gRPC load and before its journal directory is touched, so a run that cannot w
 line in well under a second: a corpus its peers could not train on (:func:`~potluck.protos.config.runcheck.check_run`),
 a model no peer could hold (:mod:`~potluck.models.sizecheck`), a journal directory that holds
 another run (:func:`~potluck.coordinator.store.journal.changed_sections`), a tracker whose library is not
-installed (:func:`~potluck.coordinator.trackers.backends.missing`). The coordinator runs it again when
+installed (:func:`~potluck.coordinator.trackers.backends.missing`), a ``checkpoint_url`` that cannot name a store
+(:func:`~potluck.coordinator.store.offbox.open_store`: its bucket is asked about when the coordinator starts). The coordinator runs it again when
 it opens the run (:func:`potluck.coordinator.bootstrap.open_journal`), where it logs what it found.
 """
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from potluck.coordinator.store.journal import changed_sections, read_journal
+from potluck.coordinator.store.offbox import open_store
 from potluck.coordinator.trackers.backends import missing
 from potluck.models import sizecheck
 from potluck.protos.config.runcheck import check_run
@@ -38,6 +40,8 @@ def preflight(cfg: RunConfig) -> Checked:
         extras = ",".join(absent)
         raise ConfigError(f"coordinator.trackers names {', '.join(absent)}, not installed here: pip install "
                           f"'potluck[{extras}]' (or leave {'them' if len(absent) > 1 else 'it'} out)")
+    if cfg.coordinator.checkpoint_url:
+        open_store(cfg.coordinator.checkpoint_url)
     estimate = sizecheck.check_size(cfg)
     state = read_journal(cfg.coordinator.journal_dir)
     if state is not None:

@@ -106,10 +106,29 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     from potluck.coordinator.store.journal import JournalError
     from potluck.protos.config.section import ConfigError
 
+    if args.backup_identity:  # (a one-shot: what makes this run the same run on another box, then exit)
+        from pathlib import Path
+
+        from potluck.coordinator.store.offbox import backup_identity
+
+        try:
+            copied = backup_identity(Path(cfg.coordinator.journal_dir), Path(args.backup_identity))
+        except (ConfigError, OSError) as err:
+            raise UsageError(str(err)) from None
+        print(f"wrote {', '.join(copied)} to {args.backup_identity}: keep it secret; on a new box, copy them into "
+              "a fresh --journal-dir before --resume-from URL", flush=True)
+        return 0
     try:  # what refuses a run (no corpus, too big, another run's journal): before torch, hivemind or any write
         preflight(cfg)
     except (ConfigError, JournalError) as err:
         raise UsageError(str(err)) from None
+    if args.resume_from:
+        from potluck.coordinator.store.offbox import resume_journal
+
+        try:
+            print(resume_journal(cfg, args.resume_from), flush=True)
+        except (ConfigError, JournalError, OSError) as err:
+            raise UsageError(str(err)) from None
     from potluck.protos.runtime.heap import shed, tame
 
     tame()  # (the C allocator's settings for a long-running process: before any thread or the DHT process's fork)
@@ -313,6 +332,11 @@ def _add_coordinator(sub: Any) -> None:
                    "another; each an extra: pip install 'potluck[wandb]'); coordinator.trackers in the run file")
     c.add_argument("--exit-when-finished", action="store_true", help="exit once all outer steps are committed")
     c.add_argument("--ready-file", metavar="FILE", help="write a JSON file with the join address once serving")
+    c.add_argument("--resume-from", metavar="URL", help="start a fresh --journal-dir from the newest complete "
+                   "checkpoint at URL (coordinator.checkpoint_url of the run, e.g. s3://BUCKET/PREFIX)")
+    c.add_argument("--backup-identity", metavar="PATH", help="write the run's identity, CA key and tokens (from "
+                   "--journal-dir) to the new folder PATH and exit: on a new box, copy them into the fresh journal "
+                   "dir before --resume-from, so it is the same run")
     c.set_defaults(fn=cmd_coordinator)
 
 

@@ -214,7 +214,13 @@ def mistake(tmp_path: Path, name: str) -> list[str]:
             "journal": ["coordinator", "--config", str(run)],
             "identity": ["peer", "--join", join, "--identity", str(tmp_path / "held.key")],
             "size": ["coordinator", "--config", str(run), "--set", "model.d_model=1000000", "--journal-dir", "new"],
-            "seq": ["coordinator", "--config", str(run), "--set", "model.seq_len=10000000", "--journal-dir", "new"]}[name]
+            "seq": ["coordinator", "--config", str(run), "--set", "model.seq_len=10000000", "--journal-dir", "new"],
+            "url": ["coordinator", "--config", str(run), "--set", 'coordinator.checkpoint_url="bogus://x/y"',
+                    "--journal-dir", "new"],
+            "bucket": ["coordinator", "--config", str(run), "--set", 'coordinator.checkpoint_url="s3:///runs/a"',
+                       "--journal-dir", "new"],
+            "resume": ["coordinator", "--config", str(run), "--journal-dir", "new", "--resume-from", "bogus://x/y"],
+            "backup": ["coordinator", "--config", str(run), "--journal-dir", "new", "--backup-identity", "keys"]}[name]
 
 
 @pytest.mark.parametrize("name, says", [
@@ -225,6 +231,10 @@ def mistake(tmp_path: Path, name: str) -> list[str]:
     ("identity", "held.key is in use by another peer on this machine; give this one its own with --identity FILE"),
     ("size", "model.d_model = 1000000: this run needs about 768.3 TB a peer: 24.0T parameters at 32 bytes each"),
     ("seq", "model.seq_len = 10000000: this run needs about"),
+    ("url", "coordinator.checkpoint_url 'bogus://x/y': unknown scheme 'bogus' (s3, gs, file, ... : fsspec's)"),
+    ("bucket", "coordinator.checkpoint_url 's3:///runs/a' names no bucket: s3://BUCKET/PREFIX"),
+    ("resume", "coordinator.checkpoint_url 'bogus://x/y': unknown scheme 'bogus'"),
+    ("backup", "new holds no run (no identity.key): give the run's --journal-dir"),
 ])
 def test_usage_mistakes_are_answered_before_torch_hivemind_or_any_write(tmp_path: Path, name: str, says: str) -> None:
     """Checked before the heavy imports (what took 8-9 s), in one line, exit status 2; nothing written

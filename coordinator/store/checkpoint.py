@@ -148,6 +148,26 @@ def map_stage(path: Path, entry: dict[str, Any], version: int, meta: dict[str, A
     return Snapshot(tensors, version, entry["hash"], meta)
 
 
+def manifest_files(manifest: Any) -> list[tuple[str, str]]:
+    """(file name, SHA-256) of each data file a manifest (either format) names; raises ValueError for a manifest
+    that names none or names a path rather than a file of its folder (a store's manifests are read from afar)."""
+    if not isinstance(manifest, dict) or manifest.get("format") not in (FORMAT, FORMAT_V1):
+        raise ValueError(f"unknown checkpoint format {manifest.get('format') if isinstance(manifest, dict) else None!r}")
+    if manifest["format"] == FORMAT_V1:
+        files = [(manifest.get("file"), manifest.get("file_sha256"))]
+    else:
+        stages = manifest.get("stages")
+        if not isinstance(stages, list) or not stages or not all(isinstance(e, dict) for e in stages):
+            raise ValueError("the manifest lists no stage files")
+        files = [(e.get("file"), e.get("sha256")) for e in stages]
+    for name, sha in files:
+        if not isinstance(name, str) or not name or Path(name).name != name or name.startswith("."):
+            raise ValueError(f"the manifest names {name!r}, not a file of its folder")
+        if not isinstance(sha, str) or len(sha) != 64:
+            raise ValueError(f"the manifest gives {name} no SHA-256")
+    return [(str(n), str(h)) for n, h in files]
+
+
 def _stem(path: Path) -> str:
     """``ckpt-000005`` of every file of version 5."""
     return path.name.split(".")[0]

@@ -4,7 +4,8 @@ The :class:`Checkpointer` owns everything about checkpoints: the on-disk store, 
 that fetches a committed version from its members, and the checkpoint it serves to recovering
 peers (cut into the run's current stages). The coordinator's loop only *asks* (:meth:`want`) and
 *hears back* (:meth:`results`): a newer wanted version supersedes an older one still being
-fetched, and the final version of a run is never skipped.
+fetched, and the final version of a run is never skipped. With ``coordinator.checkpoint_url`` it also
+owns the :class:`~potluck.coordinator.store.offbox.Uploader`, woken after each write and never waited for.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from potluck.compression.transfer import (
 from potluck.coordinator.rounds.cursor import Cursor
 from potluck.coordinator.rounds.roundevents import Checkpoint
 from potluck.coordinator.store.checkpoint import CheckpointStore
+from potluck.coordinator.store.offbox import Remote, Uploader, open_store, probe
 from potluck.models import stage_bounds
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config.runconfig import RunConfig
@@ -95,8 +97,11 @@ class Served:
 
 class Checkpointer:
     def __init__(self, directory: Path, keep: int, client: PeerClient, *, run_id: str, me: str,
-                 bounds: list[tuple[int, int]], chunk_bytes: int, rpc_timeout_s: float, meta: dict[str, Any]) -> None:
+                 bounds: list[tuple[int, int]], chunk_bytes: int, rpc_timeout_s: float, meta: dict[str, Any],
+                 remote: Remote | None = None) -> None:
         self.store = CheckpointStore(directory, keep=keep)
+        # (copies each checkpoint kept to coordinator.checkpoint_url, on its own thread)
+        self.uploader = Uploader(remote, self.store, keep) if remote is not None else None
         self.client, self.run_id, self.me, self.bounds = client, run_id, me, bounds
         self.chunk_bytes, self.rpc_timeout_s, self.meta = chunk_bytes, rpc_timeout_s, meta
         self.served: Served | None = None  # replaced whole, never changed in place: handlers read it lock-free
@@ -112,11 +117,14 @@ class Checkpointer:
         c = cfg.coordinator
         return cls(Path(c.journal_dir) / "checkpoints", c.keep_checkpoints, client, run_id=run_id, me=me,
                    bounds=stage_bounds(cfg.model, cfg.pipeline), chunk_bytes=cfg.sync.chunk_bytes,
-                   rpc_timeout_s=cfg.sync.rpc_timeout_s, meta={"model": cfg.model.model_dump(mode="json")})
+                   rpc_timeout_s=cfg.sync.rpc_timeout_s, meta={"model": cfg.model.model_dump(mode="json")},
+                   remote=open_store(c.checkpoint_url) if c.checkpoint_url else None)
 
     def start(self) -> None:
         """Serve the newest checkpoint whose files verify (skipping, with a log line, those that do not),
-        then start the worker."""
+        then start the worker, and the uploader once its store's bucket is not known to be missing (ConfigError)."""
+        if self.uploader is not None:
+            probe(self.uploader.remote)
         for path in self.store.manifests():
             try:
                 self.store.verified(path)
@@ -125,6 +133,8 @@ class Checkpointer:
             except (ValueError, KeyError, OSError) as err:
                 log.error("checkpoint %s is unusable (%s); trying the previous one", path.stem, err)
         self._thread.start()
+        if self.uploader is not None:
+            self.uploader.start()
 
     def stop(self, timeout: float = 2.0) -> None:
         self._stopping.set()
@@ -132,6 +142,8 @@ class Checkpointer:
             self._cond.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if self.uploader is not None:
+            self.uploader.stop(timeout)
 
     # ------------------------------------------------------------------ the loop's side
 
@@ -148,8 +160,15 @@ class Checkpointer:
         return served.checkpoint() if served is not None else None
 
     def busy(self) -> bool:
+        """A checkpoint being fetched or written, or one still owed to a store that is not failing."""
         with self._cond:
-            return self._busy or self._job is not None
+            if self._busy or self._job is not None:
+                return True
+        return self.uploader is not None and self.uploader.pending()
+
+    def upload_news(self) -> list[tuple[str, bool]]:
+        """(message, is a warning) of each time the checkpoint store started failing or worked again."""
+        return self.uploader.news() if self.uploader is not None else []
 
     def written(self) -> list[Written]:
         """The checkpoints written since the last call (one that could not be is said in the log)."""
@@ -229,6 +248,8 @@ class Checkpointer:
             if job.cursor is not None:
                 extra["data_cursor"] = job.cursor.to_json()
             path = self.store.write_stages(job.version, (fetched(i) for i in range(stages)), extra)
+            if self.uploader is not None:
+                self.uploader.offer()
             self.serve(path)
         except Superseded:
             return NotWritten(job.version, "superseded by a newer version")

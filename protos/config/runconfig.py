@@ -322,7 +322,12 @@ class CoordinatorConfig(Section):
     status_port: int = Field(0, ge=0, le=65535, description="status page port (0 = any)")
     journal_dir: str = Field("potluck-run", description="run state, identity and checkpoints")
     checkpoint_every: int = Field(5, ge=0, description="outer steps between checkpoints; 0 disables them")
-    keep_checkpoints: int = Field(3, ge=1)
+    keep_checkpoints: int = Field(3, ge=1, description="checkpoints kept, the newest (locally and at checkpoint_url)")
+    checkpoint_url: str = Field(
+        "", description="an fsspec URL (s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, file:///PATH) that receives every "
+        "checkpoint kept, uploaded off the coordinator's loop, each file verified by hash and the manifest last, "
+        "pruned as the local ones; credentials and endpoint from the store's environment (AWS_ACCESS_KEY_ID, "
+        "AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, ...); s3 needs pip install 'potluck[s3]'. '' = this disk only")
     tick_s: float = Field(0.2, gt=0, description="how often the coordinator re-reads the DHT")
     startup_timeout_s: float = Field(60.0, gt=0, description="time allowed for the DHT daemon to start")
     insecure: bool = Field(False, description="plaintext gRPC between peers: local experiments only (the status "
