@@ -163,6 +163,7 @@ def test_files_already_there_and_verified_are_not_sent_again(s3: S3Server, tmp_p
     assert set(sent) == {second} and again.sent_bytes == (local.dir / second).stat().st_size
 
 
+@pytest.mark.slow  # (the server killed and started again: 16-20 s of the clients' retries)
 def test_an_upload_the_server_dies_in_leaves_no_manifest_and_goes_out_whole_later(s3: S3Server, tmp_path: Path) -> None:
     local = CheckpointStore(tmp_path / "checkpoints", keep=2)
     remote = open_store(f"s3://{BUCKET}/run-3", part_bytes=5 << 20)  # (S3's smallest part: a 12 MB file is 3 parts)
