@@ -109,13 +109,19 @@ def test_a_peers_paths_sync_one_fragment_a_step_and_train_the_others_on(overlap:
             if overlap:
                 pending = (lo, hi, delta)
                 assert np.array_equal(flatten_params(t.worker.params).numpy(), local)  # trains on, unsynced
+                assert outer.inflight is not None and outer.inflight.thread is not None
+                outer.inflight.thread.join()  # (the step commits on its own thread: waited for, not raced)
+                want_g, want_m = g.copy(), mom.copy()
+                want_g[lo:hi], want_m[lo:hi] = np_nesterov(g[lo:hi], mom[lo:hi], delta, lr, mu)
             else:
                 g[lo:hi], mom[lo:hi] = np_nesterov(g[lo:hi], mom[lo:hi], delta, lr, mu)
                 local[lo:hi] = g[lo:hi]
                 assert np.array_equal(flatten_params(t.worker.params).numpy(), local)
+                want_g, want_m = g, mom
             got = t.states.current
-            assert got.version == (step - 1 if overlap else step)
-            assert np.array_equal(got.tensors["theta"].numpy(), g) and np.array_equal(got.tensors["momentum"].numpy(), mom)
+            assert got.version == step
+            assert np.array_equal(got.tensors["theta"].numpy(), want_g)
+            assert np.array_equal(got.tensors["momentum"].numpy(), want_m)
         if overlap:  # landing the last step (not for training the next): its fragment at theta_global, the rest as trained
             assert outer.inflight is not None and outer.land() and pending is not None
             lo, hi, delta = pending
