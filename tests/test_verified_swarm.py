@@ -131,9 +131,8 @@ def test_an_owner_that_leaves_out_what_it_receipted_is_proven_evicted_and_its_st
     assert first <= 2, proven[0]["message"]
     liar_id = proven[0]["peer"]
     said = [e for e in attacked["events"] if e["kind"] not in ("round", "joined", "started", "replan")]
-    # rolled back to before the first proven step as a rule; in 1 of ~6 runs the proofs of steps 1 and 2
-    # were ruled out of order and the run went back to v1 only, keeping step 1's left-out slice: a gap, named in the
-    # threat model's notes of this stop)
+    # (rolled back to before the first proven step as a rule; in 2 of ~8 runs of `one` no rollback to v0 was seen:
+    # not diagnosed yet, perhaps the proofs of steps 1 and 2 ruled out of order; accepted to before the step after)
     assert any(e["kind"] == "rollback" and any(f"to v{k}" in e["message"] for k in range(first + 1)) for e in attacked["events"]), said
     assert not [e for e in attacked["events"] if e["kind"] in ("proven", "evicted") and e["peer"] != liar_id]
     assert liar_id not in {m["peer_id"] for m in attacked["round"]["members"]}
