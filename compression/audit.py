@@ -155,13 +155,15 @@ def check(rnd: Round, claim: ResultClaim, inputs: Mapping[str, Signed], codec: C
     return "; ".join(lies)
 
 
-def omitted(rnd: Round, claim: ResultClaim, sender: str, contribution: Signed) -> tuple[bool, str]:
-    """Does a signed result leave out a contribution its signer receipted? ``(True, what)`` is a proof: the owner
+def omitted(rnd: Round, claim: ResultClaim, sender: str, contribution: Signed) -> tuple[str, str]:
+    """Does a signed result leave out a contribution its signer receipted? ``("lie", what)`` is a proof: the owner
     acknowledged ``sender``'s contribution (its signature over :func:`receipt_digest`) and signed a result that
-    does not name it. ``(False, why)`` when the material proves the accusation false: the result names it, the
-    receipt is not the signer's, or the contribution claims more work than its sender was handed (an owner
-    leaves that out rightly). Raises :class:`Unverifiable` when it proves nothing either way: the result is not
-    signed by who it says, or the contribution is not ``sender``'s."""
+    does not name it. ``("false", why)`` when the material proves the accusation false: the result names it, or
+    the receipt is not the signer's. ``("rightly", why)``: the result does leave it out, and rightly: the
+    contribution claims more work than ``rnd`` hands its sender (an honest sender can get there: it trained on an
+    earlier decision of the round, and the owner receipted before it knew the round; nobody is to blame). Raises
+    :class:`Unverifiable` when it proves nothing either way: the result is not signed by who it says, or the
+    contribution is not ``sender``'s."""
     if not result_signed(rnd, claim):
         raise Unverifiable(f"the result of shard {rnd.shard} is not signed by {short_id(claim.result.signer)}")
     digest = input_digest(rnd, claim.attempt, sender, contribution)
@@ -169,14 +171,14 @@ def omitted(rnd: Round, claim: ResultClaim, sender: str, contribution: Signed) -
         raise Unverifiable(f"the contribution shown as {short_id(sender)}'s is not signed by it")
     owner = claim.result.signer
     if not contribution.receipt or not verify(owner, receipt_digest(digest), contribution.receipt):
-        return False, f"{short_id(sender)} shows no receipt of {short_id(owner)}'s for that contribution"
-    if sender in rnd.handed and contribution.samples > rnd.handed[sender]:
-        return False, (f"{short_id(sender)}'s contribution claims {contribution.samples} samples, more than the "
-                       f"{rnd.handed[sender]} it was handed: an owner leaves it out")
+        return "false", f"{short_id(sender)} shows no receipt of {short_id(owner)}'s for that contribution"
     named = dict(zip(claim.inputs, claim.input_digests, strict=False))
     if named.get(sender) == digest:
-        return False, f"its result names {short_id(sender)}'s contribution"
-    return True, (f"it receipted {short_id(sender)}'s contribution to shard {rnd.shard} (attempt {claim.attempt}) "
+        return "false", f"its result names {short_id(sender)}'s contribution"
+    if sender in rnd.handed and contribution.samples > rnd.handed[sender]:
+        return "rightly", (f"{short_id(sender)}'s contribution claims {contribution.samples} samples, more than the "
+                           f"{rnd.handed[sender]} the round hands it: an owner leaves it out")
+    return "lie", (f"it receipted {short_id(sender)}'s contribution to shard {rnd.shard} (attempt {claim.attempt}) "
                   f"and signed a result that {'names another' if sender in named else 'leaves it out'}")
 
 

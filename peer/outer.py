@@ -65,6 +65,19 @@ def pseudo_gradient(start: torch.Tensor, theta_local: torch.Tensor) -> torch.Ten
     return torch.sub(start, theta_local, out=theta_local)
 
 
+def claimable(info: RoundInfo, samples: int) -> int:
+    """The samples this member's contribution claims: those it trained on, at most what the round it commits under
+    hands its replica. More happens honestly: it trained on an earlier decision of the round, whose share was
+    longer, and the coordinator decided the round again meanwhile (a member came or went). Its owner refuses
+    a claim over the round's share, so it claims the share."""
+    handed = info.handed_to(info.me)
+    if handed is None or samples <= handed:
+        return samples
+    log.info("step %d: trained on %d samples; the round hands this replica %d: its contribution claims %d",
+             info.step, samples, handed, handed)
+    return handed
+
+
 def outer_step(rc: RunConfig, allreduce: AllReduce, info: RoundInfo, held: Snapshot, delta: torch.Tensor | None,
                inner_seconds: float, meta: dict, base: Snapshot | None = None, samples: int = 1) -> OuterResult:
     """Average this member's pseudo-gradient ``delta`` with the stage's other members and take the outer
@@ -80,6 +93,7 @@ def outer_step(rc: RunConfig, allreduce: AllReduce, info: RoundInfo, held: Snaps
         log.error("local training produced NaN/Inf; contributing nothing to step %d", info.step)
         delta = None
     if delta is not None:
+        samples = claimable(info, samples)
         delta = tamper("outer.delta", info.step, delta)  # a Byzantine peer, in the attack tests only
         samples = int(tamper("outer.samples", info.step, samples))  # one that claims more work than it did (tests)
     s, d = rc.sync, rc.diloco

@@ -242,3 +242,21 @@ def test_an_auditor_that_said_ok_to_a_proven_lie_is_evicted_with_its_owner(ok_fi
     ok(b, 2, IDS[3], result="cd" * 64)
     rulings.ready = [Ruling(Accusation(other, X, (), 4), "lie", "not the average", "ab" * 64)]
     assert [(v.evict, v.kind) for v in ig.verdicts()] == [(IDS[3], "proven")], "b said ok to another result"
+
+
+def test_an_omission_of_an_over_claim_evicts_nobody() -> None:
+    """A contributor that trained on an earlier decision of the round claims more samples than the round its owner
+    and the coordinator hold hands it; the owner receipted it before it knew the round, then left it out. The
+    contributor's complaint is true, and the omission was right: nobody is evicted (a run under churn once evicted
+    the honest contributor here). A complaint the evidence proves false still evicts its maker."""
+    from potluck.coordinator.trust.verifier import Accusation, Ruling
+
+    rulings = Rulings()
+    ig = Integrity(RunConfig(), Trust(0, founders=set(IDS)), verifier=rulings)  # type: ignore[arg-type]
+    said = AuditReport(step=1, shard=0, owner=X, verdict="omitted")
+    rulings.ready = [Ruling(Accusation(said, IDS[1], (), 4), "rightly", "claims 80 samples, more than the 72")]
+    verdicts = ig.verdicts()
+    assert [(v.evict, v.kind, v.retract) for v in verdicts] == [("", "audit", 0)], verdicts
+    assert "rightly" in verdicts[0].message and "nobody is evicted" in verdicts[0].message
+    rulings.ready = [Ruling(Accusation(said, IDS[2], (), 4), "false", "its result names it")]
+    assert [(v.evict, v.kind) for v in ig.verdicts()] == [(IDS[2], "evicted")]

@@ -138,12 +138,15 @@ def signed_round(owner: Identity, sender: Identity, *, name_it: bool = True, rec
 
 def test_the_omission_rule() -> None:
     owner, sender = Identity.generate(), Identity.generate()
-    assert omitted(*signed_round(owner, sender, name_it=False))[0] is True
-    assert omitted(*signed_round(owner, sender, name_it=True))[0] is False, "named: no proof"
-    proven, why = omitted(*signed_round(owner, sender, name_it=False, receipt_by=Identity.generate()))
-    assert not proven and "no receipt" in why, "a receipt by someone else proves nothing against the owner"
-    proven, why = omitted(*signed_round(owner, sender, name_it=False, samples=9, handed=8))
-    assert not proven and "more than" in why, "an over-claim is left out rightly"
+    assert omitted(*signed_round(owner, sender, name_it=False))[0] == "lie"
+    assert omitted(*signed_round(owner, sender, name_it=True))[0] == "false", "named: no proof"
+    verdict, why = omitted(*signed_round(owner, sender, name_it=False, receipt_by=Identity.generate()))
+    assert verdict == "false" and "no receipt" in why, "a receipt by someone else proves nothing against the owner"
+    verdict, why = omitted(*signed_round(owner, sender, name_it=False, samples=9, handed=8))
+    # an over-claim is left out rightly, and saying so is no lie either: an honest sender that trained on an
+    # earlier decision of the round claims what it trained, and the owner receipted before it knew the round
+    assert verdict == "rightly" and "more than" in why
+    assert omitted(*signed_round(owner, sender, name_it=False, samples=8, handed=8))[0] == "lie", "a claim of its share"
     rnd, claim, _, contribution = signed_round(owner, sender, name_it=False)
     with pytest.raises(Unverifiable):  # a result not signed by its signer
         omitted(rnd, ResultClaim(**{**vars(claim), "result": Signed(claim.result.chunks, owner.peer_id, b"x" * 64)}),
@@ -197,3 +200,16 @@ def test_an_evicted_owners_unvouched_shards_are_audited_again_or_rolled_back() -
     assert (gone.evict, gone.retract) == ("", 3) and "goes back to before step 3" in gone.message
     ok = integrity.verdict(Ruling(by_step[3], "false", "its result is the average"))
     assert (ok.evict, ok.retract) == ("", 0)
+
+
+def test_a_member_claims_at_most_what_the_round_it_commits_under_hands_it() -> None:
+    """A member that trained on an earlier decision of the round (a longer share) claims the share of the round it
+    contributes under: its owner would refuse more, after receipting it if the contribution came first."""
+    from potluck.peer.allreduce import MemberAddr, RoundInfo
+    from potluck.peer.outer import claimable
+
+    info = RoundInfo(step=3, members=(MemberAddr("a", "x"), MemberAddr("b", "y")), me="b", base_hash="h",
+                     handed=(80, 72))
+    assert claimable(info, 80) == 72
+    assert claimable(info, 64) == 64, "less work than the share: claimed as it is"
+    assert claimable(RoundInfo(step=3, members=info.members, me="b", base_hash="h"), 80) == 80, "no shares: unchecked"

@@ -335,6 +335,9 @@ class Integrity:
             if ruling.verdict == "false":
                 return Verdict(auditor, 0, f"evicted: it said {short_id(r.owner)} left its contribution out of {where}, "
                                            f"and it did not ({ruling.detail})", "evicted")
+            if ruling.verdict == "rightly":
+                return Verdict("", 0, f"{short_id(auditor)} says {short_id(r.owner)} left its contribution out of "
+                                      f"{where}, and it did, rightly ({ruling.detail}); nobody is evicted", "audit")
             return Verdict("", 0, f"could not check {short_id(auditor)}'s proof against {short_id(r.owner)} ({where}): "
                                   f"{ruling.detail}", "audit")
         if ruling.verdict == "lie":

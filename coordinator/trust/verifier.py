@@ -48,7 +48,7 @@ class Accusation:
 @dataclass(frozen=True)
 class Ruling:
     accusation: Accusation
-    verdict: str  # lie | false | unverifiable
+    verdict: str  # lie | false | unverifiable | rightly (an omission that is no fault of anyone's)
     detail: str
     result: str = ""  # the signature (hex) of the result ruled on
 
@@ -139,11 +139,11 @@ class Verifier:
                 claim, rnd = self._result(acc, peer, at)
                 if claim.attempt != r.attempt or claim.result.signer != r.owner:
                     raise Unverifiable(f"its result is attempt {claim.attempt}, signed by {short_id(claim.result.signer)}")
-                proven, detail = omitted(rnd, claim, accuser, shown)
+                verdict, detail = omitted(rnd, claim, accuser, shown)
             except (grpc.RpcError, Unverifiable, ValueError) as err:
                 failures.append(f"{short_id(peer)}: {rpc_reason(err) if isinstance(err, grpc.RpcError) else err}")
                 continue
-            return Ruling(acc, "lie" if proven else "false", detail)
+            return Ruling(acc, verdict, detail)
         return Ruling(acc, "unverifiable", "no holder served the owner's result (" + "; ".join(failures)[:300] + ")")
 
     def _header(self, r: AuditReport) -> pb.Header:
