@@ -24,6 +24,10 @@ as the local folder (the newest ``keep_checkpoints``). The invariants it keeps:
   once per change and on the status page's events (:meth:`Uploader.news`); a local checkpoint pruned
   while it was being sent is simply no longer owed.
 
+After each pass it also writes the run's roster, ``swarm.json`` (:func:`roster_of`: the peers' DHT addresses,
+their admissions and trust, those evicted; all public), so that a coordinator resumed on a new box rejoins the
+peers still training, holds the same trust in them, and keeps the evicted out.
+
 The reader side, :func:`complete` and :func:`download`, lists the store's complete checkpoints
 (manifest present, every file it names present) newest first and fetches one into a local folder laid
 out as the coordinator's, each file hash-checked, the manifest written last. On a new box,
@@ -59,6 +63,22 @@ READ_BLOCK = 8 << 20
 PART_BYTES = 64 << 20  # multipart upload part size (S3); fewer, larger requests
 BACKOFF_S = (1.0, 60.0)
 PROBE_S = 10.0  # how long the start waits to hear whether the bucket is there before going on without knowing
+
+
+ROSTER = "swarm.json"
+ROSTER_FIELDS = ("known_peers", "admitted", "trust", "revoked")
+
+
+def roster_of(journal_dir: Path) -> bytes | None:
+    """The roster of the run journaled in ``journal_dir`` (its run id and :data:`ROSTER_FIELDS`), as the store keeps
+    it; None before the journal is written. Read from the journal's file, written whole by the coordinator's loop,
+    so this thread shares nothing with it."""
+    from potluck.coordinator.store.journal import read_journal
+
+    held = read_journal(journal_dir)
+    if held is None:
+        return None
+    return json.dumps({"run_id": held.run_id, **{f: getattr(held, f) for f in ROSTER_FIELDS}}, sort_keys=True).encode()
 
 
 class UploadFailed(Exception):
@@ -208,8 +228,11 @@ class Uploader:
     ``progress(name, sent_bytes)`` is called as a file goes out (tests wait on it)."""
 
     def __init__(self, remote: Remote, store: CheckpointStore, keep: int,
-                 progress: Callable[[str, int], None] | None = None, backoff_s: tuple[float, float] = BACKOFF_S) -> None:
+                 progress: Callable[[str, int], None] | None = None, backoff_s: tuple[float, float] = BACKOFF_S,
+                 roster: Callable[[], bytes | None] | None = None) -> None:
         self.remote, self.store, self.keep, self.progress, self.backoff_s = remote, store, keep, progress, backoff_s
+        self.roster = roster  # the run's roster, written after each pass when it changed (:func:`roster_of`)
+        self._roster_sent: bytes | None = None
         self.failing: str | None = None  # the last pass's error, None once a pass succeeds
         self.sent_bytes = 0  # bytes of files sent (not those found already there)
         self.uploaded: list[str] = []  # manifest names, in the order they went out
@@ -294,6 +317,10 @@ class Uploader:
                     raise
                 log.info("checkpoint %s was pruned locally while uploading: no longer owed", manifest.stem)
         self._prune({_stem(p.name) for p in local})
+        roster = self.roster() if self.roster is not None else None
+        if roster is not None and roster != self._roster_sent:
+            self.remote.write(ROSTER, roster)
+            self._roster_sent = roster
 
     def _upload(self, manifest_path: Path, there: set[str]) -> None:
         raw = manifest_path.read_bytes()
@@ -476,9 +503,38 @@ def resume_journal(cfg: Any, url: str) -> str:
                           f"{len(stages)} (and change it at a later restart)")
     download(remote, newest, journal_dir / "checkpoints")
     v = newest.version
-    state = JournalState(run_id=str(m.get("run_id") or cfg.run_id), config=cfg.manifest_sections(),
+    run_id = str(m.get("run_id") or cfg.run_id)
+    roster = read_roster(remote, run_id)
+    state = JournalState(run_id=run_id, config=cfg.manifest_sections(),
                          created_at=time.time(), committed=v, hashes={int(e["stage"]): {v: e["hash"]} for e in stages},
                          cursors={str(v): m["data_cursor"]} if m.get("data_cursor") is not None else {},
-                         checkpoints=[newest.name], finished=v >= cfg.diloco.outer_steps)
+                         checkpoints=[newest.name], finished=v >= cfg.diloco.outer_steps, **roster)
     Journal(journal_dir).save(state)
-    return f"resuming run {state.run_id} from {url}: checkpoint v{v} downloaded and verified into {journal_dir}"
+    peers = len(roster.get("known_peers", []))
+    return (f"resuming run {state.run_id} from {url}: checkpoint v{v} downloaded and verified into {journal_dir}"
+            + (f"; rejoining the swarm through the {peers} peers its roster names" if peers else
+               "; no roster of its peers there: they find this coordinator when they are restarted"))
+
+
+def read_roster(remote: Remote, run_id: str) -> dict[str, Any]:
+    """The roster fields (:data:`ROSTER_FIELDS`) the store holds for ``run_id``; empty when there is none, or it is
+    another run's or unreadable (logged: the run resumes without it, its peers find it when restarted)."""
+    from potluck.coordinator.store.journal import JournalState
+
+    try:
+        raw = json.loads(remote.read(ROSTER))
+    except FileNotFoundError:
+        return {}
+    except ValueError as err:
+        log.warning("the roster in %s is unreadable (%s); resuming without it", remote.url, err)
+        return {}
+    if not isinstance(raw, dict) or raw.get("run_id") != run_id:
+        log.warning("the roster in %s is not run %s's; resuming without it", remote.url, run_id)
+        return {}
+    fields = {f: raw[f] for f in ROSTER_FIELDS if f in raw}
+    try:
+        JournalState(run_id=run_id, config={}, created_at=0.0, **fields)
+    except ValueError as err:
+        log.warning("the roster in %s does not read as a journal's (%s); resuming without it", remote.url, err)
+        return {}
+    return fields
