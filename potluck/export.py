@@ -92,6 +92,8 @@ examples:
   potluck export --journal-dir potluck-run --step 8 --out step8.safetensors
   potluck export --journal-dir llama-run --out model-hf   a Hugging Face folder
   potluck export --journal-dir potluck-run --out model.pt --force
+  potluck export --journal-dir potluck-run --out s3://my-bucket/run-1/model.safetensors
+  potluck export --journal-dir llama-run --push-to-hub my-org/my-model
 
 then, in Python (a .pt file; for a .safetensors file and a folder the command
 prints the lines that load it):
@@ -279,8 +281,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--journal", dest="journal_dir", help=argparse.SUPPRESS)  # the old spelling
     p.add_argument("--out", default="model.pt", metavar="PATH",
                    help="model.pt (torch.save), model.safetensors, or a folder without those suffixes (Hugging Face: "
-                   "transformers loads it; llama and hf runs) (default model.pt)")
+                   "transformers loads it; llama and hf runs) (default model.pt); a store URL (s3://BUCKET/PATH, "
+                   "gs://..., file:///...) writes it there, each file read back and hash-checked")
     p.add_argument("--force", action="store_true", help="replace --out if it exists (default: refuse)")
+    p.add_argument("--push-to-hub", metavar="REPO", help="upload it as a Hugging Face folder to the Hub repository REPO "
+                   "(made if missing; token from HF_TOKEN or huggingface-cli login) instead of writing --out")
+    p.add_argument("--private", action="store_true", help="with --push-to-hub: make a new repository private")
     p.add_argument("--step", type=int, metavar="N",
                    help="the checkpoint written at outer step N (default: the newest valid one)")
     # --version once meant --step, which read as this program's version next to `potluck --version`
@@ -291,13 +297,29 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from potluck.protos.config.section import ConfigError
+
     try:
-        info = export_checkpoint(args.journal_dir, args.out, args.step, force=args.force)
-    except (ValueError, OSError) as err:
+        if args.push_to_hub:
+            from potluck.publish import push_to_hub
+
+            info = push_to_hub(args.journal_dir, args.push_to_hub, args.step, private=args.private)
+        elif "://" in args.out:
+            from potluck.publish import export_to_url
+
+            info = export_to_url(args.journal_dir, args.out, args.step, force=args.force)
+        else:
+            info = export_checkpoint(args.journal_dir, args.out, args.step, force=args.force)
+    except (ValueError, OSError, ConfigError) as err:
         print(f"potluck export: {err}", file=sys.stderr)
         return 2
     for skipped in info["skipped"]:
         print(f"potluck export: skipped {skipped}", file=sys.stderr)
+    if "://" in info["out"]:
+        print(f"wrote v{info['version']} ({info['parameters'] / 1e6:.2f}M parameters) to {info['out']}"
+              f"{' (' + info['commit'] + ')' if info.get('commit') else ''}; fetch it, then load it as `potluck "
+              "export --help` shows")
+        return 0
     form = ", a Hugging Face folder" if info["folder"] else ""
     print(f"wrote v{info['version']} ({info['parameters'] / 1e6:.2f}M parameters) to {info['out']}{form}; "
           "load it in Python with:")

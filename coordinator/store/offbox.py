@@ -169,12 +169,13 @@ def _protocols(fs: Any) -> tuple[str, ...]:
     return (p,) if isinstance(p, str) else tuple(p)
 
 
-def open_store(url: str, part_bytes: int = PART_BYTES, **options: Any) -> Remote:
+def open_store(url: str, part_bytes: int = PART_BYTES, where: str = "coordinator.checkpoint_url",
+               **options: Any) -> Remote:
     """The store at ``url``; raises ConfigError naming what is wrong with the URL (not a URL, an unknown
-    scheme, a scheme whose library is not installed, no bucket). Contacts nothing: see :func:`probe`."""
+    scheme, a scheme whose library is not installed, no bucket), as the setting ``where`` gave it. Contacts
+    nothing: see :func:`probe`."""
     from fsspec.registry import get_filesystem_class, known_implementations, registry
 
-    where = "coordinator.checkpoint_url"
     if "://" not in url:
         raise ConfigError(f"{where} {url!r} is not a URL: give s3://BUCKET/PREFIX, gs://BUCKET/PREFIX or file:///PATH")
     scheme, rest = url.split("://", 1)
