@@ -137,6 +137,34 @@ def test_the_roster_goes_out_after_each_pass_and_a_resumed_journal_holds_it(tmp_
     assert "no roster" in resume_journal(run_config({}, tmp_path / "third"), url)
 
 
+def test_the_uploader_in_a_process_of_its_own_sends_what_is_offered_and_is_reaped(tmp_path: Path) -> None:
+    """The coordinator's uploader runs in a spawned child (off the coordinator's interpreter lock): a checkpoint
+    offered is owed until it is complete in the store, with the roster beside it; stopping reaps the child."""
+    from potluck.coordinator.store.journal import Journal, JournalState
+    from potluck.coordinator.store.offbox import ROSTER
+    from potluck.coordinator.store.uploadproc import UploadProcess
+
+    Journal(tmp_path / "journal").save(JournalState(run_id="r", config={}, created_at=1.0, known_peers=["/ip4/x"]))
+    local = CheckpointStore(tmp_path / "journal" / "checkpoints", keep=2)
+    url = f"file://{tmp_path}/store"
+    up = UploadProcess(url, local.dir, 2, tmp_path / "journal")
+    up.start()
+    try:
+        wait_for(lambda: not up.pending(), 60, "the first (empty) pass")
+        local.write_stages(1, big_stages(1, 50_000), {"run_id": "r"})
+        up.offer()
+        assert up.pending(), "owed from the offer on"
+        wait_for(lambda: not up.pending(), 60, "v1 sent")
+        remote = open_store(url)
+        assert [c.version for c in complete(remote)] == [1]
+        assert json.loads(remote.read(ROSTER))["known_peers"] == ["/ip4/x"]
+        assert up.failing is None and up.news() == []
+        child = up._proc
+    finally:
+        up.stop()
+    assert child is not None and not child.is_alive() and child.exitcode == 0
+
+
 def test_a_missing_bucket_is_refused_at_the_start(s3: S3Server) -> None:
     with pytest.raises(ConfigError, match="bucket 'no-such-bucket' does not exist"):
         probe(open_store("s3://no-such-bucket/run"))

@@ -16,7 +16,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,8 @@ from potluck.compression.transfer import (
 from potluck.coordinator.rounds.cursor import Cursor
 from potluck.coordinator.rounds.roundevents import Checkpoint
 from potluck.coordinator.store.checkpoint import CheckpointStore
-from potluck.coordinator.store.offbox import Remote, Uploader, open_store, probe, roster_of
+from potluck.coordinator.store.offbox import Remote, Uploader, probe
+from potluck.coordinator.store.uploadproc import UploadProcess
 from potluck.models import stage_bounds
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config.runconfig import RunConfig
@@ -99,10 +99,16 @@ class Served:
 class Checkpointer:
     def __init__(self, directory: Path, keep: int, client: PeerClient, *, run_id: str, me: str,
                  bounds: list[tuple[int, int]], chunk_bytes: int, rpc_timeout_s: float, meta: dict[str, Any],
-                 remote: Remote | None = None, roster: Callable[[], bytes | None] | None = None) -> None:
+                 remote: Remote | None = None, roster: Callable[[], bytes | None] | None = None,
+                 upload_url: str = "", journal_dir: Path | None = None) -> None:
         self.store = CheckpointStore(directory, keep=keep)
-        # (copies each checkpoint kept to coordinator.checkpoint_url, and the run's roster, on its own thread)
-        self.uploader = Uploader(remote, self.store, keep, roster=roster) if remote is not None else None
+        # (copies each checkpoint kept to coordinator.checkpoint_url, and the run's roster: in a process of its own
+        # when given ``upload_url``, a thread of this process when given ``remote``)
+        self.uploader: Uploader | UploadProcess | None = None
+        if upload_url:
+            self.uploader = UploadProcess(upload_url, directory, keep, journal_dir)
+        elif remote is not None:
+            self.uploader = Uploader(remote, self.store, keep, roster=roster)
         self.client, self.run_id, self.me, self.bounds = client, run_id, me, bounds
         self.chunk_bytes, self.rpc_timeout_s, self.meta = chunk_bytes, rpc_timeout_s, meta
         self.served: Served | None = None  # replaced whole, never changed in place: handlers read it lock-free
@@ -119,8 +125,7 @@ class Checkpointer:
         return cls(Path(c.journal_dir) / "checkpoints", c.keep_checkpoints, client, run_id=run_id, me=me,
                    bounds=stage_bounds(cfg.model, cfg.pipeline), chunk_bytes=cfg.sync.chunk_bytes,
                    rpc_timeout_s=cfg.sync.rpc_timeout_s, meta={"model": cfg.model.model_dump(mode="json")},
-                   remote=open_store(c.checkpoint_url) if c.checkpoint_url else None,
-                   roster=partial(roster_of, Path(c.journal_dir)))
+                   upload_url=c.checkpoint_url, journal_dir=Path(c.journal_dir))
 
     def start(self) -> None:
         """Serve the newest checkpoint whose files verify (skipping, with a log line, those that do not),

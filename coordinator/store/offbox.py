@@ -239,7 +239,8 @@ class Uploader:
         self.uploaded: list[str] = []  # manifest names, in the order they went out
         self._verified: dict[str, str] = {}  # file name -> SHA-256 the store holds, read back
         self._lock = threading.Lock()
-        self._owed = True  # a pass is owed (set by offer, cleared by a pass that ran from start to end)
+        self._owed = True  # a pass is owed (set by offer, cleared as a pass starts)
+        self._passing = False  # a pass is running (what it sends is owed until it ends)
         self._news: list[tuple[str, bool]] = []
         self._wake, self._stopping = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._loop, name="checkpoint-upload", daemon=True)
@@ -263,7 +264,7 @@ class Uploader:
     def pending(self) -> bool:
         """Whether a pass is owed and the store is not failing (a failing store never holds the run's end)."""
         with self._lock:
-            return self._owed and self.failing is None and not self._stopping.is_set()
+            return (self._owed or self._passing) and self.failing is None and not self._stopping.is_set()
 
     def news(self) -> list[tuple[str, bool]]:
         """(message, is a warning) of each change between failing and working since the last call."""
@@ -279,20 +280,22 @@ class Uploader:
             if self._stopping.is_set():
                 return
             with self._lock:
-                self._owed = False
+                self._owed, self._passing = False, True
             try:
                 self.sync()
             except Exception as err:  # the store's, whatever its library raises: logged, retried, never the run's end
                 delay = min(self.backoff_s[1], delay * 2 if delay else self.backoff_s[0])
                 message = f"checkpoint upload failing: {type(err).__name__}: {err}"
                 with self._lock:
-                    self._owed = True
+                    self._owed, self._passing = True, False
                     changed, self.failing = self.failing != message, message
                     if changed:
                         self._news.append((message, True))
                 # (said once per change as a warning by whoever reads news(): the coordinator's events)
                 log.info("%s (to %s; retrying in %.0f s)", message, self.remote.url, delay)
                 continue
+            with self._lock:
+                self._passing = False
             if self.failing is not None:
                 with self._lock:
                     self.failing = None
