@@ -90,11 +90,13 @@ def rollback_target(reports: Sequence[Report], checkpoint: Checkpoint | None, *,
 
 
 def retracting(step: int, committed: int, pending: Round | None, made_by: Round | None) -> Round | None:
-    """The round that fails when committed step ``step`` is retracted (a proven lie): the one running now
-    (``pending``), else the one that made ``step`` (``made_by``); None when there is nothing to take back (a step
-    not committed yet: no rollback can undo what the run never took)."""
+    """The round that fails when step ``step`` is retracted (a proven lie): the one running now (``pending``), else
+    the one that made ``step`` (``made_by``). A step not committed yet is retracted too: a contributor's proof of an
+    omission comes with its report of the step, often before the slowest member's, so before the commit; the round
+    running now (of ``committed + 1``, at or before ``step``) fails, and the run never takes the step. None when
+    nothing can fail (no round running, and the step not committed)."""
     if step > committed:
-        return None
+        return pending if pending is not None and pending.step <= step else None
     return pending or made_by
 
 
