@@ -260,3 +260,30 @@ def test_an_omission_of_an_over_claim_evicts_nobody() -> None:
     assert "rightly" in verdicts[0].message and "nobody is evicted" in verdicts[0].message
     rulings.ready = [Ruling(Accusation(said, IDS[2], (), 4), "false", "its result names it")]
     assert [(v.evict, v.kind) for v in ig.verdicts()] == [(IDS[2], "evicted")]
+
+
+def test_what_complaints_keep_stays_bounded_at_four_times_its_limits() -> None:
+    """At 4x each limit: one member naming the owner at every step of 4 x COMPLAINT_STEPS steps keeps at most a
+    window's steps (and demotes nobody: one accuser); short results of 4 x the kept number are said once each while
+    at most 4 x MAX_AUDITS are remembered; a record carrying 4 x the 16 audit reports a record may hold is refused."""
+    from potluck.coordinator.trust.integrity import MAX_AUDITS
+
+    steps = 4 * COMPLAINT_STEPS
+    made = rounds(steps)
+    ig = integrity()
+    for step in range(1, steps + 1):
+        ig.complaints({IDS[1]: complaint(step, IDS[1])}, made.get)
+        assert len(ig._named[X]) <= COMPLAINT_STEPS + 1
+    assert not ig.trust.demoted
+    many = 4 * 4 * MAX_AUDITS
+    made = {s: PlanRound(step=s, members=[PlanMember(peer_id=p, address=f"h:{i}", replica=i, owns=True)
+                                          for i, p in enumerate(IDS)]) for s in range(1, many + 1)}
+    shorts = integrity(demote_after=0)
+    said = 0
+    for step in range(1, many + 1):
+        said += len(shorts.complaints({IDS[1]: complaint(step, IDS[1], "short")}, made.get))
+        assert len(shorts._said_short) <= 4 * MAX_AUDITS
+    assert said == many, "each short result said once"
+    with pytest.raises(ValidationError):
+        PeerRecord(peer_id=IDS[1], address="h", audits=[AuditReport(step=s, shard=0, owner=X, verdict="short")
+                                                        for s in range(1, 4 * 16 + 1)])  # type: ignore[arg-type]
