@@ -48,6 +48,8 @@ def test_three_peers_train_and_stay_identical(swarm) -> None:  # type: ignore[no
                for p in rows), [(p["send_bps"], p["peak_send_bps"], p["bytes_sent"]) for p in rows]
     metrics = urllib.request.urlopen(ready["status_url"].rstrip("/") + "/metrics", timeout=10).read().decode()
     assert all(f'potluck_peer_peak_send_bytes_per_second{{peer="{p["id"]}"}}' in metrics for p in rows)
+    assert state["config"]["outer_codec"] == "int8" and state["config"]["fragments"] == 1
+    assert 'outer_codec="int8"' in metrics and 'fragments="1"' in metrics
     for proc in swarm.peers:
         proc.wait(timeout=60)
         assert proc.returncode == 0

@@ -88,7 +88,9 @@ def families(state: Mapping[str, Any]) -> list[Family]:
         return fam
 
     info = gauge("potluck_info", "the run this coordinator serves (value is always 1)")
-    info.add(1, run_id=run.get("run_id", ""), coordinator=run.get("coordinator", ""), api=state.get("api", ""))
+    info.add(1, run_id=run.get("run_id", ""), coordinator=run.get("coordinator", ""), api=state.get("api", ""),
+             outer_codec=str((state.get("config") or {}).get("outer_codec", "")),
+             fragments=str((state.get("config") or {}).get("fragments", "")))
     gauge("potluck_state_generated_timestamp_seconds", "unix time the coordinator built this snapshot",
           state.get("generated_at"))
     gauge("potluck_finished", "1 once all outer steps are committed", int(bool(run.get("finished"))))

@@ -323,7 +323,8 @@ def build(run: RunInfo, cfg: RunConfig, views: Sequence[PeerView], rounds: Round
         "links": links_state(links, peers),
         "events": list(events)[-200:],
         "config": {"heartbeat_timeout_s": cfg.membership.heartbeat_timeout_s, "heartbeat_s": cfg.membership.heartbeat_s,
-                   "outer_codec": cfg.sync.codec, "inner_steps": cfg.diloco.inner_steps},
+                   "outer_codec": cfg.sync.codec, "inner_steps": cfg.diloco.inner_steps,
+                   "fragments": cfg.sync.fragments},
         "coordinator": health or Health().section({}, len(views)),
         "_peers": peers,
     }
