@@ -133,12 +133,14 @@ class Remote:
     def sha256(self, name: str) -> str:
         """SHA-256 of the object's bytes as the store serves them, read in blocks."""
         h = hashlib.sha256()
+        self.fs.invalidate_cache(self.path(name))  # (a listing cached before it was sent says it is not there)
         with self.fs.open(self.path(name), "rb", block_size=READ_BLOCK, cache_type="none") as f:
             for block in iter(lambda: f.read(READ_BLOCK), b""):
                 h.update(block)
         return h.hexdigest()
 
     def read(self, name: str) -> bytes:
+        self.fs.invalidate_cache(self.path(name))
         return bytes(self.fs.cat_file(self.path(name)))
 
     def put(self, local: Path, name: str, progress: Callable[[int], None] | None = None) -> None:
@@ -161,6 +163,7 @@ class Remote:
             pass
 
     def get(self, name: str, local: Path) -> None:
+        self.fs.invalidate_cache(self.path(name))
         self.fs.get_file(self.path(name), str(local))
 
 
