@@ -6,8 +6,6 @@ upload call is made on an ``HfApi`` that keeps what it was given)."""
 from __future__ import annotations
 
 import hashlib
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -46,27 +44,28 @@ def same_safetensors(a: bytes, b: bytes) -> bool:
     return header(a) == header(b) and x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
-def export(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "potluck", "export", *args], capture_output=True, text=True, timeout=120)
+def test_an_export_to_s3_is_the_local_export_and_is_not_replaced_without_force(
+        s3: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: F811
+    from potluck.cli import main
 
-
-def test_an_export_to_s3_is_the_local_export_byte_for_byte_and_is_not_replaced_without_force(
-        s3: Any, tmp_path: Path) -> None:  # noqa: F811
     j = journal(tmp_path, "tiny")
     url = f"s3://{BUCKET}/models/run-1/model.safetensors"
-    done = export("--journal-dir", str(j), "--out", url)
-    assert done.returncode == 0, done.stderr
-    assert "wrote v3" in done.stdout and url in done.stdout
+    assert main(["export", "--journal-dir", str(j), "--out", url]) == 0
+    out = capsys.readouterr().out
+    assert "wrote v3" in out and url in out
     local = export_checkpoint(j, tmp_path / "model.safetensors")
     stored = s3.objects(BUCKET, "models/run-1")
     assert list(stored) == ["model.safetensors"]
     assert same_safetensors(stored["model.safetensors"], (tmp_path / "model.safetensors").read_bytes())
     assert local["version"] == 3
-    again = export("--journal-dir", str(j), "--out", url, "--step", "3")
-    assert again.returncode == 2 and "already exists; pass --force" in again.stderr
+    assert main(["export", "--journal-dir", str(j), "--out", url, "--step", "3"]) == 2
+    assert "already exists; pass --force" in capsys.readouterr().err
     assert s3.objects(BUCKET, "models/run-1") == stored, "refused: nothing changed"
-    forced = export("--journal-dir", str(j), "--out", url.replace(".safetensors", ".pt"))
-    assert forced.returncode == 0 and set(s3.objects(BUCKET, "models/run-1")) == {"model.safetensors", "model.pt"}
+    assert main(["export", "--journal-dir", str(j), "--out", url, "--force"]) == 0
+    again = s3.objects(BUCKET, "models/run-1")
+    assert list(again) == ["model.safetensors"] and same_safetensors(again["model.safetensors"], stored["model.safetensors"])
+    assert main(["export", "--journal-dir", str(j), "--out", url.replace(".safetensors", ".pt")]) == 0
+    assert set(s3.objects(BUCKET, "models/run-1")) == {"model.safetensors", "model.pt"}
 
 
 def test_a_hugging_face_folder_goes_to_a_store_url_whole(tmp_path: Path) -> None:
