@@ -5,7 +5,8 @@ Run inside the coordinator's process, the :class:`~potluck.coordinator.store.off
 event-loop thread took the lock in turns with the coordinator's loop: its tick p99 rose 2-3x while a 600 MB
 checkpoint went out (``benchmarks/checkpoint_upload.py``). :class:`UploadProcess` runs the same uploader in a
 spawned child (a fresh interpreter: nothing of the coordinator's threads or sockets in it), tied to the coordinator
-(it dies with it), and speaks to it over a pipe:
+(it dies with it), at a lower CPU priority (``NICE``: on a cheap box the loop comes first), and speaks to it over
+a pipe:
 
 * the coordinator sends ``("offer", n)`` after the n-th checkpoint write, and ``("stop",)``;
 * the child answers ``("state", n, owed, failing, news)`` whenever one of them changes: the last offer it took, whether
@@ -31,6 +32,7 @@ from potluck.protos.runtime.log import get_logger
 log = get_logger(__name__)
 
 POLL_S = 0.2  # how often the child looks at its uploader's state between messages
+NICE = 10  # the child's CPU priority below the coordinator's
 
 
 class UploadProcess:
@@ -129,6 +131,10 @@ def serve(conn: Any, parent: int, url: str, directory: str, keep: int, journal_d
 
     die_with_parent(signal.SIGKILL, parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a Ctrl+C reaches the coordinator, which stops this child)
+    try:
+        os.nice(NICE)  # background work: on a small box the coordinator's loop comes first
+    except OSError:
+        pass
     set_context(role="upload")
     uploader = Uploader(open_store(url, part_bytes), CheckpointStore(Path(directory), keep=keep), keep,
                         backoff_s=backoff_s, roster=partial(roster_of, Path(journal_dir)) if journal_dir else None)
