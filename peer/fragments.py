@@ -9,7 +9,12 @@ boundaries); the last fragment is shorter (possibly empty) and its vector is zer
     delta_f       <- theta_global[f] - theta_local[f]      (F rounds of inner steps: f was synced F steps ago)
     mean_f        <- all-reduce(pad(delta_f, m))           (m elements: 1/F of the bytes)
     theta_global[f], m[f] <- Nesterov(theta_global[f], m[f], mean_f)     (the other fragments unchanged)
-    theta_local[f] <- theta_global[f]                      (the others go on training locally, untouched)
+    theta_local[f] <- alpha theta_local[f] + (1 - alpha) theta_global[f]    (the others train on, untouched)
+
+``alpha`` is ``sync.fragment_alpha`` (:func:`mix`): 0 takes the new global values whole; the paper mixes the local
+ones back in (its ``alpha``). Only the local copy mixes: ``theta_global`` is the same for every member either way.
+With overlapped outer steps the fragment lands a phase later and keeps what that phase trained on it:
+``theta_local[f] <- mix(theta_local[f] at the send, theta_global[f]) + (theta_local[f] now - at the send)``.
 
 The step depends only on the step number, so a run resumed from a checkpoint at step ``s`` continues the same
 schedule, and every member of a stage commits the same ``theta_global`` and momentum bits, as with ``F = 1``
@@ -49,6 +54,15 @@ def fragment_delta(theta_global: torch.Tensor, theta_local: torch.Tensor, lo: in
     out = torch.zeros(m, dtype=torch.float32)
     torch.sub(theta_global[lo:hi], theta_local[lo:hi], out=out[: hi - lo])
     return out
+
+
+def mix(local: torch.Tensor, global_: torch.Tensor, alpha: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``alpha * local + (1 - alpha) * global_`` (into ``out`` if given): a synced fragment's new local values. At
+    ``alpha = 0`` exactly ``global_``'s bits (the plain streaming step)."""
+    if alpha == 0.0:
+        return global_.clone() if out is None else out.copy_(global_)
+    res = local.mul(alpha).add_(global_, alpha=1.0 - alpha)  # (a fresh vector: ``out`` may be ``local`` itself)
+    return res if out is None else out.copy_(res)
 
 
 def fragment_step(theta: torch.Tensor, momentum: torch.Tensor, mean: torch.Tensor, lo: int, hi: int, lr: float,

@@ -30,7 +30,7 @@ from potluck.compression.transfer import Snapshot
 from potluck.peer.allreduce import IncompleteRound, RoundInfo
 from potluck.peer.diloco import all_finite, host_vector
 from potluck.peer.follower import Action, Held, Train
-from potluck.peer.fragments import fragment_delta
+from potluck.peer.fragments import fragment_delta, mix
 from potluck.peer.outer import OuterResult, outer_step, pseudo_gradient, step_fragment
 from potluck.peer.states import epoch_of
 from potluck.peer.tasklet import Tasklet
@@ -145,7 +145,7 @@ class OuterSteps:
         s.inner.pace.sent(done.stats.send_s)
         if local is not None and bounds is not None:
             lo, hi = bounds
-            local[lo:hi] = done.snapshot.tensors["theta"][lo:hi]
+            mix(local[lo:hi], done.snapshot.tensors["theta"][lo:hi], s.rc.sync.fragment_alpha, out=local[lo:hi])
         t.adopt(done.snapshot, local)
         self._committed(step, done, info, time.monotonic() - t0, contribute)
 
@@ -225,8 +225,8 @@ class OuterSteps:
         n, align = theta.numel(), t.allreduce.codec.align
         if landed is not None and (was := step_fragment(self.s.rc, n, align, landed)) is not None:
             lo, hi = was
-            progress = torch.sub(start[lo:hi], theta_local[lo:hi])
-            torch.sub(theta[lo:hi], progress, out=theta_local[lo:hi])
+            progress = torch.sub(start[lo:hi], theta_local[lo:hi])  # (minus what the phase since trained on it)
+            torch.sub(mix(start[lo:hi], theta[lo:hi], self.s.rc.sync.fragment_alpha), progress, out=theta_local[lo:hi])
         bounds = step_fragment(self.s.rc, n, align, step)
         assert bounds is not None
         delta = fragment_delta(theta, theta_local, *bounds, t.allreduce.numel) if contribute else None
@@ -292,9 +292,9 @@ class OuterSteps:
             if flight.done.bounds is None:
                 t.worker.load(theta)
             else:  # streaming: the landed fragment at its new theta_global, the others as this member trained them
-                lo, hi = flight.done.bounds
+                lo, hi = flight.done.bounds  # (landing outside a phase: what it trained since mixes in too)
                 local = t.worker.theta()
-                local[lo:hi] = theta[lo:hi]
+                mix(local[lo:hi], theta[lo:hi], self.s.rc.sync.fragment_alpha, out=local[lo:hi])
                 t.worker.load(local)
         set_context(step=flight.step)
         self._committed(flight.step, flight.done, flight.info, flight.blocked_s + time.monotonic() - t0, flight.contributed)

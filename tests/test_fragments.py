@@ -11,7 +11,14 @@ from test_outer_paths import allreduce, session, train
 
 from potluck.peer.allreduce import MemberAddr, RoundInfo
 from potluck.peer.diloco import flatten_params
-from potluck.peer.fragments import fragment_bounds, fragment_delta, fragment_of, fragment_size, fragment_step
+from potluck.peer.fragments import (
+    fragment_bounds,
+    fragment_delta,
+    fragment_of,
+    fragment_size,
+    fragment_step,
+    mix,
+)
 from potluck.peer.outer import outer_step
 from potluck.peer.outersteps import OuterSteps
 from potluck.protos.config.files import apply_overrides
@@ -70,20 +77,38 @@ def test_one_fragments_nesterov_step_matches_the_reference() -> None:
         assert np.array_equal(t2.numpy()[:lo], theta[:lo]) and np.array_equal(t2.numpy()[hi:], theta[hi:])
 
 
-def config(overlap: bool, fragments: int) -> RunConfig:
+def config(overlap: bool, fragments: int, alpha: float = 0.0) -> RunConfig:
     return apply_overrides(RunConfig(), {
         "run_id": "paths", "model.d_model": 32, "model.n_heads": 2, "model.n_layers": 2, "model.seq_len": 16,
         "train.batch_size": 4, "diloco.inner_steps": 2, "diloco.outer_steps": 4, "diloco.overlap": overlap,
         "data.eval_every": 0, "sync.chunk_bytes": 1 << 12, "sync.codec": "raw", "sync.fragments": fragments,
+        "sync.fragment_alpha": alpha,
     })
 
 
+def np_mix(local: np.ndarray, g: np.ndarray, alpha: float) -> np.ndarray:
+    return (np.float32(alpha) * local + np.float32(1 - alpha) * g).astype(np.float32)
+
+
+def adopt(worker_params: np.ndarray, local: np.ndarray, alpha: float) -> np.ndarray:
+    """The worker's local vector, checked against the reference: bit for bit when the synced fragment takes the global
+    values whole, within float32 rounding when it mixes (torch may fuse the mix's multiply-add), and then adopted so
+    that the next steps' global bits are compared exactly."""
+    if alpha == 0.0:
+        assert np.array_equal(worker_params, local)
+    else:
+        assert np.allclose(worker_params, local, rtol=1e-6, atol=1e-7), np.abs(worker_params - local).max()
+    return worker_params.copy()
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5], ids=["whole", "mixed"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlapped"])
-def test_a_peers_paths_sync_one_fragment_a_step_and_train_the_others_on(overlap: bool) -> None:
+def test_a_peers_paths_sync_one_fragment_a_step_and_train_the_others_on(overlap: bool, alpha: float) -> None:
     """Three steps of F = 2 through :class:`OuterSteps` (a one-member all-reduce): each commits Nesterov on
-    its fragment only, and the worker goes on from the new theta_global there and from its own progress
-    elsewhere (overlapped: plus what the phase since trained, as without fragments)."""
-    rc = config(overlap, 2)
+    its fragment only, and the worker goes on from the new theta_global there (``sync.fragment_alpha``: mixed with
+    its local values) and from its own progress elsewhere (overlapped: plus what the phase since trained, as
+    without fragments)."""
+    rc = config(overlap, 2, alpha)
     s = session(rc, "cpu")
     s.tasklet.allreduce.close()
     n = s.tasklet.worker.numel
@@ -104,19 +129,19 @@ def test_a_peers_paths_sync_one_fragment_a_step_and_train_the_others_on(overlap:
                 plo, phi, pdelta = pending  # has its new theta_global there minus what this phase trained on it
                 g[plo:phi], mom[plo:phi] = np_nesterov(g[plo:phi], mom[plo:phi], pdelta, lr, mu)
                 assert start is not None
-                local[plo:phi] = g[plo:phi] - (start.numpy()[plo:phi] - local[plo:phi])
+                local[plo:phi] = np_mix(start.numpy()[plo:phi], g[plo:phi], alpha) - (start.numpy()[plo:phi] - local[plo:phi])
             delta = g[lo:hi] - local[lo:hi]
             if overlap:
                 pending = (lo, hi, delta)
-                assert np.array_equal(flatten_params(t.worker.params).numpy(), local)  # trains on, unsynced
+                local = adopt(flatten_params(t.worker.params).numpy(), local, alpha)  # trains on, unsynced
                 assert outer.inflight is not None and outer.inflight.thread is not None
                 outer.inflight.thread.join()  # (the step commits on its own thread: waited for, not raced)
                 want_g, want_m = g.copy(), mom.copy()
                 want_g[lo:hi], want_m[lo:hi] = np_nesterov(g[lo:hi], mom[lo:hi], delta, lr, mu)
             else:
                 g[lo:hi], mom[lo:hi] = np_nesterov(g[lo:hi], mom[lo:hi], delta, lr, mu)
-                local[lo:hi] = g[lo:hi]
-                assert np.array_equal(flatten_params(t.worker.params).numpy(), local)
+                local[lo:hi] = np_mix(local[lo:hi], g[lo:hi], alpha)
+                local = adopt(flatten_params(t.worker.params).numpy(), local, alpha)
                 want_g, want_m = g, mom
             got = t.states.current
             assert got.version == step
@@ -126,11 +151,11 @@ def test_a_peers_paths_sync_one_fragment_a_step_and_train_the_others_on(overlap:
             assert outer.inflight is not None and outer.land() and pending is not None
             lo, hi, delta = pending
             g[lo:hi], mom[lo:hi] = np_nesterov(g[lo:hi], mom[lo:hi], delta, lr, mu)
-            local[lo:hi] = g[lo:hi]
+            local[lo:hi] = np_mix(local[lo:hi], g[lo:hi], alpha)
             got = t.states.current
             assert got.version == 3 and np.array_equal(got.tensors["theta"].numpy(), g)
             assert np.array_equal(got.tensors["momentum"].numpy(), mom)
-            assert np.array_equal(flatten_params(t.worker.params).numpy(), local)
+            adopt(flatten_params(t.worker.params).numpy(), local, alpha)
     finally:
         t.allreduce.close()
 
@@ -170,3 +195,25 @@ def test_fragments_with_grouped_averaging_is_refused() -> None:
     with pytest.raises(ConfigError, match="sync.fragments = 4 needs sync.group_size = 0"):
         apply_overrides(RunConfig(), {"sync.fragments": 4, "sync.group_size": 2})
     assert apply_overrides(RunConfig(), {"sync.fragments": 4, "diloco.overlap": True}).sync.fragments == 4
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.25, 0.5, 0.9])
+def test_the_mix_matches_the_reference_and_may_write_over_its_local_input(alpha: float) -> None:
+    rng = np.random.default_rng(3)
+    local, g = rng.standard_normal(1000).astype(np.float32), rng.standard_normal(1000).astype(np.float32)
+    got = mix(torch.from_numpy(local.copy()), torch.from_numpy(g), alpha).numpy()
+    assert np.allclose(got, np_mix(local, g, alpha), rtol=1e-6, atol=1e-7)
+    if alpha == 0.0:
+        assert np.array_equal(got, g), "alpha 0: the global values' bits"
+    inplace = torch.from_numpy(local.copy())
+    mix(inplace, torch.from_numpy(g), alpha, out=inplace)  # (the blocking path mixes into the worker's own vector)
+    assert np.array_equal(inplace.numpy(), got)
+
+
+@pytest.mark.parametrize("value,says", [(-0.1, "greater than or equal to 0"), (1.0, "less than 1"), ("x", "valid number")])
+def test_a_bad_fragment_alpha_is_refused_clearly(value: object, says: str) -> None:
+    base = RunConfig()
+    with pytest.raises(ConfigError) as err:
+        apply_overrides(base, {"sync.fragment_alpha": value})
+    assert "sync.fragment_alpha" in str(err.value) and says in str(err.value)
+    assert base.sync.fragment_alpha == 0.0

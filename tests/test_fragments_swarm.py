@@ -118,9 +118,10 @@ def test_a_lying_owner_of_a_fragments_shard_is_proven_and_evicted(swarm) -> None
 
 def test_overlapped_fragments_stay_identical(swarm) -> None:  # type: ignore[no-untyped-def]
     """diloco.overlap with fragments = 4: each step's all-reduce of one fragment runs while the next phase
-    trains, and lands on that fragment only; every step's members hold one state and the run finishes."""
+    trains, and lands on that fragment only, mixed with the local values (``sync.fragment_alpha`` 0.5: only the
+    local copies mix); every step's members hold one state and the run finishes."""
     swarm.start_coordinator({"diloco.outer_steps": 8, "diloco.inner_steps": 3, "membership.min_peers": 2,
-                             "diloco.overlap": True, "sync.fragments": 4})
+                             "diloco.overlap": True, "sync.fragments": 4, "sync.fragment_alpha": 0.5})
     swarm.start_peer(env=SLOW, name="slow")
     swarm.start_peer()
     final = swarm.wait_state(lambda s: s["run"]["finished"] and s["history"] and len(s["history"][-1]["state_hashes"]) == 2,

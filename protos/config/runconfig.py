@@ -194,6 +194,10 @@ class SyncConfig(Section):
         "locally until their turn (set diloco.inner_steps to H / fragments to keep H inner steps between a "
         "fragment's syncs). A peer that restarts or joins starts from the committed state (its unsynced local "
         "progress is lost). Not with sync.group_size. 1: the whole stage every step")
+    fragment_alpha: float = Field(
+        0.0, ge=0.0, lt=1.0, description="streaming outer steps: a synced fragment's local copy becomes alpha x its "
+        "local values + (1 - alpha) x the new global ones (Streaming DiLoCo's mixing; 0: the global values whole). "
+        "theta_global is the same for every member either way")
 
     @model_validator(mode="before")
     @classmethod
