@@ -132,6 +132,8 @@ def main() -> None:
     swarm_arguments(parser, peers=4, outer_steps=10)
     parser.add_argument("--order", choices=["blocking-first", "overlap-first"], default="overlap-first")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds each swarm run may take")
+    parser.add_argument("--fragment-alpha", type=float, default=0.0,
+                        help="sync.fragment_alpha of the streamed run: a synced fragment's local values mixed back in")
     parser.add_argument("--fragments", type=int, default=0,
                         help="F > 1: compare sync.fragments = F (H / F inner steps, F x the outer steps) with F = 1")
     args = parser.parse_args()
@@ -173,14 +175,15 @@ def fragments_quality(args: argparse.Namespace) -> None:
         results["whole"] = run_swarm(args, Path(tmp) / "whole", False, **{"diloco.rounds": "fixed"})
         results["streamed"] = run_swarm(args, Path(tmp) / "streamed", False, **{
             "diloco.rounds": "fixed", "sync.fragments": f, "diloco.inner_steps": args.inner_steps // f, "diloco.outer_steps": steps,
-            "data.eval_every": steps})
+            "data.eval_every": steps, "sync.fragment_alpha": args.fragment_alpha})
     w, st = results["whole"]["final_eval_loss"], results["streamed"]["final_eval_loss"]
     print(json.dumps({
         "benchmark": "overlap_quality", "comparison": "fragments",
         "peers": args.peers, "stages": 1, "fragments": f, "seed": args.seed, "d_model": args.d_model,
         "n_layers": args.n_layers, "batch_per_peer": args.batch, "codec": "int8",
         "whole": {"inner_steps": args.inner_steps, "outer_steps": args.outer_steps, **results["whole"]},
-        "streamed": {"inner_steps": args.inner_steps // f, "outer_steps": steps, **results["streamed"]},
+        "streamed": {"inner_steps": args.inner_steps // f, "outer_steps": steps, "fragment_alpha": args.fragment_alpha,
+                     **results["streamed"]},
         "eval_loss_f1": w, f"eval_loss_f{f}": st, "ratio_streamed_vs_whole": round(st / w, 4), "target_ratio": 1.01,
     }))
     sys.stdout.flush()
