@@ -127,7 +127,8 @@ class Session:
         self.cfg, self.joined, self.tools, self.telemetry = cfg, joined, tools, telemetry
         self.rc, self.me, self.stopping = tools.rc, tools.me, tools.stopping
         self.follower = Follower(self.me, pipelined=self.rc.pipeline.stages > 1, plan_wait_s=cfg.plan_wait_s,
-                                 coordinator_timeout_s=cfg.coordinator_timeout_s)
+                                 coordinator_timeout_s=cfg.coordinator_timeout_s,
+                                 started_at=joined.joined_at - joined.phases["dht"])
         tools.on_audit = telemetry.audited  # audit verdicts ride on this peer's heartbeats
         self.tasklet = Tasklet.build(tools, stage=0)
         self.replica, self.waiting, self.waiting_said = -1, "", 0.0

@@ -109,10 +109,26 @@ def boundary_in(plan: Plan | None, now: float) -> float | None:
 
 
 class Follower:
-    def __init__(self, me: str, *, pipelined: bool, plan_wait_s: float, coordinator_timeout_s: float = 0.0) -> None:
+    def __init__(self, me: str, *, pipelined: bool, plan_wait_s: float, coordinator_timeout_s: float = 0.0,
+                 started_at: float = 0.0) -> None:
         self.me, self.pipelined, self.plan_wait_s = me, pipelined, plan_wait_s
         self.coordinator_timeout_s = coordinator_timeout_s  # (0: train on the last plan however long it is away)
         self._failed: tuple[int, float, int] | None = None  # (step, when, epoch) of a step that failed here
+        self.started_at = started_at  # (unix time this process started: 0, unknown)
+        self._sit_out: tuple[int, int] | None = None  # (step, epoch) this process does not train: see _restarted_in
+
+    def _restarted_in(self, latest: Round, step: int) -> bool:
+        """Is ``step`` (of ``latest``'s epoch) one this process must sit out? The first step it would train, when
+        the round it would train it on was decided before this process started: this key was a member of that
+        round in an earlier process (a restart with the same key), which may have receipted contributions to its
+        shards before it stopped. Signing this step's results now, without them, would be an owner leaving out
+        what it receipted, and proven so. So it sits the step out (its shards go to their backups, as for any
+        member gone) and trains from the next step on. Steps of another epoch are not this one's: the run was
+        rolled back, and receipts name the epoch."""
+        if self._sit_out is None:
+            first = bool(self.started_at) and 0.0 < latest.decided_at < self.started_at
+            self._sit_out = (step, latest.epoch) if first else (-1, -1)
+        return self._sit_out == (step, latest.epoch)
 
     def failed(self, step: int, now: float, epoch: int = 0) -> None:
         """This peer could not commit ``step`` of ``epoch`` (an incomplete all-reduce, a stalled pipeline). Once
@@ -150,10 +166,15 @@ class Follower:
             if base and base != held.state_hash:
                 return Recover(step - 1, base, f"this peer's v{held.version} ({held.state_hash[:12]}) differs "
                                f"from the swarm's ({base[:12]})")
-            return Train(latest, step)
+            return self._sat_out(step) if self._restarted_in(latest, step) else Train(latest, step)
         if self.pipelined and now - held.committed_at < self.plan_wait_s:
             return Wait(f"waiting for the coordinator's round for step {step}", 0.5)
-        return Train(latest, step)
+        return self._sat_out(step) if self._restarted_in(latest, step) else Train(latest, step)
+
+    @staticmethod
+    def _sat_out(step: int) -> Wait:
+        return Wait(f"restarted during step {step}: this key's previous process may have receipted contributions to "
+                    f"it; training again from step {step + 1}", 0.5)
 
     def resolve(self, plan: Plan | None, step: int, stage: int, held_hash: str, epoch: int,
                 silent_s: float = 0.0) -> Round | None:

@@ -92,7 +92,7 @@ examples:
   potluck export --journal-dir potluck-run --step 8 --out step8.safetensors
   potluck export --journal-dir llama-run --out model-hf   a Hugging Face folder
   potluck export --journal-dir potluck-run --out model.pt --force
-  potluck export --journal-dir potluck-run --out s3://my-bucket/run-1/model.safetensors
+  potluck export --journal-dir potluck-run --out s3://my-bucket/run-1/model.pt
   potluck export --journal-dir llama-run --push-to-hub my-org/my-model
 
 then, in Python (a .pt file; for a .safetensors file and a folder the command

@@ -148,3 +148,21 @@ def test_a_peer_gives_up_only_after_the_coordinator_was_away_its_timeout() -> No
     assert isinstance(gave_up, GiveUp) and "601 s" in gave_up.reason and "coordinator_timeout_s" in gave_up.reason
     forever = Follower("me", pipelined=False, plan_wait_s=1.0, coordinator_timeout_s=0.0)
     assert isinstance(forever.next(plan, held, 100.0, silent_s=1e9), Train)
+
+
+def test_a_restarted_process_sits_out_the_step_its_key_was_in_and_trains_the_next() -> None:
+    """A key restarted while a member of the round running (decided before this process started) may have receipted
+    contributions in its previous process: this one sits that step out and trains from the next. A round decided
+    after the start, a rollback's new epoch of the same step, or a process whose start is unknown, trains."""
+    before = rnd(7, base="h6").model_copy(update={"decided_at": 100.0})
+    f = Follower(ME, pipelined=False, plan_wait_s=10.0, started_at=150.0)
+    sat = f.next(plan(before), held(6), 0)
+    assert isinstance(sat, Wait) and "restarted during step 7" in sat.reason
+    assert isinstance(f.next(plan(before), held(6), 0), Wait), "still sat out"
+    after = rnd(8, base="h7").model_copy(update={"decided_at": 160.0})
+    assert f.next(plan(after), held(7), 0) == Train(after, 8)
+    rolled = rnd(7, epoch=1, base="h6").model_copy(update={"decided_at": 100.0})
+    assert f.next(plan(rolled), held(6, epoch=1), 0) == Train(rolled, 7), "another epoch: receipts name the epoch"
+    fresh = Follower(ME, pipelined=False, plan_wait_s=10.0, started_at=50.0)
+    assert fresh.next(plan(before), held(6), 0) == Train(before, 7), "decided after the start"
+    assert follower().next(plan(before), held(6), 0) == Train(before, 7), "start unknown"
