@@ -386,7 +386,7 @@ def test_a_run_goes_on_on_a_new_box_from_its_store_and_its_backed_up_identity(sw
             monkeypatch.setenv(k, v)
         url = f"s3://{BUCKET}/moved"
         overrides = {"coordinator.checkpoint_every": 1, "coordinator.checkpoint_url": url, "membership.min_peers": 3,
-                     "diloco.outer_steps": STEPS}
+                     "diloco.outer_steps": STEPS, "diloco.rounds": "fixed"}  # (fixed: the two runs comparable to 1 %)
         three_peers(swarm, overrides, server.env())
         first = swarm.ready
         remote = open_store(url)
