@@ -100,6 +100,8 @@ class ShardInbox:
         self._sent: dict[tuple[int, int], Signed] = {}  # this member's own contributions, as it signed them
         self._closed: set[tuple[int, int]] = set()
         self._results: dict[int, ShardResult] = {}
+        # a take-over's result that came while the owner's was still held: it replaces the owner's if that is dropped
+        self._later: dict[int, ShardResult] = {}
         self._taken_over: set[int] = set()
         self._abstained: set[str] = set()  # members that said they contribute nothing to the expected step
 
@@ -135,12 +137,13 @@ class ShardInbox:
     def _reset(self) -> None:
         """Forget everything held for the step (under the lock); its buffers serve the next one."""
         self._buffers.give([t for by_sender in self._contribs.values() for s, t in by_sender.items() if s != self.me])
-        self._buffers.give([r.values for r in self._results.values()])
+        self._buffers.give([r.values for r in (*self._results.values(), *self._later.values())])
         self._contribs.clear()
         self._inputs.clear()
         self._sent.clear()
         self._closed.clear()
         self._results.clear()
+        self._later.clear()
         self._taken_over.clear()
         self._abstained.clear()
 
@@ -170,6 +173,12 @@ class ShardInbox:
                 except Rejected as err:
                     log.warning("dropping a result received before the round was known: %s", err.reason)
                     del self._results[shard]
+            for shard, res in list(self._later.items()):
+                try:
+                    self._check_signed(shard, info.shards, res.digests, res.outcome, info)
+                except Rejected as err:
+                    log.warning("dropping a result received before the round was known: %s", err.reason)
+                    del self._later[shard]
             return True
 
     def abstains(self, header: pb.Header) -> None:
@@ -298,10 +307,15 @@ class ShardInbox:
                 self._check_signed(shard, self._round.shards, digests, outcome, self._round)
             if first.attempt == 0 and shard in self._taken_over:
                 raise Rejected(pb.TAKEN_OVER, f"shard {shard} of step {self._step} was taken over")
-            if shard not in self._results:
+            held = self._results.get(shard)
+            if held is None:
                 self._results[shard] = ShardResult(values, kept, outcome, digests)
                 self._cond.notify_all()
-            elif not torch.equal(self._results[shard].values, values):
+            elif held.outcome.attempt < first.attempt and shard not in self._later:
+                # (a take-over's, before this member judged the owner's short: kept for when it does; adopting it
+                # now would let members end on different results)
+                self._later[shard] = ShardResult(values, kept, outcome, digests)
+            elif not torch.equal(held.values, values):
                 log.warning("ignoring a second, different result for shard %d of step %d", shard, self._step)
         return pb.Ack(received_bytes=sum(t.ByteSize() for t in kept))
 
@@ -480,6 +494,9 @@ class ShardInbox:
             self._taken_over.add(shard)
             if (res := self._results.pop(shard, None)) is not None:
                 self._buffers.give([res.values])
+            if (later := self._later.pop(shard, None)) is not None:  # the take-over's, come before this was judged
+                self._results[shard] = later
+                self._cond.notify_all()
 
     def result(self, shard: int) -> ShardResult | None:
         with self._cond:
