@@ -167,18 +167,13 @@ class ShardInbox:
                         log.warning("dropping contribution from %s: %s", short_id(sender), why)
                         del by_sender[sender]
                         del self._inputs[key][sender]
-            for shard, res in list(self._results.items()):
-                try:
-                    self._check_signed(shard, info.shards, res.digests, res.outcome, info)
-                except Rejected as err:
-                    log.warning("dropping a result received before the round was known: %s", err.reason)
-                    del self._results[shard]
-            for shard, res in list(self._later.items()):
-                try:
-                    self._check_signed(shard, info.shards, res.digests, res.outcome, info)
-                except Rejected as err:
-                    log.warning("dropping a result received before the round was known: %s", err.reason)
-                    del self._later[shard]
+            for held in (self._results, self._later):
+                for shard, res in list(held.items()):
+                    try:
+                        self._check_signed(shard, info.shards, res.digests, res.outcome, info)
+                    except Rejected as err:
+                        log.warning("dropping a result received before the round was known: %s", err.reason)
+                        del held[shard]
             return True
 
     def abstains(self, header: pb.Header) -> None:

@@ -30,7 +30,7 @@ from potluck.compression.transfer import (
 from potluck.coordinator.rounds.cursor import Cursor
 from potluck.coordinator.rounds.roundevents import Checkpoint
 from potluck.coordinator.store.checkpoint import CheckpointStore
-from potluck.coordinator.store.offbox import Remote, Uploader, probe
+from potluck.coordinator.store.offbox import probe
 from potluck.coordinator.store.uploadproc import UploadProcess
 from potluck.models import stage_bounds
 from potluck.protos import potluck_pb2 as pb
@@ -99,16 +99,11 @@ class Served:
 class Checkpointer:
     def __init__(self, directory: Path, keep: int, client: PeerClient, *, run_id: str, me: str,
                  bounds: list[tuple[int, int]], chunk_bytes: int, rpc_timeout_s: float, meta: dict[str, Any],
-                 remote: Remote | None = None, roster: Callable[[], bytes | None] | None = None,
                  upload_url: str = "", journal_dir: Path | None = None) -> None:
         self.store = CheckpointStore(directory, keep=keep)
-        # (copies each checkpoint kept to coordinator.checkpoint_url, and the run's roster: in a process of its own
-        # when given ``upload_url``, a thread of this process when given ``remote``)
-        self.uploader: Uploader | UploadProcess | None = None
-        if upload_url:
-            self.uploader = UploadProcess(upload_url, directory, keep, journal_dir)
-        elif remote is not None:
-            self.uploader = Uploader(remote, self.store, keep, roster=roster)
+        # (copies each checkpoint kept to coordinator.checkpoint_url, and the run's roster of ``journal_dir``, in a
+        # process of its own)
+        self.uploader = UploadProcess(upload_url, directory, keep, journal_dir) if upload_url else None
         self.client, self.run_id, self.me, self.bounds = client, run_id, me, bounds
         self.chunk_bytes, self.rpc_timeout_s, self.meta = chunk_bytes, rpc_timeout_s, meta
         self.served: Served | None = None  # replaced whole, never changed in place: handlers read it lock-free

@@ -299,10 +299,10 @@ class Uploader:
                 continue
             with self._lock:
                 self._passing = False
-            if self.failing is not None:
-                with self._lock:
-                    self.failing = None
+                back, self.failing = self.failing is not None, None
+                if back:
                     self._news.append((f"checkpoint uploads to {self.remote.url} work again", False))
+            if back:
                 log.info("checkpoint uploads to %s work again", self.remote.url)
             delay = 0.0
 
