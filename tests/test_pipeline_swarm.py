@@ -75,3 +75,30 @@ def test_a_send_that_can_never_succeed_reaches_the_page_within_two_deadlines(swa
     decided = next(e["t"] for e in state["events"] if e["kind"] == "round")  # round 1, the first decided
     assert event["t"] - decided < 2 * timeout, (event, decided)
     assert broken.wait(timeout=30) == 3
+
+
+def test_streaming_outer_steps_keep_each_stages_replicas_identical(swarm) -> None:  # type: ignore[no-untyped-def]
+    """``sync.fragments = 2`` with int4 outer gradients on the 2 x 2 grid, one peer at half speed: each stage's
+    vector is cut into its own fragments (the stages hold different tensors), each outer step syncs one of them
+    in both stages, and after every step a stage's replicas hold the same bits; each step sends about half the
+    outer bytes of a whole stage's."""
+    swarm.start_coordinator({**GRID, "diloco.outer_steps": 4, "diloco.inner_steps": 6, "sync.fragments": 2,
+                             "sync.codec": "int4"})
+    swarm.start_peer(env={**os.environ, "POTLUCK_FAULTS": "inner.step@*:slow=2"}, name="slow")
+    for _ in range(3):
+        swarm.start_peer()
+    state = swarm.wait_state(
+        lambda s: s["run"]["finished"] and s["history"] and len(s["history"][-1]["state_hashes"]) == 4,
+        300, "the 2x2 run with fragments to finish",
+    )
+    assert state["config"]["fragments"] == 2 and state["config"]["outer_codec"] == "int4"
+    hist = state["history"]
+    assert [h["step"] for h in hist] == list(range(1, 5))
+    assert all(len(h["state_hashes"]) == 4 for h in hist), [h["members"] for h in hist]
+    for h in hist:
+        by_stage = stage_hashes(h)
+        assert sorted(by_stage) == [0, 1] and all(len(v) == 1 for v in by_stage.values()), f"step {h['step']}: {by_stage}"
+    # a stage syncs half its vector a step, in 4 bits: about a quarter of int8's whole-stage bytes (fp32 / 16)
+    outer = sum(h["bytes"]["outer"] for h in hist)
+    outer_fp32 = sum(h["bytes_fp32"]["outer"] for h in hist)
+    assert 0 < outer < 0.2 * outer_fp32, (outer, outer_fp32)
