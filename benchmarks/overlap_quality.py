@@ -132,7 +132,7 @@ def main() -> None:
     swarm_arguments(parser, peers=4, outer_steps=10)
     parser.add_argument("--order", choices=["blocking-first", "overlap-first"], default="overlap-first")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds each swarm run may take")
-    parser.add_argument("--fragment-alpha", type=float, default=0.0,
+    parser.add_argument("--fragment-alpha", type=float, default=0.5,
                         help="sync.fragment_alpha of the streamed run: a synced fragment's local values mixed back in")
     parser.add_argument("--fragments", type=int, default=0,
                         help="F > 1: compare sync.fragments = F (H / F inner steps, F x the outer steps) with F = 1")

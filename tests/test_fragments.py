@@ -216,4 +216,4 @@ def test_a_bad_fragment_alpha_is_refused_clearly(value: object, says: str) -> No
     with pytest.raises(ConfigError) as err:
         apply_overrides(base, {"sync.fragment_alpha": value})
     assert "sync.fragment_alpha" in str(err.value) and says in str(err.value)
-    assert base.sync.fragment_alpha == 0.0
+    assert base.sync.fragment_alpha == 0.5  # (the default, unchanged)

@@ -195,8 +195,9 @@ class SyncConfig(Section):
         "fragment's syncs). A peer that restarts or joins starts from the committed state (its unsynced local "
         "progress is lost). Not with sync.group_size. 1: the whole stage every step")
     fragment_alpha: float = Field(
-        0.0, ge=0.0, lt=1.0, description="streaming outer steps: a synced fragment's local copy becomes alpha x its "
-        "local values + (1 - alpha) x the new global ones (Streaming DiLoCo's mixing; 0: the global values whole). "
+        0.5, ge=0.0, lt=1.0, description="streaming outer steps: a synced fragment's local copy becomes alpha x its "
+        "local values + (1 - alpha) x the new global ones (Streaming DiLoCo's mixing; 0: the global values whole; "
+        "0.5 measured closer to sync.fragments = 1 at equal tokens than 0: docs/benchmarks.md). "
         "theta_global is the same for every member either way")
 
     @model_validator(mode="before")
