@@ -11,7 +11,7 @@ hivemind: ``benchmarks/hivemind_allreduce.py`` (real DHT nodes and ``Decentraliz
 ``Uniform8BitQuantization``, group formed beforehand, only the all-reduce timed), run in its own venv
 with numpy < 2.4 (with numpy 2.4 its decoder fails and it averages half the vector), which checks the
 mean the same way. Both sides pin ``--threads`` torch threads per process; rounds alternate between
-the two in the same run (``--trials`` pairs). Target (issue 16): ours <= 0.5x hivemind's time.
+the two in the same run (``--trials`` pairs). Target (issue 16): ours <= 0.5x hivemind's time; since verified reduction (issue 48): <= 0.45x, every check on.
 
     python benchmarks/allreduce_vs_hivemind.py [--numel 20000000] [--peers 3] [--rounds 3] [--trials 1]
 """
@@ -164,7 +164,7 @@ def main() -> None:
     print(json.dumps({
         "benchmark": "allreduce_vs_hivemind", "numel": args.numel, "peers": args.peers, "threads": args.threads,
         "potluck_median_s": round(ours_s, 3), "hivemind_median_s": round(hm_s, 3),
-        "ratio": round(ours_s / hm_s, 3), "target_ratio": 0.5,
+        "ratio": round(ours_s / hm_s, 3), "target_ratio": 0.45,
         "potluck": mine, "hivemind": theirs,
     }))
     sys.stdout.flush()

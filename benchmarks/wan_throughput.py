@@ -190,16 +190,19 @@ def main() -> None:
     parser.add_argument("--order", choices=["baseline-first", "potluck-first"], default="baseline-first")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds each run may take")
     parser.add_argument("--fragments", type=int, default=4, help="F of the streamed run (0: no whole/streamed runs)")
+    parser.add_argument("--codec", choices=["int8", "int4"], default="int8",
+                        help="sync.codec of the potluck and streaming runs (the baseline's all-reduce stays fp32)")
     parser.add_argument("--only", default="", help="comma-separated runs: baseline, potluck, potluck_1f1b, whole, "
                         "streamed (default: all)")
     args = parser.parse_args()
     baseline_steps = args.baseline_steps or args.outer_steps * args.inner_steps
     f = max(args.fragments, 1)
+    codec = {"sync.codec": args.codec}
     runs: dict[str, tuple[dict[str, Any], int, int]] = {
-        "potluck": (POTLUCK, args.inner_steps, args.outer_steps), "baseline": (BASELINE, 1, baseline_steps),
-        "potluck_1f1b": (POTLUCK_1F1B, args.inner_steps, args.outer_steps),
-        "whole": (DILOCO, args.inner_steps, args.outer_steps),
-        "streamed": ({**DILOCO, "sync.fragments": f}, max(args.inner_steps // f, 1), args.outer_steps * f)}
+        "potluck": ({**POTLUCK, **codec}, args.inner_steps, args.outer_steps), "baseline": (BASELINE, 1, baseline_steps),
+        "potluck_1f1b": ({**POTLUCK_1F1B, **codec}, args.inner_steps, args.outer_steps),
+        "whole": ({**DILOCO, **codec}, args.inner_steps, args.outer_steps),
+        "streamed": ({**DILOCO, **codec, "sync.fragments": f}, max(args.inner_steps // f, 1), args.outer_steps * f)}
     order = ["baseline", "potluck", "potluck_1f1b"] if args.order == "baseline-first" else [
         "potluck", "potluck_1f1b", "baseline"]
     order += ["whole", "streamed"] if args.fragments else []
@@ -244,10 +247,11 @@ def main() -> None:
             "outer_bytes_per_step_ratio": round(st["outer_bytes_per_member_step"] / w["outer_bytes_per_member_step"], 3)
             if w["outer_bytes_per_member_step"] and st["outer_bytes_per_member_step"] else None,
             "target_peak_ratio": 0.35})
-    configs = {"potluck": "GPipe, acsgd 4-bit activations, 8-bit gradients, int8 all-reduce every H steps",
+    line["codec"] = args.codec
+    configs = {"potluck": f"GPipe, acsgd 4-bit activations, 8-bit gradients, {args.codec} all-reduce every H steps",
                "potluck_1f1b": "the same with 1F1B",
                "baseline": "fp32 activations and gradients, fp32 all-reduce every step (H = 1)",
-               "whole": "S = 1, R = 4, int8 all-reduce of the whole model every H steps (sync.fragments = 1)",
+               "whole": f"S = 1, R = 4, {args.codec} all-reduce of the whole model every H steps (sync.fragments = 1)",
                "streamed": f"S = 1, R = 4, sync.fragments = {f}: 1/{f} of the model every H / {f} steps"}
     line.update({name: {"config": configs[name], **r} for name, r in results.items()})
     print(json.dumps(line))
