@@ -147,7 +147,7 @@ def test_presets_and_bad_model_configs_are_clear(hf_dirs) -> None:  # type: igno
     assert (m.family, m.d_model, m.n_layers, m.kv_heads) == ("llama", 2048, 16, 8)
     assert ModelConfig(preset="llama-20m", n_layers=4).n_layers == 4  # the file's own values win
     cases = {
-        "unknown model.preset 'llama-7b'": {"model.preset": "llama-7b"},
+        "unknown model.preset 'llama-70b'": {"model.preset": "llama-70b"},
         "needs family = 'llama'": {"model.preset": "llama-20m", "model.family": "tiny"},
         "n_kv_heads \\(3\\) must divide n_heads \\(4\\)": {"model.family": "llama", "model.n_kv_heads": 3},
         "needs model.hf_model": {"model.family": "hf"},

@@ -13,14 +13,18 @@ import pytest
 from potluck.models import entry_costs, stage_bounds
 from potluck.models.sizecheck import (
     BYTES_PER_PARAM,
+    DEVICE_BYTES_PER_PARAM,
+    HOST_BYTES_PER_PARAM,
     REFUSE_BYTES,
     WARN_BYTES,
+    GiB,
     check_size,
     entry_parameters,
     estimate,
     fits,
     notes,
     peer_note,
+    plan,
     stage_entries,
 )
 from potluck.protos.config.files import apply_overrides
@@ -109,3 +113,67 @@ def test_the_estimate_loads_no_torch() -> None:
             " check_size(RunConfig()); print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=Path.home())
     assert done.stdout == "False\n", done.stderr
+
+
+def test_a_gpu_holds_the_inner_state_and_the_host_the_outer_state() -> None:
+    """Weights, gradients, AdamW and activations on the device; theta_global, its momentum and the previous version
+    in host memory (pinned on a GPU peer): a CPU peer needs both in one memory, a GPU only the first."""
+    est = estimate(run(**{"model__preset": "llama-20m", "pipeline__stages": 2}))
+    assert est.host_bytes == HOST_BYTES_PER_PARAM * est.stage_parameters
+    assert est.device_bytes == DEVICE_BYTES_PER_PARAM * est.stage_parameters + est.activation_bytes
+    assert est.device_bytes + est.host_bytes == est.bytes
+    overlap = estimate(run(**{"model__preset": "llama-20m", "diloco__overlap": True}))
+    single = estimate(run(**{"model__preset": "llama-20m"}))
+    assert overlap.device_bytes == single.device_bytes < single.bytes < overlap.bytes  # (what overlap adds, the phase's start, is in host memory)
+    big = run(**{"model__preset": "llama-1b", "model__seq_len": 1024, "train__batch_size": 8})
+    b = estimate(big)
+    fits(big, "cuda", b.device_bytes)  # a GPU with room for the device part, and not for the outer state: it fits
+    with pytest.raises(ConfigError, match="on the device .*of outer state in host memory besides"):
+        fits(big, "cuda", b.device_bytes - 1)
+    with pytest.raises(ConfigError, match="this peer's cpu holds"):
+        fits(big, "cpu", b.device_bytes)  # a CPU peer holds both
+    assert peer_note(b, "NVIDIA RTX 4090", b.device_bytes / GiB + 0.5) == ""
+
+
+def brute_plan(cfg: RunConfig, memory: int) -> int | None:
+    """The reference: every stage count's biggest stage, its device bytes counted from the stage cut directly."""
+    costs = entry_parameters(cfg.model)
+    for stages in range(cfg.pipeline.stages, len(costs) + 1):
+        c = run(**{"model__preset": cfg.model.preset, "model__seq_len": cfg.model.seq_len,
+                   "train__batch_size": cfg.train.batch_size, "train__checkpoint_activations": True,
+                   "pipeline__stages": stages})
+        biggest = max(sum(costs[a:b]) for a, b in stage_entries(c, costs))
+        est = estimate(c)
+        assert est.stage_parameters == biggest
+        if est.device_bytes <= memory:
+            return stages
+    return None
+
+
+@pytest.mark.parametrize("preset", ["llama-150m", "llama-1b", "llama-7b"])
+@pytest.mark.parametrize("card_gb", [8, 16, 24, 80])
+def test_the_plan_is_the_fewest_stages_whose_biggest_stage_fits_the_card(preset: str, card_gb: int) -> None:
+    cfg = run(**{"model__preset": preset, "model__seq_len": 1024, "train__batch_size": 8,
+                 "train__checkpoint_activations": True})
+    got = plan(cfg, card_gb * GiB)
+    assert got == brute_plan(cfg, card_gb * GiB)
+    if got is not None and got > 1:  # one stage fewer does not fit
+        fewer = run(**{"model__preset": preset, "model__seq_len": 1024, "train__batch_size": 8,
+                       "train__checkpoint_activations": True, "pipeline__stages": got - 1})
+        assert estimate(fewer).device_bytes > card_gb * GiB
+
+
+def test_a_7b_model_on_24_gb_cards_is_planned_and_the_warning_names_the_stages() -> None:
+    cfg = run(**{"model__preset": "llama-7b", "model__seq_len": 1024, "train__batch_size": 8,
+                 "train__checkpoint_activations": True})
+    est = check_size(cfg)
+    assert 6.4e9 < est.parameters < 6.6e9
+    stages = plan(cfg, WARN_BYTES)
+    assert stages is not None and 4 <= stages <= 16, stages
+    [line] = notes(cfg, est)
+    assert f"pipeline.stages = {stages} need less" in line and "on a GPU" in line, line
+    planned = run(**{"model__preset": "llama-7b", "model__seq_len": 1024, "train__batch_size": 8,
+                     "train__checkpoint_activations": True, "pipeline__stages": stages})
+    assert notes(planned, estimate(planned)) == []
+    with pytest.raises(ConfigError, match=f"at pipeline.stages = {stages} each stage fits it"):
+        fits(cfg, "cuda", WARN_BYTES)

@@ -6,6 +6,13 @@ parameters, ``BYTES_PER_PARAM`` bytes: the fp32 weight and its gradient (4 + 4),
 for peers that roll back). ``benchmarks/stage_memory.py`` measured a peak of 1.67x the 20 bytes of
 weights, AdamW and outer state on llama-1b's stage: 33 bytes a parameter, which this is.
 
+Where they live: the weights, gradients, AdamW's moments and the activations are on the peer's device
+(``DEVICE_BYTES_PER_PARAM``); the outer state is in host memory on every peer (pinned on a GPU peer:
+``peer/stage.py``, ``peer/allreduce.py``; the outer step is rare and its copies run at the bus's speed), so a
+GPU's memory needs :attr:`Estimate.device_bytes` only and the host the rest (:attr:`Estimate.host_bytes`; a CPU
+peer holds both in one memory, :attr:`Estimate.bytes`). :func:`plan` is the fewest pipeline stages at which
+each stage fits a card.
+
 Activations are estimated for the run's batch and sequence, in fp32 (a GPU peer under bf16 autocast
 needs less): per token and block about ``10 d_model + 4 d_ff`` values kept for the backward pass (its
 inputs, norms, q/k/v, the attention and MLP outputs; attention runs as torch's fused kernels, linear in
@@ -32,7 +39,11 @@ from typing import Any
 from potluck.protos.config.runconfig import ModelConfig, RunConfig
 from potluck.protos.config.section import ConfigError
 
-BYTES_PER_PARAM = 32  # weight 4 + gradient 4 + AdamW 8 + outer state 8 + the previous outer state 8
+DEVICE_BYTES_PER_PARAM = 16  # on the device: weight 4 + gradient 4 + AdamW's two moments 8
+HOST_BYTES_PER_PARAM = 16  # in host memory: outer state (theta_global, momentum) 8 + the previous outer state 8
+BYTES_PER_PARAM = DEVICE_BYTES_PER_PARAM + HOST_BYTES_PER_PARAM
+OVERLAP_BYTES_PER_PARAM = 4  # diloco.overlap: the phase's starting point, in host memory
+MAX_PLAN_STAGES = 64  # pipeline.stages a plan tries before it says no number of stages is enough
 ACT_BYTES = 4  # activations counted in fp32
 EVAL_BATCH = 64  # samples a peer evaluates at once (peer/stage.py)
 GiB = 1 << 30
@@ -51,10 +62,22 @@ class Estimate:
     stage_parameters: int  # the biggest stage's
     state_bytes: int  # its parameters' weights, gradients, AdamW and outer state
     activation_bytes: int  # its training (or evaluation) activations, whichever is larger
+    host_state_bytes: int = 0  # the part of state_bytes a GPU peer keeps in host memory: the outer state
 
     @property
     def bytes(self) -> int:
+        """All of it: what a CPU peer, whose device is its host, needs."""
         return self.state_bytes + self.activation_bytes
+
+    @property
+    def device_bytes(self) -> int:
+        """What a GPU peer's device needs: weights, gradients, AdamW and activations."""
+        return self.bytes - self.host_state_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        """What a GPU peer's host memory needs besides: the outer state."""
+        return self.host_state_bytes
 
     def describe(self, cfg: RunConfig) -> str:
         stage = (f", {count(self.stage_parameters)} in the biggest of {cfg.pipeline.stages} stages"
@@ -135,10 +158,11 @@ def estimate(cfg: RunConfig) -> Estimate:
         kept = (blocks * m.d_model + per_token_block) if t.checkpoint_activations else blocks * per_token_block
         train = batch * m.seq_len * (kept + m.d_model + head) * ACT_BYTES
         evaluate = EVAL_BATCH * m.seq_len * (4 * m.d_model + 2 * m.ff_width + m.d_model + head) * ACT_BYTES
-        state = params * BYTES_PER_PARAM + (params * 4 if cfg.diloco.overlap else 0)  # overlap: the phase's start
-        need.append((state + max(train, evaluate), params, state))
+        host = params * (HOST_BYTES_PER_PARAM + (OVERLAP_BYTES_PER_PARAM if cfg.diloco.overlap else 0))
+        state = params * DEVICE_BYTES_PER_PARAM + host
+        need.append((state + max(train, evaluate), params, state, host))
     biggest = max(need)
-    return Estimate(total, biggest[1], biggest[2], biggest[0] - biggest[2])
+    return Estimate(total, biggest[1], biggest[2], biggest[0] - biggest[2], biggest[3])
 
 
 def _with(cfg: RunConfig, dotted: str, value: Any) -> RunConfig:
@@ -179,28 +203,58 @@ def check_size(cfg: RunConfig) -> Estimate:
 
 def notes(cfg: RunConfig, est: Estimate) -> list[str]:
     """One-line warnings (naming the field that adds the most) for a run bigger than a volunteer's GPU."""
-    if est.bytes <= WARN_BYTES:
+    if est.device_bytes <= WARN_BYTES:  # (the outer state is in host memory: it takes none of the GPU's)
         return []
     field = blame(cfg)
     section, name = field.split(".")
-    return [f"{field} = {getattr(getattr(cfg, section), name)}: this run needs about {est.describe(cfg)}, more than a "
-            f"24 GB GPU holds: peers with less run out of memory (train.checkpoint_activations, a smaller "
-            "train.batch_size or more pipeline.stages need less)"]
+    stages = plan(cfg, WARN_BYTES)
+    more = f"pipeline.stages = {stages}" if stages is not None else "more pipeline.stages"
+    return [f"{field} = {getattr(getattr(cfg, section), name)}: this run needs about {est.describe(cfg)}, "
+            f"{human(est.device_bytes)} of it on a GPU, more than a 24 GB GPU holds: peers with less run out of memory "
+            f"(train.checkpoint_activations, a smaller train.batch_size or {more} need less)"]
+
+
+def needs_on(est: Estimate, device: str) -> int:
+    """What ``device`` (a torch device type: 'cuda', 'cpu', ...) must hold of ``est``: a GPU its device bytes, a
+    CPU peer everything."""
+    return est.device_bytes if device not in ("cpu", "") else est.bytes
 
 
 def fits(cfg: RunConfig, device: str, memory_bytes: int) -> None:
     """A peer's own check, before it builds its stage: ConfigError, in one line, when this run needs more
     than its device holds (``memory_bytes``; 0 when unknown), instead of a traceback from the allocator."""
     est = estimate(cfg)
-    if memory_bytes and est.bytes > memory_bytes:
-        raise ConfigError(f"this run needs about {est.describe(cfg)}, and this peer's {device} holds "
-                          f"{human(memory_bytes)}: lend a device with more memory, or run a peer elsewhere")
+    if memory_bytes and needs_on(est, device) > memory_bytes:
+        held = "" if device == "cpu" else f" on the device ({human(est.host_bytes)} of outer state in host memory besides)"
+        raise ConfigError(f"this run needs about {human(needs_on(est, device))}{held} ({est.describe(cfg)}), and this "
+                          f"peer's {device} holds {human(memory_bytes)}: lend a device with more memory, or run a peer "
+                          f"elsewhere{_stages_hint(cfg, memory_bytes, device)}")
+
+
+def plan(cfg: RunConfig, memory_bytes: int, device: str = "cuda") -> int | None:
+    """The fewest ``pipeline.stages`` (from the run's own, cut by its ``pipeline.balance``) at which every stage
+    of ``cfg`` fits ``memory_bytes`` on ``device`` (:func:`needs_on`), or None if none up to the model's entries
+    (or ``MAX_PLAN_STAGES``) does. ``pipeline.layers``, a cut by hand, is left out of the what-if."""
+    entries = len(entry_parameters(cfg.model))
+    for stages in range(max(cfg.pipeline.stages, 1), min(entries, MAX_PLAN_STAGES) + 1):
+        pipe = cfg.pipeline.model_copy(update={"stages": stages, "layers": None})
+        if needs_on(estimate(cfg.model_copy(update={"pipeline": pipe})), device) <= memory_bytes:
+            return stages
+    return None
+
+
+def _stages_hint(cfg: RunConfig, memory_bytes: int, device: str) -> str:
+    stages = plan(cfg, memory_bytes, device)
+    if stages is None or stages == cfg.pipeline.stages:
+        return ""
+    return f" (at pipeline.stages = {stages} each stage fits it)"
 
 
 def peer_note(est: Estimate, device: str, memory_gb: float) -> str:
-    """The warning for a joined peer whose device (``memory_gb`` GiB; 0 when unknown) is smaller than
-    the run needs, or ''."""
-    if not memory_gb or memory_gb * GiB >= est.bytes:
+    """The warning for a joined peer whose GPU (``memory_gb`` GiB, which only a GPU peer reports; 0 when unknown)
+    is smaller than the run needs on it, or ''."""
+    if not memory_gb or memory_gb * GiB >= est.device_bytes:  # (a GPU's: the outer state is in host memory)
         return ""
-    return (f"its {device} has {memory_gb:.0f} GiB, and this run needs about {human(est.bytes)} a peer: it may run out "
-            "of memory (train.checkpoint_activations, a smaller train.batch_size or more pipeline.stages need less)")
+    return (f"its {device} has {memory_gb:.0f} GiB, and this run needs about {human(est.device_bytes)} on a peer's GPU: it "
+            "may run out of memory (train.checkpoint_activations, a smaller train.batch_size or more pipeline.stages "
+            "need less)")

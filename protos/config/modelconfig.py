@@ -15,6 +15,7 @@ LLAMA_PRESETS: dict[str, dict[str, int]] = {  # body sizes; see potluck.models.l
     "llama-150m": {"d_model": 768, "n_layers": 24, "n_heads": 12, "n_kv_heads": 4, "d_ff": 2048},
     "llama-400m": {"d_model": 1024, "n_layers": 32, "n_heads": 16, "n_kv_heads": 8, "d_ff": 2816},
     "llama-1b": {"d_model": 2048, "n_layers": 16, "n_heads": 32, "n_kv_heads": 8, "d_ff": 8192},
+    "llama-7b": {"d_model": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 32, "d_ff": 11008},  # Llama 2 7B's body
 }
 HF_DECIDES = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "tie_embeddings")
 
