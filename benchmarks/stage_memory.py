@@ -17,7 +17,11 @@ The reference is what the stage itself must hold: its fp32 parameters, AdamW's t
 the outer state (theta_global and momentum), 5 x 4 bytes per parameter. Targets: stage peer <= 1.5x
 that, coordinator <= 1.5x that.
 
-    python benchmarks/stage_memory.py [--preset llama-1b] [--stages 4] [--stage 1]
+The line also gives, for each memory option, the bytes a parameter takes on a GPU peer's device and in its
+host memory, counted tensor by tensor in the stage peer above (``options``), and the size check's stage
+plan of ``--plan-preset`` for a ``--card-gib`` card (``plan``: :func:`potluck.models.sizecheck.plan`).
+
+    python benchmarks/stage_memory.py [--preset llama-1b] [--stages 4] [--stage 1] [--plan-preset llama-7b] [--card-gib 24]
 """
 
 from __future__ import annotations
@@ -56,7 +60,11 @@ n = sum(p.numel() for p in params)
 held = outer_snapshot(flatten_params(params), torch.zeros(n), 0)  # theta_global and momentum, as joined
 server = SnapshotServer("bench", 1 << 20)
 server.publish(held)
-opt = torch.optim.AdamW(params, lr=1e-4)
+if args.get("optimizer") == "adamw8bit":
+    from potluck.peer.adamw8bit import AdamW8bit
+    opt = AdamW8bit(params, lr=1e-4)
+else:
+    opt = torch.optim.AdamW(params, lr=1e-4)
 x = torch.randn(args["batch"], args["seq"], cfg.d_model)
 for _ in range(args["inner_steps"]):
     opt.zero_grad(set_to_none=True)
@@ -65,12 +73,20 @@ for _ in range(args["inner_steps"]):
         out = layer(out)
     out.backward(torch.randn_like(out))
     opt.step()
+def nbytes(ts):
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+# what a GPU peer keeps on its device (weights, gradients, AdamW's moments), counted tensor by tensor
+inner_bytes = nbytes(params) + nbytes(p.grad for p in params) + nbytes(
+    v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0)
 opt.zero_grad(set_to_none=True)  # as StageWorker.inner_phase ends
 theta_local = flatten_params(params)
 delta = torch.sub(held.tensors["theta"], theta_local, out=theta_local)  # as peer/outer.py does
 new_theta, new_m = nesterov_step(held.tensors["theta"], held.tensors["momentum"], delta, 0.7, 0.9, consume=True)
 server.publish(outer_snapshot(new_theta, new_m, 1))
-print(json.dumps({"peak_mib": peak_mib(), "params": n, "build_peak_mib": build_peak}))
+# what it keeps in host memory (pinned on a GPU peer): the outer state, the new version and the one before it
+outer_bytes = nbytes(held.tensors.values()) + nbytes((new_theta, new_m))
+print(json.dumps({"peak_mib": peak_mib(), "params": n, "build_peak_mib": build_peak,
+                  "device_bytes_per_param": inner_bytes / n, "host_bytes_per_param": outer_bytes / n}))
 """
 
 
@@ -117,14 +133,24 @@ def main() -> None:
     ap.add_argument("--old-coordinator", action="store_true",
                     help="also measure the coordinator's old whole-model path (~6x the model's fp32 size: "
                     "it does not fit a 24 GiB box at llama-1b)")
+    ap.add_argument("--plan-preset", default="llama-7b", help="the model whose stage plan the size check prints")
+    ap.add_argument("--card-gib", type=int, default=24, help="the card the plan is for (GiB)")
     a = ap.parse_args()
     args = {"preset": a.preset, "stages": a.stages, "stage": a.stage, "inner_steps": a.inner_steps,
             "batch": a.batch, "seq": a.seq}
     whole = child(STAGE, {**args, "whole": True})
     stage = child(STAGE, {**args, "whole": False})
+    lean = child(STAGE, {**args, "whole": False, "optimizer": "adamw8bit"})
     coordinator = child(COORDINATOR, {**args, "whole": False})
     old_coordinator = child(COORDINATOR, {**args, "whole": True}) if a.old_coordinator else None
     reference_mib = 5 * 4 * stage["params"] / 2**20
+    from potluck.models import sizecheck
+    from potluck.protos.config.files import apply_overrides
+    from potluck.protos.config.runconfig import RunConfig
+    big = apply_overrides(RunConfig(), {"model.preset": a.plan_preset, "model.seq_len": 1024, "train.batch_size": 8,
+                                        "train.checkpoint_activations": True})
+    stages = sizecheck.plan(big, a.card_gib * sizecheck.GiB)
+    planned = sizecheck.estimate(apply_overrides(big, {"pipeline.stages": stages})) if stages else None
     print(json.dumps({
         "benchmark": "stage_memory", "preset": a.preset, "stages": a.stages, "stage": a.stage,
         "stage_params": stage["params"],
@@ -139,6 +165,22 @@ def main() -> None:
         "coordinator_ratio": round(coordinator["peak_mib"] / reference_mib, 2),
         "whole_model_coordinator_peak_mib": round(old_coordinator["peak_mib"], 1) if old_coordinator else None,
         "target": TARGET,
+        # counted tensor by tensor in the stage peer: fp32 weights, gradients and AdamW (a GPU peer's device), and
+        # the outer state it keeps in host memory (pinned on a GPU), beside what the size check counts
+        "options": {"fp32 + AdamW": {
+            "device_bytes_per_param": round(stage["device_bytes_per_param"], 2),
+            "host_bytes_per_param": round(stage["host_bytes_per_param"], 2),
+            "sizecheck_device_bytes_per_param": sizecheck.DEVICE_BYTES_PER_PARAM,
+            "sizecheck_host_bytes_per_param": sizecheck.HOST_BYTES_PER_PARAM, "peak_mib": round(stage["peak_mib"], 1)},
+            "adamw8bit (train.optimizer)": {
+            "device_bytes_per_param": round(lean["device_bytes_per_param"], 2),
+            "host_bytes_per_param": round(lean["host_bytes_per_param"], 2),
+            "sizecheck_device_bytes_per_param": sizecheck.DEVICE_BYTES_PER_PARAM - 8
+            + sizecheck.OPTIMIZER_BYTES_PER_PARAM["adamw8bit"], "peak_mib": round(lean["peak_mib"], 1)}},
+        "plan": {"preset": a.plan_preset, "seq_len": 1024, "batch_size": 8, "checkpoint_activations": True,
+                 "card_gib": a.card_gib, "stages": stages,
+                 "device_gb_per_stage": round(planned.device_bytes / 1e9, 1) if planned else None,
+                 "host_gb_per_stage": round(planned.host_bytes / 1e9, 1) if planned else None},
     }))
 
 

@@ -218,8 +218,13 @@ class StageWorker:
         return loss
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
-        """AdamW; on a GPU its fused kernel (one launch a step for every parameter, instead of a few per tensor)."""
+        """AdamW; on a GPU its fused kernel (one launch a step for every parameter, instead of a few per tensor). With
+        ``train.optimizer = "adamw8bit"``, its moments in 8 bits (:mod:`potluck.peer.adamw8bit`)."""
         t = self.rc.train
+        if t.optimizer == "adamw8bit":
+            from potluck.peer.adamw8bit import AdamW8bit
+
+            return AdamW8bit(self.params, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
         fused = self.device.type == "cuda" and all(p.is_cuda and p.is_floating_point() for p in self.params)
         return torch.optim.AdamW(self.params, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
                                  **({"fused": True} if fused else {}))

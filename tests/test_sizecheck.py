@@ -177,3 +177,27 @@ def test_a_7b_model_on_24_gb_cards_is_planned_and_the_warning_names_the_stages()
     assert notes(planned, estimate(planned)) == []
     with pytest.raises(ConfigError, match=f"at pipeline.stages = {stages} each stage fits it"):
         fits(cfg, "cuda", WARN_BYTES)
+
+
+def test_the_readmes_table_of_what_fits_is_the_size_checks() -> None:
+    """README's "What fits on my GPU" holds the plan this module makes, card by card (kept true as the code changes)."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text.split("### What fits on my GPU", 1)[1].split("\n### ", 1)[0]
+    rows = [line.strip("|").split("|") for line in section.splitlines() if line.startswith("| llama-")]
+    header = next(line for line in section.splitlines() if line.startswith("| model |"))
+    cards = [int(c.strip().split()[0]) for c in header.strip("|").split("|")[3:]]
+    assert len(rows) >= 4 and cards
+    for row in rows:
+        preset = row[0].strip()
+        cfg = run(**{"model__preset": preset, "model__seq_len": 1024, "train__batch_size": 8,
+                     "train__checkpoint_activations": True})
+        want = [str(s) if (s := plan(cfg, gb * GiB)) is not None else "-" for gb in cards]
+        assert [c.strip() for c in row[3:]] == want, preset
+
+
+def test_8_bit_adamw_takes_less_of_the_device_and_nothing_else() -> None:
+    fp32 = estimate(run(**{"model__preset": "llama-150m"}))
+    lean = estimate(run(**{"model__preset": "llama-150m", "train__optimizer": "adamw8bit"}))
+    saved = fp32.device_bytes - lean.device_bytes
+    assert saved == pytest.approx((8 - 2 - 8 / 256) * fp32.stage_parameters, rel=1e-6)
+    assert lean.host_bytes == fp32.host_bytes and lean.activation_bytes == fp32.activation_bytes

@@ -40,6 +40,8 @@ from potluck.protos.config.runconfig import ModelConfig, RunConfig
 from potluck.protos.config.section import ConfigError
 
 DEVICE_BYTES_PER_PARAM = 16  # on the device: weight 4 + gradient 4 + AdamW's two moments 8
+# train.optimizer's moments, a parameter: fp32 AdamW's 8; adamw8bit's 2 codes + a float32 scale a block of 256 each
+OPTIMIZER_BYTES_PER_PARAM = {"adamw": 8.0, "adamw8bit": 2.0 + 8 / 256}
 HOST_BYTES_PER_PARAM = 16  # in host memory: outer state (theta_global, momentum) 8 + the previous outer state 8
 BYTES_PER_PARAM = DEVICE_BYTES_PER_PARAM + HOST_BYTES_PER_PARAM
 OVERLAP_BYTES_PER_PARAM = 4  # diloco.overlap: the phase's starting point, in host memory
@@ -159,7 +161,8 @@ def estimate(cfg: RunConfig) -> Estimate:
         train = batch * m.seq_len * (kept + m.d_model + head) * ACT_BYTES
         evaluate = EVAL_BATCH * m.seq_len * (4 * m.d_model + 2 * m.ff_width + m.d_model + head) * ACT_BYTES
         host = params * (HOST_BYTES_PER_PARAM + (OVERLAP_BYTES_PER_PARAM if cfg.diloco.overlap else 0))
-        state = params * DEVICE_BYTES_PER_PARAM + host
+        device = DEVICE_BYTES_PER_PARAM - OPTIMIZER_BYTES_PER_PARAM["adamw"] + OPTIMIZER_BYTES_PER_PARAM[t.optimizer]
+        state = int(params * device) + host
         need.append((state + max(train, evaluate), params, state, host))
     biggest = max(need)
     return Estimate(total, biggest[1], biggest[2], biggest[0] - biggest[2], biggest[3])

@@ -92,6 +92,10 @@ class TrainConfig(Section):
     weight_decay: float = Field(0.0, ge=0)
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.99, ge=0, lt=1)
+    optimizer: Literal["adamw", "adamw8bit"] = Field(
+        "adamw", description="the inner optimizer: AdamW with fp32 moments (16 bytes a parameter on the device with "
+        "the weight and gradient), or 'adamw8bit': its moments in 8 bits a block of 256 at a time (about 10 bytes a "
+        "parameter; potluck.peer.adamw8bit; quality at equal tokens in docs/benchmarks.md)")
     warmup_steps: int = Field(20, ge=0, description="linear warm-up of the inner lr, in inner steps")
     grad_clip: float = Field(1.0, ge=0, description="max grad norm; 0 disables clipping")
     seed: int = Field(0, description="model init seed: every peer starts from the same theta_0")

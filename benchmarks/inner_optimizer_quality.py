@@ -1,0 +1,79 @@
+"""Quality and device memory of the inner optimizer's options at equal tokens: AdamW with fp32 moments against
+``train.optimizer = "adamw8bit"`` (its moments in 8 bits, ``potluck/peer/adamw8bit.py``).
+
+Two settings, each run once per optimizer with everything else equal (model init, data, order, lr schedule):
+
+* ``sync``: one process trains through the peers' own inner loop (:class:`~potluck.peer.stage.StageWorker`) for
+  ``--outer-steps x --inner-steps`` steps on a batch of ``--peers x --batch``, as ``overlap_quality.py``'s
+  synchronous baseline does;
+* ``swarm`` (``--swarm``): a real DiLoCo swarm of ``--peers`` peer processes (``overlap_quality.py``'s swarm,
+  blocking outer steps, fixed rounds), each peer's inner optimizer the option.
+
+The figure is the final eval loss on the run's held-out set; the ratio is adamw8bit's over AdamW's, target
+(issue): within 1 %. The line also gives each option's optimizer state in bytes a parameter, counted tensor by
+tensor in the sync run (the device's share besides the weight and gradient).
+
+    python benchmarks/inner_optimizer_quality.py [--swarm] [--peers 4] [--inner-steps 50] [--outer-steps 10]
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+from benchargs import bench_parser, swarm_arguments
+from overlap_quality import run_config, run_swarm
+
+from potluck.models import stage_bounds
+from potluck.peer.data import Dataset
+from potluck.peer.stage import StageWorker
+
+OPTIONS = ("adamw", "adamw8bit")
+
+
+def run_sync(args, optimizer: str) -> dict:  # type: ignore[no-untyped-def]
+    steps, batch = args.outer_steps * args.inner_steps, args.peers * args.batch
+    cfg = run_config(args, **{"train.batch_size": batch, "diloco.inner_steps": steps, "diloco.outer_steps": 1,
+                              "train.optimizer": optimizer})
+    torch.set_num_threads(args.threads)
+    data = Dataset(cfg.data, cfg.model)
+    worker = StageWorker(cfg, 0, stage_bounds(cfg.model, cfg.pipeline)[0], torch.device("cpu"), data, link=None)
+    t0 = time.monotonic()
+    phase = worker.inner_phase([(0, steps * batch)], threading.Event(), lambda i, loss, s: None)
+    assert phase.steps == steps, phase
+    final = worker.evaluate(1)
+    assert final is not None and worker.optimizer is not None
+    n = sum(p.numel() for p in worker.params)
+    state = sum(v.numel() * v.element_size() for st in worker.optimizer.state.values() for v in st.values()
+                if torch.is_tensor(v) and v.dim() > 0)
+    return {"final_eval_loss": round(final, 4), "optimizer_state_bytes_per_param": round(state / n, 3),
+            "params": n, "steps": steps, "batch": batch, "wall_s": round(time.monotonic() - t0, 1)}
+
+
+def main() -> None:
+    parser = bench_parser(__doc__)
+    swarm_arguments(parser, peers=4, inner_steps=50, outer_steps=10)
+    parser.add_argument("--swarm", action="store_true", help="also run the DiLoCo swarm with each option")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds each swarm run may take")
+    args = parser.parse_args()
+    line: dict = {"benchmark": "inner_optimizer_quality", "peers": args.peers, "inner_steps": args.inner_steps,
+                  "outer_steps": args.outer_steps, "d_model": args.d_model, "n_layers": args.n_layers,
+                  "seed": args.seed, "target_ratio": 1.01}
+    sync = {o: run_sync(args, o) for o in OPTIONS}
+    line["sync"] = sync
+    line["sync_ratio"] = round(sync["adamw8bit"]["final_eval_loss"] / sync["adamw"]["final_eval_loss"], 4)
+    if args.swarm:
+        with tempfile.TemporaryDirectory(prefix="potluck-bench-") as tmp:
+            swarm = {o: run_swarm(args, Path(tmp) / o, False, **{"train.optimizer": o, "diloco.rounds": "fixed"})
+                     for o in OPTIONS}
+        line["swarm"] = swarm
+        line["swarm_ratio"] = round(swarm["adamw8bit"]["final_eval_loss"] / swarm["adamw"]["final_eval_loss"], 4)
+    print(json.dumps(line))
+
+
+if __name__ == "__main__":
+    main()
