@@ -4,7 +4,8 @@ A peer holds one pipeline stage (the whole model when ``pipeline.stages = 1``) a
 parameters, ``BYTES_PER_PARAM`` bytes: the fp32 weight and its gradient (4 + 4), AdamW's two moments
 (8), and the outer state (theta_global and Nesterov momentum, 8, plus the previous version, 8, kept
 for peers that roll back). ``benchmarks/stage_memory.py`` measured a peak of 1.67x the 20 bytes of
-weights, AdamW and outer state on llama-1b's stage: 33 bytes a parameter, which this is.
+weights, AdamW and outer state on llama-1b's stage, 33 bytes a parameter, which this is (1.50x, 30 bytes, in a
+later run).
 
 Where they live: the weights, gradients, AdamW's moments and the activations are on the peer's device
 (``DEVICE_BYTES_PER_PARAM``); the outer state is in host memory on every peer (pinned on a GPU peer:
