@@ -98,10 +98,12 @@ class StageRunner:
     """
 
     def __init__(self, layers: nn.ModuleList, train: TrainConfig, device: torch.device, stages: int = 1,
-                 compile_backend: str = "inductor", compile_scope: str = "layer") -> None:
+                 compile_backend: str = "inductor", compile_scope: str = "layer", checkpoint: bool | None = None) -> None:
+        """``checkpoint``: whether to checkpoint activations, as the peer decided (``train.checkpoint_activations =
+        "auto"``: :func:`potluck.models.sizecheck.checkpointing`); None: as the config says (off for 'auto')."""
         self.layers = layers
         self.precision = Precision.build(train.precision, device, stages)
-        self.checkpoint = train.checkpoint_activations
+        self.checkpoint = checkpoint if checkpoint is not None else train.checkpoint_activations is True
         self.compile_backend = compile_backend
         self.compile_scope = compile_scope  # 'layer': each layer its own graph; 'stage': the stage's layers as one
         self._want_compile = wants_compile(train.compile, device)

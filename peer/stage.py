@@ -16,8 +16,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from potluck.models import sizecheck
 from potluck.peer.data import Dataset, SpanSampler
 from potluck.peer.diloco import flatten_params, host_vector, load_flat
+from potluck.peer.joining import device_memory
 from potluck.peer.model import build_layers, lm_loss
 from potluck.peer.piperound import PipelineBroken, PipelineStall
 from potluck.peer.runner import StageRunner
@@ -92,7 +94,12 @@ class StageWorker:
         self.numel = sum(p.numel() for p in self.params)
         self.pinned = self.device.type == "cuda"  # theta moves to and from the GPU through page-locked vectors
         self._loaded: torch.Tensor | None = None  # the vector the parameters hold, until a step changes them
-        self.runner = StageRunner(self.layers, rc.train, device, rc.pipeline.stages)  # precision, checkpointing, compile
+        checkpoint = sizecheck.checkpointing(rc, device.type, device_memory(device))
+        if rc.train.checkpoint_activations == "auto":
+            log.info("train.checkpoint_activations = 'auto': %s on this %s", "checkpointing activations" if checkpoint
+                     else "keeping every activation (it fits)", device.type)
+        self.runner = StageRunner(self.layers, rc.train, device, rc.pipeline.stages,  # precision, checkpointing, compile
+                                  checkpoint=checkpoint)
         self.optimizer: torch.optim.Optimizer | None = None  # built on the first inner step (it imports torch._dynamo)
         self.sampler: SpanSampler | None = None
         self.steps_done = 0  # inner steps this worker trained (and the states it recovered), over the whole run

@@ -29,6 +29,7 @@ SPECIAL: dict[str, tuple[str, Any]] = {
     "coordinator.status_tls_cert": ("", None), "coordinator.status_tls_key": ("", None),
     "admission.allow": ('["12D3KooWabc"]', ["12D3KooWabc"]), "train.beta1": ("0.8", 0.8), "train.beta2": ("0.95", 0.95),
     "diloco.outer_momentum": ("0.5", 0.5), "sync.audit_fraction": ("0.5", 0.5), "sync.fragment_alpha": ("0.25", 0.25),
+    "train.checkpoint_activations": ("\"auto\"", "auto"),
     "coordinator.trackers": ("tensorboard,mlflow", ["tensorboard", "mlflow"]),
 }
 CONTEXT: dict[str, dict[str, Any]] = {  # what else the override needs to be a valid run (set beside it)

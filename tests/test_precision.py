@@ -364,3 +364,16 @@ def test_auto_precision_on_a_gpu_follows_its_bf16_support(monkeypatch: pytest.Mo
     assert resolve_precision("auto", torch.device("cuda"), stages=2) == "fp32"
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     assert resolve_precision("auto", torch.device("cuda"), stages=2) == "bf16"
+
+
+def test_auto_checkpointing_is_decided_by_the_peer_from_its_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``train.checkpoint_activations = "auto"``: on this box's RAM the small model fits, so the worker keeps every
+    activation; told its device holds less than the stage needs without checkpointing, it checkpoints."""
+    import potluck.peer.stage as stage
+
+    cfg = config(**{"train.checkpoint_activations": "auto", "diloco.inner_steps": 1})
+    assert worker(cfg).runner.checkpoint is False
+    monkeypatch.setattr(stage, "device_memory", lambda device: 1 << 20)  # 1 MiB: nothing fits whole
+    small = worker(cfg)
+    assert small.runner.checkpoint is True
+    train(small)  # (and trains so)

@@ -201,3 +201,27 @@ def test_8_bit_adamw_takes_less_of_the_device_and_nothing_else() -> None:
     saved = fp32.device_bytes - lean.device_bytes
     assert saved == pytest.approx((8 - 2 - 8 / 256) * fp32.stage_parameters, rel=1e-6)
     assert lean.host_bytes == fp32.host_bytes and lean.activation_bytes == fp32.activation_bytes
+
+
+def test_auto_checkpointing_is_each_peers_choice_from_its_memory() -> None:
+    """``train.checkpoint_activations = "auto"``: a peer checkpoints when its stage needs more than its device holds
+    without it, and not when it fits (or its memory is unknown); the estimate is the checkpointed one (the least a
+    peer needs); True and False are kept whatever the memory."""
+    from potluck.models.sizecheck import checkpointing
+
+    auto = run(**{"model__preset": "llama-150m", "model__seq_len": 1024, "train__batch_size": 8,
+                  "pipeline__stages": 2, "train__checkpoint_activations": "auto"})
+    plain = estimate(run(**{"model__preset": "llama-150m", "model__seq_len": 1024, "train__batch_size": 8,
+                            "pipeline__stages": 2}))
+    ckpt = estimate(run(**{"model__preset": "llama-150m", "model__seq_len": 1024, "train__batch_size": 8,
+                           "pipeline__stages": 2, "train__checkpoint_activations": True}))
+    assert estimate(auto).bytes == ckpt.bytes < plain.bytes
+    assert checkpointing(auto, "cuda", plain.device_bytes - 1) is True
+    assert checkpointing(auto, "cuda", plain.device_bytes) is False
+    assert checkpointing(auto, "cuda", 0) is False  # (unknown: as the default)
+    assert checkpointing(auto, "cpu", plain.device_bytes) is True  # (a CPU peer holds the outer state too)
+    for flag in (True, False):
+        fixed = run(**{"train__checkpoint_activations": flag})
+        assert checkpointing(fixed, "cuda", 1) is flag and checkpointing(fixed, "cuda", 10**15) is flag
+    with pytest.raises(ConfigError, match="train.checkpoint_activations"):
+        run(**{"train__checkpoint_activations": "sometimes"})

@@ -152,12 +152,13 @@ def estimate(cfg: RunConfig) -> Estimate:
     # a pipeline holds its micro-batches' activations (GPipe); a single stage one micro-batch, and with
     # grad_accum 'auto' a peer short of memory splits its batch down to one sample
     batch = t.batch_size if p.stages > 1 else t.batch_size // t.grad_accum if isinstance(t.grad_accum, int) else 1
-    need: list[tuple[int, int, int]] = []
+    need: list[tuple[int, int, int, int]] = []
     for start, stop in stage_entries(cfg, costs):
         params = sum(costs[start:stop])
         blocks = len([i for i in range(start, stop) if 1 <= i <= m.n_layers])
         last = stop == len(costs)
         head = (2 * m.vocab_size + 2 * m.d_model) if last else 0
+        # ('auto': a peer short of memory checkpoints, so the least a peer needs is the checkpointed figure)
         kept = (blocks * m.d_model + per_token_block) if t.checkpoint_activations else blocks * per_token_block
         train = batch * m.seq_len * (kept + m.d_model + head) * ACT_BYTES
         evaluate = EVAL_BATCH * m.seq_len * (4 * m.d_model + 2 * m.ff_width + m.d_model + head) * ACT_BYTES
@@ -233,6 +234,16 @@ def fits(cfg: RunConfig, device: str, memory_bytes: int) -> None:
         raise ConfigError(f"this run needs about {human(needs_on(est, device))}{held} ({est.describe(cfg)}), and this "
                           f"peer's {device} holds {human(memory_bytes)}: lend a device with more memory, or run a peer "
                           f"elsewhere{_stages_hint(cfg, memory_bytes, device)}")
+
+
+def checkpointing(cfg: RunConfig, device: str, memory_bytes: int) -> bool:
+    """Does a peer whose ``device`` holds ``memory_bytes`` (0: unknown) checkpoint activations? As
+    ``train.checkpoint_activations`` says; with 'auto', when this run's stage needs more than that without it."""
+    choice = cfg.train.checkpoint_activations
+    if choice != "auto":
+        return bool(choice)
+    plain = cfg.model_copy(update={"train": cfg.train.model_copy(update={"checkpoint_activations": False})})
+    return bool(memory_bytes) and needs_on(estimate(plain), device) > memory_bytes
 
 
 def plan(cfg: RunConfig, memory_bytes: int, device: str = "cuda") -> int | None:

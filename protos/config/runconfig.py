@@ -104,9 +104,11 @@ class TrainConfig(Section):
         "and the outer state stay fp32 whatever this says. 'auto': bf16 on a GPU that has it, fp16 with loss "
         "scaling on one that does not (fp32 there when pipeline.stages > 1), fp32 on a CPU; 'bf16' and 'fp16' "
         "also run on a CPU when asked for (fp16 needs pipeline.stages = 1)")
-    checkpoint_activations: bool = Field(
+    checkpoint_activations: bool | Literal["auto"] = Field(
         False, description="keep only each layer's input through the forward pass and recompute the rest in the "
-        "backward: activation memory of one layer instead of all, for about a third more compute")
+        "backward: activation memory of one layer instead of all, for about a third more compute. 'auto': each "
+        "peer decides from its device's memory, on where the size check says its stage needs more without it "
+        "(the same gradients either way, so peers may differ)")
     grad_accum: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         "auto", description="pipeline.stages = 1: split each batch into this many micro-batches, run one at a time, "
         "their gradients summed (the same step as the whole batch, in less memory); must divide batch_size. 'auto': "
