@@ -85,7 +85,8 @@ class Estimate:
     def describe(self, cfg: RunConfig) -> str:
         stage = (f", {count(self.stage_parameters)} in the biggest of {cfg.pipeline.stages} stages"
                  if cfg.pipeline.stages > 1 else "")
-        return (f"{human(self.bytes)} a peer: {count(self.parameters)} parameters{stage} at {BYTES_PER_PARAM} "
+        each = self.state_bytes / max(self.stage_parameters, 1)
+        return (f"{human(self.bytes)} a peer: {count(self.parameters)} parameters{stage} at {each:.3g} "
                 f"bytes each (weights, gradients, AdamW, outer state) = {human(self.state_bytes)}, plus "
                 f"{human(self.activation_bytes)} of activations at train.batch_size = {cfg.train.batch_size} x "
                 f"model.seq_len = {cfg.model.seq_len}")
