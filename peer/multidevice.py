@@ -3,14 +3,18 @@
 The N processes (one per GPU, or N CPU processes) are *one* peer of the swarm. Rank 0, the
 **leader**, is the peer the others see: it joins the DHT, serves gRPC, takes part in the outer
 all-reduce and reports. Ranks 1..N-1, the **helpers**, only compute: each holds a replica of the
-leader's stage worker and does what the leader's commands say, sent over a gloo group::
+leader's stage worker (or, with ``--devices shard``, its share of one: :mod:`potluck.peer.sharding`)
+and does what the leader's commands say, sent over a gloo group::
 
-    Setup(run config)          once, when the leader has joined the run
+    Setup(run config, shard)   once, when the leader has joined the run
     Build(stage, bounds)       a fresh stage worker at theta_0 (the start, starting over)
     Load(steps_done) + theta   the leader's parameters changed outside the inner loop: an outer step,
-                               a recovered snapshot; theta follows on the device group
+                               a recovered snapshot; theta follows on the device group (sharded: on
+                               the host group, and each rank copies out its rows)
     Phase(step)                an inner phase begins: one Rows per inner step follows
     Rows(batch)                the leader's batch of the step; every rank trains on its slice of it
+    Gather                     sharded: each rank sends its rows; the leader assembles theta on its host
+    Eval(inputs)               sharded: each rank runs the same forward passes (their all-gathers pair up)
     Stop(reason)               the leader is done
 
 Every rank runs the same :class:`~potluck.peer.stage.StageWorker` code for an inner step: forward and
@@ -51,6 +55,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from potluck.peer import sharding
 from potluck.peer.data import Dataset
 from potluck.peer.diloco import flatten_params, load_flat
 from potluck.peer.stage import Batch, StageWorker
@@ -109,6 +114,7 @@ def device_for(choice: str, local_rank: int) -> torch.device:
 @dataclass(frozen=True)
 class Setup:
     rc: RunConfig
+    shard: bool = False
 
 
 @dataclass(frozen=True)
@@ -134,11 +140,21 @@ class Rows:
 
 
 @dataclass(frozen=True)
+class Gather:
+    pass
+
+
+@dataclass(frozen=True)
+class Eval:
+    inputs: list[torch.Tensor]
+
+
+@dataclass(frozen=True)
 class Stop:
     reason: str
 
 
-Command = Setup | Build | Load | Phase | Rows | Stop
+Command = Setup | Build | Load | Phase | Rows | Gather | Eval | Stop
 
 
 class PhaseEnded(Exception):
@@ -163,9 +179,13 @@ class DeviceGroup:
         try:
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=LOCKSTEP_TIMEOUT)
             self.commands: dist.ProcessGroup | None = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
+            # host tensors in lockstep (a sharded stage's theta): gloo, whatever the devices speak
+            self.host: dist.ProcessGroup | None = dist.new_group(backend="gloo", timeout=LOCKSTEP_TIMEOUT)
         except (ValueError, RuntimeError) as err:  # no MASTER_ADDR, a rank that never came, ...
             raise ConfigError(f"cannot form this peer's process group of {self.world}: {err}") from None
-        self.trace = Trace.from_env(self.rank)
+        self._trace = Trace.from_env(self.rank)
+        self.sharded = False  # (set at Setup: --devices shard)
+        self._mesh: object | None = None
 
     @property
     def leads(self) -> bool:
@@ -181,11 +201,53 @@ class DeviceGroup:
         return box[0]
 
     def theta(self, theta: torch.Tensor | None, numel: int) -> torch.Tensor:
-        """The leader's ``theta`` (it passes it; the others pass None), on this rank's device."""
+        """The leader's ``theta`` (it passes it; the others pass None), on this rank's device (sharded: on
+        its host, where each rank copies out its rows; no device holds the whole vector)."""
+        if self.sharded:
+            buf = theta if theta is not None else torch.empty(numel, dtype=torch.float32)
+            dist.broadcast(buf, src=0, group=self.host)
+            return buf
         buf = (theta.to(self.device, torch.float32) if theta is not None
                else torch.empty(numel, dtype=torch.float32, device=self.device))
         dist.broadcast(buf, src=0)
         return buf
+
+    def trace(self, event: str, steps_done: int, held: list[nn.Parameter] | torch.Tensor) -> None:
+        """Tests: the hash of this rank's parameters, or of a flat theta (sharded: of the whole stage's
+        parameters, gathered, written by the leader alone; every rank calls it then, in lockstep)."""
+        if self._trace.path is None:
+            return
+        if isinstance(held, torch.Tensor) or not self.sharded:
+            self._trace(event, steps_done, held)
+            return
+        params = held
+        numel = sum(p.numel() for p in params)
+        whole = self.gather(params, torch.empty(numel, dtype=torch.float32) if self.leads else None)
+        if whole is not None:
+            self._trace(event, steps_done, whole)
+
+    def shard(self, worker: StageWorker) -> None:
+        """Shard ``worker``'s layers over this peer's devices (every rank, in the same order)."""
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._mesh = init_device_mesh(self.device.type, (self.world,))
+        n = sharding.shard(worker.layers, self._mesh)
+        worker.params = list(worker.layers.parameters())  # (DTensors now)
+        if self.leads:
+            log.info("sharded %d of the stage's %d layers over this peer's %d processes (FSDP2): each holds 1/%d "
+                     "of their weights, gradients and AdamW state", n, len(worker.layers), self.world, self.world)
+
+    def gather(self, params: list[nn.Parameter], out: torch.Tensor | None) -> torch.Tensor | None:
+        """Sharded: the stage's flat theta in ``out`` on the leader (None elsewhere); every rank calls it."""
+        return sharding.gather(params, self.rank, self.world, out, self.host)
+
+    def load(self, params: list[nn.Parameter], theta: torch.Tensor) -> None:
+        """Parameters from the broadcast ``theta``: a sharded rank copies out its rows, a replica all of it."""
+        if self.sharded:
+            sharding.load(params, theta, self.rank, self.world)
+        else:
+            load_flat(params, theta)
 
     def rows(self, batch: Batch) -> Batch:
         """This rank's slice of the batch: ``batch_size / N`` consecutive rows."""
@@ -197,7 +259,8 @@ class DeviceGroup:
     def average(self, params: list[nn.Parameter], loss: float) -> float:
         """Replace every gradient by its mean over the ranks (the same bits on all of them: each chunk
         is summed once and the sum passed on); returns the mean loss."""
-        grads = [p.grad for p in params if p.grad is not None]
+        # (sharded parameters' gradients were averaged by FSDP's reduce-scatter in the backward pass)
+        grads = [p.grad for p in params if p.grad is not None and not sharding.is_sharded(p)]
         for dtype in dict.fromkeys(g.dtype for g in grads):
             bucket: list[torch.Tensor] = []
             size = 0
@@ -264,9 +327,14 @@ class Leader:
     """Rank 0's side: it tells the helpers what to do, and its stage worker calls the hooks of
     :class:`~potluck.peer.stage.Devices` (``worker.devices``)."""
 
-    def __init__(self, group: DeviceGroup) -> None:
+    def __init__(self, group: DeviceGroup, shard: bool = False) -> None:
         self.group = group
+        self.shard = shard  # --devices shard: the stage split over the processes, not replicated on each
         self.stopped = False
+
+    @property
+    def sharded(self) -> bool:
+        return self.group.sharded
 
     @property
     def device(self) -> torch.device:
@@ -284,19 +352,25 @@ class Leader:
             raise ConfigError(f"this peer is {n} processes (torchrun), which train runs of pipeline.stages = 1 only; "
                               f"this run has {rc.pipeline.stages} stages: start one peer per GPU instead "
                               "(potluck peer --device cuda:N)")
+        if self.shard:
+            sharding.refuse(rc)
         if b % (n * k):
             raise ConfigError(f"train.batch_size = {b} does not split over this peer's {n} processes"
                               + (f" x train.grad_accum = {k} micro-batches" if k > 1 else "")
                               + f": it must be a multiple of {n * k}; start a number of processes that divides it")
-        self.group.send(Setup(rc))
-        log.info("a peer of %d processes on %s: each trains %d of the %d rows of every batch", n,
-                 self.device.type, b // n, b)
+        self.group.send(Setup(rc, self.shard))
+        self.group.sharded = self.shard
+        log.info("a peer of %d processes on %s: each trains %d of the %d rows of every batch%s", n,
+                 self.device.type, b // n, b, ", its stage sharded over them" if self.shard else "")
 
     def attach(self, worker: StageWorker) -> None:
         """``worker`` (a fresh one, at theta_0) is the leader's now: the helpers build theirs and load its theta."""
         self.group.send(Build(worker.stage, worker.bounds))
+        theta0 = worker.theta()
+        if self.sharded:
+            self.group.shard(worker)
         worker.devices = self
-        worker.load(worker.theta(), worker.steps_done)
+        worker.load(theta0, worker.steps_done)
 
     # the stage worker's hooks
 
@@ -312,10 +386,29 @@ class Leader:
         return self.group.average(params, loss)
 
     def load(self, params: list[nn.Parameter], theta: torch.Tensor, steps_done: int) -> None:
-        self.group.trace("before", steps_done, params)
+        """Every rank loads ``theta`` (the leader too, when sharded: :meth:`StageWorker.load` leaves it to this)."""
         self.group.send(Load(steps_done, theta.numel()))
-        self.group.theta(theta, theta.numel())
-        self.group.trace("after", steps_done, theta)
+        self.group.trace("before", steps_done, params)  # (sharded: a gather, which the helpers join on Load)
+        self.group.theta(theta.contiguous(), theta.numel())
+        if self.sharded:
+            self.group.load(params, theta)
+            self.group.trace("loaded", steps_done, theta)
+            self.group.trace("after", steps_done, params)  # (gathered back: the hash of what the ranks now hold)
+        else:
+            self.group.trace("after", steps_done, theta)
+
+    def gather(self, params: list[nn.Parameter], out: torch.Tensor) -> torch.Tensor:
+        """Sharded: the stage's theta, its rows sent by every rank, assembled in ``out`` on this host."""
+        self.group.send(Gather())
+        whole = self.group.gather(params, out)
+        assert whole is not None
+        return whole
+
+    def evaluate(self, inputs: list[torch.Tensor]) -> None:
+        """Sharded: the other ranks run the forward passes the leader is about to (their weights' all-gathers pair
+        up); replicated, the leader evaluates alone."""
+        if self.sharded:
+            self.group.send(Eval(inputs))
 
     def close(self, reason: str) -> None:
         """The peer is done: the helpers may go (they are gone already if the group broke)."""
@@ -371,22 +464,36 @@ class Helper:
 
     def _do(self, command: Command) -> None:
         match command:
-            case Setup(rc=rc):
+            case Setup(rc=rc, shard=shard):
                 self.rc = rc
+                self.group.sharded = shard
             case Build(stage=stage, bounds=bounds):
                 assert self.rc is not None, "Build before Setup"
                 # the leader reads the data: a helper's worker is never its stage's first reader
                 worker = StageWorker(self.rc, stage, bounds, self.group.device, cast(Dataset, None), None)
+                if self.group.sharded:
+                    self.group.shard(worker)
                 worker.first, worker.devices = False, self
                 self.worker = worker
             case Load(steps_done=steps_done, numel=numel):
                 w = self._worker()
                 self.group.trace("before", steps_done, w.params)
-                load_flat(w.params, self.group.theta(None, numel))
+                self.group.load(w.params, self.group.theta(None, numel))
                 w.steps_done = steps_done
                 self.group.trace("after", steps_done, w.params)
             case Phase(step=step):
                 self._worker().inner_phase([], self.never, lambda i, loss, seconds: None, step)
+            case Gather():
+                self.group.gather(self._worker().params, None)
+            case Eval(inputs=inputs):
+                w = self._worker()
+                w.layers.eval()
+                try:
+                    with torch.no_grad():
+                        for x in inputs:
+                            w.runner(x.to(self.group.device))
+                finally:
+                    w.layers.train()
             case _:
                 raise RuntimeError(f"rank {self.group.rank}: unexpected {type(command).__name__} from the leader")
 
@@ -411,6 +518,16 @@ class Helper:
 
     def load(self, params: list[nn.Parameter], theta: torch.Tensor, steps_done: int) -> None:
         """(A helper loads only what the leader broadcasts, in :meth:`_do`.)"""
+
+    @property
+    def sharded(self) -> bool:
+        return self.group.sharded
+
+    def gather(self, params: list[nn.Parameter], out: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a helper's theta is gathered on the leader's command, never on its own")
+
+    def evaluate(self, inputs: list[torch.Tensor]) -> None:
+        """(A helper evaluates on the leader's command, in :meth:`_do`.)"""
 
 
 def start(device: str, env: Mapping[str, str] = os.environ) -> DeviceGroup | None:

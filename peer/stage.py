@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from potluck.models import sizecheck
+from potluck.peer import sharding
 from potluck.peer.data import Dataset, SpanSampler
 from potluck.peer.diloco import flatten_params, host_vector, load_flat
 from potluck.peer.joining import device_memory
@@ -51,7 +52,16 @@ class PipelineLink(Protocol):
 class Devices(Protocol):
     """The devices of a multi-device peer, as its stage workers see them (:mod:`potluck.peer.multidevice`):
     each inner step every device trains on its slice of the batch and they average their gradients, so
-    all keep the same parameters; a load outside the inner loop reaches them all."""
+    all keep the same parameters; a load outside the inner loop reaches them all. ``sharded``: each
+    device holds its rows of the stage only (:mod:`potluck.peer.sharding`), so theta is gathered from
+    them, a load is theirs to copy out, and an evaluation's forward passes run on all of them."""
+
+    @property
+    def sharded(self) -> bool: ...
+
+    def gather(self, params: list[nn.Parameter], out: torch.Tensor) -> torch.Tensor: ...
+
+    def evaluate(self, inputs: list[torch.Tensor]) -> None: ...
 
     def begin(self, step: int) -> None: ...
 
@@ -106,6 +116,7 @@ class StageWorker:
         self.clock = 0  # the run's inner step the lr schedule is at: the swarm's, not this member's (see _lr)
         self.busy_s = 0.0  # seconds an inner step of this stage computes (a pipeline's waits left out), averaged
         self.devices: Devices | None = None  # the other devices of a multi-device peer (torchrun)
+        self._told_memory = False  # (a multi-device peer's processes each say once what they hold)
         # micro-batches a batch is split into (single stage): train.grad_accum, or with 'auto' 1 until a batch
         # does not fit the device's memory, then doubled until one does
         self.accum = rc.train.grad_accum if isinstance(rc.train.grad_accum, int) else 1
@@ -113,7 +124,10 @@ class StageWorker:
     def theta(self) -> torch.Tensor:
         """theta_local as one flat float32 CPU vector (the caller's to keep or overwrite); from a GPU, one
         asynchronous copy per parameter into a pinned vector and one wait."""
-        return flatten_params(self.params, out=host_vector(self.numel, self.pinned))
+        out = host_vector(self.numel, self.pinned)
+        if self.devices is not None and self.devices.sharded:
+            return self.devices.gather(self.params, out)
+        return flatten_params(self.params, out=out)
 
     def start_point(self) -> torch.Tensor:
         """theta_local as the caller only reads it (where an inner phase starts): the vector last loaded,
@@ -123,9 +137,10 @@ class StageWorker:
     def load(self, theta: torch.Tensor, steps_done: int | None = None) -> None:
         """The parameters from a flat vector, which the caller never writes afterwards (a committed
         theta_global, or a vector of its own) and may get back from :meth:`start_point`."""
-        if self.devices is not None:  # a multi-device peer's other devices load the same
+        if self.devices is not None:  # a multi-device peer's other devices load the same (sharded: this one too)
             self.devices.load(self.params, theta, self.steps_done if steps_done is None else steps_done)
-        load_flat(self.params, theta)
+        if self.devices is None or not self.devices.sharded:
+            load_flat(self.params, theta)
         self._loaded = theta if all(p.dtype == torch.float32 for p in self.params) else None  # (else it is cast)
         if steps_done is not None:
             self.steps_done = steps_done
@@ -218,8 +233,16 @@ class StageWorker:
             loss = self.devices.average(self.params, loss)
         if self.rc.train.grad_clip > 0:
             self.runner.precision.unscale(self.optimizer)  # fp16: clip the true gradients, not the scaled ones
-            torch.nn.utils.clip_grad_norm_(self.params, self.rc.train.grad_clip)
+            if self.devices is not None and self.devices.sharded:  # (the norm over every rank's rows)
+                sharding.clip_grad_norm(self.params, self.rc.train.grad_clip)
+            else:
+                torch.nn.utils.clip_grad_norm_(self.params, self.rc.train.grad_clip)
         self.runner.precision.step(self.optimizer)  # fp16: skipped if they overflowed
+        if self.devices is not None and not self._told_memory:
+            self._told_memory = True
+            held, whole = sharding.held_bytes(self.params, self.optimizer)
+            log.info("this process holds %.2f MB of its stage's weights, gradients and optimizer state: %.2f of the "
+                     "%.2f MB a whole replica holds", held / 1e6, held / max(whole, 1), whole / 1e6)
         self.steps_done += 1
         self.clock += 1
         return loss
@@ -304,8 +327,10 @@ class StageWorker:
                     log.warning("evaluation of v%d skipped: %s", version, err)
                     return None
             total, n = 0.0, 0
-            for c in chunks:
-                x, y = self.data.batch(c)
+            batches = [self.data.batch(c) for c in chunks]
+            if self.devices is not None:  # (sharded: the other devices run the same forward passes)
+                self.devices.evaluate([x for x, _ in batches])
+            for x, y in batches:
                 total += float(lm_loss(self.runner(x.to(self.device)), y.to(self.device))) * len(x)
                 n += len(x)
             return total / max(n, 1)

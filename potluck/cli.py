@@ -156,7 +156,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
 
     from potluck.protos.config.runconfig import PeerConfig
 
-    fields = {k: getattr(args, k) for k in ("join", "host", "port", "dht_port", "announce_host", "device", "name",
+    fields = {k: getattr(args, k) for k in ("join", "host", "port", "dht_port", "announce_host", "device", "devices", "name",
                                              "threads", "dht_client", "relay", "startup_timeout_s", "plan_wait_s",
                                              "coordinator_timeout_s", "netem", "region",
                                              "data_path", "identity", "token")
@@ -173,6 +173,9 @@ def cmd_peer(args: argparse.Namespace) -> int:
         parse_join_address(cfg.join)
     except JoinError as err:
         raise UsageError(str(err)) from None
+    if cfg.devices == "shard" and (os.environ.get("WORLD_SIZE") or "1") == "1":
+        raise UsageError("--devices shard splits a stage over the processes of one peer: start it with torchrun "
+                         "--nproc-per-node N -m potluck peer ... (N >= 2)")
     identity = None
     if (os.environ.get("WORLD_SIZE") or "1") == "1" or os.environ.get("RANK") == "0":  # (under torchrun, rank 0 is the peer)
         from potluck.peer.keyfile import load_identity
@@ -196,7 +199,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
     from potluck.peer.daemon import Peer
     from potluck.protos.runtime.stopping import exit_process, install_stop_handlers
 
-    leader = multidevice.Leader(group) if group is not None else None
+    leader = multidevice.Leader(group, shard=cfg.devices == "shard") if group is not None else None
     try:
         peer = Peer(cfg, progress=args.progress, devices=leader, identity=identity)
         install_stop_handlers(peer.stopping)
@@ -367,6 +370,8 @@ def _add_peer(sub: Any) -> None:
     pe.add_argument("--dht-port", type=int, metavar="PORT", help="DHT port (default: any free port)")
     pe.add_argument("--announce-host", metavar="HOST", help="address other peers use to reach this one (default: auto-detected)")
     pe.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice)")
+    pe.add_argument("--devices", choices=["replicate", "shard"],
+                    help="under torchrun: each process holds the whole stage, or its 1/N share of it (FSDP2)")
     pe.add_argument("--dht-client", action="store_true", default=None, help="DHT client mode (behind NAT)")
     pe.add_argument("--relay", action="store_true", default=None,
                     help="behind a NAT: listen on no port, take calls through the coordinator (with --dht-client)")

@@ -93,6 +93,8 @@ MISTAKES = {
     "not an Ed25519 id": (["peer", "--join", JOIN.replace(PEER_ID, "Qm" + PEER_ID[2:46])], ["start with 12D3KooW"]),
     "port": (["peer", "--join", JOIN, "--grpc-port", "99999"], ["--grpc-port 99999", "65535"]),
     "missing --join": (["peer"], ["--join"]),
+    "shard without torchrun": (["peer", "--join", JOIN, "--devices", "shard"], ["torchrun", "--nproc-per-node"]),
+    "unknown devices mode": (["peer", "--join", JOIN, "--devices", "split"], ["--devices", "replicate", "shard"]),
     "no command": ([], ["COMMAND"]),
     "unknown command": (["frobnicate"], ["invalid choice"]),
     "bad --set": (["coordinator", "--set", "diloco"], ["SECTION.FIELD=VALUE", "--set diloco=VALUE"]),

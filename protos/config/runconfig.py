@@ -415,6 +415,9 @@ class PeerConfig(Section):
         None, description="address other peers should use to reach this one; auto-detected if unset"
     )
     device: str = Field("auto", description="'auto' (cuda if present, else cpu), 'cpu', 'cuda' or 'cuda:N'")
+    devices: Literal["replicate", "shard"] = Field(
+        "replicate", description="a torchrun peer of N processes: 'replicate' holds the whole stage on each; "
+        "'shard' splits its weights, gradients and AdamW state over them (FSDP2), 1/N each")
     name: str = Field("", max_length=64, description="public name shown on the status page (opt-in)")
     threads: int = Field(0, ge=0, description="torch CPU threads; 0 keeps torch's default")
     dht_client: bool = Field(False, description="join the DHT as a client only (behind NAT)")
