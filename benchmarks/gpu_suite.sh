@@ -58,6 +58,8 @@ if [ "$GPU" = 1 ]; then
     run pipeline_scale 150 "$PY" benchmarks/pipeline_scale.py --device cuda --preset llama-150m --batch 16 \
         --micro-batches 8 --inner-steps 20 --outer-steps 2
     run outer_step 90 "$PY" benchmarks/outer_step.py --device cuda --preset llama-150m --vocab 32000 --steps 3
+    # the multi-device peer over NCCL, replicated and sharded (says so and stops on a 1-GPU machine)
+    run multidevice 120 "$PY" benchmarks/multidevice_throughput.py --device cuda --devices 2 --steps 10
 else
     # no CUDA: each GPU benchmark says so in its line, and the CPU runs the same code at small sizes
     run gpu_codec 60 "$PY" benchmarks/gpu_codec.py
