@@ -60,24 +60,32 @@ n = sum(p.numel() for p in params)
 held = outer_snapshot(flatten_params(params), torch.zeros(n), 0)  # theta_global and momentum, as joined
 server = SnapshotServer("bench", 1 << 20)
 server.publish(held)
-if args.get("optimizer") == "adamw8bit":
+import contextlib
+bf16 = args.get("weights") == "bf16"
+if bf16:  # train.weights = "bf16": the weights (and so their gradients) in bf16, autocast's bf16 math
+    for p in params:
+        p.data = p.data.to(torch.bfloat16)
+if args.get("optimizer") == "adamw8bit" or bf16:
     from potluck.peer.adamw8bit import AdamW8bit
-    opt = AdamW8bit(params, lr=1e-4)
+    opt = AdamW8bit(params, lr=1e-4, eight_bit=args.get("optimizer") == "adamw8bit")
 else:
     opt = torch.optim.AdamW(params, lr=1e-4)
 x = torch.randn(args["batch"], args["seq"], cfg.d_model)
 for _ in range(args["inner_steps"]):
     opt.zero_grad(set_to_none=True)
     out = x
-    for layer in layers:
-        out = layer(out)
+    with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+        for layer in layers:
+            out = layer(out)
     out.backward(torch.randn_like(out))
     opt.step()
 def nbytes(ts):
     return sum(t.numel() * t.element_size() for t in ts if t is not None)
 # what a GPU peer keeps on its device (weights, gradients, AdamW's moments), counted tensor by tensor
-inner_bytes = nbytes(params) + nbytes(p.grad for p in params) + nbytes(
-    v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0)
+optimizer_bytes = nbytes(v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0)
+inner_bytes = nbytes(params) + nbytes(p.grad for p in params) + optimizer_bytes
+# the issue's yardstick: the weights (as bf16) + the optimizer's state
+lean_bytes = 2 * n + optimizer_bytes
 opt.zero_grad(set_to_none=True)  # as StageWorker.inner_phase ends
 theta_local = flatten_params(params)
 delta = torch.sub(held.tensors["theta"], theta_local, out=theta_local)  # as peer/outer.py does
@@ -86,7 +94,8 @@ server.publish(outer_snapshot(new_theta, new_m, 1))
 # what it keeps in host memory (pinned on a GPU peer): the outer state, the new version and the one before it
 outer_bytes = nbytes(held.tensors.values()) + nbytes((new_theta, new_m))
 print(json.dumps({"peak_mib": peak_mib(), "params": n, "build_peak_mib": build_peak,
-                  "device_bytes_per_param": inner_bytes / n, "host_bytes_per_param": outer_bytes / n}))
+                  "device_bytes_per_param": inner_bytes / n, "host_bytes_per_param": outer_bytes / n,
+                  "device_vs_bf16_weights_and_optimizer": inner_bytes / lean_bytes}))
 """
 
 
@@ -122,6 +131,15 @@ def child(code: str, args: dict) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def option(res: dict, sizecheck_device: float) -> dict:
+    from potluck.models import sizecheck
+    return {"device_bytes_per_param": round(res["device_bytes_per_param"], 2),
+            "host_bytes_per_param": round(res["host_bytes_per_param"], 2),
+            "sizecheck_device_bytes_per_param": round(sizecheck_device, 2),
+            "sizecheck_host_bytes_per_param": sizecheck.HOST_BYTES_PER_PARAM, "peak_mib": round(res["peak_mib"], 1),
+            "device_vs_bf16_weights_and_optimizer": round(res["device_vs_bf16_weights_and_optimizer"], 2)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="llama-1b")
@@ -141,6 +159,8 @@ def main() -> None:
     whole = child(STAGE, {**args, "whole": True})
     stage = child(STAGE, {**args, "whole": False})
     lean = child(STAGE, {**args, "whole": False, "optimizer": "adamw8bit"})
+    bf16 = child(STAGE, {**args, "whole": False, "weights": "bf16"})
+    leanest = child(STAGE, {**args, "whole": False, "weights": "bf16", "optimizer": "adamw8bit"})
     coordinator = child(COORDINATOR, {**args, "whole": False})
     old_coordinator = child(COORDINATOR, {**args, "whole": True}) if a.old_coordinator else None
     reference_mib = 5 * 4 * stage["params"] / 2**20
@@ -167,16 +187,12 @@ def main() -> None:
         "target": TARGET,
         # counted tensor by tensor in the stage peer: fp32 weights, gradients and AdamW (a GPU peer's device), and
         # the outer state it keeps in host memory (pinned on a GPU), beside what the size check counts
-        "options": {"fp32 + AdamW": {
-            "device_bytes_per_param": round(stage["device_bytes_per_param"], 2),
-            "host_bytes_per_param": round(stage["host_bytes_per_param"], 2),
-            "sizecheck_device_bytes_per_param": sizecheck.DEVICE_BYTES_PER_PARAM,
-            "sizecheck_host_bytes_per_param": sizecheck.HOST_BYTES_PER_PARAM, "peak_mib": round(stage["peak_mib"], 1)},
-            "adamw8bit (train.optimizer)": {
-            "device_bytes_per_param": round(lean["device_bytes_per_param"], 2),
-            "host_bytes_per_param": round(lean["host_bytes_per_param"], 2),
-            "sizecheck_device_bytes_per_param": sizecheck.DEVICE_BYTES_PER_PARAM - 8
-            + sizecheck.OPTIMIZER_BYTES_PER_PARAM["adamw8bit"], "peak_mib": round(lean["peak_mib"], 1)}},
+        # and (device_vs_bf16_weights_and_optimizer) the device bytes over the weights as bf16 + the optimizer's state
+        "options": {name: option(res, sizecheck.WEIGHT_BYTES_PER_PARAM[w] + sizecheck.OPTIMIZER_BYTES_PER_PARAM[o])
+                    for name, res, w, o in (("fp32 + AdamW", stage, "fp32", "adamw"),
+                                            ("adamw8bit (train.optimizer)", lean, "fp32", "adamw8bit"),
+                                            ("bf16 weights (train.weights)", bf16, "bf16", "adamw"),
+                                            ("bf16 weights + adamw8bit", leanest, "bf16", "adamw8bit"))},
         "plan": {"preset": a.plan_preset, "seq_len": 1024, "batch_size": 8, "checkpoint_activations": True,
                  "card_gib": a.card_gib, "stages": stages,
                  "device_gb_per_stage": round(planned.device_bytes / 1e9, 1) if planned else None,

@@ -18,6 +18,12 @@ so a step's own update uses its exact moments, and only what is carried to the n
   under its true value, so its step is never larger than fp32 AdamW's would be (the known failure of naive
   8-bit Adam, which block-wise dynamic quantization avoids in bitsandbytes; this one avoids it by rounding).
 
+**bf16 weights** (``train.weights = "bf16"``, with either optimizer: ``eight_bit=False`` keeps every moment in
+float32): the update is computed on the weight as float32 and written back **rounded stochastically**
+(:func:`round_stochastic`: up with the probability of the fraction bf16 drops), so an update smaller than half a
+bf16 ulp, which rounding to nearest would lose every step, moves the weight by it on average. The noise comes from
+a generator seeded by the caller, so the processes of a multi-device peer, seeded alike, round alike.
+
 Tensors smaller than ``MIN_8BIT`` elements (norms, biases) keep float32 moments, as bitsandbytes does: they are a
 sliver of the memory and the most sensitive to rounding. Every operation is a correctly rounded float32 add, multiply,
 divide or square root (:func:`sqrt32`), in the order written here, so ``tests/test_adamw8bit.py``'s numpy reference
@@ -69,6 +75,19 @@ def dequantize_root(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (r * r).view(-1)
 
 
+def round_stochastic(w: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """float32 ``w`` as bfloat16, rounded stochastically: ``noise`` (int32 in [0, 65536), one per element) is added
+    to the 16 low bits bf16 drops, and they are cut; so an element goes to the bf16 neighbour away from zero with
+    probability (dropped bits) / 65536, and the rounding is unbiased. Exact for values bf16 holds."""
+    bits = (w.contiguous().view(torch.int32) + noise) & -65536
+    return bits.view(torch.float32).to(torch.bfloat16)
+
+
+def noise_for(n: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """``n`` int32 draws in [0, 65536) from ``gen`` (a CPU generator: the same draws on every device)."""
+    return torch.randint(0, 1 << 16, (n,), generator=gen, dtype=torch.int32).to(device)
+
+
 def padded(n: int) -> int:
     return -(-n // BLOCK) * BLOCK
 
@@ -77,17 +96,29 @@ class AdamW8bit(torch.optim.Optimizer):
     """torch.optim.AdamW's arguments and update (decoupled weight decay, bias correction), moments in 8 bits."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2) -> None:
+                 eps: float = 1e-8, weight_decay: float = 1e-2, eight_bit: bool = True, seed: int = 0) -> None:
+        """``eight_bit=False``: every moment in float32 (AdamW, for bf16 weights); ``seed``: bf16 weights' rounding noise."""
         if lr <= 0 or eps <= 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"AdamW8bit: bad lr {lr}, betas {betas}, eps {eps} or weight_decay {weight_decay}")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        self.min_8bit = MIN_8BIT if eight_bit else float("inf")
+        self.rounding = torch.Generator().manual_seed(seed)
+
+    def _write(self, flat: torch.Tensor, w: torch.Tensor) -> None:
+        """The float32 update ``w`` into the weight ``flat`` (a slice of it): as is, or rounded stochastically to bf16."""
+        if flat.dtype == torch.float32:
+            flat.copy_(w)
+        elif flat.dtype == torch.bfloat16:
+            flat.copy_(round_stochastic(w, noise_for(w.numel(), self.rounding, w.device)))
+        else:
+            flat.copy_(w.to(flat.dtype))
 
     def _state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
         if not state:
             n = p.numel()
             state["step"] = 0
-            if n < MIN_8BIT:
+            if n < self.min_8bit:
                 state["m"] = torch.zeros(n, dtype=torch.float32, device=p.device)
                 state["v"] = torch.zeros(n, dtype=torch.float32, device=p.device)
             else:
@@ -112,7 +143,12 @@ class AdamW8bit(torch.optim.Optimizer):
                 bc1, bc2 = 1.0 - b1 ** t, 1.0 - b2 ** t
                 flat, grad = p.data.view(-1), p.grad.detach().reshape(-1).to(torch.float32)
                 if "m" in state:
-                    adam_update(flat, grad, state["m"], state["v"], lr, b1, b2, eps, wd, bc1, bc2)
+                    if flat.dtype == torch.float32:
+                        adam_update(flat, grad, state["m"], state["v"], lr, b1, b2, eps, wd, bc1, bc2)
+                    else:
+                        w = flat.to(torch.float32)
+                        adam_update(w, grad, state["m"], state["v"], lr, b1, b2, eps, wd, bc1, bc2)
+                        self._write(flat, w)
                     continue
                 n = flat.numel()
                 for lo in range(0, n, CHUNK):
@@ -125,7 +161,7 @@ class AdamW8bit(torch.optim.Optimizer):
                     g[: hi - lo] = grad[lo:hi]  # (the padding's gradient is 0: its moments stay 0)
                     w = flat[lo:hi].to(torch.float32)
                     adam_update(w, g[: hi - lo], m[: hi - lo], v[: hi - lo], lr, b1, b2, eps, wd, bc1, bc2)
-                    flat[lo:hi] = w.to(flat.dtype)
+                    self._write(flat[lo:hi], w)
                     state["m_codes"][lo:lo + k], state["m_scales"][bl:bh] = quantize_signed(m)
                     state["v_codes"][lo:lo + k], state["v_scales"][bl:bh] = quantize_root(v)
         return loss

@@ -2,7 +2,10 @@
 
 **Master weights stay fp32.** Mixed precision here is autocast, never ``.half()``: the parameters,
 their gradients, AdamW's moments and DiLoCo's outer state (theta_global, momentum, every
-pseudo-gradient and its all-reduce sums) are float32 whatever ``train.precision`` says. Only the
+pseudo-gradient and its all-reduce sums) are float32 whatever ``train.precision`` says. The one
+exception is asked for by name: ``train.weights = "bf16"`` keeps the inner phase's weights and
+gradients in bf16 (:class:`~potluck.peer.stage.StageWorker`), the master copy being theta_global on
+the host. Only the
 matmuls of the forward pass (and with them their backward) run in bf16 or fp16; the loss is taken in
 fp32 (:func:`potluck.models.lm_loss`), and activations cross between pipeline stages as fp32 (the
 pipeline casts before its codec), so the wire format does not depend on the precision either.
@@ -43,10 +46,13 @@ def wants_compile(requested: bool | str, device: torch.device) -> bool:
     return device.type == "cuda" if requested == "auto" else bool(requested)
 
 
-def resolve_precision(requested: str, device: torch.device, stages: int = 1) -> str:
-    """``train.precision`` on this device: 'fp32', 'bf16' or 'fp16' ('auto' decided here, per peer)."""
+def resolve_precision(requested: str, device: torch.device, stages: int = 1, weights: str = "fp32") -> str:
+    """``train.precision`` on this device: 'fp32', 'bf16' or 'fp16' ('auto' decided here, per peer; bf16
+    whatever the device with ``train.weights = "bf16"``, whose weights only autocast's bf16 math can use)."""
     if requested != "auto":
         return requested
+    if weights == "bf16":
+        return "bf16"
     if device.type != "cuda":
         return "fp32"  # CPU bf16 is slower than fp32 on most CPUs without AMX: asked for, never assumed
     if torch.cuda.is_bf16_supported():
@@ -63,8 +69,8 @@ class Precision:
     scaler: torch.amp.GradScaler | None = None
 
     @classmethod
-    def build(cls, requested: str, device: torch.device, stages: int = 1) -> Precision:
-        mode = resolve_precision(requested, device, stages)
+    def build(cls, requested: str, device: torch.device, stages: int = 1, weights: str = "fp32") -> Precision:
+        mode = resolve_precision(requested, device, stages, weights)
         scaler = torch.amp.GradScaler(device.type) if mode == "fp16" else None
         return cls(mode, device.type, scaler)
 
@@ -102,7 +108,7 @@ class StageRunner:
         """``checkpoint``: whether to checkpoint activations, as the peer decided (``train.checkpoint_activations =
         "auto"``: :func:`potluck.models.sizecheck.checkpointing`); None: as the config says (off for 'auto')."""
         self.layers = layers
-        self.precision = Precision.build(train.precision, device, stages)
+        self.precision = Precision.build(train.precision, device, stages, train.weights)
         self.checkpoint = checkpoint if checkpoint is not None else train.checkpoint_activations is True
         self.compile_backend = compile_backend
         self.compile_scope = compile_scope  # 'layer': each layer its own graph; 'stage': the stage's layers as one

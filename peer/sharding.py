@@ -184,6 +184,9 @@ def refuse(rc: object) -> None:
         raise ConfigError(f"train.optimizer = {train.optimizer!r} keeps its 8-bit moments in blocks of the whole "
                           "tensor, which a sharded peer does not hold: start it with --devices replicate, or run "
                           "train.optimizer = 'adamw'")
+    if train.weights == "bf16":
+        raise ConfigError("train.weights = 'bf16' rounds each update into the whole tensor, which a sharded peer does "
+                          "not hold: start it with --devices replicate, or run train.weights = 'fp32'")
     if train.precision == "fp16":
         raise ConfigError("train.precision = 'fp16' needs one loss scale over the whole backward pass; a sharded "
                           "peer's is split: use 'bf16' (or --devices replicate)")

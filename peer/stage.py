@@ -101,6 +101,11 @@ class StageWorker:
         self.first = stage == 0
         self.layers = build_layers(rc.model, rc.train.seed, *bounds).to(device)
         self.params = list(self.layers.parameters())
+        self.bf16 = rc.train.weights == "bf16"  # the weights (and their gradients) in bf16: see theta()
+        if self.bf16:
+            for p in self.params:
+                p.data = p.data.to(torch.bfloat16)
+        self._origin: torch.Tensor | None = None  # bf16 weights: the fp32 vector they were last loaded from
         self.numel = sum(p.numel() for p in self.params)
         self.pinned = self.device.type == "cuda"  # theta moves to and from the GPU through page-locked vectors
         self._loaded: torch.Tensor | None = None  # the vector the parameters hold, until a step changes them
@@ -123,11 +128,20 @@ class StageWorker:
 
     def theta(self) -> torch.Tensor:
         """theta_local as one flat float32 CPU vector (the caller's to keep or overwrite); from a GPU, one
-        asynchronous copy per parameter into a pinned vector and one wait."""
+        asynchronous copy per parameter into a pinned vector and one wait.
+
+        With bf16 weights it is the fp32 vector they were loaded from plus what the inner steps changed
+        since, ``origin + (weights - bf16(origin))`` (the difference of two bf16 values is exact in fp32): so
+        the rounding of the load is never part of a pseudo-gradient, and with no step since a load, theta is
+        that vector, bit for bit."""
         out = host_vector(self.numel, self.pinned)
         if self.devices is not None and self.devices.sharded:
-            return self.devices.gather(self.params, out)
-        return flatten_params(self.params, out=out)
+            flat = self.devices.gather(self.params, out)
+        else:
+            flat = flatten_params(self.params, out=out)
+        if self._origin is not None:
+            flat.sub_(self._origin.to(torch.bfloat16).to(torch.float32)).add_(self._origin)
+        return flat
 
     def start_point(self) -> torch.Tensor:
         """theta_local as the caller only reads it (where an inner phase starts): the vector last loaded,
@@ -140,8 +154,9 @@ class StageWorker:
         if self.devices is not None:  # a multi-device peer's other devices load the same (sharded: this one too)
             self.devices.load(self.params, theta, self.steps_done if steps_done is None else steps_done)
         if self.devices is None or not self.devices.sharded:
-            load_flat(self.params, theta)
-        self._loaded = theta if all(p.dtype == torch.float32 for p in self.params) else None  # (else it is cast)
+            load_flat(self.params, theta)  # (bf16 weights: rounded to nearest)
+        self._origin = theta if self.bf16 else None
+        self._loaded = theta if self.bf16 or all(p.dtype == torch.float32 for p in self.params) else None
         if steps_done is not None:
             self.steps_done = steps_done
 
@@ -251,10 +266,11 @@ class StageWorker:
         """AdamW; on a GPU its fused kernel (one launch a step for every parameter, instead of a few per tensor). With
         ``train.optimizer = "adamw8bit"``, its moments in 8 bits (:mod:`potluck.peer.adamw8bit`)."""
         t = self.rc.train
-        if t.optimizer == "adamw8bit":
+        if t.optimizer == "adamw8bit" or self.bf16:  # (bf16 weights: fp32 moments unless 8-bit, stochastic rounding)
             from potluck.peer.adamw8bit import AdamW8bit
 
-            return AdamW8bit(self.params, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+            return AdamW8bit(self.params, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
+                             eight_bit=t.optimizer == "adamw8bit", seed=t.seed * 1000 + self.stage)
         fused = self.device.type == "cuda" and all(p.is_cuda and p.is_floating_point() for p in self.params)
         return torch.optim.AdamW(self.params, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
                                  **({"fused": True} if fused else {}))

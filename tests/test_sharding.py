@@ -55,5 +55,7 @@ def test_a_sharded_peer_refuses_what_needs_the_whole_tensor() -> None:
     sharding.refuse(run_config())  # AdamW, fp32: fine
     with pytest.raises(ConfigError, match="adamw8bit.*--devices replicate"):
         sharding.refuse(run_config({"train.optimizer": "adamw8bit"}))
+    with pytest.raises(ConfigError, match="weights = 'bf16'.*--devices replicate"):
+        sharding.refuse(run_config({"train.weights": "bf16"}))
     with pytest.raises(ConfigError, match="fp16.*bf16"):
         sharding.refuse(run_config({"train.precision": "fp16"}))

@@ -43,6 +43,8 @@ from potluck.protos.config.section import ConfigError
 DEVICE_BYTES_PER_PARAM = 16  # on the device: weight 4 + gradient 4 + AdamW's two moments 8
 # train.optimizer's moments, a parameter: fp32 AdamW's 8; adamw8bit's 2 codes + a float32 scale a block of 256 each
 OPTIMIZER_BYTES_PER_PARAM = {"adamw": 8.0, "adamw8bit": 2.0 + 8 / 256}
+# train.weights: a weight and its gradient, a parameter (bf16: the fp32 master copy is theta_global, on the host)
+WEIGHT_BYTES_PER_PARAM = {"fp32": 8.0, "bf16": 4.0}
 HOST_BYTES_PER_PARAM = 16  # in host memory: outer state (theta_global, momentum) 8 + the previous outer state 8
 BYTES_PER_PARAM = DEVICE_BYTES_PER_PARAM + HOST_BYTES_PER_PARAM
 OVERLAP_BYTES_PER_PARAM = 4  # diloco.overlap: the phase's starting point, in host memory
@@ -164,11 +166,17 @@ def estimate(cfg: RunConfig) -> Estimate:
         train = batch * m.seq_len * (kept + m.d_model + head) * ACT_BYTES
         evaluate = EVAL_BATCH * m.seq_len * (4 * m.d_model + 2 * m.ff_width + m.d_model + head) * ACT_BYTES
         host = params * (HOST_BYTES_PER_PARAM + (OVERLAP_BYTES_PER_PARAM if cfg.diloco.overlap else 0))
-        device = DEVICE_BYTES_PER_PARAM - OPTIMIZER_BYTES_PER_PARAM["adamw"] + OPTIMIZER_BYTES_PER_PARAM[t.optimizer]
+        device = device_bytes_per_param(cfg)
         state = int(params * device) + host
         need.append((state + max(train, evaluate), params, state, host))
     biggest = max(need)
     return Estimate(total, biggest[1], biggest[2], biggest[0] - biggest[2], biggest[3])
+
+
+def device_bytes_per_param(cfg: RunConfig) -> float:
+    """Device bytes a parameter takes with the run's ``train.weights`` and ``train.optimizer`` (16 with the
+    defaults; bf16 weights and 8-bit AdamW, about 6)."""
+    return WEIGHT_BYTES_PER_PARAM[cfg.train.weights] + OPTIMIZER_BYTES_PER_PARAM[cfg.train.optimizer]
 
 
 def _with(cfg: RunConfig, dotted: str, value: Any) -> RunConfig:

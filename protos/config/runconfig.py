@@ -96,6 +96,11 @@ class TrainConfig(Section):
         "adamw", description="the inner optimizer: AdamW with fp32 moments (16 bytes a parameter on the device with "
         "the weight and gradient), or 'adamw8bit': its moments in 8 bits a block of 256 at a time (about 10 bytes a "
         "parameter; potluck.peer.adamw8bit; quality at equal tokens in docs/benchmarks.md)")
+    weights: Literal["fp32", "bf16"] = Field(
+        "fp32", description="the inner phase's weights (and so their gradients) on the device: fp32, or 'bf16' (2 + 2 "
+        "bytes a parameter instead of 4 + 4; AdamW's update computed in fp32 and rounded stochastically into them; "
+        "the outer state stays fp32 on the host, and an outer step's pseudo-gradient is exactly what the inner steps "
+        "changed). Needs train.precision 'bf16' or 'auto' (which then is bf16 on every device)")
     warmup_steps: int = Field(20, ge=0, description="linear warm-up of the inner lr, in inner steps")
     grad_clip: float = Field(1.0, ge=0, description="max grad norm; 0 disables clipping")
     seed: int = Field(0, description="model init seed: every peer starts from the same theta_0")
@@ -513,6 +518,9 @@ class RunConfig(Section):
         if p.stages > 1 and isinstance(self.train.grad_accum, int) and self.train.grad_accum > 1:
             raise ValueError(f"train.grad_accum = {self.train.grad_accum} splits the batch of a single-stage run; a "
                              "pipeline splits it into pipeline.micro_batches already: set that instead")
+        if self.train.weights == "bf16" and self.train.precision in ("fp32", "fp16"):
+            raise ValueError(f"train.weights = 'bf16' computes in bf16: train.precision = '{self.train.precision}' "
+                             "cannot go with it; set it to 'bf16' or 'auto'")
         if p.stages > 1 and self.train.precision == "fp16":
             raise ValueError("train.precision = 'fp16' needs pipeline.stages = 1 (every stage would have to share "
                              "one loss scale); use 'bf16' or 'auto'")
