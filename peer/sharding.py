@@ -52,7 +52,7 @@ def shard(layers: nn.ModuleList, mesh: object) -> int:
     n = 0
     for i, layer in enumerate(layers):
         if i not in shared and any(True for _ in layer.parameters()):
-            fully_shard(layer, mesh=mesh)  # type: ignore[arg-type]
+            fully_shard(layer, mesh=mesh)  # type: ignore[call-overload]
             n += 1
     return n
 
@@ -171,7 +171,7 @@ def held_bytes(params: list[nn.Parameter], optimizer: torch.optim.Optimizer | No
         tensors = [p] + ([p.grad] if p.grad is not None else []) + [
             v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
         for t in tensors:
-            local = t.to_local() if is_sharded(t) else t  # type: ignore[attr-defined]
+            local = t.to_local() if is_sharded(t) else t  # type: ignore[union-attr]
             held += local.numel() * local.element_size()
             whole += t.numel() * local.element_size()
     return held, whole

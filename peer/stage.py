@@ -343,10 +343,10 @@ class StageWorker:
                     log.warning("evaluation of v%d skipped: %s", version, err)
                     return None
             total, n = 0.0, 0
-            batches = [self.data.batch(c) for c in chunks]
+            inputs = [self.data.batch(c) for c in chunks]
             if self.devices is not None:  # (sharded: the other devices run the same forward passes)
-                self.devices.evaluate([x for x, _ in batches])
-            for x, y in batches:
+                self.devices.evaluate([x for x, _ in inputs])
+            for x, y in inputs:
                 total += float(lm_loss(self.runner(x.to(self.device)), y.to(self.device))) * len(x)
                 n += len(x)
             return total / max(n, 1)

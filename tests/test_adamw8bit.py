@@ -134,15 +134,12 @@ def test_bad_arguments_are_refused(kw: dict) -> None:
         AdamW8bit([torch.nn.Parameter(torch.zeros(3))], **kw)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_a_swarm_with_8_bit_moments_trains_and_stays_identical(swarm) -> None:  # type: ignore[no-untyped-def]
-    """``train.optimizer = "adamw8bit"`` in a real swarm, one peer at half speed: every member holds the same bits
-    after each outer step, and the eval loss falls."""
+def swarm_trains_with(swarm, overrides: dict) -> None:  # type: ignore[no-untyped-def]
+    """A real swarm with ``overrides``, one peer at half speed: every member holds the same bits after each outer
+    step, and the eval loss falls."""
     from test_swarm import hashes_agree
 
-    swarm.start_coordinator({"diloco.outer_steps": 3, "diloco.inner_steps": 10, "membership.min_peers": 3,
-                             "train.optimizer": "adamw8bit"})
+    swarm.start_coordinator({"diloco.outer_steps": 3, "diloco.inner_steps": 10, "membership.min_peers": 3, **overrides})
     swarm.start_peer(env={"POTLUCK_FAULTS": "inner.step@*:slow=2"}, name="slow")
     for _ in range(2):
         swarm.start_peer()
@@ -152,3 +149,9 @@ def test_a_swarm_with_8_bit_moments_trains_and_stays_identical(swarm) -> None:  
     assert [h["step"] for h in hist] == [1, 2, 3] and hashes_agree(state) == []
     evals = [h["eval_loss"] for h in hist if h["eval_loss"] is not None]
     assert len(evals) == 3 and evals[-1] < evals[0], evals
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_swarm_with_8_bit_moments_trains_and_stays_identical(swarm) -> None:  # type: ignore[no-untyped-def]
+    swarm_trains_with(swarm, {"train.optimizer": "adamw8bit"})

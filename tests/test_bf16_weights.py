@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from swarm import run_config
-from test_adamw8bit import F, np_step
+from test_adamw8bit import F, np_step, swarm_trains_with
 
 from potluck.models import sizecheck, stage_bounds
 from potluck.peer.adamw8bit import AdamW8bit, noise_for, round_stochastic
@@ -108,18 +108,5 @@ def test_bf16_weights_refuse_another_precision(precision: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_swarm_with_bf16_weights_trains_and_stays_identical(swarm) -> None:  # type: ignore[no-untyped-def]
-    """``train.weights = "bf16"`` with 8-bit moments in a real swarm, one peer at half speed: every member holds the
-    same theta_global after each outer step, and the eval loss falls."""
-    from test_swarm import hashes_agree
-
-    swarm.start_coordinator({"diloco.outer_steps": 3, "diloco.inner_steps": 10, "membership.min_peers": 3,
-                             "train.weights": "bf16", "train.optimizer": "adamw8bit"})
-    swarm.start_peer(env={"POTLUCK_FAULTS": "inner.step@*:slow=2"}, name="slow")
-    for _ in range(2):
-        swarm.start_peer()
-    state = swarm.wait_state(lambda s: s["run"]["finished"] and s["history"] and len(s["history"][-1]["state_hashes"]) == 3
-                             and s["history"][-1]["eval_loss"] is not None, 240, "the run to finish")
-    hist = state["history"]
-    assert [h["step"] for h in hist] == [1, 2, 3] and hashes_agree(state) == []
-    evals = [h["eval_loss"] for h in hist if h["eval_loss"] is not None]
-    assert len(evals) == 3 and evals[-1] < evals[0], evals
+    """bf16 weights with 8-bit moments in a real swarm, one peer at half speed (same bits after each outer step)."""
+    swarm_trains_with(swarm, {"train.weights": "bf16", "train.optimizer": "adamw8bit"})
