@@ -187,10 +187,12 @@ def test_the_readmes_table_of_what_fits_is_the_size_checks() -> None:
     header = next(line for line in section.splitlines() if line.startswith("| model |"))
     cards = [int(c.strip().split()[0]) for c in header.strip("|").split("|")[3:]]
     assert len(rows) >= 4 and cards
+    options = {"": {}, "bf16 weights + 8-bit AdamW": {"train__weights": "bf16", "train__optimizer": "adamw8bit"}}
+    assert {r[0].strip().partition(", ")[2] for r in rows} == set(options)  # (every kind of row is checked)
     for row in rows:
-        preset = row[0].strip()
+        preset, _, option = row[0].strip().partition(", ")
         cfg = run(**{"model__preset": preset, "model__seq_len": 1024, "train__batch_size": 8,
-                     "train__checkpoint_activations": True})
+                     "train__checkpoint_activations": True, **options[option]})
         want = [str(s) if (s := plan(cfg, gb * GiB)) is not None else "-" for gb in cards]
         assert [c.strip() for c in row[3:]] == want, preset
 
