@@ -270,7 +270,7 @@ class OuterSteps:
             flight.error = f"{type(err).__name__}: {err}"
             return
         self.s.inner.pace.sent(done.stats.send_s)
-        t.states.commit(done.snapshot)
+        done.snapshot = t.states.commit(done.snapshot)  # (as held: with --outer-state-dir, in files)
         t.expect_next()
         flight.done = done
         self.s.heartbeat.poke()

@@ -14,6 +14,7 @@ import time
 
 from potluck.compression.transfer import Snapshot, SnapshotServer
 from potluck.peer.follower import Held
+from potluck.peer.spill import Spill
 
 
 def epoch_of(snap: Snapshot) -> int:
@@ -26,11 +27,17 @@ class States:
     ``_lock`` guards ``current`` and ``committed_at`` together: a reader sees one commit, never the
     snapshot of one and the time or epoch of another. (The server has its own lock.)"""
 
-    def __init__(self, run_id: str, chunk_bytes: int, first: Snapshot) -> None:
+    def __init__(self, run_id: str, chunk_bytes: int, first: Snapshot, spill: Spill | None = None) -> None:
+        """``spill``: where committed snapshots' vectors are placed (``--outer-state-dir``), or None: in RAM."""
         self.server = SnapshotServer(run_id, chunk_bytes)
         self._lock = threading.Lock()
+        self.spill = spill
+        first = self._place(first)
         self._current, self._committed_at = first, time.monotonic()
         self.server.publish(first)
+
+    def _place(self, snap: Snapshot) -> Snapshot:
+        return self.spill.place(snap) if self.spill is not None else snap
 
     @property
     def current(self) -> Snapshot:
@@ -42,14 +49,18 @@ class States:
         with self._lock:
             return self._committed_at
 
-    def commit(self, snap: Snapshot) -> None:
-        """Hold ``snap`` from now on (the one it replaces stays served if older)."""
+    def commit(self, snap: Snapshot) -> Snapshot:
+        """Hold ``snap`` from now on (the one it replaces stays served if older); returns it as held (with
+        ``--outer-state-dir``, its vectors in files: the caller uses these, and lets its own go)."""
+        snap = self._place(snap)
         with self._lock:
             self._current, self._committed_at = snap, time.monotonic()
             self.server.publish(snap)
+        return snap
 
     def reset(self, snap: Snapshot) -> None:
         """Hold only ``snap`` (a new stage's theta_0: nothing held before belongs to it)."""
+        snap = self._place(snap)
         with self._lock:
             self.server.publish(None)
             self._current, self._committed_at = snap, time.monotonic()

@@ -33,6 +33,7 @@ from potluck.peer.multidevice import Leader
 from potluck.peer.pipeline import Neighbour, Pipeline
 from potluck.peer.recovery import recover
 from potluck.peer.service import PeerService
+from potluck.peer.spill import Spill
 from potluck.peer.stage import StageWorker
 from potluck.peer.states import States, epoch_of
 from potluck.protos import potluck_pb2 as pb
@@ -252,7 +253,9 @@ class Tasklet:
                           lambda report: tools.on_audit(report), allreduce.inbox.own_input)
         theta0 = worker.theta()
         first = outer_snapshot(theta0, torch.zeros_like(theta0), 0, {**worker.meta(), "epoch": 0})
-        tasklet = cls(tools, stage, worker, allreduce, pipeline, States(rc.run_id, rc.sync.chunk_bytes, first), auditor)
+        spill = Spill(tools.cfg.outer_state_dir) if tools.cfg.outer_state_dir else None
+        tasklet = cls(tools, stage, worker, allreduce, pipeline, States(rc.run_id, rc.sync.chunk_bytes, first, spill),
+                      auditor)
         tasklet.expect_next()
         return tasklet
 
@@ -343,9 +346,9 @@ class Tasklet:
     def adopt(self, snap: Snapshot, local: torch.Tensor | None = None) -> None:
         """Hold ``snap`` as theta_global (committed here or recovered) and train on from it, or from ``local``
         (streaming outer steps: the fragments not synced go on from this member's own progress)."""
-        self.worker.load(snap.tensors["theta"] if local is None else local,
-                         int(snap.meta.get("inner_steps", self.worker.steps_done)))
-        self.states.commit(replace(snap, meta={**self.worker.meta(), "epoch": epoch_of(snap)}))  # (its hash may still be under way)
+        self.worker.steps_done = int(snap.meta.get("inner_steps", self.worker.steps_done))  # (the meta records it)
+        held = self.states.commit(replace(snap, meta={**self.worker.meta(), "epoch": epoch_of(snap)}))  # (hash may be under way)
+        self.worker.load(held.tensors["theta"] if local is None else local, self.worker.steps_done)
         self.expect_next()
         set_context(step=snap.version)
 

@@ -156,7 +156,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
 
     from potluck.protos.config.runconfig import PeerConfig
 
-    fields = {k: getattr(args, k) for k in ("join", "host", "port", "dht_port", "announce_host", "device", "devices", "name",
+    fields = {k: getattr(args, k) for k in ("join", "host", "port", "dht_port", "announce_host", "device", "devices", "name", "outer_state_dir",
                                              "threads", "dht_client", "relay", "startup_timeout_s", "plan_wait_s",
                                              "coordinator_timeout_s", "netem", "region",
                                              "data_path", "identity", "token")
@@ -173,6 +173,16 @@ def cmd_peer(args: argparse.Namespace) -> int:
         parse_join_address(cfg.join)
     except JoinError as err:
         raise UsageError(str(err)) from None
+    if cfg.outer_state_dir is not None:
+        from pathlib import Path
+
+        from potluck.peer.spill import check_folder
+        from potluck.protos.config.section import ConfigError as _ConfigError
+
+        try:
+            check_folder(Path(cfg.outer_state_dir).expanduser())
+        except _ConfigError as err:
+            raise UsageError(str(err)) from None
     if cfg.devices == "shard" and (os.environ.get("WORLD_SIZE") or "1") == "1":
         raise UsageError("--devices shard splits a stage over the processes of one peer: start it with torchrun "
                          "--nproc-per-node N -m potluck peer ... (N >= 2)")
@@ -370,6 +380,8 @@ def _add_peer(sub: Any) -> None:
     pe.add_argument("--dht-port", type=int, metavar="PORT", help="DHT port (default: any free port)")
     pe.add_argument("--announce-host", metavar="HOST", help="address other peers use to reach this one (default: auto-detected)")
     pe.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice)")
+    pe.add_argument("--outer-state-dir", metavar="DIR",
+                    help="keep the outer state in memory-mapped files here, not in RAM (a peer short of memory)")
     pe.add_argument("--devices", choices=["replicate", "shard"],
                     help="under torchrun: each process holds the whole stage, or its 1/N share of it (FSDP2)")
     pe.add_argument("--dht-client", action="store_true", default=None, help="DHT client mode (behind NAT)")

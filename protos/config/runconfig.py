@@ -424,6 +424,10 @@ class PeerConfig(Section):
         "replicate", description="a torchrun peer of N processes: 'replicate' holds the whole stage on each; "
         "'shard' splits its weights, gradients and AdamW state over them (FSDP2), 1/N each")
     name: str = Field("", max_length=64, description="public name shown on the status page (opt-in)")
+    outer_state_dir: str | None = Field(
+        None, description="keep the outer state (theta_global, its momentum, the version before: 16 bytes a "
+        "parameter) in memory-mapped files in this folder instead of RAM, for a peer short of memory; each outer "
+        "step writes 8 bytes a parameter there")
     threads: int = Field(0, ge=0, description="torch CPU threads; 0 keeps torch's default")
     dht_client: bool = Field(False, description="join the DHT as a client only (behind NAT)")
     relay: bool = Field(False, description="accept no connections (behind a NAT): serve other peers' calls over "
