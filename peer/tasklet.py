@@ -110,7 +110,7 @@ class Toolbox:
         if devices is None:  # (a torchrun peer splits its batch over its devices: the estimate is per whole batch)
             memory = device_memory(device)
             try:
-                sizecheck.fits(rc, device.type, memory)  # one line, not the allocator's traceback
+                sizecheck.fits(rc, device.type, memory, outer_on_disk=bool(cfg.outer_state_dir))  # one line, not a traceback
             except ConfigError as err:
                 raise CannotTakePart(str(err), device, memory) from None
         return cls(cfg, rc, me, identity.sign, stopping, joined, device, Dataset(rc.data, rc.model),

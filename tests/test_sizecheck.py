@@ -130,8 +130,12 @@ def test_a_gpu_holds_the_inner_state_and_the_host_the_outer_state() -> None:
     fits(big, "cuda", b.device_bytes)  # a GPU with room for the device part, and not for the outer state: it fits
     with pytest.raises(ConfigError, match="on the device .*of outer state in host memory besides"):
         fits(big, "cuda", b.device_bytes - 1)
-    with pytest.raises(ConfigError, match="this peer's cpu holds"):
+    with pytest.raises(ConfigError, match="this peer's cpu holds.*--outer-state-dir DIR"):
         fits(big, "cpu", b.device_bytes)  # a CPU peer holds both
+    fits(big, "cpu", b.device_bytes, outer_on_disk=True)  # unless its outer state is in files (--outer-state-dir)
+    with pytest.raises(ConfigError, match="this peer's cpu holds") as err:
+        fits(big, "cpu", b.device_bytes - 1, outer_on_disk=True)
+    assert "--outer-state-dir" not in str(err.value)  # (it is on disk already: no use saying it)
     assert peer_note(b, "NVIDIA RTX 4090", b.device_bytes / GiB + 0.5) == ""
 
 

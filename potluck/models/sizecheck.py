@@ -228,21 +228,27 @@ def notes(cfg: RunConfig, est: Estimate) -> list[str]:
             f"(train.checkpoint_activations, a smaller train.batch_size or {more} need less)"]
 
 
-def needs_on(est: Estimate, device: str) -> int:
+def needs_on(est: Estimate, device: str, outer_on_disk: bool = False) -> int:
     """What ``device`` (a torch device type: 'cuda', 'cpu', ...) must hold of ``est``: a GPU its device bytes, a
-    CPU peer everything."""
-    return est.device_bytes if device not in ("cpu", "") else est.bytes
+    CPU peer everything, less the outer state when it is in files (``--outer-state-dir``, ``outer_on_disk``)."""
+    if device not in ("cpu", ""):
+        return est.device_bytes
+    return est.bytes - (est.stage_parameters * HOST_BYTES_PER_PARAM if outer_on_disk else 0)
 
 
-def fits(cfg: RunConfig, device: str, memory_bytes: int) -> None:
+def fits(cfg: RunConfig, device: str, memory_bytes: int, outer_on_disk: bool = False) -> None:
     """A peer's own check, before it builds its stage: ConfigError, in one line, when this run needs more
-    than its device holds (``memory_bytes``; 0 when unknown), instead of a traceback from the allocator."""
+    than its device holds (``memory_bytes``; 0 when unknown), instead of a traceback from the allocator.
+    ``outer_on_disk``: the peer keeps its outer state in files (``--outer-state-dir``), not in its memory."""
     est = estimate(cfg)
-    if memory_bytes and needs_on(est, device) > memory_bytes:
+    need = needs_on(est, device, outer_on_disk)
+    if memory_bytes and need > memory_bytes:
         held = "" if device == "cpu" else f" on the device ({human(est.host_bytes)} of outer state in host memory besides)"
-        raise ConfigError(f"this run needs about {human(needs_on(est, device))}{held} ({est.describe(cfg)}), and this "
+        disk = "" if outer_on_disk or device not in ("cpu", "") else \
+            f", or keep the outer state ({human(est.stage_parameters * HOST_BYTES_PER_PARAM)}) on disk: --outer-state-dir DIR"
+        raise ConfigError(f"this run needs about {human(need)}{held} ({est.describe(cfg)}), and this "
                           f"peer's {device} holds {human(memory_bytes)}: lend a device with more memory, or run a peer "
-                          f"elsewhere{_stages_hint(cfg, memory_bytes, device)}")
+                          f"elsewhere{_stages_hint(cfg, memory_bytes, device)}{disk}")
 
 
 def checkpointing(cfg: RunConfig, device: str, memory_bytes: int) -> bool:
