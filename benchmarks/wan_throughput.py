@@ -55,7 +55,9 @@ Streaming outer steps (``--fragments F``, default 4; 0 leaves them out): two mor
 links and peers as pure DiLoCo (S = 1, R = 4, int8 all-reduce), so that a peer's sends are its outer steps
 (and the links' small probes), not activations: ``whole`` (``sync.fragments = 1``, H = ``--inner-steps``,
 ``--outer-steps``) and ``streamed`` (``sync.fragments = F``, H / F inner steps, F x the outer steps: the same
-tokens, each fragment synced every H inner steps). For each: every peer's peak second of sends
+tokens, each fragment synced every H inner steps), its outer steps overlapped with the next inner phase and their
+sends paced over ``--pace`` of it (``diloco.overlap``, ``sync.pace``; ``--pace 0``: blocking, at line rate, as
+before 2026-12-03). For each: every peer's peak second of sends
 (``peak_send_bps``, :meth:`~potluck.protos.net.transport.Traffic.send_rate`, read on the last poll before the
 run is finished, so the coordinator's fetch of the final state is not in it) and the outer bytes a member
 sent per step over the step's all-reduce seconds, at the step where that is highest (``peak_outer_bps``).
@@ -190,6 +192,8 @@ def main() -> None:
     parser.add_argument("--order", choices=["baseline-first", "potluck-first"], default="baseline-first")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds each run may take")
     parser.add_argument("--fragments", type=int, default=4, help="F of the streamed run (0: no whole/streamed runs)")
+    parser.add_argument("--pace", type=float, default=0.3,
+                        help="sync.pace of the streamed run, overlapped (0: a blocking streamed run at line rate)")
     parser.add_argument("--codec", choices=["int8", "int4"], default="int8",
                         help="sync.codec of the potluck and streaming runs (the baseline's all-reduce stays fp32)")
     parser.add_argument("--only", default="", help="comma-separated runs: baseline, potluck, potluck_1f1b, whole, "
@@ -202,7 +206,9 @@ def main() -> None:
         "potluck": ({**POTLUCK, **codec}, args.inner_steps, args.outer_steps), "baseline": (BASELINE, 1, baseline_steps),
         "potluck_1f1b": ({**POTLUCK_1F1B, **codec}, args.inner_steps, args.outer_steps),
         "whole": ({**DILOCO, **codec}, args.inner_steps, args.outer_steps),
-        "streamed": ({**DILOCO, **codec, "sync.fragments": f}, max(args.inner_steps // f, 1), args.outer_steps * f)}
+        "streamed": ({**DILOCO, **codec, "sync.fragments": f,
+                      **({"diloco.overlap": True, "sync.pace": args.pace} if args.pace else {})},
+                     max(args.inner_steps // f, 1), args.outer_steps * f)}
     order = ["baseline", "potluck", "potluck_1f1b"] if args.order == "baseline-first" else [
         "potluck", "potluck_1f1b", "baseline"]
     order += ["whole", "streamed"] if args.fragments else []
@@ -237,7 +243,7 @@ def main() -> None:
     w, st = results.get("whole"), results.get("streamed")
     if w is not None and st is not None:
         line.update({
-            "fragments": f, "fragments_grid": "S = 1 x R = 4 (the stages/replicas above are the pipelined runs')",
+            "fragments": f, "streamed_pace": args.pace, "streamed_overlap": bool(args.pace), "fragments_grid": "S = 1 x R = 4 (the stages/replicas above are the pipelined runs')",
             "peak_send_bps_f1": w["peak_send_bps_max"], f"peak_send_bps_f{f}": st["peak_send_bps_max"],
             "peak_send_ratio": round(st["peak_send_bps_max"] / w["peak_send_bps_max"], 3)
             if w["peak_send_bps_max"] and st["peak_send_bps_max"] else None,

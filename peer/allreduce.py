@@ -53,6 +53,7 @@ from potluck.compression.audit import Signed
 from potluck.compression.int8 import Codec
 from potluck.compression.stream import EncodedStream
 from potluck.peer.diloco import host_vector
+from potluck.peer.pacing import Pacer, paced
 from potluck.peer.reduceround import Phase, ReduceRound
 from potluck.peer.shardinbox import ShardInbox, result_stream
 from potluck.peer.shards import (
@@ -141,6 +142,7 @@ class AllReduce:
         # the plan's newest epoch and its first step: a round of an earlier epoch at or past it was abandoned
         self._newest: tuple[int, int] = (0, 0)
         self.tamper = tamper  # POTLUCK_FAULTS' owner.* points (a test may give one member faults of its own)
+        self._pacer: Pacer | None = None  # the round's shared send rate, when its sends are paced (sync.pace)
 
     # ---------------------------------------------------------------- the coming step
 
@@ -178,12 +180,13 @@ class AllReduce:
     # ---------------------------------------------------------------- the procedure
 
     def run(self, info: RoundInfo, delta: torch.Tensor | None, wait_s: float, grace_s: float = 2.0,
-            samples: int = 1) -> tuple[torch.Tensor, AllReduceStats]:
+            samples: int = 1, pace_s: float = 0.0) -> tuple[torch.Tensor, AllReduceStats]:
         """Average ``delta`` over the members of ``info``; returns the mean as every member applies it.
 
         ``delta`` is None when this member has nothing valid to contribute (it still owns its shard
         and gathers the result). ``samples``: the work in ``delta`` (the samples it was trained on), its
         weight in the average, signed with it. Raises :class:`IncompleteRound` if a shard cannot be had in time.
+        ``pace_s``: spread this member's contributions and results over about this long (:mod:`potluck.peer.pacing`).
         """
         t_start = time.monotonic()
         sent_before = self.client.traffic.snapshot()[0].get("outer", 0)
@@ -198,10 +201,15 @@ class AllReduce:
         # tries another
         rnd = ReduceRound(info, self._cond, catch_up_until=min(deadline, t_start + grace_s),
                           backup_timeout=max(PING_S, 0.5 * grace_s), deadline=deadline, samples=samples)
+        # what this member sends: its slices of the other shards, and its own shard's result to the others
+        others = max(info.shards - 1, 0) / max(info.shards, 1)
+        self._pacer = Pacer(2 * self.numel * others * self.codec.bytes_per_element / pace_s, self.stopping) \
+            if pace_s > 0 and others else None
         try:
             return self._run(rnd, delta, t_start, deadline, grace_s, sent_before)
         finally:
             rnd.finish()  # whatever still acts for it (a probe, a send) can no longer change anything
+            self._pacer = None
 
     def _run(self, rnd: ReduceRound, delta: torch.Tensor | None, t_start: float, deadline: float, grace_s: float,
              sent_before: int) -> tuple[torch.Tensor, AllReduceStats]:
@@ -269,6 +277,7 @@ class AllReduce:
             stats.dropped = sorted(rnd.dead)
         stats.seconds = time.monotonic() - t_start
         stats.send_s = max(sent, default=0.0)
+        stats.paced_s = self._pacer.waited_s if self._pacer is not None else 0.0
         stats.bytes_sent = self.client.traffic.snapshot()[0].get("outer", 0) - sent_before
         stats.contributors = {j: len(r.outcome.contributors) for j, r in enumerate(results)}
         empty = [j for j, r in enumerate(results) if not r.outcome.contributors]
@@ -353,9 +362,9 @@ class AllReduce:
         tensors = EncodedStream.of(f"shard{shard}", values, self.codec, self.chunk_bytes, self._codec_pool)
         while True:
             try:
-                ack = self.client.push_contribution(peer.address, self._chunks(info, shard, attempt, tensors,
-                                                                                rnd.samples), self.rpc_timeout,
-                                                    peer=peer.peer_id)
+                ack = self.client.push_contribution(peer.address, paced(self._chunks(info, shard, attempt, tensors,
+                                                                                      rnd.samples), self._pacer),
+                                                    self.rpc_timeout, peer=peer.peer_id)
                 if not self._check_receipt(info, peer.peer_id, shard, attempt, ack.receipt) and kind == "contribution":
                     self._withheld(rnd, peer, shard, values, "it acknowledged it without a valid receipt", True)
                 return True
@@ -611,8 +620,9 @@ class AllReduce:
 
     def _push_result(self, info: RoundInfo, peer: MemberAddr, shard: int, chunks: list[pb.Tensor], outcome: Outcome) -> None:
         try:
-            self.client.push_result(peer.address, self._results_of(info, shard, chunks, outcome), self.rpc_timeout,
-                                    peer=peer.peer_id)
+            # (paced with the round: a backup's copy, above, goes at once, as a take-over may need it soon)
+            self.client.push_result(peer.address, paced(self._results_of(info, shard, chunks, outcome), self._pacer),
+                                    self.rpc_timeout, peer=peer.peer_id)
         except grpc.RpcError as err:
             log.info("result of shard %d to %s failed: %s", shard, short_id(peer.peer_id), rpc_reason(err))
 

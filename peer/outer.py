@@ -79,11 +79,13 @@ def claimable(info: RoundInfo, samples: int) -> int:
 
 
 def outer_step(rc: RunConfig, allreduce: AllReduce, info: RoundInfo, held: Snapshot, delta: torch.Tensor | None,
-               inner_seconds: float, meta: dict, base: Snapshot | None = None, samples: int = 1) -> OuterResult:
+               inner_seconds: float, meta: dict, base: Snapshot | None = None, samples: int = 1,
+               pace_s: float = 0.0) -> OuterResult:
     """Average this member's pseudo-gradient ``delta`` with the stage's other members and take the outer
     step from ``held`` (None: nothing valid to contribute; the member still takes the step). ``samples``: the
     samples ``delta`` was trained on, its weight in the average. With a ``base`` (grouped averaging), average
-    whole outer steps as differences from it instead (see the module).
+    whole outer steps as differences from it instead (see the module). ``pace_s``: spread the sends over this
+    long (an overlapped step: ``sync.pace``, :mod:`potluck.peer.pacing`); 0: at line rate.
 
     Raises :class:`~potluck.peer.allreduce.IncompleteRound` when the step cannot be committed.
     """
@@ -100,7 +102,8 @@ def outer_step(rc: RunConfig, allreduce: AllReduce, info: RoundInfo, held: Snaps
     wait_s = max(s.deadline_floor_s, s.deadline_factor * inner_seconds)
     if base is not None:
         return _grouped(rc, allreduce, info, held, base, delta, wait_s, meta, samples)
-    mean, stats = allreduce.run(info, delta, wait_s=wait_s, grace_s=max(2.0, 0.25 * wait_s), samples=samples)
+    mean, stats = allreduce.run(info, delta, wait_s=wait_s, grace_s=max(2.0, 0.25 * wait_s), samples=samples,
+                                pace_s=pace_s)
     bounds = step_fragment(rc, theta.numel(), allreduce.codec.align, info.step)
     if bounds is not None:
         lo, hi = bounds

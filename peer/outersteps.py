@@ -261,7 +261,10 @@ class OuterSteps:
              meta: dict, base: Snapshot | None, samples: int) -> None:
         """The outer step on its own thread: commit as soon as it is done, so the swarm sees the version."""
         try:
-            done = outer_step(self.s.rc, t.allreduce, flight.info, held, delta, inner_seconds, meta, base, samples)
+            # overlapped: nothing needs the result before the next inner phase ends, so its sends may be spread out
+            pace_s = min(self.s.rc.sync.pace * inner_seconds, 0.5 * self.s.rc.sync.rpc_timeout_s)
+            done = outer_step(self.s.rc, t.allreduce, flight.info, held, delta, inner_seconds, meta, base, samples,
+                              pace_s)
         except IncompleteRound as err:
             flight.error = str(err)
             return

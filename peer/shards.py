@@ -129,6 +129,7 @@ class AllReduceStats:
     omitted: list[tuple[int, int, str]] = field(default_factory=list)  # (shard, attempt, owner): receipted, left out
     short: list[int] = field(default_factory=list)  # shards whose owner's result named too few (sync.quorum): taken over
     unreceipted: list[tuple[int, str]] = field(default_factory=list)  # (shard, why): its owner took no contribution
+    paced_s: float = 0.0  # seconds this member's sends were held back to their pace (sync.pace), all streams summed
 
 
 class Buffers:

@@ -205,6 +205,11 @@ class SyncConfig(Section):
         "locally until their turn (set diloco.inner_steps to H / fragments to keep H inner steps between a "
         "fragment's syncs). A peer that restarts or joins starts from the committed state (its unsynced local "
         "progress is lost). Not with sync.group_size. 1: the whole stage every step")
+    pace: float = Field(
+        0.0, ge=0.0, lt=1.0, description="an overlapped outer step (diloco.overlap) spreads what it sends over this "
+        "fraction of the measured inner phase it overlaps, instead of sending at line rate: the peak second of a "
+        "peer's uplink falls to about the step's bytes over that time (with sync.fragments, 1/F of the vector). Must "
+        "be under sync.deadline_factor (the owners wait that long for contributions). 0: as fast as the link takes")
     fragment_alpha: float = Field(
         0.5, ge=0.0, lt=1.0, description="streaming outer steps: a synced fragment's local copy becomes alpha x its "
         "local values + (1 - alpha) x the new global ones (Streaming DiLoCo's mixing; 0: the global values whole; "
@@ -531,6 +536,12 @@ class RunConfig(Section):
         if p.stages > 1 and self.diloco.overlap:
             raise ValueError("diloco.overlap needs pipeline.stages = 1: a pipeline starts each step only on the "
                              "coordinator's round for it, which waits for the step before")
+        if self.sync.pace and not self.diloco.overlap:
+            raise ValueError(f"sync.pace = {self.sync.pace} spreads an overlapped outer step's sends over the inner "
+                             "phase it overlaps: it needs diloco.overlap = true (a blocking step would only wait longer)")
+        if self.sync.pace and self.sync.pace >= self.sync.deadline_factor:
+            raise ValueError(f"sync.pace = {self.sync.pace} must be under sync.deadline_factor = "
+                             f"{self.sync.deadline_factor}: owners wait that share of the inner phase for contributions")
         if self.sync.fragments > 1 and self.sync.group_size:
             raise ValueError(f"sync.fragments = {self.sync.fragments} needs sync.group_size = 0: a grouped step "
                              "averages whole states of members that hold different ones, a fragment's step only "

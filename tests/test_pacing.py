@@ -1,0 +1,100 @@
+"""Paced sends (``sync.pace``, :mod:`potluck.peer.pacing`): the shared virtual clock's arithmetic on a fake clock,
+the waits it asks for, the config's refusals, and a real overlapped, streamed swarm whose outer steps are paced."""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import pytest
+
+from potluck.peer.pacing import Pacer, paced
+from potluck.protos.config.files import apply_overrides
+from potluck.protos.config.runconfig import RunConfig
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Stopping(threading.Event):
+    """Records each wait instead of sleeping, and moves the fake clock on by it."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__()
+        self.clock, self.waits = clock, []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits.append(timeout)
+        self.clock.now += timeout or 0.0
+        return False
+
+
+class Chunk:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def ByteSize(self) -> int:  # noqa: N802
+        return self.n
+
+
+def test_chunks_go_at_the_rate_shared_by_every_stream() -> None:
+    clock = Clock()
+    pacer = Pacer(1000.0, threading.Event(), clock)
+    assert pacer.slot(500) == 100.0  # the first goes at once
+    assert pacer.slot(500) == 100.5  # the next when the first's 500 bytes have had their half second
+    assert pacer.slot(250) == 101.0  # (another stream's chunk: the same clock)
+    clock.now = 105.0  # idle since: no credit saved up beyond now, the next goes at once
+    assert pacer.slot(1000) == 105.0 and pacer.slot(1) == 106.0
+
+
+def test_paced_waits_out_each_chunks_turn_and_counts_the_wait() -> None:
+    clock = Clock()
+    stopping = Stopping(clock)
+    pacer = Pacer(1000.0, stopping, clock)
+    sent = list(paced(iter([Chunk(200), Chunk(200), Chunk(600)]), pacer))
+    assert [c.n for c in sent] == [200, 200, 600]
+    assert stopping.waits == pytest.approx([0.2, 0.2]) and pacer.waited_s == pytest.approx(0.4)
+    assert [c.n for c in paced(iter([Chunk(5)]), None)] == [5]  # no pacer: as they come
+
+
+def test_a_pacer_needs_a_positive_rate() -> None:
+    with pytest.raises(ValueError, match="positive rate"):
+        Pacer(0.0, threading.Event())
+
+
+@pytest.mark.parametrize(("over", "match"), [
+    ({"sync.pace": 0.3}, "needs diloco.overlap = true"),
+    ({"sync.pace": 0.5, "diloco.overlap": True}, r"must be under sync.deadline_factor = 0.5"),
+    ({"sync.pace": 1.0, "diloco.overlap": True}, "pace"),
+])
+def test_a_pace_the_round_cannot_keep_is_refused(over: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        apply_overrides(RunConfig(), over)
+    apply_overrides(RunConfig(), {"sync.pace": 0.3, "diloco.overlap": True})  # (this one is fine)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_overlapped_streamed_swarm_paces_its_outer_steps(swarm) -> None:  # type: ignore[no-untyped-def]
+    """Three peers, one at half speed, overlapped outer steps of 2 fragments each paced over 0.3 of the inner phase:
+    every step commits with every member, the same state everywhere, and the sends were held back to the pace."""
+    from test_swarm import hashes_agree
+
+    swarm.start_coordinator({"diloco.outer_steps": 4, "diloco.inner_steps": 10, "membership.min_peers": 3,
+                             "diloco.overlap": True, "sync.fragments": 2, "sync.pace": 0.3, "diloco.rounds": "fixed"})
+    swarm.start_peer(env={"POTLUCK_FAULTS": "inner.step@*:slow=2"}, name="slow")
+    for _ in range(2):
+        swarm.start_peer()
+    state = swarm.wait_state(lambda s: s["run"]["finished"] and s["history"] and len(s["history"][-1]["state_hashes"]) == 3,
+                             240, "the run to finish")
+    hist = state["history"]
+    assert [h["step"] for h in hist] == [1, 2, 3, 4] and hashes_agree(state) == []
+    assert all(h["contributors"] == 3 and not h["dropped"] for h in hist), hist
+    logs = "".join((swarm.logs / f"peer-{i}.log").read_text() for i in range(3))
+    held = [float(m) for m in re.findall(r"paced: sends held back ([0-9.]+) s", logs)]
+    assert held and max(held) > 0, "no outer step was paced"
