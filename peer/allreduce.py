@@ -73,6 +73,8 @@ from potluck.protos.testkit.faults import fault, tamper
 from potluck.protos.wire.refusals import is_silent, is_unreachable, refusal_of, refused, rpc_reason
 from potluck.protos.wire.states import CATCHING_UP, GONE, NOT_PARTICIPATING, PeerState
 
+PACE_CHUNK_S = 0.05  # paced sends: seconds of the pace a message's payload holds
+MIN_PACED_CHUNK = 4096  # bytes: smaller messages would cost more in headers than pacing saves
 log = get_logger(__name__)
 
 # (what callers of the all-reduce import from here)
@@ -143,6 +145,7 @@ class AllReduce:
         self._newest: tuple[int, int] = (0, 0)
         self.tamper = tamper  # POTLUCK_FAULTS' owner.* points (a test may give one member faults of its own)
         self._pacer: Pacer | None = None  # the round's shared send rate, when its sends are paced (sync.pace)
+        self._round_chunk = chunk_bytes  # payload bytes a message of the round (smaller when paced)
 
     # ---------------------------------------------------------------- the coming step
 
@@ -205,11 +208,15 @@ class AllReduce:
         others = max(info.shards - 1, 0) / max(info.shards, 1)
         self._pacer = Pacer(2 * self.numel * others * self.codec.bytes_per_element / pace_s, self.stopping) \
             if pace_s > 0 and others else None
+        # paced, a contribution's message holds about PACE_CHUNK_S of the rate: whole 1 MiB messages would still leave
+        # in bursts (a result keeps chunk_bytes messages, which its signature and audits are over)
+        self._round_chunk = self.chunk_bytes if self._pacer is None else \
+            max(MIN_PACED_CHUNK, min(self.chunk_bytes, int(self._pacer.rate * PACE_CHUNK_S)))
         try:
             return self._run(rnd, delta, t_start, deadline, grace_s, sent_before)
         finally:
             rnd.finish()  # whatever still acts for it (a probe, a send) can no longer change anything
-            self._pacer = None
+            self._pacer, self._round_chunk = None, self.chunk_bytes
 
     def _run(self, rnd: ReduceRound, delta: torch.Tensor | None, t_start: float, deadline: float, grace_s: float,
              sent_before: int) -> tuple[torch.Tensor, AllReduceStats]:
@@ -359,7 +366,7 @@ class AllReduce:
         on_error: Callable[[MemberAddr, grpc.RpcError], None],
     ) -> bool:
         info = rnd.info
-        tensors = EncodedStream.of(f"shard{shard}", values, self.codec, self.chunk_bytes, self._codec_pool)
+        tensors = EncodedStream.of(f"shard{shard}", values, self.codec, self._round_chunk, self._codec_pool)
         while True:
             try:
                 ack = self.client.push_contribution(peer.address, paced(self._chunks(info, shard, attempt, tensors,
@@ -541,6 +548,7 @@ class AllReduce:
             # summed in float32 and re-quantized a chunk at a time, chunks on the codec workers, each
             # hashed there as soon as it is made
             result_chunks, hashing = [], []
+            # (always in chunk_bytes messages: an auditor recomputes the result and compares it chunk for chunk)
             for t in EncodedStream(f"shard{shard}", hi - lo, mean, self.codec, self.chunk_bytes, self._codec_pool):
                 result_chunks.append(t)
                 hashing.append(self._codec_pool.submit(tensor_digest, t))

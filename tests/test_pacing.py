@@ -82,11 +82,14 @@ def test_a_pace_the_round_cannot_keep_is_refused(over: dict, match: str) -> None
 @pytest.mark.timeout(300)
 def test_an_overlapped_streamed_swarm_paces_its_outer_steps(swarm) -> None:  # type: ignore[no-untyped-def]
     """Three peers, one at half speed, overlapped outer steps of 2 fragments each paced over 0.3 of the inner phase:
-    every step commits with every member, the same state everywhere, and the sends were held back to the pace."""
+    every step commits with every member, the same state everywhere, and the sends were held back to the pace. The
+    model is big enough that a paced contribution goes in several messages where an unpaced one would go in one,
+    and every result is audited: paced sends are nothing an auditor could take for a lie."""
     from test_swarm import hashes_agree
 
     swarm.start_coordinator({"diloco.outer_steps": 4, "diloco.inner_steps": 10, "membership.min_peers": 3,
-                             "diloco.overlap": True, "sync.fragments": 2, "sync.pace": 0.3, "diloco.rounds": "fixed"})
+                             "diloco.overlap": True, "sync.fragments": 2, "sync.pace": 0.3, "diloco.rounds": "fixed",
+                             "model.d_model": 128, "model.n_heads": 4, "model.n_layers": 2, "sync.audit_fraction": 1.0})
     swarm.start_peer(env={"POTLUCK_FAULTS": "inner.step@*:slow=2"}, name="slow")
     for _ in range(2):
         swarm.start_peer()
@@ -98,3 +101,5 @@ def test_an_overlapped_streamed_swarm_paces_its_outer_steps(swarm) -> None:  # t
     logs = "".join((swarm.logs / f"peer-{i}.log").read_text() for i in range(3))
     held = [float(m) for m in re.findall(r"paced: sends held back ([0-9.]+) s", logs)]
     assert held and max(held) > 0, "no outer step was paced"
+    assert re.search(r"audit of shard \d+ of step \d+ .*: ok", logs), "no result was audited"
+    assert "proven" not in (swarm.logs / "coordinator.log").read_text()
