@@ -56,8 +56,8 @@ links and peers as pure DiLoCo (S = 1, R = 4, int8 all-reduce), so that a peer's
 (and the links' small probes), not activations: ``whole`` (``sync.fragments = 1``, H = ``--inner-steps``,
 ``--outer-steps``) and ``streamed`` (``sync.fragments = F``, H / F inner steps, F x the outer steps: the same
 tokens, each fragment synced every H inner steps), its outer steps overlapped with the next inner phase and their
-sends paced over ``--pace`` of it (``diloco.overlap``, ``sync.pace``; ``--pace 0``: blocking, at line rate, as
-before 2026-12-03). For each: every peer's peak second of sends
+sends paced over ``--pace`` of it (``diloco.overlap``, ``sync.pace``, and ``sync.chunk_bytes`` 64 KiB: a result goes
+in messages of that size, which pacing cannot split; ``--pace 0``: blocking, at line rate, as before 2026-12-03). For each: every peer's peak second of sends
 (``peak_send_bps``, :meth:`~potluck.protos.net.transport.Traffic.send_rate`, read on the last poll before the
 run is finished, so the coordinator's fetch of the final state is not in it) and the outer bytes a member
 sent per step over the step's all-reduce seconds, at the step where that is highest (``peak_outer_bps``).
@@ -90,6 +90,7 @@ PEERS, STAGES = 4, 2
 POTLUCK = {"pipeline.compression": "acsgd", "pipeline.bits": 4, "pipeline.grad_bits": 8, "sync.codec": "int8"}
 POTLUCK_1F1B = {**POTLUCK, "pipeline.schedule": "1f1b"}
 BASELINE = {"pipeline.compression": "none", "pipeline.grad_bits": 32, "sync.codec": "raw"}
+PACED_CHUNK_BYTES = 1 << 16  # the streamed run's messages when paced (a 1 MiB result message would leave at once)
 DILOCO = {"pipeline.stages": 1, "sync.codec": "int8"}  # (4 replicas of the whole model: sends are outer steps)
 
 
@@ -192,7 +193,7 @@ def main() -> None:
     parser.add_argument("--order", choices=["baseline-first", "potluck-first"], default="baseline-first")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds each run may take")
     parser.add_argument("--fragments", type=int, default=4, help="F of the streamed run (0: no whole/streamed runs)")
-    parser.add_argument("--pace", type=float, default=0.3,
+    parser.add_argument("--pace", type=float, default=0.45,
                         help="sync.pace of the streamed run, overlapped (0: a blocking streamed run at line rate)")
     parser.add_argument("--codec", choices=["int8", "int4"], default="int8",
                         help="sync.codec of the potluck and streaming runs (the baseline's all-reduce stays fp32)")
@@ -207,7 +208,8 @@ def main() -> None:
         "potluck_1f1b": ({**POTLUCK_1F1B, **codec}, args.inner_steps, args.outer_steps),
         "whole": ({**DILOCO, **codec}, args.inner_steps, args.outer_steps),
         "streamed": ({**DILOCO, **codec, "sync.fragments": f,
-                      **({"diloco.overlap": True, "sync.pace": args.pace} if args.pace else {})},
+                      **({"diloco.overlap": True, "sync.pace": args.pace, "sync.chunk_bytes": PACED_CHUNK_BYTES}
+                         if args.pace else {})},
                      max(args.inner_steps // f, 1), args.outer_steps * f)}
     order = ["baseline", "potluck", "potluck_1f1b"] if args.order == "baseline-first" else [
         "potluck", "potluck_1f1b", "baseline"]

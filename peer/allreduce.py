@@ -145,6 +145,9 @@ class AllReduce:
         self._newest: tuple[int, int] = (0, 0)
         self.tamper = tamper  # POTLUCK_FAULTS' owner.* points (a test may give one member faults of its own)
         self._pacer: Pacer | None = None  # the round's shared send rate, when its sends are paced (sync.pace)
+        # the last paced round's clock: what this member serves for audits between rounds goes at its pace too
+        self.pacer: Pacer | None = None
+        self._waited_before = 0.0  # (the clock's waits before this round: its own are the rest)
         self._round_chunk = chunk_bytes  # payload bytes a message of the round (smaller when paced)
 
     # ---------------------------------------------------------------- the coming step
@@ -206,8 +209,13 @@ class AllReduce:
                           backup_timeout=max(PING_S, 0.5 * grace_s), deadline=deadline, samples=samples)
         # what this member sends: its slices of the other shards, and its own shard's result to the others
         others = max(info.shards - 1, 0) / max(info.shards, 1)
-        self._pacer = Pacer(2 * self.numel * others * self.codec.bytes_per_element / pace_s, self.stopping) \
-            if pace_s > 0 and others else None
+        self._pacer = None
+        if pace_s > 0 and others:  # (one clock, kept from round to round: the evidence served to auditors shares it)
+            rate = 2 * self.numel * others * self.codec.bytes_per_element / pace_s
+            if self.pacer is None:
+                self.pacer = Pacer(rate, self.stopping)
+            self.pacer.rate = rate
+            self._pacer, self._waited_before = self.pacer, self.pacer.waited_s
         # paced, a contribution's message holds about PACE_CHUNK_S of the rate: whole 1 MiB messages would still leave
         # in bursts (a result keeps chunk_bytes messages, which its signature and audits are over)
         self._round_chunk = self.chunk_bytes if self._pacer is None else \
@@ -284,7 +292,8 @@ class AllReduce:
             stats.dropped = sorted(rnd.dead)
         stats.seconds = time.monotonic() - t_start
         stats.send_s = max(sent, default=0.0)
-        stats.paced_s = self._pacer.waited_s if self._pacer is not None else 0.0
+        if self._pacer is not None:
+            stats.paced_s, stats.pace_bps = self._pacer.waited_s - self._waited_before, self._pacer.rate
         stats.bytes_sent = self.client.traffic.snapshot()[0].get("outer", 0) - sent_before
         stats.contributors = {j: len(r.outcome.contributors) for j, r in enumerate(results)}
         empty = [j for j, r in enumerate(results) if not r.outcome.contributors]

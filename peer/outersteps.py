@@ -19,8 +19,10 @@ other action (recover, switch, wait, finish) first lands the step in flight (:me
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
     from potluck.peer.telemetry import Telemetry
     from potluck.protos.config.runconfig import PeerConfig, RunConfig
 
+PACE_PHASES = 5  # sync.pace: the inner phases whose median duration an overlapped step is paced over
 log = get_logger(__name__)
 
 
@@ -88,6 +91,7 @@ class OuterSteps:
     def __init__(self, session: StepHost) -> None:
         self.s = session
         self.inflight: InFlight | None = None
+        self._phases: deque[float] = deque(maxlen=PACE_PHASES)  # the last inner phases' seconds (sync.pace)
 
     def after_phase(self, step: int, inner_seconds: float, start: torch.Tensor | None, interrupted: bool,
                     contribute: bool, samples: int = 1) -> None:
@@ -262,7 +266,10 @@ class OuterSteps:
         """The outer step on its own thread: commit as soon as it is done, so the swarm sees the version."""
         try:
             # overlapped: nothing needs the result before the next inner phase ends, so its sends may be spread out
-            pace_s = min(self.s.rc.sync.pace * inner_seconds, 0.5 * self.s.rc.sync.rpc_timeout_s)
+            # over a share of a typical phase (the median of the last few: one cut short by its window would
+            # make a burst of the step it ends)
+            self._phases.append(inner_seconds)
+            pace_s = min(self.s.rc.sync.pace * statistics.median(self._phases), 0.5 * self.s.rc.sync.rpc_timeout_s)
             done = outer_step(self.s.rc, t.allreduce, flight.info, held, delta, inner_seconds, meta, base, samples,
                               pace_s)
         except IncompleteRound as err:

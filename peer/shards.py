@@ -130,6 +130,7 @@ class AllReduceStats:
     short: list[int] = field(default_factory=list)  # shards whose owner's result named too few (sync.quorum): taken over
     unreceipted: list[tuple[int, str]] = field(default_factory=list)  # (shard, why): its owner took no contribution
     paced_s: float = 0.0  # seconds this member's sends were held back to their pace (sync.pace), all streams summed
+    pace_bps: float = 0.0  # the rate they were paced at (0: not paced)
 
 
 class Buffers:

@@ -139,7 +139,8 @@ class Telemetry:
             if not isinstance(state_hash, str):
                 self._hashing[stats.step] = state_hash
         dropped = f", dropped {', '.join(short_id(d) for d in stats.dropped)}" if stats.dropped else ""
-        paced = f" (paced: sends held back {stats.paced_s:.2f} s in all)" if stats.paced_s else ""
+        paced = (f" (paced at {stats.pace_bps / 1e3:.0f} kB/s: sends held back {stats.paced_s:.2f} s in all)"
+                 if stats.pace_bps else "")
         log.info("outer step %d: %d members, %.2f s (all-reduce %.2f s, waited %.2f s for members), sent %.2f MB%s, "
                  "|mean delta| %.3g, loss %.4f%s", stats.step, stats.members, seconds, stats.seconds, stats.wait_seconds,
                  stats.bytes_sent / 1e6, paced, mean_norm, p.loss or float("nan"), dropped)

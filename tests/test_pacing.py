@@ -99,7 +99,7 @@ def test_an_overlapped_streamed_swarm_paces_its_outer_steps(swarm) -> None:  # t
     assert [h["step"] for h in hist] == [1, 2, 3, 4] and hashes_agree(state) == []
     assert all(h["contributors"] == 3 and not h["dropped"] for h in hist), hist
     logs = "".join((swarm.logs / f"peer-{i}.log").read_text() for i in range(3))
-    held = [float(m) for m in re.findall(r"paced: sends held back ([0-9.]+) s", logs)]
+    held = [float(m) for m in re.findall(r"paced at [0-9]+ kB/s: sends held back ([0-9.]+) s", logs)]
     assert held and max(held) > 0, "no outer step was paced"
     assert re.search(r"audit of shard \d+ of step \d+ .*: ok", logs), "no result was audited"
     assert "proven" not in (swarm.logs / "coordinator.log").read_text()
