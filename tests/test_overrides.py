@@ -29,13 +29,13 @@ SPECIAL: dict[str, tuple[str, Any]] = {
     "coordinator.status_tls_cert": ("", None), "coordinator.status_tls_key": ("", None),
     "admission.allow": ('["12D3KooWabc"]', ["12D3KooWabc"]), "train.beta1": ("0.8", 0.8), "train.beta2": ("0.95", 0.95),
     "diloco.outer_momentum": ("0.5", 0.5), "sync.audit_fraction": ("0.5", 0.5), "sync.fragment_alpha": ("0.25", 0.25),
-    "train.checkpoint_activations": ("\"auto\"", "auto"),
+    "train.checkpoint_activations": ("\"auto\"", "auto"), "sync.pace": ("0.3", 0.3),
     "coordinator.trackers": ("tensorboard,mlflow", ["tensorboard", "mlflow"]),
 }
 CONTEXT: dict[str, dict[str, Any]] = {  # what else the override needs to be a valid run (set beside it)
     "pipeline.layers": {"pipeline.stages": 2}, "pipeline.in_flight": {"pipeline.schedule": "1f1b"},
     "data.path": {"data.source": "bytes", "model.vocab_size": 256},
-    "coordinator.status_tls_cert": {}, "model.family": {"model.preset": ""},
+    "coordinator.status_tls_cert": {}, "model.family": {"model.preset": ""}, "sync.pace": {"diloco.overlap": True},
 }
 NOT_ON_THE_COMMAND_LINE = {"model.hf_model", "data.hf_dataset", "data.hf_config",  # (these need a model or dataset here)
                            "coordinator.status_tls_cert", "coordinator.status_tls_key"}
