@@ -107,7 +107,8 @@ class AdamW8bit(torch.optim.Optimizer):
     def _write(self, flat: torch.Tensor, w: torch.Tensor) -> None:
         """The float32 update ``w`` into the weight ``flat`` (a slice of it): as is, or rounded stochastically to bf16."""
         if flat.dtype == torch.float32:
-            flat.copy_(w)
+            if w.data_ptr() != flat.data_ptr():  # (the 8-bit path updates a float32 weight in place)
+                flat.copy_(w)
         elif flat.dtype == torch.bfloat16:
             flat.copy_(round_stochastic(w, noise_for(w.numel(), self.rounding, w.device)))
         else:

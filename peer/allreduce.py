@@ -53,7 +53,7 @@ from potluck.compression.audit import Signed
 from potluck.compression.int8 import Codec
 from potluck.compression.stream import EncodedStream
 from potluck.peer.diloco import host_vector
-from potluck.peer.pacing import Pacer, paced
+from potluck.peer.pacing import Pacing, paced
 from potluck.peer.reduceround import Phase, ReduceRound
 from potluck.peer.shardinbox import ShardInbox, result_stream
 from potluck.peer.shards import (
@@ -73,8 +73,6 @@ from potluck.protos.testkit.faults import fault, tamper
 from potluck.protos.wire.refusals import is_silent, is_unreachable, refusal_of, refused, rpc_reason
 from potluck.protos.wire.states import CATCHING_UP, GONE, NOT_PARTICIPATING, PeerState
 
-PACE_CHUNK_S = 0.05  # paced sends: seconds of the pace a message's payload holds
-MIN_PACED_CHUNK = 4096  # bytes: smaller messages would cost more in headers than pacing saves
 log = get_logger(__name__)
 
 # (what callers of the all-reduce import from here)
@@ -144,11 +142,7 @@ class AllReduce:
         # the plan's newest epoch and its first step: a round of an earlier epoch at or past it was abandoned
         self._newest: tuple[int, int] = (0, 0)
         self.tamper = tamper  # POTLUCK_FAULTS' owner.* points (a test may give one member faults of its own)
-        self._pacer: Pacer | None = None  # the round's shared send rate, when its sends are paced (sync.pace)
-        # the last paced round's clock: what this member serves for audits between rounds goes at its pace too
-        self.pacer: Pacer | None = None
-        self._waited_before = 0.0  # (the clock's waits before this round: its own are the rest)
-        self._round_chunk = chunk_bytes  # payload bytes a message of the round (smaller when paced)
+        self.pacing = Pacing(self.stopping, chunk_bytes)  # sync.pace: the rate this member's sends are held to
 
     # ---------------------------------------------------------------- the coming step
 
@@ -209,22 +203,12 @@ class AllReduce:
                           backup_timeout=max(PING_S, 0.5 * grace_s), deadline=deadline, samples=samples)
         # what this member sends: its slices of the other shards, and its own shard's result to the others
         others = max(info.shards - 1, 0) / max(info.shards, 1)
-        self._pacer = None
-        if pace_s > 0 and others:  # (one clock, kept from round to round: the evidence served to auditors shares it)
-            rate = 2 * self.numel * others * self.codec.bytes_per_element / pace_s
-            if self.pacer is None:
-                self.pacer = Pacer(rate, self.stopping)
-            self.pacer.rate = rate
-            self._pacer, self._waited_before = self.pacer, self.pacer.waited_s
-        # paced, a contribution's message holds about PACE_CHUNK_S of the rate: whole 1 MiB messages would still leave
-        # in bursts (a result keeps chunk_bytes messages, which its signature and audits are over)
-        self._round_chunk = self.chunk_bytes if self._pacer is None else \
-            max(MIN_PACED_CHUNK, min(self.chunk_bytes, int(self._pacer.rate * PACE_CHUNK_S)))
+        self.pacing.begin(2 * self.numel * others * self.codec.bytes_per_element, pace_s)
         try:
             return self._run(rnd, delta, t_start, deadline, grace_s, sent_before)
         finally:
             rnd.finish()  # whatever still acts for it (a probe, a send) can no longer change anything
-            self._pacer, self._round_chunk = None, self.chunk_bytes
+            self.pacing.end()
 
     def _run(self, rnd: ReduceRound, delta: torch.Tensor | None, t_start: float, deadline: float, grace_s: float,
              sent_before: int) -> tuple[torch.Tensor, AllReduceStats]:
@@ -292,8 +276,7 @@ class AllReduce:
             stats.dropped = sorted(rnd.dead)
         stats.seconds = time.monotonic() - t_start
         stats.send_s = max(sent, default=0.0)
-        if self._pacer is not None:
-            stats.paced_s, stats.pace_bps = self._pacer.waited_s - self._waited_before, self._pacer.rate
+        stats.paced_s, stats.pace_bps = self.pacing.held_back()
         stats.bytes_sent = self.client.traffic.snapshot()[0].get("outer", 0) - sent_before
         stats.contributors = {j: len(r.outcome.contributors) for j, r in enumerate(results)}
         empty = [j for j, r in enumerate(results) if not r.outcome.contributors]
@@ -375,11 +358,13 @@ class AllReduce:
         on_error: Callable[[MemberAddr, grpc.RpcError], None],
     ) -> bool:
         info = rnd.info
-        tensors = EncodedStream.of(f"shard{shard}", values, self.codec, self._round_chunk, self._codec_pool)
+        # (paced, in smaller messages: whole 1 MiB ones would still leave in bursts)
+        tensors = EncodedStream.of(f"shard{shard}", values, self.codec, self.pacing.contribution_chunk(),
+                                   self._codec_pool)
         while True:
             try:
                 ack = self.client.push_contribution(peer.address, paced(self._chunks(info, shard, attempt, tensors,
-                                                                                      rnd.samples), self._pacer),
+                                                                                      rnd.samples), self.pacing.round),
                                                     self.rpc_timeout, peer=peer.peer_id)
                 if not self._check_receipt(info, peer.peer_id, shard, attempt, ack.receipt) and kind == "contribution":
                     self._withheld(rnd, peer, shard, values, "it acknowledged it without a valid receipt", True)
@@ -638,7 +623,7 @@ class AllReduce:
     def _push_result(self, info: RoundInfo, peer: MemberAddr, shard: int, chunks: list[pb.Tensor], outcome: Outcome) -> None:
         try:
             # (paced with the round: a backup's copy, above, goes at once, as a take-over may need it soon)
-            self.client.push_result(peer.address, paced(self._results_of(info, shard, chunks, outcome), self._pacer),
+            self.client.push_result(peer.address, paced(self._results_of(info, shard, chunks, outcome), self.pacing.round),
                                     self.rpc_timeout, peer=peer.peer_id)
         except grpc.RpcError as err:
             log.info("result of shard %d to %s failed: %s", shard, short_id(peer.peer_id), rpc_reason(err))

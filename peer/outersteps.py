@@ -19,7 +19,6 @@ other action (recover, switch, wait, finish) first lands the step in flight (:me
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 from collections import deque
@@ -34,6 +33,7 @@ from potluck.peer.diloco import all_finite, host_vector
 from potluck.peer.follower import Action, Held, Train
 from potluck.peer.fragments import fragment_delta, mix
 from potluck.peer.outer import OuterResult, outer_step, pseudo_gradient, step_fragment
+from potluck.peer.pacing import pace_seconds
 from potluck.peer.states import epoch_of
 from potluck.peer.tasklet import Tasklet
 from potluck.protos.runtime.log import get_logger, set_context
@@ -266,10 +266,8 @@ class OuterSteps:
         """The outer step on its own thread: commit as soon as it is done, so the swarm sees the version."""
         try:
             # overlapped: nothing needs the result before the next inner phase ends, so its sends may be spread out
-            # over a share of a typical phase (the median of the last few: one cut short by its window would
-            # make a burst of the step it ends)
             self._phases.append(inner_seconds)
-            pace_s = min(self.s.rc.sync.pace * statistics.median(self._phases), 0.5 * self.s.rc.sync.rpc_timeout_s)
+            pace_s = pace_seconds(self.s.rc.sync.pace, self._phases, self.s.rc.sync.rpc_timeout_s)
             done = outer_step(self.s.rc, t.allreduce, flight.info, held, delta, inner_seconds, meta, base, samples,
                               pace_s)
         except IncompleteRound as err:

@@ -13,10 +13,14 @@ messages still land in one second.
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Protocol, TypeVar
+
+PACE_CHUNK_S = 0.05  # a paced contribution's message holds this many seconds of the rate
+MIN_PACED_CHUNK = 4096  # bytes: smaller messages would cost more in headers than pacing saves
 
 
 class Sized(Protocol):
@@ -48,6 +52,53 @@ class Pacer:
         if wait > 0:
             self.waited_s += wait
             self.stopping.wait(wait)
+
+
+def pace_seconds(pace: float, phases: Iterable[float], rpc_timeout_s: float) -> float:
+    """Over how long an overlapped step spreads its sends: ``pace`` x the median of the recent inner ``phases``
+    (one cut short by its window would make a burst of the step it ends), at most half the RPC timeout (a
+    stream paced past it would be cut off); 0 without phases or a pace."""
+    phases = list(phases)
+    if not pace or not phases:
+        return 0.0
+    return min(pace * statistics.median(phases), 0.5 * rpc_timeout_s)
+
+
+class Pacing:
+    """One peer's pacing of its outer steps, the one owner of its state: the clock (kept from round to round,
+    so the evidence served to auditors between rounds shares it), the round's use of it, and the size of a paced
+    contribution's messages."""
+
+    def __init__(self, stopping: threading.Event, chunk_bytes: int) -> None:
+        self.stopping, self.chunk_bytes = stopping, chunk_bytes
+        self.clock: Pacer | None = None  # None until a round is paced
+        self.round: Pacer | None = None  # the clock while a paced round runs, else None (its sends go at once)
+        self._waited_before = 0.0
+
+    def begin(self, nbytes: float, pace_s: float) -> None:
+        """A round that sends about ``nbytes`` begins: paced over ``pace_s`` seconds, or not at all (0)."""
+        self.round = None
+        if pace_s > 0 and nbytes > 0:
+            rate = nbytes / pace_s
+            if self.clock is None:
+                self.clock = Pacer(rate, self.stopping)
+            self.clock.rate = rate
+            self.round, self._waited_before = self.clock, self.clock.waited_s
+
+    def contribution_chunk(self) -> int:
+        """Payload bytes of a contribution's message this round: ``chunk_bytes``, or PACE_CHUNK_S of the rate."""
+        if self.round is None:
+            return self.chunk_bytes
+        return max(MIN_PACED_CHUNK, min(self.chunk_bytes, int(self.round.rate * PACE_CHUNK_S)))
+
+    def held_back(self) -> tuple[float, float]:
+        """``(seconds the round's sends were held back, all streams summed; its rate)``, (0, 0) unpaced."""
+        if self.round is None:
+            return 0.0, 0.0
+        return self.round.waited_s - self._waited_before, self.round.rate
+
+    def end(self) -> None:
+        self.round = None
 
 
 S = TypeVar("S", bound=Sized)

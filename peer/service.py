@@ -47,7 +47,7 @@ class PeerService:
     def fetch_inputs(self, request: pb.InputsRequest) -> Iterator[pb.ShardChunk]:
         self._check(request.header)
         allreduce = self._allreduce()  # (an audit's evidence, wanted within the next phase: paced as the outer steps are)
-        return paced(allreduce.inbox.on_fetch_inputs(request), allreduce.pacer)
+        return paced(allreduce.inbox.on_fetch_inputs(request), allreduce.pacing.clock)
 
     def get_state_info(self, request: pb.StateInfoRequest) -> pb.StateInfo:
         self._check(request.header)

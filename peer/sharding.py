@@ -100,14 +100,15 @@ def gather(params: list[nn.Parameter], rank: int, world: int, out: torch.Tensor 
     """The stage's flat theta, assembled in ``out`` on the leader (rank 0; every rank calls this, in
     lockstep); None on the other ranks."""
     mine = local_vector(params, rank, world)
-    sizes = [sum(c for _, c in pieces(params, r, world)) for r in range(world)]
-    padded = torch.zeros(max(sizes), dtype=torch.float32)
+    layout = [pieces(params, r, world) for r in range(world)]
+    size = max(sum(c for _, c in ranks) for ranks in layout)
+    padded = torch.zeros(size, dtype=torch.float32)
     padded[: mine.numel()] = mine
     if rank != 0:
         dist.gather(padded, None, dst=0, group=group)
         return None
     assert out is not None
-    bufs = [torch.empty(max(sizes), dtype=torch.float32) for _ in range(world)]
+    bufs = [torch.empty(size, dtype=torch.float32) for _ in range(world)]
     dist.gather(padded, bufs, dst=0, group=group)
     offset = 0
     for p in params:  # whole parameters: the leader's own copy
@@ -116,7 +117,7 @@ def gather(params: list[nn.Parameter], rank: int, world: int, out: torch.Tensor 
         offset += p.numel()
     for r in range(world):
         at = 0
-        for where, count in pieces(params, r, world):
+        for where, count in layout[r]:
             out[where : where + count] = bufs[r][at : at + count]
             at += count
     return out

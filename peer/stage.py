@@ -140,7 +140,7 @@ class StageWorker:
         else:
             flat = flatten_params(self.params, out=out)
         if self._origin is not None:
-            flat.sub_(self._origin.to(torch.bfloat16).to(torch.float32)).add_(self._origin)
+            flat.sub_(self._origin.to(torch.bfloat16)).add_(self._origin)  # (bf16 -> fp32 exactly, in the subtraction)
         return flat
 
     def start_point(self) -> torch.Tensor:

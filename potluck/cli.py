@@ -173,15 +173,16 @@ def cmd_peer(args: argparse.Namespace) -> int:
         parse_join_address(cfg.join)
     except JoinError as err:
         raise UsageError(str(err)) from None
+    from potluck.protos.config.section import ConfigError
+
     if cfg.outer_state_dir is not None:
         from pathlib import Path
 
         from potluck.peer.spill import check_folder
-        from potluck.protos.config.section import ConfigError as _ConfigError
 
         try:
             check_folder(Path(cfg.outer_state_dir).expanduser())
-        except _ConfigError as err:
+        except ConfigError as err:
             raise UsageError(str(err)) from None
     if cfg.devices == "shard" and (os.environ.get("WORLD_SIZE") or "1") == "1":
         raise UsageError("--devices shard splits a stage over the processes of one peer: start it with torchrun "
@@ -198,7 +199,6 @@ def cmd_peer(args: argparse.Namespace) -> int:
         if wrong:
             raise UsageError(wrong)
     from potluck.peer import multidevice
-    from potluck.protos.config.section import ConfigError
 
     try:  # under torchrun, one process per device: they form their group here (rank 0 is the peer)
         group = multidevice.start(cfg.device)

@@ -7,18 +7,11 @@ import re
 import threading
 
 import pytest
+from test_progress import Clock  # (a fake clock at 1000.0 s)
 
-from potluck.peer.pacing import Pacer, paced
+from potluck.peer.pacing import Pacer, Pacing, pace_seconds, paced
 from potluck.protos.config.files import apply_overrides
 from potluck.protos.config.runconfig import RunConfig
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Stopping(threading.Event):
@@ -45,11 +38,11 @@ class Chunk:
 def test_chunks_go_at_the_rate_shared_by_every_stream() -> None:
     clock = Clock()
     pacer = Pacer(1000.0, threading.Event(), clock)
-    assert pacer.slot(500) == 100.0  # the first goes at once
-    assert pacer.slot(500) == 100.5  # the next when the first's 500 bytes have had their half second
-    assert pacer.slot(250) == 101.0  # (another stream's chunk: the same clock)
-    clock.now = 105.0  # idle since: no credit saved up beyond now, the next goes at once
-    assert pacer.slot(1000) == 105.0 and pacer.slot(1) == 106.0
+    assert pacer.slot(500) == 1000.0  # the first goes at once
+    assert pacer.slot(500) == 1000.5  # the next when the first's 500 bytes have had their half second
+    assert pacer.slot(250) == 1001.0  # (another stream's chunk: the same clock)
+    clock.now = 1005.0  # idle since: no credit saved up beyond now, the next goes at once
+    assert pacer.slot(1000) == 1005.0 and pacer.slot(1) == 1006.0
 
 
 def test_paced_waits_out_each_chunks_turn_and_counts_the_wait() -> None:
@@ -60,6 +53,28 @@ def test_paced_waits_out_each_chunks_turn_and_counts_the_wait() -> None:
     assert [c.n for c in sent] == [200, 200, 600]
     assert stopping.waits == pytest.approx([0.2, 0.2]) and pacer.waited_s == pytest.approx(0.4)
     assert [c.n for c in paced(iter([Chunk(5)]), None)] == [5]  # no pacer: as they come
+
+
+def test_the_pace_is_a_share_of_the_median_phase_and_never_past_half_the_rpc_timeout() -> None:
+    assert pace_seconds(0.5, [4.0, 1.0, 5.0], 30.0) == 2.0  # (the median phase, 4 s: not the short one)
+    assert pace_seconds(0.0, [4.0], 30.0) == 0.0 and pace_seconds(0.5, [], 30.0) == 0.0
+    # phases 4x what the cap guards (a stream paced past the RPC timeout would be cut off): held to half of it
+    assert pace_seconds(0.5, [4 * 30.0 / 0.5] * 3, 30.0) == 15.0
+
+
+def test_pacing_holds_one_clock_across_rounds_and_none_while_unpaced() -> None:
+    pacing = Pacing(threading.Event(), chunk_bytes=1 << 20)
+    pacing.begin(1000.0, 0.0)
+    assert pacing.round is None and pacing.clock is None and pacing.contribution_chunk() == 1 << 20
+    assert pacing.held_back() == (0.0, 0.0)
+    pacing.begin(2_000_000.0, 2.0)
+    clock = pacing.clock
+    assert pacing.round is clock and clock is not None and clock.rate == 1_000_000.0
+    assert pacing.contribution_chunk() == 50_000  # 50 ms of the rate
+    pacing.end()
+    assert pacing.round is None and pacing.clock is clock  # (kept: what is served for audits goes at its pace)
+    pacing.begin(1000.0, 10.0)
+    assert pacing.clock is clock and clock.rate == 100.0 and pacing.contribution_chunk() == 4096  # (the floor)
 
 
 def test_a_pacer_needs_a_positive_rate() -> None:
