@@ -5,8 +5,8 @@ Each fault hits an exact point of an exact outer step (``POTLUCK_FAULTS``, see
 after reducing its shard (and thawed two steps later), the coordinator killed right after it saw a
 step committed (and restarted once the peers went on without it), and every peer killed as it enters
 an outer step (new peers take over). The run must finish with every step in its history exactly
-once, the replicas agreeing after every step, and the eval loss never back above the last
-checkpoint's (a rollback goes to a checkpoint or a live peer's state, never to scratch).
+once, the replicas agreeing after every step, and the eval loss never far above the last
+checkpoint's (``MARGIN``: a rollback goes to a checkpoint or a live peer's state, never to scratch).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 STEPS, PEERS, SEED = 20, 3, 20261123
 CONFIG = {"diloco.outer_steps": STEPS, "diloco.inner_steps": 10, "membership.min_peers": PEERS,
           "coordinator.checkpoint_every": 2, "sync.deadline_floor_s": 6.0}
+MARGIN = 0.3  # how far above the last checkpoint's eval loss a step may come out (see the test)
 BY_HAND: list[int] = []  # bystanders of a kill-all, killed by the test itself
 POINTS = {"kill": "inner.mid", "stop": "allreduce.reduced", "kill-all": "outer.start"}
 
@@ -97,10 +98,17 @@ def test_a_seeded_fault_schedule_over_twenty_steps(swarm) -> None:  # type: igno
         assert h["state_hashes"] and len(set(h["state_hashes"].values())) == 1, (h["step"], h["state_hashes"])
     evals = {h["step"]: h["eval_loss"] for h in hist if h["eval_loss"] is not None}
     every = CONFIG["coordinator.checkpoint_every"]
+    by_step = {h["step"]: h for h in hist}
     for step, loss in evals.items():
         ckpt = max((s for s in evals if s % every == 0 and s < step), default=None)
         if ckpt is not None:
-            assert loss < evals[ckpt] + 0.1, f"eval loss {loss:.3f} at step {step} above checkpoint v{ckpt}'s {evals[ckpt]:.3f}"
+            # A rollback to scratch costs about 2.0 here (v1's eval is 4.0, the run ends near 2.0). One step
+            # of a chaotic round -- an owner frozen after reducing its shard, its shard taken over, a fresh
+            # joiner among the members -- once came out 0.14 above the checkpoint before it (CI, stop 55;
+            # the runs after it went on down): a worse step, not a rollback.
+            assert loss < evals[ckpt] + MARGIN, (
+                f"eval loss {loss:.3f} at step {step} above checkpoint v{ckpt}'s {evals[ckpt]:.3f}: "
+                f"{ {k: by_step[step].get(k) for k in ('members', 'contributors', 'dropped', 'rejected', 'loss')} }")
     fired = sum(path.read_text(errors="replace").count("fault injected at") for path in swarm.logs.glob("*.log"))
     planned = sum(PEERS if kind == "kill-all" else 1 for _, kind, _ in plan.faults) - len(BY_HAND)
     assert fired >= planned, f"only {fired} of {planned} planned faults hit"
