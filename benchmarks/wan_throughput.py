@@ -208,7 +208,9 @@ def main() -> None:
         "potluck_1f1b": ({**POTLUCK_1F1B, **codec}, args.inner_steps, args.outer_steps),
         "whole": ({**DILOCO, **codec}, args.inner_steps, args.outer_steps),
         "streamed": ({**DILOCO, **codec, "sync.fragments": f,
-                      **({"diloco.overlap": True, "sync.pace": args.pace, "sync.chunk_bytes": PACED_CHUNK_BYTES}
+                      **({"diloco.overlap": True, "sync.pace": args.pace, "sync.chunk_bytes": PACED_CHUNK_BYTES,
+                          # (the owners wait past the pace for contributions: overlapped, the next phase covers it)
+                          "sync.deadline_factor": max(0.5, round(args.pace + 0.1, 2))}
                          if args.pace else {})},
                      max(args.inner_steps // f, 1), args.outer_steps * f)}
     order = ["baseline", "potluck", "potluck_1f1b"] if args.order == "baseline-first" else [

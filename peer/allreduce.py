@@ -577,12 +577,15 @@ class AllReduce:
         came = set(outcome.contributors) | set(outcome.rejected)
         candidates = [p for p in ring if p.peer_id in came] + [p for p in ring if p.peer_id not in came]
         backup_ok, backup = True, None
+        pacer = self.pacing.round  # (paced like the rest: its transfer's time out stretched by what the pace takes)
+        nbytes = sum(c.ByteSize() for c in chunks)
         for peer in candidates:
             if rnd.is_dead(peer.peer_id) or peer.peer_id == self.me or not self._answers(rnd, peer.peer_id):
                 continue
             try:
-                self.client.push_result(peer.address, self._results_of(info, shard, chunks, outcome),
-                                        min(self.rpc_timeout, rnd.backup_timeout), peer=peer.peer_id)
+                timeout = rnd.backup_timeout + (pacer.eta(nbytes) if pacer is not None else 0.0)
+                self.client.push_result(peer.address, paced(self._results_of(info, shard, chunks, outcome), pacer),
+                                        min(self.rpc_timeout, timeout), peer=peer.peer_id)
                 backup = peer
                 break
             except grpc.RpcError as err:
@@ -622,7 +625,7 @@ class AllReduce:
 
     def _push_result(self, info: RoundInfo, peer: MemberAddr, shard: int, chunks: list[pb.Tensor], outcome: Outcome) -> None:
         try:
-            # (paced with the round: a backup's copy, above, goes at once, as a take-over may need it soon)
+            # (paced with the round, as the backup's copy was)
             self.client.push_result(peer.address, paced(self._results_of(info, shard, chunks, outcome), self.pacing.round),
                                     self.rpc_timeout, peer=peer.peer_id)
         except grpc.RpcError as err:

@@ -6,9 +6,9 @@ outer step overlaps the next inner phase (``diloco.overlap``), nothing waits for
 so its sends can be spread out: :class:`Pacer` gives the round's streams (the contributions and, as an owner, the
 results) one shared rate, ``bytes / (sync.pace x the measured inner phase)``, as a virtual clock: each chunk goes
 at the time the ones before it, at that rate, allow (never earlier), and no chunk is held back once the rate allows
-it. Measured (``benchmarks/wan_throughput.py``, docs/benchmarks.md), a peer's peak second fell less than the rate
-says (0.377x -> 0.358x of F = 1's at 2.1M parameters): what is not paced (a result's copy to its backup) and whole
-messages still land in one second.
+it. An owner's result goes to its backup first (:meth:`~potluck.peer.allreduce.AllReduce._distribute`), paced too,
+with that transfer's timeout stretched by what the pace makes it take (:meth:`Pacer.eta`): unpaced, the backup's
+copy was the burst left in a paced step's peak second (in a group of two, the whole result).
 """
 
 from __future__ import annotations
@@ -45,6 +45,11 @@ class Pacer:
             start = max(now, self._next)
             self._next = start + nbytes / self.rate
             return start
+
+    def eta(self, nbytes: int) -> float:
+        """Seconds from now until ``nbytes`` booked now would be through: the bytes booked before them, then theirs."""
+        with self._lock:
+            return max(0.0, self._next - self.clock()) + nbytes / self.rate
 
     def take(self, nbytes: int) -> None:
         """Wait for ``nbytes``' turn."""

@@ -45,6 +45,17 @@ def test_chunks_go_at_the_rate_shared_by_every_stream() -> None:
     assert pacer.slot(1000) == 1005.0 and pacer.slot(1) == 1006.0
 
 
+def test_eta_counts_the_bytes_booked_before_and_the_new_ones() -> None:
+    clock = Clock()
+    pacer = Pacer(1000.0, threading.Event(), clock)
+    assert pacer.eta(500) == 0.5  # (nothing booked: its own half second)
+    pacer.slot(2000)  # booked until 1002.0
+    clock.now = 1000.5
+    assert pacer.eta(500) == 2.0  # 1.5 s of the bytes before it, then its own 0.5 s
+    clock.now = 1010.0
+    assert pacer.eta(250) == 0.25 and pacer.slot(1) == 1010.0  # (asking books nothing)
+
+
 def test_paced_waits_out_each_chunks_turn_and_counts_the_wait() -> None:
     clock = Clock()
     stopping = Stopping(clock)
