@@ -1,6 +1,7 @@
 """Quality and device memory of the inner phase's memory options at equal tokens: AdamW with fp32 moments and fp32
 weights against ``train.optimizer = "adamw8bit"`` (its moments in 8 bits, ``potluck/peer/adamw8bit.py``),
-``train.weights = "bf16"`` (bf16 weights and gradients, updates rounded stochastically) and both.
+``train.weights = "bf16"`` (bf16 weights and gradients, updates rounded stochastically) and both, and these
+stepped in the backward (``train.step_in_backward``, which needs ``train.grad_clip = 0``).
 
 Two settings, each run once per optimizer with everything else equal (model init, data, order, lr schedule):
 
@@ -35,7 +36,12 @@ from potluck.peer.data import Dataset
 from potluck.peer.stage import StageWorker
 
 OPTIONS = {"adamw": {}, "adamw8bit": {"train.optimizer": "adamw8bit"}, "bf16": {"train.weights": "bf16"},
-           "bf16+adamw8bit": {"train.weights": "bf16", "train.optimizer": "adamw8bit"}}
+           "bf16+adamw8bit": {"train.weights": "bf16", "train.optimizer": "adamw8bit"},
+           # stepped in the backward (train.step_in_backward), which clips nothing: against fp32 AdamW as it runs
+           # by default, clipped at train.grad_clip = 1
+           "bf16+inbwd": {"train.weights": "bf16", "train.step_in_backward": True, "train.grad_clip": 0.0},
+           "bf16+adamw8bit+inbwd": {"train.weights": "bf16", "train.optimizer": "adamw8bit",
+                                    "train.step_in_backward": True, "train.grad_clip": 0.0}}
 
 
 def run_sync(args, option: dict) -> dict:  # type: ignore[no-untyped-def]

@@ -17,7 +17,8 @@ The reference is what the stage itself must hold: its fp32 parameters, AdamW's t
 the outer state (theta_global and momentum), 5 x 4 bytes per parameter. Targets: stage peer <= 1.5x
 that, coordinator <= 1.5x that.
 
-The line also gives, for each memory option, the bytes a parameter takes on a GPU peer's device and in its
+The line also gives, for each memory option (``train.step_in_backward`` among them: no stage-sized gradient,
+one parameter's at most, which is what it counts), the bytes a parameter takes on a GPU peer's device and in its
 host memory, counted tensor by tensor in the stage peer above (``options``), and the size check's stage
 plan of ``--plan-preset`` for a ``--card-gib`` card (``plan``: :func:`potluck.models.sizecheck.plan`).
 
@@ -65,11 +66,16 @@ bf16 = args.get("weights") == "bf16"
 if bf16:  # train.weights = "bf16": the weights (and so their gradients) in bf16, autocast's bf16 math
     for p in params:
         p.data = p.data.to(torch.bfloat16)
-if args.get("optimizer") == "adamw8bit" or bf16:
-    from potluck.peer.adamw8bit import AdamW8bit
-    opt = AdamW8bit(params, lr=1e-4, eight_bit=args.get("optimizer") == "adamw8bit")
+def make(ps):
+    if args.get("optimizer") == "adamw8bit" or bf16:
+        from potluck.peer.adamw8bit import AdamW8bit
+        return AdamW8bit(ps, lr=1e-4, eight_bit=args.get("optimizer") == "adamw8bit")
+    return torch.optim.AdamW(ps, lr=1e-4)
+if args.get("in_backward"):  # train.step_in_backward: each parameter stepped as its gradient is complete
+    from potluck.peer.inbackward import StepInBackward
+    opt = StepInBackward(params, make)
 else:
-    opt = torch.optim.AdamW(params, lr=1e-4)
+    opt = make(params)
 x = torch.randn(args["batch"], args["seq"], cfg.d_model)
 for _ in range(args["inner_steps"]):
     opt.zero_grad(set_to_none=True)
@@ -83,7 +89,9 @@ def nbytes(ts):
     return sum(t.numel() * t.element_size() for t in ts if t is not None)
 # what a GPU peer keeps on its device (weights, gradients, AdamW's moments), counted tensor by tensor
 optimizer_bytes = nbytes(v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0)
-inner_bytes = nbytes(params) + nbytes(p.grad for p in params) + optimizer_bytes
+# (stepping in the backward, no gradient is left: the most one parameter's held at once counts instead)
+grad_bytes = opt.peak_grad_bytes if args.get("in_backward") else nbytes(p.grad for p in params)
+inner_bytes = nbytes(params) + grad_bytes + optimizer_bytes
 # the yardstick: the weights (as bf16) + the optimizer's state
 lean_bytes = 2 * n + optimizer_bytes
 opt.zero_grad(set_to_none=True)  # as StageWorker.inner_phase ends
@@ -161,6 +169,9 @@ def main() -> None:
     lean = child(STAGE, {**args, "whole": False, "optimizer": "adamw8bit"})
     bf16 = child(STAGE, {**args, "whole": False, "weights": "bf16"})
     leanest = child(STAGE, {**args, "whole": False, "weights": "bf16", "optimizer": "adamw8bit"})
+    bf16_in_backward = child(STAGE, {**args, "whole": False, "weights": "bf16", "in_backward": True})
+    leanest_in_backward = child(STAGE, {**args, "whole": False, "weights": "bf16", "optimizer": "adamw8bit",
+                                        "in_backward": True})
     coordinator = child(COORDINATOR, {**args, "whole": False})
     old_coordinator = child(COORDINATOR, {**args, "whole": True}) if a.old_coordinator else None
     reference_mib = 5 * 4 * stage["params"] / 2**20
@@ -188,11 +199,18 @@ def main() -> None:
         # counted tensor by tensor in the stage peer: fp32 weights, gradients and AdamW (a GPU peer's device), and
         # the outer state it keeps in host memory (pinned on a GPU), beside what the size check counts
         # and (device_vs_bf16_weights_and_optimizer) the device bytes over the weights as bf16 + the optimizer's state
-        "options": {name: option(res, sizecheck.WEIGHT_BYTES_PER_PARAM[w] + sizecheck.OPTIMIZER_BYTES_PER_PARAM[o])
-                    for name, res, w, o in (("fp32 + AdamW", stage, "fp32", "adamw"),
-                                            ("adamw8bit (train.optimizer)", lean, "fp32", "adamw8bit"),
-                                            ("bf16 weights (train.weights)", bf16, "bf16", "adamw"),
-                                            ("bf16 weights + adamw8bit", leanest, "bf16", "adamw8bit"))},
+        "options": {name: option(res, sizecheck.device_bytes_per_param(apply_overrides(RunConfig(), {
+                        "train.weights": w, "train.optimizer": o, "train.step_in_backward": ib,
+                        **({"train.grad_clip": 0.0} if ib else {})})))
+                    for name, res, w, o, ib in (
+                        ("fp32 + AdamW", stage, "fp32", "adamw", False),
+                        ("adamw8bit (train.optimizer)", lean, "fp32", "adamw8bit", False),
+                        ("bf16 weights (train.weights)", bf16, "bf16", "adamw", False),
+                        ("bf16 weights + adamw8bit", leanest, "bf16", "adamw8bit", False),
+                        ("bf16 weights, stepped in the backward (train.step_in_backward)", bf16_in_backward, "bf16",
+                         "adamw", True),
+                        ("bf16 weights + adamw8bit, stepped in the backward", leanest_in_backward, "bf16", "adamw8bit",
+                         True))},
         "plan": {"preset": a.plan_preset, "seq_len": 1024, "batch_size": 8, "checkpoint_activations": True,
                  "card_gib": a.card_gib, "stages": stages,
                  "device_gb_per_stage": round(planned.device_bytes / 1e9, 1) if planned else None,

@@ -352,6 +352,9 @@ class Leader:
             raise ConfigError(f"this peer is {n} processes (torchrun), which train runs of pipeline.stages = 1 only; "
                               f"this run has {rc.pipeline.stages} stages: start one peer per GPU instead "
                               "(potluck peer --device cuda:N)")
+        if rc.train.step_in_backward:
+            raise ConfigError(f"train.step_in_backward updates each parameter in the backward pass, before this peer's "
+                              f"{n} processes have averaged its gradient: set it false, or start one peer per device")
         if self.shard:
             sharding.refuse(rc)
         if b % (n * k):

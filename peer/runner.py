@@ -46,9 +46,11 @@ def wants_compile(requested: bool | str, device: torch.device) -> bool:
     return device.type == "cuda" if requested == "auto" else bool(requested)
 
 
-def resolve_precision(requested: str, device: torch.device, stages: int = 1, weights: str = "fp32") -> str:
+def resolve_precision(requested: str, device: torch.device, stages: int = 1, weights: str = "fp32",
+                      in_backward: bool = False) -> str:
     """``train.precision`` on this device: 'fp32', 'bf16' or 'fp16' ('auto' decided here, per peer; bf16
-    whatever the device with ``train.weights = "bf16"``, whose weights only autocast's bf16 math can use)."""
+    whatever the device with ``train.weights = "bf16"``, whose weights only autocast's bf16 math can use; never
+    fp16 with ``train.step_in_backward``, whose updates run before a loss scaler could skip them)."""
     if requested != "auto":
         return requested
     if weights == "bf16":
@@ -57,7 +59,7 @@ def resolve_precision(requested: str, device: torch.device, stages: int = 1, wei
         return "fp32"  # CPU bf16 is slower than fp32 on most CPUs without AMX: asked for, never assumed
     if torch.cuda.is_bf16_supported():
         return "bf16"
-    return "fp16" if stages == 1 else "fp32"
+    return "fp16" if stages == 1 and not in_backward else "fp32"
 
 
 @dataclass
@@ -69,8 +71,9 @@ class Precision:
     scaler: torch.amp.GradScaler | None = None
 
     @classmethod
-    def build(cls, requested: str, device: torch.device, stages: int = 1, weights: str = "fp32") -> Precision:
-        mode = resolve_precision(requested, device, stages, weights)
+    def build(cls, requested: str, device: torch.device, stages: int = 1, weights: str = "fp32",
+              in_backward: bool = False) -> Precision:
+        mode = resolve_precision(requested, device, stages, weights, in_backward)
         scaler = torch.amp.GradScaler(device.type) if mode == "fp16" else None
         return cls(mode, device.type, scaler)
 
@@ -108,7 +111,7 @@ class StageRunner:
         """``checkpoint``: whether to checkpoint activations, as the peer decided (``train.checkpoint_activations =
         "auto"``: :func:`potluck.models.sizecheck.checkpointing`); None: as the config says (off for 'auto')."""
         self.layers = layers
-        self.precision = Precision.build(train.precision, device, stages, train.weights)
+        self.precision = Precision.build(train.precision, device, stages, train.weights, train.step_in_backward)
         self.checkpoint = checkpoint if checkpoint is not None else train.checkpoint_activations is True
         self.compile_backend = compile_backend
         self.compile_scope = compile_scope  # 'layer': each layer its own graph; 'stage': the stage's layers as one

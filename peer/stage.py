@@ -266,14 +266,24 @@ class StageWorker:
         """AdamW; on a GPU its fused kernel (one launch a step for every parameter, instead of a few per tensor). With
         ``train.optimizer = "adamw8bit"``, its moments in 8 bits (:mod:`potluck.peer.adamw8bit`)."""
         t = self.rc.train
-        if t.optimizer == "adamw8bit" or self.bf16:  # (bf16 weights: fp32 moments unless 8-bit, stochastic rounding)
-            from potluck.peer.adamw8bit import AdamW8bit
+        seed = t.seed * 1000 + self.stage
 
-            return AdamW8bit(self.params, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
-                             eight_bit=t.optimizer == "adamw8bit", seed=t.seed * 1000 + self.stage)
-        fused = self.device.type == "cuda" and all(p.is_cuda and p.is_floating_point() for p in self.params)
-        return torch.optim.AdamW(self.params, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
-                                 **({"fused": True} if fused else {}))
+        def make(params: list[nn.Parameter], seed: int = seed) -> torch.optim.Optimizer:
+            if t.optimizer == "adamw8bit" or self.bf16:  # (bf16 weights: fp32 moments unless 8-bit, stochastic rounding)
+                from potluck.peer.adamw8bit import AdamW8bit
+
+                return AdamW8bit(params, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
+                                 eight_bit=t.optimizer == "adamw8bit", seed=seed)
+            fused = self.device.type == "cuda" and all(p.is_cuda and p.is_floating_point() for p in params)
+            return torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
+                                     **({"fused": True} if fused else {}))
+
+        if t.step_in_backward:  # one optimizer a parameter, stepped in the backward (each its own rounding noise)
+            from potluck.peer.inbackward import StepInBackward
+
+            index = {id(p): k for k, p in enumerate(self.params)}
+            return StepInBackward(self.params, lambda ps: make(ps, seed * 100_003 + index[id(ps[0])]))  # type: ignore[return-value]
+        return make(self.params)
 
     def _next_batch(self) -> Batch | None:
         if not self.first:
@@ -294,8 +304,8 @@ class StageWorker:
             try:
                 return self._accumulate(x, y, k)
             except torch.OutOfMemoryError:
-                if self.rc.train.grad_accum != "auto" or k >= len(x):
-                    raise
+                if self.rc.train.grad_accum != "auto" or k >= len(x) or self.rc.train.step_in_backward:
+                    raise  # (stepping in the backward: the first micro-batch would update alone)
                 assert self.optimizer is not None
                 self.optimizer.zero_grad(set_to_none=True)
                 if self.device.type == "cuda":

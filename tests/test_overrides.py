@@ -36,6 +36,7 @@ CONTEXT: dict[str, dict[str, Any]] = {  # what else the override needs to be a v
     "pipeline.layers": {"pipeline.stages": 2}, "pipeline.in_flight": {"pipeline.schedule": "1f1b"},
     "data.path": {"data.source": "bytes", "model.vocab_size": 256},
     "coordinator.status_tls_cert": {}, "model.family": {"model.preset": ""}, "sync.pace": {"diloco.overlap": True},
+    "train.step_in_backward": {"train.grad_clip": 0.0},
 }
 NOT_ON_THE_COMMAND_LINE = {"model.hf_model", "data.hf_dataset", "data.hf_config",  # (these need a model or dataset here)
                            "coordinator.status_tls_cert", "coordinator.status_tls_key"}

@@ -45,6 +45,8 @@ DEVICE_BYTES_PER_PARAM = 16  # on the device: weight 4 + gradient 4 + AdamW's tw
 OPTIMIZER_BYTES_PER_PARAM = {"adamw": 8.0, "adamw8bit": 2.0 + 8 / 256}
 # train.weights: a weight and its gradient, a parameter (bf16: the fp32 master copy is theta_global, on the host)
 WEIGHT_BYTES_PER_PARAM = {"fp32": 8.0, "bf16": 4.0}
+# of which the gradient, which train.step_in_backward never holds for the whole stage (one parameter's at a time)
+GRAD_BYTES_PER_PARAM = {"fp32": 4.0, "bf16": 2.0}
 HOST_BYTES_PER_PARAM = 16  # in host memory: outer state (theta_global, momentum) 8 + the previous outer state 8
 BYTES_PER_PARAM = DEVICE_BYTES_PER_PARAM + HOST_BYTES_PER_PARAM
 OVERLAP_BYTES_PER_PARAM = 4  # diloco.overlap: the phase's starting point, in host memory
@@ -175,8 +177,10 @@ def estimate(cfg: RunConfig) -> Estimate:
 
 def device_bytes_per_param(cfg: RunConfig) -> float:
     """Device bytes a parameter takes with the run's ``train.weights`` and ``train.optimizer`` (16 with the
-    defaults; bf16 weights and 8-bit AdamW, about 6)."""
-    return WEIGHT_BYTES_PER_PARAM[cfg.train.weights] + OPTIMIZER_BYTES_PER_PARAM[cfg.train.optimizer]
+    defaults; bf16 weights and 8-bit AdamW, about 6), less the gradient's with ``train.step_in_backward``."""
+    t = cfg.train
+    grad = GRAD_BYTES_PER_PARAM[t.weights] if t.step_in_backward else 0.0
+    return WEIGHT_BYTES_PER_PARAM[t.weights] - grad + OPTIMIZER_BYTES_PER_PARAM[t.optimizer]
 
 
 def _with(cfg: RunConfig, dotted: str, value: Any) -> RunConfig:

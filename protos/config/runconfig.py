@@ -119,6 +119,12 @@ class TrainConfig(Section):
         "their gradients summed (the same step as the whole batch, in less memory); must divide batch_size. 'auto': "
         "each peer picks the fewest that fit its device's memory (a GPU tries the whole batch first and splits on "
         "running out of memory; a CPU runs it whole). A pipeline splits its batch by pipeline.micro_batches instead")
+    step_in_backward: bool = Field(
+        False, description="update each parameter as soon as the backward pass has its gradient, and drop that "
+        "gradient at once: the device never holds the stage's gradients (4 bytes a parameter less, 2 with bf16 "
+        "weights; potluck.peer.inbackward). Needs train.grad_clip = 0 (clipping needs every gradient first), one "
+        "micro-batch a step (train.grad_accum 1 or 'auto', which then stays 1; pipeline.micro_batches = 1), a "
+        "single-device peer, and train.precision other than 'fp16'")
     compile: bool | Literal["auto"] = Field(
         "auto", description="torch.compile each layer (compiled on the first step; if compilation fails the peer "
         "says so once and runs eager). 'auto': on a GPU, not on a CPU (where compiling costs more than it saves)")
@@ -127,6 +133,16 @@ class TrainConfig(Section):
     def _micro_batches_divide_the_batch(self) -> TrainConfig:
         if isinstance(self.grad_accum, int) and self.batch_size % self.grad_accum:
             raise ValueError(f"batch_size {self.batch_size} is not a multiple of grad_accum {self.grad_accum}")
+        if self.step_in_backward:
+            if self.grad_clip > 0:
+                raise ValueError(f"train.step_in_backward updates each parameter before the others' gradients exist, "
+                                 f"so it cannot clip by their norm: set train.grad_clip = 0 (it is {self.grad_clip})")
+            if isinstance(self.grad_accum, int) and self.grad_accum > 1:
+                raise ValueError(f"train.step_in_backward would update after the first of train.grad_accum = "
+                                 f"{self.grad_accum} micro-batches: set it to 1 or 'auto'")
+            if self.precision == "fp16":
+                raise ValueError("train.step_in_backward cannot go with train.precision = 'fp16' (its loss scaler "
+                                 "decides whether to step after the whole backward): use 'bf16', 'fp32' or 'auto'")
         return self
 
 
@@ -524,6 +540,9 @@ class RunConfig(Section):
             self.__dict__["model"] = model
         if p.stages > 1 and self.model.tie_embeddings:
             raise ValueError("model.tie_embeddings needs embedding and head in one stage; set it false for stages > 1")
+        if p.stages > 1 and self.train.step_in_backward and p.micro_batches > 1:
+            raise ValueError(f"train.step_in_backward would update after the first of pipeline.micro_batches = "
+                             f"{p.micro_batches}: set pipeline.micro_batches = 1")
         if p.stages > 1 and isinstance(self.train.grad_accum, int) and self.train.grad_accum > 1:
             raise ValueError(f"train.grad_accum = {self.train.grad_accum} splits the batch of a single-stage run; a "
                              "pipeline splits it into pipeline.micro_batches already: set that instead")
