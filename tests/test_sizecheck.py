@@ -191,7 +191,9 @@ def test_the_readmes_table_of_what_fits_is_the_size_checks() -> None:
     header = next(line for line in section.splitlines() if line.startswith("| model |"))
     cards = [int(c.strip().split()[0]) for c in header.strip("|").split("|")[3:]]
     assert len(rows) >= 4 and cards
-    options = {"": {}, "bf16 weights + 8-bit AdamW": {"train__weights": "bf16", "train__optimizer": "adamw8bit"}}
+    lean = {"train__weights": "bf16", "train__optimizer": "adamw8bit"}
+    options = {"": {}, "bf16 weights + 8-bit AdamW": lean, "bf16 weights + 8-bit AdamW, stepped in the backward": {
+        **lean, "train__step_in_backward": True, "train__grad_clip": 0.0, "pipeline__micro_batches": 1}}
     assert {r[0].strip().partition(", ")[2] for r in rows} == set(options)  # (every kind of row is checked)
     for row in rows:
         preset, _, option = row[0].strip().partition(", ")
