@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check in one call (issue 28): model FLOPs utilization at the peer's defaults (and the other settings
 # it measures), the codec kernels against the device's copy bandwidth, the outer step of a 150M model, a
-# pipeline of it on one GPU against the unsplit model, and a 1-peer and a 2-peer swarm of it (H = 50,
-# 3 outer steps). One JSON line each, on stdout; their logs under $OUT (or ./gpu-suite) when set.
+# pipeline of it on one GPU against the unsplit model, a 1-peer and a 2-peer swarm of it (H = 50,
+# 3 outer steps), the multi-device peer over NCCL, and what each memory option holds on the card. One JSON
+# line each, on stdout; their logs under $OUT (or ./gpu-suite) when set.
 #
 # On a machine without CUDA every line says "measured": false (the GPU benchmarks check for it) and the CPU
 # runs small sizes, so the script itself is exercised by the tests. On an H100/H200 it takes at most
@@ -60,16 +61,21 @@ if [ "$GPU" = 1 ]; then
     run outer_step 90 "$PY" benchmarks/outer_step.py --device cuda --preset llama-150m --vocab 32000 --steps 3
     # the multi-device peer over NCCL, replicated and sharded (says so and stops on a 1-GPU machine)
     run multidevice 120 "$PY" benchmarks/multidevice_throughput.py --device cuda --devices 2 --steps 10
+    # what each memory option holds on the card, by the allocator's count (llama-1b, one stage)
+    run device_memory 120 "$PY" benchmarks/device_memory.py --device cuda --preset llama-1b --steps 3
 else
     # no CUDA: each GPU benchmark says so in its line, and the CPU runs the same code at small sizes
     run gpu_codec 60 "$PY" benchmarks/gpu_codec.py
     run mfu 60 "$PY" benchmarks/mfu.py
     run outer_step 120 "$PY" benchmarks/outer_step.py --device cuda
     run gpu_swarm 60 "$PY" benchmarks/gpu_swarm.py
+    run device_memory 30 "$PY" benchmarks/device_memory.py --device cuda
     if [ "$QUICK" = 0 ]; then
         run mfu_cpu 300 "$PY" benchmarks/mfu.py --device cpu --preset llama-20m --vocab 256 --seq 64 --batch 4 \
             --warmup 1 --steps 2 --variants ""
         run outer_step_cpu 300 "$PY" benchmarks/outer_step.py --device cpu --steps 2
         run gpu_swarm_cpu 600 "$PY" benchmarks/gpu_swarm.py --device cpu --peers 1 --inner-steps 5 --outer-steps 2
+        run device_memory_cpu 300 "$PY" benchmarks/device_memory.py --device cpu --preset llama-20m --vocab 256 \
+            --seq 64 --batch 4 --steps 2
     fi
 fi
