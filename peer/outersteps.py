@@ -174,8 +174,9 @@ class OuterSteps:
                                                    "not adopted; its backup took the shard over"))
         fault("outer.committed", step)
         every = s.rc.data.eval_every
-        if every and step % every == 0 and contribute:
-            value = t.worker.evaluate(step)
+        if every and step % every == 0 and contribute:  # (theta_global: not what a streaming or overlapped member holds)
+            held = t.states.current  # (as held: the vector the worker loaded, when it did)
+            value = t.worker.evaluate_global(step, (held if held.version == step else done.snapshot).tensors["theta"])
             if value is not None:
                 s.telemetry.evaluated(step, value)
         s.heartbeat.poke()

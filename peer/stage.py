@@ -336,6 +336,21 @@ class StageWorker:
             return t.lr * (self.clock + 1) / t.warmup_steps
         return t.lr
 
+    def evaluate_global(self, version: int, theta: torch.Tensor) -> float | None:
+        """Eval loss of ``theta``, a committed theta_global, whatever the parameters hold: with streaming outer steps
+        a member trains on its own values of the fragments not synced, and an overlapped one on the next phase's,
+        so they are not theta_global. Then ``theta`` is loaded for the evaluation and this member's own vector
+        loaded back (exact in fp32; bf16 weights are rounded from it anew, within an ulp of where they were, and
+        the pseudo-gradient stays exact: :meth:`theta` counts from that vector)."""
+        if self._loaded is theta:
+            return self.evaluate(version)
+        own = self.theta()
+        self.load(theta)
+        try:
+            return self.evaluate(version)
+        finally:
+            self.load(own)
+
     @torch.no_grad()
     def evaluate(self, version: int) -> float | None:
         """Eval loss of the held parameters (through the whole pipeline when S > 1; the last stage reports it)."""

@@ -87,6 +87,24 @@ def test_theta_is_the_loaded_vector_plus_exactly_what_the_steps_changed(optimize
     assert float(changed.abs().max()) > 0 and losses[-1] < losses[0]
 
 
+@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+def test_the_eval_of_theta_global_leaves_the_members_own_values_as_they_were(weights: str) -> None:
+    """A streaming or overlapped member trains on values that are not theta_global: ``evaluate_global`` gives the
+    eval loss of theta_global (as a worker holding it gives) and puts the member's own vector back: theta bit for
+    bit; nothing loaded when the worker holds theta_global already."""
+    w = worker({"train.weights": weights})
+    w.inner_phase([(0, 4096)], threading.Event(), lambda i, loss, s: None, 1)
+    own = w.theta()
+    theta_global = own + torch.randn(w.numel) * 1e-2
+    other = worker({"train.weights": weights})
+    other.load(theta_global)
+    assert w.evaluate_global(3, theta_global) == other.evaluate(3) != w.evaluate(3)
+    assert torch.equal(w.theta(), own)
+    loads: list[torch.Tensor] = []
+    other.load = lambda theta, steps_done=None: loads.append(theta)  # type: ignore[method-assign]
+    assert other.evaluate_global(3, theta_global) == w.evaluate_global(3, theta_global) and loads == []
+
+
 def test_the_size_check_counts_bf16_weights_and_gradients() -> None:
     def cfg(**train: str) -> RunConfig:
         return apply_overrides(RunConfig(), {"model.preset": "llama-150m", **{f"train.{k}": v for k, v in train.items()}})

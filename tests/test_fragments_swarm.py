@@ -6,6 +6,7 @@ members."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -36,8 +37,20 @@ def run(swarm, overrides: dict, steps: int, journal: str) -> dict:  # type: igno
     return state
 
 
+def evals_agree(swarm, members: int) -> None:  # type: ignore[no-untyped-def]
+    """Every member logged the same eval loss for each version it evaluated: that of theta_global, which they share,
+    not of the values each trains on (a streaming member's own fragments, an overlapped one's next phase)."""
+    by_version: dict[int, set[str]] = {}
+    for i in range(members):
+        for v, loss in re.findall(r"eval loss of v(\d+): ([0-9.]+)", (swarm.logs / f"peer-{i}.log").read_text()):
+            by_version.setdefault(int(v), set()).add(loss)
+    assert by_version and all(len(losses) == 1 for losses in by_version.values()), by_version
+
+
 def test_four_fragments_stay_identical_and_send_a_quarter_a_step(swarm) -> None:  # type: ignore[no-untyped-def]
     whole = run(swarm, {"diloco.inner_steps": 8}, steps=3, journal="whole")
+    for i in range(3):  # (the streamed run's peers log under the same names)
+        (swarm.logs / f"peer-{i}.log").rename(swarm.logs / f"whole-peer-{i}.log")
     streamed = run(swarm, {"diloco.inner_steps": 2, "sync.fragments": 4}, steps=8, journal="streamed")
     hist = streamed["history"]
     assert [h["step"] for h in hist] == list(range(1, 9))
@@ -47,6 +60,7 @@ def test_four_fragments_stay_identical_and_send_a_quarter_a_step(swarm) -> None:
     print(f"outer bytes per member per step, F = 4 / F = 1: {ratio:.3f}")
     assert 0.15 < ratio < 0.35, ratio
     assert hist[-1]["eval_loss"] is None or hist[-1]["eval_loss"] == hist[-1]["eval_loss"]  # (finite if measured)
+    evals_agree(swarm, 3)
 
 
 def test_a_member_killed_mid_fragment_does_not_stall_the_others(swarm) -> None:  # type: ignore[no-untyped-def]
@@ -128,3 +142,4 @@ def test_overlapped_fragments_stay_identical(swarm) -> None:  # type: ignore[no-
                              240, "the overlapped run to finish")
     assert [h["step"] for h in final["history"]] == list(range(1, 9))
     assert hashes_agree(final) == []
+    evals_agree(swarm, 2)
