@@ -53,7 +53,7 @@ from potluck.compression.audit import Signed
 from potluck.compression.int8 import Codec
 from potluck.compression.stream import EncodedStream
 from potluck.peer.diloco import host_vector
-from potluck.peer.pacing import Pacing, paced
+from potluck.peer.pacing import Pacing, paced, round_bytes
 from potluck.peer.reduceround import Phase, ReduceRound
 from potluck.peer.shardinbox import ShardInbox, result_stream
 from potluck.peer.shards import (
@@ -120,10 +120,13 @@ class AllReduce:
         pinned: bool = False,
         receipts: bool = True,
         quorum: float = 0.5,
+        evidence_share: float = 0.0,
     ) -> None:
         """``pinned``: the mean (which becomes theta_global) in page-locked memory, for a GPU peer's copy.
         ``receipts``: sign a receipt for each contribution this member keeps as an owner, and hold owners to theirs
-        (off only to measure what they cost: ``benchmarks/verified_reduction.py``)."""
+        (off only to measure what they cost: ``benchmarks/verified_reduction.py``). ``evidence_share``: how many
+        times a step auditors are expected to fetch an owner's shard inputs, which a paced round budgets
+        (:func:`~potluck.peer.pacing.round_bytes`)."""
         self.run_id, self.me, self.numel, self.codec = run_id, me, numel, codec
         self.pinned = pinned
         self.sign = sign or (lambda digest: b"")
@@ -143,6 +146,7 @@ class AllReduce:
         self._newest: tuple[int, int] = (0, 0)
         self.tamper = tamper  # POTLUCK_FAULTS' owner.* points (a test may give one member faults of its own)
         self.pacing = Pacing(self.stopping, chunk_bytes)  # sync.pace: the rate this member's sends are held to
+        self.evidence_share = evidence_share  # (audits a step of an owner's shard, expected: what pacing budgets)
 
     # ---------------------------------------------------------------- the coming step
 
@@ -201,9 +205,10 @@ class AllReduce:
         # tries another
         rnd = ReduceRound(info, self._cond, catch_up_until=min(deadline, t_start + grace_s),
                           backup_timeout=max(PING_S, 0.5 * grace_s), deadline=deadline, samples=samples)
-        # what this member sends: its slices of the other shards, and its own shard's result to the others
-        others = max(info.shards - 1, 0) / max(info.shards, 1)
-        self.pacing.begin(2 * self.numel * others * self.codec.bytes_per_element, pace_s)
+        # what this member sends: its slices of the other shards, its own shard's result to the others, and the
+        # evidence auditors will fetch from it
+        self.pacing.begin(round_bytes(self.numel, info.shards, self.codec.bytes_per_element, info.shard is not None,
+                                      self.evidence_share), pace_s)
         try:
             return self._run(rnd, delta, t_start, deadline, grace_s, sent_before)
         finally:

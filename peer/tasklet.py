@@ -246,7 +246,8 @@ class Tasklet:
                               chunk_bytes=rc.sync.chunk_bytes, rpc_timeout=rc.sync.rpc_timeout_s,
                               ping=tools.ping_member, stopping=tools.stopping, sign=tools.sign,
                               clip_factor=rc.sync.clip_factor, reject_below=rc.sync.reject_below, pinned=worker.pinned,
-                              quorum=rc.sync.quorum)
+                              quorum=rc.sync.quorum,
+                              evidence_share=rc.sync.audit_fraction * (1 + rc.sync.second_audit))
         auditor = Auditor(rc.run_id, tools.me, tools.client, tools.codec, rc.sync.chunk_bytes, rc.sync.clip_factor,
                           rc.sync.reject_below, allreduce.inbox.held_result,
                           lambda a, inputs: allreduce.inbox.keep_evidence(a.step, a.epoch, a.shard, a.attempt, inputs),

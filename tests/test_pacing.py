@@ -9,7 +9,7 @@ import threading
 import pytest
 from test_progress import Clock  # (a fake clock at 1000.0 s)
 
-from potluck.peer.pacing import Pacer, Pacing, pace_seconds, paced
+from potluck.peer.pacing import Pacer, Pacing, pace_seconds, paced, round_bytes
 from potluck.protos.config.files import apply_overrides
 from potluck.protos.config.runconfig import RunConfig
 
@@ -86,6 +86,14 @@ def test_pacing_holds_one_clock_across_rounds_and_none_while_unpaced() -> None:
     assert pacing.round is None and pacing.clock is clock  # (kept: what is served for audits goes at its pace)
     pacing.begin(1000.0, 10.0)
     assert pacing.clock is clock and clock.rate == 100.0 and pacing.contribution_chunk() == 4096  # (the floor)
+
+
+def test_a_paced_round_budgets_its_slices_its_results_and_the_evidence_auditors_fetch() -> None:
+    # 4 members, 1,000 int8 values: 3/4 of the vector out as slices, 3/4 as results to the others
+    assert round_bytes(1000, 4, 1.0, owns=False, evidence_share=1.25) == 1500.0
+    # an owner also serves its shard's inputs (the whole vector from all members) 1.25 times a step
+    assert round_bytes(1000, 4, 1.0, owns=True, evidence_share=1.25) == 2750.0
+    assert round_bytes(1000, 1, 0.5, owns=True, evidence_share=0.0) == 0.0  # (alone: nothing to send)
 
 
 def test_a_pacer_needs_a_positive_rate() -> None:
