@@ -583,14 +583,13 @@ class AllReduce:
         candidates = [p for p in ring if p.peer_id in came] + [p for p in ring if p.peer_id not in came]
         backup_ok, backup = True, None
         pacer = self.pacing.round  # (paced like the rest: its transfer's time out stretched by what the pace takes)
-        nbytes = sum(c.ByteSize() for c in chunks)
+        stretch = pacer.eta(sum(c.ByteSize() for c in chunks)) if pacer is not None else 0.0
         for peer in candidates:
             if rnd.is_dead(peer.peer_id) or peer.peer_id == self.me or not self._answers(rnd, peer.peer_id):
                 continue
             try:
-                timeout = rnd.backup_timeout + (pacer.eta(nbytes) if pacer is not None else 0.0)
                 self.client.push_result(peer.address, paced(self._results_of(info, shard, chunks, outcome), pacer),
-                                        min(self.rpc_timeout, timeout), peer=peer.peer_id)
+                                        min(self.rpc_timeout, rnd.backup_timeout + stretch), peer=peer.peer_id)
                 backup = peer
                 break
             except grpc.RpcError as err:

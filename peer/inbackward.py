@@ -17,7 +17,7 @@ torchtune's ``optimizer_in_bwd`` makes the same trade.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -64,6 +64,3 @@ class StepInBackward:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-
-    def __iter__(self) -> Iterator[torch.optim.Optimizer]:
-        return iter(self.optimizers.values())
