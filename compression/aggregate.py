@@ -36,11 +36,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
-from blake3 import blake3
 
 from potluck.compression.int8 import Codec
-from potluck.compression.stream import EncodedStream
-from potluck.protos import potluck_pb2 as pb
+from potluck.compression.stream import EncodedStream, tensor_digest
 
 
 @dataclass
@@ -190,21 +188,6 @@ def _statistics(xs: list[torch.Tensor], numel: int, centers_too: bool) -> tuple[
 def median3(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """Element-wise median of three: one of the three values at each place (the same bits a sort picks)."""
     return torch.maximum(torch.minimum(a, b), torch.minimum(torch.maximum(a, b), c))
-
-
-def tensor_digest(t: pb.Tensor) -> bytes:
-    """One chunk of a result, every field, lengths first (no serialized copy of the payload just to hash
-    it). Chunks are hashed where they are made, on the codec workers, or as they arrive, while the next
-    one is on the wire: a signed result is one short hash over these, not one long pass at the end. BLAKE3 in its
-    key-derivation mode (its context string separates these digests from any other): 5.7 GB/s a thread on this
-    project's machines against BLAKE2b's 0.9 GB/s, and every byte of the all-reduce is hashed where it is made and
-    where it arrives."""
-    h = blake3(derive_key_context="potluck 2026-12-02 all-reduce chunk")
-    h.update(f"|{t.name}|{t.dtype}|{list(t.shape)}|{t.codec}|{t.offset}|{t.numel}|{t.bits}|{len(t.scales)}|"
-             f"{len(t.payload)}|".encode())
-    h.update(t.scales)
-    h.update(t.payload)
-    return h.digest()
 
 
 def result_digest(run_id: str, step: int, epoch: int, shard: int, num_shards: int, attempt: int, base_hash: str,

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future
 
 import torch
+from blake3 import blake3
 
 from potluck.compression.int8 import Codec, CodecError, Encoded
 from potluck.protos import potluck_pb2 as pb
@@ -29,6 +30,24 @@ def chunk_elements(codec: Codec, chunk_bytes: int) -> int:
     A codec's ``bytes_per_element`` may be a fraction (int4: 0.5), the count is a whole number of blocks."""
     fit = int(chunk_bytes // codec.bytes_per_element)
     return max(codec.align, fit // codec.align * codec.align)
+
+
+def tensor_digest(t: pb.Tensor, held: Encoded | None = None) -> bytes:
+    """One chunk of a result, every field, lengths first (no serialized copy of the payload just to hash
+    it). Chunks are hashed where they are made, on the codec workers, or as they arrive, while the next
+    one is on the wire: a signed result is one short hash over these, not one long pass at the end. BLAKE3 in its
+    key-derivation mode (its context string separates these digests from any other): 5.7 GB/s a thread on this
+    project's machines against BLAKE2b's 0.9 GB/s, and every byte of the all-reduce is hashed where it is made and
+    where it arrives. ``held``: ``t``'s codes and scales as bytes already in hand (the codec's output it was made
+    from, or what :meth:`Assembler.add` decoded): each read of a bytes field copies it out of the message, a
+    megabyte a chunk."""
+    h = blake3(derive_key_context="potluck 2026-12-02 all-reduce chunk")
+    scales, payload = (held.scales, held.payload) if held is not None else (t.scales, t.payload)
+    h.update(f"|{t.name}|{t.dtype}|{list(t.shape)}|{t.codec}|{t.offset}|{t.numel}|{t.bits}|{len(scales)}|"
+             f"{len(payload)}|".encode())
+    h.update(scales)
+    h.update(payload)
+    return h.digest()
 
 
 def encode_chunks(name: str, x: torch.Tensor, codec: Codec, chunk_bytes: int) -> Iterator[pb.Tensor]:
@@ -53,6 +72,7 @@ class EncodedStream:
         step = chunk_elements(codec, chunk_bytes)
         self.bounds = [(lo, min(numel, lo + step)) for lo in range(0, numel, step)] or [(0, 0)]
         self._chunks: list[Future[pb.Tensor] | None] = [None] * len(self.bounds)
+        self._digests: list[bytes | None] = [None] * len(self.bounds)
         self._lock = threading.Lock()
 
     @classmethod
@@ -63,8 +83,20 @@ class EncodedStream:
     def _encode(self, k: int) -> pb.Tensor:
         lo, hi = self.bounds[k]
         enc = self.codec.encode(self.piece(lo, hi))
-        return pb.Tensor(name=self.name, dtype="float32", shape=[self.numel], codec=enc.codec, scales=enc.scales,
-                         payload=enc.payload, offset=lo, numel=hi - lo, bits=enc.bits)
+        t = pb.Tensor(name=self.name, dtype="float32", shape=[self.numel], codec=enc.codec, scales=enc.scales,
+                      payload=enc.payload, offset=lo, numel=hi - lo, bits=enc.bits)
+        self._digests[k] = tensor_digest(t, enc)  # (on the worker, from the codec's bytes: no copy out of t)
+        return t
+
+    def digest(self, k: int) -> bytes:
+        """Chunk ``k``'s :func:`tensor_digest` (encoding it if it is not yet)."""
+        self._future(k).result()
+        digest = self._digests[k]
+        assert digest is not None
+        return digest
+
+    def digests(self) -> list[bytes]:
+        return [self.digest(k) for k in range(len(self.bounds))]
 
     def _future(self, k: int) -> Future[pb.Tensor]:
         with self._lock:
@@ -108,7 +140,8 @@ class Assembler:
         self.buffer = out if out is not None else torch.empty(self.stop - self.start, dtype=torch.float32)
         self.filled = self.start
 
-    def add(self, t: pb.Tensor) -> None:
+    def add(self, t: pb.Tensor) -> Encoded:
+        """Check and decode chunk ``t``; returns its codes and scales as read out of it (for :func:`tensor_digest`)."""
         if t.name != self.name:
             raise WireError(f"expected tensor {self.name!r}, got {t.name!r}")
         if t.dtype != "float32":
@@ -126,11 +159,13 @@ class Assembler:
         if t.offset % self.codec.align:
             raise WireError(f"{self.name}: chunk offset {t.offset} is not a multiple of {self.codec.align}")
         lo = t.offset - self.start
+        enc = Encoded(t.codec, t.numel, t.payload, t.scales, t.bits)
         try:  # straight into the buffer: a chunk that fails its checks leaves it as it was
-            self.codec.decode_into(Encoded(t.codec, t.numel, t.payload, t.scales, t.bits), self.buffer[lo : lo + t.numel])
+            self.codec.decode_into(enc, self.buffer[lo : lo + t.numel])
         except CodecError as err:
             raise WireError(f"{self.name}: {err}") from None
         self.filled += t.numel
+        return enc
 
     @property
     def complete(self) -> bool:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 
@@ -47,7 +47,6 @@ from potluck.compression.aggregate import (
     reduce_mean,
     result_digest,
     robust_reduction,
-    tensor_digest,
 )
 from potluck.compression.audit import Signed
 from potluck.compression.int8 import Codec
@@ -323,21 +322,21 @@ class AllReduce:
     def _own_contribution(self, info: RoundInfo, shard: int, attempt: int, values: torch.Tensor, samples: int) -> None:
         """This member's slice of a shard it reduces, as any contributor sends it: encoded and signed, then handed
         to the inbox, which decodes it as it does the others'."""
-        chunks = list(EncodedStream.of(f"shard{shard}", values, self.codec, self.chunk_bytes, self._codec_pool))
-        digests = [tensor_digest(t) for t in chunks]
+        stream = EncodedStream.of(f"shard{shard}", values, self.codec, self.chunk_bytes, self._codec_pool)
+        chunks, digests = list(stream), stream.digests()
         signed = Signed(chunks, self.me, self.sign(self._contribution_digest(info, shard, attempt, digests, samples)),
                         digests, samples)
         self.inbox.add_own_contribution(info, shard, attempt, signed)
 
-    def _chunks(self, info: RoundInfo, shard: int, attempt: int, tensors: Iterable[pb.Tensor],
+    def _chunks(self, info: RoundInfo, shard: int, attempt: int, stream: EncodedStream,
                 samples: int) -> Iterator[pb.ShardChunk]:
         """A contribution's chunks, each naming its work (``samples``); the last carries this member's signature
         over all of them and that work."""
         hdr = pb.Header(run_id=self.run_id, sender=self.me, step=info.step, epoch=info.epoch)
-        tensors = list(tensors)
+        tensors = list(stream)
         digests: list[bytes] = []
         for i, t in enumerate(tensors):
-            digests.append(tensor_digest(t))
+            digests.append(stream.digest(i))
             chunk = pb.ShardChunk(header=hdr, shard=shard, num_shards=info.shards, attempt=attempt,
                                   base_hash=info.base_hash, tensor=t, samples=samples)
             if i == len(tensors) - 1:
@@ -546,18 +545,16 @@ class AllReduce:
                 clipped = sorted(set(red.contributors) - {self.me})
             # summed in float32 and re-quantized a chunk at a time, chunks on the codec workers, each
             # hashed there as soon as it is made
-            result_chunks, hashing = [], []
             # (always in chunk_bytes messages: an auditor recomputes the result and compares it chunk for chunk)
-            for t in EncodedStream(f"shard{shard}", hi - lo, mean, self.codec, self.chunk_bytes, self._codec_pool):
-                result_chunks.append(t)
-                hashing.append(self._codec_pool.submit(tensor_digest, t))
+            made = EncodedStream(f"shard{shard}", hi - lo, mean, self.codec, self.chunk_bytes, self._codec_pool)
+            result_chunks = list(made)  # (each hashed on the codec worker that made it)
             inputs = sorted(got)  # what this result was averaged from, each sender's contribution by its digest
             input_digests = [contribution_digest(self.run_id, info.step, info.epoch, shard, info.shards, attempt,
                                                  info.base_hash, s, signed[s].digests, signed[s].samples) for s in inputs]
             signed_weights = [signed[s].samples for s in inputs]
             digest = result_digest(self.run_id, info.step, info.epoch, shard, info.shards, attempt,
                                    info.base_hash, red.contributors, clipped, red.rejected,
-                                   [f.result() for f in hashing], zip(inputs, input_digests, strict=True), signed_weights)
+                                   made.digests(), zip(inputs, input_digests, strict=True), signed_weights)
             outcome = Outcome(attempt, red.contributors, clipped, red.rejected, self.me, self.sign(digest), inputs,
                               input_digests, signed_weights)
             missing = sorted(set(info.ids) - set(got))

@@ -244,10 +244,10 @@ class ShardInbox:
                 ):
                     raise Rejected(pb.BAD_MESSAGE, "chunk header changed within one stream")
                 assert assembler is not None
-                assembler.add(chunk.tensor)
+                held = assembler.add(chunk.tensor)
                 kept.append(chunk.tensor)
                 if digests is not None:
-                    digests.append(tensor_digest(chunk.tensor))
+                    digests.append(tensor_digest(chunk.tensor, held))
                 last = chunk
             if first is None or assembler is None or last is None:
                 raise Rejected(pb.BAD_MESSAGE, "empty stream")
