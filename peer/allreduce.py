@@ -345,9 +345,10 @@ class AllReduce:
                 self.inbox.keep_sent(info, shard, attempt, Signed(tensors, self.me, chunk.signature, list(digests), samples))
             yield chunk
 
-    def _results_of(self, info: RoundInfo, shard: int, tensors: list[pb.Tensor], outcome: Outcome) -> Iterator[pb.ShardChunk]:
+    def _results_of(self, info: RoundInfo, shard: int, tensors: list[pb.Tensor], outcome: Outcome) -> list[pb.ShardChunk]:
+        """A result's messages, made once and sent as they are to each member (each is a copy of its chunk)."""
         hdr = pb.Header(run_id=self.run_id, sender=self.me, step=info.step, epoch=info.epoch)
-        return result_stream(hdr, shard, info.shards, info.base_hash, tensors, outcome)
+        return list(result_stream(hdr, shard, info.shards, info.base_hash, tensors, outcome))
 
     def _halt(self, rnd: ReduceRound) -> None:
         """Raise if the procedure must stop waiting: the peer stops, or ``rnd``'s epoch was abandoned."""
@@ -581,11 +582,12 @@ class AllReduce:
         backup_ok, backup = True, None
         pacer = self.pacing.round  # (paced like the rest: its transfer's time out stretched by what the pace takes)
         stretch = pacer.eta(sum(c.ByteSize() for c in chunks)) if pacer is not None else 0.0
+        messages = self._results_of(info, shard, chunks, outcome)
         for peer in candidates:
             if rnd.is_dead(peer.peer_id) or peer.peer_id == self.me or not self._answers(rnd, peer.peer_id):
                 continue
             try:
-                self.client.push_result(peer.address, paced(self._results_of(info, shard, chunks, outcome), pacer),
+                self.client.push_result(peer.address, paced(iter(messages), pacer),
                                         min(self.rpc_timeout, rnd.backup_timeout + stretch), peer=peer.peer_id)
                 backup = peer
                 break
@@ -611,7 +613,7 @@ class AllReduce:
         for peer in info.members:
             if peer is backup or rnd.is_dead(peer.peer_id) or peer.peer_id == self.me:
                 continue
-            rnd.pending.append(self._submit(self._push_result, info, peer, shard, chunks, outcome))
+            rnd.pending.append(self._submit(self._push_result, peer, shard, messages))
 
     def _answers(self, rnd: ReduceRound, peer_id: str) -> bool:
         """Does ``peer_id`` answer a ping now? A stopped or vanished member is marked dead instead."""
@@ -624,10 +626,10 @@ class AllReduce:
                 return False
             return True  # it answered, with a refusal: it is there
 
-    def _push_result(self, info: RoundInfo, peer: MemberAddr, shard: int, chunks: list[pb.Tensor], outcome: Outcome) -> None:
+    def _push_result(self, peer: MemberAddr, shard: int, messages: list[pb.ShardChunk]) -> None:
         try:
             # (paced with the round, as the backup's copy was)
-            self.client.push_result(peer.address, paced(self._results_of(info, shard, chunks, outcome), self.pacing.round),
+            self.client.push_result(peer.address, paced(iter(messages), self.pacing.round),
                                     self.rpc_timeout, peer=peer.peer_id)
         except grpc.RpcError as err:
             log.info("result of shard %d to %s failed: %s", shard, short_id(peer.peer_id), rpc_reason(err))
