@@ -8,7 +8,7 @@ import torch
 
 from potluck.compression.aggregate import reduce_mean
 from potluck.compression.int8 import CodecError, Encoded, Int8BlockCodec, RawCodec, make_codec
-from potluck.compression.stream import Assembler, WireError, encode_chunks
+from potluck.compression.stream import Assembler, EncodedStream, WireError, encode_chunks, tensor_digest
 from potluck.peer.allreduce import shard_bounds
 from potluck.protos import potluck_pb2 as pb
 
@@ -127,6 +127,25 @@ def test_stream_round_trip_and_chunking() -> None:
     for c in chunks:
         asm.add(c)
     assert torch.equal(asm.result(), codec.decode(codec.encode(x)))
+
+
+@pytest.mark.parametrize("codec", [Int8BlockCodec(64), make_codec("int4", 64), RawCodec()], ids=["int8", "int4", "raw"])
+def test_a_chunk_hashed_from_bytes_in_hand_is_hashed_as_from_its_message(codec) -> None:  # type: ignore[no-untyped-def]
+    """The digests a sender signs (made from the codec's output, on its worker) and a receiver checks (from what
+    it decoded) are those of the messages themselves, as an auditor recomputes them; a changed byte changes them."""
+    x = torch.randn(10_000)
+    stream = EncodedStream.of("g", x, codec, 2048)
+    chunks = list(stream)
+    assert len(chunks) >= 3 and stream.digests() == [tensor_digest(c) for c in chunks]
+    wire = [pb.Tensor.FromString(c.SerializeToString()) for c in chunks]  # (as a receiver parses them)
+    asm = Assembler("g", 10_000, codec)
+    assert [tensor_digest(t, asm.add(t)) for t in wire] == stream.digests()
+    changed = pb.Tensor()
+    changed.CopyFrom(wire[1])
+    changed.payload = bytes([changed.payload[0] ^ 1]) + changed.payload[1:]
+    assert tensor_digest(changed) != stream.digest(1)
+    assert tensor_digest(wire[1], Encoded(changed.codec, changed.numel, changed.payload, changed.scales, changed.bits)) != \
+        stream.digest(1)
 
 
 @pytest.mark.parametrize(
