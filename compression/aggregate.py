@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from potluck.compression.int8 import Codec
-from potluck.compression.stream import EncodedStream, tensor_digest
+from potluck.compression.stream import EncodedStream
 
 
 @dataclass
@@ -251,4 +251,4 @@ def recompute(contributions: Mapping[str, torch.Tensor], numel: int, codec: Code
     Everything is a deterministic function of the contributions, so any two machines get the same digests."""
     red = robust_reduction(contributions, numel, clip_factor, reject_below, weights)
     chunks = EncodedStream(name, numel, red.mean, codec, chunk_bytes)
-    return Recomputed([tensor_digest(t) for t in chunks], red.contributors, red.clipped, red.rejected)
+    return Recomputed(chunks.digests(), red.contributors, red.clipped, red.rejected)

@@ -31,10 +31,9 @@ from potluck.compression.aggregate import (
     receipt_digest,
     recompute,
     result_digest,
-    tensor_digest,
 )
 from potluck.compression.int8 import Codec
-from potluck.compression.stream import Assembler, WireError
+from potluck.compression.stream import Assembler, WireError, tensor_digest
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.net.identity import verify
 from potluck.protos.runtime.log import short_id
@@ -121,9 +120,10 @@ def check(rnd: Round, claim: ResultClaim, inputs: Mapping[str, Signed], codec: C
         got = inputs.get(sender)
         if got is None:
             raise Unverifiable(f"no contribution of {short_id(sender)} to shard {rnd.shard} to check")
-        if got.signer != sender or not verify(sender, input_digest(rnd, claim.attempt, sender, got), got.signature):
+        shown = input_digest(rnd, claim.attempt, sender, got)  # (every chunk hashed: once)
+        if got.signer != sender or not verify(sender, shown, got.signature):
             raise Unverifiable(f"the contribution shown as {short_id(sender)}'s is not signed by it")
-        if input_digest(rnd, claim.attempt, sender, got) != digest:
+        if shown != digest:
             return f"it signed for another contribution of {short_id(sender)} than the one it shows"
         if weighed[sender] != got.samples:
             return (f"it weighed {short_id(sender)}'s contribution as {weighed[sender]} samples; {short_id(sender)} "

@@ -545,10 +545,10 @@ class AllReduce:
             if self.tamper("owner.flags", step, False) is True:  # an honest mean, with false flags (tests)
                 clipped = sorted(set(red.contributors) - {self.me})
             # summed in float32 and re-quantized a chunk at a time, chunks on the codec workers, each
-            # hashed there as soon as it is made
-            # (always in chunk_bytes messages: an auditor recomputes the result and compares it chunk for chunk)
+            # hashed there as soon as it is made (always in chunk_bytes messages: an auditor recomputes the
+            # result and compares it chunk for chunk)
             made = EncodedStream(f"shard{shard}", hi - lo, mean, self.codec, self.chunk_bytes, self._codec_pool)
-            result_chunks = list(made)  # (each hashed on the codec worker that made it)
+            result_chunks = list(made)
             inputs = sorted(got)  # what this result was averaged from, each sender's contribution by its digest
             input_digests = [contribution_digest(self.run_id, info.step, info.epoch, shard, info.shards, attempt,
                                                  info.base_hash, s, signed[s].digests, signed[s].samples) for s in inputs]

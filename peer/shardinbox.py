@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from potluck.compression.aggregate import contribution_digest, receipt_digest, result_digest, tensor_digest
+from potluck.compression.aggregate import contribution_digest, receipt_digest, result_digest
 from potluck.compression.audit import ResultClaim, Signed
 from potluck.compression.audit import Round as AuditRound
 from potluck.compression.int8 import Codec
-from potluck.compression.stream import Assembler, WireError
+from potluck.compression.stream import Assembler, WireError, tensor_digest
 from potluck.peer.audit import HeldResult
 from potluck.peer.shards import Buffers, Outcome, RoundInfo, ShardResult, shard_bounds
 from potluck.protos import potluck_pb2 as pb

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from potluck.compression.aggregate import contribution_digest, tensor_digest
+from potluck.compression.aggregate import contribution_digest
+from potluck.compression.stream import tensor_digest
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.net.identity import Identity
 

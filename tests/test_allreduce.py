@@ -13,9 +13,9 @@ import pytest
 import torch
 from signing import signed
 
-from potluck.compression.aggregate import result_digest, tensor_digest
+from potluck.compression.aggregate import result_digest
 from potluck.compression.int8 import Int8BlockCodec
-from potluck.compression.stream import encode_chunks
+from potluck.compression.stream import encode_chunks, tensor_digest
 from potluck.peer.allreduce import (
     AllReduce,
     IncompleteRound,

@@ -11,9 +11,10 @@ import pytest
 import torch
 from test_allreduce import BASE, BLOCK, RUN, Member, random_deltas, run_all
 
-from potluck.compression.aggregate import contribution_digest, receipt_digest, result_digest, tensor_digest
+from potluck.compression.aggregate import contribution_digest, receipt_digest, result_digest
 from potluck.compression.audit import ResultClaim, Round, Signed, Unverifiable, omitted
 from potluck.compression.int8 import Int8BlockCodec
+from potluck.compression.stream import tensor_digest
 from potluck.coordinator.trust.verifier import Accusation, Verifier
 from potluck.peer.shards import AllReduceStats
 from potluck.protos import potluck_pb2 as pb
