@@ -29,8 +29,8 @@ import torch
 
 from potluck.compression.acsgd import AcsgdConfig, AcsgdMessage, AcsgdReceiver, AcsgdSender
 from potluck.compression.actcodec import ActCodec
-from potluck.peer.data import Dataset, in_run_order
-from potluck.peer.model import build_layers, lm_loss
+from potluck.peer.training.data import Dataset, in_run_order
+from potluck.peer.training.model import build_layers, lm_loss
 from potluck.protos.config.runconfig import DataConfig, ModelConfig
 
 Batch = tuple[int, list[int], torch.Tensor]  # (epoch, sample ids, activations)

@@ -32,8 +32,8 @@ from torch import nn
 
 from potluck.compression.acsgd import AcsgdConfig, AcsgdMessage, AcsgdReceiver, AcsgdSender, make_grad_codec
 from potluck.compression.actcodec import ActCodec, Packet
-from potluck.peer.data import Dataset, in_run_order
-from potluck.peer.model import build_layers, forward_layers, lm_loss
+from potluck.peer.training.data import Dataset, in_run_order
+from potluck.peer.training.model import build_layers, forward_layers, lm_loss
 from potluck.protos.config.runconfig import DataConfig, ModelConfig
 
 

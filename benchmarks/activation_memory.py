@@ -1,7 +1,7 @@
 """Activation memory of one training step with and without ``train.checkpoint_activations``.
 
 Each configuration runs in a fresh Python process, through the peer's own forward
-(:class:`potluck.peer.runner.StageRunner`, the built-in ``tiny`` family by default, long sequences
+(:class:`potluck.peer.training.runner.StageRunner`, the built-in ``tiny`` family by default, long sequences
 and many layers so that activations dominate the parameters):
 
 1. one warm-up step on a single sample: AdamW's moments, the gradients and torch's kernels and
@@ -34,7 +34,7 @@ CHILD = """
 import json, resource, sys, time
 import torch
 from potluck.models import build_stage, lm_loss
-from potluck.peer.runner import StageRunner
+from potluck.peer.training.runner import StageRunner
 from potluck.protos.config.runconfig import ModelConfig, TrainConfig
 a = json.loads(sys.argv[1])
 torch.manual_seed(0)

@@ -2,7 +2,7 @@
 
 In one process: ``R`` members (``diloco_allreduce.Member``), each a real gRPC server on 127.0.0.1 with
 mutual TLS (certificates of one run CA: each member is its own client to the others, as on separate
-hosts) with its own client and :class:`~potluck.peer.allreduce.AllReduce`, exactly as peers hold them; each round every
+hosts) with its own client and :class:`~potluck.peer.reduce.allreduce.AllReduce`, exactly as peers hold them; each round every
 member starts at one barrier and averages its own random vector of ``--numel`` float32 values (int8
 blocks of ``--block``). The figure of a round is the time from the barrier to the slowest member's
 result; each configuration runs one warm-up round and ``--rounds`` timed ones (median), and every
@@ -43,7 +43,7 @@ from diloco_allreduce import Member  # (benchmarks/ is on the path of a script r
 
 from potluck.compression.int8 import Int8BlockCodec
 from potluck.coordinator.rounds.groups import partition
-from potluck.peer.allreduce import MemberAddr, RoundInfo
+from potluck.peer.reduce.allreduce import MemberAddr, RoundInfo
 from potluck.protos.net.certs import CertificateAuthority
 
 RUN = "bench"  # (diloco_allreduce.Member's run)

@@ -3,9 +3,9 @@
 At R = 64 one process holds 64 gRPC servers and ~4,000 streams a round (with their threads) behind one
 interpreter lock: the full all-reduce did not finish in it. Here each worker process (``spawn``ed) holds
 ``R / N`` members -- each still its own gRPC server with mutual TLS, client and
-:class:`~potluck.peer.allreduce.AllReduce` -- so streams between members of different workers cross
+:class:`~potluck.peer.reduce.allreduce.AllReduce` -- so streams between members of different workers cross
 process boundaries as they cross hosts. The parent decides each round's groups and hands every worker
-its members' :class:`~potluck.peer.shards.RoundInfo`; all workers start at one barrier, and the round's
+its members' :class:`~potluck.peer.reduce.shards.RoundInfo`; all workers start at one barrier, and the round's
 figure is the time from the barrier to the slowest member's result (``perf_counter`` is the system's
 monotonic clock, one for every process). Members of one group must end bit-identical: each worker sends
 back a digest of every member's result.
@@ -30,7 +30,7 @@ def measure_spread(members: int, group_size: int, numel: int, block: int, rounds
     """Median wall time and mean bytes per member of ``rounds`` all-reduces (after a warm-up), members in
     ``procs`` worker processes."""
     from potluck.coordinator.rounds.groups import partition
-    from potluck.peer.shards import MemberAddr, RoundInfo
+    from potluck.peer.reduce.shards import MemberAddr, RoundInfo
 
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(procs + 1)

@@ -42,7 +42,7 @@ def _inputs(seed: int, member: int, rnd: int, numel: int) -> torch.Tensor:
 
 def _member(idx: int, args: argparse.Namespace, ca_path: str, conn, barrier) -> None:  # type: ignore[no-untyped-def]
     from potluck.compression.int8 import make_codec
-    from potluck.peer.allreduce import AllReduce, MemberAddr, RoundInfo
+    from potluck.peer.reduce.allreduce import AllReduce, MemberAddr, RoundInfo
     from potluck.protos import potluck_pb2 as pb
     from potluck.protos.net.certs import CertificateAuthority, TlsIdentity
     from potluck.protos.net.identity import Identity

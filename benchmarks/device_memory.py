@@ -1,7 +1,7 @@
 """What a peer's inner phase holds on its GPU, by the allocator's count, for each memory option (issue 50).
 
 Each option trains ``--steps`` inner steps of the whole model of ``--preset`` (one stage, the peer's own
-:class:`~potluck.peer.stage.StageWorker` and optimizer, random tokens) in a process of its own, and reports:
+:class:`~potluck.peer.training.stage.StageWorker` and optimizer, random tokens) in a process of its own, and reports:
 
 * ``peak_mib``: ``torch.cuda.max_memory_allocated`` over the steps (weights, gradients, optimizer state,
   activations and the allocator's workspaces: what the card must hold);
@@ -10,7 +10,7 @@ Each option trains ``--steps`` inner steps of the whole model of ``--preset`` (o
 * ``vs_yardstick``: those bytes over the issue's yardstick, the weights as bf16 + the optimizer's state (target
   <= 1.1x), and ``peak_vs_yardstick``, the allocator's peak over the same (activations included).
 
-The outer state is never on the device (host memory, pinned: ``peer/allreduce.py``), so it is not here. Without
+The outer state is never on the device (host memory, pinned: ``peer/reduce/allreduce.py``), so it is not here. Without
 CUDA, ``--device cuda`` prints ``"measured": false``; ``--device cpu`` counts the tensors only (no allocator peak).
 
     python benchmarks/device_memory.py [--device cuda] [--preset llama-1b] [--seq 1024] [--batch 8] [--steps 3]
@@ -40,8 +40,8 @@ TARGET = 1.1
 
 def child(args: argparse.Namespace, settings: dict) -> dict:
     from potluck.models import stage_bounds
-    from potluck.peer.inbackward import StepInBackward
-    from potluck.peer.stage import StageWorker
+    from potluck.peer.training.inbackward import StepInBackward
+    from potluck.peer.training.stage import StageWorker
     from potluck.protos.config.files import apply_overrides
     from potluck.protos.config.runconfig import RunConfig
 

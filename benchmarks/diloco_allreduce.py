@@ -36,7 +36,7 @@ from benchargs import bench_parser
 
 from potluck.compression.int8 import Codec, make_codec
 from potluck.local import LocalSwarm
-from potluck.peer.allreduce import AllReduce, MemberAddr, RoundInfo
+from potluck.peer.reduce.allreduce import AllReduce, MemberAddr, RoundInfo
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config.files import apply_overrides
 from potluck.protos.config.runconfig import RunConfig
@@ -81,7 +81,7 @@ def run_swarm(args: argparse.Namespace, workdir: Path, insecure: bool = False) -
 
 class Member:
     """A member of an in-process all-reduce, as a peer holds one: its own gRPC server (with mutual TLS when
-    ``ca`` certifies it), client and :class:`~potluck.peer.allreduce.AllReduce`; ``step`` is the step it
+    ``ca`` certifies it), client and :class:`~potluck.peer.reduce.allreduce.AllReduce`; ``step`` is the step it
     averages (asked about another member, it says it is syncing that one)."""
 
     def __init__(self, numel: int, codec: str | Codec = "raw", ca: CertificateAuthority | None = None,
@@ -162,7 +162,7 @@ def security_cost(numel: int, rounds: int) -> tuple[float, float]:
     """Median seconds of an int8 all-reduce of ``numel`` floats between two members, with everything a
     run does for security, and with none of it (the verification is switched off for that member set
     only: signatures are neither made nor checked, the mean is plain). Rounds alternate, one warm-up each."""
-    import potluck.peer.allreduce as allreduce_module
+    import potluck.peer.reduce.allreduce as allreduce_module
 
     ca = CertificateAuthority.load_or_create(Path(tempfile.mkdtemp(prefix="potluck-ca-")) / "ca.key", "bench")
     secure = [Member(numel, "int8", ca) for _ in range(2)]

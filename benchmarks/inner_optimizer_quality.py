@@ -5,7 +5,7 @@ stepped in the backward (``train.step_in_backward``, which needs ``train.grad_cl
 
 Two settings, each run once per optimizer with everything else equal (model init, data, order, lr schedule):
 
-* ``sync``: one process trains through the peers' own inner loop (:class:`~potluck.peer.stage.StageWorker`) for
+* ``sync``: one process trains through the peers' own inner loop (:class:`~potluck.peer.training.stage.StageWorker`) for
   ``--outer-steps x --inner-steps`` steps on a batch of ``--peers x --batch``, as ``overlap_quality.py``'s
   synchronous baseline does;
 * ``swarm`` (``--swarm``): a real DiLoCo swarm of ``--peers`` peer processes (``overlap_quality.py``'s swarm,
@@ -32,8 +32,8 @@ from benchargs import bench_parser, swarm_arguments
 from overlap_quality import run_config, run_swarm
 
 from potluck.models import stage_bounds
-from potluck.peer.data import Dataset
-from potluck.peer.stage import StageWorker
+from potluck.peer.training.data import Dataset
+from potluck.peer.training.stage import StageWorker
 
 OPTIONS = {"adamw": {}, "adamw8bit": {"train.optimizer": "adamw8bit"}, "bf16": {"train.weights": "bf16"},
            "bf16+adamw8bit": {"train.weights": "bf16", "train.optimizer": "adamw8bit"},

@@ -1,6 +1,6 @@
 """Model FLOPs utilization of a peer's own inner step on a GPU, at the peer's defaults (issue 28: >= 45 %).
 
-The step is the peer's (:meth:`potluck.peer.stage.StageWorker.train_step`: ``train.precision``,
+The step is the peer's (:meth:`potluck.peer.training.stage.StageWorker.train_step`: ``train.precision``,
 ``compile`` and ``grad_accum`` as the run file leaves them, i.e. 'auto': bf16 autocast, each layer
 compiled, the fewest micro-batches that fit; fp32 master weights, fused AdamW, gradient clipping)
 on the whole model as one stage: Llama-style ``--preset`` (default ``llama-150m``: d_model 768, 24
@@ -46,7 +46,7 @@ def peak_tflops(name: str) -> float | None:
 
 def run(args: argparse.Namespace, settings: dict[str, Any]) -> dict:
     from potluck.models import stage_bounds
-    from potluck.peer.stage import StageWorker
+    from potluck.peer.training.stage import StageWorker
     from potluck.protos.config.files import apply_overrides
     from potluck.protos.config.runconfig import RunConfig
 

@@ -1,10 +1,10 @@
 """A peer of N devices against a peer of one (issue 17: a 2-GPU peer >= 1.8x one GPU's tokens/s).
 
-The peer's own inner phase (:class:`~potluck.peer.stage.StageWorker`, AdamW, clipping, the run's
+The peer's own inner phase (:class:`~potluck.peer.training.stage.StageWorker`, AdamW, clipping, the run's
 sampler and data) for ``--steps`` inner steps of ``--batch`` samples, timed after one warm-up phase:
 
 * ``group``: ``--devices`` processes as torchrun starts them (``RANK``, ``WORLD_SIZE``, ...), rank 0
-  a :class:`~potluck.peer.multidevice.Leader` and the others helpers: each trains on its rows of every
+  a :class:`~potluck.peer.devices.multidevice.Leader` and the others helpers: each trains on its rows of every
   batch and they average gradients (gloo on CPU, NCCL on GPUs), exactly as in a run;
 * ``shard``: the same group with ``--devices shard`` (FSDP2): each process holds 1/N of the stage's
   weights, gradients and AdamW state; its tokens/s and the bytes each process holds, beside the
@@ -19,7 +19,7 @@ group process and the ``one`` baseline get one torch thread; compare the figures
     python benchmarks/multidevice_throughput.py [--devices 2] [--device cpu|cuda] [--steps 20]
 
 Bytes held: weights, gradients and optimizer state of rank 0's stage worker after the phase
-(:func:`potluck.peer.sharding.held_bytes`), and on CUDA rank 0's peak allocated bytes.
+(:func:`potluck.peer.devices.sharding.held_bytes`), and on CUDA rank 0's peak allocated bytes.
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ def rank_main(args: argparse.Namespace) -> int:
     import torch
 
     from potluck.models import stage_bounds
-    from potluck.peer import multidevice, sharding
-    from potluck.peer.data import Dataset
-    from potluck.peer.stage import StageWorker
+    from potluck.peer.devices import multidevice, sharding
+    from potluck.peer.training.data import Dataset
+    from potluck.peer.training.stage import StageWorker
 
     torch.set_num_threads(args.threads)
     rc = run_config(args)

@@ -9,7 +9,7 @@ on (every shard result audited). The figures of each:
 * ``final_eval_loss``: the coordinator's eval loss of ``theta_global`` after the last outer step
   (``data.eval_every = outer_steps``), and its ratio to the baseline's;
 * ``rel_error``: ``||decode(encode(d)) - d|| / ||d||`` of a real pseudo-gradient ``d`` (one peer's first
-  outer step, H inner steps of potluck's own :class:`~potluck.peer.stage.StageWorker` on this model and
+  outer step, H inner steps of potluck's own :class:`~potluck.peer.training.stage.StageWorker` on this model and
   data, in this process): one quantization's error, which a tiny model's final loss barely shows;
 * ``bytes_per_element``: what the codec makes of a float32 vector of 2^20 elements (payload and scales),
   and ``outer_bytes_per_peer_step``: what the peers' all-reduces measured on the wire (``history[i]["bytes"]
@@ -39,8 +39,8 @@ from benchargs import bench_parser, swarm_arguments
 from potluck.compression.int8 import make_codec
 from potluck.local import LocalSwarm, SwarmError
 from potluck.models import stage_bounds
-from potluck.peer.data import Dataset
-from potluck.peer.stage import StageWorker
+from potluck.peer.training.data import Dataset
+from potluck.peer.training.stage import StageWorker
 from potluck.protos.config.files import apply_overrides
 from potluck.protos.config.runconfig import RunConfig
 

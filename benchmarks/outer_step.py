@@ -40,20 +40,20 @@ import torch
 from torch import nn
 
 import potluck.compression.statehash as statehash
-import potluck.peer.outer as outer_mod
-import potluck.peer.outersteps as outersteps_mod
-import potluck.peer.stage as stage_mod
+import potluck.peer.outer.outer as outer_mod
+import potluck.peer.outer.outersteps as outersteps_mod
+import potluck.peer.training.stage as stage_mod
 from potluck.compression.int8 import make_codec
 from potluck.compression.transfer import Snapshot, tensors_hash
 from potluck.models import stage_bounds
-from potluck.peer.allreduce import AllReduce, MemberAddr, RoundInfo
-from potluck.peer.data import Dataset
-from potluck.peer.diloco import CHUNK, all_finite, outer_snapshot
-from potluck.peer.outersteps import OuterSteps
-from potluck.peer.stage import StageWorker
-from potluck.peer.states import States
+from potluck.peer.outer.diloco import CHUNK, all_finite, outer_snapshot
+from potluck.peer.outer.outersteps import OuterSteps
+from potluck.peer.outer.states import States
+from potluck.peer.reduce.allreduce import AllReduce, MemberAddr, RoundInfo
+from potluck.peer.swarm.telemetry import Telemetry
 from potluck.peer.tasklet import Tasklet
-from potluck.peer.telemetry import Telemetry
+from potluck.peer.training.data import Dataset
+from potluck.peer.training.stage import StageWorker
 from potluck.protos.config.files import apply_overrides
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.net.transport import PeerClient, Traffic

@@ -9,10 +9,10 @@ eval loss of the final model on the run's held-out set:
 * ``blocking``: the same swarm with ``diloco.overlap = false``;
 * ``sync``: no swarm: one AdamW in this process with the whole batch of the swarm
   (``peers x train.batch_size`` samples a step) for ``outer_steps x H`` steps: fully synchronous
-  data parallel training. It runs potluck's own :class:`~potluck.peer.stage.StageWorker` (the
+  data parallel training. It runs potluck's own :class:`~potluck.peer.training.stage.StageWorker` (the
   peers' inner loop: the same model init, AdamW settings, linear lr warm-up over
   ``train.warmup_steps`` steps and grad clipping) on the first ``steps x batch`` positions of the
-  run's sample order (:func:`~potluck.peer.data.in_run_order`), which are the samples the swarm's
+  run's sample order (:func:`~potluck.peer.training.data.in_run_order`), which are the samples the swarm's
   replicas share out among themselves, and evaluates with the same method on the same held-out ids.
 
 The swarms evaluate ``theta_global`` only after their last outer step (``data.eval_every =
@@ -53,8 +53,8 @@ from benchargs import bench_parser, swarm_arguments
 
 from potluck.local import LocalSwarm, SwarmError
 from potluck.models import stage_bounds
-from potluck.peer.data import Dataset
-from potluck.peer.stage import StageWorker
+from potluck.peer.training.data import Dataset
+from potluck.peer.training.stage import StageWorker
 from potluck.protos.config.files import apply_overrides
 from potluck.protos.config.runconfig import RunConfig
 

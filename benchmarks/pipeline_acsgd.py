@@ -1,6 +1,6 @@
 """AC-SGD in the real pipeline: 2 stages x 1 replica over loopback gRPC, multi-epoch fine-tuning.
 
-Two :class:`~potluck.peer.pipeline.Pipeline` stages, each with its own gRPC server, layers and AdamW,
+Two :class:`~potluck.peer.pipeline.pipeline.Pipeline` stages, each with its own gRPC server, layers and AdamW,
 train TinyGPT on a fixed set of samples of the built-in Markov data, revisited every epoch (the
 AC-SGD setting). Every variant starts from the same weights and sees the same samples in the same
 order; only ``pipeline.compression`` / ``bits`` / ``grad_bits`` differ:
@@ -30,9 +30,9 @@ import torch
 from benchargs import bench_parser
 
 from potluck.models import stage_bounds
-from potluck.peer.data import Dataset, in_run_order
-from potluck.peer.model import build_layers, lm_loss
-from potluck.peer.pipeline import Neighbour, Pipeline
+from potluck.peer.pipeline.pipeline import Neighbour, Pipeline
+from potluck.peer.training.data import Dataset, in_run_order
+from potluck.peer.training.model import build_layers, lm_loss
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config.files import apply_overrides
 from potluck.protos.config.runconfig import RunConfig

@@ -4,7 +4,7 @@ Every peer asks for a new plan every ``poll_s`` (0.2 s) while it runs. The plan 
 newest rounds (``PLAN_ROUNDS``): at 1,000 members it is hundreds of KB, and each read is verified and parsed.
 The coordinator's node publishes a plan of ``--rounds`` rounds of ``--members`` members (and its head); a
 peer's node polls it ``--polls`` times, as the peer did before (the whole plan every poll) and as it does now
-(:meth:`potluck.peer.heartbeat.Heartbeat._refresh`: the head every poll, the plan when the head is newer), with
+(:meth:`potluck.peer.swarm.heartbeat.Heartbeat._refresh`: the head every poll, the plan when the head is newer), with
 a new plan every ``--new-every`` polls. Printed: bytes read per poll and the peer's CPU seconds per poll, each
 way, the ratios, and what that makes per peer per minute and for the whole swarm at ``poll_s``.
 
@@ -21,7 +21,7 @@ from benchargs import bench_parser
 from hivemind.utils import MSGPackSerializer
 
 from potluck.coordinator.swarm.publisher import Publisher
-from potluck.peer.heartbeat import Heartbeat
+from potluck.peer.swarm.heartbeat import Heartbeat
 from potluck.protos.net.dhtguard import run_key
 from potluck.protos.net.identity import Identity
 from potluck.protos.net.swarm import SwarmNode

@@ -4,7 +4,7 @@ Each figure is the peak RSS (``ru_maxrss``) of a fresh Python process that does 
 
 * ``stage``: a peer of stage ``--stage`` of ``--stages``, built alone on the meta device, through
   ``--inner-steps`` AdamW steps on its own part (random activations in, random gradients back, as
-  a middle stage gets them), then an outer step as ``peer/outer.py`` takes it (pseudo-gradient,
+  a middle stage gets them), then an outer step as ``peer/outer/outer.py`` takes it (pseudo-gradient,
   Nesterov step, the new snapshot hashed and published while the previous one stays served);
 * ``whole``: the same peer as it was before #13, building the whole model and keeping its slice;
 * ``coordinator``: the coordinator's checkpoint store taking the ``--stages`` stage snapshots (theta
@@ -50,7 +50,7 @@ def peak_mib():
 
 STAGE = """
 from potluck.compression.transfer import SnapshotServer
-from potluck.peer.diloco import flatten_params, nesterov_step, outer_snapshot
+from potluck.peer.outer.diloco import flatten_params, nesterov_step, outer_snapshot
 if args["whole"]:  # before #13: every peer built the whole model, then kept its slice
     layers = build_stage(cfg, 0)[start:stop]
 else:
@@ -68,11 +68,11 @@ if bf16:  # train.weights = "bf16": the weights (and so their gradients) in bf16
         p.data = p.data.to(torch.bfloat16)
 def make(ps):
     if args.get("optimizer") == "adamw8bit" or bf16:
-        from potluck.peer.adamw8bit import AdamW8bit
+        from potluck.peer.training.adamw8bit import AdamW8bit
         return AdamW8bit(ps, lr=1e-4, eight_bit=args.get("optimizer") == "adamw8bit")
     return torch.optim.AdamW(ps, lr=1e-4)
 if args.get("in_backward"):  # train.step_in_backward: each parameter stepped as its gradient is complete
-    from potluck.peer.inbackward import StepInBackward
+    from potluck.peer.training.inbackward import StepInBackward
     opt = StepInBackward(params, make)
 else:
     opt = make(params)
@@ -96,7 +96,7 @@ inner_bytes = nbytes(params) + grad_bytes + optimizer_bytes
 lean_bytes = 2 * n + optimizer_bytes
 opt.zero_grad(set_to_none=True)  # as StageWorker.inner_phase ends
 theta_local = flatten_params(params)
-delta = torch.sub(held.tensors["theta"], theta_local, out=theta_local)  # as peer/outer.py does
+delta = torch.sub(held.tensors["theta"], theta_local, out=theta_local)  # as peer/outer/outer.py does
 new_theta, new_m = nesterov_step(held.tensors["theta"], held.tensors["momentum"], delta, 0.7, 0.9, consume=True)
 server.publish(outer_snapshot(new_theta, new_m, 1))
 # what it keeps in host memory (pinned on a GPU peer): the outer state, the new version and the one before it

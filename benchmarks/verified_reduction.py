@@ -40,8 +40,8 @@ import torch
 from potluck.compression.int8 import Int8BlockCodec
 from potluck.coordinator.trust.integrity import Integrity
 from potluck.coordinator.trust.trust import Trust
-from potluck.peer.allreduce import AllReduce, MemberAddr, RoundInfo
-from potluck.peer.audit import Auditor
+from potluck.peer.reduce.allreduce import AllReduce, MemberAddr, RoundInfo
+from potluck.peer.reduce.audit import Auditor
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config.files import apply_overrides
 from potluck.protos.config.runconfig import RunConfig

@@ -54,7 +54,7 @@ class ActivationBuffer:
     so nothing is left behind) as soon as its capacity would exceed ``memmap_threshold_bytes``.
     Capacity doubles as samples arrive; forgotten slots are reused. Not thread-safe: its owner (one
     :class:`~potluck.compression.acsgd.AcsgdSender` or ``AcsgdReceiver``) is driven by one stage worker,
-    which holds a lock per side where several threads reach it (see :mod:`potluck.peer.pipeline`).
+    which holds a lock per side where several threads reach it (see :mod:`potluck.peer.pipeline.pipeline`).
     """
 
     def __init__(

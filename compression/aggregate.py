@@ -12,7 +12,7 @@ step), so by default the owner:
    scaled-up update counts like a large honest one, never more.
 3. Averages what is left in float32, in sender-id order, each weighed by the work in it (see below).
 
-**Weights.** Members of a round train as many inner steps as fit its window (:mod:`potluck.peer.window`),
+**Weights.** Members of a round train as many inner steps as fit its window (:mod:`potluck.peer.training.window`),
 so a contribution carries the samples it was trained on, signed with it, and counts in proportion:
 ``mean = sum_s w_s x_s / sum_s w_s`` over the kept senders. Clipping compares norms per unit of work,
 ``|x_s| / w_s ** 0.75``: a pseudo-gradient of more steps is longer, about linearly for a few AdamW steps

@@ -6,7 +6,7 @@ as int8 codes plus one float32 scale (:mod:`potluck.kernels.quant`), so the erro
 at most ``max|block| / 254`` and the wire cost is ``1 + 4/block_size`` bytes per element (0.25x of
 fp32 plus 0.05% at the default block of 2048). Values are never summed while quantized: an owner
 decodes every contribution to float32, sums in float32, and quantizes the mean once
-(:mod:`potluck.peer.allreduce`).
+(:mod:`potluck.peer.reduce.allreduce`).
 
 Decoding checks everything a receiver relies on: the codec, sizes of payload and scales, finite
 non-negative scales and finite raw values, and that no decoded value exceeds ``MAX_ABS`` in

@@ -10,7 +10,7 @@
         theta_global <- Nesterov(theta_global, mean); theta_local <- theta_global
 
 With ``diloco.overlap`` the outer step of ``k`` runs while the inner steps of ``k + 1`` train
-(:mod:`potluck.peer.outersteps`).
+(:mod:`potluck.peer.outer.outersteps`).
 
 Membership comes from the coordinator's plan (one explicit round per outer step, read through the
 DHT); the data path (all-reduce, pipeline, state transfer) is peer-to-peer gRPC, so peers keep
@@ -23,7 +23,7 @@ import importlib
 import threading
 import time
 
-from potluck.peer.data import DataError
+from potluck.peer.devices.multidevice import Leader
 from potluck.peer.follower import (
     PLACE,
     CannotGoOn,
@@ -36,15 +36,15 @@ from potluck.peer.follower import (
     Wait,
     boundary_in,
 )
-from potluck.peer.joining import Joined, Stopped, join
-from potluck.peer.keyfile import load_identity
-from potluck.peer.multidevice import Leader
-from potluck.peer.outersteps import OuterSteps
-from potluck.peer.phases import InnerPhases
-from potluck.peer.piperound import PipelineBroken
-from potluck.peer.states import epoch_of
+from potluck.peer.outer.outersteps import OuterSteps
+from potluck.peer.outer.states import epoch_of
+from potluck.peer.pipeline.piperound import PipelineBroken
+from potluck.peer.swarm.joining import Joined, Stopped, join
+from potluck.peer.swarm.keyfile import load_identity
+from potluck.peer.swarm.telemetry import Telemetry
 from potluck.peer.tasklet import CannotTakePart, Tasklet, Toolbox
-from potluck.peer.telemetry import Telemetry
+from potluck.peer.training.data import DataError
+from potluck.peer.training.phases import InnerPhases
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config.runconfig import PeerConfig
 from potluck.protos.config.section import ConfigError

@@ -38,7 +38,7 @@ log = get_logger(__name__)
 
 @dataclass(frozen=True)
 class Held:
-    """The committed state a peer holds (see :class:`potluck.peer.states.States`)."""
+    """The committed state a peer holds (see :class:`potluck.peer.outer.states.States`)."""
 
     version: int
     digest: str | Future[str]  # its state hash, or the hashing still under way (read state_hash)

@@ -1,9 +1,9 @@
 """The gRPC facade of a peer: what every message must satisfy, then the room that owns it.
 
 Each RPC is handed to the part of the peer that owns its state: Ping to telemetry, the all-reduce's
-four RPCs to the running :class:`~potluck.peer.allreduce.AllReduce`'s inbox, state transfers to the
-committed :class:`~potluck.peer.states.States`, pipeline messages to the stage's
-:class:`~potluck.peer.pipeline.Pipeline`. Those rooms are replaced when the peer changes stage, so
+four RPCs to the running :class:`~potluck.peer.reduce.allreduce.AllReduce`'s inbox, state transfers to the
+committed :class:`~potluck.peer.outer.states.States`, pipeline messages to the stage's
+:class:`~potluck.peer.pipeline.pipeline.Pipeline`. Those rooms are replaced when the peer changes stage, so
 the facade asks for the current one on every call.
 """
 
@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from potluck.compression.transfer import SnapshotServer
-from potluck.peer.allreduce import AllReduce
-from potluck.peer.pacing import paced
-from potluck.peer.pipeline import Pipeline
+from potluck.peer.pipeline.pipeline import Pipeline
+from potluck.peer.reduce.allreduce import AllReduce
+from potluck.peer.reduce.pacing import paced
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.wire.refusals import Rejected
 

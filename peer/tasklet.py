@@ -19,23 +19,23 @@ import torch
 from potluck.compression.int8 import Codec, make_codec
 from potluck.compression.transfer import Snapshot, Target
 from potluck.models import sizecheck, stage_bounds
-from potluck.peer import admission
-from potluck.peer.allreduce import AllReduce, MemberAddr, RoundInfo
-from potluck.peer.audit import Auditor
-from potluck.peer.data import Dataset
-from potluck.peer.diloco import outer_snapshot
+from potluck.peer.devices.multidevice import Leader
 from potluck.peer.follower import Recover
-from potluck.peer.fragments import fragment_size
-from potluck.peer.heartbeat import Heartbeat
-from potluck.peer.joining import Joined, device_memory, pick_device
-from potluck.peer.links import LinkConfig, LinkProber
-from potluck.peer.multidevice import Leader
-from potluck.peer.pipeline import Neighbour, Pipeline
-from potluck.peer.recovery import recover
+from potluck.peer.outer.diloco import outer_snapshot
+from potluck.peer.outer.fragments import fragment_size
+from potluck.peer.outer.recovery import recover
+from potluck.peer.outer.spill import Spill
+from potluck.peer.outer.states import States, epoch_of
+from potluck.peer.pipeline.pipeline import Neighbour, Pipeline
+from potluck.peer.reduce.allreduce import AllReduce, MemberAddr, RoundInfo
+from potluck.peer.reduce.audit import Auditor
 from potluck.peer.service import PeerService
-from potluck.peer.spill import Spill
-from potluck.peer.stage import StageWorker
-from potluck.peer.states import States, epoch_of
+from potluck.peer.swarm import admission
+from potluck.peer.swarm.heartbeat import Heartbeat
+from potluck.peer.swarm.joining import Joined, device_memory, pick_device
+from potluck.peer.swarm.links import LinkConfig, LinkProber
+from potluck.peer.training.data import Dataset
+from potluck.peer.training.stage import StageWorker
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config.runconfig import PeerConfig, RunConfig
 from potluck.protos.config.section import ConfigError

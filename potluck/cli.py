@@ -178,7 +178,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
     if cfg.outer_state_dir is not None:
         from pathlib import Path
 
-        from potluck.peer.spill import check_folder
+        from potluck.peer.outer.spill import check_folder
 
         try:
             check_folder(Path(cfg.outer_state_dir).expanduser())
@@ -189,7 +189,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
                          "--nproc-per-node N -m potluck peer ... (N >= 2)")
     identity = None
     if (os.environ.get("WORLD_SIZE") or "1") == "1" or os.environ.get("RANK") == "0":  # (under torchrun, rank 0 is the peer)
-        from potluck.peer.keyfile import load_identity
+        from potluck.peer.swarm.keyfile import load_identity
 
         try:
             identity = load_identity(cfg.identity)
@@ -198,7 +198,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
         wrong = _wrong_join_address(cfg.join, cfg.host, cfg.dht_port)
         if wrong:
             raise UsageError(wrong)
-    from potluck.peer import multidevice
+    from potluck.peer.devices import multidevice
 
     try:  # under torchrun, one process per device: they form their group here (rank 0 is the peer)
         group = multidevice.start(cfg.device)

@@ -94,7 +94,7 @@ def run_demo(args: argparse.Namespace) -> int:
             workdir.rmdir()  # still empty: nothing to keep
         raise SystemExit(f"potluck demo: {err}") from None
 
-    from potluck.peer.data import Dataset  # the floor is a property of the data, computed here once
+    from potluck.peer.training.data import Dataset  # the floor is a property of the data, computed here once
 
     floor = Dataset(cfg.data, cfg.model).loss_floor
     progress = Progress(cfg.diloco.outer_steps)

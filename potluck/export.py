@@ -7,12 +7,12 @@
 or, with torch alone::
 
     >>> import torch
-    >>> from potluck.peer.model import Model
+    >>> from potluck.peer.training.model import Model
     >>> from potluck.protos.config.runconfig import ModelConfig
     >>> sd = torch.load("model.pt")
     >>> model = Model(ModelConfig(**sd["config"])); model.load_state_dict(sd["model"])
 
-Parameters are named as in :class:`~potluck.peer.model.Model` (``layers.<i>.<...>``), whatever
+Parameters are named as in :class:`~potluck.peer.training.model.Model` (``layers.<i>.<...>``), whatever
 number of pipeline stages wrote the checkpoint. ``.safetensors`` output holds the same tensors
 (the config goes into its metadata). An ``--out`` without either suffix is a Hugging Face folder
 (``llama`` and ``hf`` runs) that ``transformers`` loads as it is. After writing, the command prints
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from potluck.peer.model import Model
+    from potluck.peer.training.model import Model
 
 DESCRIPTION = """\
 Write the run's newest verified checkpoint in one of three forms, chosen by
@@ -56,14 +56,14 @@ def load_lines(path: str, tokens: str = "bytes") -> list[str]:
         lines = ["from potluck.export import load_model", f"model = load_model({quoted})",
                  "# or with safetensors and torch alone (the model config is in the file's metadata):",
                  "import json", "from safetensors import safe_open", "from safetensors.torch import load_file",
-                 "from potluck.peer.model import Model", "from potluck.protos.config.runconfig import ModelConfig",
+                 "from potluck.peer.training.model import Model", "from potluck.protos.config.runconfig import ModelConfig",
                  f'with safe_open({quoted}, framework="pt") as f:',
                  '    config = json.loads(f.metadata()["config"])',
                  "model = Model(ModelConfig(**config))", f"model.load_state_dict(load_file({quoted}))"]
         vocab = "model.cfg.vocab_size"
     elif path.endswith(".pt"):
         lines = ["from potluck.export import load_model", f"model = load_model({quoted})",
-                 "# or with torch alone:", "import torch", "from potluck.peer.model import Model",
+                 "# or with torch alone:", "import torch", "from potluck.peer.training.model import Model",
                  "from potluck.protos.config.runconfig import ModelConfig", f"sd = torch.load({quoted})",
                  'model = Model(ModelConfig(**sd["config"]))', 'model.load_state_dict(sd["model"])']
         vocab = "model.cfg.vocab_size"
@@ -225,7 +225,7 @@ def token_kind(data: dict[str, Any], folder: Path | None) -> str:
 
 
 def load_model(path: str | Path) -> Model:
-    """The :class:`~potluck.peer.model.Model` that ``potluck export`` wrote to ``path`` (.pt or .safetensors).
+    """The :class:`~potluck.peer.training.model.Model` that ``potluck export`` wrote to ``path`` (.pt or .safetensors).
 
     On the CPU and in eval mode; move it with ``model.to("cuda")``, train it after ``model.train()``.
 
@@ -235,7 +235,7 @@ def load_model(path: str | Path) -> Model:
     """
     import torch  # here, not at module level: ``potluck --help`` must not wait for torch
 
-    from potluck.peer.model import Model
+    from potluck.peer.training.model import Model
     from potluck.protos.config.runconfig import ModelConfig
 
     path = Path(path)

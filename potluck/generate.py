@@ -65,7 +65,7 @@ class Tokenizer:
 
 def load(model: str | None, journal: str | None, step: int | None = None) -> tuple[Any, Tokenizer]:
     """(the model in eval mode, its tokenizer) from ``--model`` or ``--journal-dir``."""
-    from potluck.peer.model import Model, load_named
+    from potluck.peer.training.model import Model, load_named
     from potluck.protos.config.runconfig import ModelConfig
 
     if journal is not None:

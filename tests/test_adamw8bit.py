@@ -1,4 +1,4 @@
-"""8-bit AdamW (peer/adamw8bit.py) against an independent numpy reference of the same algorithm, bit for bit over
+"""8-bit AdamW (peer/training/adamw8bit.py) against an independent numpy reference of the same algorithm, bit for bit over
 several steps (weights and the moments' codes); its quantizers' rules; that it tracks fp32 AdamW; bad arguments
 refused."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from potluck.peer.adamw8bit import BLOCK, MIN_8BIT, AdamW8bit, state_bytes_per_param
+from potluck.peer.training.adamw8bit import BLOCK, MIN_8BIT, AdamW8bit, state_bytes_per_param
 
 F = np.float32
 
@@ -101,7 +101,7 @@ def test_quantized_moments_are_8_bits_and_a_small_v_is_never_rounded_down() -> N
     opt.step()
     st = opt.state[p]
     assert st["m_codes"].dtype == torch.int8 and st["v_codes"].dtype == torch.uint8
-    from potluck.peer.adamw8bit import dequantize_root
+    from potluck.peer.training.adamw8bit import dequantize_root
     v = dequantize_root(st["v_codes"], st["v_scales"])
     true_v = (1 - 0.999) * g * g
     assert bool((v >= true_v).all())  # rounded up: a tiny element's step is never blown up by a zero v

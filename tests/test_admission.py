@@ -255,7 +255,7 @@ def test_a_restarted_peer_waits_past_the_certificate_of_its_previous_tls_key(ca:
     that is a delay until the coordinator answers the new request, not a refusal."""
     from types import SimpleNamespace
 
-    from potluck.peer.admission import take
+    from potluck.peer.swarm.admission import take
     from potluck.protos.wire.admissions import Certificate
 
     pid, old, new = Identity.generate().peer_id, TlsIdentity.generate(), TlsIdentity.generate()

@@ -16,7 +16,7 @@ from signing import signed
 from potluck.compression.aggregate import result_digest
 from potluck.compression.int8 import Int8BlockCodec
 from potluck.compression.stream import encode_chunks, tensor_digest
-from potluck.peer.allreduce import (
+from potluck.peer.reduce.allreduce import (
     AllReduce,
     IncompleteRound,
     MemberAddr,

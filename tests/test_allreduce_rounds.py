@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_allreduce import BASE, Member, random_deltas, round_for, run_all
 
-from potluck.peer.allreduce import IncompleteRound
+from potluck.peer.reduce.allreduce import IncompleteRound
 from potluck.protos import potluck_pb2 as pb
 
 

@@ -23,7 +23,7 @@ import pytest
 from hivemind.utils import get_dht_time
 
 from potluck.local import LocalSwarm, SwarmError
-from potluck.peer import admission
+from potluck.peer.swarm import admission
 from potluck.procs import ProcessGroup
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.net.certs import TlsIdentity

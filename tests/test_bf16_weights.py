@@ -13,9 +13,9 @@ from swarm import run_config
 from test_adamw8bit import F, np_step, swarm_trains_with
 
 from potluck.models import sizecheck, stage_bounds
-from potluck.peer.adamw8bit import AdamW8bit, noise_for, round_stochastic
-from potluck.peer.data import Dataset
-from potluck.peer.stage import StageWorker
+from potluck.peer.training.adamw8bit import AdamW8bit, noise_for, round_stochastic
+from potluck.peer.training.data import Dataset
+from potluck.peer.training.stage import StageWorker
 from potluck.protos.config.files import apply_overrides
 from potluck.protos.config.runconfig import RunConfig
 

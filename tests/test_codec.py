@@ -9,7 +9,7 @@ import torch
 from potluck.compression.aggregate import reduce_mean
 from potluck.compression.int8 import CodecError, Encoded, Int8BlockCodec, RawCodec, make_codec
 from potluck.compression.stream import Assembler, EncodedStream, WireError, encode_chunks, tensor_digest
-from potluck.peer.allreduce import shard_bounds
+from potluck.peer.reduce.allreduce import shard_bounds
 from potluck.protos import potluck_pb2 as pb
 
 

@@ -93,7 +93,7 @@ def _stage_snapshot(cfg, start: int, stop: int, stage: int, version: int = 3):  
     import torch
 
     from potluck.compression.transfer import Snapshot, tensors_hash
-    from potluck.peer.model import build_layers
+    from potluck.peer.training.model import build_layers
 
     layers = build_layers(cfg.model, cfg.train.seed, start, stop)
     named = [(f"layers.{start + int(n.split('.', 1)[0])}.{n.split('.', 1)[1]}", p) for n, p in layers.named_parameters()]

@@ -28,7 +28,7 @@ from potluck.coordinator.store.journal import JournalState
 from potluck.coordinator.swarm.membership import PeerTable
 from potluck.data import DataError
 from potluck.data.order import permute, permute_one, sample_ids
-from potluck.peer.data import SpanSampler
+from potluck.peer.training.data import SpanSampler
 from potluck.protos.wire.records import MAX_POSITION, MAX_SHARE, Member, PeerRecord, Round, Share, StepReport
 
 # ---------------------------------------------------------------------- the order

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from potluck.peer.data import EVAL_ID_OFFSET, DataError, Dataset, MarkovSource
-from potluck.peer.model import TinyGPT, build_layers, lm_loss, num_layers
+from potluck.peer.training.data import EVAL_ID_OFFSET, DataError, Dataset, MarkovSource
+from potluck.peer.training.model import TinyGPT, build_layers, lm_loss, num_layers
 from potluck.protos.config.runconfig import DataConfig, ModelConfig
 
 

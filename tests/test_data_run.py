@@ -19,8 +19,8 @@ from potluck.coordinator import bootstrap
 from potluck.data import DataError
 from potluck.data.prepare import prepare
 from potluck.data.tokenizer import load_tokenizer
-from potluck.peer.data import EVAL_ID_OFFSET, Dataset
-from potluck.peer.joining import with_local_data
+from potluck.peer.swarm.joining import with_local_data
+from potluck.peer.training.data import EVAL_ID_OFFSET, Dataset
 from potluck.protos.config.files import parse_config
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.config.section import ConfigError

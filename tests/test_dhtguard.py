@@ -14,8 +14,8 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from potluck.peer.heartbeat import Heartbeat
-from potluck.peer.joining import await_manifest
+from potluck.peer.swarm.heartbeat import Heartbeat
+from potluck.peer.swarm.joining import await_manifest
 from potluck.protos.net.dhtguard import MAX_RECORD_BYTES, RunRecords, run_key
 from potluck.protos.net.identity import Identity
 from potluck.protos.net.swarm import DHTTimeout, SwarmNode

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from potluck.peer.diloco import CHUNK, flatten_params, load_flat, nesterov_step, outer_snapshot
+from potluck.peer.outer.diloco import CHUNK, flatten_params, load_flat, nesterov_step, outer_snapshot
 
 FIXTURE = Path(__file__).parent / "fixtures" / "outer_step_golden.json"
 
@@ -123,7 +123,7 @@ if __name__ == "__main__":  # regenerate the fixture (only when the reference it
 
 
 def test_all_finite_finds_one_nan_or_inf_anywhere() -> None:
-    from potluck.peer.diloco import all_finite
+    from potluck.peer.outer.diloco import all_finite
 
     x = torch.randn(100_003)
     assert all_finite(x)

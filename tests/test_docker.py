@@ -155,7 +155,7 @@ def launched(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> Any:
     with monkeypatch.context() as m:
         m.setattr("potluck.coordinator.app.Coordinator", start)
         m.setattr("potluck.peer.daemon.Peer", start)
-        m.setattr("potluck.peer.keyfile.load_identity", lambda path="": Identity.generate())  # not this machine's key
+        m.setattr("potluck.peer.swarm.keyfile.load_identity", lambda path="": Identity.generate())  # not this machine's key
         m.setattr("potluck.protos.net.probe.probe", lambda *a, **k: Answer(Kind.UNKNOWN))  # (no coordinator to ask)
         try:
             args.fn(args)

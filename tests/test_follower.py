@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from potluck.compression.transfer import Target
 from potluck.peer.follower import Finish, Follower, Held, Recover, Switch, Train, Wait
-from potluck.peer.recovery import find_sources
+from potluck.peer.outer.recovery import find_sources
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.wire.records import Member, Plan, Round
 

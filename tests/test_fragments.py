@@ -9,9 +9,8 @@ import pytest
 import torch
 from test_outer_paths import allreduce, session, train
 
-from potluck.peer.allreduce import MemberAddr, RoundInfo
-from potluck.peer.diloco import flatten_params
-from potluck.peer.fragments import (
+from potluck.peer.outer.diloco import flatten_params
+from potluck.peer.outer.fragments import (
     fragment_bounds,
     fragment_delta,
     fragment_of,
@@ -19,8 +18,9 @@ from potluck.peer.fragments import (
     fragment_step,
     mix,
 )
-from potluck.peer.outer import outer_step
-from potluck.peer.outersteps import OuterSteps
+from potluck.peer.outer.outer import outer_step
+from potluck.peer.outer.outersteps import OuterSteps
+from potluck.peer.reduce.allreduce import MemberAddr, RoundInfo
 from potluck.protos.config.files import apply_overrides
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.config.section import ConfigError
@@ -166,7 +166,7 @@ def test_fragments_one_takes_the_plain_outer_steps_bits() -> None:
     n = 300
     ar = allreduce(rc, n)
     theta, delta = torch.randn(n), torch.randn(n)
-    from potluck.peer.diloco import outer_snapshot
+    from potluck.peer.outer.diloco import outer_snapshot
     held = outer_snapshot(theta, torch.zeros(n), 0, {"epoch": 0})
     ar.expect(1, held.hash)
     try:

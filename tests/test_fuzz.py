@@ -22,10 +22,10 @@ from signing import signed
 from potluck.compression.int8 import Int8BlockCodec
 from potluck.compression.stream import encode_chunks
 from potluck.compression.transfer import SnapshotServer
-from potluck.peer.allreduce import AllReduce, MemberAddr, RoundInfo, shard_bounds
-from potluck.peer.diloco import outer_snapshot
-from potluck.peer.pipeline import Neighbour, Pipeline
-from potluck.peer.pipewire import outbound
+from potluck.peer.outer.diloco import outer_snapshot
+from potluck.peer.pipeline.pipeline import Neighbour, Pipeline
+from potluck.peer.pipeline.pipewire import outbound
+from potluck.peer.reduce.allreduce import AllReduce, MemberAddr, RoundInfo, shard_bounds
 from potluck.peer.service import PeerService
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config.files import apply_overrides

@@ -17,10 +17,10 @@ from potluck.compression.transfer import Snapshot
 from potluck.coordinator.rounds.groups import assign, choose_base, group_count, partition
 from potluck.coordinator.trust.integrity import Integrity
 from potluck.coordinator.trust.trust import Trust
-from potluck.peer.allreduce import AllReduce, MemberAddr, RoundInfo
-from potluck.peer.audit import Auditor
-from potluck.peer.diloco import outer_snapshot
-from potluck.peer.outer import outer_step
+from potluck.peer.outer.diloco import outer_snapshot
+from potluck.peer.outer.outer import outer_step
+from potluck.peer.reduce.allreduce import AllReduce, MemberAddr, RoundInfo
+from potluck.peer.reduce.audit import Auditor
 from potluck.peer.tasklet import Tasklet
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config.files import apply_overrides
@@ -336,7 +336,7 @@ def test_a_stage_averaged_as_one_group_has_at_most_max_owners_owners_and_their_r
     from hivemind.utils import MSGPackSerializer
 
     from potluck.coordinator.rounds.rounds import Rounds
-    from potluck.peer.telemetry import KEEP_STEPS
+    from potluck.peer.swarm.telemetry import KEEP_STEPS
     from potluck.protos.net.dhtguard import MAX_RECORD_BYTES
     from potluck.protos.net.identity import Identity
     from potluck.protos.wire.envelope import seal

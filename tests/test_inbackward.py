@@ -1,4 +1,4 @@
-"""The inner update inside the backward pass (``train.step_in_backward``, peer/inbackward.py): AdamW per parameter,
+"""The inner update inside the backward pass (``train.step_in_backward``, peer/training/inbackward.py): AdamW per parameter,
 stepped as each gradient is complete, against an independent numpy reference; the same steps as the whole-stage
 optimizer's; no stage-sized gradient held; the size check's count; every refusal; a real swarm."""
 
@@ -13,11 +13,11 @@ from swarm import run_config
 from test_adamw8bit import F, np_step, swarm_trains_with
 
 from potluck.models import sizecheck, stage_bounds
-from potluck.peer.adamw8bit import AdamW8bit
-from potluck.peer.data import Dataset
-from potluck.peer.inbackward import StepInBackward
-from potluck.peer.runner import resolve_precision
-from potluck.peer.stage import StageWorker
+from potluck.peer.training.adamw8bit import AdamW8bit
+from potluck.peer.training.data import Dataset
+from potluck.peer.training.inbackward import StepInBackward
+from potluck.peer.training.runner import resolve_precision
+from potluck.peer.training.stage import StageWorker
 from potluck.protos.config.files import apply_overrides
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.config.section import ConfigError
@@ -132,7 +132,7 @@ def test_auto_precision_never_picks_loss_scaling_for_a_step_in_the_backward(monk
 
 
 def test_a_multi_device_peer_refuses_it() -> None:
-    from potluck.peer.multidevice import Leader
+    from potluck.peer.devices.multidevice import Leader
 
     class Group:  # (the refusal comes before anything is sent to the helpers: one that did fails the test)
         world = 2

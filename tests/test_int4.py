@@ -15,7 +15,7 @@ from potluck.compression.int4 import Int4BlockCodec
 from potluck.compression.int8 import MAX_ABS, CodecError, Encoded, Int8BlockCodec, make_codec
 from potluck.compression.stream import Assembler, chunk_elements, encode_chunks
 from potluck.kernels.quant import pack_bits, quantize_rows
-from potluck.peer.allreduce import shard_bounds
+from potluck.peer.reduce.allreduce import shard_bounds
 
 
 def numpy_int4(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -28,10 +28,13 @@ FOLDER_OF = {"protos": "protos", "kernels": "kernels", "compression": "compressi
 PATH_OF = {"models": "potluck/models", "data": "potluck/data"}
 # The folders that are rooms, each with a map, and the rooms of each (a new room is a decision: name it here).
 ROOMS_OF = {"protos": ("wire", "net", "config", "runtime", "testkit"),
-            "coordinator": ("rounds", "placement", "trust", "store", "swarm", "status", "trackers")}
+            "coordinator": ("rounds", "placement", "trust", "store", "swarm", "status", "trackers"),
+            "peer": ("swarm", "training", "pipeline", "reduce", "outer", "devices")}
 # What stays outside a room: protos' generator (the protocol and its generated code sit beside it), and the
-# coordinator's process itself (its loop and what it decides, its start, its preflight, its own health).
-LOOSE = {"protos": {"generate"}, "coordinator": {"app", "decisions", "bootstrap", "preflight", "health"}}
+# coordinator's process itself (its loop and what it decides, its start, its preflight, its own health), and the
+# peer's (its daemon, what it runs with, its gRPC facade, the state machine it follows).
+LOOSE = {"protos": {"generate"}, "coordinator": {"app", "decisions", "bootstrap", "preflight", "health"},
+         "peer": {"daemon", "tasklet", "service", "follower"}}
 
 
 def modules(folder: str) -> list[Path]:

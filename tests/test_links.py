@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from potluck.peer.links import Bursts, LinkConfig, LinkProber, LinkReport, LinkStat
+from potluck.peer.swarm.links import Bursts, LinkConfig, LinkProber, LinkReport, LinkStat
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.net.dhtguard import run_key
 from potluck.protos.net.identity import Identity

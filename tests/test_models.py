@@ -12,7 +12,7 @@ import torch
 from test_pipeline import config, make_stages, run_steps, train_unsplit  # noqa: F401 - make_stages is a fixture
 
 from potluck.models import build_stage, entry_costs, forward_layers, partition, stage_bounds
-from potluck.peer.data import Dataset, in_run_order
+from potluck.peer.training.data import Dataset, in_run_order
 from potluck.protos.config.files import apply_overrides
 from potluck.protos.config.runconfig import ModelConfig, PipelineConfig, RunConfig
 from potluck.protos.config.section import ConfigError
@@ -198,7 +198,7 @@ def test_an_exported_folder_generates_and_loads_back_bit_exact(tmp_path) -> None
 
     from potluck.generate import sample
     from potluck.models.hub import read_folder, write_folder
-    from potluck.peer.model import Model, load_named
+    from potluck.peer.training.model import Model, load_named
 
     cfg = ModelConfig(family="llama", d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, seq_len=16)
     net = Model(cfg, seed=3).eval()

@@ -3,7 +3,7 @@
 Real OS processes on 127.0.0.1, two CPU ranks over gloo. The swarm test starts a coordinator, a
 single-process peer and a 2-process peer: the swarm sees two peers, both contribute to every outer
 step and commit the same state, and the 2-process peer's rank 1 holds rank 0's parameters at every
-load (:data:`~potluck.peer.multidevice.HASHES_ENV`). The protocol test runs the leader and a helper
+load (:data:`~potluck.peer.devices.multidevice.HASHES_ENV`). The protocol test runs the leader and a helper
 without a swarm, next to one process training the whole batch alone, and interrupts a phase midway.
 
 Run as a script (``RANK``/``WORLD_SIZE`` set), this file is one rank of the protocol test.
@@ -139,9 +139,9 @@ def _protocol_rank(out: Path, devices: str) -> int:
     from swarm import run_config
 
     from potluck.models import stage_bounds
-    from potluck.peer import multidevice
-    from potluck.peer.data import Dataset
-    from potluck.peer.stage import StageWorker
+    from potluck.peer.devices import multidevice
+    from potluck.peer.training.data import Dataset
+    from potluck.peer.training.stage import StageWorker
 
     torch.set_num_threads(1)
     rc = run_config({"diloco.inner_steps": H, "train.batch_size": 8, "train.warmup_steps": 0, "train.lr": 1e-2,

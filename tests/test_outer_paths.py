@@ -3,7 +3,7 @@
 A GPU peer moves theta through pinned vectors with asynchronous copies, an overlapped step runs on a
 thread while the next phase trains from the vector it loaded, and the new state is hashed in the
 background. None of it may change a bit: each committed step must be exactly what the blocking
-computation (:func:`~potluck.peer.outer.outer_step` on CPU vectors) gives for the same inputs. On CUDA
+computation (:func:`~potluck.peer.outer.outer.outer_step` on CPU vectors) gives for the same inputs. On CUDA
 where there is a GPU (the same test, with the CPU as its reference), on CPU in CI.
 """
 
@@ -18,17 +18,17 @@ import torch
 from potluck.compression.int8 import make_codec
 from potluck.compression.transfer import Snapshot
 from potluck.models import stage_bounds
-from potluck.peer.allreduce import AllReduce, MemberAddr, RoundInfo
-from potluck.peer.data import Dataset
-from potluck.peer.diloco import flatten_params, outer_snapshot
 from potluck.peer.follower import Follower
-from potluck.peer.outer import outer_step
-from potluck.peer.outersteps import OuterSteps
-from potluck.peer.stage import StageWorker
-from potluck.peer.states import States
+from potluck.peer.outer.diloco import flatten_params, outer_snapshot
+from potluck.peer.outer.outer import outer_step
+from potluck.peer.outer.outersteps import OuterSteps
+from potluck.peer.outer.states import States
+from potluck.peer.reduce.allreduce import AllReduce, MemberAddr, RoundInfo
+from potluck.peer.swarm.telemetry import Telemetry
 from potluck.peer.tasklet import Tasklet
-from potluck.peer.telemetry import Telemetry
-from potluck.peer.window import Pace
+from potluck.peer.training.data import Dataset
+from potluck.peer.training.stage import StageWorker
+from potluck.peer.training.window import Pace
 from potluck.protos.config.files import apply_overrides
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.net.transport import PeerClient, Traffic

@@ -1,4 +1,4 @@
-"""Paced sends (``sync.pace``, :mod:`potluck.peer.pacing`): the shared virtual clock's arithmetic on a fake clock,
+"""Paced sends (``sync.pace``, :mod:`potluck.peer.reduce.pacing`): the shared virtual clock's arithmetic on a fake clock,
 the waits it asks for, the config's refusals, and a real overlapped, streamed swarm whose outer steps are paced."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import threading
 import pytest
 from test_progress import Clock  # (a fake clock at 1000.0 s)
 
-from potluck.peer.pacing import Pacer, Pacing, pace_seconds, paced, round_bytes
+from potluck.peer.reduce.pacing import Pacer, Pacing, pace_seconds, paced, round_bytes
 from potluck.protos.config.files import apply_overrides
 from potluck.protos.config.runconfig import RunConfig
 

@@ -14,11 +14,11 @@ import torch
 from potluck.compression.acsgd import AcsgdSender
 from potluck.compression.actcodec import ActCodec
 from potluck.models import stage_bounds
-from potluck.peer.data import Dataset, SpanSampler, in_run_order
-from potluck.peer.model import build_layers, forward_layers, lm_loss
-from potluck.peer.pipeline import Neighbour, Pipeline
-from potluck.peer.piperound import PipelineStall
-from potluck.peer.pipewire import outbound
+from potluck.peer.pipeline.pipeline import Neighbour, Pipeline
+from potluck.peer.pipeline.piperound import PipelineStall
+from potluck.peer.pipeline.pipewire import outbound
+from potluck.peer.training.data import Dataset, SpanSampler, in_run_order
+from potluck.peer.training.model import build_layers, forward_layers, lm_loss
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config.files import apply_overrides
 from potluck.protos.config.runconfig import RunConfig

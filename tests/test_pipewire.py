@@ -23,10 +23,10 @@ import grpc
 import pytest
 import torch
 
-from potluck.peer.pipeline import Neighbour, Pipeline
-from potluck.peer.piperound import PipelineBroken
-from potluck.peer.pipesend import Outgoing
-from potluck.peer.pipewire import Outbound
+from potluck.peer.pipeline.pipeline import Neighbour, Pipeline
+from potluck.peer.pipeline.piperound import PipelineBroken
+from potluck.peer.pipeline.pipesend import Outgoing
+from potluck.peer.pipeline.pipewire import Outbound
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config.files import apply_overrides
 from potluck.protos.config.runcheck import check_run
@@ -258,7 +258,7 @@ if __name__ == "__main__" and sys.argv[1:] == ["measure"]:
 def test_a_slow_receiver_holds_the_sender_to_a_few_encoded_messages(hosts: list[Host]) -> None:
     """16 micro-batches for a receiver that takes none for now: the sender encodes ENCODED_AHEAD of them (those
     on the wire and one ready) and waits, instead of holding all 16 encoded; all 16 arrive once it takes them."""
-    from potluck.peer.pipesend import ENCODED_AHEAD
+    from potluck.peer.pipeline.pipesend import ENCODED_AHEAD
 
     cfg = config(**{"train.batch_size": 32, "pipeline.micro_batches": 16, "pipeline.pipe_timeout_s": 30.0})
     a, b = pair(cfg)

@@ -14,13 +14,13 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from potluck.models import stage_bounds
-from potluck.peer.data import Dataset
-from potluck.peer.diloco import nesterov_step
-from potluck.peer.outer import pseudo_gradient
-from potluck.peer.pipeline import Neighbour, Pipeline
-from potluck.peer.pipewire import Outbound
-from potluck.peer.runner import StageRunner, resolve_precision
-from potluck.peer.stage import StageWorker
+from potluck.peer.outer.diloco import nesterov_step
+from potluck.peer.outer.outer import pseudo_gradient
+from potluck.peer.pipeline.pipeline import Neighbour, Pipeline
+from potluck.peer.pipeline.pipewire import Outbound
+from potluck.peer.training.data import Dataset
+from potluck.peer.training.runner import StageRunner, resolve_precision
+from potluck.peer.training.stage import StageWorker
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config.files import apply_overrides, parse_config
 from potluck.protos.config.runconfig import RunConfig
@@ -181,7 +181,7 @@ def test_activation_checkpointing_gives_the_same_gradients() -> None:
 
 
 def test_checkpointing_is_used_in_training_and_skipped_in_evaluation(monkeypatch: pytest.MonkeyPatch) -> None:
-    import potluck.peer.model as model
+    import potluck.peer.training.model as model
 
     calls: list[int] = []
     real = model.checkpoint
@@ -240,7 +240,7 @@ def test_auto_accumulation_splits_a_batch_that_does_not_fit_and_keeps_the_gradie
 
 
 def test_auto_compile_is_on_for_a_gpu_only() -> None:
-    from potluck.peer.runner import wants_compile
+    from potluck.peer.training.runner import wants_compile
 
     assert wants_compile("auto", torch.device("cuda")) and not wants_compile("auto", torch.device("cpu"))
     assert wants_compile(True, torch.device("cpu")) and not wants_compile(False, torch.device("cuda"))
@@ -369,7 +369,7 @@ def test_auto_precision_on_a_gpu_follows_its_bf16_support(monkeypatch: pytest.Mo
 def test_auto_checkpointing_is_decided_by_the_peer_from_its_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """``train.checkpoint_activations = "auto"``: on this box's RAM the small model fits, so the worker keeps every
     activation; told its device holds less than the stage needs without checkpointing, it checkpoints."""
-    import potluck.peer.stage as stage
+    import potluck.peer.training.stage as stage
 
     cfg = config(**{"train.checkpoint_activations": "auto", "diloco.inner_steps": 1})
     assert worker(cfg).runner.checkpoint is False

@@ -189,9 +189,9 @@ def test_a_renamed_flag_in_a_message_is_caught(tmp_path: Path) -> None:
     """The check above, on a copy of the code whose peer error names a flag the peer no longer has."""
     for top in PACKAGES:
         shutil.copytree(REPO / top, tmp_path / top, ignore=shutil.ignore_patterns("__pycache__"))
-    joining = tmp_path / "peer" / "joining.py"
+    joining = tmp_path / "peer" / "swarm" / "joining.py"
     joining.write_text(joining.read_text().replace("pass --data-path FILE", "pass --data FILE"))
-    assert [w.split(": ")[:2] for w in misnamed_flags(tmp_path)] == [["peer/joining.py:145", "--data is not a flag of potluck peer"]]
+    assert [w.split(": ")[:2] for w in misnamed_flags(tmp_path)] == [["peer/swarm/joining.py:145", "--data is not a flag of potluck peer"]]
 
 
 def help_examples() -> list[tuple[str, list[str]]]:

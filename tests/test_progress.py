@@ -1,4 +1,4 @@
-"""Inner-step progress (peer/progress.py) and a peer's goodbye on Ctrl+C.
+"""Inner-step progress (peer/swarm/progress.py) and a peer's goodbye on Ctrl+C.
 
 The unit tests drive :class:`ProgressReporter` with a fake stream, a list-collecting logger and an
 injected clock, so rate limits are checked without sleeping; the swarm test reads a real peer's log
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from potluck import cli
-from potluck.peer import progress
-from potluck.peer.progress import (
+from potluck.peer.swarm import progress
+from potluck.peer.swarm.progress import (
     BAR_EVERY_S,
     MODES,
     ProgressReporter,

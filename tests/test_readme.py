@@ -108,7 +108,7 @@ def run_potluck(argv: list[str], sandbox: Path, monkeypatch: pytest.MonkeyPatch)
     with monkeypatch.context() as m:
         m.chdir(sandbox)
         m.setattr(stand_ins[args.command], start)
-        m.setattr("potluck.peer.keyfile.load_identity", lambda path="": Identity.generate())  # not the user's key
+        m.setattr("potluck.peer.swarm.keyfile.load_identity", lambda path="": Identity.generate())  # not the user's key
         m.setattr("potluck.protos.net.probe.probe", lambda *a, **k: Answer(Kind.UNKNOWN))  # (no coordinator to ask)
         try:
             args.fn(args)

@@ -67,7 +67,7 @@ def test_the_real_model_section_trains_exports_and_generates(procs: ProcessGroup
     import torch
     from transformers import AutoModelForCausalLM
 
-    from potluck.peer.data import Dataset
+    from potluck.peer.training.data import Dataset
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(b"".join(p.read_bytes() for p in [README, *sorted((REPO / "docs").glob("*.md"))]))

@@ -16,7 +16,7 @@ from potluck.compression.audit import ResultClaim, Round, Signed, Unverifiable, 
 from potluck.compression.int8 import Int8BlockCodec
 from potluck.compression.stream import tensor_digest
 from potluck.coordinator.trust.verifier import Accusation, Verifier
-from potluck.peer.shards import AllReduceStats
+from potluck.peer.reduce.shards import AllReduceStats
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.net.identity import Identity, verify
 from potluck.protos.testkit import faults
@@ -206,8 +206,8 @@ def test_an_evicted_owners_unvouched_shards_are_audited_again_or_rolled_back() -
 def test_a_member_claims_at_most_what_the_round_it_commits_under_hands_it() -> None:
     """A member that trained on an earlier decision of the round (a longer share) claims the share of the round it
     contributes under: its owner would refuse more, after receipting it if the contribution came first."""
-    from potluck.peer.allreduce import MemberAddr, RoundInfo
-    from potluck.peer.outer import claimable
+    from potluck.peer.outer.outer import claimable
+    from potluck.peer.reduce.allreduce import MemberAddr, RoundInfo
 
     info = RoundInfo(step=3, members=(MemberAddr("a", "x"), MemberAddr("b", "y")), me="b", base_hash="h",
                      handed=(80, 72))

@@ -46,8 +46,8 @@ def test_export_loads_into_the_plain_model_and_matches_the_runs_eval(swarm, tmp_
 
     import torch
 
-    from potluck.peer.data import Dataset
-    from potluck.peer.model import TinyGPT, lm_loss
+    from potluck.peer.training.data import Dataset
+    from potluck.peer.training.model import TinyGPT, lm_loss
     from potluck.protos.config.runconfig import ModelConfig
 
     state = finish(swarm, {"pipeline.stages": 2}, peers=2, steps=3)

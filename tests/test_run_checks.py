@@ -21,8 +21,8 @@ import pytest
 
 from potluck.coordinator import bootstrap
 from potluck.coordinator.store.journal import Journal, JournalError
-from potluck.peer.data import DataError
-from potluck.peer.joining import warn_unreachable, with_local_data
+from potluck.peer.swarm.joining import warn_unreachable, with_local_data
+from potluck.peer.training.data import DataError
 from potluck.protos.config.files import apply_overrides, parse_config
 from potluck.protos.config.runcheck import check_run, file_identity, min_corpus_bytes, non_public
 from potluck.protos.config.runconfig import CoordinatorConfig, RunConfig
@@ -133,7 +133,7 @@ def test_runs_without_a_usable_corpus_are_refused_before_anything_is_written(tmp
 
 
 def test_the_smallest_corpus_is_enough(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from potluck.peer.data import Dataset
+    from potluck.peer.training.data import Dataset
 
     monkeypatch.chdir(tmp_path)
     cfg = readme_config(**{"model.seq_len": 16, "data.eval_samples": 4})
@@ -281,7 +281,7 @@ def test_a_run_too_big_for_this_peer_is_warned_and_the_peer_refuses_it_in_one_li
     from swarm import run_config
 
     from potluck.models.sizecheck import estimate
-    from potluck.peer.joining import device_memory
+    from potluck.peer.swarm.joining import device_memory
 
     big = {"model.seq_len": 2_000_000}
     need = estimate(run_config(big)).bytes

@@ -37,7 +37,7 @@ from potluck.coordinator.swarm.publisher import Publisher
 from potluck.coordinator.swarm.service import Pinger
 from potluck.coordinator.trust.integrity import Integrity
 from potluck.coordinator.trust.trust import Trust
-from potluck.peer.heartbeat import Heartbeat
+from potluck.peer.swarm.heartbeat import Heartbeat
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos import potluck_pb2_grpc as pb_grpc
 from potluck.protos.config.files import apply_overrides

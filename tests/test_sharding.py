@@ -1,4 +1,4 @@
-"""Where a sharded peer's rows sit in the stage's flat vector (:mod:`potluck.peer.sharding`), and the runs it refuses.
+"""Where a sharded peer's rows sit in the stage's flat vector (:mod:`potluck.peer.devices.sharding`), and the runs it refuses.
 
 The real-process tests (two ranks over gloo, FSDP2) are in ``tests/test_multidevice.py``; these check
 the arithmetic they rely on against torch's own split, without processes."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 from swarm import run_config
 
-from potluck.peer import sharding
+from potluck.peer.devices import sharding
 from potluck.protos.config.section import ConfigError
 
 

@@ -1,4 +1,4 @@
-"""The outer state on disk (``potluck peer --outer-state-dir DIR``, :mod:`potluck.peer.spill`): the same bits and
+"""The outer state on disk (``potluck peer --outer-state-dir DIR``, :mod:`potluck.peer.outer.spill`): the same bits and
 hash in memory-mapped files, nothing left in the folder, a folder that cannot be written refused in one line, and a
 real swarm in which one peer keeps its outer state there."""
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from potluck.compression.transfer import Snapshot
-from potluck.peer.spill import Spill, mapped
-from potluck.peer.states import States
+from potluck.peer.outer.spill import Spill, mapped
+from potluck.peer.outer.states import States
 from potluck.protos.config.section import ConfigError
 
 

@@ -265,7 +265,7 @@ def write_checkpoint(journal: Path, version: int = 5, family: str = "tiny", data
 
     from potluck.compression.transfer import Snapshot
     from potluck.coordinator.store.checkpoint import CheckpointStore
-    from potluck.peer.model import TinyGPT
+    from potluck.peer.training.model import TinyGPT
     from potluck.protos.config.runconfig import ModelConfig
 
     cfg = ModelConfig(family=family, d_model=16, n_layers=2, n_heads=2, seq_len=8, vocab_size=256 if data == "bytes" else 32)

@@ -13,7 +13,7 @@ from test_allreduce import BLOCK, RUN, Member, random_deltas, run_all
 from potluck.compression.audit import Signed, Unverifiable, check
 from potluck.compression.int8 import Int8BlockCodec
 from potluck.coordinator.trust.verifier import Accusation, Verifier
-from potluck.peer.audit import Auditor
+from potluck.peer.reduce.audit import Auditor
 from potluck.protos.net.identity import Identity
 from potluck.protos.testkit import faults
 from potluck.protos.testkit.faults import parse
@@ -129,7 +129,7 @@ def weighted_step(ms: list[Member], owner_fault: str = "", greedy: bool = False)
     """Step 1 with members of different work (160, 40, 80, 120 samples of shares of 160): the owner of shard 0
     tampering as told (``owner.weight``: it weighs its own contribution up in its average but signs the honest
     weights), or, ``greedy``, claiming 1,000 samples itself (the others refuse it; only its own shard takes it)."""
-    from potluck.peer.allreduce import MemberAddr, RoundInfo
+    from potluck.peer.reduce.allreduce import MemberAddr, RoundInfo
 
     order = sorted(ms, key=lambda m: m.id)
     samples = dict(zip([m.id for m in order], [160, 40, 80, 120], strict=True))

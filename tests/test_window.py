@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from potluck.models import stage_bounds
-from potluck.peer.data import Dataset
-from potluck.peer.stage import StageWorker
-from potluck.peer.window import Pace, Why, decide, too_slow_advice
+from potluck.peer.training.data import Dataset
+from potluck.peer.training.stage import StageWorker
+from potluck.peer.training.window import Pace, Why, decide, too_slow_advice
 from potluck.protos.config.files import apply_overrides
 from potluck.protos.config.runconfig import RunConfig
 

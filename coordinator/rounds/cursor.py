@@ -14,7 +14,7 @@ version, because a version *is* a set of samples trained on:
   handed out, plus the spans of replicas whose contributions are *not* in version ``v`` (dead,
   stalled, dropped as too slow, rejected as poison): those samples go back to the pool, and the next
   round takes them first. So does the rest of a share its replica did not get to: a round is a window
-  (:mod:`potluck.peer.window`), and a slower replica trains the first ``samples`` positions of its
+  (:mod:`potluck.peer.training.window`), and a slower replica trains the first ``samples`` positions of its
   share, in order, and leaves the others. Which replicas are in a version, and on how many samples,
   the members say in their step reports (the contributors every shard of the all-reduce was averaged
   over, and the samples each one signed for); most reporting members win;

@@ -15,7 +15,7 @@ two steps average every member's state into every other's, exactly as Moshpit's 
 steps.
 
 **Why two partitions, and the group's base state.** Members of different groups hold different
-``theta_global`` after a step, and a group averages *states* (see :mod:`potluck.peer.outer`): to
+``theta_global`` after a step, and a group averages *states* (see :mod:`potluck.peer.outer.outer`): to
 send small int8 differences rather than whole parameters, its members need one state they all hold
 bit for bit to take the differences from. With two partitions taking turns, a group of step ``t``
 is a group of step ``t - 2`` too, so its members all hold that step's common result as their

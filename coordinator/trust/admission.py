@@ -205,7 +205,7 @@ class Admission:
         self.on_revoke(peer_id)
 
 
-CERT_TTL_S = 300.0  # the certificate records in the DHT (peers re-ask every minute; see peer/admission.py)
+CERT_TTL_S = 300.0  # the certificate records in the DHT (peers re-ask every minute; see peer/swarm/admission.py)
 # a tick issues certificates for at most this much of its CPU, the oldest requests first, and the loop goes on
 # at once with the rest: in a join burst of 1,000 peers a tick admitted about 50 (90 ms), and those ticks made
 # the tick's p99 of the minutes after

@@ -1,6 +1,6 @@
 """The coordinator's own check of an accusation, on a thread of its own, before anyone is evicted.
 
-An auditor that found a lie (:mod:`potluck.peer.audit`) holds the evidence: the owner's signed result and
+An auditor that found a lie (:mod:`potluck.peer.reduce.audit`) holds the evidence: the owner's signed result and
 the contributions it signed for, each signed by its sender. The coordinator fetches both (from the
 auditor, else from the owner and the other members: the signatures make the holder irrelevant) and
 rules with :func:`potluck.compression.audit.check`, the same function the auditor ran:

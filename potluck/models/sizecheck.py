@@ -9,7 +9,7 @@ later run).
 
 Where they live: the weights, gradients, AdamW's moments and the activations are on the peer's device
 (``DEVICE_BYTES_PER_PARAM``); the outer state is in host memory on every peer (pinned on a GPU peer:
-``peer/stage.py``, ``peer/allreduce.py``; the outer step is rare and its copies run at the bus's speed), so a
+``peer/training/stage.py``, ``peer/reduce/allreduce.py``; the outer step is rare and its copies run at the bus's speed), so a
 GPU's memory needs :attr:`Estimate.device_bytes` only and the host the rest (:attr:`Estimate.host_bytes`; a CPU
 peer holds both in one memory, :attr:`Estimate.bytes`). :func:`plan` is the fewest pipeline stages at which
 each stage fits a card.
@@ -52,7 +52,7 @@ BYTES_PER_PARAM = DEVICE_BYTES_PER_PARAM + HOST_BYTES_PER_PARAM
 OVERLAP_BYTES_PER_PARAM = 4  # diloco.overlap: the phase's starting point, in host memory
 MAX_PLAN_STAGES = 64  # pipeline.stages a plan tries before it says no number of stages is enough
 ACT_BYTES = 4  # activations counted in fp32
-EVAL_BATCH = 64  # samples a peer evaluates at once (peer/stage.py)
+EVAL_BATCH = 64  # samples a peer evaluates at once (peer/training/stage.py)
 GiB = 1 << 30
 REFUSE_BYTES = 2 * 10**12  # more than any machine a volunteer lends one process (8 x H200 hold 1.1 TB together)
 WARN_BYTES = 24 * GiB  # more than a volunteer's GPU (an RTX 4090's 24 GB) holds

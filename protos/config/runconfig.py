@@ -95,7 +95,7 @@ class TrainConfig(Section):
     optimizer: Literal["adamw", "adamw8bit"] = Field(
         "adamw", description="the inner optimizer: AdamW with fp32 moments (16 bytes a parameter on the device with "
         "the weight and gradient), or 'adamw8bit': its moments in 8 bits a block of 256 at a time (about 10 bytes a "
-        "parameter; potluck.peer.adamw8bit; quality at equal tokens in docs/benchmarks.md)")
+        "parameter; potluck.peer.training.adamw8bit; quality at equal tokens in docs/benchmarks.md)")
     weights: Literal["fp32", "bf16"] = Field(
         "fp32", description="the inner phase's weights (and so their gradients) on the device: fp32, or 'bf16' (2 + 2 "
         "bytes a parameter instead of 4 + 4; AdamW's update computed in fp32 and rounded stochastically into them; "
@@ -122,7 +122,7 @@ class TrainConfig(Section):
     step_in_backward: bool = Field(
         False, description="update each parameter as soon as the backward pass has its gradient, and drop that "
         "gradient at once: the device never holds the stage's gradients (4 bytes a parameter less, 2 with bf16 "
-        "weights; potluck.peer.inbackward). Needs train.grad_clip = 0 (clipping needs every gradient first), one "
+        "weights; potluck.peer.training.inbackward). Needs train.grad_clip = 0 (clipping needs every gradient first), one "
         "micro-batch a step (train.grad_accum 1 or 'auto', which then stays 1; pipeline.micro_batches = 1), a "
         "single-device peer, and train.precision other than 'fp16'")
     compile: bool | Literal["auto"] = Field(

@@ -335,7 +335,7 @@ class PeerClient:
         return self._streamed("FetchState", "state", address, request, timeout, peer)
 
     def push_pipe(self, address: str, chunks: Iterable[pb.PipeChunk], timeout: float, peer: str = "") -> pb.Ack:
-        """One pipeline message as a stream of pieces (see :mod:`potluck.peer.pipewire`); gRPC's flow control
+        """One pipeline message as a stream of pieces (see :mod:`potluck.peer.pipeline.pipewire`); gRPC's flow control
         paces ``chunks``, so a slow receiver holds the sender to the pieces in flight."""
         return self._pushed("PushPipe", "pipeline", address, chunks, timeout, peer)
 

@@ -12,7 +12,7 @@ says, and used only if its sha256 is the one in the manifest; or token shards (`
 found at ``--data-path``), and used only if their index (which hashes every shard and the
 tokenizer) is the manifest's.
 
-Then the peer is admitted (:mod:`potluck.peer.admission`): the coordinator certifies a fresh TLS
+Then the peer is admitted (:mod:`potluck.peer.swarm.admission`): the coordinator certifies a fresh TLS
 key of this process, and the data path runs over mutual TLS with it.
 """
 
@@ -28,7 +28,7 @@ import torch
 
 from potluck.data import DataError
 from potluck.data.corpus import locate
-from potluck.peer import admission
+from potluck.peer.swarm import admission
 from potluck.protos.config.files import known_fields_only, parse_config
 from potluck.protos.config.runcheck import checked_identity, markov_identity, non_public
 from potluck.protos.config.runconfig import PeerConfig, RunConfig

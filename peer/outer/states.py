@@ -14,7 +14,7 @@ import time
 
 from potluck.compression.transfer import Snapshot, SnapshotServer
 from potluck.peer.follower import Held
-from potluck.peer.spill import Spill
+from potluck.peer.outer.spill import Spill
 
 
 def epoch_of(snap: Snapshot) -> int:

@@ -1,6 +1,6 @@
 """One run of the outer all-reduce as a value: its phase, whom it stopped waiting for, who went past it.
 
-:meth:`~potluck.peer.allreduce.AllReduce.run` makes one per round and hands it to every thread that acts
+:meth:`~potluck.peer.reduce.allreduce.AllReduce.run` makes one per round and hands it to every thread that acts
 for the round, so a thread of a past round (a probe answering late, a send that failed late) can only
 touch its own, finished round (in the style of hivemind's ``AveragingStage`` and torch elastic's
 rendezvous state objects).
@@ -12,7 +12,7 @@ import enum
 import threading
 from concurrent.futures import Future
 
-from potluck.peer.shards import RoundInfo
+from potluck.peer.reduce.shards import RoundInfo
 from potluck.protos.runtime.log import get_logger, short_id
 
 log = get_logger(__name__)

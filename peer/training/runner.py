@@ -4,7 +4,7 @@
 their gradients, AdamW's moments and DiLoCo's outer state (theta_global, momentum, every
 pseudo-gradient and its all-reduce sums) are float32 whatever ``train.precision`` says. The one
 exception is asked for by name: ``train.weights = "bf16"`` keeps the inner phase's weights and
-gradients in bf16 (:class:`~potluck.peer.stage.StageWorker`), the master copy being theta_global on
+gradients in bf16 (:class:`~potluck.peer.training.stage.StageWorker`), the master copy being theta_global on
 the host. Only the
 matmuls of the forward pass (and with them their backward) run in bf16 or fp16; the loss is taken in
 fp32 (:func:`potluck.models.lm_loss`), and activations cross between pipeline stages as fp32 (the
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from potluck.peer.model import forward_layers
+from potluck.peer.training.model import forward_layers
 from potluck.protos.config.runconfig import TrainConfig
 from potluck.protos.runtime.log import get_logger
 

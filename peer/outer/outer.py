@@ -18,7 +18,7 @@ pseudo-gradient. ``base`` is a state every member of the group holds bit for bit
 usually the group's common result of two steps before), so what travels is small differences, and
 every member adds the same mean to the same base: the group ends bit-identical.
 
-With ``sync.fragments = F > 1`` (:mod:`potluck.peer.fragments`) step ``s`` averages and steps fragment
+With ``sync.fragments = F > 1`` (:mod:`potluck.peer.outer.fragments`) step ``s`` averages and steps fragment
 ``(s - 1) mod F`` of the vector only: ``delta`` is that fragment's pseudo-gradient, zero-padded to the
 all-reduce's ``m`` elements, and the rest of ``theta_global`` and the momentum is committed as it was.
 
@@ -34,9 +34,9 @@ from dataclasses import dataclass
 import torch
 
 from potluck.compression.transfer import Snapshot
-from potluck.peer.allreduce import AllReduce, AllReduceStats, RoundInfo
-from potluck.peer.diloco import all_finite, nesterov_step, outer_snapshot
-from potluck.peer.fragments import fragment_bounds, fragment_of, fragment_step
+from potluck.peer.outer.diloco import all_finite, nesterov_step, outer_snapshot
+from potluck.peer.outer.fragments import fragment_bounds, fragment_of, fragment_step
+from potluck.peer.reduce.allreduce import AllReduce, AllReduceStats, RoundInfo
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.runtime.log import get_logger
 from potluck.protos.testkit.faults import fault, tamper
@@ -85,9 +85,9 @@ def outer_step(rc: RunConfig, allreduce: AllReduce, info: RoundInfo, held: Snaps
     step from ``held`` (None: nothing valid to contribute; the member still takes the step). ``samples``: the
     samples ``delta`` was trained on, its weight in the average. With a ``base`` (grouped averaging), average
     whole outer steps as differences from it instead (see the module). ``pace_s``: spread the sends over this
-    long (an overlapped step: ``sync.pace``, :mod:`potluck.peer.pacing`); 0: at line rate.
+    long (an overlapped step: ``sync.pace``, :mod:`potluck.peer.reduce.pacing`); 0: at line rate.
 
-    Raises :class:`~potluck.peer.allreduce.IncompleteRound` when the step cannot be committed.
+    Raises :class:`~potluck.peer.reduce.allreduce.IncompleteRound` when the step cannot be committed.
     """
     fault("outer.start", info.step)
     theta = held.tensors["theta"]

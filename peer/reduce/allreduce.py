@@ -24,7 +24,7 @@ half-averaged update, and an empty average (zeros that momentum would still turn
 never commits.
 
 Messages for a step can arrive before this member reaches it (it may still be running inner steps);
-the receiving half, a :class:`~potluck.peer.shardinbox.ShardInbox` the procedure holds (``inbox``: the RPC
+the receiving half, a :class:`~potluck.peer.reduce.shardinbox.ShardInbox` the procedure holds (``inbox``: the RPC
 handlers and what they keep), keeps them, checked, until it does. The procedure owns the condition both
 share and passes it in; it reaches the inbox's state only through the inbox's methods. Each run of the
 procedure is a value, a :class:`ReduceRound`, handed to every thread that acts for it.
@@ -51,11 +51,11 @@ from potluck.compression.aggregate import (
 from potluck.compression.audit import Signed
 from potluck.compression.int8 import Codec
 from potluck.compression.stream import EncodedStream
-from potluck.peer.diloco import host_vector
-from potluck.peer.pacing import Pacing, paced, round_bytes
-from potluck.peer.reduceround import Phase, ReduceRound
-from potluck.peer.shardinbox import ShardInbox, result_stream
-from potluck.peer.shards import (
+from potluck.peer.outer.diloco import host_vector
+from potluck.peer.reduce.pacing import Pacing, paced, round_bytes
+from potluck.peer.reduce.reduceround import Phase, ReduceRound
+from potluck.peer.reduce.shardinbox import ShardInbox, result_stream
+from potluck.peer.reduce.shards import (
     AllReduceStats,
     IncompleteRound,
     MemberAddr,
@@ -125,7 +125,7 @@ class AllReduce:
         ``receipts``: sign a receipt for each contribution this member keeps as an owner, and hold owners to theirs
         (off only to measure what they cost: ``benchmarks/verified_reduction.py``). ``evidence_share``: how many
         times a step auditors are expected to fetch an owner's shard inputs, which a paced round budgets
-        (:func:`~potluck.peer.pacing.round_bytes`)."""
+        (:func:`~potluck.peer.reduce.pacing.round_bytes`)."""
         self.run_id, self.me, self.numel, self.codec = run_id, me, numel, codec
         self.pinned = pinned
         self.sign = sign or (lambda digest: b"")
@@ -189,7 +189,7 @@ class AllReduce:
         ``delta`` is None when this member has nothing valid to contribute (it still owns its shard
         and gathers the result). ``samples``: the work in ``delta`` (the samples it was trained on), its
         weight in the average, signed with it. Raises :class:`IncompleteRound` if a shard cannot be had in time.
-        ``pace_s``: spread this member's contributions and results over about this long (:mod:`potluck.peer.pacing`).
+        ``pace_s``: spread this member's contributions and results over about this long (:mod:`potluck.peer.reduce.pacing`).
         """
         t_start = time.monotonic()
         sent_before = self.client.traffic.snapshot()[0].get("outer", 0)

@@ -5,7 +5,7 @@ owner knows, when it signs its result, whether or by whom it will be checked. A 
 audits on a thread of its own during the next inner phase:
 
 1. the owner's signed result is the one this peer received as a member of that round (kept by
-   :class:`~potluck.peer.allreduce.AllReduce` for one step after it);
+   :class:`~potluck.peer.reduce.allreduce.AllReduce` for one step after it);
 2. the contributions come from the owner (``FetchInputs``), each signed by its sender;
 3. :func:`potluck.compression.audit.check` says whether the result is what they make.
 

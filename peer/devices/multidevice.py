@@ -3,7 +3,7 @@
 The N processes (one per GPU, or N CPU processes) are *one* peer of the swarm. Rank 0, the
 **leader**, is the peer the others see: it joins the DHT, serves gRPC, takes part in the outer
 all-reduce and reports. Ranks 1..N-1, the **helpers**, only compute: each holds a replica of the
-leader's stage worker (or, with ``--devices shard``, its share of one: :mod:`potluck.peer.sharding`)
+leader's stage worker (or, with ``--devices shard``, its share of one: :mod:`potluck.peer.devices.sharding`)
 and does what the leader's commands say, sent over a gloo group::
 
     Setup(run config, shard)   once, when the leader has joined the run
@@ -17,7 +17,7 @@ and does what the leader's commands say, sent over a gloo group::
     Eval(inputs)               sharded: each rank runs the same forward passes (their all-gathers pair up)
     Stop(reason)               the leader is done
 
-Every rank runs the same :class:`~potluck.peer.stage.StageWorker` code for an inner step: forward and
+Every rank runs the same :class:`~potluck.peer.training.stage.StageWorker` code for an inner step: forward and
 backward on its ``batch_size / N`` rows, then the mean of the gradients (and of the loss, for the
 report) over the device group, then the same AdamW step. Identical parameters and identical averaged
 gradients give identical parameters, so the ranks stay in lockstep without moving parameters during
@@ -55,10 +55,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from potluck.peer import sharding
-from potluck.peer.data import Dataset
-from potluck.peer.diloco import flatten_params, load_flat
-from potluck.peer.stage import Batch, StageWorker
+from potluck.peer.devices import sharding
+from potluck.peer.outer.diloco import flatten_params, load_flat
+from potluck.peer.training.data import Dataset
+from potluck.peer.training.stage import Batch, StageWorker
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.config.section import ConfigError
 from potluck.protos.runtime.log import get_logger, set_context
@@ -325,7 +325,7 @@ class Trace:
 
 class Leader:
     """Rank 0's side: it tells the helpers what to do, and its stage worker calls the hooks of
-    :class:`~potluck.peer.stage.Devices` (``worker.devices``)."""
+    :class:`~potluck.peer.training.stage.Devices` (``worker.devices``)."""
 
     def __init__(self, group: DeviceGroup, shard: bool = False) -> None:
         self.group = group

@@ -25,7 +25,7 @@ import torch
 
 from potluck.compression.acsgd import AcsgdMessage, AcsgdReceiver, BufferMissError
 from potluck.compression.actcodec import ActCodec, CodecError, wire_sizes
-from potluck.peer import pipewire
+from potluck.peer.pipeline import pipewire
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config.runconfig import ModelConfig, PipelineConfig
 from potluck.protos.runtime.log import get_logger, short_id
@@ -128,7 +128,7 @@ def kind_codecs(cfg: PipelineConfig) -> dict[str, ActCodec]:
 class Inbox:
     """This stage's incoming store: the current round and its mail.
 
-    Owned by one :class:`~potluck.peer.pipeline.Pipeline`. ``cond`` guards the current round, each round's
+    Owned by one :class:`~potluck.peer.pipeline.pipeline.Pipeline`. ``cond`` guards the current round, each round's
     ``mail``/``error``/``broken``, ``closed`` and the newest step a neighbour sent for; gRPC handler threads
     fill the mail and the compute thread empties it. ``receiver_lock`` guards the AC-SGD receiver, since
     messages may arrive together.

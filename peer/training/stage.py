@@ -17,14 +17,14 @@ import torch
 from torch import nn
 
 from potluck.models import sizecheck
-from potluck.peer import sharding
-from potluck.peer.data import Dataset, SpanSampler
-from potluck.peer.diloco import flatten_params, host_vector, load_flat
-from potluck.peer.joining import device_memory
-from potluck.peer.model import build_layers, lm_loss
-from potluck.peer.piperound import PipelineBroken, PipelineStall
-from potluck.peer.runner import StageRunner
-from potluck.peer.window import Why
+from potluck.peer.devices import sharding
+from potluck.peer.outer.diloco import flatten_params, host_vector, load_flat
+from potluck.peer.pipeline.piperound import PipelineBroken, PipelineStall
+from potluck.peer.swarm.joining import device_memory
+from potluck.peer.training.data import Dataset, SpanSampler
+from potluck.peer.training.model import build_layers, lm_loss
+from potluck.peer.training.runner import StageRunner
+from potluck.peer.training.window import Why
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.runtime.log import get_logger
 from potluck.protos.testkit.faults import fault, tamper
@@ -36,7 +36,7 @@ Batch = tuple[list[int], torch.Tensor, torch.Tensor]  # sample ids, tokens, next
 
 
 class PipelineLink(Protocol):
-    """How a stage reaches its neighbours (see :class:`potluck.peer.pipeline.Pipeline`). ``last``: stage 0 says
+    """How a stage reaches its neighbours (see :class:`potluck.peer.pipeline.pipeline.Pipeline`). ``last``: stage 0 says
     this step ends its inner phase; the stages after it read that from what they receive (``ended``)."""
 
     ended: bool
@@ -50,10 +50,10 @@ class PipelineLink(Protocol):
 
 
 class Devices(Protocol):
-    """The devices of a multi-device peer, as its stage workers see them (:mod:`potluck.peer.multidevice`):
+    """The devices of a multi-device peer, as its stage workers see them (:mod:`potluck.peer.devices.multidevice`):
     each inner step every device trains on its slice of the batch and they average their gradients, so
     all keep the same parameters; a load outside the inner loop reaches them all. ``sharded``: each
-    device holds its rows of the stage only (:mod:`potluck.peer.sharding`), so theta is gathered from
+    device holds its rows of the stage only (:mod:`potluck.peer.devices.sharding`), so theta is gathered from
     them, a load is theirs to copy out, and an evaluation's forward passes run on all of them."""
 
     @property
@@ -73,7 +73,7 @@ class Devices(Protocol):
 
 
 class Pacer(Protocol):
-    """How many inner steps fit the round's window (:class:`potluck.peer.window.Pace`)."""
+    """How many inner steps fit the round's window (:class:`potluck.peer.training.window.Pace`)."""
 
     def next(self, done: int, now: float, ahead: float = 0.0) -> Why | None: ...
 
@@ -179,7 +179,7 @@ class StageWorker:
                     ) -> InnerPhase:
         """Inner AdamW steps on the samples at ``spans`` (global positions: this replica's share of the step,
         which only stage 0 reads); ``on_step(i, loss, seconds)``. Without ``pace``, H of them; with it, as many as
-        fit the round's window (:mod:`potluck.peer.window`). In a pipeline stage 0 decides, and the stages
+        fit the round's window (:mod:`potluck.peer.training.window`). In a pipeline stage 0 decides, and the stages
         after it end with the step it marked its last."""
         rc = self.rc
         cap = self.cap(spans)
@@ -264,13 +264,13 @@ class StageWorker:
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         """AdamW; on a GPU its fused kernel (one launch a step for every parameter, instead of a few per tensor). With
-        ``train.optimizer = "adamw8bit"``, its moments in 8 bits (:mod:`potluck.peer.adamw8bit`)."""
+        ``train.optimizer = "adamw8bit"``, its moments in 8 bits (:mod:`potluck.peer.training.adamw8bit`)."""
         t = self.rc.train
         seed = t.seed * 1000 + self.stage
 
         def make(params: list[nn.Parameter], seed: int = seed) -> torch.optim.Optimizer:
             if t.optimizer == "adamw8bit" or self.bf16:  # (bf16 weights: fp32 moments unless 8-bit, stochastic rounding)
-                from potluck.peer.adamw8bit import AdamW8bit
+                from potluck.peer.training.adamw8bit import AdamW8bit
 
                 return AdamW8bit(params, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
                                  eight_bit=t.optimizer == "adamw8bit", seed=seed)
@@ -279,7 +279,7 @@ class StageWorker:
                                      **({"fused": True} if fused else {}))
 
         if t.step_in_backward:  # one optimizer a parameter, stepped in the backward (each its own rounding noise)
-            from potluck.peer.inbackward import StepInBackward
+            from potluck.peer.training.inbackward import StepInBackward
 
             index = {id(p): k for k, p in enumerate(self.params)}
             return StepInBackward(self.params, lambda ps: make(ps, seed * 100_003 + index[id(ps[0])]))  # type: ignore[return-value]

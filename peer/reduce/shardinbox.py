@@ -6,10 +6,10 @@ non-members. Nothing is stored until a whole stream checks out (run, step, epoch
 state, shard bounds, signature). The step that ends is kept, with its results and an owner's signed
 inputs, for :data:`KEEP_STEPS` steps: audits of it ask for them (FetchResult, FetchInputs).
 
-The procedure (:class:`~potluck.peer.allreduce.AllReduce`) holds one inbox and reaches it only through its public
+The procedure (:class:`~potluck.peer.reduce.allreduce.AllReduce`) holds one inbox and reaches it only through its public
 methods: it hands over what it makes itself (its own contribution, its own results, what it sent), closes a shard
 when it reduces it, and reads what arrived. Both share one condition, which the procedure makes and passes in:
-it waits on it for what arrives here, and its :class:`~potluck.peer.reduceround.ReduceRound` notifies it too.
+it waits on it for what arrives here, and its :class:`~potluck.peer.reduce.reduceround.ReduceRound` notifies it too.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from potluck.compression.audit import ResultClaim, Signed
 from potluck.compression.audit import Round as AuditRound
 from potluck.compression.int8 import Codec
 from potluck.compression.stream import Assembler, WireError, tensor_digest
-from potluck.peer.audit import HeldResult
-from potluck.peer.shards import Buffers, Outcome, RoundInfo, ShardResult, shard_bounds
+from potluck.peer.reduce.audit import HeldResult
+from potluck.peer.reduce.shards import Buffers, Outcome, RoundInfo, ShardResult, shard_bounds
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.net.identity import verify
 from potluck.protos.runtime.log import get_logger, short_id
@@ -69,7 +69,7 @@ class ShardInbox:
 
     It holds, for the step it expects (:meth:`expect`), the contributions to the shards this member
     reduces, the owners' results, and the last few steps kept for audits. All of it is guarded by
-    ``cond``, a Condition the procedure (:class:`~potluck.peer.allreduce.AllReduce`) owns and passes in:
+    ``cond``, a Condition the procedure (:class:`~potluck.peer.reduce.allreduce.AllReduce`) owns and passes in:
     the procedure waits on it for what arrives, and may hold it across several calls here to read one
     consistent view (so its lock must be re-entrant, as a plain ``Condition()``'s is: each method takes it
     again). gRPC handler threads and the procedure's threads touch this state only under it, and every

@@ -18,7 +18,7 @@ With overlapped outer steps the fragment lands a phase later and keeps what that
 
 The step depends only on the step number, so a run resumed from a checkpoint at step ``s`` continues the same
 schedule, and every member of a stage commits the same ``theta_global`` and momentum bits, as with ``F = 1``
-(which is the plain outer step: :func:`potluck.peer.outer.outer_step` keeps its own path for it). Nesterov is
+(which is the plain outer step: :func:`potluck.peer.outer.outer.outer_step` keeps its own path for it). Nesterov is
 elementwise, so the step on a slice gives the bits the step on the whole vector gives there.
 """
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from potluck.peer.diloco import nesterov_step
+from potluck.peer.outer.diloco import nesterov_step
 
 
 def fragment_size(n: int, fragments: int, align: int = 1) -> int:

@@ -11,7 +11,7 @@ A run is a grid of S stages x R replicas. The peer at (stage s, replica r) holds
 
 Sends run off the compute thread, so a stage computes the next micro-batch while the previous one
 is on the wire and waits for the network only when it has nothing else to do. Each direction encodes
-on one thread, in order; the encoded messages are pushed by a small pool (:mod:`potluck.peer.pipesend`), so a
+on one thread, in order; the encoded messages are pushed by a small pool (:mod:`potluck.peer.pipeline.pipesend`), so a
 micro-batch does not wait for the one before it to be acknowledged: a step pays the link's round trip
 once, not once per micro-batch. Sample ids and next-token labels travel with the activations.
 
@@ -26,21 +26,21 @@ and the sender forgets those samples and resends them as first visits. When a bo
 neighbour changes between rounds, both sides drop their buffers for it.
 
 **Any size.** A message travels as a head and a body in pieces of bounded size
-(:mod:`potluck.peer.pipewire`), so a micro-batch of any model crosses, and the receiver decodes it
+(:mod:`potluck.peer.pipeline.pipewire`), so a micro-batch of any model crosses, and the receiver decodes it
 only once all of it has arrived.
 
 **No hang.** A stage waits at most ``pipe_timeout_s`` for a neighbour (longer on the first
 micro-batch of a round, when the neighbour may still be syncing); then it raises
-:class:`~potluck.peer.piperound.PipelineStall`, the peer contributes nothing to this outer step (it still receives the
+:class:`~potluck.peer.pipeline.piperound.PipelineStall`, the peer contributes nothing to this outer step (it still receives the
 average, so it stays in sync), and the coordinator re-forms the grid at the next boundary.
 
 **No retry loop.** A send that can never succeed (the receiver refuses the message for good, or it
-cannot be put on the wire) raises :class:`~potluck.peer.piperound.PipelineBroken`: the peer tells its neighbours at once
+cannot be put on the wire) raises :class:`~potluck.peer.pipeline.piperound.PipelineBroken`: the peer tells its neighbours at once
 (an ``abort`` message, so they stop waiting for it) and stops with that reason, which reaches the
 coordinator's page, the log and the exit code.
 
-What arrives is checked, decoded and queued by :mod:`potluck.peer.piperound`; what leaves is encoded
-and pushed by :mod:`potluck.peer.pipesend`; this module runs the compute of each round between them.
+What arrives is checked, decoded and queued by :mod:`potluck.peer.pipeline.piperound`; what leaves is encoded
+and pushed by :mod:`potluck.peer.pipeline.pipesend`; this module runs the compute of each round between them.
 """
 
 from __future__ import annotations
@@ -54,10 +54,18 @@ import torch
 from torch import nn
 
 from potluck.compression.acsgd import AcsgdConfig, AcsgdReceiver, AcsgdSender
-from potluck.peer.links import Bursts
-from potluck.peer.model import forward_layers, lm_loss
-from potluck.peer.piperound import Activations, Gradient, Inbox, Neighbour, Round, arrived, kind_codecs
-from potluck.peer.pipesend import PipeTraffic, Sends
+from potluck.peer.pipeline.piperound import (
+    Activations,
+    Gradient,
+    Inbox,
+    Neighbour,
+    Round,
+    arrived,
+    kind_codecs,
+)
+from potluck.peer.pipeline.pipesend import PipeTraffic, Sends
+from potluck.peer.swarm.links import Bursts
+from potluck.peer.training.model import forward_layers, lm_loss
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config.runconfig import ModelConfig, PipelineConfig
 from potluck.protos.net.transport import PeerClient
@@ -69,8 +77,8 @@ log = get_logger(__name__)
 
 class Pipeline:
     """This peer's side of its replica's pipeline, for one stage: the compute of each round, in the order of
-    :meth:`schedule`. What arrives is the :class:`~potluck.peer.piperound.Inbox`'s (``inbox``); what leaves,
-    :class:`~potluck.peer.pipesend.Sends`' (``sends``). Its own state (``in_flight``) is the compute thread's."""
+    :meth:`schedule`. What arrives is the :class:`~potluck.peer.pipeline.piperound.Inbox`'s (``inbox``); what leaves,
+    :class:`~potluck.peer.pipeline.pipesend.Sends`' (``sends``). Its own state (``in_flight``) is the compute thread's."""
 
     def __init__(
         self,
@@ -155,7 +163,7 @@ class Pipeline:
         ``last`` (this step ends its inner phase: the round's window is over) travels with its forwards, and
         each stage after it passes it on and ends its phase with the same step (:attr:`ended`).
         Gradients accumulate in ``layers``; the caller steps the optimizer. ``forward`` runs the
-        layers (a :class:`potluck.peer.runner.StageRunner`: autocast, checkpointing, compiled layers);
+        layers (a :class:`potluck.peer.training.runner.StageRunner`: autocast, checkpointing, compiled layers);
         by default plainly in fp32. Whatever it computes in, activations and gradients go on the wire
         as fp32 tensors, so neighbours never need to agree on a precision.
         """

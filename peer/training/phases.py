@@ -1,6 +1,6 @@
 """One inner phase of a round, in a swarm of peers of different speeds.
 
-The stage worker trains; the window (:mod:`potluck.peer.window`) says how many steps fit. Around them,
+The stage worker trains; the window (:mod:`potluck.peer.training.window`) says how many steps fit. Around them,
 this room does what a member owes the others and its volunteer for that:
 
 * it starts the window's clock and gives it the most steps the member's data share holds;
@@ -16,10 +16,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from potluck.peer.stage import InnerPhase
+from potluck.peer.swarm.telemetry import Telemetry
 from potluck.peer.tasklet import Tasklet
-from potluck.peer.telemetry import Telemetry
-from potluck.peer.window import Pace, Why, too_slow_advice
+from potluck.peer.training.stage import InnerPhase
+from potluck.peer.training.window import Pace, Why, too_slow_advice
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.runtime.log import get_logger

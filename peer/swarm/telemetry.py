@@ -2,7 +2,7 @@
 
 The same figures reach the logs, Ping replies, the DHT record the coordinator reads, and through it
 the status page and ``/metrics`` (every byte and wait a peer measures is shown somewhere). The
-inner steps also reach the volunteer's own screen, through :mod:`potluck.peer.progress`.
+inner steps also reach the volunteer's own screen, through :mod:`potluck.peer.swarm.progress`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from potluck import __version__
-from potluck.peer.allreduce import AllReduceStats
-from potluck.peer.progress import ProgressReporter
-from potluck.peer.window import Ended
+from potluck.peer.reduce.allreduce import AllReduceStats
+from potluck.peer.swarm.progress import ProgressReporter
+from potluck.peer.training.window import Ended
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.runtime.log import get_logger, short_id
 from potluck.protos.testkit.faults import tamper
@@ -59,7 +59,7 @@ class Progress:
 
 class Telemetry:
     def __init__(self, peer_id: str, name: str, started_at: float, progress: str = "auto") -> None:
-        """``progress``: how inner steps are shown, one of :data:`potluck.peer.progress.MODES`."""
+        """``progress``: how inner steps are shown, one of :data:`potluck.peer.swarm.progress.MODES`."""
         self.peer_id, self.name, self.started_at = peer_id, name, started_at
         self.progress = Progress()
         self.reporter = ProgressReporter(progress)

@@ -20,9 +20,9 @@ import torch
 
 from potluck.compression.acsgd import AcsgdSender
 from potluck.compression.actcodec import ActCodec, CodecError, Packet
-from potluck.peer import pipewire
-from potluck.peer.links import Bursts
-from potluck.peer.piperound import Inbox, Neighbour, PipelineStall, Round, raise_for
+from potluck.peer.pipeline import pipewire
+from potluck.peer.pipeline.piperound import Inbox, Neighbour, PipelineStall, Round, raise_for
+from potluck.peer.swarm.links import Bursts
 from potluck.protos import potluck_pb2 as pb
 from potluck.protos.config.runconfig import PipelineConfig
 from potluck.protos.net.transport import PeerClient
@@ -80,7 +80,7 @@ class Outgoing:
 
 
 class Sends:
-    """This stage's outgoing micro-batches, for one :class:`~potluck.peer.pipeline.Pipeline` (which owns it).
+    """This stage's outgoing micro-batches, for one :class:`~potluck.peer.pipeline.pipeline.Pipeline` (which owns it).
 
     ``_pending`` is the compute thread's (sent, not yet flushed); ``_on_wire`` the forward encoder thread's;
     ``sender_lock`` guards the AC-SGD sender (encoded in order, re-encoded by a push on a miss); ``_count_lock``

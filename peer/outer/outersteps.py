@@ -28,13 +28,13 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from potluck.compression.transfer import Snapshot
-from potluck.peer.allreduce import IncompleteRound, RoundInfo
-from potluck.peer.diloco import all_finite, host_vector
 from potluck.peer.follower import Action, Held, Train
-from potluck.peer.fragments import fragment_delta, mix
-from potluck.peer.outer import OuterResult, outer_step, pseudo_gradient, step_fragment
-from potluck.peer.pacing import pace_seconds
-from potluck.peer.states import epoch_of
+from potluck.peer.outer.diloco import all_finite, host_vector
+from potluck.peer.outer.fragments import fragment_delta, mix
+from potluck.peer.outer.outer import OuterResult, outer_step, pseudo_gradient, step_fragment
+from potluck.peer.outer.states import epoch_of
+from potluck.peer.reduce.allreduce import IncompleteRound, RoundInfo
+from potluck.peer.reduce.pacing import pace_seconds
 from potluck.peer.tasklet import Tasklet
 from potluck.protos.runtime.log import get_logger, set_context
 from potluck.protos.testkit.faults import fault
@@ -43,9 +43,9 @@ from potluck.protos.wire.states import PeerState
 
 if TYPE_CHECKING:
     from potluck.peer.follower import Follower
-    from potluck.peer.heartbeat import Heartbeat
-    from potluck.peer.phases import InnerPhases
-    from potluck.peer.telemetry import Telemetry
+    from potluck.peer.swarm.heartbeat import Heartbeat
+    from potluck.peer.swarm.telemetry import Telemetry
+    from potluck.peer.training.phases import InnerPhases
     from potluck.protos.config.runconfig import PeerConfig, RunConfig
 
 PACE_PHASES = 5  # sync.pace: the inner phases whose median duration an overlapped step is paced over

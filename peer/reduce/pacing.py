@@ -6,7 +6,7 @@ outer step overlaps the next inner phase (``diloco.overlap``), nothing waits for
 so its sends can be spread out: :class:`Pacer` gives the round's streams (the contributions and, as an owner, the
 results) one shared rate, ``bytes / (sync.pace x the measured inner phase)``, as a virtual clock: each chunk goes
 at the time the ones before it, at that rate, allow (never earlier), and no chunk is held back once the rate allows
-it. An owner's result goes to its backup first (:meth:`~potluck.peer.allreduce.AllReduce._distribute`), paced too,
+it. An owner's result goes to its backup first (:meth:`~potluck.peer.reduce.allreduce.AllReduce._distribute`), paced too,
 with that transfer's timeout stretched by what the pace makes it take (:meth:`Pacer.eta`): unpaced, the backup's
 copy was the burst left in a paced step's peak second (in a group of two, the whole result). The rate budgets the
 evidence auditors fetch from an owner too (:func:`round_bytes`). Measured (``benchmarks/wan_throughput.py``,

@@ -1,7 +1,7 @@
 """DiLoCo's outer step on a flat float32 ``theta_global`` kept on the CPU.
 
 After H inner AdamW steps a member holds ``theta_local``. The pseudo-gradient is
-``delta = theta_global - theta_local``; the members average it (:mod:`potluck.peer.allreduce`) and
+``delta = theta_global - theta_local``; the members average it (:mod:`potluck.peer.reduce.allreduce`) and
 every member applies the same outer SGD step with Nesterov momentum (Douillard et al. 2023; lr 0.7,
 momentum 0.9)::
 

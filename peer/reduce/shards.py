@@ -1,4 +1,4 @@
-"""What one outer step's all-reduce is made of, apart from the procedure (:mod:`potluck.peer.allreduce`):
+"""What one outer step's all-reduce is made of, apart from the procedure (:mod:`potluck.peer.reduce.allreduce`):
 its members and their shards, how a shard was reduced and who vouches for it, what a member reports
 of the step, and the shard-sized buffers results are decoded into, kept from one step for the next."""
 
