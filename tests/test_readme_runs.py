@@ -1,6 +1,7 @@
-"""The README's runs, for real (slow): its first run trains with a real coordinator and peer and its
-model loads; "Train a real model" trains, exports and generates; a self-signed status page reads with
-the fingerprint the coordinator prints. The README's status, export and Python lines run against them.
+"""The README's runs, for real (slow), beyond what ``test_readme.py`` runs of "A real run" section by section
+(its first run, status, export and Python lines among them): "Train a real model" split into 2 stages, whose
+exported folder gives the run's own eval loss; a self-signed status page reads with the fingerprint the
+coordinator prints.
 """
 
 from __future__ import annotations
@@ -28,36 +29,6 @@ def logs_on_failure(swarm: LocalSwarm) -> Iterator[None]:
     except BaseException:
         swarm.dump_logs()
         raise
-
-
-@pytest.mark.slow
-def test_the_first_run_trains_and_its_model_loads(procs: ProcessGroup, tmp_path: Path) -> None:
-    cfg = load_config(REPO / "examples" / "run.toml")
-    # What a test must change, and nothing else: this machine only, any free ports, and the journal in
-    # tmp_path, where the README's `potluck export --journal-dir potluck-run` finds it.
-    cfg = apply_overrides(cfg, {"coordinator.host": "127.0.0.1", "coordinator.dht_port": 0, "coordinator.grpc_port": 0,
-                                "coordinator.status_port": 0, "coordinator.journal_dir": str(tmp_path / "potluck-run")})
-    swarm = LocalSwarm(tmp_path / "swarm", procs)
-    with logs_on_failure(swarm):
-        ready = swarm.start_coordinator(cfg)
-        swarm.start_peer()  # the README's `potluck peer --join ADDRESS`, with its own key in tmp_path
-        swarm.wait_state(lambda s: s["run"]["outer_step"] >= 1, 120, "the first outer step")
-        swarm.wait_state(lambda s: s["run"]["finished"], 120, f"all {cfg.diloco.outer_steps} outer steps")
-        final = tmp_path / "potluck-run" / "checkpoints" / f"ckpt-{cfg.diloco.outer_steps:06d}.json"
-        swarm.wait_for(final.exists, 30, f"the final checkpoint {final.name}")
-
-        status = readme_command("potluck", "status", lacking="--fingerprint")
-        status = [potluck_exe(), *status[1:-1], ready["status_url"]]  # the README's address is a public one
-        done = subprocess.run(status, cwd=tmp_path, capture_output=True, text=True, timeout=60)
-        assert done.returncode == 0 and "first-run" in done.stdout, done.stdout + done.stderr
-
-        export = [potluck_exe(), *readme_command("potluck", "export", lacking="model-hf")[1:]]
-        done = subprocess.run(export, cwd=tmp_path, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stdout + done.stderr
-        for block in (b for b in BLOCKS if b.lang == "python" and "model-hf" not in b.text):
-            done = subprocess.run([sys.executable, "-c", block.text], cwd=tmp_path, capture_output=True, text=True,
-                                  timeout=120)
-            assert done.returncode == 0, f"{block}:\n{done.stderr}"
 
 
 @pytest.mark.slow
