@@ -356,3 +356,37 @@ def test_acsgd_error_much_smaller_than_direct_on_slow_drift() -> None:
                 err_ac += float((rec - a).norm() / a.norm())
                 err_direct += float((direct.decode(direct.encode(a)) - a).norm() / a.norm())
     assert err_ac < err_direct / 10
+
+
+@pytest.mark.parametrize("threshold", [1 << 30, 0, 100 * 6 * 4])
+def test_a_buffer_growing_over_many_pages_holds_what_a_dict_holds(threshold: int, tmp_path) -> None:
+    """Samples arrive, are overwritten and forgotten over several doublings (pages of 16, 16, 32, 64... slots), in
+    RAM, on disk from the start, or moving to disk on the way (``threshold``): every entry reads back as a plain
+    dict of the same puts holds it, a handed-over shard too, and growing never copies a page held before."""
+    from potluck.compression.actbuffer import ActivationBuffer
+
+    buf = ActivationBuffer(memmap_threshold_bytes=threshold, memmap_dir=str(tmp_path))
+    ref: dict[int, np.ndarray] = {}
+    gen = np.random.default_rng(0)
+    first_page = None
+    for step in range(40):
+        ids = [int(i) for i in gen.choice(400, size=12, replace=False)]
+        values = torch.from_numpy(gen.standard_normal((12, 2, 3)).astype(np.float32))
+        buf.put(ids, values, [step + 1] * 12)
+        ref.update({i: values[k].numpy().copy() for k, i in enumerate(ids)})
+        if step % 7 == 6:
+            gone = sorted(ref)[::5]
+            buf.forget(gone)
+            for i in gone:
+                del ref[i]
+        if first_page is None:
+            first_page = buf._pages[0]  # (the test looks at the storage itself)
+        if not buf.on_disk:
+            assert buf._pages[0] is first_page
+    assert len(buf._pages) >= 4 and buf.on_disk == (threshold < 1 << 30)
+    ids = sorted(ref)
+    assert torch.equal(buf.get(ids), torch.from_numpy(np.stack([ref[i] for i in ids])))
+    other = ActivationBuffer()
+    other.import_state(buf.export_state(ids[::3]))
+    assert torch.equal(other.get(ids[::3]), buf.get(ids[::3])) and other.digest() == buf.digest(ids[::3])
+    assert list(tmp_path.iterdir()) == []  # memmap files are unlinked at creation
