@@ -54,7 +54,8 @@ class ActivationBuffer:
     Capacity doubles as samples arrive, by a new page as big as all the others: nothing held is copied to
     grow, and there are as many pages as doublings. (A single array that doubled by copying held its old
     and new storage at once: filled with 141 MB of entries its process peaked 1.73x that over its start,
-    the pages 1.03x, for the same CPU, ``benchmarks/actbuffer_growth.py``.) The pages are in RAM, and move to numpy memmaps (unlinked temporary
+    the pages 1.02-1.03x, for no more CPU, ``benchmarks/actbuffer_growth.py``.) A put or get within one page
+    indexes it at once; across pages, a row at a time, so no temporary is as big as the rows. The pages are in RAM, and move to numpy memmaps (unlinked temporary
     files in ``memmap_dir``, so nothing is left behind), a page at a time, as soon as the capacity would
     exceed ``memmap_threshold_bytes``; later pages are made on disk. Forgotten slots are reused. Not thread-safe: its owner (one
     :class:`~potluck.compression.acsgd.AcsgdSender` or ``AcsgdReceiver``) is driven by one stage worker,
@@ -184,16 +185,17 @@ class ActivationBuffer:
         if len(slots) and (pages == pages[0]).all():
             return self._pages[pages[0]][slots - self._starts[pages[0]]]
         out = np.empty((len(slots), *(self.sample_shape or ())), self._np)
-        for k in np.unique(pages):
-            held = pages == k
-            out[held] = self._pages[k][slots[held] - self._starts[k]]
+        for j, (k, slot) in enumerate(zip(pages.tolist(), slots.tolist(), strict=True)):
+            out[j] = self._pages[k][slot - self._starts[k]]  # (a row at a time: no temporary as big as the rows)
         return out
 
     def _write(self, slots: np.ndarray, rows: np.ndarray) -> None:
         pages = self._where(slots)
-        for k in np.unique(pages):
-            held = pages == k
-            self._pages[k][slots[held] - self._starts[k]] = rows[held]
+        if len(slots) and (pages == pages[0]).all():
+            self._pages[pages[0]][slots - self._starts[pages[0]]] = rows
+            return
+        for j, (k, slot) in enumerate(zip(pages.tolist(), slots.tolist(), strict=True)):
+            self._pages[k][slot - self._starts[k]] = rows[j]
 
     def _memmap(self, shape: tuple[int, ...]) -> np.ndarray:
         fd, path = tempfile.mkstemp(prefix="acsgd-", suffix=".buf", dir=self.memmap_dir)

@@ -70,7 +70,7 @@ def test_scheduler_keeps_pipelines_inside_regions_and_is_faster(swarm, tmp_path:
     swarm.procs.stop()
     swarm.peers.clear()
 
-    sticky = run(swarm, "sticky", outer_steps=3)  # peers in id order, blind to regions (steady from step 1)
+    sticky = run(swarm, "sticky", outer_steps=4)  # peers in id order, blind to regions (steady from step 1)
     if all(len(r) == 1 for r in regions_of(sticky)):
         pytest.skip("the id order happened to align with the regions (p = 9/105); nothing to compare")
     sticky_s = step_seconds(sticky)
