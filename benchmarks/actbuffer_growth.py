@@ -14,6 +14,7 @@ the process held before its first put, against the bytes the entries take, and t
 
 from __future__ import annotations
 
+import argparse
 import json
 import resource
 import statistics
@@ -77,7 +78,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--d-model", type=int, default=240)
     parser.add_argument("--repeats", type=int, default=3, help="fresh processes per side, alternating")
-    parser.add_argument("--one", choices=["pages", "doubling"], help=argparse_hidden())
+    parser.add_argument("--one", choices=["pages", "doubling"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         print(json.dumps(one(args.one, args.samples, args.seq, args.d_model)))
@@ -99,12 +100,6 @@ def main() -> None:
         "cpu_s_pages": round(cpu["pages"], 3), "cpu_s_doubling": round(cpu["doubling"], 3),
         "cpu_ratio": round(cpu["pages"] / cpu["doubling"], 3), "runs": runs,
     }))
-
-
-def argparse_hidden() -> str:
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":

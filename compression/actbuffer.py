@@ -175,24 +175,25 @@ class ActivationBuffer:
             self._pages.append(self._memmap(shape) if self._on_disk else np.zeros(shape, self._np))
             self._starts.append(capacity)
 
-    def _where(self, slots: np.ndarray) -> np.ndarray:
-        """The page of each slot."""
-        return np.searchsorted(np.asarray(self._starts, np.int64), slots, side="right") - 1
+    def _where(self, slots: np.ndarray) -> tuple[np.ndarray, int | None]:
+        """The page of each slot, and that page when they are all in one (the usual micro-batch), else None."""
+        pages = np.searchsorted(np.asarray(self._starts, np.int64), slots, side="right") - 1
+        return pages, (int(pages[0]) if len(slots) and (pages == pages[0]).all() else None)
 
     def _rows(self, slots: np.ndarray) -> np.ndarray:
         """The entries in ``slots``, in that order (a copy)."""
-        pages = self._where(slots)
-        if len(slots) and (pages == pages[0]).all():
-            return self._pages[pages[0]][slots - self._starts[pages[0]]]
+        pages, one = self._where(slots)
+        if one is not None:
+            return self._pages[one][slots - self._starts[one]]
         out = np.empty((len(slots), *(self.sample_shape or ())), self._np)
         for j, (k, slot) in enumerate(zip(pages.tolist(), slots.tolist(), strict=True)):
             out[j] = self._pages[k][slot - self._starts[k]]  # (a row at a time: no temporary as big as the rows)
         return out
 
     def _write(self, slots: np.ndarray, rows: np.ndarray) -> None:
-        pages = self._where(slots)
-        if len(slots) and (pages == pages[0]).all():
-            self._pages[pages[0]][slots - self._starts[pages[0]]] = rows
+        pages, one = self._where(slots)
+        if one is not None:
+            self._pages[one][slots - self._starts[one]] = rows
             return
         for j, (k, slot) in enumerate(zip(pages.tolist(), slots.tolist(), strict=True)):
             self._pages[k][slot - self._starts[k]] = rows[j]
