@@ -10,7 +10,10 @@ members end with bit-identical results, and member 0 compares them with the exac
 hivemind: ``benchmarks/hivemind_allreduce.py`` (real DHT nodes and ``DecentralizedAverager`` with
 ``Uniform8BitQuantization``, group formed beforehand, only the all-reduce timed), run in its own venv
 with numpy < 2.4 (with numpy 2.4 its decoder fails and it averages half the vector), which checks the
-mean the same way. Both sides pin ``--threads`` torch threads per process; rounds alternate between
+mean the same way. Our members set the C allocator as a peer does (what a round frees waits for the next
+round: :func:`potluck.protos.runtime.heap.hold`; ``--allocator default`` leaves glibc's defaults, to measure what
+that saves); the median page faults a member takes in a round and the members' peak resident set are printed.
+Both sides pin ``--threads`` torch threads per process; rounds alternate between
 the two in the same run (``--trials`` pairs). Target (issue 16): ours <= 0.5x hivemind's time; since verified reduction (issue 48): <= 0.45x, every check on.
 
     python benchmarks/allreduce_vs_hivemind.py [--numel 20000000] [--peers 3] [--rounds 3] [--trials 1]
@@ -22,6 +25,7 @@ import argparse
 import hashlib
 import json
 import multiprocessing as mp
+import resource
 import statistics
 import subprocess
 import sys
@@ -47,8 +51,10 @@ def _member(idx: int, args: argparse.Namespace, ca_path: str, conn, barrier) -> 
     from potluck.protos.net.certs import CertificateAuthority, TlsIdentity
     from potluck.protos.net.identity import Identity
     from potluck.protos.net.transport import PeerClient, PeerServer, Traffic
-    from potluck.protos.runtime.heap import Heap
+    from potluck.protos.runtime.heap import Heap, hold
 
+    if args.allocator == "hold":
+        hold()  # as a peer does at start (potluck.cli's peer command): what a round frees waits for the next round
     torch.set_num_threads(args.threads)
     identity = Identity.generate()
     ca = CertificateAuthority.load_or_create(Path(ca_path), "bench")
@@ -69,7 +75,7 @@ def _member(idx: int, args: argparse.Namespace, ca_path: str, conn, barrier) -> 
             return ar.inbox.on_result(chunks)
 
     server = PeerServer(Handlers(), traffic, host="127.0.0.1", port=0, tls=tls)
-    Heap().settle(time.monotonic())  # as a peer does once set up (potluck.peer.daemon.Session): collections off the step
+    Heap(give_back=args.allocator != "hold").settle(time.monotonic())  # as a peer does once set up (potluck.peer.daemon.Session): collections off the step
     try:
         conn.send((identity.peer_id, f"127.0.0.1:{server.port}"))
         members = tuple(MemberAddr(p, a) for p, a in sorted(conn.recv()))
@@ -78,9 +84,10 @@ def _member(idx: int, args: argparse.Namespace, ca_path: str, conn, barrier) -> 
             ar.expect(rnd + 1, "base")  # as a peer does when its previous step lands, before training
             delta = _inputs(args.seed, idx, rnd, args.numel)  # stands in for the inner phase
             barrier.wait()
-            t0 = time.perf_counter()
+            faults, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
             mean, stats = ar.run(RoundInfo(rnd + 1, members, identity.peer_id, "base"), delta, wait_s=600)
             seconds = time.perf_counter() - t0
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
             assert min(stats.contributors.values()) == args.peers, stats.contributors
             digest = hashlib.blake2b(mean.numpy().tobytes(), digest_size=16).hexdigest()
             errors: list[float] = []
@@ -89,7 +96,7 @@ def _member(idx: int, args: argparse.Namespace, ca_path: str, conn, barrier) -> 
                 half = args.numel // 2
                 errors = [float((mean[a:b] - exact[a:b]).norm() / exact[a:b].norm())
                           for a, b in ((0, args.numel), (0, half), (half, args.numel))]
-            conn.send((seconds, digest, errors, stats.bytes_sent))
+            conn.send((seconds, digest, errors, stats.bytes_sent, faults, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
     finally:
         server.stop(0.1)
         ar.close()
@@ -112,7 +119,7 @@ def ours(args: argparse.Namespace) -> dict:
             addrs = [pipes[k][0].recv() for k in range(args.peers)]
             for k in range(args.peers):
                 pipes[k][0].send(addrs)
-            rounds, errors, sent = [], [], []
+            rounds, errors, sent, faults, peak = [], [], [], [], 0
             for _ in range(args.rounds + 1):
                 replies = [pipes[k][0].recv() for k in range(args.peers)]
                 if len({r[1] for r in replies}) != 1:
@@ -120,6 +127,8 @@ def ours(args: argparse.Namespace) -> dict:
                 rounds.append(max(r[0] for r in replies))
                 errors.append(replies[0][2])
                 sent.append(statistics.mean(r[3] for r in replies))
+                faults.append(statistics.mean(r[4] for r in replies))
+                peak = max([peak] + [r[5] for r in replies])
             for p in procs:
                 p.join(timeout=60)
         finally:
@@ -130,7 +139,8 @@ def ours(args: argparse.Namespace) -> dict:
     if worst > 0.02:
         raise SystemExit(f"our all-reduce is off the exact mean by {worst:.3%} (relative L2)")
     return {"rounds": [round(s, 3) for s in rounds[1:]], "median_s": round(statistics.median(rounds[1:]), 3),
-            "max_rel_err": round(worst, 5), "bytes_sent_per_member": round(statistics.mean(sent[1:]))}
+            "max_rel_err": round(worst, 5), "bytes_sent_per_member": round(statistics.mean(sent[1:])),
+            "page_faults_per_member_round": round(statistics.median(faults[1:])), "member_peak_rss_mb": round(peak / 1024)}
 
 
 def hivemind(args: argparse.Namespace) -> dict:
@@ -153,6 +163,9 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=1, help="ours, then hivemind, this many times")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--allocator", choices=["hold", "default"], default="hold",
+                        help="our members' C allocator: as a peer sets it (potluck.protos.runtime.heap.hold), or glibc's "
+                             "defaults (to measure what holding freed memory saves)")
     args = parser.parse_args()
     mine: list[dict] = []
     theirs: list[dict] = []
@@ -163,6 +176,7 @@ def main() -> None:
     hm_s = statistics.median(s for h in theirs for s in h["rounds"])
     print(json.dumps({
         "benchmark": "allreduce_vs_hivemind", "numel": args.numel, "peers": args.peers, "threads": args.threads,
+        "allocator": args.allocator,
         "potluck_median_s": round(ours_s, 3), "hivemind_median_s": round(hm_s, 3),
         "ratio": round(ours_s / hm_s, 3), "target_ratio": 0.45,
         "potluck": mine, "hivemind": theirs,

@@ -143,8 +143,9 @@ class Session:
         # the cycle collector off the steps' critical path: what the peer holds once set up (torch, hivemind, gRPC,
         # the model: ~200,000 objects) is frozen, and full collections run between steps (_begin), not wherever an
         # allocation in the all-reduce's threads happened to trigger one (a full pass walked all of it: 39 % of the
-        # busy CPU of benchmarks/allreduce_vs_hivemind.py's members)
-        self.heap = Heap()
+        # busy CPU of benchmarks/allreduce_vs_hivemind.py's members); the C allocator's free pages are not given back
+        # after them: the next step needs them again (potluck.protos.runtime.heap.hold)
+        self.heap = Heap(give_back=False)
         self.heap.settle(time.monotonic())
 
     def train(self) -> None:

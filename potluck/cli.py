@@ -198,6 +198,9 @@ def cmd_peer(args: argparse.Namespace) -> int:
         wrong = _wrong_join_address(cfg.join, cfg.host, cfg.dht_port)
         if wrong:
             raise UsageError(wrong)
+    from potluck.protos.runtime.heap import hold
+
+    hold()  # (the C allocator keeps what a step frees for the next step: before any thread or the DHT process's fork)
     from potluck.peer.devices import multidevice
 
     try:  # under torchrun, one process per device: they form their group here (rank 0 is the peer)

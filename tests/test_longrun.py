@@ -218,3 +218,44 @@ def test_a_full_collection_gives_the_c_allocators_free_pages_back() -> None:
     out = subprocess.run([sys.executable, "-c", TRIM_PROBE], capture_output=True, text=True, timeout=120, check=True)
     got = json.loads(out.stdout)
     assert got["trimmed"] == 1 and got["before"] - got["after"] > 100 << 20, got
+
+
+HOLD_PROBE = """
+import json, resource, sys
+import torch
+from potluck.protos.runtime.heap import Heap, hold
+held = hold() if sys.argv[1] == "hold" else None
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+keep = []
+def step(i):  # what a peer's round does with its big buffers: made, written, freed; a few small things made meanwhile stay
+    a = torch.empty(16 << 20).fill_(1.0)  # 64 MB, over glibc's largest mmap threshold
+    keep.append(bytes(1000 + i))
+    b = torch.empty(4 << 20).fill_(2.0)  # 16 MB, under it
+    return float(a[-1] + b[-1])
+heap = Heap(give_back=held is None)
+heap.settle(0.0)
+for i in range(8):  # (where freed blocks land in the heap settles within a few steps)
+    step(i)
+heap.collect(30.0)
+f0, settled = faults(), rss()
+for i in range(4):
+    step(8 + i)
+print(json.dumps({"held": held, "faults": faults() - f0, "grew": rss() - settled, "trimmed": heap.section()["trimmed"]}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt, and /proc")
+def test_a_peer_holds_what_a_step_frees_and_the_next_step_takes_no_page_faults() -> None:
+    """A peer's big buffers come back every step: with glibc's defaults one over its mmap threshold is unmapped
+    when freed and faulted in (and zeroed) again the next step, 16,384 pages for this 64 MB one; a peer's
+    allocator (``hold``) keeps it for the next step, its full collections do not give it back, and what it
+    holds does not grow from step to step."""
+    runs = {mode: json.loads(subprocess.run([sys.executable, "-c", HOLD_PROBE, mode], capture_output=True, text=True,
+                                            timeout=120, check=True).stdout) for mode in ("hold", "default")}
+    held, default = runs["hold"], runs["default"]
+    assert held["held"] is True and held["trimmed"] == 0, held
+    assert held["faults"] < 1_000 and held["grew"] < 4 << 20, held  # four steps in the memory the first ones left
+    assert default["faults"] >= 4 * 16_384, default  # (the control: the defaults fault the 64 MB in again each step)

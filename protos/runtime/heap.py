@@ -15,7 +15,12 @@ whichever tick happened to allocate, and it was the whole of that tick's p99
 * once every ``whole_every_s`` that pass unfreezes everything first, so a cycle that became garbage
   after it was frozen lives that long at most (at 1,000 peers the passes found 67,000-121,000 such objects
   in 3.5 minutes: cycles do become garbage);
-* after each, the C allocator's free pages go back to the OS (:func:`trim`).
+* after each, the C allocator's free pages go back to the OS (:func:`trim`), unless the process holds them
+  (``give_back=False``: a peer, see :func:`hold`).
+
+Two policies for the C allocator itself, set once at start: a coordinator's memory comes and goes with bursts,
+so it gives back what it frees (:func:`tame`); a peer's big buffers come back every step, so it keeps what it
+frees (:func:`hold`).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ NEVER = 1 << 30  # a generation-2 threshold that automatic collection never reac
 @dataclass
 class Heap:
     every_s: float = 30.0  # a full collection of what is not frozen at most this often
+    give_back: bool = True  # after each, the C allocator's free pages go back to the OS (False: see hold)
     whole_every_s: float = 600.0  # ... and of everything, this often
     frozen: int = 0  # objects frozen now
     collections: int = 0
@@ -65,7 +71,8 @@ class Heap:
             self._next_whole = now + self.whole_every_s
         self.freed += gc.collect()
         gc.freeze()
-        self.trimmed += trim()
+        if self.give_back:
+            self.trimmed += trim()
         self.last_s, self.frozen = time.thread_time() - c0, gc.get_freeze_count()
         self.max_s, self.collections, self._next = max(self.max_s, self.last_s), self.collections + 1, now + self.every_s
         return self.last_s
@@ -77,7 +84,7 @@ class Heap:
 
 
 # glibc's mallopt parameters (malloc.h)
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -3, -4, -8
 ARENAS = 2  # malloc arenas for the whole process (glibc's default: 8 per core)
 MMAP_FROM = 256 * 1024  # an allocation this big gets pages of its own, unmapped when it is freed
 TRIM_FROM = 1024 * 1024  # free memory at the heap's top past this goes back to the OS at once
@@ -96,6 +103,26 @@ def tame() -> bool:
         return False
     return all(mallopt(k, v) == 1 for k, v in ((M_ARENA_MAX, ARENAS), (M_MMAP_THRESHOLD, MMAP_FROM),
                                                (M_TRIM_THRESHOLD, TRIM_FROM)))
+
+
+HELD_TOP = (1 << 31) - 1  # (mallopt takes an int) free memory at the heap's top past this still goes back
+
+
+def hold() -> bool:
+    """Keep what the C allocator frees for the next allocation instead of giving it back to the OS (call it
+    before threads start; False where there is no glibc). A peer's big buffers come back every step: the
+    all-reduce's decoded contributions, sums and result vectors (tens of MB each at 20M values), the inner
+    step's activations and gradients. With glibc's defaults each buffer over its mmap threshold gets pages of
+    its own, unmapped when it is freed, so every step faults all of them in again (and zeroes them), and thread
+    arenas give back their tops. ``benchmarks/allreduce_vs_hivemind.py``'s members took 140,000 page faults a
+    round each that way; on a VM whose host reclaims the pages the guest frees (free page reporting) each one
+    is a host fault, and sys time was more than the members' user time. Here every block comes from one heap
+    (one arena, no mmap of its own), and a freed one waits there for the next: the process's resident set stays
+    at its peak between steps, which is what each step needs anyway."""
+    mallopt = _libc("mallopt")
+    if mallopt is None:
+        return False
+    return all(mallopt(k, v) == 1 for k, v in ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, HELD_TOP)))
 
 
 def trim() -> int:
