@@ -114,11 +114,12 @@ def hold() -> bool:
     all-reduce's decoded contributions, sums and result vectors (tens of MB each at 20M values), the inner
     step's activations and gradients. With glibc's defaults each buffer over its mmap threshold gets pages of
     its own, unmapped when it is freed, so every step faults all of them in again (and zeroes them), and thread
-    arenas give back their tops. ``benchmarks/allreduce_vs_hivemind.py``'s members took 140,000 page faults a
-    round each that way; on a VM whose host reclaims the pages the guest frees (free page reporting) each one
-    is a host fault, and sys time was more than the members' user time. Here every block comes from one heap
-    (one arena, no mmap of its own), and a freed one waits there for the next: the process's resident set stays
-    at its peak between steps, which is what each step needs anyway."""
+    arenas give back their tops. ``benchmarks/allreduce_vs_hivemind.py``'s members took about 21,000 page faults
+    a round each that way (11-40 held); on a VM whose host takes back the pages the guest frees (free page
+    reporting) a page touched again costs a host fault, about 8 ms a MB there. Here every block comes from one
+    heap (one arena, no mmap of its own), and a freed one waits there for the next. The price: the resident set
+    stays at its peak between steps, and one heap fragments more, so the peak can be higher (two real peers of a
+    20M-parameter model: within 6 %; the benchmark's members, whose off-clock work allocates more: up to 1.3x)."""
     mallopt = _libc("mallopt")
     if mallopt is None:
         return False
