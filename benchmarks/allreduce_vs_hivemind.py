@@ -16,7 +16,7 @@ that saves); the median page faults a member takes in a round and the members' p
 Both sides pin ``--threads`` torch threads per process; rounds alternate between
 the two in the same run (``--trials`` pairs). Target (issue 16): ours <= 0.5x hivemind's time; since verified reduction (issue 48): <= 0.45x, every check on.
 
-    python benchmarks/allreduce_vs_hivemind.py [--numel 20000000] [--peers 3] [--rounds 3] [--trials 1]
+    python benchmarks/allreduce_vs_hivemind.py [--numel 20000000] [--peers 3] [--rounds 3] [--trials 1] [--allocator hold|default]
 """
 
 from __future__ import annotations

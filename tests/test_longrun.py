@@ -253,8 +253,14 @@ def test_a_peer_holds_what_a_step_frees_and_the_next_step_takes_no_page_faults()
     when freed and faulted in (and zeroed) again the next step, 16,384 pages for this 64 MB one; a peer's
     allocator (``hold``) keeps it for the next step, its full collections do not give it back, and what it
     holds does not grow from step to step."""
-    runs = {mode: json.loads(subprocess.run([sys.executable, "-c", HOLD_PROBE, mode], capture_output=True, text=True,
-                                            timeout=120, check=True).stdout) for mode in ("hold", "default")}
+    procs = {mode: subprocess.Popen([sys.executable, "-c", HOLD_PROBE, mode], stdout=subprocess.PIPE, text=True)
+             for mode in ("hold", "default")}  # (both at once: each is mostly torch's import)
+    try:
+        runs = {mode: json.loads(p.communicate(timeout=120)[0]) for mode, p in procs.items()}
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
     held, default = runs["hold"], runs["default"]
     assert held["held"] is True and held["trimmed"] == 0, held
     assert held["faults"] < 1_000 and held["grew"] < 4 << 20, held  # four steps in the memory the first ones left
