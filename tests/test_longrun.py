@@ -223,10 +223,8 @@ def test_a_full_collection_gives_the_c_allocators_free_pages_back() -> None:
 HOLD_PROBE = """
 import json, resource, sys
 import torch
-from potluck.protos.runtime.heap import Heap, hold
+from potluck.protos.runtime.heap import Heap, hold, resident
 held = hold() if sys.argv[1] == "hold" else None
-def rss():
-    return int(open("/proc/self/statm").read().split()[1]) * 4096
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 keep = []
@@ -240,10 +238,10 @@ heap.settle(0.0)
 for i in range(8):  # (where freed blocks land in the heap settles within a few steps)
     step(i)
 heap.collect(30.0)
-f0, settled = faults(), rss()
+f0, settled = faults(), resident()
 for i in range(4):
     step(8 + i)
-print(json.dumps({"held": held, "faults": faults() - f0, "grew": rss() - settled, "trimmed": heap.section()["trimmed"]}))
+print(json.dumps({"held": held, "faults": faults() - f0, "grew": resident() - settled, "trimmed": heap.section()["trimmed"]}))
 """
 
 
