@@ -80,7 +80,9 @@ def test_prober_measures_what_the_emulator_plays(net: dict) -> None:
           f"{far.bandwidth_mbps:.1f} Mbps; in-region rtt {near.rtt_ms:.1f} ms, {near.bandwidth_mbps:.0f} Mbps")
     assert far.rtt_ms == pytest.approx(2 * DELAY_MS, rel=0.2)
     assert far.bandwidth_mbps == pytest.approx(MBPS, rel=0.2)
-    assert near.rtt_ms < 20 and near.bandwidth_mbps > 4 * MBPS
+    # in region nothing is emulated: loopback with TLS, bound by this box's CPU (441-554 Mbps alone, 175 Mbps once
+    # under the quick tier's load, which failed a bound of 4x); what it shows is that the emulated 50 Mbps is not applied
+    assert near.rtt_ms < 20 and near.bandwidth_mbps > 2 * MBPS
 
 
 def test_streams_are_pipelined_not_delayed_per_message(net: dict) -> None:
