@@ -19,6 +19,18 @@ from potluck.procs import ProcessGroup, group_alive
 ARTIFACTS = Path(os.environ.get("POTLUCK_ARTIFACTS", Path(__file__).resolve().parent.parent / "artifacts"))
 
 
+SWARMS = "swarms"  # the xdist group of every slow test (pyproject.toml's addopts: -n 2 --dist loadgroup)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every slow test goes to one worker, one at a time: each is a swarm of OS processes that a second swarm
+    beside it on CI's 2 cores would starve (two of them at once failed three tests in a tried run), and their
+    deadlines are set for one swarm on the box. The fast tier's tests share out over both workers."""
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(pytest.mark.xdist_group(SWARMS))
+
+
 @pytest.fixture
 def procs(request: pytest.FixtureRequest) -> Iterator[ProcessGroup]:
     if request.node.get_closest_marker("slow") is None:  # the fast tier starts no coordinator and no peer
