@@ -22,6 +22,7 @@ ARTIFACTS = Path(os.environ.get("POTLUCK_ARTIFACTS", Path(__file__).resolve().pa
 SWARMS = "swarms"  # the xdist group of every slow test (pyproject.toml's addopts: -n 2 --dist loadgroup)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the test ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every slow test goes to one worker, one at a time: each is a swarm of OS processes that a second swarm
     beside it on CI's 2 cores would starve (two of them at once failed three tests in a tried run), and their
