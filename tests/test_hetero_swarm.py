@@ -56,8 +56,11 @@ def test_a_quarter_speed_peer_adds_its_work_and_is_never_dropped(swarm) -> None:
 
 def test_a_peer_slowed_8x_mid_run_keeps_contributing_and_the_rounds_regain_their_pace(swarm) -> None:  # type: ignore[no-untyped-def]
     """Two equal peers; one becomes 8x slower from outer step 5. It is never dropped and its work counts in every
-    step; from step 7 the rounds take as long as before it slowed (the other one's window): their median within 25 %
-    of the median before, none twice as long. (Steps of a bigger batch here: each round is mostly compute.)"""
+    step; from step 7 the rounds go at the other one's pace again: their median within 1.5x the median before, none
+    twice as long, where waiting for the slowed peer's H steps would take 8x. (One slowed step is 8/H = 2/3 of a
+    phase: when it ends past the window the round waits for it, so the rounds after are not as even as before; alone
+    on this box their median measured 0.84-1.27x the one before, which failed the 1.25x bound this test had.) (Steps
+    of a bigger batch here: each round is mostly compute.)"""
     steps, k = 11, 5
     swarm.start_coordinator({**RUN, "model.seq_len": 128, "train.batch_size": 16, "membership.min_peers": 2,
                              "diloco.outer_steps": steps})
@@ -72,7 +75,7 @@ def test_a_peer_slowed_8x_mid_run_keeps_contributing_and_the_rounds_regain_their
     took = {h["step"]: h["t"] - prev["t"] for prev, h in zip(hist, hist[1:], strict=False)}
     before = statistics.median(took[s] for s in range(2, k))
     after = [took[s] for s in range(k + 2, steps + 1)]
-    assert statistics.median(after) <= 1.25 * before and max(after) <= 2 * before, (before, took)
+    assert statistics.median(after) <= 1.5 * before and max(after) <= 2 * before, (before, took)
 
 
 @pytest.mark.parametrize("fault,says", [("outer.samples@*:scale=10", "claim of"),
