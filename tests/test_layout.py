@@ -4,6 +4,7 @@ repository that stands alone (no file cites a document outside it)."""
 from __future__ import annotations
 
 import ast
+import os
 import re
 import subprocess
 import sys
@@ -237,11 +238,12 @@ def test_fast(k):
 """
 
 
-def test_the_suites_slow_tests_run_on_one_worker_and_the_fast_ones_on_both(tmp_path: Path) -> None:
+def test_the_suites_slow_tests_run_on_one_worker_one_at_a_time(tmp_path: Path) -> None:
     """pyproject.toml's addopts (``-n 2 --dist loadgroup``) and tests/conftest.py's grouping, run by pytest as the
-    suite is: eight slow tests all land on one worker, eight fast ones on both. (pytest 9.2 keeps a test's id where
-    pytest-xdist 3.8 cannot add its group to it, so every slow test went its own way, two swarms at once; hence
-    pyproject's pin below 9.2, which this finds wrong when either moves.)"""
+    suite is: eight slow tests are put in the one group (pytest-xdist then sends a group to a single worker) and
+    all ran on one worker; the fast ones are in no group. (pytest 9.2 keeps a test's id where pytest-xdist 3.8 adds
+    its group to it, so every slow test went its own way, two swarms at once; hence pyproject's pin below 9.2,
+    which this finds wrong when either moves. Which worker runs the fast tests is up to xdist's timing.)"""
     (tmp_path / "conftest.py").write_text(
         "import importlib.util\n"
         f"spec = importlib.util.spec_from_file_location('potluck_suite_conftest', {str(ROOT / 'tests' / 'conftest.py')!r})\n"
@@ -250,10 +252,12 @@ def test_the_suites_slow_tests_run_on_one_worker_and_the_fast_ones_on_both(tmp_p
     (tmp_path / "test_probe.py").write_text(SLOW_PROBE)
     ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
     (tmp_path / "pytest.ini").write_text(f"[pytest]\naddopts = {ini['addopts']}\nmarkers =\n    slow: probe\n")
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # (not this run's worker's)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
+    ran = re.findall(r"PASSED (test_probe\.py::test_(slow|fast)\[\d\]\S*)", done.stdout)
+    assert sorted(kind for _, kind in ran) == ["fast"] * 8 + ["slow"] * 8, done.stdout
+    assert all(test.endswith("@swarms") == (kind == "slow") for test, kind in ran), ran
     slow = {(tmp_path / f"slow-{k}").read_text() for k in range(8)}
-    fast = {(tmp_path / f"fast-{k}").read_text() for k in range(8)}
     assert len(slow) == 1 and slow <= {"gw0", "gw1"}, f"the slow tests ran on {sorted(slow)}: {done.stdout}"
-    assert fast == {"gw0", "gw1"}, f"the fast tests ran on {sorted(fast)}"

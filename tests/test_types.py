@@ -40,6 +40,7 @@ def namespace_tree(dest: Path) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@pytest.mark.xdist_group("mypy")  # no swarm: it runs on the other worker, beside the swarms (tests/conftest.py)
 def test_mypy_passes(tmp_path: Path) -> None:
     tree = namespace_tree(tmp_path / "tree")
     env = {**os.environ, "MYPYPATH": str(tree)}
