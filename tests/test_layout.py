@@ -234,7 +234,7 @@ def test_slow(k):
 
 @pytest.mark.parametrize("k", range(8))
 def test_fast(k):
-    Path(f"fast-{k}").write_text(os.environ.get("PYTEST_XDIST_WORKER", "none"))
+    pass
 """
 
 
