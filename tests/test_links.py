@@ -78,8 +78,9 @@ def test_prober_measures_what_the_emulator_plays(net: dict) -> None:
     assert far is not None and near is not None
     print(f"\nemulated rtt {2 * DELAY_MS:.0f} ms, {MBPS:.0f} Mbps; measured rtt {far.rtt_ms:.1f} ms, "
           f"{far.bandwidth_mbps:.1f} Mbps; in-region rtt {near.rtt_ms:.1f} ms, {near.bandwidth_mbps:.0f} Mbps")
-    assert far.rtt_ms == pytest.approx(2 * DELAY_MS, rel=0.2)
-    assert far.bandwidth_mbps == pytest.approx(MBPS, rel=0.2)
+    # never faster than the emulated link; slower by what a loaded box adds (the suite runs this beside a swarm)
+    assert 0.9 * 2 * DELAY_MS <= far.rtt_ms <= 1.5 * 2 * DELAY_MS
+    assert 0.6 * MBPS <= far.bandwidth_mbps <= 1.1 * MBPS
     # in region nothing is emulated: loopback with TLS, bound by this box's CPU (441-554 Mbps alone, 175 Mbps once
     # under the quick tier's load, which failed a bound of 4x); what it shows is that the emulated 50 Mbps is not applied
     assert near.rtt_ms < 20 and near.bandwidth_mbps > 2 * MBPS
@@ -98,9 +99,11 @@ def test_streams_are_pipelined_not_delayed_per_message(net: dict) -> None:
         fetched = sum(m.ByteSize() for m in client.fetch_state(net["us"], request, 30.0))
 
     fetch_s = timed(fetch)
-    # one round trip plus the bytes at link rate; a delay per chunk would add 8 x 40 ms
-    assert push_s == pytest.approx(2 * DELAY_MS / 1e3 + pushed / BYTES_PER_S, rel=0.2)
-    assert fetch_s == pytest.approx(2 * DELAY_MS / 1e3 + fetched / BYTES_PER_S, rel=0.2)
+    # one round trip plus the bytes at link rate; a delay per chunk would add 8 x 40 ms, of which the bound allows
+    # half, for what a loaded box adds (the suite runs this beside a swarm)
+    for took, nbytes in ((push_s, pushed), (fetch_s, fetched)):
+        piped = 2 * DELAY_MS / 1e3 + nbytes / BYTES_PER_S
+        assert 0.9 * piped <= took < piped + 4 * DELAY_MS / 1e3, (took, piped)
 
 
 def test_concurrent_transfers_share_the_link(net: dict) -> None:

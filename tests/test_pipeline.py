@@ -281,11 +281,13 @@ def test_the_ack_says_how_long_the_receiver_held_a_message(make_stages) -> None:
 
     sender = threading.Thread(target=send)
     sender.start()
-    time.sleep(0.6)  # the receiver is still in step 1 for this long: the hold being measured
+    time.sleep(1.5)  # the receiver is still in step 1 for this long: the hold being measured
     s1.pipe.begin_round(2, 0, Neighbour(s0.id, s0.address), None)
     sender.join(timeout=10)
-    assert out["held"] >= 0.5, out
-    assert 0 <= out["elapsed"] - out["held"] < 0.3, out
+    assert out["held"] >= 1.4, out
+    # the network's share: without the hold reported it would be the whole 1.5 s; the bound leaves half of it to
+    # a loaded box (the suite runs this beside a swarm)
+    assert 0 <= out["elapsed"] - out["held"] < 0.75, out
 
 
 @pytest.mark.parametrize("in_flight", [0, None])
