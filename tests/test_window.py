@@ -10,7 +10,7 @@ import torch
 from potluck.models import stage_bounds
 from potluck.peer.training.data import Dataset
 from potluck.peer.training.stage import StageWorker
-from potluck.peer.training.window import Pace, Why, decide, too_slow_advice
+from potluck.peer.training.window import OWN_MARGIN, Pace, Why, decide, too_slow_advice
 from potluck.protos.config.files import apply_overrides
 from potluck.protos.config.runconfig import RunConfig
 
@@ -144,6 +144,41 @@ def test_a_slowed_device_is_seen_at_its_next_step() -> None:
     assert p.next(0, 100.0) is None
     p.stepped(8.0)
     assert p.next(1, 108.0) is Why.WINDOW  # 8 + 8 > 10, and the rest by far
+
+
+def test_a_first_finisher_slowed_8x_stops_at_its_own_window() -> None:
+    """The member that finished first set the window, and nobody says where the next one ends: its cohort stops by
+    the window it learned, without a word. Slowed 8x in the next phase, it once trained all 12 steps (6.6 s against a
+    0.66 s window) and was dropped from that round and every one after (the full suite). It stops at its own phase
+    times OWN_MARGIN; at its old speed it trains every step, even 40 % slower; a finisher that heard a word first
+    uses the word's window; and one that trained fewer than H (``seconds`` not given) sets none."""
+    p = Pace()
+    p.begin(1, frozenset({"f"}), cap=12, now=-50.0)  # (a first phase: it teaches no window)
+    p.begin(2, frozenset({"f"}), cap=12, now=0.0)
+    for _ in range(12):
+        p.stepped(0.055)
+    p.end(12, Why.DONE, seconds=0.66)
+    p.begin(3, frozenset({"f"}), cap=12, now=10.0)
+    assert p.next(0, 10.0) is None
+    p.stepped(0.55)
+    assert p.next(1, 10.55) is Why.WINDOW  # 0.55 + 0.55 > 1.5 x 0.66, and the rest by far
+    assert p.end(1, Why.WINDOW).window_s == pytest.approx(OWN_MARGIN * 0.66)
+    assert decide(cap=12, done=11, at=11 * 0.077, step_s=0.077, end_s=OWN_MARGIN * 0.66) is None  # 40 % slower
+
+    heard = Pace()  # the other member finished first and said so: its window, not this one's own
+    heard.begin(1, frozenset({"f"}), cap=12, now=-50.0)
+    heard.begin(2, frozenset({"f"}), cap=12, now=0.0)
+    assert heard.finished(2, "f", send_s=0.0, now=0.6, phase_s=0.6)
+    heard.end(12, Why.DONE, seconds=0.66)
+    heard.begin(3, frozenset({"f"}), cap=12, now=10.0)
+    assert heard.end(0, None).window_s == pytest.approx(0.6)
+
+    short = Pace()  # trained its whole share, fewer than H: it said nothing and sets no window
+    short.begin(1, frozenset({"f"}), cap=4, now=-50.0)
+    short.begin(2, frozenset({"f"}), cap=4, now=0.0)
+    short.end(4, Why.DONE)
+    short.begin(3, frozenset({"f"}), cap=12, now=10.0)
+    assert short.end(0, None).window_s is None
 
 
 def test_too_slow_advice_names_what_helps() -> None:

@@ -51,13 +51,14 @@ class InnerPhases:
         self.pace.begin(step, cohort, worker.cap(spans), time.monotonic())
         windowed = self.rc.diloco.rounds == "window"
         phase = worker.inner_phase(spans, stopping, on_step, step, self.pace if windowed else None)
-        ended = self.pace.end(phase.steps, phase.why)
+        said = windowed and phase.why is Why.DONE and phase.steps >= self.rc.diloco.inner_steps and bool(cohort)
+        ended = self.pace.end(phase.steps, phase.why, phase.seconds if said else None)
         self.telemetry.phase_ended(step, ended, phase.steps * self.rc.train.batch_size, phase.seconds)
         self.telemetry.progress.compute_s += phase.seconds
         if phase.stalled:
             log.warning("replica %d stalled at inner step %d: %s; contributing nothing to outer step %d",
                         replica, phase.steps, phase.stalled, step)
-        elif windowed and phase.why is Why.DONE and phase.steps >= self.rc.diloco.inner_steps and cohort:
+        elif said:
             self._say_finished(tasklet, rnd, step, phase.seconds)
         if phase.steps == 0 and phase.why is Why.WINDOW and not phase.interrupted:
             advice = too_slow_advice(ended.step_s or 0.0, ended.window_s or 0.0, self.rc.train.batch_size,

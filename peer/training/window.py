@@ -15,6 +15,11 @@ with:
 * a member that trained all its steps says so at once (a ``finished`` ping to its cohort): the others
   end their phase at their next step boundary (``Why.SIGNALLED``), unless what they have left is within
   ``slack`` of the window, so a swarm of equal peers still trains exactly H steps each;
+* a member that finished first (it said so, and heard no word before its own) takes its own phase, with
+  ``OWN_MARGIN`` to spare, as the next round's window: it set the window, and nobody will say where the next
+  one ends if it slows down (its cohort then stops by the window it learned, without a word; a peer slowed 8x
+  right after it had finished first once trained its whole phase at the new speed, 10x the window, and was
+  dropped from that round and every round after it in the full suite);
 * from the round before, a member knows *when* that came, counted from the start of its own phase
   (members start their phases together: they commit the same all-reduce), and how long its own
   contribution takes to send against the finisher's: it does not start a step that would end after
@@ -39,6 +44,8 @@ SLACK = 0.1  # a member finishes its phase if what is left ends within this shar
 FIRST_STEP = 1.5  # a member's first step starts if it ends within this many windows: only a clearly slower one trains
 # none (with windows of tens of milliseconds, a loaded box's noise made members skip whole rounds)
 KEEP_STEP_TIMES = 16
+OWN_MARGIN = 1.5  # a first finisher's next window is its own phase times this: only a clear slowdown stops it early
+# (the slack alone would cut an equal swarm's steps on a loaded box's noise between rounds)
 RETRY_AFTER = 4  # a member too slow for one step tries one again after this many rounds without (it may be faster now)
 
 
@@ -105,6 +112,7 @@ class Pace:
         self._their_send_s = 0.0  # and how long that member's contribution took to send, the round before
         self._their_phase_s = 0.0  # and how long that member's phase took, on its own clock (the window's length)
         self._send_s = 0.0  # how long this member's own contributions took to send, the round before
+        self._own_phase_s: float | None = None  # this member's own phase, when it finished first (it set the window)
         self._expect: float | None = None  # where this phase's window ends: from the round before
         self._aligned = False  # this phase began when the step before committed, as its cohort's did
         self._warm = False  # the process's first step (optimizer, lazy imports) says nothing of its speed: not counted
@@ -124,11 +132,13 @@ class Pace:
                 # (a slower uplink stops earlier, by at most half the window: with phases shorter than a send, as an
                 # overlapped run of a tiny model has, the difference made the window 0 s and the member "too slow")
                 self._expect = max(0.5 * self._their_phase_s, self._their_phase_s + self._their_send_s - self._send_s)
+            elif self._own_phase_s is not None and step == self._step + 1 and self._aligned:
+                self._expect = OWN_MARGIN * self._own_phase_s  # (it finished first: the window was its own phase)
             elif step != self._step:
                 self._expect = None  # (a gap, or a first phase: its timing says nothing of this one)
             self._aligned = step == self._step + 1  # (phases after a commit begin together: the members commit it together)
             self._step, self._cohort, self._started, self._cap = step, cohort, now, cap
-            self._signal, self._phase_steps = None, []
+            self._signal, self._phase_steps, self._own_phase_s = None, [], None
 
     def next(self, done: int, now: float, ahead: float = 0.0) -> Why | None:
         """Whether to start inner step ``done`` now (plus ``ahead`` seconds: a pipeline's first stage decides one
@@ -156,10 +166,14 @@ class Pace:
             self._phase_steps.append(seconds)
             self._steps.append(seconds)
 
-    def end(self, steps: int, why: Why | None) -> Ended:
-        """The phase ended after ``steps`` steps; what it was, kept as :attr:`last` (the telemetry reads it)."""
+    def end(self, steps: int, why: Why | None, seconds: float | None = None) -> Ended:
+        """The phase ended after ``steps`` steps; what it was, kept as :attr:`last` (the telemetry reads it).
+        ``seconds``: how long it took, given when it trained all H steps and says so to its cohort; if no word came
+        before, it set the round's window, and the next one is that long (times ``OWN_MARGIN``)."""
         with self._lock:
             window = self._signal if self._signal is not None else self._expect
+            if why is Why.DONE and self._signal is None and steps > 0 and seconds is not None and seconds > 0:
+                self._own_phase_s = seconds
             self._idle = self._idle + 1 if steps == 0 and why is Why.WINDOW else 0
             self.last = Ended(steps, self._cap, window, why, self._step_time())
             return self.last
