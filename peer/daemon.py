@@ -19,7 +19,6 @@ training on the last plan while the coordinator is away.
 
 from __future__ import annotations
 
-import importlib
 import threading
 import time
 
@@ -53,6 +52,7 @@ from potluck.protos.net.identity import Identity
 from potluck.protos.net.swarm import JoinError
 from potluck.protos.runtime.heap import Heap
 from potluck.protos.runtime.log import get_logger, set_context
+from potluck.protos.runtime.warmup import warm_up
 from potluck.protos.testkit.faults import fault
 from potluck.protos.testkit.netem import NetemTopologyError
 from potluck.protos.wire.records import PeerRecord, Round
@@ -77,7 +77,7 @@ class Peer:
         """Returns a process exit code: 0 when the run ended or we were asked to stop, 2 on bad input, 3 on a
         failure that cannot heal (its reason is the goodbye record's ``error``: the coordinator's page shows it)."""
         # torch's optimizers import torch._dynamo on first use (seconds of CPU): do it while we wait on the network
-        threading.Thread(target=importlib.import_module, args=("torch._dynamo",), name="warm-up", daemon=True).start()
+        warm_up("torch._dynamo")
         session: Session | None = None
         joined: Joined | None = None
         try:

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import importlib
 import os
 import signal
 import threading
@@ -62,6 +61,7 @@ from potluck.peer.training.stage import Batch, StageWorker
 from potluck.protos.config.runconfig import RunConfig
 from potluck.protos.config.section import ConfigError
 from potluck.protos.runtime.log import get_logger, set_context
+from potluck.protos.runtime.warmup import warm_up
 
 log = get_logger(__name__)
 
@@ -445,7 +445,7 @@ class Helper:
             signal.signal(sig, signal.SIG_IGN)
         if self.threads:
             torch.set_num_threads(self.threads)
-        threading.Thread(target=importlib.import_module, args=("torch._dynamo",), name="warm-up", daemon=True).start()
+        warm_up("torch._dynamo")
         log.info("rank %d of %d on %s: waiting for the leader (rank 0) to join the run", self.group.rank,
                  self.group.world, self.group.device)
         try:
