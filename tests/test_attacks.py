@@ -61,7 +61,7 @@ def run(workdir: Path, key_files: list[Path], attack: Callable[..., dict] | None
     and what ``attack`` reported."""
     from swarm import run_config
 
-    procs = ProcessGroup()
+    procs = ProcessGroup(fork=True)
     swarm = LocalSwarm(workdir, procs)
     report: dict = {}
     attackers: list[Attacker] = []
@@ -299,7 +299,7 @@ def test_an_admitted_poisoner_is_bounded_flagged_and_evicted(tmp_path: Path) -> 
     41,202): now the owners clip it to a large honest update, report it, and the coordinator evicts it."""
     from swarm import run_config
 
-    procs = ProcessGroup()
+    procs = ProcessGroup(fork=True)
     swarm = LocalSwarm(tmp_path, procs)
     try:
         swarm.start_coordinator(run_config({**CONFIG, "membership.min_peers": PEERS + 1}, tmp_path / "journal"))
@@ -320,7 +320,7 @@ def test_an_admitted_poisoner_is_bounded_flagged_and_evicted(tmp_path: Path) -> 
 def test_a_private_run_admits_only_the_tokens_holders(tmp_path: Path) -> None:
     from swarm import run_config
 
-    procs = ProcessGroup()
+    procs = ProcessGroup(fork=True)
     swarm = LocalSwarm(tmp_path, procs)
     try:
         swarm.start_coordinator(run_config({**CONFIG, "diloco.outer_steps": 2, "membership.min_peers": 2,

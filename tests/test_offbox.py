@@ -433,7 +433,7 @@ def test_a_run_goes_on_on_a_new_box_from_its_store_and_its_backed_up_identity(sw
 def uninterrupted(workdir: Path, overrides: dict[str, Any]) -> float:
     from swarm import LocalSwarm
 
-    ref = LocalSwarm(ProcessGroup(), workdir)
+    ref = LocalSwarm(ProcessGroup(fork=True), workdir)
     try:
         three_peers(ref, overrides, {})
         state = ref.wait_state(lambda s: s["run"]["finished"] and s["history"][-1]["eval_loss"] is not None, 300,
