@@ -91,7 +91,7 @@ def test_fresh_keys_own_no_shard_and_outvote_nobody_during_probation(swarm, tmp_
     honest three), each reporting every step that every owner flagged every other (a Sybil vote: five of the
     eight reporters). None owns a shard before it has been a member of `probation_steps` steps, no honest peer
     is evicted, and training goes on to the end."""
-    overrides = {"membership.min_peers": 3, "diloco.outer_steps": 8, "diloco.inner_steps": 200,
+    overrides = {"membership.min_peers": 3, "diloco.outer_steps": 8, "diloco.inner_steps": 100,
                  "admission.probation_steps": 2}
     swarm.start_coordinator({**RUN, **overrides})
     honest = [swarm.start_peer() for _ in range(3)]
@@ -110,6 +110,10 @@ def test_fresh_keys_own_no_shard_and_outvote_nobody_during_probation(swarm, tmp_
         for m in rnd["members"]:
             work[m["peer_id"]] = work.get(m["peer_id"], 0) + 1
     assert any(len(r["members"]) > 3 for r in journal["rounds"])  # the fresh keys did take part
+    owned = sorted({r["step"] for r in journal["rounds"] for m in r["members"]
+                    if m["peer_id"] not in honest_ids and m.get("owns", True)})
+    print(f"fresh keys joined at step {min(r['step'] for r in journal['rounds'] if len(r['members']) > 3)}, "
+          f"owned shards at steps {owned}")
     assert all(p.poll() is None or p.returncode == 0 for p in honest)
 
 
