@@ -302,7 +302,8 @@ def test_an_admitted_poisoner_is_bounded_flagged_and_evicted(tmp_path: Path) -> 
     procs = ProcessGroup(fork=True)
     swarm = LocalSwarm(tmp_path, procs)
     try:
-        swarm.start_coordinator(run_config({**CONFIG, "membership.min_peers": PEERS + 1}, tmp_path / "journal"))
+        swarm.start_coordinator(run_config({**CONFIG, "membership.min_peers": PEERS + 1, "diloco.outer_steps": 8},
+                                           tmp_path / "journal"))
         for i in range(PEERS):
             swarm.start_peer(name=f"honest-{i}")
         swarm.start_peer(name="poisoner", env={"POTLUCK_FAULTS": "outer.delta@*:scale=1000"})
@@ -313,6 +314,8 @@ def test_an_admitted_poisoner_is_bounded_flagged_and_evicted(tmp_path: Path) -> 
     poisoner = next(p["id"] for p in state["peers"] if p["name"] == "poisoner")
     assert any(poisoner in h.get("clipped", []) for h in state["history"]), "never clipped"
     assert any(e["kind"] == "evicted" and e["peer"] == poisoner for e in state["events"])
+    print("clipped at steps", [h["step"] for h in state["history"] if poisoner in h.get("clipped", [])],
+          "evicted:", [e["message"] for e in state["events"] if e["kind"] == "evicted"])
     evals = [h["eval_loss"] for h in state["history"] if h["eval_loss"] is not None]
     assert evals[-1] < evals[0] and max(evals) < 6.0, evals  # training went on (untrained: ln 64 = 4.16)
 
