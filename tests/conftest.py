@@ -27,9 +27,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Every slow test goes to one worker, one at a time: each is a swarm of OS processes that a second swarm
     beside it on CI's 2 cores would starve (two of them at once failed three tests in a tried run), and their
     deadlines are set for one swarm on the box. The fast tier's tests share out over both workers, and so does a
-    slow test that starts no swarm and names a group of its own (mypy: a minute of CPU, no deadline; the fuzzers,
-    the exports, the memory measures, the fork server's own tests). The worker that holds the swarms takes no
-    other work until they are nearly done, so those groups run on the other one, beside them."""
+    slow test that starts no swarm and names a group of its own (mypy: a minute of CPU, no deadline)."""
     for item in items:
         if item.get_closest_marker("slow") is not None and item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(SWARMS))

@@ -359,7 +359,6 @@ print(json.dumps({"growth_mib": (status("VmHWM") - base) / 1024}))
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("memory")  # no swarm: beside the swarms, on the other worker (conftest.py)
 def test_checkpointing_holds_one_stage_at_a_time(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Peak RSS (over the RSS after imports) while writing, serving and re-splitting a
     4-stage checkpoint of 64 MiB stages, in a fresh process: about one stage, where the whole-model

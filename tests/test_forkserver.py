@@ -30,7 +30,6 @@ def coordinator_args(tmp_path: Path) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("forkserver")  # no swarm: beside the swarms, on the other worker (conftest.py)
 def test_a_forked_process_is_potluck_with_its_own_arguments_environment_directory_log_and_session(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
@@ -56,7 +55,6 @@ def test_a_forked_process_is_potluck_with_its_own_arguments_environment_director
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("forkserver")  # no swarm: beside the swarms, on the other worker (conftest.py)
 def test_a_killed_child_reports_its_signal_and_a_killed_server_takes_its_children_along(tmp_path: Path) -> None:
     server = ForkServer()
     try:
@@ -79,7 +77,6 @@ def test_a_killed_child_reports_its_signal_and_a_killed_server_takes_its_childre
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("forkserver")  # no swarm: beside the swarms, on the other worker (conftest.py)
 def test_a_malformed_request_is_refused_and_the_server_serves_the_next(tmp_path: Path) -> None:
     server = ForkServer()
     try:
@@ -100,7 +97,6 @@ def test_a_malformed_request_is_refused_and_the_server_serves_the_next(tmp_path:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("forkserver")  # no swarm: beside the swarms, on the other worker (conftest.py)
 def test_the_fork_server_can_be_turned_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("POTLUCK_FORKSERVER", "0")
     with ProcessGroup(fork=True) as procs:
@@ -127,7 +123,6 @@ print("own locks")
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("forkserver")  # no swarm: beside the swarms, on the other worker (conftest.py)
 def test_a_forked_process_owns_hivemind_s_locks() -> None:
     """hivemind makes its process-wide multiprocessing locks at import: every fork of the server would share the
     server's, and a peer SIGKILLed while it held one hung the DHT start of the next coordinator (3 failures in

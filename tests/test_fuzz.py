@@ -147,7 +147,6 @@ def valid_contribution(sender: str) -> list[pb.ShardChunk]:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("fuzz")  # no swarm: beside the swarms, on the other worker (conftest.py)
 @CASES
 @given(st.builds(pb.PingRequest, header=headers, sent_at=st.floats(allow_nan=True), padding=blobs,
                  reply_bytes=st.integers(-(2**31), 2**31 - 1)))
@@ -156,7 +155,6 @@ def test_ping(peer: FuzzedPeer, request: pb.PingRequest) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("fuzz")  # no swarm: beside the swarms, on the other worker (conftest.py)
 @CASES
 @given(st.lists(chunks, min_size=0, max_size=3), st.integers(0, 2**32))
 def test_push_contribution(peer: FuzzedPeer, stream: list[pb.ShardChunk], seed: int) -> None:
@@ -165,7 +163,6 @@ def test_push_contribution(peer: FuzzedPeer, stream: list[pb.ShardChunk], seed: 
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("fuzz")  # no swarm: beside the swarms, on the other worker (conftest.py)
 @CASES
 @given(st.lists(chunks, min_size=0, max_size=3), st.integers(0, 2**32))
 def test_push_result(peer: FuzzedPeer, stream: list[pb.ShardChunk], seed: int) -> None:
@@ -174,7 +171,6 @@ def test_push_result(peer: FuzzedPeer, stream: list[pb.ShardChunk], seed: int) -
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("fuzz")  # no swarm: beside the swarms, on the other worker (conftest.py)
 @CASES
 @given(st.builds(pb.ResultRequest, header=headers, shard=int32s, num_shards=int32s))
 def test_fetch_result(peer: FuzzedPeer, request: pb.ResultRequest) -> None:
@@ -182,7 +178,6 @@ def test_fetch_result(peer: FuzzedPeer, request: pb.ResultRequest) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("fuzz")  # no swarm: beside the swarms, on the other worker (conftest.py)
 @CASES
 @given(st.builds(pb.InputsRequest, header=headers, shard=int32s, num_shards=int32s, attempt=int32s))
 def test_fetch_inputs(peer: FuzzedPeer, request: pb.InputsRequest) -> None:
@@ -190,7 +185,6 @@ def test_fetch_inputs(peer: FuzzedPeer, request: pb.InputsRequest) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("fuzz")  # no swarm: beside the swarms, on the other worker (conftest.py)
 @CASES
 @given(st.builds(pb.StateInfoRequest, header=headers, stage=st.integers(-3, 3), version=st.one_of(st.none(), ints)))
 def test_get_state_info(peer: FuzzedPeer, request: pb.StateInfoRequest) -> None:
@@ -202,13 +196,11 @@ def test_get_state_info(peer: FuzzedPeer, request: pb.StateInfoRequest) -> None:
                  ranges=st.lists(st.builds(pb.Range, name=st.sampled_from(["theta", "momentum", "x", ""]),
                                            offset=ints, numel=ints), max_size=3)))
 @pytest.mark.slow
-@pytest.mark.xdist_group("fuzz")  # no swarm: beside the swarms, on the other worker (conftest.py)
 def test_fetch_state(peer: FuzzedPeer, request: pb.StateRequest) -> None:
     call(peer, "FetchState", request, response_stream=True)
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("fuzz")  # no swarm: beside the swarms, on the other worker (conftest.py)
 @CASES
 @given(pipes, st.lists(st.integers(-2, 1 << 40), max_size=6), st.integers(0, 2**32))
 def test_push_pipe(peer: FuzzedPeer, message: pb.PipeMessage, sizes: list[int], seed: int) -> None:

@@ -192,7 +192,6 @@ def test_pretrained_weights_that_do_not_fit_are_refused(hf_dirs, tmp_path) -> No
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("export")  # no swarm: beside the swarms, on the other worker (conftest.py)
 def test_an_exported_folder_generates_and_loads_back_bit_exact(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import subprocess
     import sys

@@ -132,7 +132,6 @@ def _hwm() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("memory")  # no swarm: beside the swarms, on the other worker (conftest.py)
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's resettable peak RSS")
 def test_a_1b_class_micro_batch_crosses_with_equal_buffers_and_bounded_receiver_memory() -> None:
     """32 MiB (4x the cap) as a first visit, then its 4-bit delta; in a process of its own, with every large

@@ -323,7 +323,6 @@ def test_export_cli_refuses_in_one_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("export")  # no swarm: beside the swarms, on the other worker (conftest.py)
 @pytest.mark.parametrize("out, family, data", [("model.pt", "tiny", ""), ("model.safetensors", "tiny", "markov"),
                                                ("model-hf", "llama", "bytes"), ("hf-ids", "llama", "markov")])
 def test_export_prints_lines_that_load_what_it_wrote(tmp_path: Path, out: str, family: str, data: str) -> None:
