@@ -129,9 +129,13 @@ def test_concurrent_transfers_share_the_link(net: dict) -> None:
     assert len(spans) == 2
     (start_a, end_a), (start_b, end_b) = sorted(spans)
     rtt, wire = 2 * DELAY_MS / 1e3, size / BYTES_PER_S
-    assert alone == pytest.approx(rtt + wire, rel=0.2)
-    # the link's rate is shared, not doubled: both took as long as twice the bytes
-    assert max(end_a, end_b) - start_a == pytest.approx(rtt + 2 * wire, rel=0.2)
+    # the emulator's floor, and room above it for a loaded box (the suite runs this beside a swarm: one transfer
+    # alone once took 0.77 s there against 0.58 s of link)
+    assert 0.9 * (rtt + wire) <= alone < 2 * (rtt + wire), (alone, rtt + wire)
+    # the link's rate is shared, not doubled: the two together took at least as long as twice the bytes (doubled,
+    # they would take rtt + wire), and about one more transfer's time than one alone
+    pair = max(end_a, end_b) - start_a
+    assert 0.9 * (rtt + 2 * wire) <= pair < alone + 2 * wire, (pair, alone, rtt + 2 * wire)
     # fair sharing: a FIFO pipe would end the two a whole transfer (`wire`) apart; shared slice by slice they end
     # as far apart as they started
     print(f"\nstarted {start_b - start_a:.3f} s apart, ended {abs(end_b - end_a):.3f} s apart; one alone {wire:.3f} s")
