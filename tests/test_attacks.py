@@ -294,12 +294,11 @@ def test_attacks_are_refused_and_change_nothing(honest, tmp_path: Path) -> None:
     assert slow > 0.5 * fast, (slow, fast)
 
 
-def test_an_admitted_poisoner_is_bounded_flagged_and_evicted(tmp_path: Path) -> None:
+def test_an_admitted_poisoner_is_bounded_flagged_and_evicted(procs: ProcessGroup, tmp_path: Path) -> None:
     """A member scaling its pseudo-gradient x1000 moved honest peers ~1650x a normal step (and eval loss to
     41,202): now the owners clip it to a large honest update, report it, and the coordinator evicts it."""
     from swarm import run_config
 
-    procs = ProcessGroup(fork=True)
     swarm = LocalSwarm(tmp_path, procs)
     try:
         swarm.start_coordinator(run_config({**CONFIG, "membership.min_peers": PEERS + 1, "diloco.outer_steps": 8},
@@ -320,10 +319,9 @@ def test_an_admitted_poisoner_is_bounded_flagged_and_evicted(tmp_path: Path) -> 
     assert evals[-1] < evals[0] and max(evals) < 6.0, evals  # training went on (untrained: ln 64 = 4.16)
 
 
-def test_a_private_run_admits_only_the_tokens_holders(tmp_path: Path) -> None:
+def test_a_private_run_admits_only_the_tokens_holders(procs: ProcessGroup, tmp_path: Path) -> None:
     from swarm import run_config
 
-    procs = ProcessGroup(fork=True)
     swarm = LocalSwarm(tmp_path, procs)
     try:
         swarm.start_coordinator(run_config({**CONFIG, "diloco.outer_steps": 2, "membership.min_peers": 2,
