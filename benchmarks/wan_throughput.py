@@ -59,7 +59,8 @@ tokens, each fragment synced every H inner steps), its outer steps overlapped wi
 sends paced over ``--pace`` of it (``diloco.overlap``, ``sync.pace``, and ``sync.chunk_bytes`` 64 KiB: a result goes
 in messages of that size, which pacing cannot split; ``--pace 0``: blocking, at line rate, as before 2026-12-03). For each: every peer's peak second of sends
 (``peak_send_bps``, :meth:`~potluck.protos.net.transport.Traffic.send_rate`, read on the last poll before the
-run is finished, so the coordinator's fetch of the final state is not in it) and the outer bytes a member
+run is finished, so the coordinator's fetch of the final state is not in it; the highest one's bytes by kind,
+``peak_send_kinds_max``) and the outer bytes a member
 sent per step over the step's all-reduce seconds, at the step where that is highest (``peak_outer_bps``).
 Target (issue): F = 4's peak <= 0.35x F = 1's. ``--only`` runs some of the swarms (the JSON line then holds
 the figures of those).
@@ -117,12 +118,14 @@ def run_swarm(args: argparse.Namespace, workdir: Path, settings: dict[str, Any],
     gone_at = 0.0
     live: list[float] = []
     peaks: dict[str, float] = {}  # each peer's peak second of sends, on the last poll before the run finished
+    peak_kinds: dict[str, dict[str, int]] = {}  # that second's bytes by kind
 
     def done(state: dict) -> bool:
         nonlocal first_token, first_tokens, gone_at
         run = state["run"]
         if not run["finished"]:
             peaks.update({p["id"]: p["peak_send_bps"] for p in state["peers"] if p.get("peak_send_bps")})
+            peak_kinds.update({p["id"]: p.get("peak_send_kinds", {}) for p in state["peers"] if p.get("peak_send_bps")})
         if first_token is None and run["tokens_trained"] > 0:
             first_token, first_tokens = time.monotonic(), run["tokens_trained"]
         if first_token is not None and not run["finished"] and run["tokens_per_s"] > 0:
@@ -155,6 +158,8 @@ def run_swarm(args: argparse.Namespace, workdir: Path, settings: dict[str, Any],
     return {
         "peak_send_bps_per_peer": sorted(round(v) for v in peaks.values()),
         "peak_send_bps_max": round(max(peaks.values())) if peaks else None,
+        # what filled the highest peer's peak second (outer: its own outer step; audit: evidence an auditor fetched)
+        "peak_send_kinds_max": peak_kinds.get(max(peaks, key=peaks.__getitem__)) if peaks else None,
         "peak_outer_bps": round(max(outer_bps)) if outer_bps else None,
         "outer_bytes_per_member_step": round(statistics.mean(per_step)) if per_step else None,
         "inner_steps": inner, "outer_steps": outer,

@@ -356,5 +356,6 @@ def test_a_stage_averaged_as_one_group_has_at_most_max_owners_owners_and_their_r
                           outer_bytes=10**7, members=MAX_OWNERS, contributors=MAX_OWNERS, dropped=ids[:2],
                           clipped=ids[:2], included=list(range(MAX_OWNERS)), pipe={"activations": 10**8},
                           flags={o: ids[-1:] for o in ids[:MAX_OWNERS]}, t=time.time()) for s in range(KEEP_STEPS)]
-    record = PeerRecord(peer_id=me.peer_id, address="203.0.113.7:40000", recent=reports, seq=1)
+    kinds = {f"{k:032d}": 10**12 for k in range(16)}  # (the peak second's kinds at their bounds too)
+    record = PeerRecord(peer_id=me.peer_id, address="203.0.113.7:40000", recent=reports, seq=1, peak_send_kinds=kinds)
     assert len(MSGPackSerializer.dumps(seal(me, record, 60))) < 0.6 * MAX_RECORD_BYTES  # (every owner naming one)

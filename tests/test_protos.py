@@ -131,6 +131,25 @@ def test_malformed_body_and_tolerant_parsing() -> None:
     assert unseal(Manifest, sealed(json.dumps(newer).encode()), author=ident.peer_id).run_id == "r"
 
 
+@pytest.mark.parametrize("kinds,match", [
+    ({"outer": -1}, "greater than or equal to 0"),
+    ({"x" * 33: 1}, "at most 32 characters"),
+    ({f"k{i}": 1 for i in range(17)}, "at most 16 items"),
+])
+def test_a_heartbeat_with_a_bad_peak_second_breakdown_is_refused(kinds, match) -> None:  # type: ignore[no-untyped-def]
+    """A peer's peak second by kind (issue 48) is bytes: never negative, a few short names."""
+    ident = Identity.generate()
+    rec = PeerRecord(peer_id=ident.peer_id, address="h:1", peak_send_kinds={"outer": 5, "audit": 7})
+    body = json.loads(seal(ident, rec, 60)["body"])
+    assert body["peak_send_kinds"] == {"outer": 5, "audit": 7}
+    body["peak_send_kinds"] = kinds
+    raw = json.dumps(body).encode()
+    with pytest.raises(RecordError, match="malformed PeerRecord") as err:
+        unseal(PeerRecord, {"v": ENVELOPE_VERSION, "by": ident.peer_id, "body": raw, "sig": ident.sign(raw)},
+               author=ident.peer_id)
+    assert match in str(err.value.__cause__ or err.value)
+
+
 def test_plan_round_for_picks_latest_at_or_before() -> None:
     m = [Member(peer_id="a", address="x:1")]
     plan = Plan(seq=1, rounds=[Round(step=3, members=m), Round(step=5, members=m)])

@@ -46,6 +46,9 @@ def test_three_peers_train_and_stay_identical(swarm) -> None:  # type: ignore[no
     assert len(rows) == 3
     assert all(0 < p["peak_send_bps"] <= sum(p["bytes_sent"].values()) and p["send_bps"] <= p["peak_send_bps"]
                for p in rows), [(p["send_bps"], p["peak_send_bps"], p["bytes_sent"]) for p in rows]
+    # and that second's bytes by kind add up to it: the outer step's sends are in it (or an audit's, or probes')
+    assert all(sum(p["peak_send_kinds"].values()) == p["peak_send_bps"] and set(p["peak_send_kinds"]) <= set(
+        p["bytes_sent"]) for p in rows), [(p["peak_send_bps"], p["peak_send_kinds"]) for p in rows]
     metrics = urllib.request.urlopen(ready["status_url"].rstrip("/") + "/metrics", timeout=10).read().decode()
     assert all(f'potluck_peer_peak_send_bytes_per_second{{peer="{p["id"]}"}}' in metrics for p in rows)
     assert state["config"]["outer_codec"] == "int8" and state["config"]["fragments"] == 1

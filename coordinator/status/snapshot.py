@@ -169,7 +169,7 @@ def _row(r: PeerRecord, view: PeerView, tasklet: dict[str, int] | None) -> dict[
         "tasklet": tasklet, "version": r.version, "inner_step": r.inner_step, "loss": r.loss,
         "eval_loss": r.eval_loss, "tokens_per_s": r.tokens_per_s, "tokens_total": r.tokens_total,
         "bytes_sent": r.bytes_sent, "bytes_received": r.bytes_received, "send_bps": r.send_bps,
-        "peak_send_bps": r.peak_send_bps,
+        "peak_send_bps": r.peak_send_bps, "peak_send_kinds": r.peak_send_kinds,
         "last_seen_s": None, "software": r.software, "state_hash": r.state_hash,
         "compute_s": r.compute_s, "sync_s": r.sync_s, "hidden_s": r.hidden_s, "relayed": VIA in r.address,
         "clipped": 0, "rejected": 0, "round_steps": r.round_steps, "step_s": r.step_s, "window_s": r.window_s,

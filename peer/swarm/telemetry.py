@@ -180,10 +180,11 @@ class Telemetry:
     def record(self, *, address: str, version: int, state_hash: str, epoch: int, prev: tuple[int, str], stage: int,
                replica: int, device: Any, numel: int, loss_floor: float | None, maddrs: list[str],
                traffic: tuple[dict[str, int], dict[str, int]], extras: dict[str, Any], busy_s: float = 0.0,
-               step_s: float | None = None, send_rate: tuple[float, float] = (0.0, 0.0)) -> PeerRecord:
+               step_s: float | None = None, send_rate: tuple[float, float] = (0.0, 0.0),
+               peak_kinds: dict[str, int] | None = None) -> PeerRecord:
         """``step_s``: what one inner step takes (the window's measure: its first step's warm-up left out); else the
         progress's running mean. ``send_rate``: bytes per second sent, recently and at the peak second
-        (:meth:`~potluck.protos.net.transport.Traffic.send_rate`)."""
+        (:meth:`~potluck.protos.net.transport.Traffic.send_rate`); ``peak_kinds``: that second's bytes by kind."""
         p = self.progress
         cuda = getattr(device, "type", "cpu") == "cuda"
         import torch  # already loaded by the peer; kept out of this module's import time
@@ -198,7 +199,7 @@ class Telemetry:
             eval_loss=p.eval_loss, eval_version=p.eval_version, samples_per_s=p.samples_per_s,
             tokens_per_s=p.tokens_per_s, tokens_total=p.tokens_total, bytes_sent=traffic[0], bytes_received=traffic[1],
             last_outer_s=p.last_outer_s, last_outer_bytes=p.last_outer_bytes, compute_s=p.compute_s, sync_s=p.sync_s,
-            send_bps=send_rate[0], peak_send_bps=send_rate[1],
+            send_bps=send_rate[0], peak_send_bps=send_rate[1], peak_send_kinds=peak_kinds or {},
             hidden_s=p.hidden_s,
             parameters=numel, loss_floor=loss_floor, software=__version__, started_at=self.started_at,
             seq=next_seq(), ts=time.time(), stage=stage, dht_maddrs=maddrs, replica=replica,

@@ -76,7 +76,8 @@ class Traffic:
     """Thread-safe byte counters by kind (``outer``, ``state``, ``probe``, ...) and direction, and the send rate:
     bytes sent in each whole second of ``clock`` (all kinds together: one uplink carries them all), its mean over the
     last :data:`RATE_WINDOWS` seconds and its peak second since the start (what a volunteer's uplink must carry at
-    once: an outer step sends its bytes in a burst every H inner steps)."""
+    once: an outer step sends its bytes in a burst every H inner steps), with what filled that second, by kind
+    (measured: a whole outer step's peak second was the evidence an auditor fetched, a streamed one's its own sends)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._lock = threading.Lock()
@@ -88,13 +89,17 @@ class Traffic:
         self._in_second = 0
         self._seconds: list[int] = []
         self._peak = 0
+        self._second_kinds: dict[str, int] = defaultdict(int)  # the second being counted, by kind
+        self._peak_kinds: dict[str, int] = {}  # the peak second, by kind
 
     def _roll(self) -> None:
         """(Under the lock) close the seconds that have passed since the last send."""
         now = int(self._clock())
         if now == self._second:
             return
-        self._peak = max(self._peak, self._in_second)
+        if self._in_second > self._peak:
+            self._peak, self._peak_kinds = self._in_second, dict(self._second_kinds)
+        self._second_kinds = defaultdict(int)
         self._seconds = (self._seconds + [self._in_second] + [0] * min(now - self._second - 1, RATE_WINDOWS))[
             -RATE_WINDOWS:]
         self._second, self._in_second = now, 0
@@ -104,6 +109,7 @@ class Traffic:
             self.sent[kind] += n
             self._roll()
             self._in_second += n
+            self._second_kinds[kind] += n
 
     def send_rate(self) -> tuple[float, float]:
         """Bytes per second sent: the mean over the last :data:`RATE_WINDOWS` whole seconds (fewer since the start),
@@ -111,6 +117,12 @@ class Traffic:
         with self._lock:
             self._roll()
             return (sum(self._seconds) / len(self._seconds) if self._seconds else 0.0), float(self._peak)
+
+    def peak_second(self) -> tuple[float, dict[str, int]]:
+        """The peak second (:meth:`send_rate`'s) and its bytes by kind, read together: what the uplink's burst was."""
+        with self._lock:
+            self._roll()
+            return float(self._peak), dict(self._peak_kinds)
 
     def add_received(self, kind: str, n: int) -> None:
         with self._lock:

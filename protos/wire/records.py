@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Collection, Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     Field,
+    NonNegativeInt,
     PrivateAttr,
     field_validator,
     model_validator,
@@ -31,6 +32,7 @@ from potluck.protos.wire.roundindex import MemberIndex
 from potluck.protos.wire.states import PeerState
 
 NAME_LEN, ADDRESS_LEN, HASH_LEN, ID_LEN, TEXT_LEN = 64, 256, 128, 64, 512
+KIND_LEN = 32  # a traffic kind's name (protos/net/servicer.py: "outer", "audit", ...)
 MAX_GROUPS = 1 << 14  # averaging groups of one stage
 MAX_OWNERS = 32  # shard owners of one averaging group: each member reports every owner's outcome (StepReport.flags)
 # in each of its heartbeat's reports, and a heartbeat must fit a DHT record (64 KiB): 8 reports of 32 owners, each
@@ -141,6 +143,8 @@ class PeerRecord(Record):
     send_bps: float = Field(0.0, ge=0, description="bytes per second it sent, all kinds, over its last 10 s")
     peak_send_bps: float = Field(0.0, ge=0, description="the most bytes it sent in one second since it started: what "
                                  "its uplink must carry at once")
+    peak_send_kinds: dict[Annotated[str, Field(max_length=KIND_LEN)], NonNegativeInt] = Field(
+        default_factory=dict, max_length=16, description="that second's bytes by kind (outer, audit, activations, ...)")
     compute_s: float = Field(0.0, ge=0, description="total seconds spent in inner steps")
     sync_s: float = Field(0.0, ge=0, description="total seconds the training loop spent in outer steps (network and "
                           "waiting)")

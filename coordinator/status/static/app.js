@@ -422,7 +422,8 @@
         "\nsending " + bytes(p.send_bps || 0) + "/s over the last 10 s; peak " + bytes(p.peak_send_bps || 0) + "/s" },
     { key: "peak_send", label: "peak uplink", cls: "num", value: (p) => p.peak_send_bps || 0,
       text: (p) => bytes(p.peak_send_bps || 0) + "/s",
-      title: (p) => "the most it sent in one second since it started (now " + bytes(p.send_bps || 0) + "/s over 10 s)" },
+      title: (p) => "the most it sent in one second since it started (now " + bytes(p.send_bps || 0) + "/s over 10 s)" +
+        (p.peak_send_kinds && sumValues(p.peak_send_kinds) ? "\nthat second: " + byKind(p.peak_send_kinds) : "") },
     { key: "relayed", label: "reached", value: (p) => (p.relayed ? relayBytes(p) : -1),
       text: (p) => (p.relayed ? "relayed · " + bytes(relayBytes(p)) : "direct"),
       title: (p) => (p.relayed ? "accepts no connections (behind a NAT): its traffic crosses the coordinator's relay, " +
