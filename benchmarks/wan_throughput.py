@@ -119,6 +119,7 @@ def run_swarm(args: argparse.Namespace, workdir: Path, settings: dict[str, Any],
     live: list[float] = []
     peaks: dict[str, float] = {}  # each peer's peak second of sends, on the last poll before the run finished
     peak_kinds: dict[str, dict[str, int]] = {}  # that second's bytes by kind
+    sent_by_kind: dict[str, dict[str, int]] = {}  # each peer's bytes sent by kind, on the same poll
 
     def done(state: dict) -> bool:
         nonlocal first_token, first_tokens, gone_at
@@ -126,6 +127,7 @@ def run_swarm(args: argparse.Namespace, workdir: Path, settings: dict[str, Any],
         if not run["finished"]:
             peaks.update({p["id"]: p["peak_send_bps"] for p in state["peers"] if p.get("peak_send_bps")})
             peak_kinds.update({p["id"]: p.get("peak_send_kinds", {}) for p in state["peers"] if p.get("peak_send_bps")})
+            sent_by_kind.update({p["id"]: p["bytes_sent"] for p in state["peers"] if p.get("bytes_sent")})
         if first_token is None and run["tokens_trained"] > 0:
             first_token, first_tokens = time.monotonic(), run["tokens_trained"]
         if first_token is not None and not run["finished"] and run["tokens_per_s"] > 0:
@@ -162,6 +164,9 @@ def run_swarm(args: argparse.Namespace, workdir: Path, settings: dict[str, Any],
         "peak_send_kinds_max": peak_kinds.get(max(peaks, key=peaks.__getitem__)) if peaks else None,
         "peak_outer_bps": round(max(outer_bps)) if outer_bps else None,
         "outer_bytes_per_member_step": round(statistics.mean(per_step)) if per_step else None,
+        # a peer's bytes sent by kind over the run, the mean of the peers (audit: the evidence its auditors fetched)
+        "sent_by_kind_per_peer": {k: round(statistics.mean(s.get(k, 0) for s in sent_by_kind.values()))
+                                  for k in sorted({k for s in sent_by_kind.values() for k in s})},
         "inner_steps": inner, "outer_steps": outer,
         "tokens": tokens,
         "tokens_in_window": tokens - first_tokens,
