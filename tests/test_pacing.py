@@ -88,12 +88,36 @@ def test_pacing_holds_one_clock_across_rounds_and_none_while_unpaced() -> None:
     assert pacing.clock is clock and clock.rate == 100.0 and pacing.contribution_chunk() == 4096  # (the floor)
 
 
-def test_a_paced_round_budgets_its_slices_its_results_and_the_evidence_auditors_fetch() -> None:
-    # 4 members, 1,000 int8 values: 3/4 of the vector out as slices, 3/4 as results to the others
-    assert round_bytes(1000, 4, 1.0, owns=False, evidence_share=1.25) == 1500.0
-    # an owner also serves its shard's inputs (the whole vector from all members) 1.25 times a step
-    assert round_bytes(1000, 4, 1.0, owns=True, evidence_share=1.25) == 2750.0
-    assert round_bytes(1000, 1, 0.5, owns=True, evidence_share=0.0) == 0.0  # (alone: nothing to send)
+def reference_round_bytes(numel: int, owners: list[bool], me: int, bpe: float, share: float) -> float:
+    """Counted message by message: each member's slice of each shard to its owner, each owner's result to every
+    other member, and each of its auditors (every other member in turn, ``share`` of them a step) fetching the
+    inputs of everyone but itself."""
+    shard = numel * bpe / sum(owners)
+    members = len(owners)
+    sent = sum(shard for j, own in enumerate(owners) if own and j != me)  # my slices of the others' shards
+    if owners[me]:
+        sent += shard * (members - 1)  # my result to each other member
+        audits = [shard * (members - 1) for auditor in range(members) if auditor != me]  # (an auditor's own slice
+        sent += share * sum(audits) / len(audits)  # is not fetched), share of an audit a step, any other auditor
+    return sent
+
+
+@pytest.mark.parametrize("owners,me", [
+    ([True] * 4, 0),  # the usual: every member owns a shard
+    ([True, True, True, False], 3),  # a fresh key on probation: it owns none
+    ([True, True, False, False, False, False, False, False], 1),  # a big stage: more members than owners
+    ([True] * 2, 1),
+])
+def test_a_paced_round_budgets_its_slices_its_results_and_the_evidence_auditors_fetch(owners, me) -> None:  # type: ignore[no-untyped-def]
+    for share in (0.0, 1.25):
+        want = reference_round_bytes(1000, owners, me, 1.0, share)
+        got = round_bytes(1000, len(owners), sum(owners), 1.0, owns=owners[me], evidence_share=share)
+        assert got == pytest.approx(want), (owners, me, share)
+    # 4 members, 1,000 int8 values, every one an owner: 3/4 of the vector out as slices, 3/4 as results, and
+    # 1.25 audits a step of the 3/4 of its shard's inputs an auditor lacks
+    assert round_bytes(1000, 4, 4, 1.0, owns=True, evidence_share=1.25) == 750 + 750 + 937.5
+    assert round_bytes(1000, 4, 3, 1.0, owns=False, evidence_share=1.25) == 1000.0  # (probation: all slices out)
+    assert round_bytes(1000, 1, 1, 0.5, owns=True, evidence_share=0.0) == 0.0  # (alone: nothing to send)
 
 
 def test_a_pacer_needs_a_positive_rate() -> None:

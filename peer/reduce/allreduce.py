@@ -206,8 +206,8 @@ class AllReduce:
                           backup_timeout=max(PING_S, 0.5 * grace_s), deadline=deadline, samples=samples)
         # what this member sends: its slices of the other shards, its own shard's result to the others, and the
         # evidence auditors will fetch from it
-        self.pacing.begin(round_bytes(self.numel, info.shards, self.codec.bytes_per_element, info.shard is not None,
-                                      self.evidence_share), pace_s)
+        self.pacing.begin(round_bytes(self.numel, len(info.members), info.shards, self.codec.bytes_per_element,
+                                      info.shard is not None, self.evidence_share), pace_s)
         try:
             return self._run(rnd, delta, t_start, deadline, grace_s, sent_before)
         finally:

@@ -10,8 +10,9 @@ it. An owner's result goes to its backup first (:meth:`~potluck.peer.reduce.allr
 with that transfer's timeout stretched by what the pace makes it take (:meth:`Pacer.eta`): unpaced, the backup's
 copy was the burst left in a paced step's peak second (in a group of two, the whole result). The rate budgets the
 evidence auditors fetch from an owner too (:func:`round_bytes`). Measured (``benchmarks/wan_throughput.py``,
-docs/benchmarks.md): F = 4 at pace 0.85, a peer's peak second 0.315x F = 1's, at 0.70x its tokens/s (a paced step
-still lands after the next phase ends now and then), so pacing is off by default.
+docs/benchmarks.md): F = 4 at pace 0.85, a peer's peak second 0.315x F = 1's, at 0.70x its tokens/s; at 0.45,
+0.315-0.340x at 0.77-0.78x (a paced step still lands after the next phase ends now and then), so pacing is off by
+default.
 """
 
 from __future__ import annotations
@@ -72,15 +73,21 @@ def pace_seconds(pace: float, phases: Iterable[float], rpc_timeout_s: float) -> 
     return min(pace * statistics.median(phases), 0.5 * rpc_timeout_s)
 
 
-def round_bytes(numel: int, shards: int, bytes_per_element: float, owns: bool, evidence_share: float) -> float:
-    """What one member sends for a paced round, about: its slices of the other owners' shards, its own shard's
-    result to each of the others, and, as an owner, the evidence auditors fetch from it (its shard's inputs, the
-    whole vector's bytes from all members together) ``evidence_share`` times a step (``sync.audit_fraction`` x
-    (1 + ``sync.second_audit``)). That evidence goes on the same clock during the next phase, beside the next
-    round's sends; left out of the budget, it put each round further behind the last (a paced step at 0.85 of a
-    phase took 4.4-9.1 s of a 3.8 s one)."""
-    others = max(shards - 1, 0) / max(shards, 1)
-    return numel * bytes_per_element * (2 * others + (evidence_share if owns else 0.0))
+def round_bytes(numel: int, members: int, shards: int, bytes_per_element: float, owns: bool,
+                evidence_share: float) -> float:
+    """What one member sends for a paced round, about: its slices of the shards the other owners hold, and, as an
+    owner, its shard's result to each of the other members and the evidence auditors fetch from it ``evidence_share``
+    times a step (``sync.audit_fraction`` x (1 + ``sync.second_audit``)): its shard's inputs from every member but
+    the auditor, who has its own (:class:`~potluck.peer.reduce.audit.Auditor`). That evidence goes on the same clock
+    during the next phase, beside the next round's sends; left out of the budget, it put each round further behind
+    the last (a paced step at 0.85 of a phase took 4.4-9.1 s of a 3.8 s one). Until 2026-12-04 this counted the whole
+    vector as each audit's evidence and every member as an owner: 13 % over among four, under in a stage with more
+    members than owners."""
+    if shards < 1 or members < 1:
+        return 0.0
+    shard = numel * bytes_per_element / shards
+    slices = (shards - (1 if owns else 0)) * shard
+    return slices + ((members - 1) * shard * (1 + evidence_share) if owns else 0.0)
 
 
 class Pacing:
