@@ -287,11 +287,10 @@ class Session:
     def record(self) -> PeerRecord:
         t, tools = self.tasklet, self.tools
         snap = t.states.current
-        peak = tools.traffic.peak_second()  # (the peak and its kinds read at once: a second may end between reads)
         return self.telemetry.record(
             address=tools.address, version=snap.version, state_hash=snap.hash, epoch=t.states.epoch,
             prev=t.states.prev_of(), stage=t.stage, replica=self.replica, device=tools.device, numel=t.worker.numel,
-            loss_floor=tools.data.loss_floor, maddrs=tools.maddrs, traffic=tools.traffic.snapshot(), busy_s=t.worker.busy_s,
-            step_s=self.inner.pace.step_s(), send_rate=(tools.traffic.send_rate()[0], peak[0]), peak_kinds=peak[1],
+            loss_floor=tools.data.loss_floor, maddrs=tools.maddrs, traffic=tools.traffic, busy_s=t.worker.busy_s,
+            step_s=self.inner.pace.step_s(),
             extras={**({"buffers": t.pipeline.footprint()} if t.pipeline is not None else {}),
                     **({"devices": tools.devices.world} if tools.devices is not None else {})})

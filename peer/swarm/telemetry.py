@@ -21,6 +21,7 @@ from potluck.peer.reduce.allreduce import AllReduceStats
 from potluck.peer.swarm.progress import ProgressReporter
 from potluck.peer.training.window import Ended
 from potluck.protos import potluck_pb2 as pb
+from potluck.protos.net.transport import Traffic
 from potluck.protos.runtime.log import get_logger, short_id
 from potluck.protos.testkit.faults import tamper
 from potluck.protos.wire.envelope import next_seq
@@ -179,13 +180,14 @@ class Telemetry:
 
     def record(self, *, address: str, version: int, state_hash: str, epoch: int, prev: tuple[int, str], stage: int,
                replica: int, device: Any, numel: int, loss_floor: float | None, maddrs: list[str],
-               traffic: tuple[dict[str, int], dict[str, int]], extras: dict[str, Any], busy_s: float = 0.0,
-               step_s: float | None = None, send_rate: tuple[float, float] = (0.0, 0.0),
-               peak_kinds: dict[str, int] | None = None) -> PeerRecord:
+               traffic: Traffic, extras: dict[str, Any], busy_s: float = 0.0,
+               step_s: float | None = None) -> PeerRecord:
         """``step_s``: what one inner step takes (the window's measure: its first step's warm-up left out); else the
-        progress's running mean. ``send_rate``: bytes per second sent, recently and at the peak second
-        (:meth:`~potluck.protos.net.transport.Traffic.send_rate`); ``peak_kinds``: that second's bytes by kind."""
+        progress's running mean. ``traffic``: the peer's byte counters, its send rate over the last seconds, and its
+        peak second with what filled it."""
         p = self.progress
+        sent, received = traffic.snapshot()
+        peak, peak_kinds = traffic.peak_second()  # (read together: a second may end between two reads)
         cuda = getattr(device, "type", "cpu") == "cuda"
         import torch  # already loaded by the peer; kept out of this module's import time
 
@@ -197,9 +199,9 @@ class Telemetry:
             memory_gb=torch.cuda.get_device_properties(device).total_memory / 2**30 if cuda else 0.0,
             name=self.name, loss=p.loss if p.loss is None or math.isfinite(p.loss) else None,
             eval_loss=p.eval_loss, eval_version=p.eval_version, samples_per_s=p.samples_per_s,
-            tokens_per_s=p.tokens_per_s, tokens_total=p.tokens_total, bytes_sent=traffic[0], bytes_received=traffic[1],
+            tokens_per_s=p.tokens_per_s, tokens_total=p.tokens_total, bytes_sent=sent, bytes_received=received,
             last_outer_s=p.last_outer_s, last_outer_bytes=p.last_outer_bytes, compute_s=p.compute_s, sync_s=p.sync_s,
-            send_bps=send_rate[0], peak_send_bps=send_rate[1], peak_send_kinds=peak_kinds or {},
+            send_bps=traffic.send_rate()[0], peak_send_bps=peak, peak_send_kinds=peak_kinds,
             hidden_s=p.hidden_s,
             parameters=numel, loss_floor=loss_floor, software=__version__, started_at=self.started_at,
             seq=next_seq(), ts=time.time(), stage=stage, dht_maddrs=maddrs, replica=replica,
