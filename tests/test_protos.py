@@ -135,6 +135,8 @@ def test_malformed_body_and_tolerant_parsing() -> None:
     ({"outer": -1}, "greater than or equal to 0"),
     ({"x" * 33: 1}, "at most 32 characters"),
     ({f"k{i}": 1 for i in range(17)}, "at most 16 items"),
+    ({"x" * 128: 1}, "at most 32 characters"),  # (4x the bounds each guards)
+    ({f"k{i}": 1 for i in range(64)}, "at most 16 items"),
 ])
 def test_a_heartbeat_with_a_bad_peak_second_breakdown_is_refused(kinds, match) -> None:  # type: ignore[no-untyped-def]
     """A peer's peak second by kind (issue 48) is bytes: never negative, a few short names."""
