@@ -14,7 +14,9 @@ after another, in slices of about 5 ms of transmission, so concurrent calls betw
 nodes interleave and share the bandwidth instead of each getting all of it. Transmission is
 scheduled on a virtual timeline and only *slept* through, so a late wake-up of a thread does not
 lower the emulated bandwidth. Streams are pipelined: the propagation delay is paid once per
-message in flight, not once per message in sequence. Each server models the links of the calls it
+message in flight, not once per message in sequence, and each message's transmission is booked the
+moment it is ready, so a stream's next message never loses its place on the link to another call's
+message that was ready after it. Each server models the links of the calls it
 serves, so links are pairwise (a peer pushing to ten peers at once gets the full rate to each; no
 shared uplink), and calls that two peers make to each other use separate pipes.
 
@@ -53,7 +55,9 @@ REGION_KEY = "x-potluck-region"
 NODE_KEY = "x-potluck-node"
 _QUANTUM_S = 0.005  # transmission time of one slice: the granularity at which concurrent calls interleave
 _MIN_SLICE = 4096
-_READ_AHEAD = 8  # client-stream messages read ahead of the handler, to time-stamp their arrival
+# a stream's messages in flight (on the wire or in propagation, not yet taken by the reader): a window, as TCP's and
+# HTTP/2's are. 64 pieces of 64 KiB cover 330 ms of delay at 100 Mbps; a full window holds the sender back
+_READ_AHEAD = 64
 
 
 class NetemTopologyError(ValueError):
@@ -337,7 +341,7 @@ def _streamed(behavior: Callable, inbound: Link, outbound: Link, streaming_reply
 
 def _reply(behavior: Callable, request: Any, context: grpc.ServicerContext, outbound: Link, streaming: bool) -> Any:
     if streaming:
-        return _paced(behavior(request, context), outbound)
+        return _paced(behavior(request, context), outbound, context)
     try:
         reply = behavior(request, context)
     except Exception:  # an error status crosses the network too
@@ -347,29 +351,77 @@ def _reply(behavior: Callable, request: Any, context: grpc.ServicerContext, outb
     return reply
 
 
-def _paced(replies: Iterator, outbound: Link) -> Iterator:
+def _paced(replies: Iterator, outbound: Link, context: grpc.ServicerContext) -> Iterator:
     """Yield a handler's replies as they arrive at the client, without holding the handler back.
 
-    A generator handler only produces its next message when asked; in the emulated world it would
-    be asked as soon as the previous message left the wire, not when it arrived. So the time it
-    takes is counted from that moment (``free``), which keeps a stream pipelined.
+    A generator handler only produces its next message when asked. A thread asks it as soon as the
+    previous message has left the (emulated) wire, and puts each message on the link then, so its
+    transmission is booked when it was ready; the stream gRPC reads sleeps only through each one's
+    propagation. (Booking a message only after the previous one had *arrived* let another call on the
+    same link take its place in the meantime: a stream's second message then waited up to a whole
+    delay behind a message that was ready after it.)
     """
-    free = time.monotonic()
-    it = iter(replies)
-    while True:
-        resumed = time.monotonic()
+    return _in_flight(iter(replies), lambda m, ready: outbound.send(_size(m), ready),
+                      outbound.spec.delay_s, context.is_active, "netem-replies")
+
+
+def _in_flight(source: Iterator, book: Callable[[Any, float], float], delay_s: float, active: Callable[[], bool],
+               name: str) -> Iterator:
+    """``source``'s messages at their emulated arrival times.
+
+    A thread takes each message from ``source`` when it is ready (the moment ``next`` returns) and books its
+    transmission at once (``book(message, ready)`` blocks while it is on the wire and returns its arrival), so the
+    link sees a stream's messages in the order and at the times they were ready; what it yields, it yields at
+    arrival. At most ``_READ_AHEAD`` messages are in flight (transmitted, not yet arrived) per stream. An error
+    from ``source`` reaches the caller one ``delay_s`` after it was raised, as an error status crosses the network.
+    """
+    box: queue.Queue = queue.Queue(maxsize=_READ_AHEAD)
+    stop = threading.Event()
+
+    def put(item: Any) -> bool:
+        while not stop.is_set() and active():
+            try:
+                box.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def run() -> None:
         try:
-            message = next(it)
-        except StopIteration:
-            return
-        except Exception:
-            _sleep_until(time.monotonic() + outbound.spec.delay_s)
-            raise
-        ready = free + (time.monotonic() - resumed)
-        arrival = outbound.send(_size(message), ready)
-        free = arrival - outbound.spec.delay_s
-        _sleep_until(arrival)
-        yield message
+            while not stop.is_set():
+                try:
+                    m = next(source)
+                except StopIteration:
+                    put((0.0, _END))
+                    return
+                if not put((book(m, time.monotonic()), m)):
+                    return
+        except Exception as err:  # the call was cancelled or broke, or the handler failed: the reader sees it
+            put((time.monotonic() + delay_s, err))
+        finally:
+            close = getattr(source, "close", None)
+            if stop.is_set() and close is not None:
+                close()  # (a reply generator the client stopped reading: its handler's finally blocks run)
+
+    worker = threading.Thread(target=run, name=name, daemon=True)
+    worker.start()
+    try:
+        while True:
+            try:
+                arrival, m = box.get(timeout=0.2)
+            except queue.Empty:
+                if worker.is_alive() or not box.empty():
+                    continue
+                raise RuntimeError("the stream ended without its end (call cancelled)") from None
+            if m is _END:
+                return
+            _sleep_until(arrival)
+            if isinstance(m, Exception):
+                raise m
+            yield m
+    finally:
+        stop.set()
 
 
 _END = object()
@@ -378,46 +430,8 @@ _END = object()
 def _arrivals(requests: Iterator, context: grpc.ServicerContext, inbound: Link) -> Iterator:
     """Hand a client stream's messages to the handler when they arrive over the emulated link.
 
-    gRPC delivers them over loopback at once; a reader thread takes them as they come and notes
-    when, which is when the client sent them: that, not the moment the handler asks, is when each
-    message is ready to go on the (emulated) wire.
+    gRPC delivers them over loopback at once; a thread takes them as they come and books each one's
+    transmission then, which is when the client sent it (see :func:`_in_flight`).
     """
-    box: queue.Queue = queue.Queue(maxsize=_READ_AHEAD)
-    stop = threading.Event()
-
-    def put(item: Any) -> bool:
-        while not stop.is_set() and context.is_active():
-            try:
-                box.put(item, timeout=0.2)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def read() -> None:
-        try:
-            for m in requests:
-                if not put((time.monotonic(), m)):
-                    return
-            put((0.0, _END))
-        except Exception as err:  # the call was cancelled or broke; the handler sees the error
-            put((0.0, err))
-
-    reader = threading.Thread(target=read, name="netem-reader", daemon=True)
-    reader.start()
-    try:
-        while True:
-            try:
-                t, m = box.get(timeout=0.2)
-            except queue.Empty:
-                if reader.is_alive() or not box.empty():
-                    continue
-                raise RuntimeError("the client stream ended without its end (call cancelled)") from None
-            if m is _END:
-                return
-            if isinstance(m, Exception):
-                raise m
-            inbound.deliver(_size(m), t)
-            yield m
-    finally:
-        stop.set()
+    return _in_flight(iter(requests), lambda m, ready: inbound.send(_size(m), ready), 0.0, context.is_active,
+                      "netem-reader")
