@@ -6,7 +6,7 @@
 # line each, on stdout; their logs under $OUT (or ./gpu-suite) when set.
 #
 # On a machine without CUDA every line says "measured": false (the GPU benchmarks check for it) and the CPU
-# runs small sizes, so the script itself is exercised by the tests. On an H100/H200 it takes at most
+# runs small sizes, so the script itself is exercised by the tests (tests/test_gpu_suite.py). On an H100/H200 it takes at most
 # SUITE_BUDGET_S (default 540 s), most of it compiling.
 #
 #   bash benchmarks/gpu_suite.sh [--quick]
@@ -52,6 +52,8 @@ run() {  # run NAME TIMEOUT CMD...: its last line (the JSON one) on stdout, ever
 if [ "$GPU" = 1 ]; then
     # in order of what the issues ask first; each within its own limit and the suite's budget
     run gpu_codec 60 "$PY" benchmarks/gpu_codec.py
+    # the int4 kernels, compiled, against the CPU codec on its edge cases (ties, subnormals, float32's limits)
+    run int4_kernels_cuda 90 "$PY" tests/int4_vectors.py
     run mfu 170 "$PY" benchmarks/mfu.py --batch 32 --variants "potluck.compile_scope=stage"
     run gpu_swarm_1 110 "$PY" benchmarks/gpu_swarm.py --peers 1 --preset llama-150m --inner-steps 50 --outer-steps 3
     run gpu_swarm_2 130 "$PY" benchmarks/gpu_swarm.py --peers 2 --preset llama-150m --inner-steps 50 --outer-steps 3 \
@@ -66,6 +68,7 @@ if [ "$GPU" = 1 ]; then
 else
     # no CUDA: each GPU benchmark says so in its line, and the CPU runs the same code at small sizes
     run gpu_codec 60 "$PY" benchmarks/gpu_codec.py
+    run int4_kernels_cuda 30 "$PY" tests/int4_vectors.py
     run mfu 60 "$PY" benchmarks/mfu.py
     run outer_step 120 "$PY" benchmarks/outer_step.py --device cuda
     run gpu_swarm 60 "$PY" benchmarks/gpu_swarm.py
