@@ -21,8 +21,9 @@ def hashes_agree(state: dict) -> list[int]:
 
 def test_three_peers_train_and_stay_identical(swarm) -> None:  # type: ignore[no-untyped-def]
     ready = swarm.start_coordinator({"diloco.outer_steps": 8, "diloco.inner_steps": 15, "membership.min_peers": 3})
-    for _ in range(3):
+    for _ in range(2):
         swarm.start_peer()
+    swarm.start_peer(env={"POTLUCK_FAULTS": "inner.step@*:slow=2"}, name="slow")  # (volunteers are never alike)
     state = swarm.wait_state(
         lambda s: s["run"]["finished"] and s["history"] and s["history"][-1]["eval_loss"] is not None
         and len(s["history"][-1]["state_hashes"]) == 3,
@@ -32,6 +33,11 @@ def test_three_peers_train_and_stay_identical(swarm) -> None:  # type: ignore[no
     assert [h["step"] for h in hist] == list(range(1, 9))
     assert all(h["members"] == 3 and len(h["state_hashes"]) == 3 for h in hist)
     assert hashes_agree(state) == [], "members held different parameters after an outer step"
+    # the half-speed peer trains what fits the window, and nobody is dropped for it
+    slow = next(p["id"] for p in state["peers"] if p["name"] == "slow")
+    assert not [h["dropped"] for h in hist if h["dropped"]]
+    trained = {pid: sum(h["inner_steps"].get(pid, 0) for h in hist) for pid in hist[-1]["state_hashes"]}
+    assert all(0 < trained[slow] < n for pid, n in trained.items() if pid != slow), trained
     start, floor = math.log(64), state["run"]["loss_floor"]
     final = hist[-1]["eval_loss"]
     assert floor is not None and floor < final
