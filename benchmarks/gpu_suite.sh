@@ -53,7 +53,7 @@ if [ "$GPU" = 1 ]; then
     # in order of what the issues ask first; each within its own limit and the suite's budget
     run gpu_codec 60 "$PY" benchmarks/gpu_codec.py
     # the int4 kernels, compiled, against the CPU codec on its edge cases (ties, subnormals, float32's limits)
-    run int4_kernels_cuda 90 "$PY" tests/int4_vectors.py
+    run int4_kernels_cuda 90 "$PY" tests/kernel_vectors.py
     run mfu 170 "$PY" benchmarks/mfu.py --batch 32 --variants "potluck.compile_scope=stage"
     run gpu_swarm_1 110 "$PY" benchmarks/gpu_swarm.py --peers 1 --preset llama-150m --inner-steps 50 --outer-steps 3
     run gpu_swarm_2 130 "$PY" benchmarks/gpu_swarm.py --peers 2 --preset llama-150m --inner-steps 50 --outer-steps 3 \
@@ -68,7 +68,7 @@ if [ "$GPU" = 1 ]; then
 else
     # no CUDA: each GPU benchmark says so in its line, and the CPU runs the same code at small sizes
     run gpu_codec 60 "$PY" benchmarks/gpu_codec.py
-    run int4_kernels_cuda 30 "$PY" tests/int4_vectors.py
+    run int4_kernels_cuda 30 "$PY" tests/kernel_vectors.py
     run mfu 60 "$PY" benchmarks/mfu.py
     run outer_step 120 "$PY" benchmarks/outer_step.py --device cuda
     run gpu_swarm 60 "$PY" benchmarks/gpu_swarm.py

@@ -26,7 +26,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("TRITON_INTERPRET is set to something other than 1", allow_module_level=True)
 
-from int4_vectors import bits_of, decodable, rand, special_vectors
+from kernel_vectors import bits_of, decodable, int4_special_vectors, rand
 
 from potluck.compression.aggregate import Reduction, reduce_mean
 from potluck.compression.int4 import Int4BlockCodec
@@ -55,7 +55,7 @@ def policy(value: str) -> Iterator[None]:
 def test_int4_quantize_is_the_codec_bit_for_bit(block: int) -> None:
     codec = Int4BlockCodec(block)
     sizes = (0, 1, 7, 129, 1001) + ((8199,) if block > 4096 else ())
-    for x in [rand(n, n) for n in sizes] + special_vectors():
+    for x in [rand(n, n) for n in sizes] + int4_special_vectors():
         with policy("off"):
             ref = codec.encode(x)
         packed, scales = quantize_blocks(x, block)
@@ -155,8 +155,8 @@ def test_dispatch_policy() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
 def test_cuda_encode_and_decode_are_the_cpu_codec() -> None:
     """On a GPU, compiled: this module's kernels run in the interpreter (``TRITON_INTERPRET`` is set before they are
-    decorated), so the check runs in a process of its own without it (:func:`int4_vectors.check_cuda`)."""
+    decorated), so the check runs in a process of its own without it (:func:`kernel_vectors.check_cuda`)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name("int4_vectors.py"))], env=env,
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("kernel_vectors.py"))], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -24,6 +24,8 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("TRITON_INTERPRET is set to something other than 1", allow_module_level=True)
 
+from kernel_vectors import bits_of, rand
+
 from potluck.compression.acsgd import AcsgdConfig, AcsgdSender
 from potluck.compression.actcodec import ActCodec
 from potluck.compression.aggregate import Reduction, reduce_mean
@@ -49,16 +51,6 @@ def policy(value: str) -> Iterator[None]:
             del os.environ[device.ENV]
         else:
             os.environ[device.ENV] = old
-
-
-def bits_of(t: torch.Tensor) -> bytes:
-    """Exact bytes of a tensor (so -0.0 != 0.0 and NaN payloads count)."""
-    return t.detach().contiguous().cpu().numpy().tobytes()
-
-
-def rand(n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, generator=g) * torch.logspace(-3, 2, n) if n else torch.zeros(0)
 
 
 # -- int8 blocks ------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Vectors the int4 kernels are checked on, and how their bits are compared: shared by the interpreter's tests
-(``tests/test_triton_int4.py``) and its GPU check, which runs compiled in a process of its own."""
+"""Vectors the Triton kernels are checked on, and how their bits are compared: shared by the interpreter's tests
+(``tests/test_triton_kernels.py``, ``tests/test_triton_int4.py``) and the int4 kernels' GPU check, which runs
+compiled in a process of its own (``python tests/kernel_vectors.py``: one JSON line)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from potluck.compression.int8 import Encoded
 
 
 def bits_of(t: torch.Tensor) -> bytes:
+    """Exact bytes of a tensor (so -0.0 != 0.0 and NaN payloads count)."""
     return t.detach().contiguous().cpu().numpy().tobytes()
 
 
@@ -18,7 +20,7 @@ def rand(n: int, seed: int) -> torch.Tensor:
     return torch.randn(n, generator=g) * torch.logspace(-3, 2, n) if n else torch.zeros(0)
 
 
-def special_vectors() -> list[torch.Tensor]:
+def int4_special_vectors() -> list[torch.Tensor]:
     x = rand(257, 1)
     big = x.clone()
     big[:5] = torch.tensor([3e38, -3.4e38, 1e-40, -1e-45, 2.5])  # near the float32 limits, subnormals
@@ -42,7 +44,7 @@ def check_cuda() -> int:
 
     assert os.environ.get("TRITON_INTERPRET", "0") != "1", "this check is of the compiled kernels"
     codec, checked = Int4BlockCodec(128), 0
-    for x in [rand(n, n) for n in (1, 129, 1 << 20)] + special_vectors():
+    for x in [rand(n, n) for n in (1, 129, 1 << 20)] + int4_special_vectors():
         os.environ[device.ENV] = "off"
         ref = codec.encode(x)
         os.environ[device.ENV] = "auto"
