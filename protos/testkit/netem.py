@@ -55,9 +55,10 @@ REGION_KEY = "x-potluck-region"
 NODE_KEY = "x-potluck-node"
 _QUANTUM_S = 0.005  # transmission time of one slice: the granularity at which concurrent calls interleave
 _MIN_SLICE = 4096
-# a stream's messages in flight (on the wire or in propagation, not yet taken by the reader): a window, as TCP's and
-# HTTP/2's are. 64 pieces of 64 KiB cover 330 ms of delay at 100 Mbps; a full window holds the sender back
-_READ_AHEAD = 64
+# a stream's bytes in flight (booked on the link, not yet taken by the reader): a window, as TCP's and HTTP/2's are
+# (theirs grow to the link's bandwidth x delay; 16 MiB is 1.3 s of delay at 100 Mbps). A full window holds the sender
+# back; a message bigger than the window goes alone. Bytes, not messages: many small ones cost no more than one big one
+_WINDOW_BYTES = 16 << 20
 
 
 class NetemTopologyError(ValueError):
@@ -372,20 +373,24 @@ def _in_flight(source: Iterator, book: Callable[[Any, float], float], delay_s: f
     A thread takes each message from ``source`` when it is ready (the moment ``next`` returns) and books its
     transmission at once (``book(message, ready)`` blocks while it is on the wire and returns its arrival), so the
     link sees a stream's messages in the order and at the times they were ready; what it yields, it yields at
-    arrival. At most ``_READ_AHEAD`` messages are in flight (transmitted, not yet arrived) per stream. An error
+    arrival. At most ``_WINDOW_BYTES`` are in flight per stream (booked, not yet taken by the reader). An error
     from ``source`` reaches the caller one ``delay_s`` after it was raised, as an error status crosses the network.
     """
-    box: queue.Queue = queue.Queue(maxsize=_READ_AHEAD)
+    box: queue.Queue = queue.Queue()  # (arrival, message or _END or an error, its bytes in the window)
     stop = threading.Event()
+    window = threading.Condition()
+    held = 0  # bytes in the window; guarded by ``window``
 
-    def put(item: Any) -> bool:
-        while not stop.is_set() and active():
-            try:
-                box.put(item, timeout=0.2)
-                return True
-            except queue.Full:
-                continue
-        return False
+    def reserve(nbytes: int) -> bool:
+        """Wait until ``nbytes`` more fit the window (or it is empty); False if the stream ended meanwhile."""
+        nonlocal held
+        with window:
+            while held and held + nbytes > _WINDOW_BYTES:
+                if stop.is_set() or not active():
+                    return False
+                window.wait(0.2)
+            held += nbytes
+            return True
 
     def run() -> None:
         try:
@@ -393,12 +398,14 @@ def _in_flight(source: Iterator, book: Callable[[Any, float], float], delay_s: f
                 try:
                     m = next(source)
                 except StopIteration:
-                    put((0.0, _END))
+                    box.put((0.0, _END, 0))
                     return
-                if not put((book(m, time.monotonic()), m)):
+                n = _size(m)
+                if not reserve(n):
                     return
+                box.put((book(m, time.monotonic()), m, n))
         except Exception as err:  # the call was cancelled or broke, or the handler failed: the reader sees it
-            put((time.monotonic() + delay_s, err))
+            box.put((time.monotonic() + delay_s, err, 0))
         finally:
             close = getattr(source, "close", None)
             if stop.is_set() and close is not None:
@@ -409,7 +416,7 @@ def _in_flight(source: Iterator, book: Callable[[Any, float], float], delay_s: f
     try:
         while True:
             try:
-                arrival, m = box.get(timeout=0.2)
+                arrival, m, n = box.get(timeout=0.2)
             except queue.Empty:
                 if worker.is_alive() or not box.empty():
                     continue
@@ -417,6 +424,9 @@ def _in_flight(source: Iterator, book: Callable[[Any, float], float], delay_s: f
             if m is _END:
                 return
             _sleep_until(arrival)
+            with window:
+                held -= n
+                window.notify_all()
             if isinstance(m, Exception):
                 raise m
             yield m
