@@ -11,8 +11,8 @@ with that transfer's timeout stretched by what the pace makes it take (:meth:`Pa
 copy was the burst left in a paced step's peak second (in a group of two, the whole result). The rate budgets the
 evidence auditors fetch from an owner too (:func:`round_bytes`). Measured (``benchmarks/wan_throughput.py``,
 docs/benchmarks.md): F = 4 at pace 0.85, a peer's peak second 0.315x F = 1's, at 0.70x its tokens/s; at 0.45,
-0.315-0.340x at 0.77-0.78x (a paced step still lands after the next phase ends now and then), so pacing is off by
-default.
+0.315-0.340x at 0.77-0.80x, where F = 4 unpaced ran 0.85-0.90x (a paced step still lands after the next phase ends
+now and then), so pacing is off by default.
 """
 
 from __future__ import annotations
